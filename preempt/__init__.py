@@ -1,0 +1,31 @@
+"""preempt: PyTorch training loops that survive preemption and resume bit for bit."""
+
+__version__ = "0.1.0"
+
+from .checkpoint import CheckpointManager
+from .errors import (
+    PREEMPTED_EXIT_CODE,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    NoCheckpointError,
+    Preempted,
+    PreemptError,
+    RunComplete,
+    UnsupportedStateError,
+)
+from .run import PreemptibleRun
+from .sampler import ResumableSampler
+
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "CheckpointManager",
+    "CorruptCheckpointError",
+    "IncompatibleStateError",
+    "NoCheckpointError",
+    "PreemptError",
+    "Preempted",
+    "PreemptibleRun",
+    "ResumableSampler",
+    "RunComplete",
+    "UnsupportedStateError",
+]

@@ -1,0 +1,81 @@
+"""Exceptions and the process exit codes of preempt.
+
+Every error preempt raises on purpose derives from :class:`PreemptError`, an
+ordinary ``Exception``, so ``except Exception`` sees it. Leaving a run because
+of a signal is different: it is not an error but the end of this process's
+share of the work, so it is a :class:`SystemExit` (:class:`Preempted`) whose
+code tells the caller what happened.
+
+Exit codes (documented in README_PREEMPTION.md too):
+
+* ``0``   the run completed, or a rerun found it already complete.
+* ``75``  :data:`PREEMPTED_EXIT_CODE`: a signal asked the run to stop; the
+  state was checkpointed (or nothing had changed since the last checkpoint)
+  and running the same command again continues exactly there. 75 is
+  ``EX_TEMPFAIL`` from ``sysexits.h``: "temporary failure, retry later".
+"""
+
+from __future__ import annotations
+
+PREEMPTED_EXIT_CODE = 75
+
+
+class PreemptError(Exception):
+    """Base class of the errors preempt raises."""
+
+
+class CheckpointError(PreemptError):
+    """A checkpoint on disk cannot be used."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's bytes differ from what its manifest promises.
+
+    Raised for a digest or size mismatch, a missing file, a manifest that does
+    not parse or fails its own checksum, and tensor files that are malformed.
+    """
+
+
+class NoCheckpointError(CheckpointError):
+    """No valid checkpoint matches the request."""
+
+
+class IncompatibleStateError(PreemptError):
+    """A valid checkpoint does not fit the objects it is loaded into.
+
+    Examples: model keys or shapes differ, the optimizer has another number
+    of parameter groups, the dataset length changed.
+    """
+
+
+class UnsupportedStateError(PreemptError):
+    """State that can be saved neither as a tensor nor as JSON.
+
+    preempt never pickles, so a checkpoint can be opened safely from an
+    untrusted source; the message names the key that holds the value.
+    """
+
+
+class Preempted(SystemExit):
+    """Raised at a step boundary after a stop signal; leaves the run.
+
+    The state is durable on disk when this is raised. The process exits with
+    :data:`PREEMPTED_EXIT_CODE` unless the run was configured otherwise.
+
+    Attributes:
+        signum: The signal that asked for the stop.
+        checkpoint: The directory of the checkpoint that holds the state.
+    """
+
+    def __init__(self, code: int, signum: int | None, checkpoint: str | None):
+        super().__init__(code)
+        self.signum = signum
+        self.checkpoint = checkpoint
+
+
+class RunComplete(SystemExit):
+    """Raised on entering a run whose save_dir is marked complete; exit code 0."""
+
+    def __init__(self, save_dir: str):
+        super().__init__(0)
+        self.save_dir = save_dir
