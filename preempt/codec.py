@@ -1,0 +1,132 @@
+"""Nested state (dicts, lists, tensors, numbers) to tensors plus JSON, and back.
+
+A ``state_dict()`` is a tree. Its tensors go to a safetensors file under
+dotted keys; the rest of the tree becomes JSON in which each tensor is a
+reference ``{"__tensor__": key}``. Types JSON lacks are tagged the same way:
+tuples, dicts whose keys are not strings (the optimizer's ``state`` is keyed
+by parameter index), and NumPy arrays. Nothing else is accepted: there is no
+pickle anywhere, so a value of another type is an error that names its key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedStateError
+
+TENSOR = "__tensor__"
+NDARRAY = "__ndarray__"
+TUPLE = "__tuple__"
+ITEMS = "__items__"  # a dict whose keys are not all plain strings
+_MARKERS = frozenset({TENSOR, NDARRAY, TUPLE, ITEMS})
+_SCALAR_KEYS = (str, int, float, bool, type(None))
+
+
+def encode(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Encodes ``tree``; tensors are added to ``tensors`` under keys starting with ``prefix``.
+
+    Raises:
+        UnsupportedStateError: A value is neither a tensor, an array nor JSON-able.
+    """
+    if isinstance(tree, torch.Tensor):
+        return {TENSOR: _put(tensors, prefix, tree)}
+    if isinstance(tree, np.ndarray):
+        try:
+            t = torch.from_numpy(np.ascontiguousarray(tree))
+        except TypeError:
+            raise UnsupportedStateError(f"{prefix}: NumPy dtype {tree.dtype} cannot be saved") from None
+        return {NDARRAY: _put(tensors, prefix, t)}
+    if isinstance(tree, np.generic):
+        return encode(tree.item(), prefix, tensors)
+    if tree is None or isinstance(tree, (bool, int, str)):
+        return tree
+    if isinstance(tree, float):
+        return tree
+    if isinstance(tree, Mapping):
+        plain = all(isinstance(k, str) for k in tree) and not (len(tree) == 1 and next(iter(tree)) in _MARKERS)
+        if plain:
+            return {k: encode(v, _join(prefix, k), tensors) for k, v in tree.items()}
+        items = []
+        for k, v in tree.items():
+            if not isinstance(k, _SCALAR_KEYS):
+                raise UnsupportedStateError(f"{prefix}: dict key {k!r} of type {type(k).__name__} cannot be saved")
+            items.append([k, encode(v, _join(prefix, str(k)), tensors)])
+        return {ITEMS: items}
+    if isinstance(tree, tuple):
+        return {TUPLE: [encode(v, _join(prefix, str(i)), tensors) for i, v in enumerate(tree)]}
+    if isinstance(tree, list):
+        return [encode(v, _join(prefix, str(i)), tensors) for i, v in enumerate(tree)]
+    raise UnsupportedStateError(
+        f"{prefix or 'state'}: a {type(tree).__module__}.{type(tree).__qualname__} can be saved neither as a tensor"
+        " nor as JSON (preempt never pickles); return tensors, numbers, strings, lists or dicts from state_dict()"
+    )
+
+
+def decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
+    """Inverse of :func:`encode`.
+
+    Raises:
+        ValueError: A reference names a tensor that is not there, or a tag is malformed.
+    """
+    if isinstance(tree, list):
+        return [decode(v, tensors, where) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if len(tree) == 1:
+        ((tag, value),) = tree.items()
+        if tag in (TENSOR, NDARRAY):
+            if not isinstance(value, str) or value not in tensors:
+                raise ValueError(f"{where}: reference to tensor {value!r}, which the tensor file does not hold")
+            t = tensors[value]
+            return t.numpy() if tag == NDARRAY else t
+        if tag == TUPLE:
+            if not isinstance(value, list):
+                raise ValueError(f"{where}: {TUPLE} must hold a list")
+            return tuple(decode(v, tensors, where) for v in value)
+        if tag == ITEMS:
+            if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+                raise ValueError(f"{where}: {ITEMS} must hold [key, value] pairs")
+            return {k: decode(v, tensors, where) for k, v in value}
+    return {k: decode(v, tensors, where) for k, v in tree.items()}
+
+
+def check_json(value: Any, where: str) -> None:
+    """Raises UnsupportedStateError unless ``value`` is plain JSON (str keys; finite or not floats)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_json(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise UnsupportedStateError(f"{where}: key {k!r} is not a string; JSON object keys must be")
+            check_json(v, f"{where}.{k}")
+        return
+    raise UnsupportedStateError(f"{where}: a {type(value).__name__} is not JSON (use numbers, strings, lists, dicts)")
+
+
+def is_number(x: Any) -> bool:
+    """A real number (bools excluded) that is not NaN."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _put(tensors: dict[str, torch.Tensor], key: str, t: torch.Tensor) -> str:
+    k, n = key, 1
+    while k in tensors:
+        k = f"{key}~{n}"
+        n += 1
+    tensors[k] = t
+    return k

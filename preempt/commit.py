@@ -1,0 +1,295 @@
+"""The atomic commit of a checkpoint directory, and hashed file I/O.
+
+This module is the only place that writes into ``save_dir``. It knows nothing
+of torch or of signals: it moves bytes, digests and directory entries.
+
+Layout of ``save_dir``::
+
+    step_000000120/               a committed checkpoint; manifest.json inside
+    .tmp-step_000000120-<tag>/    a checkpoint being written
+    .replaced-step_000000120-<tag>/  the previous checkpoint of the same step,
+                                  while a newer save of that step replaces it
+    .trash-<tag>/                 a pruned checkpoint being deleted
+    quarantine/                   corrupt or incomplete checkpoints, moved aside
+    superseded/                   checkpoints of an abandoned timeline, moved aside
+    complete.json                 the run finished
+
+The commit protocol, in this exact order (:func:`write_checkpoint`):
+
+1. ``mkdir save_dir/.tmp-step_N-<tag>``.
+2. Each data file: write, hash with xxh3-128 while writing, ``fdatasync``.
+3. ``manifest.json`` (sizes and digests of every data file, and a checksum of
+   itself): write, ``fsync``. The manifest is always the last file written.
+4. ``fsync`` the temporary directory, so the entries of its files are durable.
+5. If ``step_N`` already exists (a later save at the same global step, e.g. the
+   final save right after a periodic one), rename it to
+   ``.replaced-step_N-<tag>``.
+6. Rename the temporary directory to ``step_N``.
+7. ``fsync(save_dir)``. From here on the checkpoint is durable; only now may
+   anything older be deleted (pruning runs after this, off the loop's path).
+
+What a reader concludes from each leftover (:func:`recover`, run at start):
+
+* ``.tmp-*``: a write that never reached step 6; its content is not trusted.
+  Deleted.
+* ``.replaced-step_N-*`` and ``step_N`` present: the replacement committed.
+  The old copy is deleted.
+* ``.replaced-step_N-*`` and ``step_N`` absent: the process died between
+  steps 5 and 6. The old copy is renamed back to ``step_N``: it was valid.
+* ``.trash-*``: pruning was interrupted. Deleted.
+* ``step_N`` without ``manifest.json``, or whose files do not match the
+  manifest: not made by a completed commit (or damaged since). The manager
+  moves it to ``quarantine/`` when it meets it (never deletes it), so that a
+  later save of the same step does not collide with it.
+
+Rename within one filesystem is atomic on POSIX; a crash leaves either the old
+name or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+MANIFEST = "manifest.json"
+COMPLETE = "complete.json"
+QUARANTINE = "quarantine"
+SUPERSEDED = "superseded"
+_TMP = ".tmp-"
+_REPLACED = ".replaced-"
+_TRASH = ".trash-"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+_WRITE_CHUNK = 64 << 20  # bytes per write(2) call; also bounds a partial write
+_COALESCE = 4 << 20  # small pieces are gathered up to this size before writing
+
+
+def checkpoint_name(step: int) -> str:
+    """``120`` -> ``"step_000000120"`` (sorts by step up to 10**9 steps)."""
+    return f"step_{step:09d}"
+
+
+def parse_checkpoint_name(name: str) -> int | None:
+    """The step of a checkpoint directory name, or None for other names."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class FileDigest:
+    """Size in bytes and xxh3-128 hex digest of one file."""
+
+    size: int
+    xxh3_128: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "xxh3_128": self.xxh3_128}
+
+
+def _fdatasync(fd: int) -> None:
+    getattr(os, "fdatasync", os.fsync)(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Makes the entries of a directory (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str | os.PathLike[str], pieces: Iterable[Any]) -> FileDigest:
+    """Writes the pieces (bytes-like) to a new file, hashing them on the way, then fdatasyncs.
+
+    Small pieces are gathered into one buffer so that a state of thousands of
+    small tensors does not cost one system call each.
+    """
+    digest = xxhash.xxh3_128()
+    size = 0
+    pending = bytearray()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+
+        def put(view: memoryview) -> None:
+            while view:
+                n = os.write(fd, view[:_WRITE_CHUNK])
+                view = view[n:]
+
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            digest.update(view)
+            size += view.nbytes
+            if view.nbytes < _COALESCE:
+                pending += view
+                if len(pending) >= _COALESCE:
+                    put(memoryview(pending))
+                    pending.clear()
+                continue
+            if pending:
+                put(memoryview(pending))
+                pending.clear()
+            put(view)
+        if pending:
+            put(memoryview(pending))
+        _fdatasync(fd)
+    finally:
+        os.close(fd)
+    return FileDigest(size, digest.hexdigest())
+
+
+def read_file(path: str | os.PathLike[str], expected_size: int | None = None) -> tuple[np.ndarray, FileDigest]:
+    """Reads a whole file into a fresh uint8 array and hashes it.
+
+    Args:
+        path: The file.
+        expected_size: When given, a file of another size is not read at all.
+
+    Raises:
+        OSError: The file cannot be read.
+        ValueError: The size is not the expected one (the message says both).
+    """
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if expected_size is not None and size != expected_size:
+            raise ValueError(f"size {size} bytes, manifest says {expected_size}")
+        buf = np.empty(size, dtype=np.uint8)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got : got + _WRITE_CHUNK])
+            if not n:
+                raise ValueError(f"file ended after {got} of {size} bytes")
+            got += n
+    return buf, FileDigest(size, xxhash.xxh3_128_hexdigest(buf))
+
+
+def hash_file(path: str | os.PathLike[str]) -> FileDigest:
+    """Size and digest of a file, streamed (constant memory)."""
+    digest = xxhash.xxh3_128()
+    size = 0
+    buf = bytearray(_WRITE_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+            size += n
+    return FileDigest(size, digest.hexdigest())
+
+
+def dumps_json(obj: Any) -> bytes:
+    """Canonical JSON: sorted keys, no spaces, NaN and infinities allowed."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+def _tag() -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:40]
+    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def new_tmp_dir(save_dir: Path, name: str) -> Path:
+    """Step 1 of the protocol: a fresh hidden directory inside ``save_dir``."""
+    tmp = save_dir / f"{_TMP}{name}-{_tag()}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit_dir(save_dir: Path, tmp: Path, name: str) -> tuple[Path, Path | None]:
+    """Steps 4-7: makes ``tmp`` the durable checkpoint ``name``.
+
+    Returns:
+        The final path, and the path of the replaced checkpoint of the same
+        name (to be deleted by the caller, off the critical path) or None.
+    """
+    fsync_dir(tmp)
+    final = save_dir / name
+    replaced = None
+    if final.exists():
+        replaced = save_dir / f"{_REPLACED}{name}-{_tag()}"
+        os.rename(final, replaced)
+    os.rename(tmp, final)
+    fsync_dir(save_dir)
+    return final, replaced
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replaces one small file atomically: tmp file, fsync, rename, fsync(dir)."""
+    tmp = path.with_name(f"{_TMP}{path.name}-{_tag()}")
+    write_file(tmp, [data])
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+
+
+def trash(save_dir: Path, path: Path) -> Path:
+    """Renames a directory to a ``.trash-`` name (invisible to discovery) for later deletion."""
+    target = save_dir / f"{_TRASH}{path.name}-{_tag()}"
+    os.rename(path, target)
+    return target
+
+
+def move_aside(save_dir: Path, path: Path, where: str) -> Path:
+    """Moves a checkpoint directory into ``save_dir/<where>/`` without deleting anything."""
+    dest_dir = save_dir / where
+    dest_dir.mkdir(exist_ok=True)
+    dest = dest_dir / path.name
+    n = 1
+    while dest.exists():
+        dest = dest_dir / f"{path.name}.{n}"
+        n += 1
+    os.rename(path, dest)
+    fsync_dir(save_dir)
+    return dest
+
+
+def remove_tree(path: Path) -> None:
+    """Deletes a directory tree; a file or an already-missing path is fine too."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=False)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass
+class Recovery:
+    """What :func:`recover` found: restored names and paths left to delete."""
+
+    restored: list[str] = dataclasses.field(default_factory=list)
+    to_delete: list[Path] = dataclasses.field(default_factory=list)
+
+
+def recover(save_dir: Path) -> Recovery:
+    """Interprets the leftovers of interrupted writes (see the module docstring).
+
+    Renames happen here; the deletions are returned so that the caller can do
+    them in the background (deleting a large tree is slow).
+    """
+    out = Recovery()
+    if not save_dir.is_dir():
+        return out
+    entries = sorted(os.listdir(save_dir))
+    for entry in entries:
+        if not entry.startswith(_REPLACED):
+            continue
+        name = entry[len(_REPLACED) :].split("-", 1)[0]
+        if parse_checkpoint_name(name) is not None and not (save_dir / name).exists():
+            os.rename(save_dir / entry, save_dir / name)
+            out.restored.append(name)
+        else:
+            out.to_delete.append(save_dir / entry)
+    if out.restored:
+        fsync_dir(save_dir)
+    for entry in entries:
+        if entry.startswith((_TMP, _TRASH)):
+            out.to_delete.append(save_dir / entry)
+    return out

@@ -1,0 +1,222 @@
+"""The manifest: the last file of every checkpoint, and its only index.
+
+``manifest.json`` holds the format version, where the run stood (global step,
+epoch, batch and sample cursor, the sampler's state), why the checkpoint was
+written, the size and xxh3-128 digest of every other file, and provenance
+(library versions, the code's git commit, the SLURM job). It carries a
+checksum of itself, so a flipped byte in the manifest is detected like one in
+a tensor file.
+
+Parsing is strict: a manifest from an untrusted source cannot name files
+outside its directory, claim absurd sizes, or smuggle in anything but JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+import xxhash
+
+from .commit import MANIFEST, FileDigest, dumps_json
+
+FORMAT = "preempt-checkpoint"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_FILE_BYTES = 1 << 50  # 1 PiB: larger claims are corruption, not data
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_HEX32_RE = re.compile(r"^[0-9a-f]{32}$")
+POINTS = ("step", "epoch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """Where the loop stood when the checkpoint was taken.
+
+    Attributes:
+        epoch: The epoch the loop is in.
+        batch: Batches of that epoch consumed by completed steps.
+        sample: Samples of that epoch consumed (counted across all ranks),
+            or -1 when the loader's batch size is unknown.
+        point: ``"step"``: taken in ``run.step()``, inside the batch loop;
+            ``"epoch"``: taken at an epoch boundary, before the epoch's first batch.
+        batches_per_epoch: len(loader) when known, else -1.
+    """
+
+    epoch: int = 0
+    batch: int = 0
+    sample: int = 0
+    point: str = "epoch"
+    batches_per_epoch: int = -1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The parsed content of ``manifest.json``."""
+
+    step: int
+    cursor: Cursor
+    reason: str
+    created: float  # unix seconds
+    files: dict[str, FileDigest]
+    sampler: dict[str, Any] | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    best: dict[str, Any] | None = None  # the run's best so far: metric, mode, value, step
+    is_best: bool = False  # this checkpoint holds the state that set ``best``
+    lineage: dict[str, Any] = dataclasses.field(default_factory=dict)
+    provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def best_value(self) -> float | None:
+        """The metric value when this checkpoint is a "best" one, else None."""
+        if self.is_best and self.best is not None:
+            return float(self.best["value"])
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        body = {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "step": self.step,
+            "cursor": dataclasses.asdict(self.cursor),
+            "reason": self.reason,
+            "created": self.created,
+            "files": {name: d.to_json() for name, d in sorted(self.files.items())},
+            "sampler": self.sampler,
+            "metrics": self.metrics,
+            "best": self.best,
+            "is_best": self.is_best,
+            "lineage": self.lineage,
+            "provenance": self.provenance,
+        }
+        body["checksum"] = xxhash.xxh3_128_hexdigest(dumps_json(body))
+        return body
+
+    def to_json(self) -> bytes:
+        """Pretty JSON for people, with a checksum over the canonical form."""
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True, allow_nan=True).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Parses and validates a manifest.
+
+        Args:
+            data: The bytes of ``manifest.json``.
+            where: The manifest's path, for messages.
+
+        Raises:
+            ValueError: Anything off, with a message naming ``where``, what
+                was expected and what was found.
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{where}: {len(data)} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"{where}: expected format {FORMAT!r}, found {raw.get('format')!r}")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            newer = isinstance(version, int) and version > FORMAT_VERSION
+            hint = " (written by a newer preempt; upgrade to read it)" if newer else ""
+            raise ValueError(f"{where}: format_version {version!r} is not supported, expected {FORMAT_VERSION}{hint}")
+        checksum = raw.pop("checksum", None)
+        actual = xxhash.xxh3_128_hexdigest(dumps_json(raw))
+        if checksum != actual:
+            raise ValueError(f"{where}: manifest checksum mismatch (recorded {checksum}, computed {actual})")
+        r = _Reader(raw, where)
+        files = {}
+        for name, entry in r.dict("files").items():
+            if not isinstance(name, str) or not _FILE_NAME_RE.match(name) or name == MANIFEST or ".." in name:
+                raise ValueError(f"{where}: file name {name!r} is not a plain file name inside the checkpoint")
+            e = _Reader(entry, f"{where}: files[{name!r}]")
+            size = e.int("size", hi=MAX_FILE_BYTES)
+            digest = e.str("xxh3_128")
+            if not _HEX32_RE.match(digest):
+                raise ValueError(f"{where}: files[{name!r}].xxh3_128: expected 32 hex digits, found {digest!r}")
+            files[name] = FileDigest(size, digest)
+        c = _Reader(r.dict("cursor"), f"{where}: cursor")
+        point = c.str("point")
+        if point not in POINTS:
+            raise ValueError(f"{where}: cursor.point: expected one of {POINTS}, found {point!r}")
+        cursor = Cursor(
+            epoch=c.int("epoch"),
+            batch=c.int("batch"),
+            sample=c.int("sample", lo=-1),
+            point=point,
+            batches_per_epoch=c.int("batches_per_epoch", lo=-1),
+        )
+        best = r.optional_dict("best")
+        if best is not None:
+            b = _Reader(best, f"{where}: best")
+            b.str("metric")
+            b.float("value")
+        created = r.float("created")
+        return cls(
+            step=r.int("step"),
+            cursor=cursor,
+            reason=r.str("reason"),
+            created=created,
+            files=files,
+            sampler=r.optional_dict("sampler"),
+            metrics=r.dict("metrics"),
+            best=best,
+            is_best=r.bool("is_best"),
+            lineage=r.dict("lineage"),
+            provenance=r.dict("provenance"),
+            format_version=version,
+        )
+
+
+class _Reader:
+    """Typed field access with messages that name the field."""
+
+    def __init__(self, raw: Any, where: str):
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+        self.raw = raw
+        self.where = where
+
+    def _get(self, key: str) -> Any:
+        if key not in self.raw:
+            raise ValueError(f"{self.where}: missing field {key!r}")
+        return self.raw[key]
+
+    def int(self, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
+        v = self._get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ValueError(f"{self.where}: field {key!r}: expected an integer in [{lo}, {hi}], found {v!r}")
+        return v
+
+    def float(self, key: str) -> float:
+        v = self._get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ValueError(f"{self.where}: field {key!r}: expected a number, found {v!r}")
+        return float(v)
+
+    def str(self, key: str) -> str:
+        v = self._get(key)
+        if not isinstance(v, str):
+            raise ValueError(f"{self.where}: field {key!r}: expected a string, found {v!r}")
+        return v
+
+    def bool(self, key: str) -> bool:
+        v = self._get(key)
+        if not isinstance(v, bool):
+            raise ValueError(f"{self.where}: field {key!r}: expected true or false, found {v!r}")
+        return v
+
+    def dict(self, key: str) -> dict[str, Any]:
+        v = self._get(key)
+        if not isinstance(v, dict):
+            raise ValueError(f"{self.where}: field {key!r}: expected an object, found {type(v).__name__}")
+        return v
+
+    def optional_dict(self, key: str) -> dict[str, Any] | None:
+        return None if self._get(key) is None else self.dict(key)

@@ -1,0 +1,183 @@
+"""Tensors to and from the safetensors format, without pickle.
+
+The writer streams each tensor's bytes straight from its memory (no
+serialisation into one big buffer first) so that a save runs at the speed of
+the disk; :func:`preempt.commit.write_file` hashes them on the way. The files
+are standard safetensors: ``safetensors.torch.load_file`` reads them.
+
+The reader parses a file that has already been read into memory and verified,
+checks every header entry (dtype, shape, offsets inside the buffer, no
+overlaps or holes), and returns tensors that are views into that buffer: no
+copy, and nothing in the file can execute code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+MAX_HEADER_BYTES = 100 << 20
+
+_BY_NAME: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
+}
+for _name, _attr in (
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+):
+    if hasattr(torch, _attr):
+        _BY_NAME[_name] = getattr(torch, _attr)
+_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The safetensors name of a torch dtype, or None when the format has none."""
+    return _BY_DTYPE.get(dtype)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a dense tensor in row-major order (a view when possible)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def check_tensor(key: str, t: torch.Tensor) -> None:
+    """Raises TypeError naming ``key`` for a tensor the format cannot hold."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{key}: {t.layout} tensors are not supported; convert with .to_dense()")
+    if t.is_quantized:
+        raise TypeError(f"{key}: quantized tensors are not supported")
+    if t.device.type == "meta":
+        raise TypeError(f"{key}: a meta tensor has no data to save")
+    if t.dtype not in _BY_DTYPE:
+        raise TypeError(f"{key}: dtype {t.dtype} has no safetensors equivalent")
+
+
+def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> Iterator[Any]:
+    """Yields the header, then each tensor's bytes: a complete safetensors file.
+
+    Tensors are laid out by descending element size, then by name (what the
+    safetensors library does), so every tensor starts at an offset aligned to
+    its element size once the header is padded to a multiple of 8.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("preempt writes little-endian safetensors files; big-endian hosts are not supported")
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for key in order:
+        t = tensors[key]
+        check_tensor(key, t)
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _BY_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    yield len(head).to_bytes(8, "little") + head
+    for key in order:
+        yield tensor_bytes(tensors[key])
+
+
+def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors (views into ``buf``) and metadata of a safetensors file held in memory.
+
+    Args:
+        buf: The whole file as a uint8 array.
+        where: The file's path, for messages.
+
+    Raises:
+        ValueError: The bytes are not a well-formed safetensors file.
+    """
+    n = int(buf.size)
+    if n < 8:
+        raise ValueError(f"{where}: {n} bytes; a safetensors file has at least an 8-byte header length")
+    hlen = int.from_bytes(buf[:8].tobytes(), "little")
+    if hlen > min(n - 8, MAX_HEADER_BYTES):
+        raise ValueError(f"{where}: header length {hlen} exceeds the file ({n} bytes) or {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(buf[8 : 8 + hlen].tobytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{where}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(f"{where}: __metadata__ must map strings to strings")
+    data = buf[8 + hlen :]
+    spans = []
+    for key, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"{where}: entry {key!r} must have exactly dtype, shape and data_offsets")
+        dtype = _BY_NAME.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise ValueError(f"{where}: entry {key!r}: unknown dtype {entry['dtype']!r}")
+        shape = entry["shape"]
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ValueError(f"{where}: entry {key!r}: shape must be a list of non-negative integers, found {shape!r}")
+        offs = entry["data_offsets"]
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not 0 <= offs[0] <= offs[1] <= data.size
+        ):
+            raise ValueError(f"{where}: entry {key!r}: data_offsets {offs!r} outside the {data.size}-byte data area")
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if numel * itemsize != offs[1] - offs[0]:
+            raise ValueError(
+                f"{where}: entry {key!r}: shape {shape} of {entry['dtype']} needs {numel * itemsize} bytes,"
+                f" data_offsets span {offs[1] - offs[0]}"
+            )
+        spans.append((offs[0], offs[1], key, dtype, shape))
+    spans.sort()
+    pos = 0
+    for begin, end, key, _, _ in spans:
+        if begin != pos:
+            what = "overlaps the previous entry" if begin < pos else f"leaves a hole at byte {pos}"
+            raise ValueError(f"{where}: entry {key!r} {what}")
+        pos = end
+    if pos != data.size:
+        raise ValueError(f"{where}: {data.size - pos} bytes after the last tensor")
+    out: dict[str, torch.Tensor] = {}
+    for begin, end, key, dtype, shape in spans:
+        if begin == end:
+            out[key] = torch.empty(shape, dtype=dtype)
+            continue
+        chunk = data[begin:end]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if chunk.ctypes.data % itemsize:
+            chunk = chunk.copy()  # a file from elsewhere with unaligned tensors
+        out[key] = torch.from_numpy(chunk).view(dtype).reshape(shape)
+    return out, {str(k): v for k, v in metadata.items()}
