@@ -1,0 +1,753 @@
+"""PreemptibleRun: the context manager around a training loop.
+
+::
+
+    with PreemptibleRun("runs/exp1", model=model, optimizer=opt) as run:
+        sampler = run.sampler(train_set, shuffle=True, seed=0)
+        loader = DataLoader(train_set, batch_size=64, sampler=sampler)
+        for epoch in run.epochs(10):
+            for batch in run.batches(loader):
+                train_step(batch)          # forward, backward, optimizer.step(), scheduler.step()
+                run.step()                 # the safe point: the last statement of the iteration
+
+**Safe points.** A checkpoint is only ever taken where the state is whole:
+
+* in ``run.step()``, which must come after ``optimizer.step()`` (and any
+  per-step scheduler step), as the last statement of the loop body. With
+  gradient accumulation, call it only after the optimizer step: micro-batches
+  in between are never a checkpoint. A resumed run continues with the batch
+  after the one whose ``run.step()`` saved;
+* at an epoch boundary inside ``run.epochs()``, after the epoch body's own
+  end-of-epoch code, when every batch handed out was followed by ``run.step()``.
+
+**Exact resume.** The batch order comes from the sampler, a pure function of
+(seed, epoch). Creating a DataLoader iterator draws from the global torch RNG
+(that draw seeds the workers), so the run snapshots every global RNG just
+before it creates the epoch's iterator. A checkpoint inside the batch loop
+stores that snapshot and the current RNG state; on resume the run restores
+the snapshot, creates the iterator (the same worker seeds are drawn), starts
+the sampler at the saved sample, and then restores the current state, so the
+loop's own draws (dropout, noise) continue exactly.
+
+**Signals.** SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (configurable) are caught
+only between ``__enter__`` and ``__exit__``; before and after, the process's
+previous handlers apply. A caught signal is recorded; the next safe point
+saves (when anything changed since the last save) and raises
+:class:`~preempt.errors.Preempted`, a ``SystemExit`` with code 75.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _log, codec, rng, state
+from .checkpoint import CheckpointInfo, CheckpointManager
+from .commit import MANIFEST
+from .dataloading import find_sampler, length, shield_workers
+from .environment import Environment, provenance
+from .errors import (
+    PREEMPTED_EXIT_CODE,
+    IncompatibleStateError,
+    NoCheckpointError,
+    Preempted,
+    PreemptError,
+    RunComplete,
+)
+from .manifest import Cursor, Manifest
+from .policy import Decision, Reason, SaveFacts, SavePolicy, decide, next_due
+from .sampler import ResumableSampler
+from .signals import DEFAULT_SIGNALS, StopFlag, signal_name
+
+log = _log.log
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    """What a loaded checkpoint asks the loop to restore at its program point."""
+
+    info: CheckpointInfo
+    cursor: Cursor
+    rng_now: rng.RngState
+    rng_epoch_start: rng.RngState | None
+    sampler: dict[str, Any] | None
+
+
+class PreemptibleRun:
+    """Makes a training loop stop cleanly on a signal and resume exactly.
+
+    Args:
+        save_dir: Directory of this run's checkpoints (created if missing).
+        model: The model (DDP and ``torch.compile`` wrappers are seen through).
+        optimizer: Its optimizer.
+        scheduler: An LR scheduler (anything with state_dict/load_state_dict).
+        scaler: A ``torch.amp.GradScaler``.
+        checkpoint_interval: Seconds between periodic checkpoints; None disables.
+        checkpoint_every_steps: Also save at every multiple of this global step.
+        checkpoints_per_epoch: Also save N times per epoch, evenly spaced.
+        keep_last: Keep the newest N valid checkpoints (None keeps all).
+        keep_best: Also keep the N best by ``best_metric``.
+        keep_every_steps: Save at every multiple of this step and keep those forever.
+        best_metric: Metric name (from ``run.step(metrics=...)``/``run.report``) ranking "best".
+        best_mode: ``"min"`` or ``"max"``.
+        auto_resume: Restore the newest valid checkpoint on entering (default).
+            False starts fresh and moves existing checkpoints to ``superseded/``.
+        resume: Where to start when this run's own checkpoints do not say:
+            ``"latest"`` (default), ``"best"``, a step number, a path to another
+            save_dir or checkpoint directory, or None (start fresh). A request
+            other than "latest" is applied once: the checkpoints written after
+            it record it, and a rerun (a requeue) continues from those.
+        weights_only: Load only the model's weights from that checkpoint;
+            optimizer, scheduler, scaler and counters start fresh (fine-tuning).
+        track: Further objects with state_dict()/load_state_dict(), by name.
+        signals: The signals that ask for a stop.
+        exit_code: The code of the SystemExit raised on a stop (default 75).
+        exit_if_complete: On entering a completed run, raise RunComplete (exit 0).
+            False continues training past the completed state instead.
+        clock: Monotonic clock (for tests).
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: state.Stateful | None = None,
+        scaler: state.Stateful | None = None,
+        checkpoint_interval: float | None = 300.0,
+        checkpoint_every_steps: int | None = None,
+        checkpoints_per_epoch: int | None = None,
+        keep_last: int | None = 2,
+        keep_best: int = 0,
+        keep_every_steps: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        auto_resume: bool = True,
+        resume: str | int | os.PathLike[str] | None = "latest",
+        weights_only: bool = False,
+        track: Mapping[str, state.Stateful] | None = None,
+        signals: Iterable[int] = DEFAULT_SIGNALS,
+        exit_code: int = PREEMPTED_EXIT_CODE,
+        exit_if_complete: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
+            raise ValueError(f"save_dir: expected a directory path, got {save_dir!r}")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
+            _check_stateful(name, obj)
+        if not isinstance(exit_code, int) or not 0 <= exit_code <= 255:
+            raise ValueError(f"exit_code: expected an integer in [0, 255], got {exit_code!r}")
+        if isinstance(resume, bool) or not (
+            resume is None or resume in ("latest", "best") or isinstance(resume, (int, str, os.PathLike))
+        ):
+            raise ValueError(f"resume: expected 'latest', 'best', a step, a path or None, got {resume!r}")
+        if isinstance(resume, int) and resume < 0:
+            raise ValueError(f"resume: a step number must be >= 0, got {resume}")
+        self.save_dir = Path(save_dir)
+        self.policy = SavePolicy(
+            interval_s=checkpoint_interval,
+            every_steps=checkpoint_every_steps,
+            per_epoch=checkpoints_per_epoch,
+            milestone_steps=keep_every_steps,
+        )
+        self.manager = CheckpointManager(
+            save_dir,
+            keep_last=keep_last,
+            keep_best=keep_best,
+            keep_every_steps=keep_every_steps,
+            best_metric=best_metric,
+            best_mode=best_mode,
+        )
+        self.components = state.Components(model, optimizer, scheduler, scaler)
+        for name, obj in (track or {}).items():
+            self._add_tracked(name, obj)
+        self.auto_resume = bool(auto_resume)
+        self.resume = resume
+        self.weights_only = bool(weights_only)
+        self.exit_code = exit_code
+        self.exit_if_complete = bool(exit_if_complete)
+        self._flag = StopFlag(signals, clock)
+        self._clock = clock
+        self.env = Environment.from_env()
+
+        # Progress. Read these; the run updates them.
+        self.global_step = 0
+        self.epoch = 0
+        self.batch = 0
+        self.user_state: dict[str, Any] = {}
+        self.metrics: dict[str, float] = {}
+        self.resumed_from: Path | None = None
+        self.last_checkpoint: Path | None = None
+
+        self._active = False
+        self._dirty = False
+        self._batches_since_step = 0
+        self._batches_epoch = -1  # the epoch whose batches() has started
+        self._batches_per_epoch: int | None = None
+        self._samples_per_batch: int | None = None  # global samples per batch, when known
+        self._sampler: ResumableSampler | None = None
+        self._samplers: list[ResumableSampler] = []
+        self._epoch_rng: rng.RngState | None = None
+        self._resume: _Resume | None = None
+        self._best: dict[str, Any] | None = None
+        self._best_pending = False
+        self._lineage: dict[str, Any] = {}
+        self._provenance: dict[str, Any] = {}
+        self._saved_tracked: Mapping[str, Any] = {}
+        self._last_info: CheckpointInfo | None = None
+        self._last_save_time = 0.0
+        self._last_save_step = 0
+        self._last_save_epoch = 0
+        self._last_save_batch = 0
+        self._due_step: float = math.inf
+        self._due_batch: float = math.inf
+        self._due_time: float = math.inf
+
+    # ---------------------------------------------------------------- enter
+
+    def __enter__(self) -> PreemptibleRun:
+        if self._active:
+            raise PreemptError("this PreemptibleRun is already active; a run is entered once")
+        _log.setup(self.env.log_level)
+        if not self._flag.install():
+            log.warning(
+                "PreemptibleRun entered outside the main thread: stop signals cannot be caught here"
+                " (CPython installs handlers only from the main thread)"
+            )
+        try:
+            self.manager.prepare()
+            done = self.manager.completion()
+            if done is not None and self.exit_if_complete:
+                log.info(
+                    "%s is complete (step %s, epoch %s); nothing to do. Pass exit_if_complete=False to train further.",
+                    self.save_dir,
+                    done.get("step"),
+                    done.get("epoch"),
+                )
+                raise RunComplete(str(self.save_dir))
+            self._provenance = provenance(self.env)
+            state.capture(self.components, self._run_state())  # unsupported state fails now, not hours later
+            self._start()
+            if done is not None:
+                self.manager.clear_complete()
+        except BaseException:
+            self._flag.restore()
+            raise
+        self._active = True
+        self._last_save_time = self._clock()
+        self._recompute_due()
+        return self
+
+    def _start(self) -> None:
+        """Chooses the starting state: own latest, a requested checkpoint, or fresh."""
+        if not self.auto_resume or self.resume is None:
+            self._start_fresh({"request": None}, supersede=True)
+            return
+        request = self._request()
+        latest = next((c for c in self.manager.list() if c.status == "valid"), None)
+        if request is None or (latest is not None and latest.manifest.lineage.get("request") == request):
+            # Plain "latest", or the requested timeline already exists: continue it.
+            try:
+                info, loaded = self.manager.load("latest")
+            except NoCheckpointError as e:
+                if "corrupt" in str(e):
+                    log.warning("%s; starting fresh (the broken checkpoints are in %s/quarantine)", e, self.save_dir)
+                if request is None:
+                    self._start_fresh({"request": None}, supersede=False)
+                    return
+                info = None
+            if info is not None and (request is None or info.manifest.lineage.get("request") == request):
+                self._restore(info, loaded)
+                return
+        self._branch(request)
+
+    def _branch(self, request: dict[str, Any]) -> None:
+        """Applies a resume request once: loads its checkpoint and starts a new timeline from it."""
+        source_dir, selector = self._request_source()
+        own = source_dir == self.save_dir.resolve()
+        if own and not any(c.status == "valid" for c in self.manager.list()):
+            log.info("%s has no checkpoint yet; starting fresh", self.save_dir)
+            self._start_fresh({"request": request}, supersede=False)
+            return
+        source = self.manager if own else CheckpointManager(source_dir, owner=False)
+        info, loaded = source.load(selector, weights_only=self.weights_only)
+        if self.weights_only:
+            if self.components.model is not None:
+                state.load_model(self.components.model, loaded)
+            self.resumed_from = info.path
+            log.info(
+                "loaded the weights of %s (step %d); optimizer, scheduler and counters start fresh",
+                info.path,
+                info.step,
+            )
+        else:
+            self._restore(info, loaded)
+        # Checkpoints that would shadow the new timeline are moved aside, not deleted.
+        shadowing = [
+            c
+            for c in self.manager.list()
+            if c.status == "valid" and (self.weights_only or not own or c.step > info.step)
+        ]
+        moved = self.manager.supersede(shadowing)
+        if moved:
+            log.warning("moved %d checkpoint(s) of the previous timeline to %s/superseded", len(moved), self.save_dir)
+        self._lineage = {"request": request, "source": str(info.path), "started": time.time()}
+        # The new timeline gets its first checkpoint at once, so that a rerun continues it.
+        self._dirty = True
+        self._save(Reason.BRANCH, "epoch" if self._resume is None else self._resume.cursor.point)
+
+    def _request(self) -> dict[str, Any] | None:
+        """The resume request as recorded in lineage; None for plain "latest"."""
+        if self.resume == "latest" and not self.weights_only:
+            return None
+        target: Any = self.resume
+        if isinstance(target, (str, os.PathLike)) and target not in ("latest", "best"):
+            target = str(Path(target).resolve())
+        return {"resume": target, "weights_only": self.weights_only}
+
+    def _request_source(self) -> tuple[Path, Any]:
+        """The save_dir to load from and the selector within it."""
+        r = self.resume
+        if r in ("latest", "best") or isinstance(r, int):
+            return self.save_dir.resolve(), r
+        path = Path(r).resolve()  # type: ignore[arg-type]
+        if (path / MANIFEST).is_file():
+            from .commit import parse_checkpoint_name
+
+            step = parse_checkpoint_name(path.name)
+            if step is None:
+                raise NoCheckpointError(f"resume={r!r}: {path} holds a manifest but is not named step_<N>")
+            return path.parent, step
+        if not path.is_dir():
+            raise NoCheckpointError(f"resume={r!r}: {path} is neither a save_dir nor a checkpoint directory")
+        return path, "latest"
+
+    def _start_fresh(self, lineage: dict[str, Any], *, supersede: bool) -> None:
+        existing = [c for c in self.manager.list() if c.status == "valid"]
+        if existing and supersede:
+            moved = self.manager.supersede(existing)
+            log.warning(
+                "starting fresh (auto_resume=False or resume=None): moved %d existing checkpoint(s) to %s/superseded",
+                len(moved),
+                self.save_dir,
+            )
+        self._lineage = {**lineage, "started": time.time()}
+
+    def _restore(self, info: CheckpointInfo, loaded: state.Loaded) -> None:
+        """Puts a verified checkpoint's state into the components and the run."""
+        m = info.manifest
+        assert m is not None
+        tree = loaded.tree
+        where = f"{info.path}/{state.STATE_JSON}"
+        try:
+            rngs = tree["rng"]
+            rng_now = rng.from_tree(rngs["now"], where)
+            rng_epoch = rng.from_tree(rngs["epoch_start"], where) if rngs.get("epoch_start") else None
+        except (KeyError, TypeError) as e:
+            raise IncompatibleStateError(f"{where}: no RNG state ({e}); was it written by PreemptibleRun?") from None
+        state.apply(self.components, loaded)
+        self._saved_tracked = tree.get("tracked", {})
+        self.user_state = dict(tree.get("user") or {})
+        rng.restore(rng_now)
+        c = m.cursor
+        self.global_step = m.step
+        self.epoch = c.epoch
+        self.batch = c.batch
+        self.metrics = dict(m.metrics)
+        self._best = m.best
+        self._lineage = dict(m.lineage)
+        self._resume = _Resume(info, c, rng_now, rng_epoch, m.sampler)
+        self._mark_saved(info)
+        self.resumed_from = info.path
+        age = _log.duration(max(0.0, time.time() - m.created))
+        of = f"/{c.batches_per_epoch}" if c.batches_per_epoch >= 0 else ""
+        log.info(
+            "resumed from %s: step %d, epoch %d, batch %d%s, saved %s ago",
+            info.path,
+            m.step,
+            c.epoch,
+            c.batch,
+            of,
+            age,
+        )
+
+    # ----------------------------------------------------------------- exit
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        try:
+            if exc_type is None and self._active:
+                self._finish()
+        finally:
+            self._active = False
+            self._flag.restore()
+            # After a stop the process must exit within its grace period;
+            # unfinished deletions are redone at the next start.
+            self.manager.wait(timeout=None if exc_type is None else 0.0)
+        return False
+
+    def _finish(self) -> None:
+        """Final checkpoint (when anything changed) and the completion marker."""
+        if self._dirty or self._last_info is None:
+            self._save(Reason.FINAL, "epoch")
+        assert self._last_info is not None
+        self.manager.mark_complete(self._last_info)
+        log.info(
+            "run complete: step %d, epoch %d; final checkpoint %s", self.global_step, self.epoch, self._last_info.path
+        )
+
+    # ---------------------------------------------------------------- loop
+
+    def epochs(self, n: int) -> Iterator[int]:
+        """Yields epoch numbers from the resumed epoch up to ``n - 1``.
+
+        Each boundary (before every epoch, and after the last) is a safe point.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"epochs: expected an integer >= 0, got {n!r}")
+        self._check_active("epochs")
+        while True:
+            r = self._resume
+            if r is not None and r.cursor.point == "epoch" and r.cursor.epoch == self.epoch:
+                rng.restore(r.rng_now)  # the program point where that checkpoint was taken
+                self._resume = None
+            if self.batch == 0 and self._batches_since_step == 0:
+                self._safe_point("epoch")
+            elif self._flag.requested and not self._dirty:
+                self._stop()
+            if self.epoch >= n:
+                return
+            for s in self._samplers:
+                s.set_epoch(self.epoch)
+            self._recompute_due()
+            yield self.epoch
+            if self._batches_since_step:
+                log.debug(
+                    "epoch %d ended with %d batch(es) not followed by run.step()", self.epoch, self._batches_since_step
+                )
+            self.epoch += 1
+            self.batch = 0
+            self._dirty = True
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Yields the loader's batches for the current epoch, from the resumed batch on.
+
+        Call once per epoch. The cursor counts batches the loop received, not
+        those the workers prefetched.
+        """
+        self._check_active("batches")
+        if self._batches_epoch == self.epoch:
+            raise PreemptError(
+                f"run.batches() was already used in epoch {self.epoch}; iterate epochs with run.epochs(n)"
+            )
+        self._batches_epoch = self.epoch
+        shield_workers(loader, self._flag.signals)
+        found = find_sampler(loader)
+        sampler, per_batch = found if found else (None, None)
+        if sampler is not None:
+            sampler.set_epoch(self.epoch)
+        self._sampler = sampler
+        self._samples_per_batch = per_batch * sampler.num_replicas if sampler and per_batch else None
+        self._batches_per_epoch = length(loader)
+        r = self._resume
+        if r is not None and r.cursor.point == "step" and r.cursor.epoch == self.epoch:
+            self._resume = None
+            it, start = self._resume_iterator(loader, r, sampler)
+            if it is None:
+                return
+        else:
+            self._epoch_rng = rng.capture()
+            it, start = iter(loader), 0
+        self.batch = start
+        self._recompute_due()
+        for item in it:
+            self.batch += 1
+            self._batches_since_step += 1
+            yield item
+
+    def _resume_iterator(
+        self, loader: Iterable[Any], r: _Resume, sampler: ResumableSampler | None
+    ) -> tuple[Iterator[Any] | None, int]:
+        """Recreates the epoch's iterator as it was at the checkpoint (see the module docstring)."""
+        c = r.cursor
+        self._check_sampler(r, sampler)
+        self._epoch_rng = r.rng_epoch_start
+        total = self._batches_per_epoch
+        start = c.batch
+        if sampler is not None and self._samples_per_batch and c.sample >= 0:
+            if c.batch and c.sample != c.batch * self._samples_per_batch:
+                old = c.sample // c.batch
+                start = -(-c.sample // self._samples_per_batch)
+                log.warning(
+                    "the batch size changed (%d -> %d samples per step): continuing at sample %d of the epoch,"
+                    " batch %d",
+                    old,
+                    self._samples_per_batch,
+                    c.sample,
+                    start,
+                )
+        if total is not None and start >= total:
+            rng.restore(r.rng_now)  # the epoch was finished; nothing to iterate
+            return None, start
+        if r.rng_epoch_start is not None:
+            rng.restore(r.rng_epoch_start)
+        if sampler is not None and self._samples_per_batch and c.sample >= 0:
+            sampler.start_at(c.sample)
+            it = iter(loader)
+        else:
+            it = iter(loader)
+            if start:
+                log.warning(
+                    "the loader has no ResumableSampler (use run.sampler()); replaying %d batch(es) to reach the"
+                    " resume point",
+                    start,
+                )
+            for _ in range(start):
+                next(it)
+        rng.restore(r.rng_now)
+        return it, start
+
+    def _check_sampler(self, r: _Resume, sampler: ResumableSampler | None) -> None:
+        saved = r.sampler
+        if sampler is None or not saved:
+            return
+        now = sampler.state_dict()
+        for key in ("dataset_len", "shuffle", "seed"):
+            if key in saved and saved[key] != now[key]:
+                raise IncompatibleStateError(
+                    f"{r.info.path}/{MANIFEST}: sampler {key} was {saved[key]!r}, now {now[key]!r};"
+                    " the data order cannot continue where it stopped"
+                )
+
+    def step(self, metrics: Mapping[str, Any] | None = None) -> None:
+        """Counts one optimizer step; the safe point where checkpoints happen.
+
+        Call it as the last statement of the loop body, after ``optimizer.step()``.
+        May write a checkpoint; after a stop signal, saves and raises Preempted.
+
+        Args:
+            metrics: Numbers to record at this step; the one named ``best_metric``
+                decides "best" checkpoints.
+        """
+        self.global_step += 1
+        self._batches_since_step = 0
+        self._dirty = True
+        if metrics is not None:
+            self._record(metrics)
+        if (
+            self._flag.requested
+            or self._best_pending
+            or self.global_step >= self._due_step
+            or self.batch >= self._due_batch
+            or self._clock() >= self._due_time
+        ):
+            self._safe_point("step")
+
+    def report(self, metrics: Mapping[str, Any]) -> None:
+        """Records metrics without counting a step (e.g. validation at the end of an epoch).
+
+        When ``best_metric`` improves, the next safe point saves a "best" checkpoint.
+        """
+        self._record(metrics)
+
+    # ----------------------------------------------------------- extras
+
+    def sampler(
+        self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+    ) -> ResumableSampler:
+        """A ResumableSampler for ``dataset`` whose epoch the run keeps in step."""
+        replicas, rank = 1, 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        s = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, num_replicas=replicas, rank=rank)
+        s.set_epoch(self.epoch)
+        self._samplers.append(s)
+        return s
+
+    def track(self, name: str, obj: state.Stateful) -> None:
+        """Saves and restores ``obj`` (anything with state_dict/load_state_dict) under ``name``.
+
+        When the run resumed, the object's saved state is loaded at once.
+        """
+        self._add_tracked(name, obj)
+        if self._active and not state.load_tracked(name, obj, self._saved_tracked, str(self.resumed_from)):
+            if self.resumed_from is not None:
+                log.warning("tracked object %r has no state in %s; left as it is", name, self.resumed_from)
+
+    def protect(self, loader: Any) -> Any:
+        """Makes a DataLoader's workers ignore stop signals (done for you by run.batches)."""
+        return shield_workers(loader, self._flag.signals)
+
+    def request_stop(self) -> None:
+        """Asks the run to save and stop at the next safe point, as a signal would."""
+        self._flag.request(None)
+
+    @property
+    def stop_requested(self) -> bool:
+        """A stop signal (or request_stop) is pending."""
+        return self._flag.requested
+
+    # ------------------------------------------------------------ internals
+
+    def _add_tracked(self, name: str, obj: Any) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"track: expected a non-empty name, got {name!r}")
+        if name in self.components.tracked:
+            raise ValueError(f"track: the name {name!r} is already tracked")
+        _check_stateful(f"track[{name!r}]", obj)
+        self.components.tracked[name] = obj
+
+    def _check_active(self, what: str) -> None:
+        if not self._active:
+            raise PreemptError(f"run.{what}() is only available inside 'with PreemptibleRun(...) as run:'")
+
+    def _record(self, metrics: Mapping[str, Any]) -> None:
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics: expected a mapping of names to numbers, got {type(metrics).__name__}")
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"metrics[{key!r}]: expected one number, got a tensor of shape {tuple(value.shape)}"
+                    )
+                value = value.item()
+            if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"metrics[{key!r}]: expected a number, got {value!r}")
+            self.metrics[key] = float(value)
+            ret = self.manager.retention
+            if key == ret.metric and ret.better(float(value), None if self._best is None else self._best["value"]):
+                self._best = {"metric": key, "mode": ret.mode, "value": float(value), "step": self.global_step}
+                self._best_pending = True
+
+    def _facts(self) -> SaveFacts:
+        return SaveFacts(
+            now=self._clock(),
+            step=self.global_step,
+            epoch=self.epoch,
+            batch=self.batch,
+            batches_per_epoch=self._batches_per_epoch,
+            last_save_time=self._last_save_time,
+            last_save_step=self._last_save_step,
+            last_save_epoch=self._last_save_epoch,
+            last_save_batch=self._last_save_batch,
+            stop_requested=self._flag.requested,
+            best_improved=self._best_pending,
+            dirty=self._dirty,
+        )
+
+    def _recompute_due(self) -> None:
+        due = next_due(self.policy, self._facts())
+        self._due_step, self._due_batch, self._due_time = due.step, due.batch, due.time
+
+    def _safe_point(self, point: str) -> None:
+        decision: Decision = decide(self.policy, self._facts())
+        if decision.save:
+            self._save(decision.reason, point)  # type: ignore[arg-type]
+        if decision.stop or self._flag.requested:
+            if self._dirty:  # the signal came during that save; what was saved is current
+                self._save(Reason.PREEMPT, point)
+            self._stop()
+        self._recompute_due()
+
+    def _stop(self) -> None:
+        f = self._flag
+        waited = "" if f.received_at is None else f" {_log.duration(self._clock() - f.received_at)} after it arrived"
+        where = self.last_checkpoint or "(no checkpoint: nothing had changed)"
+        log.info(
+            "stopping on %s%s at step %d (epoch %d, batch %d); state in %s; exit code %d",
+            signal_name(f.signum) if f.signum is not None else "request",
+            waited,
+            self.global_step,
+            self.epoch,
+            self.batch,
+            where,
+            self.exit_code,
+        )
+        raise Preempted(self.exit_code, f.signum, None if self.last_checkpoint is None else str(self.last_checkpoint))
+
+    def _run_state(self) -> dict[str, Any]:
+        codec.check_json(self.user_state, "run.user_state")
+        epoch_rng = self._epoch_rng
+        if epoch_rng is None and self._resume is not None:
+            epoch_rng = self._resume.rng_epoch_start
+        return {
+            "rng": {
+                "now": rng.to_tree(rng.capture()),
+                "epoch_start": rng.to_tree(epoch_rng) if epoch_rng is not None else None,
+            },
+            "user": self.user_state,
+        }
+
+    def _save(self, reason: Reason, point: str) -> None:
+        with self._flag.critical():
+            t0 = self._clock()
+            cursor, sampler = self._cursor()
+            manifest = Manifest(
+                step=self.global_step,
+                cursor=dataclasses.replace(cursor, point=point),
+                reason=reason.value,
+                created=time.time(),
+                files={},
+                sampler=sampler,
+                metrics=dict(self.metrics),
+                best=self._best,
+                is_best=self._best_pending,
+                lineage=self._lineage,
+                provenance=self._provenance,
+            )
+            log.debug("saving %s (%s)", self.save_dir / f"step_{self.global_step:09d}", reason.value)
+            info = self.manager.save(state.capture(self.components, self._run_state()), manifest)
+            self._mark_saved(info)
+            self._best_pending = False
+            log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(self._clock() - t0))
+
+    def _cursor(self) -> tuple[Cursor, dict[str, Any] | None]:
+        """Where the loop stands, and the sampler's state."""
+        r = self._resume
+        if r is not None and r.info.step == self.global_step and r.cursor.epoch == self.epoch:
+            # Not yet back at the checkpoint's program point: its cursor still describes the loop.
+            return r.cursor, r.sampler
+        spb = self._samples_per_batch
+        sample = -1 if spb is None else self.batch * spb
+        sampler = None
+        if self._sampler is not None:
+            sampler = self._sampler.state_dict()
+            if sample >= 0:
+                sample = min(sample, self._sampler.total)
+        cursor = Cursor(
+            epoch=self.epoch,
+            batch=self.batch,
+            sample=0 if self.batch == 0 else sample,
+            point="epoch",
+            batches_per_epoch=-1 if self._batches_per_epoch is None else self._batches_per_epoch,
+        )
+        return cursor, sampler
+
+    def _mark_saved(self, info: CheckpointInfo) -> None:
+        m = info.manifest
+        assert m is not None
+        self._last_info = info
+        self.last_checkpoint = info.path
+        self._dirty = False
+        self._last_save_time = self._clock()
+        self._last_save_step = m.step
+        self._last_save_epoch = m.cursor.epoch
+        self._last_save_batch = m.cursor.batch
+
+
+def _check_stateful(name: str, obj: Any) -> None:
+    if obj is None:
+        return
+    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        raise TypeError(f"{name}: expected an object with state_dict() and load_state_dict(), got {type(obj).__name__}")
