@@ -330,7 +330,7 @@ class CheckpointManager:
             for fname, (tensors, meta) in payload.tensor_files.items():
                 files[fname] = commit.write_file(tmp / fname, tensorfile.pieces(tensors, meta))
             for fname, doc in payload.json_files.items():
-                files[fname] = commit.write_file(tmp / fname, [commit.dumps_json(doc)])
+                files[fname] = commit.write_file(tmp / fname, [codec.dumps(doc)])
             manifest = dataclasses.replace(manifest, files=files)
             commit.write_file(tmp / MANIFEST, [manifest.to_json()])
             final, replaced = commit.commit_dir(self.save_dir, tmp, name)

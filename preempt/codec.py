@@ -10,7 +10,7 @@ pickle anywhere, so a value of another type is an error that names its key.
 
 from __future__ import annotations
 
-import math
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,9 +36,12 @@ def encode(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, torch.Tensor):
         return {TENSOR: _put(tensors, prefix, tree)}
     if isinstance(tree, np.ndarray):
+        arr = np.require(tree, requirements=["C"])  # keeps 0-d arrays 0-d, unlike ascontiguousarray
+        if not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         try:
-            t = torch.from_numpy(np.ascontiguousarray(tree))
-        except TypeError:
+            t = torch.from_numpy(arr)
+        except (TypeError, ValueError):
             raise UnsupportedStateError(f"{prefix}: NumPy dtype {tree.dtype} cannot be saved") from None
         return {NDARRAY: _put(tensors, prefix, t)}
     if isinstance(tree, np.generic):
@@ -114,9 +117,9 @@ def check_json(value: Any, where: str) -> None:
     raise UnsupportedStateError(f"{where}: a {type(value).__name__} is not JSON (use numbers, strings, lists, dicts)")
 
 
-def is_number(x: Any) -> bool:
-    """A real number (bools excluded) that is not NaN."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+def dumps(tree: Any) -> bytes:
+    """JSON text of an encoded tree, keeping dict order (restored dicts iterate as the saved ones did)."""
+    return json.dumps(tree, separators=(",", ":"), allow_nan=True).encode()
 
 
 def _join(prefix: str, key: str) -> str:

@@ -69,7 +69,7 @@ SUPERSEDED = "superseded"
 _TMP = ".tmp-"
 _REPLACED = ".replaced-"
 _TRASH = ".trash-"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_STEP_RE = re.compile(r"step_([0-9]+)", re.ASCII)  # used with fullmatch
 
 _WRITE_CHUNK = 64 << 20  # bytes per write(2) call; also bounds a partial write
 _COALESCE = 4 << 20  # small pieces are gathered up to this size before writing
@@ -82,7 +82,7 @@ def checkpoint_name(step: int) -> str:
 
 def parse_checkpoint_name(name: str) -> int | None:
     """The step of a checkpoint directory name, or None for other names."""
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -278,9 +278,12 @@ def recover(save_dir: Path) -> Recovery:
     if not save_dir.is_dir():
         return out
     entries = sorted(os.listdir(save_dir))
-    for entry in entries:
-        if not entry.startswith(_REPLACED):
-            continue
+
+    def renamed_at(entry: str) -> int:
+        return os.stat(save_dir / entry, follow_symlinks=False).st_ctime_ns
+
+    # Newest replaced copy first: if a replacement is interrupted twice, the later copy is the one to restore.
+    for entry in sorted((e for e in entries if e.startswith(_REPLACED)), key=renamed_at, reverse=True):
         name = entry[len(_REPLACED) :].split("-", 1)[0]
         if parse_checkpoint_name(name) is not None and not (save_dir / name).exists():
             os.rename(save_dir / entry, save_dir / name)

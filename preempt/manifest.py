@@ -26,8 +26,8 @@ FORMAT = "preempt-checkpoint"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILE_BYTES = 1 << 50  # 1 PiB: larger claims are corruption, not data
-_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-_HEX32_RE = re.compile(r"^[0-9a-f]{32}$")
+_FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # used with fullmatch
+_HEX32_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
 POINTS = ("step", "epoch")
 
 
@@ -122,7 +122,7 @@ class Manifest:
         if raw.get("format") != FORMAT:
             raise ValueError(f"{where}: expected format {FORMAT!r}, found {raw.get('format')!r}")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if type(version) is not int or version != FORMAT_VERSION:
             newer = isinstance(version, int) and version > FORMAT_VERSION
             hint = " (written by a newer preempt; upgrade to read it)" if newer else ""
             raise ValueError(f"{where}: format_version {version!r} is not supported, expected {FORMAT_VERSION}{hint}")
@@ -133,12 +133,12 @@ class Manifest:
         r = _Reader(raw, where)
         files = {}
         for name, entry in r.dict("files").items():
-            if not isinstance(name, str) or not _FILE_NAME_RE.match(name) or name == MANIFEST or ".." in name:
+            if not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or name == MANIFEST or ".." in name:
                 raise ValueError(f"{where}: file name {name!r} is not a plain file name inside the checkpoint")
             e = _Reader(entry, f"{where}: files[{name!r}]")
             size = e.int("size", hi=MAX_FILE_BYTES)
             digest = e.str("xxh3_128")
-            if not _HEX32_RE.match(digest):
+            if not _HEX32_RE.fullmatch(digest):
                 raise ValueError(f"{where}: files[{name!r}].xxh3_128: expected 32 hex digits, found {digest!r}")
             files[name] = FileDigest(size, digest)
         c = _Reader(r.dict("cursor"), f"{where}: cursor")

@@ -50,7 +50,10 @@ class SavePolicy:
 
     def __post_init__(self) -> None:
         if self.interval_s is not None and not (
-            isinstance(self.interval_s, (int, float)) and self.interval_s > 0 and math.isfinite(self.interval_s)
+            isinstance(self.interval_s, (int, float))
+            and not isinstance(self.interval_s, bool)
+            and self.interval_s > 0
+            and math.isfinite(self.interval_s)
         ):
             raise ValueError(
                 f"checkpoint_interval: expected a positive number of seconds or None, got {self.interval_s!r}"
@@ -132,7 +135,8 @@ def decide(policy: SavePolicy, facts: SaveFacts) -> Decision:
             policy, ref, facts.batches_per_epoch
         ):
             return Decision(True, False, Reason.PER_EPOCH)
-    if policy.interval_s is not None and facts.now - facts.last_save_time >= policy.interval_s:
+    # the same expression as next_due(), so both round alike
+    if policy.interval_s is not None and facts.now >= facts.last_save_time + policy.interval_s:
         return Decision(True, False, Reason.INTERVAL)
     return NOTHING
 

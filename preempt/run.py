@@ -229,7 +229,7 @@ class PreemptibleRun:
         try:
             self.manager.prepare()
             done = self.manager.completion()
-            if done is not None and self.exit_if_complete:
+            if done is not None and self.exit_if_complete and not self._new_request():
                 log.info(
                     "%s is complete (step %s, epoch %s); nothing to do. Pass exit_if_complete=False to train further.",
                     self.save_dir,
@@ -307,6 +307,14 @@ class PreemptibleRun:
         # The new timeline gets its first checkpoint at once, so that a rerun continues it.
         self._dirty = True
         self._save(Reason.BRANCH, "epoch" if self._resume is None else self._resume.cursor.point)
+
+    def _new_request(self) -> bool:
+        """A resume request (other than "latest") that the newest checkpoint does not record yet."""
+        request = self._request() if self.auto_resume and self.resume is not None else None
+        if request is None:
+            return False
+        latest = next((c for c in self.manager.list() if c.status == "valid"), None)
+        return latest is None or latest.manifest.lineage.get("request") != request
 
     def _request(self) -> dict[str, Any] | None:
         """The resume request as recorded in lineage; None for plain "latest"."""

@@ -8,9 +8,10 @@ epoch 7's order without having seen epochs 0 to 6, and resuming at sample
 ``s`` starts the index stream at position ``s``: no batch is loaded or
 replayed to get there.
 
-Positions are global: with ``num_replicas`` ranks, position ``p`` of the
-epoch's order goes to rank ``p % num_replicas``, so a cursor counted in global
-samples is meaningful on any number of ranks.
+Positions are global: with ``num_replicas`` ranks, an iteration that starts at
+position ``s`` gives rank ``r`` the positions ``s + r``, ``s + r + num_replicas``,
+..., so the ranks together consume the rest of the epoch exactly once, and a
+cursor counted in global samples is meaningful on any number of ranks.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[st
         raise ValueError(f"{where}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{where}: header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError(f"{where}: __metadata__ must map strings to strings")
     data = buf[8 + hlen :]
