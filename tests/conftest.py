@@ -1,0 +1,178 @@
+"""Shared fixtures: a training process that tests start, signal and rerun, and the bit-exact comparison.
+
+The resume-equivalence check is written once here (``run_interrupted`` plus
+``assert_same_final``) and parametrised by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = Path(__file__).resolve().parent / "scripts" / "train.py"
+PREEMPTED = 75
+
+
+class Spawned:
+    """A child process whose merged stdout/stderr is collected line by line by a thread."""
+
+    def __init__(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> None:
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=ROOT
+        )
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> bool:
+        """Blocks until a line matching ``pattern`` (regex) appears; False if the process ended first."""
+        rx = re.compile(pattern)
+        seen = 0
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    if rx.search(line):
+                        return True
+                seen = len(self.lines)
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no line matching {pattern!r} within {timeout} s:\n{self.output}")
+                self._cond.wait(min(left, 0.05))
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def finish(self, timeout: float = 120.0) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"process did not finish within {timeout} s:\n{self.output}") from None
+        self._reader.join(10)
+        return rc
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+
+def train_cmd(save_dir: Path, final_out: Path | None, args: Sequence[str]) -> list[str]:
+    cmd = [sys.executable, str(TRAIN), "--save_dir", str(save_dir), *args]
+    if final_out is not None:
+        cmd += ["--final_out", str(final_out)]
+    return cmd
+
+
+@dataclass
+class Interrupt:
+    """Start the training, wait for ``after`` (a regex), wait ``delay`` s more, send ``sig``."""
+
+    after: str = r"^start "
+    delay: float = 0.0
+    sig: int = signal.SIGTERM
+
+
+@dataclass
+class History:
+    """Return codes and outputs of every process of one interrupted run."""
+
+    codes: list[int] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "\n----\n".join(self.outputs)
+
+    def count(self, pattern: str) -> int:
+        return len(re.findall(pattern, self.text, flags=re.M))
+
+
+def run_interrupted(
+    save_dir: Path,
+    final_out: Path,
+    args: Sequence[str],
+    interrupts: Sequence[Interrupt],
+    env: dict[str, str] | None = None,
+    between: Callable[[int], None] | None = None,
+    max_reruns: int = 4,
+) -> History:
+    """Runs the training, interrupting it as listed, then reruns it until it completes (exit 0)."""
+    history = History()
+    for i, it in enumerate(interrupts):
+        p = Spawned(train_cmd(save_dir, final_out, args), env)
+        if p.wait_for(it.after):
+            if it.delay:
+                time.sleep(it.delay)
+            p.signal(it.sig)
+        rc = p.finish()
+        history.codes.append(rc)
+        history.outputs.append(p.output)
+        if rc == 0:
+            break
+        if between is not None:
+            between(i)
+    for _ in range(max_reruns):
+        if history.codes and history.codes[-1] == 0:
+            break
+        p = Spawned(train_cmd(save_dir, final_out, args), env)
+        history.codes.append(p.finish())
+        history.outputs.append(p.output)
+    assert history.codes[-1] == 0, f"the training never completed: codes {history.codes}\n{history.text}"
+    return history
+
+
+def assert_same_final(expected: Path, actual: Path) -> None:
+    """Every tensor of the final state equal under torch.equal (bit for bit)."""
+    a, b = load_file(str(expected)), load_file(str(actual))
+    assert a.keys() == b.keys(), f"different state keys: {sorted(a.keys() ^ b.keys())}"
+    differing = [k for k in sorted(a) if not torch.equal(a[k], b[k])]
+    assert not differing, f"{len(differing)} of {len(a)} tensors differ from the uninterrupted run: {differing[:8]}"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Sequence[str]], Path]:
+    """The final state of an uninterrupted run with the given arguments (computed once per argument list)."""
+    cache: dict[tuple[str, ...], Path] = {}
+
+    def get(args: Sequence[str]) -> Path:
+        key = tuple(args)
+        if key not in cache:
+            d = tmp_path_factory.mktemp("reference")
+            out = d / "final.safetensors"
+            p = Spawned(train_cmd(d / "run", out, args))
+            rc = p.finish()
+            assert rc == 0, p.output
+            cache[key] = out
+        return cache[key]
+
+    return get

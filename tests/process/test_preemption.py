@@ -1,0 +1,215 @@
+"""Real training processes stopped by real signals, rerun until done, compared bit for bit.
+
+Every test ends with the final model, optimizer, scheduler, GradScaler, RNG
+states and the whole loss history of the interrupted run equal (torch.equal)
+to those of an uninterrupted run with the same training arguments.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    PREEMPTED,
+    Interrupt,
+    Spawned,
+    assert_same_final,
+    run_interrupted,
+    train_cmd,
+)
+
+# Arguments that change the training (the reference run uses the same ones).
+WORKERS0 = ["--epochs", "3", "--samples", "192", "--dropout", "0.3"]
+WORKERS2 = [*WORKERS0, "--num_workers", "2"]
+# Arguments that only change when checkpoints happen and how fast steps go.
+PACE = ["--step_sleep", "0.03"]
+
+
+@pytest.mark.parametrize("model_args", [WORKERS0, WORKERS2], ids=["workers0", "workers2"])
+def test_three_sigterms_at_random_points(tmp_path, reference, model_args):
+    """Three SIGTERMs at random moments; each run saves and exits 75; the last rerun completes bit-exact."""
+    rnd = random.Random(sum(map(ord, "".join(model_args))))
+    interrupts = [Interrupt(after=r"^step \d+", delay=rnd.uniform(0.0, 0.3)) for _ in range(3)]
+    args = [*model_args, *PACE, "--every_steps", "5"]
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
+    assert h.codes[:3] == [PREEMPTED] * 3, h.text
+    assert h.count(r"stopping on SIGTERM") == 3
+    assert h.count(r"resumed from .*step_\d+") >= 3
+    assert_same_final(reference(model_args), tmp_path / "final.safetensors")
+
+
+def test_sigterm_during_first_step_between_epochs_and_during_a_save(tmp_path, reference):
+    """The awkward moments: the first step, the epoch boundary (end-of-epoch code), and a checkpoint write."""
+    model_args = [*WORKERS0, "--dim", "256", "--width", "1024"]  # ~1 MB of weights: a save takes a while
+    args = [*model_args, "--every_steps", "3", "--epoch_end_sleep", "0.3"]
+    interrupts = [
+        Interrupt(after=r"^start step 0 "),  # during the first step
+        Interrupt(after=r"^epoch_end 0"),  # between epochs
+        Interrupt(after=r"saving .*step_0+(1[5-9]|2\d)"),  # while a periodic checkpoint is written
+    ]
+    h = run_interrupted(
+        tmp_path / "run", tmp_path / "final.safetensors", args, interrupts, env={"PREEMPT_LOG_LEVEL": "DEBUG"}
+    )
+    assert h.codes[:3] == [PREEMPTED] * 3, h.text
+    first, boundary, during_save = h.outputs[:3]
+    # Stopped during the first step: that step completes, is saved, and the run exits.
+    assert re.search(r"checkpoint .*step_000000001 \(preempt\)", first), first
+    # Stopped in end-of-epoch code: the save happens at the boundary, before epoch 1's first batch.
+    assert re.search(r"stopping on SIGTERM .* \(epoch 1, batch 0\)", boundary), boundary
+    # Stopped while writing: that write completes and no second save is needed.
+    saved = re.findall(r"saving .*(step_\d+)", during_save)[-1]
+    assert re.search(rf"checkpoint .*{saved} \(steps\) written", during_save), during_save
+    assert re.search(rf"stopping on SIGTERM .* state in .*{saved}", during_save), during_save
+    assert_same_final(reference(model_args), tmp_path / "final.safetensors")
+
+
+def test_timeout_signal_term(tmp_path, reference):
+    """`timeout --signal=TERM` (which signals the whole process group, DataLoader workers included)."""
+    probe = Spawned(train_cmd(tmp_path / "probe", None, [*WORKERS2, "--epochs", "1"]))
+    t0 = time.monotonic()
+    probe.wait_for(r"^step 1 ")
+    startup = time.monotonic() - t0
+    assert probe.finish() == 0
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    cmd = train_cmd(save_dir, final, [*WORKERS2, *PACE, "--every_steps", "4"])
+    stopped = 0
+    for limit in (startup + 0.4, startup + 0.8, startup + 0.5):
+        r = subprocess.run(["timeout", "--signal=TERM", f"{limit:.2f}", *cmd], capture_output=True, text=True)
+        assert r.returncode in (0, 124), r.stderr
+        stopped += "stopping on SIGTERM" in r.stderr
+        assert "killed by signal" not in r.stderr, r.stderr  # the workers were shielded
+    assert stopped >= 2, "timeout never landed inside the run; the machine is unusually slow"
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert_same_final(reference(WORKERS2), final)
+
+
+def test_sigkill_at_random_points(tmp_path, reference):
+    """SIGKILL (no handler, no save) at random moments with a checkpoint every step: every rerun
+    resumes from a valid checkpoint, and the end is still bit-exact."""
+    rnd = random.Random(5)
+    interrupts = [Interrupt(after=r"^step \d+", delay=rnd.uniform(0.0, 0.25), sig=signal.SIGKILL) for _ in range(4)]
+    args = [*WORKERS0, "--step_sleep", "0.04", "--every_steps", "1", "--keep_last", "2"]
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
+    assert h.codes.count(-signal.SIGKILL) >= 3, h.text
+    resumed = [int(s) for s in re.findall(r"resumed from .*step_(\d+)", h.text)]
+    assert len(resumed) >= 3, h.text
+    assert "corrupt" not in h.text and "quarantine" not in h.text, h.text
+    assert not list((tmp_path / "run").glob(".tmp-*")), "a partial checkpoint was left behind"
+    assert_same_final(reference(WORKERS0), tmp_path / "final.safetensors")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_newest_checkpoint_falls_back(tmp_path, reference, damage):
+    """A flipped byte or a truncated file in the newest checkpoint: warned, quarantined, older one used."""
+    save_dir = tmp_path / "run"
+    args = [*WORKERS0, *PACE, "--every_steps", "4", "--keep_last", "3"]
+
+    def break_newest(_: int) -> None:
+        newest = sorted(save_dir.glob("step_*"))[-1]
+        victim = newest / "model.safetensors"
+        data = bytearray(victim.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0x01
+        else:
+            data = data[: len(data) // 2]
+        victim.write_bytes(bytes(data))
+        break_newest.name = newest.name  # type: ignore[attr-defined]
+
+    h = run_interrupted(
+        save_dir, tmp_path / "final.safetensors", args, [Interrupt(after=r"^step 2[0-9] ")], between=break_newest
+    )
+    rerun = h.outputs[1]
+    bad = break_newest.name  # type: ignore[attr-defined]
+    expected = "xxh3 mismatch" if damage == "flip" else "size"
+    assert re.search(rf"warning: .*{bad}/model.safetensors: {expected}", rerun), rerun
+    assert (save_dir / "quarantine" / bad).is_dir()
+    older = re.search(r"resumed from .*step_(\d+)", rerun)
+    assert older and int(older.group(1)) < int(bad.split("_")[1]), rerun
+    assert_same_final(reference(WORKERS0), tmp_path / "final.safetensors")
+
+
+def test_gradient_accumulation_saves_only_after_optimizer_steps(tmp_path, reference):
+    """With 3 micro-batches per optimizer step, checkpoints land on optimizer steps and resume exactly."""
+    model_args = [*WORKERS0, "--accum", "3"]
+    args = [*model_args, *PACE, "--every_steps", "2"]
+    interrupts = [Interrupt(after=r"^step \d+", delay=d) for d in (0.05, 0.2)]
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
+    batches = [int(b) for b in re.findall(r"resumed from .*batch (\d+)/", h.text)]
+    assert batches and all(b % 3 == 0 for b in batches), h.text
+    assert_same_final(reference(model_args), tmp_path / "final.safetensors")
+
+
+def test_completed_run_exits_zero_without_training(tmp_path):
+    save_dir = tmp_path / "run"
+    cmd = train_cmd(save_dir, None, [*WORKERS0, "--epochs", "1"])
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "is complete" in r.stderr
+    assert "step 1 " not in r.stdout and "start" not in r.stdout
+
+
+def test_signal_before_the_run_is_entered_keeps_default_behaviour(tmp_path):
+    """Outside the with-block SIGTERM does what it always does: the process dies of it."""
+    code = (
+        "import os, signal, sys\n"
+        "from preempt import PreemptibleRun\n"
+        "import torch\n"
+        f"with PreemptibleRun({str(tmp_path / 'r')!r}, model=torch.nn.Linear(2, 2)) as run:\n"
+        "    pass\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('still alive')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == -signal.SIGTERM, (r.returncode, r.stderr)
+    assert "still alive" not in r.stdout
+
+
+def test_second_sigint_raises_keyboard_interrupt(tmp_path):
+    """First Ctrl+C asks for a save at the next step; a second one, outside a save, ends the process at once."""
+    p = Spawned(train_cmd(tmp_path / "run", None, [*WORKERS0, "--step_sleep", "0.5"]))
+    p.wait_for(r"^step 1 ")
+    time.sleep(0.1)  # inside the next step's 0.5 s of work, far from a safe point
+    p.signal(signal.SIGINT)
+    time.sleep(0.2)  # two signals sent at once coalesce into one; a person's second press comes later
+    p.signal(signal.SIGINT)
+    rc = p.finish()
+    # CPython ends an uncaught KeyboardInterrupt by dying of SIGINT, as shells expect
+    assert rc == -signal.SIGINT and "KeyboardInterrupt" in p.output, p.output
+    assert not list((tmp_path / "run").glob("step_*")), "no checkpoint is written when the person wants out"
+
+
+def test_save_dir_listing_after_interruptions(tmp_path):
+    """`preempt ls` and `preempt verify` on a real save_dir."""
+    save_dir = tmp_path / "run"
+    run_interrupted(save_dir, tmp_path / "f.safetensors", [*WORKERS0, *PACE, "--every_steps", "8"], [Interrupt()])
+    ls = subprocess.run([sys.executable, "-m", "preempt", "ls", str(save_dir)], capture_output=True, text=True)
+    assert ls.returncode == 0 and "valid (latest)" in ls.stdout and "run complete" in ls.stdout, ls.stdout
+    ok = subprocess.run(["preempt", "verify", str(save_dir)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "DAMAGED" not in ok.stdout, ok.stdout
+    victim = sorted(save_dir.glob("step_*"))[-1] / "state.json"
+    victim.write_bytes(victim.read_bytes().replace(b"{", b"[", 1))
+    bad = subprocess.run(["preempt", "verify", str(save_dir)], capture_output=True, text=True)
+    assert bad.returncode == 1 and f"{victim.parent.name}: DAMAGED" in bad.stdout, bad.stdout
+    assert "xxh3 mismatch" in bad.stdout
+
+
+def test_help_lists_exit_codes():
+    r = subprocess.run(["preempt", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "exit codes" in r.stdout
+
+
+def test_save_dir_is_a_file(tmp_path: Path):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    r = subprocess.run(train_cmd(f, None, WORKERS0), capture_output=True, text=True)
+    assert r.returncode == 1
+    assert f"save_dir {f}: expected a directory, found a file" in r.stderr

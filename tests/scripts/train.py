@@ -1,0 +1,147 @@
+"""A small real training driven by the process tests.
+
+Prints one line per step (``step N epoch E batch B``) so that a test can signal
+it at a chosen moment, and on completion writes every tensor of the final
+state (model, optimizer, scheduler, RNG, the loss history) to --final_out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, Dataset
+
+from preempt import PreemptibleRun
+
+
+class Synthetic(Dataset):
+    """Deterministic features and labels; optional random augmentation in __getitem__."""
+
+    def __init__(self, n: int, dim: int, augment: bool) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = (self.x[:, 0] + 0.5 * self.x[:, 1] > 0).long()
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        if self.augment:  # draws from the global RNGs of whichever process loads
+            x = x + 0.01 * torch.randn_like(x) + 0.001 * random.random() + 0.001 * float(np.random.rand())
+        return x, self.y[i]
+
+
+def flatten(prefix: str, tree, out: dict) -> None:
+    if isinstance(tree, torch.Tensor):
+        out[prefix] = tree.detach().clone().contiguous()
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            flatten(f"{prefix}.{k}", v, out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            flatten(f"{prefix}.{i}", v, out)
+    elif isinstance(tree, (int, float, bool)):
+        out[prefix] = torch.tensor(float(tree), dtype=torch.float64)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--save_dir", required=True)
+    p.add_argument("--final_out", default=None)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--num_workers", type=int, default=0)
+    p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--augment", action="store_true")
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--interval", type=float, default=None)
+    p.add_argument("--every_steps", type=int, default=None)
+    p.add_argument("--keep_last", type=int, default=2)
+    p.add_argument("--step_sleep", type=float, default=0.0)
+    p.add_argument("--epoch_end_sleep", type=float, default=0.0)
+    p.add_argument("--no_auto_resume", action="store_true")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    data = Synthetic(args.samples, args.dim, args.augment)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(args.dim, args.width),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(args.dropout),
+        torch.nn.Linear(args.width, 2),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
+
+    with PreemptibleRun(
+        args.save_dir,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        scaler=scaler,
+        checkpoint_interval=args.interval,
+        checkpoint_every_steps=args.every_steps,
+        keep_last=args.keep_last,
+        auto_resume=not args.no_auto_resume,
+    ) as run:
+        run.user_state.setdefault("losses", [])
+        sampler = run.sampler(data, shuffle=True, seed=7)
+        loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
+        print(f"start step {run.global_step} epoch {run.epoch} batch {run.batch}", flush=True)
+        for epoch in run.epochs(args.epochs):
+            micro = 0
+            for x, y in run.batches(loader):
+                noise = torch.randn(()) * 1e-3  # the loop's own draw from the global RNG
+                loss = torch.nn.functional.cross_entropy(model(x), y) + noise
+                scaler.scale(loss / args.accum).backward()
+                micro += 1
+                if micro % args.accum:
+                    continue
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                sched.step()
+                run.user_state["losses"].append(loss.item())
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+                print(f"step {run.global_step + 1} epoch {epoch} batch {run.batch}", flush=True)
+                run.step()
+            # end-of-epoch code that draws from the RNG, like a validation loader would
+            run.user_state.setdefault("epoch_draws", []).append(float(torch.rand(())))
+            print(f"epoch_end {epoch}", flush=True)
+            if args.epoch_end_sleep:
+                time.sleep(args.epoch_end_sleep)
+
+    if args.final_out:
+        out: dict[str, torch.Tensor] = {}
+        flatten("model", model.state_dict(), out)
+        flatten("optimizer", opt.state_dict(), out)
+        flatten("scheduler", sched.state_dict(), out)
+        flatten("scaler", scaler.state_dict(), out)
+        out["rng.torch"] = torch.get_rng_state()
+        out["rng.numpy"] = torch.from_numpy(np.random.get_state()[1].astype(np.int64))
+        out["rng.python"] = torch.tensor(random.getstate()[1], dtype=torch.int64)
+        out["losses"] = torch.tensor(run.user_state["losses"], dtype=torch.float64)
+        out["epoch_draws"] = torch.tensor(run.user_state["epoch_draws"], dtype=torch.float64)
+        save_file(out, args.final_out, metadata={"steps": json.dumps(run.global_step)})
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
