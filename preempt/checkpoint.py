@@ -306,6 +306,9 @@ class CheckpointManager:
         tree: dict[str, Any] = {}
         if not weights_only:
             tensors, _ = _parse_tensors(bufs[state.STATE_FILE], info.path / state.STATE_FILE)
+            # Optimizer moments and the like live as long as the run: give them their own memory
+            # instead of pinning the file's mapping (the model's weights are copied into the model).
+            tensors = {k: v.clone() for k, v in tensors.items()}
             where = str(info.path / state.STATE_JSON)
             try:
                 tree = codec.decode(json.loads(bufs[state.STATE_JSON].tobytes()), tensors, where)

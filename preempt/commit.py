@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import re
 import secrets
@@ -150,28 +151,34 @@ def write_file(path: str | os.PathLike[str], pieces: Iterable[Any]) -> FileDiges
 
 
 def read_file(path: str | os.PathLike[str], expected_size: int | None = None) -> tuple[np.ndarray, FileDigest]:
-    """Reads a whole file into a fresh uint8 array and hashes it.
+    """The whole file as a writable uint8 array, and its digest.
+
+    The array is a private copy-on-write mapping of the file: hashing it reads
+    the page cache (or the disk) directly, with no copy into fresh memory,
+    which on our machines is 10-20x faster than ``readinto`` a new buffer
+    once the file is cached. Writes to the array never reach the file.
+    Callers that keep tensors beyond loading should copy them: the mapping
+    pins the file's pages, and a file truncated by someone else while mapped
+    would fault on access.
 
     Args:
         path: The file.
         expected_size: When given, a file of another size is not read at all.
 
     Raises:
-        OSError: The file cannot be read.
+        OSError: The file cannot be opened.
         ValueError: The size is not the expected one (the message says both).
     """
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if expected_size is not None and size != expected_size:
             raise ValueError(f"size {size} bytes, manifest says {expected_size}")
-        buf = np.empty(size, dtype=np.uint8)
-        view = memoryview(buf)
-        got = 0
-        while got < size:
-            n = f.readinto(view[got : got + _WRITE_CHUNK])
-            if not n:
-                raise ValueError(f"file ended after {got} of {size} bytes")
-            got += n
+        if size == 0:
+            return np.zeros(0, dtype=np.uint8), FileDigest(0, xxhash.xxh3_128_hexdigest(b""))
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    if hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_SEQUENTIAL)
+    buf = np.frombuffer(mapped, dtype=np.uint8)
     return buf, FileDigest(size, xxhash.xxh3_128_hexdigest(buf))
 
 
