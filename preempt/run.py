@@ -191,6 +191,7 @@ class PreemptibleRun:
         self.resumed_from: Path | None = None
         self.last_checkpoint: Path | None = None
 
+        self._entered = False
         self._active = False
         self._dirty = False
         self._batches_since_step = 0
@@ -218,8 +219,9 @@ class PreemptibleRun:
     # ---------------------------------------------------------------- enter
 
     def __enter__(self) -> PreemptibleRun:
-        if self._active:
-            raise PreemptError("this PreemptibleRun is already active; a run is entered once")
+        if self._entered:
+            raise PreemptError("this PreemptibleRun was already entered; create a new one for another run")
+        self._entered = True
         _log.setup(self.env.log_level)
         if not self._flag.install():
             log.warning(

@@ -179,8 +179,14 @@ def test_weights_only_from_another_run_then_requeue_continues_own_timeline(tmp_p
     source_model, *_ = train(tmp_path / "pretrain")
     model, opt, _, data = build(seed=1)
     with pytest.raises(Preempted):
-        with PreemptibleRun(tmp_path / "ft", model=model, optimizer=opt, resume=tmp_path / "pretrain",
-                            weights_only=True, checkpoint_interval=None) as run:
+        with PreemptibleRun(
+            tmp_path / "ft",
+            model=model,
+            optimizer=opt,
+            resume=tmp_path / "pretrain",
+            weights_only=True,
+            checkpoint_interval=None,
+        ) as run:
             assert run.global_step == 0 and not opt.state  # fresh optimizer and counters
             for a, b in zip(model.parameters(), source_model.parameters(), strict=True):
                 assert torch.equal(a, b)
@@ -192,8 +198,9 @@ def test_weights_only_from_another_run_then_requeue_continues_own_timeline(tmp_p
                     run.step()
     # The requeued job runs the same code: it must continue its own checkpoints, not reload the source.
     model2, opt2, _, _ = build(seed=1)
-    with PreemptibleRun(tmp_path / "ft", model=model2, optimizer=opt2, resume=tmp_path / "pretrain",
-                        weights_only=True) as run:
+    with PreemptibleRun(
+        tmp_path / "ft", model=model2, optimizer=opt2, resume=tmp_path / "pretrain", weights_only=True
+    ) as run:
         assert run.global_step == 2
         assert run.resumed_from.name == "step_000000002"
         for a, b in zip(model2.parameters(), model.parameters(), strict=True):
@@ -393,3 +400,12 @@ def test_invalid_arguments_name_the_field(tmp_path):
         PreemptibleRun(tmp_path, resume=-3)
     with pytest.raises(ValueError, match="signals"):
         PreemptibleRun(tmp_path, signals=[signal.SIGKILL])
+
+
+def test_a_run_is_entered_once(tmp_path):
+    run = PreemptibleRun(tmp_path)
+    with run:
+        pass
+    with pytest.raises(PreemptError, match="already entered"):
+        with run:
+            pass
