@@ -1,0 +1,51 @@
+"""CUDA state: per-device RNG, GPU tensors in the optimizer, GradScaler. Needs an NVIDIA GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from preempt import Preempted, PreemptibleRun
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+]
+
+
+def train(save_dir, stop_at: int | None = None):
+    torch.manual_seed(0)
+    torch.cuda.manual_seed_all(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 4)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=3)
+    data = TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)))
+    with PreemptibleRun(save_dir, model=model, optimizer=opt, scaler=scaler, checkpoint_interval=None) as run:
+        loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, seed=2), pin_memory=True)
+        for _ in run.epochs(2):
+            for (x,) in run.batches(loader):
+                x = x.cuda(non_blocking=True) + torch.randn(8, 16, device="cuda")  # a draw from the CUDA RNG
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                if run.global_step + 1 == stop_at:
+                    run.request_stop()
+                run.step()
+    return model, opt, scaler, torch.cuda.get_rng_state_all()
+
+
+def test_cuda_run_resumes_bit_exact(tmp_path):
+    ref_model, ref_opt, ref_scaler, ref_rng = train(tmp_path / "ref")
+    with pytest.raises(Preempted):
+        train(tmp_path / "run", stop_at=5)
+    model, opt, scaler, rng = train(tmp_path / "run")
+    for a, b in zip(ref_model.state_dict().values(), model.state_dict().values(), strict=True):
+        assert a.is_cuda and torch.equal(a, b)
+    for s1, s2 in zip(ref_opt.state_dict()["state"].values(), opt.state_dict()["state"].values(), strict=True):
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert ref_scaler.state_dict() == scaler.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(ref_rng, rng, strict=True))
