@@ -87,6 +87,20 @@ class _Deleter:
                 log.warning("could not delete %s: %s", path, e)
             finally:
                 self._queue.task_done()
+        self._queue.task_done()
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Lets the thread finish what it was given, then end; False if it is still busy after ``timeout``.
+
+        A thread still deleting when the process exits dies with it (it is a
+        daemon); the leftover ``.trash-`` directories are deleted at the next start.
+        """
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        self._queue.put(None)
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits until every submitted path is gone; False on timeout."""
@@ -395,6 +409,10 @@ class CheckpointManager:
     def wait(self, timeout: float | None = None) -> bool:
         """Waits for background deletions; False when ``timeout`` passed first."""
         return self._deleter.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finishes background deletions (up to ``timeout``) and stops the deleting thread."""
+        return self._deleter.close(timeout)
 
     # ------------------------------------------------------------- complete
 

@@ -404,7 +404,7 @@ class PreemptibleRun:
             self._flag.restore()
             # After a stop the process must exit within its grace period;
             # unfinished deletions are redone at the next start.
-            self.manager.wait(timeout=None if exc_type is None else 0.0)
+            self.manager.close(timeout=None if exc_type is None else 0.0)
         return False
 
     def _finish(self) -> None:

@@ -243,3 +243,18 @@ def test_load_by_step_and_best(tmp_path):
     assert m.load(3)[0].step == 3
     with pytest.raises(NoCheckpointError, match="no valid checkpoint at step 9"):
         m.load(9)
+
+
+def test_close_finishes_deletions_and_stops_the_thread(tmp_path):
+    import threading
+
+    model, opt, *_ = objects()
+    m = CheckpointManager(tmp_path, keep_last=1)
+    m.prepare()
+    for step in (1, 2, 3):
+        m.save_state(step=step, model=model, optimizer=opt)
+    assert any(t.name == "preempt-deleter" for t in threading.enumerate())
+    assert m.close(10)
+    assert sorted(os.listdir(tmp_path)) == ["step_000000003"]
+    m.save_state(step=4, model=model, optimizer=opt)  # a closed manager starts a new thread when needed
+    assert m.close(10) and sorted(os.listdir(tmp_path)) == ["step_000000004"]
