@@ -298,7 +298,7 @@ class CheckpointManager:
             f"no valid checkpoint at step {selector}",  # type: ignore[arg-type]
         )
         detail = f" ({len(tried)} corrupt: {'; '.join(tried)})" if tried else ""
-        raise NoCheckpointError(f"{self.save_dir}: {what}{detail}")
+        raise NoCheckpointError(f"{self.save_dir}: {what}{detail}", corrupt=tried)
 
     def read(self, info: CheckpointInfo, *, weights_only: bool = False) -> state.Loaded:
         """Reads and verifies one checkpoint's files into memory (no pickle).

@@ -37,7 +37,15 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class NoCheckpointError(CheckpointError):
-    """No valid checkpoint matches the request."""
+    """No valid checkpoint matches the request.
+
+    Attributes:
+        corrupt: One message per matching checkpoint that was found corrupt.
+    """
+
+    def __init__(self, message: str, corrupt: list[str] | None = None):
+        super().__init__(message)
+        self.corrupt = list(corrupt or [])
 
 
 class IncompatibleStateError(PreemptError):

@@ -246,6 +246,7 @@ class PreemptibleRun:
                 self.manager.clear_complete()
         except BaseException:
             self._flag.restore()
+            self.manager.close(timeout=0.0)
             raise
         self._active = True
         self._last_save_time = self._clock()
@@ -264,7 +265,7 @@ class PreemptibleRun:
             try:
                 info, loaded = self.manager.load("latest")
             except NoCheckpointError as e:
-                if "corrupt" in str(e):
+                if e.corrupt:
                     log.warning("%s; starting fresh (the broken checkpoints are in %s/quarantine)", e, self.save_dir)
                 if request is None:
                     self._start_fresh({"request": None}, supersede=False)

@@ -409,3 +409,18 @@ def test_a_run_is_entered_once(tmp_path):
     with pytest.raises(PreemptError, match="already entered"):
         with run:
             pass
+
+
+def test_every_checkpoint_corrupt_starts_fresh_loudly(tmp_path, uninterrupted, caplog):
+    with pytest.raises(Preempted):
+        train(tmp_path, stop_at_step=3)
+    victim = tmp_path / "step_000000003" / "model.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="preempt"):
+        model, opt, sched, trace = train(tmp_path)
+    assert "xxh3 mismatch" in caplog.text and "starting fresh" in caplog.text
+    assert (tmp_path / "quarantine" / "step_000000003").is_dir()
+    assert len(trace) == 15  # trained from step 0
+    assert_equal_states(uninterrupted[0], final_state(model, opt, sched))
