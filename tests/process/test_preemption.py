@@ -26,7 +26,7 @@ from conftest import (
 )
 
 # Arguments that change the training (the reference run uses the same ones).
-WORKERS0 = ["--epochs", "3", "--samples", "192", "--dropout", "0.3"]
+WORKERS0 = ["--epochs", "3", "--samples", "256", "--dropout", "0.3"]  # 48 steps
 WORKERS2 = [*WORKERS0, "--num_workers", "2"]
 # Arguments that only change when checkpoints happen and how fast steps go.
 PACE = ["--step_sleep", "0.03"]
@@ -78,9 +78,9 @@ def test_timeout_signal_term(tmp_path, reference):
     startup = time.monotonic() - t0
     assert probe.finish() == 0
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    cmd = train_cmd(save_dir, final, [*WORKERS2, *PACE, "--every_steps", "4"])
+    cmd = train_cmd(save_dir, final, [*WORKERS2, "--step_sleep", "0.06", "--every_steps", "4"])  # ~3 s of steps
     stopped = 0
-    for limit in (startup + 0.4, startup + 0.8, startup + 0.5):
+    for limit in (startup + 0.6, startup + 1.0, startup + 0.7):
         r = subprocess.run(["timeout", "--signal=TERM", f"{limit:.2f}", *cmd], capture_output=True, text=True)
         assert r.returncode in (0, 124), r.stderr
         stopped += "stopping on SIGTERM" in r.stderr
