@@ -237,3 +237,19 @@ def test_dataloader_resumes_at_a_batch_boundary():
     s.start_at(3 * 4)
     assert [b.tolist() for b in loader] == full[3:]
     assert [b.tolist() for b in loader] == full
+
+
+def test_iteration_does_not_hold_the_whole_epoch_as_python_ints():
+    """A 5M-sample epoch as one list of ints would take ~180 MB of Python objects; chunks keep it small."""
+    import tracemalloc
+
+    s = ResumableSampler(5_000_000, seed=1)
+    tracemalloc.start()
+    try:
+        it = iter(s)
+        first = [next(it) for _ in range(1000)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert first == s.order()[:1000].tolist()
+    assert peak < 20 << 20, f"{peak / 2**20:.0f} MiB of Python objects to start an epoch"
