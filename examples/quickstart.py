@@ -68,10 +68,10 @@ def main() -> None:
                 seen += len(y)
                 if run.global_step % 100 == 0:
                     rate = (run.global_step - s0) / max(time.monotonic() - t0, 1e-9)
-                    eta = (steps - run.global_step) / max(rate, 1e-9)
+                    eta = f"{(steps - run.global_step) / rate:.0f} s" if rate > 0 else "-"
                     print(
                         f"step {run.global_step:5d}/{steps}  epoch {epoch}  loss {loss.item():.4f}"
-                        f"  lr {sched.get_last_lr()[0]:.2e}  {rate:.0f} steps/s  eta {eta:.0f} s",
+                        f"  lr {sched.get_last_lr()[0]:.2e}  {rate:.0f} steps/s  eta {eta}",
                         flush=True,
                     )
                 run.step()  # the safe point: last statement of the iteration
