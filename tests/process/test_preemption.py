@@ -32,7 +32,11 @@ WORKERS2 = [*WORKERS0, "--num_workers", "2"]
 PACE = ["--step_sleep", "0.03"]
 
 
-@pytest.mark.parametrize("model_args", [WORKERS0, WORKERS2], ids=["workers0", "workers2"])
+# augment0: the dataset itself draws from the global RNGs (python, numpy, torch) in the main process.
+AUGMENT0 = [*WORKERS0, "--augment"]
+
+
+@pytest.mark.parametrize("model_args", [WORKERS0, WORKERS2, AUGMENT0], ids=["workers0", "workers2", "augment0"])
 def test_three_sigterms_at_random_points(tmp_path, reference, model_args):
     """Three SIGTERMs at random moments; each run saves and exits 75; the last rerun completes bit-exact."""
     rnd = random.Random(sum(map(ord, "".join(model_args))))
@@ -89,6 +93,18 @@ def test_timeout_signal_term(tmp_path, reference):
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert_same_final(reference(WORKERS2), final)
+
+
+def test_worker_randomness_replays_from_an_epoch_boundary(tmp_path, reference):
+    """Augmentation drawn inside two DataLoader workers: a stop at an epoch boundary resumes bit-exact
+    (the new epoch's workers get the same seeds). Mid-epoch it would not: see README's "exact resume"."""
+    model_args = [*WORKERS2, "--augment"]
+    args = [*model_args, "--epoch_end_sleep", "0.3"]
+    interrupts = [Interrupt(after=r"^epoch_end 0"), Interrupt(after=r"^epoch_end 1")]
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
+    assert h.codes[:2] == [PREEMPTED] * 2, h.text
+    assert h.count(r"stopping on SIGTERM .* \(epoch [12], batch 0\)") == 2, h.text
+    assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
 
 def test_sigkill_at_random_points(tmp_path, reference):
