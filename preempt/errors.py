@@ -6,7 +6,7 @@ of a signal is different: it is not an error but the end of this process's
 share of the work, so it is a :class:`SystemExit` (:class:`Preempted`) whose
 code tells the caller what happened.
 
-Exit codes (documented in README_PREEMPTION.md too):
+Exit codes (documented in README.md too):
 
 * ``0``   the run completed, or a rerun found it already complete.
 * ``75``  :data:`PREEMPTED_EXIT_CODE`: a signal asked the run to stop; the
