@@ -240,7 +240,7 @@ def test_dataloader_resumes_at_a_batch_boundary():
 
 
 def test_iteration_does_not_hold_the_whole_epoch_as_python_ints():
-    """A 5M-sample epoch as one list of ints would take ~180 MB of Python objects; chunks keep it small."""
+    """A 5M-sample epoch as one list of ints takes ~200 MB of Python objects; chunks keep it small."""
     import tracemalloc
 
     s = ResumableSampler(5_000_000, seed=1)
