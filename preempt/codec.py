@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .errors import UnsupportedStateError
+from .tensorfile import foreign_format
 
 TENSOR = "__tensor__"
 NDARRAY = "__ndarray__"
@@ -25,14 +26,23 @@ TUPLE = "__tuple__"
 ITEMS = "__items__"  # a dict whose keys are not all plain strings
 _MARKERS = frozenset({TENSOR, NDARRAY, TUPLE, ITEMS})
 _SCALAR_KEYS = (str, int, float, bool, type(None))
+_TOO_DEEP = "nested too deeply (or a container holds itself); state must be a tree of modest depth"
 
 
 def encode(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Encodes ``tree``; tensors are added to ``tensors`` under keys starting with ``prefix``.
 
     Raises:
-        UnsupportedStateError: A value is neither a tensor, an array nor JSON-able.
+        UnsupportedStateError: A value is neither a tensor, an array nor JSON-able,
+            or the tree refers to itself (or nests deeper than the stack allows).
     """
+    try:
+        return _encode(tree, prefix, tensors)
+    except RecursionError:
+        raise UnsupportedStateError(f"{prefix or 'state'}: {_TOO_DEEP}") from None
+
+
+def _encode(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, torch.Tensor):
         return {TENSOR: _put(tensors, prefix, tree)}
     if isinstance(tree, np.ndarray):
@@ -45,7 +55,7 @@ def encode(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
             raise UnsupportedStateError(f"{prefix}: NumPy dtype {tree.dtype} cannot be saved") from None
         return {NDARRAY: _put(tensors, prefix, t)}
     if isinstance(tree, np.generic):
-        return encode(tree.item(), prefix, tensors)
+        return _encode(tree.item(), prefix, tensors)
     if tree is None or isinstance(tree, (bool, int, str)):
         return tree
     if isinstance(tree, float):
@@ -53,17 +63,17 @@ def encode(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, Mapping):
         plain = all(isinstance(k, str) for k in tree) and not (len(tree) == 1 and next(iter(tree)) in _MARKERS)
         if plain:
-            return {k: encode(v, _join(prefix, k), tensors) for k, v in tree.items()}
+            return {k: _encode(v, _join(prefix, k), tensors) for k, v in tree.items()}
         items = []
         for k, v in tree.items():
             if not isinstance(k, _SCALAR_KEYS):
                 raise UnsupportedStateError(f"{prefix}: dict key {k!r} of type {type(k).__name__} cannot be saved")
-            items.append([k, encode(v, _join(prefix, str(k)), tensors)])
+            items.append([k, _encode(v, _join(prefix, str(k)), tensors)])
         return {ITEMS: items}
     if isinstance(tree, tuple):
-        return {TUPLE: [encode(v, _join(prefix, str(i)), tensors) for i, v in enumerate(tree)]}
+        return {TUPLE: [_encode(v, _join(prefix, str(i)), tensors) for i, v in enumerate(tree)]}
     if isinstance(tree, list):
-        return [encode(v, _join(prefix, str(i)), tensors) for i, v in enumerate(tree)]
+        return [_encode(v, _join(prefix, str(i)), tensors) for i, v in enumerate(tree)]
     raise UnsupportedStateError(
         f"{prefix or 'state'}: a {type(tree).__module__}.{type(tree).__qualname__} can be saved neither as a tensor"
         " nor as JSON (preempt never pickles); return tensors, numbers, strings, lists or dicts from state_dict()"
@@ -74,45 +84,80 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
     """Inverse of :func:`encode`.
 
     Raises:
-        ValueError: A reference names a tensor that is not there, or a tag is malformed.
+        ValueError: A reference names a tensor that is not there, a tag is
+            malformed, or the tree nests deeper than the stack allows.
     """
+    try:
+        return _decode(tree, tensors, where)
+    except RecursionError:
+        raise ValueError(f"{where}: {_TOO_DEEP}") from None
+
+
+def _decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
     if isinstance(tree, list):
-        return [decode(v, tensors, where) for v in tree]
+        return [_decode(v, tensors, where) for v in tree]
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
         ((tag, value),) = tree.items()
         if tag in (TENSOR, NDARRAY):
             if not isinstance(value, str) or value not in tensors:
-                raise ValueError(f"{where}: reference to tensor {value!r}, which the tensor file does not hold")
+                raise ValueError(f"{where}: reference to tensor {_short(value)}, which the tensor file does not hold")
             t = tensors[value]
             return t.numpy() if tag == NDARRAY else t
         if tag == TUPLE:
             if not isinstance(value, list):
-                raise ValueError(f"{where}: {TUPLE} must hold a list")
-            return tuple(decode(v, tensors, where) for v in value)
+                raise ValueError(f"{where}: {TUPLE} must hold a list, found {type(value).__name__}")
+            return tuple(_decode(v, tensors, where) for v in value)
         if tag == ITEMS:
-            if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
-                raise ValueError(f"{where}: {ITEMS} must hold [key, value] pairs")
-            return {k: decode(v, tensors, where) for k, v in value}
-    return {k: decode(v, tensors, where) for k, v in tree.items()}
+            if not isinstance(value, list) or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], _SCALAR_KEYS) for p in value
+            ):
+                raise ValueError(f"{where}: {ITEMS} must hold [key, value] pairs whose keys are JSON scalars")
+            return {k: _decode(v, tensors, where) for k, v in value}
+    return {k: _decode(v, tensors, where) for k, v in tree.items()}
+
+
+def loads(data: bytes | bytearray | memoryview | np.ndarray, where: str) -> Any:
+    """Parses a JSON document of a checkpoint (``state.json``), naming ``where`` in every error.
+
+    Raises:
+        ValueError: The bytes are not JSON: bad UTF-8 or syntax, an integer of
+            more than 4300 digits, nesting deeper than the stack allows. A
+            pickle or a zip archive (``torch.save``) is named as such.
+    """
+    if not isinstance(data, (bytes, bytearray)):
+        data = memoryview(data).tobytes()  # a NumPy buffer from commit.read_file
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        kind = foreign_format(bytes(data[:8]))
+        found = f"found {kind}: preempt never unpickles (a pickle can run code)" if kind else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{where}: expected JSON, {found}") from None
 
 
 def check_json(value: Any, where: str) -> None:
     """Raises UnsupportedStateError unless ``value`` is plain JSON (str keys; finite or not floats)."""
+    try:
+        _check_json(value, where)
+    except RecursionError:
+        raise UnsupportedStateError(f"{where}: {_TOO_DEEP}") from None
+
+
+def _check_json(value: Any, where: str) -> None:
     if value is None or isinstance(value, (bool, int, str)):
         return
     if isinstance(value, float):
         return
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            check_json(v, f"{where}[{i}]")
+            _check_json(v, f"{where}[{i}]")
         return
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise UnsupportedStateError(f"{where}: key {k!r} is not a string; JSON object keys must be")
-            check_json(v, f"{where}.{k}")
+            _check_json(v, f"{where}.{k}")
         return
     raise UnsupportedStateError(f"{where}: a {type(value).__name__} is not JSON (use numbers, strings, lists, dicts)")
 
@@ -133,3 +178,8 @@ def _put(tensors: dict[str, torch.Tensor], key: str, t: torch.Tensor) -> str:
         n += 1
     tensors[k] = t
     return k
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 200 else f"{text[:160]}... ({len(text)} characters)"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any
 
@@ -28,6 +29,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILE_BYTES = 1 << 50  # 1 PiB: larger claims are corruption, not data
 _FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # used with fullmatch
 _HEX32_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
+MAX_CREATED = 1e11  # seconds since 1970: the year 5138; the largest time ``datetime`` can show is below 2.6e11
 POINTS = ("step", "epoch")
 
 
@@ -115,17 +117,21 @@ class Manifest:
             raise ValueError(f"{where}: {len(data)} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
         try:
             raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:
+            # ValueError covers bad UTF-8, bad syntax and integers of more than 4300 digits;
+            # RecursionError a document nested deeper than the interpreter's stack.
+            raise ValueError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: expected a JSON object, found {type(raw).__name__}")
         if raw.get("format") != FORMAT:
-            raise ValueError(f"{where}: expected format {FORMAT!r}, found {raw.get('format')!r}")
+            raise ValueError(f"{where}: expected format {FORMAT!r}, found {_short(raw.get('format'))}")
         version = raw.get("format_version")
         if type(version) is not int or version != FORMAT_VERSION:
             newer = isinstance(version, int) and version > FORMAT_VERSION
             hint = " (written by a newer preempt; upgrade to read it)" if newer else ""
-            raise ValueError(f"{where}: format_version {version!r} is not supported, expected {FORMAT_VERSION}{hint}")
+            raise ValueError(
+                f"{where}: format_version {_short(version)} is not supported, expected {FORMAT_VERSION}{hint}"
+            )
         checksum = raw.pop("checksum", None)
         actual = xxhash.xxh3_128_hexdigest(dumps_json(raw))
         if checksum != actual:
@@ -134,17 +140,17 @@ class Manifest:
         files = {}
         for name, entry in r.dict("files").items():
             if not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or name == MANIFEST or ".." in name:
-                raise ValueError(f"{where}: file name {name!r} is not a plain file name inside the checkpoint")
+                raise ValueError(f"{where}: file name {_short(name)} is not a plain file name inside the checkpoint")
             e = _Reader(entry, f"{where}: files[{name!r}]")
             size = e.int("size", hi=MAX_FILE_BYTES)
             digest = e.str("xxh3_128")
             if not _HEX32_RE.fullmatch(digest):
-                raise ValueError(f"{where}: files[{name!r}].xxh3_128: expected 32 hex digits, found {digest!r}")
+                raise ValueError(f"{where}: files[{name!r}].xxh3_128: expected 32 hex digits, found {_short(digest)}")
             files[name] = FileDigest(size, digest)
         c = _Reader(r.dict("cursor"), f"{where}: cursor")
         point = c.str("point")
         if point not in POINTS:
-            raise ValueError(f"{where}: cursor.point: expected one of {POINTS}, found {point!r}")
+            raise ValueError(f"{where}: cursor.point: expected one of {POINTS}, found {_short(point)}")
         cursor = Cursor(
             epoch=c.int("epoch"),
             batch=c.int("batch"),
@@ -157,15 +163,21 @@ class Manifest:
             b = _Reader(best, f"{where}: best")
             b.str("metric")
             b.float("value")
-        created = r.float("created")
+        created = r.float("created", lo=0.0, hi=MAX_CREATED, finite=True)
+        metrics = r.dict("metrics")
+        m = _Reader(metrics, f"{where}: metrics")
+        for key in metrics:
+            m.float(key)  # NaN and infinities are legitimate metric values (and an infinite "best")
+        sampler = r.optional_dict("sampler")
+        _check_cursor_in_epoch(cursor, sampler, where)
         return cls(
             step=r.int("step"),
             cursor=cursor,
             reason=r.str("reason"),
             created=created,
             files=files,
-            sampler=r.optional_dict("sampler"),
-            metrics=r.dict("metrics"),
+            sampler=sampler,
+            metrics=metrics,
             best=best,
             is_best=r.bool("is_best"),
             lineage=r.dict("lineage"),
@@ -191,25 +203,34 @@ class _Reader:
     def int(self, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
         v = self._get(key)
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise ValueError(f"{self.where}: field {key!r}: expected an integer in [{lo}, {hi}], found {v!r}")
+            raise ValueError(f"{self.where}: field {key!r}: expected an integer in [{lo}, {hi}], found {_short(v)}")
         return v
 
-    def float(self, key: str) -> float:
+    def float(self, key: str, lo: float = -math.inf, hi: float = math.inf, finite: bool = False) -> float:
         v = self._get(key)
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise ValueError(f"{self.where}: field {key!r}: expected a number, found {v!r}")
-        return float(v)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        try:
+            f = float(v) if ok else math.nan
+        except OverflowError:  # an integer beyond the float range
+            ok, f = False, math.nan
+        if not ok or (finite and not math.isfinite(f)) or (math.isfinite(f) and not lo <= f <= hi):
+            if lo > -math.inf or hi < math.inf:
+                want = f"a number in [{lo:g}, {hi:g}]"
+            else:
+                want = "a finite number" if finite else "a number"
+            raise ValueError(f"{self.where}: field {key!r}: expected {want}, found {_short(v)}")
+        return f
 
     def str(self, key: str) -> str:
         v = self._get(key)
         if not isinstance(v, str):
-            raise ValueError(f"{self.where}: field {key!r}: expected a string, found {v!r}")
+            raise ValueError(f"{self.where}: field {key!r}: expected a string, found {_short(v)}")
         return v
 
     def bool(self, key: str) -> bool:
         v = self._get(key)
         if not isinstance(v, bool):
-            raise ValueError(f"{self.where}: field {key!r}: expected true or false, found {v!r}")
+            raise ValueError(f"{self.where}: field {key!r}: expected true or false, found {_short(v)}")
         return v
 
     def dict(self, key: str) -> dict[str, Any]:
@@ -220,3 +241,33 @@ class _Reader:
 
     def optional_dict(self, key: str) -> dict[str, Any] | None:
         return None if self._get(key) is None else self.dict(key)
+
+
+def _check_cursor_in_epoch(cursor: Cursor, sampler: dict[str, Any] | None, where: str) -> None:
+    """A cursor past the end of its epoch would make a resume skip the rest of that epoch silently.
+
+    The sampler's state (:meth:`preempt.sampler.ResumableSampler.state_dict`)
+    says how many global positions an epoch has; a manifest without one, or
+    with one of another shape, is not checked here.
+    """
+    if sampler is None or cursor.sample <= 0:
+        return
+    n, w, drop = sampler.get("dataset_len"), sampler.get("num_replicas", 1), sampler.get("drop_last", False)
+    if not (_is_int(n) and n >= 0 and _is_int(w) and w >= 1 and isinstance(drop, bool)):
+        return
+    total = (n // w) * w if drop else -(-n // w) * w
+    if cursor.sample > total:
+        raise ValueError(
+            f"{where}: cursor.sample {cursor.sample} is past the end of the epoch"
+            f" ({total} samples: dataset_len {n}, num_replicas {w}, drop_last {drop})"
+        )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v: Any) -> str:
+    """``repr(v)`` cut to 200 characters: a hostile manifest can hold a 60 MB string."""
+    text = repr(v)
+    return text if len(text) <= 200 else f"{text[:160]}... ({len(text)} characters)"

@@ -14,6 +14,7 @@ copy, and nothing in the file can execute code.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -22,6 +23,8 @@ import numpy as np
 import torch
 
 MAX_HEADER_BYTES = 100 << 20
+MAX_DIMS = 64  # more dimensions than any tensor has; bounds the work an empty tensor with a huge shape costs
+MAX_EXTENT = 1 << 62  # the product of a shape's non-zero dimensions: torch's strides are int64
 
 _BY_NAME: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -117,14 +120,18 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[st
     """
     n = int(buf.size)
     if n < 8:
-        raise ValueError(f"{where}: {n} bytes; a safetensors file has at least an 8-byte header length")
+        raise ValueError(
+            f"{where}: {n} bytes; a safetensors file has at least an 8-byte header length{_foreign_hint(buf)}"
+        )
     hlen = int.from_bytes(buf[:8].tobytes(), "little")
     if hlen > min(n - 8, MAX_HEADER_BYTES):
-        raise ValueError(f"{where}: header length {hlen} exceeds the file ({n} bytes) or {MAX_HEADER_BYTES}")
+        raise ValueError(
+            f"{where}: header length {hlen} exceeds the file ({n} bytes) or {MAX_HEADER_BYTES}{_foreign_hint(buf)}"
+        )
     try:
         header = json.loads(buf[8 : 8 + hlen].tobytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: header is not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or syntax, a 5000-digit integer, nesting too deep
+        raise ValueError(f"{where}: header is not valid JSON ({type(e).__name__}: {e}){_foreign_hint(buf)}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{where}: header is not a JSON object")
     metadata = header.pop("__metadata__", {})
@@ -134,15 +141,27 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[st
     spans = []
     for key, entry in header.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise ValueError(f"{where}: entry {key!r} must have exactly dtype, shape and data_offsets")
+            raise ValueError(f"{where}: entry {_short(key)} must have exactly dtype, shape and data_offsets")
         dtype = _BY_NAME.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
         if dtype is None:
-            raise ValueError(f"{where}: entry {key!r}: unknown dtype {entry['dtype']!r}")
+            raise ValueError(f"{where}: entry {_short(key)}: unknown dtype {_short(entry['dtype'])}")
         shape = entry["shape"]
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
         ):
-            raise ValueError(f"{where}: entry {key!r}: shape must be a list of non-negative integers, found {shape!r}")
+            raise ValueError(
+                f"{where}: entry {_short(key)}: shape must be a list of at most {MAX_DIMS} non-negative integers,"
+                f" found {_short(shape)}"
+            )
+        if math.prod(max(d, 1) for d in shape) > MAX_EXTENT:
+            # Matters for empty tensors only (any other shape must match its bytes): torch computes their
+            # strides all the same, and raises TypeError or RuntimeError, not ValueError, when they overflow.
+            raise ValueError(
+                f"{where}: entry {_short(key)}: shape {_short(shape)}: its non-zero dimensions multiply to more"
+                f" than {MAX_EXTENT}"
+            )
         offs = entry["data_offsets"]
         if (
             not isinstance(offs, list)
@@ -150,14 +169,16 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[st
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
             or not 0 <= offs[0] <= offs[1] <= data.size
         ):
-            raise ValueError(f"{where}: entry {key!r}: data_offsets {offs!r} outside the {data.size}-byte data area")
+            raise ValueError(
+                f"{where}: entry {_short(key)}: data_offsets {_short(offs)} outside the {data.size}-byte data area"
+            )
         numel = 1
         for d in shape:
             numel *= d
         itemsize = torch.empty((), dtype=dtype).element_size()
         if numel * itemsize != offs[1] - offs[0]:
             raise ValueError(
-                f"{where}: entry {key!r}: shape {shape} of {entry['dtype']} needs {numel * itemsize} bytes,"
+                f"{where}: entry {_short(key)}: shape {shape} of {entry['dtype']} needs {numel * itemsize} bytes,"
                 f" data_offsets span {offs[1] - offs[0]}"
             )
         spans.append((offs[0], offs[1], key, dtype, shape))
@@ -166,7 +187,7 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[st
     for begin, end, key, _, _ in spans:
         if begin != pos:
             what = "overlaps the previous entry" if begin < pos else f"leaves a hole at byte {pos}"
-            raise ValueError(f"{where}: entry {key!r} {what}")
+            raise ValueError(f"{where}: entry {_short(key)} {what}")
         pos = end
     if pos != data.size:
         raise ValueError(f"{where}: {data.size - pos} bytes after the last tensor")
@@ -181,3 +202,30 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[st
             chunk = chunk.copy()  # a file from elsewhere with unaligned tensors
         out[key] = torch.from_numpy(chunk).view(dtype).reshape(shape)
     return out, {str(k): v for k, v in metadata.items()}
+
+
+def foreign_format(head: bytes) -> str | None:
+    """What a file that is not the expected format looks like it is, from its first bytes, or None.
+
+    Used only to explain a file that already failed to parse: a valid
+    safetensors file may begin with the same bytes as a pickle.
+    """
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (what torch.save writes)"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return f"a pickle stream (protocol {head[1]})"
+    if head.startswith(b"\x93NUMPY"):
+        return "a NumPy .npy file"
+    return None
+
+
+def _foreign_hint(buf: np.ndarray) -> str:
+    kind = foreign_format(buf[:8].tobytes())
+    if kind is None:
+        return ""
+    return f"; expected safetensors, found {kind}: preempt never unpickles (a pickle can run code)"
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 200 else f"{text[:160]}... ({len(text)} characters)"

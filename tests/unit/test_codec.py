@@ -322,3 +322,64 @@ def test_plain_dict_key_order_survives_json():
     tree = {"tracked": {"zeta": 1.0, "alpha": 2.0, "mid": 3.0}}
     dec, _, _ = roundtrip(tree)
     assert list(dec["tracked"]) == ["zeta", "alpha", "mid"]
+
+
+# ------------------------------------------------------------------ hostile or runaway input
+
+
+def _nested(depth: int) -> Any:
+    tree: Any = 0
+    for _ in range(depth):
+        tree = [tree]
+    return tree
+
+
+@pytest.mark.parametrize("make", [lambda: _nested(100_000), lambda: {"__tuple__": _nested(100_000)}])
+def test_decode_of_a_tree_deeper_than_the_stack_is_a_value_error(make):
+    with pytest.raises(ValueError, match=r"^ckpt/state.json: nested too deeply"):
+        codec.decode(make(), {}, "ckpt/state.json")
+
+
+def test_decode_items_with_unhashable_keys_is_a_value_error():
+    with pytest.raises(ValueError, match=r"^w.json: __items__ must hold \[key, value\] pairs whose keys are JSON"):
+        codec.decode({"__items__": [[[1, 2], "v"]]}, {}, "w.json")
+
+
+def test_decode_names_a_long_reference_briefly():
+    with pytest.raises(ValueError, match=r"reference to tensor 'xxx.*\(100002 characters\)") as e:
+        codec.decode({"__tensor__": "x" * 100_000}, {}, "w.json")
+    assert len(str(e.value)) < 400
+
+
+def test_encode_of_a_state_that_holds_itself_names_it():
+    loop: dict[str, Any] = {"a": 1}
+    loop["self"] = loop
+    with pytest.raises(UnsupportedStateError, match=r"^user: nested too deeply \(or a container holds itself\)"):
+        codec.encode({"k": loop}, "user", {})
+    cycle: list[Any] = []
+    cycle.append(cycle)
+    with pytest.raises(UnsupportedStateError, match=r"^meta: nested too deeply"):
+        codec.check_json(cycle, "meta")
+
+
+def test_loads_parses_json_from_bytes_and_buffers():
+    assert codec.loads(b'{"a": [1, NaN]}', "w")["a"][0] == 1
+    assert codec.loads(np.frombuffer(b'{"b": 2}', dtype=np.uint8), "w") == {"b": 2}
+
+
+@pytest.mark.parametrize(
+    "data, found",
+    [
+        (b"\x80\x04\x95\x10\x00\x00\x00", r"found a pickle stream \(protocol 4\): preempt never unpickles"),
+        (b"\x80\x02}q\x00.", r"found a pickle stream \(protocol 2\)"),
+        (b"PK\x03\x04\x14\x00\x00\x00\x08\x00", r"found a zip archive \(what torch.save writes\)"),
+        (b"[" * 100_000, r"RecursionError"),
+        (b"[" + b"9" * 5000 + b"]", r"ValueError: Exceeds the limit"),
+        (b"\xc3\x28", r"UnicodeDecodeError"),
+        (b"{'a': 1}", r"JSONDecodeError"),
+    ],
+    ids=["pickle-4", "pickle-2", "torch.save", "deep", "huge-int", "bad-utf8", "python-literal"],
+)
+def test_loads_says_what_it_found_instead_of_json(data, found):
+    with pytest.raises(ValueError, match=r"^ckpt/state.json: expected JSON, " + found):
+        codec.loads(data, "ckpt/state.json")

@@ -300,3 +300,94 @@ def test_nan_metrics_round_trip():
     m = make(metrics={"loss": math.nan, "x": -math.inf})
     back = Manifest.from_json(m.to_json(), WHERE)
     assert math.isnan(back.metrics["loss"]) and back.metrics["x"] == -math.inf
+
+
+# ------------------------------------------------------------------ what Python itself cannot hold
+
+
+@pytest.mark.parametrize(
+    "data, found",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
+        (b'{"step": ' + b"1" * 5000 + b"}", "ValueError: Exceeds the limit"),
+    ],
+    ids=["nested-100000-deep", "5000-digit-integer"],
+)
+def test_json_that_python_cannot_hold_is_not_valid_json(data, found):
+    with pytest.raises(ValueError, match=rf"^{WHERE}: not valid JSON \({found}"):
+        Manifest.from_json(data, WHERE)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (math.inf, r"expected a number in \[0, 1e\+11\], found inf"),
+        (math.nan, r"expected a number in \[0, 1e\+11\], found nan"),
+        (-1.0, r"expected a number in \[0, 1e\+11\], found -1.0"),
+        (2e11, r"expected a number in \[0, 1e\+11\], found 200000000000.0"),
+        (
+            10**400,
+            r"expected a number in \[0, 1e\+11\], found 10+\.\.\. \(401 characters\)",
+        ),  # float() of it raises OverflowError
+    ],
+    ids=["inf", "nan", "negative", "year-8307", "beyond-floats"],
+)
+def test_created_must_be_a_time_datetime_can_show(value, message):
+    raw = body()
+    raw["created"] = value
+    with pytest.raises(ValueError, match=rf"^{WHERE}: field 'created': {message}"):
+        Manifest.from_json(reseal(raw), WHERE)
+
+
+@pytest.mark.parametrize("value", ["low", True, None, [1], 10**400])
+def test_metrics_must_be_numbers(value):
+    raw = body()
+    raw["metrics"] = {"loss": 0.5, "acc": value}
+    with pytest.raises(ValueError, match=rf"^{WHERE}: metrics: field 'acc': expected a number"):
+        Manifest.from_json(reseal(raw), WHERE)
+
+
+def test_best_value_beyond_floats_is_a_value_error():
+    raw = body()
+    raw["best"]["value"] = 10**400
+    with pytest.raises(ValueError, match=r"best: field 'value': expected a number, found 1000"):
+        Manifest.from_json(reseal(raw), WHERE)
+
+
+def test_infinite_best_value_is_accepted():
+    """A first metric of inf can be "best" (better() accepts it), so the reader must too."""
+    m = make(best={"metric": "loss", "mode": "min", "value": math.inf, "step": 120}, metrics={"loss": math.inf})
+    assert Manifest.from_json(m.to_json(), WHERE).best_value == math.inf
+
+
+@pytest.mark.parametrize(
+    "sampler, sample, ok",
+    [
+        ({"dataset_len": 100, "num_replicas": 1, "drop_last": False}, 100, True),
+        ({"dataset_len": 100, "num_replicas": 1, "drop_last": False}, 101, False),
+        ({"dataset_len": 100, "num_replicas": 3, "drop_last": False}, 102, True),  # padded to 102
+        ({"dataset_len": 100, "num_replicas": 3, "drop_last": False}, 103, False),
+        ({"dataset_len": 100, "num_replicas": 3, "drop_last": True}, 100, False),  # 99 positions
+        ({"dataset_len": 100}, 100, True),
+        ({"dataset_len": 100}, 1 << 40, False),
+        ({"seed": 3}, 1 << 40, True),  # not a ResumableSampler's state: not checked
+        ({"dataset_len": "100"}, 1 << 40, True),
+    ],
+)
+def test_cursor_past_the_end_of_its_epoch_is_refused(sampler, sample, ok):
+    raw = body()
+    raw["sampler"] = sampler
+    raw["cursor"]["sample"] = sample
+    if ok:
+        assert Manifest.from_json(reseal(raw), WHERE).cursor.sample == sample
+    else:
+        with pytest.raises(ValueError, match=rf"^{WHERE}: cursor.sample {sample} is past the end of the epoch"):
+            Manifest.from_json(reseal(raw), WHERE)
+
+
+def test_huge_values_are_cut_in_messages():
+    raw = body()
+    raw["reason"] = ["x" * 1_000_000]
+    with pytest.raises(ValueError, match=r"expected a string, found \['xxx.*\(1000004 characters\)") as e:
+        Manifest.from_json(reseal(raw), WHERE)
+    assert len(str(e.value)) < 400

@@ -378,3 +378,83 @@ def test_truncated_file_rejected():
     for n in range(8 + hlen, full.size):
         with pytest.raises(ValueError):
             tensorfile.parse(full[:n].copy(), "cut")
+
+
+# ------------------------------------------------------------------ hostile input
+
+
+@pytest.mark.parametrize(
+    "shape", [[0, 1 << 63], [0, 1 << 70], [1 << 31, 0, 1 << 31, 4], [0, 1 << 62], [1 << 31, 0, 1 << 31]], ids=str
+)
+def test_empty_tensor_whose_strides_overflow_is_refused(shape):
+    """Any other shape must match its bytes; an empty one must not crash torch.empty() (TypeError, RuntimeError)."""
+    header = {"e": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}
+    extent = 1
+    for d in shape:
+        extent *= max(d, 1)
+    if extent <= tensorfile.MAX_EXTENT:
+        out, _ = tensorfile.parse(raw_file(header, b""), "f")
+        assert out["e"].numel() == 0 and list(out["e"].shape) == shape
+    else:
+        _rejects(raw_file(header, b""), r"entry 'e': shape \[.*\]: its non-zero dimensions multiply to more than")
+
+
+def test_too_many_dimensions_are_refused():
+    ok = {"e": {"dtype": "F32", "shape": [1] * 64, "data_offsets": [0, 4]}}
+    assert tensorfile.parse(raw_file(ok, b"\0" * 4), "f")[0]["e"].dim() == 64
+    bad = {"e": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}
+    _rejects(raw_file(bad, b"\0" * 4), r"entry 'e': shape must be a list of at most 64")
+
+
+@pytest.mark.parametrize(
+    "head",
+    [b"[" * 100_000, b'{"a": ' + b"1" * 5000 + b"}"],
+    ids=["deep", "huge-int"],
+)
+def test_header_json_that_python_cannot_hold_is_a_value_error(head):
+    buf = np.frombuffer(len(head).to_bytes(8, "little") + head, dtype=np.uint8).copy()
+    _rejects(buf, r"header is not valid JSON \((RecursionError|ValueError)")
+
+
+def test_long_keys_are_cut_in_messages():
+    header = {"k" * 100_000: {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}
+    with pytest.raises(ValueError, match=r"entry 'kkk.*\(100002 characters\): unknown dtype 'F99'") as e:
+        tensorfile.parse(raw_file(header, b"\0" * 4), "f")
+    assert len(str(e.value)) < 400
+
+
+def _pickle_payload() -> bytes:
+    import pickle
+
+    return pickle.dumps({"weight": [1.0, 2.0]})
+
+
+def _torch_save_payload() -> bytes:
+    import io
+
+    f = io.BytesIO()
+    torch.save({"weight": torch.ones(3)}, f)
+    return f.getvalue()
+
+
+@pytest.mark.parametrize(
+    "make, found",
+    [
+        (_pickle_payload, r"found a pickle stream \(protocol \d\): preempt never unpickles"),
+        (_torch_save_payload, r"found a zip archive \(what torch.save writes\)"),
+        (lambda: b"\x80\x04K\x01.", r"5 bytes; .*found a pickle stream"),
+        (lambda: b"\x93NUMPY\x01\x00v\x00{'descr': '<f4'}", r"found a NumPy .npy file"),
+    ],
+    ids=["pickle", "torch.save", "tiny-pickle", "npy"],
+)
+def test_a_pickle_or_torch_save_file_is_named_as_such(make, found):
+    _rejects(np.frombuffer(make(), dtype=np.uint8).copy(), found)
+
+
+def test_a_valid_file_that_starts_like_a_pickle_still_parses():
+    """A header of 0x0280 bytes starts with 80 02, the bytes of a protocol-2 pickle: the sniffing is only a hint."""
+    key = "k" * (0x280 - len(json.dumps({"": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}})))
+    buf = raw_file({key: {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}, b"", pad=False)
+    assert buf[:2].tolist() == [0x80, 0x02]
+    assert list(tensorfile.parse(buf, "f")[0]) == [key]
+    assert tensorfile.foreign_format(buf[:8].tobytes()) == "a pickle stream (protocol 2)"
