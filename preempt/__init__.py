@@ -5,12 +5,15 @@ __version__ = "0.1.0"
 from .checkpoint import CheckpointManager
 from .errors import (
     PREEMPTED_EXIT_CODE,
+    SAVE_FAILED_EXIT_CODE,
+    CheckpointWriteError,
     CorruptCheckpointError,
     IncompatibleStateError,
     NoCheckpointError,
     Preempted,
     PreemptError,
     RunComplete,
+    SaveFailed,
     UnsupportedStateError,
 )
 from .run import PreemptibleRun
@@ -18,7 +21,9 @@ from .sampler import ResumableSampler
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
+    "SAVE_FAILED_EXIT_CODE",
     "CheckpointManager",
+    "CheckpointWriteError",
     "CorruptCheckpointError",
     "IncompatibleStateError",
     "NoCheckpointError",
@@ -27,5 +32,6 @@ __all__ = [
     "PreemptibleRun",
     "ResumableSampler",
     "RunComplete",
+    "SaveFailed",
     "UnsupportedStateError",
 ]

@@ -44,11 +44,17 @@ What a reader concludes from each leftover (:func:`recover`, run at start):
 
 Rename within one filesystem is atomic on POSIX; a crash leaves either the old
 name or the new one, never a mix.
+
+Fault injection: the writer calls :func:`stage` with a name from
+:data:`STAGES` at each boundary of the protocol. It does nothing unless a test
+installed a hook with :func:`inject_fault` (the fault suite kills the process
+or raises there, to prove each leftover is read as documented above).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import mmap
 import os
@@ -56,7 +62,8 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +81,31 @@ _STEP_RE = re.compile(r"step_([0-9]+)", re.ASCII)  # used with fullmatch
 
 _WRITE_CHUNK = 64 << 20  # bytes per write(2) call; also bounds a partial write
 _COALESCE = 4 << 20  # small pieces are gathered up to this size before writing
+
+
+# The boundaries of the commit protocol, in order, where a fault can be injected.
+STAGES = (
+    "after_tensor_files",  # step 2: the tensor files are durable, the JSON files not written yet
+    "before_manifest",  # step 2 done: every data file durable, no manifest yet
+    "before_tmp_fsync",  # step 3 done: the manifest is written, the temporary directory not fsynced
+    "before_rename",  # step 4 done: ready to rename
+    "after_replace",  # step 5: an older step_N was moved aside, the new one not renamed yet
+    "before_dir_fsync",  # step 6 done: renamed, save_dir not fsynced
+    "committed",  # step 7 done: durable; nothing older deleted yet
+)
+_fault_hook: Callable[[str], None] | None = None
+
+
+def inject_fault(hook: Callable[[str], None] | None) -> None:
+    """Installs (or with None removes) a function called with each stage name; for tests."""
+    global _fault_hook
+    _fault_hook = hook
+
+
+def stage(name: str) -> None:
+    """Marks a protocol boundary (see :data:`STAGES`); calls the injected hook, if any."""
+    if _fault_hook is not None:
+        _fault_hook(name)
 
 
 def checkpoint_name(step: int) -> str:
@@ -219,14 +251,25 @@ def commit_dir(save_dir: Path, tmp: Path, name: str) -> tuple[Path, Path | None]
         The final path, and the path of the replaced checkpoint of the same
         name (to be deleted by the caller, off the critical path) or None.
     """
+    stage("before_tmp_fsync")
     fsync_dir(tmp)
+    stage("before_rename")
     final = save_dir / name
     replaced = None
     if final.exists():
         replaced = save_dir / f"{_REPLACED}{name}-{_tag()}"
         os.rename(final, replaced)
-    os.rename(tmp, final)
+    try:
+        if replaced is not None:
+            stage("after_replace")
+        os.rename(tmp, final)
+    except BaseException:
+        if replaced is not None:  # put the valid older copy back rather than leave the name empty
+            os.rename(replaced, final)
+        raise
+    stage("before_dir_fsync")
     fsync_dir(save_dir)
+    stage("committed")
     return final, replaced
 
 
@@ -248,6 +291,8 @@ def trash(save_dir: Path, path: Path) -> Path:
 def move_aside(save_dir: Path, path: Path, where: str) -> Path:
     """Moves a checkpoint directory into ``save_dir/<where>/`` without deleting anything."""
     dest_dir = save_dir / where
+    if dest_dir.is_symlink():  # moving into it would write outside save_dir
+        raise OSError(errno.ELOOP, f"{dest_dir} is a symlink; expected a directory inside {save_dir}")
     dest_dir.mkdir(exist_ok=True)
     dest = dest_dir / path.name
     n = 1
@@ -262,7 +307,18 @@ def move_aside(save_dir: Path, path: Path, where: str) -> Path:
 def remove_tree(path: Path) -> None:
     """Deletes a directory tree; a file or an already-missing path is fine too."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=False)
+
+        def gone_already(func: Any, p: str, exc: Any) -> None:
+            # Another process may be cleaning the same leftover (a run that starts while its
+            # predecessor's deleter is still busy): what is gone is gone.
+            err = exc if isinstance(exc, BaseException) else exc[1]
+            if not isinstance(err, FileNotFoundError):
+                raise err
+
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=gone_already)
+        else:
+            shutil.rmtree(path, onerror=gone_already)
     else:
         path.unlink(missing_ok=True)
 

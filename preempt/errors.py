@@ -13,11 +13,16 @@ Exit codes (documented in README.md too):
   state was checkpointed (or nothing had changed since the last checkpoint)
   and running the same command again continues exactly there. 75 is
   ``EX_TEMPFAIL`` from ``sysexits.h``: "temporary failure, retry later".
+* ``74``  :data:`SAVE_FAILED_EXIT_CODE`: a signal asked the run to stop, but
+  the checkpoint of the stop could not be written (disk full, I/O error). The
+  previous checkpoints are intact; a rerun continues from the last good one,
+  and the steps after it are lost. 74 is ``EX_IOERR``.
 """
 
 from __future__ import annotations
 
 PREEMPTED_EXIT_CODE = 75
+SAVE_FAILED_EXIT_CODE = 74
 
 
 class PreemptError(Exception):
@@ -34,6 +39,20 @@ class CorruptCheckpointError(CheckpointError):
     Raised for a digest or size mismatch, a missing file, a manifest that does
     not parse or fails its own checksum, and tensor files that are malformed.
     """
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, I/O error, a read-only disk).
+
+    The partial files were removed and every earlier checkpoint is intact.
+
+    Attributes:
+        last_good: The newest checkpoint that is known good, or None.
+    """
+
+    def __init__(self, message: str, last_good: str | None = None):
+        super().__init__(message)
+        self.last_good = last_good
 
 
 class NoCheckpointError(CheckpointError):
@@ -79,6 +98,25 @@ class Preempted(SystemExit):
         super().__init__(code)
         self.signum = signum
         self.checkpoint = checkpoint
+
+
+class SaveFailed(SystemExit):
+    """Raised when the checkpoint a stop signal asked for cannot be written.
+
+    The process exits with :data:`SAVE_FAILED_EXIT_CODE` (not 75: the state at
+    the stop is not on disk). The log says which checkpoint a rerun will use.
+
+    Attributes:
+        signum: The signal that asked for the stop.
+        last_good: The newest good checkpoint, or None.
+        error: The error that made the write fail.
+    """
+
+    def __init__(self, code: int, signum: int | None, last_good: str | None, error: BaseException):
+        super().__init__(code)
+        self.signum = signum
+        self.last_good = last_good
+        self.error = error
 
 
 class RunComplete(SystemExit):

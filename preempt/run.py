@@ -39,6 +39,7 @@ saves (when anything changed since the last save) and raises
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import time
@@ -55,12 +56,16 @@ from .dataloading import find_sampler, length, shield_workers
 from .environment import Environment, provenance
 from .errors import (
     PREEMPTED_EXIT_CODE,
+    SAVE_FAILED_EXIT_CODE,
+    CheckpointWriteError,
     IncompatibleStateError,
     NoCheckpointError,
     Preempted,
     PreemptError,
     RunComplete,
+    SaveFailed,
 )
+from .lock import DirLock
 from .manifest import Cursor, Manifest
 from .policy import Decision, Reason, SaveFacts, SavePolicy, decide, next_due
 from .sampler import ResumableSampler
@@ -106,11 +111,17 @@ class PreemptibleRun:
             it record it, and a rerun (a requeue) continues from those.
         weights_only: Load only the model's weights from that checkpoint;
             optimizer, scheduler, scaler and counters start fresh (fine-tuning).
+        strict: False loads the model tensors whose key and shape match and
+            skips (and logs) model keys the checkpoint lacks and checkpoint keys
+            the model lacks; a key of another shape is an error either way (see
+            :func:`preempt.state.load_model`). Meant for weights_only=True.
         track: Further objects with state_dict()/load_state_dict(), by name.
         signals: The signals that ask for a stop.
         exit_code: The code of the SystemExit raised on a stop (default 75).
         exit_if_complete: On entering a completed run, raise RunComplete (exit 0).
             False continues training past the completed state instead.
+        lock_timeout: Seconds to wait when another process holds ``save_dir``
+            (see :mod:`preempt.lock`) before failing with LockedError; 0 fails at once.
         clock: Monotonic clock (for tests).
     """
 
@@ -133,10 +144,12 @@ class PreemptibleRun:
         auto_resume: bool = True,
         resume: str | int | os.PathLike[str] | None = "latest",
         weights_only: bool = False,
+        strict: bool = True,
         track: Mapping[str, state.Stateful] | None = None,
         signals: Iterable[int] = DEFAULT_SIGNALS,
         exit_code: int = PREEMPTED_EXIT_CODE,
         exit_if_complete: bool = True,
+        lock_timeout: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
@@ -176,11 +189,14 @@ class PreemptibleRun:
         self.auto_resume = bool(auto_resume)
         self.resume = resume
         self.weights_only = bool(weights_only)
+        self.strict = bool(strict)
         self.exit_code = exit_code
         self.exit_if_complete = bool(exit_if_complete)
         self._flag = StopFlag(signals, clock)
         self._clock = clock
         self.env = Environment.from_env()
+        job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
+        self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=lock_timeout)
 
         # Progress. Read these; the run updates them.
         self.global_step = 0
@@ -190,6 +206,7 @@ class PreemptibleRun:
         self.metrics: dict[str, float] = {}
         self.resumed_from: Path | None = None
         self.last_checkpoint: Path | None = None
+        self.failed_saves = 0  # periodic checkpoints that could not be written (disk full, I/O errors)
 
         self._entered = False
         self._active = False
@@ -198,6 +215,7 @@ class PreemptibleRun:
         self._batches_epoch = -1  # the epoch whose batches() has started
         self._batches_per_epoch: int | None = None
         self._samples_per_batch: int | None = None  # global samples per batch, when known
+        self._sample_offset = 0  # samples of the epoch done minus batch * samples per batch (after a resize)
         self._sampler: ResumableSampler | None = None
         self._samplers: list[ResumableSampler] = []
         self._epoch_rng: rng.RngState | None = None
@@ -229,7 +247,9 @@ class PreemptibleRun:
                 " (CPython installs handlers only from the main thread)"
             )
         try:
-            self.manager.prepare()
+            self.manager.check_dir()  # a bad save_dir is said now, not at the first checkpoint hours later
+            self._lock.acquire()
+            self.manager.recover()  # only the lock holder may clean up leftovers
             done = self.manager.completion()
             if done is not None and self.exit_if_complete and not self._new_request():
                 log.info(
@@ -247,6 +267,7 @@ class PreemptibleRun:
         except BaseException:
             self._flag.restore()
             self.manager.close(timeout=0.0)
+            self._lock.release()
             raise
         self._active = True
         self._last_save_time = self._clock()
@@ -288,7 +309,7 @@ class PreemptibleRun:
         info, loaded = source.load(selector, weights_only=self.weights_only)
         if self.weights_only:
             if self.components.model is not None:
-                state.load_model(self.components.model, loaded)
+                state.load_model(self.components.model, loaded, strict=self.strict)
             self.resumed_from = info.path
             log.info(
                 "loaded the weights of %s (step %d); optimizer, scheduler and counters start fresh",
@@ -368,7 +389,9 @@ class PreemptibleRun:
             rng_epoch = rng.from_tree(rngs["epoch_start"], where) if rngs.get("epoch_start") else None
         except (KeyError, TypeError) as e:
             raise IncompatibleStateError(f"{where}: no RNG state ({e}); was it written by PreemptibleRun?") from None
-        state.apply(self.components, loaded)
+        if not isinstance(tree.get("user", {}), dict):
+            raise IncompatibleStateError(f"{where}: user: expected an object, found {type(tree['user']).__name__}")
+        state.apply(self.components, loaded, strict=self.strict)
         self._saved_tracked = tree.get("tracked", {})
         self.user_state = dict(tree.get("user") or {})
         rng.restore(rng_now)
@@ -406,6 +429,7 @@ class PreemptibleRun:
             # After a stop the process must exit within its grace period;
             # unfinished deletions are redone at the next start.
             self.manager.close(timeout=None if exc_type is None else 0.0)
+            self._lock.release()
         return False
 
     def _finish(self) -> None:
@@ -479,6 +503,7 @@ class PreemptibleRun:
                 return
         else:
             self._epoch_rng = rng.capture()
+            self._sample_offset = 0
             it, start = iter(loader), 0
         self.batch = start
         self._recompute_due()
@@ -496,10 +521,14 @@ class PreemptibleRun:
         self._epoch_rng = r.rng_epoch_start
         total = self._batches_per_epoch
         start = c.batch
+        self._sample_offset = 0
+        finished = total is not None and start >= total
         if sampler is not None and self._samples_per_batch and c.sample >= 0:
+            finished = c.sample >= sampler.total  # in samples: ceil(sample / new batch) can reach len(loader) early
             if c.batch and c.sample != c.batch * self._samples_per_batch:
                 old = c.sample // c.batch
                 start = -(-c.sample // self._samples_per_batch)
+                self._sample_offset = c.sample - start * self._samples_per_batch
                 log.warning(
                     "the batch size changed (%d -> %d samples per step): continuing at sample %d of the epoch,"
                     " batch %d",
@@ -508,7 +537,7 @@ class PreemptibleRun:
                     c.sample,
                     start,
                 )
-        if total is not None and start >= total:
+        if finished:
             rng.restore(r.rng_now)  # the epoch was finished; nothing to iterate
             return None, start
         if r.rng_epoch_start is not None:
@@ -701,6 +730,12 @@ class PreemptibleRun:
         }
 
     def _save(self, reason: Reason, point: str) -> None:
+        """Writes a checkpoint of the current state.
+
+        A periodic save that fails for want of disk (any OSError) is logged and
+        training goes on; the next one is tried when it is next due. A save that
+        cannot be skipped (the stop's, the final one, a branch's) raises.
+        """
         with self._flag.critical():
             t0 = self._clock()
             cursor, sampler = self._cursor()
@@ -718,10 +753,48 @@ class PreemptibleRun:
                 provenance=self._provenance,
             )
             log.debug("saving %s (%s)", self.save_dir / f"step_{self.global_step:09d}", reason.value)
-            info = self.manager.save(state.capture(self.components, self._run_state()), manifest)
+            payload = state.capture(self.components, self._run_state())
+            try:
+                info = self.manager.save(payload, manifest)
+            except OSError as e:
+                self._save_failed(reason, e)
+                return
             self._mark_saved(info)
             self._best_pending = False
             log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(self._clock() - t0))
+
+    def _save_failed(self, reason: Reason, error: OSError) -> None:
+        self.failed_saves += 1
+        code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+        what = (
+            f"could not write checkpoint step_{self.global_step:09d} ({reason.value}) in {self.save_dir}:"
+            f" {error.strerror or error}{code}"
+        )
+        info = self._last_info
+        if info is None or info.manifest is None:
+            last, last_good = "there is no earlier checkpoint", None
+        else:
+            ago = _log.duration(max(0.0, time.time() - info.manifest.created))
+            last, last_good = (
+                f"the last good checkpoint is {info.path} (step {info.step}, saved {ago} ago)",
+                str(info.path),
+            )
+        if reason == Reason.PREEMPT:
+            lost = self.global_step - (info.step if info is not None else 0)
+            log.error(
+                "%s; %s; the %d step(s) since are lost; exiting with code %d", what, last, lost, SAVE_FAILED_EXIT_CODE
+            )
+            raise SaveFailed(SAVE_FAILED_EXIT_CODE, self._flag.signum, last_good, error) from error
+        if reason in (Reason.FINAL, Reason.BRANCH):
+            raise CheckpointWriteError(f"{what}; {last}", last_good) from error
+        # A periodic checkpoint: its partial files are gone, older checkpoints untouched (nothing is deleted to
+        # make room). Training goes on; the next try comes when the next checkpoint is due, not at every step.
+        log.error("%s; %s; training goes on and tries again at the next checkpoint", what, last)
+        self._best_pending = False
+        self._last_save_time = self._clock()
+        self._last_save_step = self.global_step
+        self._last_save_epoch = self.epoch
+        self._last_save_batch = self.batch
 
     def _cursor(self) -> tuple[Cursor, dict[str, Any] | None]:
         """Where the loop stands, and the sampler's state."""
@@ -730,7 +803,7 @@ class PreemptibleRun:
             # Not yet back at the checkpoint's program point: its cursor still describes the loop.
             return r.cursor, r.sampler
         spb = self._samples_per_batch
-        sample = -1 if spb is None else self.batch * spb
+        sample = -1 if spb is None else self.batch * spb + self._sample_offset
         sampler = None
         if self._sampler is not None:
             sampler = self._sampler.state_dict()

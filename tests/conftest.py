@@ -48,15 +48,16 @@ class Spawned:
         with self._cond:
             self._cond.notify_all()
 
-    def wait_for(self, pattern: str, timeout: float = 60.0) -> bool:
-        """Blocks until a line matching ``pattern`` (regex) appears; False if the process ended first."""
+    def wait_for(self, pattern: str, timeout: float = 60.0, count: int = 1) -> bool:
+        """Blocks until ``count`` lines matching ``pattern`` (regex) appeared; False if the process ended first."""
         rx = re.compile(pattern)
-        seen = 0
+        seen = found = 0
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 for line in self.lines[seen:]:
-                    if rx.search(line):
+                    found += bool(rx.search(line))
+                    if found >= count:
                         return True
                 seen = len(self.lines)
                 if self.proc.poll() is not None and not self._reader.is_alive():

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import sys
 import time
 
@@ -18,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
-from preempt import PreemptibleRun
+import preempt.checkpoint
+from preempt import PreemptibleRun, commit
 
 
 class Synthetic(Dataset):
@@ -53,6 +56,37 @@ def flatten(prefix: str, tree, out: dict) -> None:
         out[prefix] = torch.tensor(float(tree), dtype=torch.float64)
 
 
+def signal_at(spec: str) -> None:
+    """``STAGE:N:SIG[,...]``: send this process a real SIG the N-th time the commit reaches STAGE.
+
+    STAGE is one of ``preempt.commit.STAGES``, or ``load`` (a checkpoint file is about to be read and
+    verified). The signal is real (``os.kill``); SIGKILL ends the process right there.
+    """
+    plan: dict[str, list[tuple[int, int]]] = {}
+    for item in spec.split(","):
+        stage, n, sig = item.split(":")
+        if stage not in (*commit.STAGES, "load"):
+            raise SystemExit(f"--signal_at: unknown stage {stage!r}")
+        plan.setdefault(stage, []).append((int(n), signal.Signals[f"SIG{sig}"]))
+    seen: dict[str, int] = {}
+
+    def hook(stage: str) -> None:
+        seen[stage] = seen.get(stage, 0) + 1
+        for n, sig in plan.get(stage, []):
+            if n == seen[stage]:
+                print(f"signal_at {stage} {n} {sig.name}", flush=True)
+                os.kill(os.getpid(), sig)
+
+    commit.inject_fault(hook)
+    original = preempt.checkpoint.read_verified
+
+    def read_verified(path, expected):
+        hook("load")
+        return original(path, expected)
+
+    preempt.checkpoint.read_verified = read_verified
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--save_dir", required=True)
@@ -72,7 +106,10 @@ def main() -> None:
     p.add_argument("--step_sleep", type=float, default=0.0)
     p.add_argument("--epoch_end_sleep", type=float, default=0.0)
     p.add_argument("--no_auto_resume", action="store_true")
+    p.add_argument("--signal_at", default=None, help="STAGE:N:SIG[,...], see signal_at()")
     args = p.parse_args()
+    if args.signal_at:
+        signal_at(args.signal_at)
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -1,0 +1,118 @@
+"""A full disk (ENOSPC) under a real training: a small tmpfs mounted for the test, filled by the test.
+
+A periodic checkpoint that fails must cost nothing but itself: the error is
+logged, its partial files are freed, older checkpoints stay (none is deleted
+to make room), and training goes on and tries again at the next interval. The
+checkpoint a stop signal asks for cannot be skipped: when it fails the process
+exits 74 naming the last good checkpoint, and a rerun continues from there.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Spawned, assert_same_final, train_cmd
+
+from preempt.checkpoint import CheckpointManager
+
+# ~3 MB per checkpoint; 48 steps of ~0.1 s, a checkpoint every 0.3 s.
+MODEL = ["--epochs", "3", "--samples", "256", "--dim", "256", "--width", "1024"]
+PACE = ["--step_sleep", "0.1", "--interval", "0.3", "--keep_last", "2"]
+FAILED = r"could not write checkpoint .*No space left on device \(ENOSPC\)"
+SIZE_MB = 24
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A fresh tmpfs of SIZE_MB MiB (needs root, as on our machines and in CI)."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SIZE_MB}m", "tmpfs", str(where)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(fs: Path, leave: int = 16 << 10) -> Path:
+    """Writes a file until the filesystem is full, then frees ``leave`` bytes (room for small files only)."""
+    filler = fs / "filler"
+    chunk = b"\0" * (1 << 20)
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+        f.truncate(max(0, f.tell() - leave))
+    return filler
+
+
+def checkpoints(save_dir: Path) -> dict[int, str]:
+    """Step -> status of each checkpoint, after asserting that the valid ones verify."""
+    manager = CheckpointManager(save_dir, owner=False)
+    found = {}
+    for info in manager.list():
+        if info.status == "valid":
+            assert not manager.verify(info), manager.verify(info)
+        found[info.step] = info.status
+    return found
+
+
+def partial(save_dir: Path) -> list[str]:
+    return [e for e in os.listdir(save_dir) if e.startswith(".tmp-")]
+
+
+def test_periodic_saves_fail_on_a_full_disk_and_training_goes_on(small_fs, tmp_path, reference):
+    save_dir, final = small_fs / "run", tmp_path / "final.safetensors"
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))
+    assert p.wait_for(r"checkpoint \S+ \(interval\) written"), p.output
+    filler = fill(small_fs)
+    before = checkpoints(save_dir)
+    # Training goes on through more than one failed interval.
+    assert p.wait_for(FAILED, count=2), p.output
+    after = checkpoints(save_dir)
+    assert after == before, "a failed save must leave the older checkpoints as they were (none deleted for room)"
+    assert partial(save_dir) == [], "the partial files of a failed save must be freed at once"
+    failures = [int(s) for s in re.findall(r"could not write checkpoint step_0*(\d+) \(interval\)", p.output)]
+    assert all(b > a + 1 for a, b in zip(failures, failures[1:], strict=False)), f"retried every step: {failures}"
+    last_good = max(before)
+    assert re.search(rf"the last good checkpoint is \S+step_0*{last_good} ", p.output), p.output
+    filler.unlink()  # space again: the next interval's save succeeds
+    n_written = len(re.findall(r"\(interval\) written", p.output))
+    assert p.wait_for(r"\(interval\) written", count=n_written + 1), p.output
+    assert p.finish() == 0, p.output
+    assert_same_final(reference(MODEL), final)
+
+
+def test_a_stop_whose_save_fails_exits_74_and_the_rerun_continues(small_fs, tmp_path, reference):
+    save_dir, final = small_fs / "run", tmp_path / "final.safetensors"
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))
+    assert p.wait_for(r"checkpoint \S+ \(interval\) written"), p.output
+    filler = fill(small_fs)
+    before = checkpoints(save_dir)
+    p.signal(signal.SIGTERM)
+    assert p.finish() == 74, p.output
+    last_good = max(before)
+    assert re.search(
+        rf"could not write checkpoint step_\d+ \(preempt\) .*ENOSPC.*; the last good checkpoint is"
+        rf" \S+step_0*{last_good} \(step {last_good}, .*; exiting with code 74",
+        p.output,
+    ), p.output
+    assert checkpoints(save_dir) == before and partial(save_dir) == []
+    filler.unlink()
+    rerun = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))
+    assert rerun.finish() == 0, rerun.output
+    assert re.search(rf"resumed from \S+step_0*{last_good}: step {last_good},", rerun.output), rerun.output
+    assert_same_final(reference(MODEL), final)

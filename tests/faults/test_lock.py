@@ -1,0 +1,150 @@
+"""One writer per save_dir: a second run fails fast naming the holder; a dead holder's lock is taken over."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Spawned, train_cmd
+
+from preempt import PreemptibleRun
+from preempt.lock import LOCK, STALE_AFTER_S, DirLock, LockedError
+
+SLOW = ["--epochs", "3", "--samples", "128", "--step_sleep", "0.2"]  # 24 steps, ~5 s: outlasts a second start
+
+
+def test_a_second_process_fails_fast_naming_the_holder_and_the_first_goes_on(tmp_path):
+    save_dir = tmp_path / "run"
+    first = Spawned(train_cmd(save_dir, None, SLOW))
+    assert first.wait_for(r"^step 2 "), first.output
+    t0 = time.monotonic()
+    second = Spawned(train_cmd(save_dir, None, SLOW))
+    assert second.finish() == 1, second.output
+    waited = time.monotonic() - t0
+    host = socket.gethostname()
+    assert f"{save_dir} is in use by pid {first.proc.pid} on host {host} since " in second.output, second.output
+    assert "ago), training (lock file" in second.output
+    assert "^step" not in second.output
+    assert first.finish() == 0, first.output
+    assert "done" in first.output
+    print(f"the second process gave up after {waited:.2f} s (most of it starting Python and torch)")
+
+
+def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path):
+    save_dir = tmp_path / "run"
+    first = Spawned(train_cmd(save_dir, None, [*SLOW, "--every_steps", "2"]))
+    assert first.wait_for(r"^step 5 "), first.output
+    first.signal(signal.SIGKILL)
+    assert first.finish() == -signal.SIGKILL
+    assert str(first.proc.pid) in (save_dir / LOCK).read_text(), "the dead holder's details stay in the file"
+    rerun = Spawned(train_cmd(save_dir, None, SLOW))
+    assert rerun.finish() == 0, rerun.output
+    assert f"took over the lock left by pid {first.proc.pid} on host {socket.gethostname()}" in rerun.output
+    assert "resumed from" in rerun.output
+    assert (save_dir / LOCK).read_bytes() == b"", "a clean exit leaves the lock file empty"
+
+
+def test_two_runs_in_one_process(tmp_path):
+    """POSIX locks do not see a second lock from the same process: the registry does."""
+    model = torch.nn.Linear(2, 2)
+    with PreemptibleRun(tmp_path, model=model, checkpoint_interval=None):
+        with pytest.raises(LockedError, match=r"in use by pid \d+ .*training \(in this same process\)"):
+            with PreemptibleRun(tmp_path, model=model, checkpoint_interval=None):
+                pass
+        assert DirLock(tmp_path).path.read_bytes(), "the failed attempt must not drop the first run's lock"
+    with DirLock(tmp_path, purpose="after"):  # released: free again
+        pass
+
+
+def test_lock_timeout_waits_for_the_holder(tmp_path):
+    holder = DirLock(tmp_path, purpose="holder")
+    holder.acquire()
+    threading.Timer(0.3, holder.release).start()
+    with pytest.raises(LockedError):
+        DirLock(tmp_path, timeout=0.0).acquire()
+    waiter = DirLock(tmp_path, timeout=10.0)
+    waiter.acquire()
+    assert waiter.held
+    waiter.release()
+
+
+def test_lock_held_by_another_process_seen_from_here(tmp_path):
+    code = (
+        "import sys, time; from preempt.lock import DirLock; "
+        f"l = DirLock({str(tmp_path)!r}, purpose='other job'); l.acquire(); print('held', flush=True); time.sleep(30)"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        with pytest.raises(LockedError) as e:
+            DirLock(tmp_path).acquire()
+        assert e.value.holder["pid"] == p.pid and e.value.holder["purpose"] == "other job"
+    finally:
+        p.kill()
+        p.wait()
+    with DirLock(tmp_path) as lock:  # the kernel dropped the dead process's lock
+        assert lock.previous["pid"] == p.pid
+
+
+# ---------------------------------------------------- filesystems without record locks
+
+
+def write_holder(d: Path, **holder) -> None:
+    import json
+
+    (d / LOCK).write_text(json.dumps(holder))
+
+
+def test_fallback_refuses_a_live_holder_on_this_host(tmp_path):
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        write_holder(tmp_path, pid=sleeper.pid, host=socket.gethostname(), since=time.time(), purpose="x")
+        with pytest.raises(LockedError, match=rf"pid {sleeper.pid} on host"):
+            DirLock(tmp_path, use_record_locks=False).acquire()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_fallback_takes_over_from_a_dead_holder_on_this_host(tmp_path, caplog):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    write_holder(tmp_path, pid=gone.pid, host=socket.gethostname(), since=time.time() - 60)
+    with caplog.at_level(logging.WARNING, logger="preempt"):
+        lock = DirLock(tmp_path, use_record_locks=False)
+        lock.acquire()
+    assert f"took over the lock left by pid {gone.pid}" in caplog.text
+    assert lock._heartbeat is not None and lock._heartbeat.is_alive()
+    lock.release()
+    assert (tmp_path / LOCK).read_bytes() == b""
+
+
+def test_fallback_a_reused_pid_is_not_the_holder(tmp_path):
+    """Same pid, different start time: the pid was reused by an unrelated process; the lock is free."""
+    write_holder(tmp_path, pid=os.getppid(), host=socket.gethostname(), since=time.time(), start=1)
+    with DirLock(tmp_path, use_record_locks=False):
+        pass
+
+
+def test_fallback_another_host_fresh_then_stale(tmp_path):
+    write_holder(tmp_path, pid=1234, host="node-elsewhere", since=time.time())
+    with pytest.raises(LockedError, match="pid 1234 on host node-elsewhere"):
+        DirLock(tmp_path, use_record_locks=False).acquire()
+    old = time.time() - STALE_AFTER_S - 5
+    os.utime(tmp_path / LOCK, (old, old))  # no heartbeat for longer than STALE_AFTER_S
+    with DirLock(tmp_path, use_record_locks=False) as lock:
+        assert lock.previous["host"] == "node-elsewhere"
+
+
+def test_bad_timeout(tmp_path):
+    with pytest.raises(ValueError, match="lock_timeout: expected seconds >= 0, got -1"):
+        PreemptibleRun(tmp_path, lock_timeout=-1)
