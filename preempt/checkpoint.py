@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -222,50 +223,37 @@ class CheckpointManager:
             )
         return CheckpointInfo(path, step, "valid", manifest)
 
-    def verify(
-        self,
-        info: CheckpointInfo,
-        files: Iterable[str] | None = None,
-        *,
-        hasher: Callable[[Path], FileDigest] | None = None,
-    ) -> list[str]:
-        """Re-hashes the checkpoint's files; returns one message per problem (empty: all good).
+    def check_files(self, info: CheckpointInfo, files: Iterable[str] | None = None) -> list[FileCheck]:
+        """Re-hashes and parses the checkpoint's files: one :class:`FileCheck` per file the manifest lists.
+
+        Each file is hashed in its memory mapping (:func:`preempt.commit.read_file`):
+        as fast as ``cat`` reads it cold and faster warm, where ``readinto`` a 64 MiB
+        buffer was 3-10x slower (``python bench/bench_verify.py``). The same
+        mapping is then parsed, so a re-signed file of another kind (a pickle)
+        is reported even though its digest matches.
+
+        Args:
+            info: The checkpoint, as :meth:`list` found it (with a manifest).
+            files: Only these file names (default: every file the manifest lists).
+        """
+        if info.manifest is None:
+            raise CorruptCheckpointError(info.problem or f"{info.path}: no manifest")
+        wanted = None if files is None else set(files)
+        return [
+            _check_file(info.path / name, expected)
+            for name, expected in info.manifest.files.items()
+            if wanted is None or name in wanted
+        ]
+
+    def verify(self, info: CheckpointInfo, files: Iterable[str] | None = None) -> list[str]:
+        """Re-hashes (and parses) the checkpoint's files; one message per problem (empty: all good).
 
         Each message names the file's path, then what the manifest promises and
         what the file holds: both full digests, both sizes, or "missing".
-
-        Args:
-            info: The checkpoint, as :meth:`list` found it.
-            files: Only these file names (default: every file the manifest lists).
-            hasher: Size and digest of one file; the command line passes one that
-                also records what it found. Default: hash the file's memory mapping
-                in place (:func:`preempt.commit.read_file`): as fast as ``cat`` reads
-                the file cold, faster than ``cat`` warm, and several times faster
-                than ``readinto`` a 64 MiB buffer (:func:`preempt.commit.hash_file`)
-                either way; ``python bench/bench_verify.py`` measures all three.
         """
         if info.manifest is None:
             return [info.problem or f"{info.path}: no manifest"]
-        hash_file = hasher or (lambda p: commit.read_file(p)[1])
-        problems = []
-        for name, expected in info.manifest.files.items():
-            if files is not None and name not in files:
-                continue
-            path = info.path / name
-            try:
-                regular_file(path)
-                size = path.stat().st_size
-                if size != expected.size:  # a truncated or grown file: no need to hash it
-                    _compare(path, expected, FileDigest(size, ""))
-                _compare(path, expected, hash_file(path))
-                _check_format(path)
-            except FileNotFoundError:
-                problems.append(f"{path}: missing (manifest says {expected.size} bytes, xxh3 {expected.xxh3_128})")
-            except CorruptCheckpointError as e:
-                problems.append(str(e))
-            except OSError as e:
-                problems.append(f"{path}: cannot be read ({e})")
-        return problems
+        return [c.message for c in self.check_files(info, files) if c.message is not None]
 
     def quarantine(self, info: CheckpointInfo, problem: str) -> Path | None:
         """Moves a broken checkpoint to ``quarantine/`` (owner only); returns where it went."""
@@ -292,16 +280,20 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
 
     def candidates(self, selector: Selector, infos: list[CheckpointInfo] | None = None) -> list[CheckpointInfo]:
-        """Valid checkpoints in the order to try for ``selector`` (best first)."""
+        """Valid checkpoints in the order to try for ``selector`` (best first, see :func:`rank_best`).
+
+        Raises:
+            NoCheckpointError: For "best", when the newest manifest's ``best.mode`` is neither min nor max.
+        """
         infos = self.list() if infos is None else infos
         valid = [c for c in infos if c.status == "valid"]
         if selector == "latest":
             return valid
         if selector == "best":
-            bests = [c for c in valid if c.manifest and c.manifest.best_value is not None]
-            mode = self.retention.mode
-            bests.sort(key=lambda c: c.manifest.best_value, reverse=mode == "max")  # type: ignore[union-attr]
-            return bests
+            best = rank_best(valid, self.retention.mode)
+            if best.problem:
+                raise NoCheckpointError(f"{self.save_dir}: no 'best' checkpoint ({best.problem})", [best.problem])
+            return best.ranked
         if isinstance(selector, int) and not isinstance(selector, bool):
             return [c for c in valid if c.step == selector]
         raise ValueError(f"resume: expected 'latest', 'best' or a step number, got {selector!r}")
@@ -494,6 +486,47 @@ class CheckpointManager:
             commit.fsync_dir(self.save_dir)
 
 
+@dataclasses.dataclass(frozen=True)
+class BestRanking:
+    """The checkpoints that hold a "best" state, best first, and the metric and mode that rank them."""
+
+    ranked: list[CheckpointInfo]
+    metric: str | None
+    mode: str | None
+    problem: str | None = None  # the newest best manifest records a mode that is neither min nor max
+
+
+def rank_best(infos: Iterable[CheckpointInfo], default_mode: str = "min") -> BestRanking:
+    """Ranks the valid checkpoints marked ``is_best`` by ``best.value``, with the mode their manifests record.
+
+    The newest such manifest says the metric and the mode (``default_mode``
+    when it records none); a checkpoint that records another metric or mode is
+    a different ranking and is left out. The mode comes from the manifests, not
+    from the caller's configuration, so that a tool or a run reading another
+    run's directory ranks a "max" metric as its writer did.
+    """
+    marked = [
+        c
+        for c in infos
+        if c.status == "valid" and c.manifest and (v := c.manifest.best_value) is not None and not math.isnan(v)
+    ]
+    marked.sort(key=lambda c: c.step, reverse=True)
+    if not marked:
+        return BestRanking([], None, None)
+
+    def ranking(c: CheckpointInfo) -> tuple[Any, Any]:
+        best = c.manifest.best or {}  # type: ignore[union-attr]
+        return best.get("metric"), best.get("mode", default_mode)
+
+    metric, mode = ranking(marked[0])
+    if mode not in ("min", "max"):
+        problem = f"{marked[0].path / MANIFEST}: best.mode: expected 'min' or 'max', found {mode!r:.80}"
+        return BestRanking([], metric, None, problem)
+    same = [c for c in marked if ranking(c) == (metric, mode)]
+    same.sort(key=lambda c: c.manifest.best_value, reverse=mode == "max")  # type: ignore[union-attr,return-value,arg-type]
+    return BestRanking(same, metric, mode)
+
+
 def read_manifest(path: Path) -> Manifest:
     """Reads and validates one manifest.
 
@@ -545,15 +578,56 @@ def _parse_tensors(buf: Any, path: Path) -> tuple[dict[str, torch.Tensor], dict[
         raise CorruptCheckpointError(str(e)) from None
 
 
-def _check_format(path: Path) -> None:
-    """Parses a file whose digest matched: a re-signed file of another kind (a pickle) must not pass verify."""
-    if path.suffix == ".safetensors":
-        _parse_tensors(commit.read_file(path)[0], path)
-    elif path.suffix == ".json" and path.name != MANIFEST:  # the manifest was parsed to get here
-        try:
-            codec.loads(commit.read_file(path)[0], str(path))
-        except ValueError as e:
-            raise CorruptCheckpointError(str(e)) from None
+@dataclasses.dataclass(frozen=True)
+class FileCheck:
+    """What verification found for one file of a checkpoint.
+
+    ``status`` is ``"ok"``, ``"missing"``, ``"not_regular"`` (a symlink, FIFO or
+    directory), ``"size"``, ``"digest"``, ``"format"`` (the digest matches but
+    the content does not parse) or ``"unreadable"``; ``found`` holds the size
+    (and digest, when hashed) of what is there; ``message`` is None when ok.
+    """
+
+    name: str
+    path: Path
+    expected: FileDigest
+    status: str
+    found: FileDigest | None = None
+    message: str | None = None
+
+
+def _check_file(path: Path, expected: FileDigest) -> FileCheck:
+    def bad(status: str, message: str, found: FileDigest | None = None) -> FileCheck:
+        return FileCheck(path.name, path, expected, status, found, message)
+
+    try:
+        regular_file(path)
+    except FileNotFoundError:
+        return bad("missing", f"{path}: missing (manifest says {expected.size} bytes, xxh3 {expected.xxh3_128})")
+    except CorruptCheckpointError as e:
+        return bad("not_regular", str(e))
+    try:
+        size = os.stat(path).st_size
+        if size != expected.size:  # a truncated or grown file: no need to hash it
+            return bad("size", f"{path}: size {size} bytes, manifest says {expected.size}", FileDigest(size, ""))
+        buf, got = commit.read_file(path)
+    except OSError as e:
+        return bad("unreadable", f"{path}: cannot be read ({e.strerror or e})")
+    try:
+        _compare(path, expected, got)
+    except CorruptCheckpointError as e:
+        return bad("digest", str(e), got)
+    try:
+        if path.suffix == ".safetensors":
+            _parse_tensors(buf, path)
+        elif path.suffix == ".json" and path.name != MANIFEST:  # the manifest was parsed to get here
+            try:
+                codec.loads(buf, str(path))
+            except ValueError as e:
+                raise CorruptCheckpointError(str(e)) from None
+    except CorruptCheckpointError as e:
+        return bad("format", str(e), got)
+    return FileCheck(path.name, path, expected, "ok", got)
 
 
 def regular_file(path: Path) -> None:

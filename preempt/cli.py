@@ -13,28 +13,27 @@ header, a length-prefixed JSON document validated against the file's size.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
 import os
-import stat
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from . import commit, tensorfile
-from .checkpoint import CheckpointInfo, CheckpointManager, read_verified
+from .checkpoint import CheckpointInfo, CheckpointManager, rank_best, read_verified, regular_file
 from .commit import QUARANTINE, SUPERSEDED, FileDigest
 from .errors import CorruptCheckpointError
 from .lock import DirLock, LockedError
 from .manifest import Manifest
 from .policy import Kept, RetentionPolicy, select_kept
 from .state import MODEL_FILE, STATE_FILE, STATE_JSON
+from .tensorfile import Entry, Header
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
 
@@ -48,12 +47,6 @@ exit codes:
 _MAX_STATE_JSON = 1 << 30  # state.json larger than this is not summarised by inspect
 _MAX_RNG_TENSOR = 1 << 20  # an RNG state is a few KiB; anything larger is not one
 _DEFAULT_TENSOR_ROWS = 20
-
-# safetensors dtype names and their sizes in bytes (torch-free, for headers read without the data).
-_ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-    "U16": 2, "U8": 1, "BOOL": 1, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
-}  # fmt: skip
 
 
 class _Fail(Exception):
@@ -109,67 +102,14 @@ def _size(info: CheckpointInfo) -> int:
     return sum(d.size for d in info.manifest.files.values())
 
 
-@dataclasses.dataclass(frozen=True)
-class _Best:
-    """The checkpoints that hold a "best" state, best first, as their manifests rank them."""
-
-    ranked: list[CheckpointInfo]
-    metric: str | None
-    mode: str | None
-    problem: str | None = None
-
-
-def _best(infos: list[CheckpointInfo]) -> _Best:
-    """Ranks valid checkpoints marked ``is_best`` by their ``best.value``, with the mode their manifests record.
-
-    The newest such manifest says the metric and the mode; a checkpoint that
-    records another metric or mode is a different ranking and is left out.
-    """
-    marked = [
-        c
-        for c in infos
-        if c.status == "valid" and c.manifest and (v := c.manifest.best_value) is not None and not math.isnan(v)
-    ]
-    if not marked:
-        return _Best([], None, None)
-
-    def ranking(c: CheckpointInfo) -> tuple[Any, Any]:
-        best = c.manifest.best or {}  # type: ignore[union-attr]
-        return best.get("metric"), best.get("mode", "min")
-
-    metric, mode = ranking(marked[0])
-    if mode not in ("min", "max"):
-        where = marked[0].path / commit.MANIFEST
-        return _Best([], metric, None, f"{where}: best.mode: expected 'min' or 'max', found {mode!r:.80}")
-    same = [c for c in marked if ranking(c) == (metric, mode)]
-    same.sort(key=lambda c: c.manifest.best_value, reverse=mode == "max")  # type: ignore[union-attr,return-value,arg-type]
-    return _Best(same, metric, mode)
-
-
-def _regular(path: Path) -> None:
-    """Refuses anything but a regular file before it is opened (a FIFO would block the open forever).
-
-    Raises:
-        CorruptCheckpointError: A symlink, directory, FIFO or device, named as such.
-        FileNotFoundError: There is nothing at ``path``.
-    """
-    mode = path.lstat().st_mode
-    if not stat.S_ISREG(mode):
-        kind = "a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise CorruptCheckpointError(f"{path}: is {kind}; checkpoint files must be regular files")
-
-
 def _selector(text: str) -> int | str:
     """argparse type of STEP: a step number, ``latest`` or ``best``."""
     if text in ("latest", "best"):
         return text
     try:
-        step = int(text)
-    except ValueError:
+        return _count(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a step number, 'latest' or 'best', found {text!r}") from None
-    if step < 0:
-        raise argparse.ArgumentTypeError(f"expected a step number >= 0, found {step}")
-    return step
 
 
 def _resolve(save_dir: Path, infos: list[CheckpointInfo], selector: int | str) -> CheckpointInfo:
@@ -190,7 +130,7 @@ def _resolve(save_dir: Path, infos: list[CheckpointInfo], selector: int | str) -
             return valid[0]
         broken = f" ({len(infos)} checkpoint(s), none with a valid manifest)" if infos else ""
         raise _Fail(EXIT_USAGE, f"{save_dir}: no valid checkpoint{broken}")
-    best = _best(infos)
+    best = rank_best(infos)
     if best.problem:
         raise _Fail(EXIT_DAMAGED, best.problem)
     if not best.ranked:
@@ -224,7 +164,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     manager = CheckpointManager(save_dir, owner=False)
     infos = manager.list()
     latest = next((c.step for c in infos if c.status == "valid"), None)
-    best = _best(infos)
+    best = rank_best(infos)
     best_step = best.ranked[0].step if best.ranked else None
     try:
         done = manager.completion()
@@ -307,47 +247,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------- verify
 
 
-def _file_status(path: Path, expected: FileDigest, found: FileDigest | None) -> tuple[str, dict[str, Any] | None]:
-    """A label for what is wrong with one file, and what was found (size, digest when hashed)."""
-    if found is not None:
-        return ("size" if found.size != expected.size else "digest"), found.to_json()
-    if path.is_symlink():
-        return "symlink", None
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return "missing", None
-    except OSError:
-        return "unreadable", None
-    if size != expected.size:
-        return "size", {"size": size, "xxh3_128": None}
-    return "unreadable", None
-
-
 def _verify_one(manager: CheckpointManager, info: CheckpointInfo) -> dict[str, Any]:
     doc: dict[str, Any] = {"name": info.name, "path": str(info.path), "step": info.step, "status": info.status}
     if info.manifest is None:
         return {**doc, "ok": False, "bytes": 0, "files": [], "problems": [info.problem or f"{info.path}: no manifest"]}
-    files, problems, nbytes = [], [], 0
-    for name, expected in info.manifest.files.items():
-        seen: list[FileDigest] = []
-
-        def recording(path: Path, seen: list[FileDigest] = seen) -> FileDigest:
-            seen.append(commit.read_file(path)[1])  # the manager's default: hashes the file's mapping in place
-            return seen[-1]
-
-        found_problems = manager.verify(info, [name], hasher=recording)
-        got = seen[0] if seen else None
-        nbytes += got.size if got else 0
-        path = info.path / name
-        entry: dict[str, Any] = {"name": name, "path": str(path), "expected": expected.to_json()}
-        if found_problems:
-            status, found = _file_status(path, expected, got)
-            entry.update(status=status, found=found, message="; ".join(found_problems))
-            problems.extend(found_problems)
-        else:
-            entry.update(status="ok", found=expected.to_json(), message=None)
-        files.append(entry)
+    checks = manager.check_files(info)
+    files = [
+        {
+            "name": c.name,
+            "path": str(c.path),
+            "expected": c.expected.to_json(),
+            "status": c.status,
+            "found": None if c.found is None else {"size": c.found.size, "xxh3_128": c.found.xxh3_128 or None},
+            "message": c.message,
+        }
+        for c in checks
+    ]
+    problems = [c.message for c in checks if c.message is not None]
+    nbytes = sum(c.found.size for c in checks if c.found is not None and c.found.xxh3_128)
     if problems and not os.path.lexists(info.path):
         # Pruned or moved aside by a running training while this was reading it: not damage.
         gone = f"{info.path}: deleted or moved aside while being verified (by a running training?)"
@@ -397,94 +314,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ inspect
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    """One tensor as a safetensors header describes it; offsets are from the start of the file."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "bytes": self.end - self.begin}
-
-
-def read_header(path: Path, max_bytes: int = tensorfile.MAX_HEADER_BYTES) -> tuple[list[_Entry], dict[str, str]]:
-    """The tensor entries and metadata of a safetensors file, from its header alone (no tensor data is read).
-
-    The header is an 8-byte little-endian length, then that many bytes of JSON.
-    The length is checked against the file's size and ``max_bytes`` before
-    anything is read, and every entry's dtype, shape and offsets are checked.
-
-    Raises:
-        CorruptCheckpointError: Naming ``path``, what was expected and what was found.
-        OSError: The file cannot be opened.
-    """
-    _regular(path)
+def _read_span(path: Path, header: Header, entry: Entry) -> bytes:
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise CorruptCheckpointError(f"{path}: {size} bytes; a safetensors file starts with an 8-byte length")
-        hlen = int.from_bytes(f.read(8), "little")
-        if hlen > min(size - 8, max_bytes):
-            raise CorruptCheckpointError(
-                f"{path}: header length {hlen} bytes; expected at most {min(size - 8, max_bytes)}"
-                f" (file of {size} bytes, header limit {max_bytes})"
-            )
-        raw = f.read(hlen)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{path}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: header: expected a JSON object, found {type(header).__name__}")
-    metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CorruptCheckpointError(f"{path}: __metadata__: expected an object of strings, found {metadata!r:.80}")
-    start, data = 8 + hlen, size - 8 - hlen
-    entries = []
-    for name, e in header.items():
-        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise CorruptCheckpointError(
-                f"{path}: entry {name!r:.80}: expected dtype, shape and data_offsets, found {e!r:.80}"
-            )
-        dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
-            raise CorruptCheckpointError(f"{path}: entry {name!r:.80}: unknown dtype {dtype!r:.80}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise CorruptCheckpointError(
-                f"{path}: entry {name!r:.80}: shape: expected non-negative integers, found {shape!r:.80}"
-            )
-        if not (
-            isinstance(offs, list)
-            and len(offs) == 2
-            and all(type(o) is int for o in offs)
-            and 0 <= offs[0] <= offs[1] <= data
-        ):
-            raise CorruptCheckpointError(
-                f"{path}: entry {name!r:.80}: data_offsets {offs!r:.80} outside the {data}-byte data area"
-            )
-        need = math.prod(shape) * _ITEMSIZE[dtype]
-        if need != offs[1] - offs[0]:
-            raise CorruptCheckpointError(
-                f"{path}: entry {name!r:.80}: shape {shape!r:.80} of {dtype} needs {need} bytes,"
-                f" data_offsets span {offs[1] - offs[0]}"
-            )
-        entries.append(_Entry(name, dtype, tuple(shape), start + offs[0], start + offs[1]))
-    return entries, {str(k): v for k, v in metadata.items()}
-
-
-def _read_span(path: Path, entry: _Entry) -> bytes:
-    with open(path, "rb") as f:
-        data = os.pread(f.fileno(), entry.end - entry.begin, entry.begin)
+        data = os.pread(f.fileno(), entry.end - entry.begin, header.data_start + entry.begin)
     if len(data) != entry.end - entry.begin:
         raise CorruptCheckpointError(f"{path}: tensor {entry.name!r} ends past the end of the file")
     return data
 
 
-def _tensors_summary(path: Path, entries: list[_Entry], metadata: dict[str, str], limit: int | None) -> dict[str, Any]:
+def _tensors_summary(path: Path, header: Header, limit: int | None) -> dict[str, Any]:
+    entries = header.entries
     by_dtype: dict[str, int] = {}
     for e in entries:
         by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + 1
@@ -494,8 +333,11 @@ def _tensors_summary(path: Path, entries: list[_Entry], metadata: dict[str, str]
         "elements": sum(math.prod(e.shape) for e in entries),
         "bytes": sum(e.end - e.begin for e in entries),
         "dtypes": by_dtype,
-        "metadata": metadata,
-        "tensors": [e.to_json() for e in (entries if limit is None else entries[:limit])],
+        "metadata": header.metadata,
+        "tensors": [
+            {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.end - e.begin}
+            for e in (entries if limit is None else entries[:limit])
+        ],
     }
 
 
@@ -516,10 +358,11 @@ def _ref(v: Any) -> str | None:
     return None
 
 
-def _rng_summary(tree: Any, tensors: dict[str, _Entry], path: Path) -> dict[str, Any] | None:
+def _rng_summary(tree: Any, header: Header, path: Path) -> dict[str, Any] | None:
     """Which generators a state.json ``rng`` entry holds, with a short digest of each state (not the state)."""
     if not isinstance(tree, dict):
         return None
+    tensors = {e.name: e for e in header.entries}
 
     def digest(ref_value: Any) -> dict[str, Any]:
         key = _ref(ref_value)
@@ -528,7 +371,7 @@ def _rng_summary(tree: Any, tensors: dict[str, _Entry], path: Path) -> dict[str,
             return {"present": False, "problem": f"reference {key!r} not in {path.name}"}
         if entry.end - entry.begin > _MAX_RNG_TENSOR:
             return {"present": True, "bytes": entry.end - entry.begin, "xxh3_64": None}
-        span = _read_span(path, entry)
+        span = _read_span(path, header, entry)
         return {"present": True, "bytes": len(span), "xxh3_64": xxhash.xxh3_64_hexdigest(span)}
 
     out: dict[str, Any] = {}
@@ -579,10 +422,10 @@ def _optimizer_summary(opt: Any, cls: Any) -> dict[str, Any] | None:
     }
 
 
-def _state_summary(info: CheckpointInfo, state_entries: list[_Entry] | None) -> tuple[dict[str, Any], list[str]]:
+def _state_summary(info: CheckpointInfo, state_header: Header | None) -> tuple[dict[str, Any], list[str]]:
     """Optimizer, RNG and other state from state.json (and state.safetensors' header); and problems found.
 
-    ``state_entries`` is None when that header could not be read (already
+    ``state_header`` is None when that header could not be read (already
     reported): the RNG states, which live in that file, are then not summarised.
     """
     m = info.manifest
@@ -597,15 +440,9 @@ def _state_summary(info: CheckpointInfo, state_entries: list[_Entry] | None) -> 
     if expected.size > _MAX_STATE_JSON:
         return out, [f"{jpath}: {expected.size} bytes; not summarised (limit {_MAX_STATE_JSON})"]
     try:
-        _regular(jpath)
-        buf = read_verified(jpath, expected)
-        tree = json.loads(buf.tobytes())
+        tree = json.loads(read_verified(jpath, expected).tobytes())  # refuses what is not a regular file
     except CorruptCheckpointError as e:
         return out, [str(e)]
-    except FileNotFoundError:
-        return out, [f"{jpath}: missing"]
-    except OSError as e:
-        return out, [f"{jpath}: cannot be read ({e})"]
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         return out, [f"{jpath}: matches its digest but is not valid JSON ({e})"]
     if not isinstance(tree, dict):
@@ -613,9 +450,9 @@ def _state_summary(info: CheckpointInfo, state_entries: list[_Entry] | None) -> 
     spath = info.path / STATE_FILE
     out["optimizer"] = _optimizer_summary(tree.get("optimizer"), tree.get("optimizer_class"))
     out["rng_recorded"] = isinstance(tree.get("rng"), dict)
-    if state_entries is not None:
+    if state_header is not None:
         try:
-            out["rng"] = _rng_summary(tree.get("rng"), {e.name: e for e in state_entries}, spath)
+            out["rng"] = _rng_summary(tree.get("rng"), state_header, spath)
         except CorruptCheckpointError as e:
             problems.append(str(e))
         except OSError as e:
@@ -668,7 +505,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     limit = None if args.json or args.tensors == "all" else int(args.tensors)
     problems: list[str] = []
     tensors: dict[str, Any] = {}
-    entries: dict[str, list[_Entry]] = {}
+    headers: dict[str, Header] = {}
     for name in (MODEL_FILE, STATE_FILE):
         path = info.path / name
         if name not in m.files:
@@ -677,15 +514,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             size = path.stat().st_size
             if size != m.files[name].size:
                 problems.append(f"{path}: size {size} bytes, manifest says {m.files[name].size}")
-            entries[name], metadata = read_header(path)
-            tensors[name] = _tensors_summary(path, entries[name], metadata, limit)
-        except CorruptCheckpointError as e:
+            regular_file(path)
+            headers[name] = tensorfile.read_header(path)
+            tensors[name] = _tensors_summary(path, headers[name], limit)
+        except (CorruptCheckpointError, ValueError) as e:
             problems.append(str(e))
         except FileNotFoundError:
             problems.append(f"{path}: missing")
         except OSError as e:
             problems.append(f"{path}: cannot be read ({e})")
-    st, more = _state_summary(info, entries.get(STATE_FILE, [] if STATE_FILE not in m.files else None))
+    st, more = _state_summary(info, headers.get(STATE_FILE, Header([], {}, 0) if STATE_FILE not in m.files else None))
     problems += more
     if args.json:
         doc = {"dir": str(save_dir), "checkpoint": info.name, "path": str(info.path), "manifest": _manifest_doc(m)}
@@ -838,7 +676,7 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     infos = manager.list()
     done = _completion(manager)
     valid = [c for c in infos if c.status == "valid"]
-    best = _best(infos)
+    best = rank_best(infos)
     if args.keep_best and best.problem:
         raise _Fail(EXIT_DAMAGED, best.problem)
     rank = {c.step: i for i, c in enumerate(best.ranked)}
@@ -939,29 +777,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     if expected is None:
         raise _Fail(EXIT_DAMAGED, f"{info.path / commit.MANIFEST}: lists no {MODEL_FILE}")
     try:
-        _regular(src)
-        buf = read_verified(src, expected)  # size and xxh3 against the manifest, on a private mapping
+        buf = read_verified(src, expected)  # a regular file, size and xxh3 as the manifest says; a private mapping
         tensors, metadata = tensorfile.parse(buf, str(src))
     except (CorruptCheckpointError, ValueError) as e:
         raise _Fail(EXIT_DAMAGED, f"{e}; nothing written") from None
-    except FileNotFoundError:
-        raise _Fail(EXIT_DAMAGED, f"{src}: missing; nothing written") from None
-    except OSError as e:
-        raise _Fail(EXIT_DAMAGED, f"{src}: cannot be read ({e}); nothing written") from None
     if not tensors:
         raise _Fail(EXIT_USAGE, f"{src}: holds no model weights (saved without a model); nothing written")
-    hlen = int.from_bytes(buf[:8].tobytes(), "little")
-    header = json.loads(buf[8 : 8 + hlen].tobytes())
-    header["__metadata__"] = {
+    metadata = {
         **metadata,
         "format": "pt",
         "preempt.source": str(info.path.resolve()),
         "preempt.step": str(info.step),
         "preempt.source_xxh3_128": expected.xxh3_128,
     }
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # keeps every tensor aligned to its element size
-    digest = _write_new(out, [len(head).to_bytes(8, "little") + head, buf[8 + hlen :]], args.force)
+    # The tensors are views into the verified mapping: written straight from it, in the writer's aligned layout.
+    digest = _write_new(out, tensorfile.pieces(tensors, metadata), args.force)
     doc = {
         "source": str(info.path),
         "step": info.step,
@@ -977,7 +807,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _write_new(out: Path, pieces: list[Any], force: bool) -> FileDigest:
+def _write_new(out: Path, pieces: Iterable[Any], force: bool) -> FileDigest:
     """Writes ``out`` atomically: a temporary file beside it, fdatasync, then rename (or link) and fsync(dir).
 
     Without ``force``, the final step is ``link``, which fails when ``out``
@@ -1068,7 +898,11 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_prune,
     )
     p.add_argument(
-        "--keep-last", type=_positive, required=True, metavar="N", help="keep the newest N valid checkpoints"
+        "--keep-last",
+        type=lambda s: _count(s, 1),
+        required=True,
+        metavar="N",
+        help="keep the newest N valid checkpoints",
     )
     p.add_argument(
         "--keep-best",
@@ -1094,13 +928,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _count(text: str) -> int:
+def _count(text: str, least: int = 0) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {n}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, found {text!r}") from None
+    if n < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, found {n}")
     return n
 
 
@@ -1109,13 +943,6 @@ def _best_count(text: str) -> int:
         return _count(text)
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e} (put DIR before --keep-best, or write --keep-best=K)") from None
-
-
-def _positive(text: str) -> int:
-    n = _count(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, found {n}")
-    return n
 
 
 def _checkpoint_as_dir(args: argparse.Namespace) -> None:

@@ -748,7 +748,8 @@ class PreemptibleRun:
                 sampler=sampler,
                 metrics=dict(self.metrics),
                 best=self._best,
-                is_best=self._best_pending,
+                # a later save at the step that set the best (the final one) holds the same weights: still the best
+                is_best=self._best_pending or (self._best is not None and self._best["step"] == self.global_step),
                 lineage=self._lineage,
                 provenance=self._provenance,
             )

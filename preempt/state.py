@@ -111,6 +111,8 @@ def capture(components: Components, run_state: Mapping[str, Any]) -> Payload:
                 tree["model_extra"][key] = value
     if components.optimizer is not None:
         tree["optimizer"] = components.optimizer.state_dict()
+        # For `preempt inspect` only; loading ignores it (a checkpoint may move to another optimizer class).
+        tree["optimizer_class"] = f"{type(components.optimizer).__module__}.{type(components.optimizer).__qualname__}"
     if components.scheduler is not None:
         tree["scheduler"] = components.scheduler.state_dict()
     if components.scaler is not None:

@@ -8,13 +8,17 @@ are standard safetensors: ``safetensors.torch.load_file`` reads them.
 The reader parses a file that has already been read into memory and verified,
 checks every header entry (dtype, shape, offsets inside the buffer, no
 overlaps or holes), and returns tensors that are views into that buffer: no
-copy, and nothing in the file can execute code.
+copy, and nothing in the file can execute code. :func:`read_header` applies
+the same checks (one validator) to the header of a file on disk without
+reading its tensor data: what ``preempt inspect`` shows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -51,6 +55,7 @@ for _name, _attr in (
     if hasattr(torch, _attr):
         _BY_NAME[_name] = getattr(torch, _attr)
 _BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
+_ITEMSIZE: dict[str, int] = {k: v.itemsize for k, v in _BY_NAME.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str | None:
@@ -108,6 +113,42 @@ def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
         yield tensor_bytes(tensors[key])
 
 
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One tensor as a safetensors header describes it; offsets count from the start of the data area."""
+
+    name: str
+    dtype: str  # the safetensors name, e.g. "F32"
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A validated safetensors header: its entries in header order, its metadata, where the data starts."""
+
+    entries: list[Entry]
+    metadata: dict[str, str]
+    data_start: int  # 8 + the header's length
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """The header of a safetensors file, read and validated without reading any tensor data.
+
+    The caller refuses what is not a regular file first (opening a FIFO blocks).
+
+    Raises:
+        ValueError: The header is malformed (the same rules as :func:`parse`).
+        OSError: The file cannot be read.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        raw = f.read(_header_length(first, size, str(path)))
+    return _validate_header(first, raw, size, str(path))
+
+
 def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors (views into ``buf``) and metadata of a safetensors file held in memory.
 
@@ -118,33 +159,64 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[st
     Raises:
         ValueError: The bytes are not a well-formed safetensors file.
     """
-    n = int(buf.size)
-    if n < 8:
+    first = buf[:8].tobytes()
+    hlen = _header_length(first, int(buf.size), where)
+    header = _validate_header(first, buf[8 : 8 + hlen].tobytes(), int(buf.size), where)
+    data = buf[header.data_start :]
+    out: dict[str, torch.Tensor] = {}
+    for e in _by_offset(header.entries):
+        dtype = _BY_NAME[e.dtype]
+        if e.begin == e.end:
+            out[e.name] = torch.empty(e.shape, dtype=dtype)
+            continue
+        chunk = data[e.begin : e.end]
+        if chunk.ctypes.data % _ITEMSIZE[e.dtype]:
+            chunk = chunk.copy()  # a file from elsewhere with unaligned tensors
+        out[e.name] = torch.from_numpy(chunk).view(dtype).reshape(e.shape)
+    return out, header.metadata
+
+
+def _header_length(first: bytes, size: int, where: str) -> int:
+    """The header length the first 8 bytes give, checked against the file's ``size`` and the limit."""
+    if size < 8 or len(first) < 8:
         raise ValueError(
-            f"{where}: {n} bytes; a safetensors file has at least an 8-byte header length{_foreign_hint(buf)}"
+            f"{where}: {size} bytes; a safetensors file has at least an 8-byte header length{_foreign_hint(first)}"
         )
-    hlen = int.from_bytes(buf[:8].tobytes(), "little")
-    if hlen > min(n - 8, MAX_HEADER_BYTES):
+    hlen = int.from_bytes(first, "little")
+    if hlen > min(size - 8, MAX_HEADER_BYTES):
         raise ValueError(
-            f"{where}: header length {hlen} exceeds the file ({n} bytes) or {MAX_HEADER_BYTES}{_foreign_hint(buf)}"
+            f"{where}: header length {hlen} exceeds the file ({size} bytes) or {MAX_HEADER_BYTES}{_foreign_hint(first)}"
         )
+    return hlen
+
+
+def _validate_header(first: bytes, raw: bytes, size: int, where: str) -> Header:
+    """Checks every rule of the header ``raw`` of a ``size``-byte file whose first 8 bytes are ``first``.
+
+    Dtype names, shapes (at most :data:`MAX_DIMS` dimensions, extent at most
+    :data:`MAX_EXTENT`), byte counts, offsets inside the data area with no
+    overlap, hole or trailing bytes, and metadata of strings.
+    """
+    if len(raw) != int.from_bytes(first, "little"):
+        raise ValueError(f"{where}: ends inside its header (changed while being read?)")
     try:
-        header = json.loads(buf[8 : 8 + hlen].tobytes())
+        header = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad UTF-8 or syntax, a 5000-digit integer, nesting too deep
-        raise ValueError(f"{where}: header is not valid JSON ({type(e).__name__}: {e}){_foreign_hint(buf)}") from None
+        raise ValueError(f"{where}: header is not valid JSON ({type(e).__name__}: {e}){_foreign_hint(first)}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{where}: header is not a JSON object")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError(f"{where}: __metadata__ must map strings to strings")
-    data = buf[8 + hlen :]
-    spans = []
+    data_start = 8 + len(raw)
+    data_size = size - data_start
+    entries = []
     for key, entry in header.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise ValueError(f"{where}: entry {_short(key)} must have exactly dtype, shape and data_offsets")
-        dtype = _BY_NAME.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
-        if dtype is None:
-            raise ValueError(f"{where}: entry {_short(key)}: unknown dtype {_short(entry['dtype'])}")
+        dtype = entry["dtype"]
+        if not isinstance(dtype, str) or dtype not in _BY_NAME:
+            raise ValueError(f"{where}: entry {_short(key)}: unknown dtype {_short(dtype)}")
         shape = entry["shape"]
         if (
             not isinstance(shape, list)
@@ -167,41 +239,27 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[st
             not isinstance(offs, list)
             or len(offs) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-            or not 0 <= offs[0] <= offs[1] <= data.size
+            or not 0 <= offs[0] <= offs[1] <= data_size
         ):
             raise ValueError(
-                f"{where}: entry {_short(key)}: data_offsets {_short(offs)} outside the {data.size}-byte data area"
+                f"{where}: entry {_short(key)}: data_offsets {_short(offs)} outside the {data_size}-byte data area"
             )
-        numel = 1
-        for d in shape:
-            numel *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if numel * itemsize != offs[1] - offs[0]:
+        need = math.prod(shape) * _ITEMSIZE[dtype]
+        if need != offs[1] - offs[0]:
             raise ValueError(
-                f"{where}: entry {_short(key)}: shape {shape} of {entry['dtype']} needs {numel * itemsize} bytes,"
+                f"{where}: entry {_short(key)}: shape {shape} of {dtype} needs {need} bytes,"
                 f" data_offsets span {offs[1] - offs[0]}"
             )
-        spans.append((offs[0], offs[1], key, dtype, shape))
-    spans.sort()
+        entries.append(Entry(key, dtype, tuple(shape), offs[0], offs[1]))
     pos = 0
-    for begin, end, key, _, _ in spans:
-        if begin != pos:
-            what = "overlaps the previous entry" if begin < pos else f"leaves a hole at byte {pos}"
-            raise ValueError(f"{where}: entry {_short(key)} {what}")
-        pos = end
-    if pos != data.size:
-        raise ValueError(f"{where}: {data.size - pos} bytes after the last tensor")
-    out: dict[str, torch.Tensor] = {}
-    for begin, end, key, dtype, shape in spans:
-        if begin == end:
-            out[key] = torch.empty(shape, dtype=dtype)
-            continue
-        chunk = data[begin:end]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if chunk.ctypes.data % itemsize:
-            chunk = chunk.copy()  # a file from elsewhere with unaligned tensors
-        out[key] = torch.from_numpy(chunk).view(dtype).reshape(shape)
-    return out, {str(k): v for k, v in metadata.items()}
+    for e in _by_offset(entries):
+        if e.begin != pos:
+            what = "overlaps the previous entry" if e.begin < pos else f"leaves a hole at byte {pos}"
+            raise ValueError(f"{where}: entry {_short(e.name)} {what}")
+        pos = e.end
+    if pos != data_size:
+        raise ValueError(f"{where}: {data_size - pos} bytes after the last tensor")
+    return Header(entries, {str(k): v for k, v in metadata.items()}, data_start)
 
 
 def foreign_format(head: bytes) -> str | None:
@@ -219,8 +277,12 @@ def foreign_format(head: bytes) -> str | None:
     return None
 
 
-def _foreign_hint(buf: np.ndarray) -> str:
-    kind = foreign_format(buf[:8].tobytes())
+def _by_offset(entries: list[Entry]) -> list[Entry]:
+    return sorted(entries, key=lambda e: (e.begin, e.end, e.name))
+
+
+def _foreign_hint(first: bytes) -> str:
+    kind = foreign_format(first)
     if kind is None:
         return ""
     return f"; expected safetensors, found {kind}: preempt never unpickles (a pickle can run code)"

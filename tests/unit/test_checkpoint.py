@@ -44,6 +44,7 @@ def test_round_trip_restores_every_component(tmp_path):
     assert sched.state_dict() == sched2.state_dict()
     assert scaler.state_dict() == scaler2.state_dict()
     assert loaded.tree["user"] == {"k": [1, 2]}
+    assert loaded.tree["optimizer_class"] == "torch.optim.adamw.AdamW"  # for inspect; apply() above ignored it
     assert opt2.param_groups[0]["betas"] == (0.8, 0.95)
 
 
@@ -243,6 +244,46 @@ def test_load_by_step_and_best(tmp_path):
     assert m.load(3)[0].step == 3
     with pytest.raises(NoCheckpointError, match="no valid checkpoint at step 9"):
         m.load(9)
+
+
+def test_best_follows_the_mode_the_manifests_record(tmp_path):
+    """A read-only manager (default mode "min") ranks a run's "max" metric as the run did."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from preempt import PreemptibleRun
+
+    model, opt, *_ = objects()
+    data = TensorDataset(torch.randn(16, 6))
+    kw = dict(checkpoint_interval=None, keep_last=None, best_metric="acc", best_mode="max")
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, **kw) as run:
+        loader = DataLoader(data, batch_size=4, sampler=run.sampler(data, seed=0))
+        for _ in run.epochs(1):
+            for _, acc in zip(run.batches(loader), (0.2, 0.6, 0.9, 0.4), strict=True):
+                run.step(metrics={"acc": acc})
+    reader = CheckpointManager(tmp_path, owner=False)
+    ranked = reader.candidates("best")
+    assert [c.manifest.best_value for c in ranked] == [0.9, 0.6, 0.2]
+    assert reader.load("best")[0].step == ranked[0].step
+
+
+def test_best_mode_falls_back_to_the_managers_and_refuses_a_bad_one(tmp_path):
+    from preempt.manifest import Cursor, Manifest
+
+    model, opt, *_ = objects()
+    m = CheckpointManager(tmp_path, keep_last=None)
+    m.prepare()
+
+    def save(step: int, best: dict) -> None:
+        manifest = Manifest(step=step, cursor=Cursor(), reason="best", created=0.0, files={}, best=best, is_best=True)
+        m.save(state.capture(state.Components(model, opt), {"user": {}}), manifest)
+
+    save(1, {"metric": "acc", "value": 0.5, "step": 1})  # no mode recorded
+    save(2, {"metric": "acc", "value": 0.8, "step": 2})
+    assert [c.step for c in m.candidates("best")] == [1, 2]
+    assert [c.step for c in CheckpointManager(tmp_path, best_mode="max").candidates("best")] == [2, 1]
+    save(3, {"metric": "acc", "mode": "sideways", "value": 0.1, "step": 3})
+    with pytest.raises(NoCheckpointError, match="best.mode: expected 'min' or 'max', found 'sideways'"):
+        m.load("best")
 
 
 def test_close_finishes_deletions_and_stops_the_thread(tmp_path):

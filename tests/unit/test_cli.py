@@ -288,6 +288,7 @@ def test_inspect_run_checkpoint(run_dir, capsys):
     assert [g["lr"] for g in groups] == [g["lr"] for g in loaded.tree["optimizer"]["param_groups"]]
     assert groups[0]["params"] == 4 and groups[0]["momentum"] == 0.9
     assert doc["optimizer"]["state_keys"] == ["momentum_buffer"]
+    assert doc["optimizer"]["class"] == "torch.optim.sgd.SGD"
     rng = loaded.tree["rng"]
     for snap in ("now", "epoch_start"):
         got = doc["rng"][snap]
@@ -302,6 +303,7 @@ def test_inspect_run_checkpoint(run_dir, capsys):
     c = raw["cursor"]
     assert f"step {raw['step']}, epoch {c['epoch']}, batch {c['batch']}" in out
     assert "0.weight  F32  8x4" in out and "group 0: 4 params, lr=0.1" in out
+    assert "optimizer: class torch.optim.sgd.SGD; state for 4 parameter(s): momentum_buffer" in out
     assert f"torch_cpu {doc['rng']['now']['torch_cpu']['xxh3_64']}" in out
     assert f"torch {torch.__version__}" in out and raw["files"]["model.safetensors"]["xxh3_128"] in out
 
@@ -327,7 +329,7 @@ def test_inspect_reads_headers_only_and_limits_tensor_rows(tmp_path, capsys):
     [
         (lambda p: p.write_bytes((1 << 40).to_bytes(8, "little") + p.read_bytes()[8:]), "header length 1099511627776"),
         (lambda p: p.write_bytes(b"\x03" + b"\x00" * 7 + b"{x}"), "header is not valid JSON"),
-        (lambda p: p.write_bytes(b"\x01\x00"), "a safetensors file starts with an 8-byte length"),
+        (lambda p: p.write_bytes(b"\x01\x00"), "2 bytes; a safetensors file has at least an 8-byte header length"),
     ],
     ids=["absurd-length", "bad-json", "too-short"],
 )

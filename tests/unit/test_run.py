@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from preempt import (
+    CheckpointManager,
     IncompatibleStateError,
     Preempted,
     PreemptError,
@@ -207,6 +208,27 @@ def test_weights_only_from_another_run_then_requeue_continues_own_timeline(tmp_p
             assert torch.equal(a, b)
 
 
+def test_weights_only_non_strict_fine_tunes_with_a_new_head(tmp_path, caplog):
+    """strict=False loads the shared backbone and leaves a new head (other key names) as initialised."""
+    source_model, *_ = train(tmp_path / "pretrain")
+    torch.manual_seed(5)
+    backbone = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5))
+    model = torch.nn.Sequential(*backbone, torch.nn.Identity(), torch.nn.Linear(8, 3))  # 3.* instead of 2.*
+    head_before = model[3].weight.detach().clone()
+    with pytest.raises(
+        IncompatibleStateError, match=r"(?s)missing in checkpoint: 3.bias, 3.weight.*not in model: 2.bias"
+    ):
+        PreemptibleRun(tmp_path / "strict", model=model, resume=tmp_path / "pretrain", weights_only=True).__enter__()
+    with caplog.at_level(logging.WARNING, logger="preempt"):
+        with PreemptibleRun(
+            tmp_path / "ft", model=model, resume=tmp_path / "pretrain", weights_only=True, strict=False
+        ) as run:
+            assert torch.equal(model[0].weight, source_model[0].weight)
+            assert torch.equal(model[3].weight, head_before)
+            run.request_stop()
+    assert "2.weight" in caplog.text and "3.weight" in caplog.text
+
+
 def test_resume_best_branches_once(tmp_path):
     model, opt, _, data = build()
     kwargs = dict(checkpoint_interval=None, best_metric="val", keep_best=1, checkpoint_every_steps=1, keep_last=2)
@@ -228,6 +250,19 @@ def test_resume_best_branches_once(tmp_path):
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, resume="best", **kwargs) as run:
         assert run.global_step == 10  # the branch continues: not re-applied, nothing more moved aside
         assert len(list((tmp_path / "superseded").iterdir())) == 2
+
+
+def test_best_set_by_the_last_step_survives_the_final_save(tmp_path):
+    """The final save replaces the best checkpoint of the same step; it holds the same weights, so it stays best."""
+    model, opt, _, data = build()
+    kwargs = dict(checkpoint_interval=None, best_metric="val", keep_best=1, keep_last=1)
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, **kwargs) as run:
+        for _ in run.epochs(3):
+            for _b in run.batches(DataLoader(data, batch_size=BATCH)):
+                run.step({"val": 1.0 / (run.global_step + 1)})  # every step is a new best, the last one too
+    best = CheckpointManager(tmp_path, owner=False).candidates("best")
+    assert [c.step for c in best][:1] == [15] and best[0].manifest.reason == "final"
+    assert best[0].manifest.best_value == 1.0 / 15
 
 
 def test_auto_resume_false_moves_old_checkpoints_aside(tmp_path, caplog):

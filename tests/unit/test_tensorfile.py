@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -250,9 +251,35 @@ def test_good_raw_file_parses():
 
 
 def _rejects(buf: np.ndarray, message: str) -> None:
+    """Both readers refuse ``buf`` with the same message: parse() in memory, read_header() from a file."""
     with pytest.raises(ValueError, match=message) as e:
         tensorfile.parse(buf, "ckpt/state.safetensors")
     assert str(e.value).startswith("ckpt/state.safetensors: ")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "state.safetensors"
+        path.write_bytes(buf.tobytes())
+        with pytest.raises(ValueError) as from_file:
+            tensorfile.read_header(path)
+    assert str(from_file.value) == str(e.value).replace("ckpt/state.safetensors", str(path), 1)
+
+
+def test_read_header_reads_the_header_alone(tmp_path):
+    """Entries in header order, offsets from the data area, metadata; the data itself is never read."""
+    path = tmp_path / "m.safetensors"
+    commit.write_file(
+        path, tensorfile.pieces({"b": torch.ones(2, 3), "a": torch.zeros(4, dtype=torch.int8)}, {"k": "v"})
+    )
+    header = tensorfile.read_header(path)
+    assert header.metadata == {"k": "v"}
+    assert [(e.name, e.dtype, e.shape, e.begin, e.end) for e in header.entries] == [
+        ("b", "F32", (2, 3), 0, 24),
+        ("a", "I8", (4,), 24, 28),
+    ]
+    assert header.data_start + 28 == path.stat().st_size
+    with open(path, "r+b") as f:  # damage the data: the header does not see it
+        f.seek(header.data_start)
+        f.write(b"\xff" * 28)
+    assert tensorfile.read_header(path) == header
 
 
 @pytest.mark.parametrize("n", [0, 1, 7])
@@ -376,8 +403,7 @@ def test_truncated_file_rejected():
     full = raw_file(GOOD_HEADER, GOOD_DATA)
     hlen = int.from_bytes(full[:8].tobytes(), "little")
     for n in range(8 + hlen, full.size):
-        with pytest.raises(ValueError):
-            tensorfile.parse(full[:n].copy(), "cut")
+        _rejects(full[:n].copy(), "data_offsets|bytes after the last tensor")
 
 
 # ------------------------------------------------------------------ hostile input
