@@ -264,9 +264,10 @@ class PreemptibleRun:
             self._start()
             if done is not None:
                 self.manager.clear_complete()
-        except BaseException:
+        except BaseException as e:
             self._flag.restore()
-            self.manager.close(timeout=0.0)
+            # A completed run has time to delete the leftovers it found; a failed start does not wait.
+            self.manager.close(timeout=None if isinstance(e, RunComplete) else 0.0)
             self._lock.release()
             raise
         self._active = True

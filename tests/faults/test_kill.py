@@ -125,10 +125,10 @@ def kill_chain(
             return kills, mid_save
         assert resumed_step(p.output) == expected_resume, (expected_resume, p.output)
         if kills < kills_left:
-            # A random save of this run, then a random moment within about one save's duration.
+            # A random save of this run, then a random moment within about half a save's duration.
             target = min(TOTAL_STEPS, (expected_resume or 0) + rnd.randint(1, 12))
             p.wait_for(rf"saving \S*step_0*{target}\b")
-            time.sleep(rnd.uniform(0.0, 0.04))
+            time.sleep(rnd.uniform(0.0, 0.02))
             p.signal(signal.SIGKILL)
         rc = p.finish()
         if rc == 0:

@@ -176,6 +176,18 @@ def test_completed_run_raises_run_complete_and_can_be_extended(tmp_path):
     assert run.global_step == 20
 
 
+def test_completed_run_cleans_leftovers_before_it_exits(tmp_path):
+    """A kill after complete.json can leave leftovers; the rerun that only says "complete" deletes them."""
+    train(tmp_path)
+    for name in (".tmp-step_000000015-vm-1-aa", ".replaced-step_000000015-vm-1-bb"):
+        (tmp_path / name).mkdir()
+        for i in range(2000):  # enough files that a deletion left to a background thread is still running
+            (tmp_path / name / f"f{i}").write_bytes(b"x")
+    with pytest.raises(RunComplete):
+        train(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 def test_weights_only_from_another_run_then_requeue_continues_own_timeline(tmp_path):
     source_model, *_ = train(tmp_path / "pretrain")
     model, opt, _, data = build(seed=1)
