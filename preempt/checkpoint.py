@@ -382,7 +382,8 @@ class CheckpointManager:
                 files[fname] = commit.write_file(tmp / fname, tensorfile.pieces(tensors, meta))
             commit.stage("after_tensor_files")
             for fname, doc in payload.json_files.items():
-                files[fname] = commit.write_file(tmp / fname, [codec.dumps(doc)])
+                data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
+                files[fname] = commit.write_file(tmp / fname, [data])
             commit.stage("before_manifest")
             manifest = dataclasses.replace(manifest, files=files)
             commit.write_file(tmp / MANIFEST, [manifest.to_json()])

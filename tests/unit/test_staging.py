@@ -1,0 +1,101 @@
+"""Stager (reused host buffers) and BackgroundWriter (one job at a time, errors kept) on their own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from preempt import CheckpointManager, state
+from preempt.staging import BackgroundWriter, Stager
+
+
+def payload(model, opt):
+    return state.capture(state.Components(model, opt), {"user": {"losses": [1.0]}})
+
+
+def objects():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def step(model, opt):
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_snapshot_is_independent_of_the_live_state_and_buffers_are_reused(tmp_path):
+    model, opt = objects()
+    step(model, opt)
+    stager = Stager()
+    live = payload(model, opt)
+    snap = stager.stage(live)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = {id(t) for ts, _ in snap.tensor_files.values() for t in ts.values()}
+    step(model, opt)  # the loop goes on and changes every tensor in place
+    for k, v in snap.tensor_files["model.safetensors"][0].items():
+        assert torch.equal(v, want[k]) and not torch.equal(v, model.state_dict()[k])
+    assert isinstance(snap.json_files["state.json"], bytes)
+    again = stager.stage(payload(model, opt))
+    assert {id(t) for ts, _ in again.tensor_files.values() for t in ts.values()} == buffers, "buffers must be reused"
+    # the staged snapshot writes the same checkpoint as the live state would
+    m = CheckpointManager(tmp_path, keep_last=None)
+    m.save(again, _manifest(1))
+    m.save(payload(model, opt), _manifest(2))
+    _, a = m.load(1)
+    _, b = m.load(2)
+    assert a.model.keys() == b.model.keys() and all(torch.equal(a.model[k], b.model[k]) for k in a.model)
+    assert (tmp_path / "step_000000001" / "state.json").read_bytes() == (
+        tmp_path / "step_000000002" / "state.json"
+    ).read_bytes()
+
+
+def _manifest(step):
+    from preempt.manifest import Cursor, Manifest
+
+    return Manifest(step=step, cursor=Cursor(), reason="manual", created=0.0, files={})
+
+
+def test_buffers_follow_new_and_vanished_tensors():
+    model, opt = objects()
+    stager = Stager()
+    stager.prepare(payload(model, opt))
+    before = stager.nbytes
+    assert before == sum(p.numel() * 4 for p in model.parameters())  # no optimizer moments before a step
+    step(model, opt)
+    stager.stage(payload(model, opt))
+    assert stager.nbytes > 2 * before  # exp_avg and exp_avg_sq appeared
+    stager.stage(state.capture(state.Components(model, None), {}))
+    assert stager.nbytes == before  # the optimizer's buffers are gone with it
+
+
+def test_writer_keeps_the_result_and_reraises_the_error():
+    w = BackgroundWriter()
+    started, release = threading.Event(), threading.Event()
+
+    def job():
+        started.set()
+        release.wait(5)
+        return 42
+
+    w.submit(job)
+    started.wait(5)
+    assert w.busy and w.pending
+    with pytest.raises(RuntimeError, match="collect the previous job"):
+        w.submit(lambda: None)
+    with pytest.raises(TimeoutError):
+        w.result(timeout=0.01)
+    release.set()
+    assert w.result() == 42 and not w.busy and not w.pending
+
+    def fails():
+        raise OSError(28, "No space left on device")
+
+    w.submit(fails)
+    with pytest.raises(OSError, match="No space left"):
+        w.result()
+    assert w.result() is None  # reported once, then nothing pending
