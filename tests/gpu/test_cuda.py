@@ -49,3 +49,21 @@ def test_cuda_run_resumes_bit_exact(tmp_path):
         assert all(torch.equal(s1[k], s2[k]) for k in s1)
     assert ref_scaler.state_dict() == scaler.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(ref_rng, rng, strict=True))
+
+
+def test_stager_copies_gpu_tensors_into_pinned_buffers_once_synchronised(tmp_path):
+    from preempt import state
+    from preempt.staging import Stager
+
+    model = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    opt.step()
+    stager = Stager()
+    snap = stager.stage(state.capture(state.Components(model, opt), {}))
+    bufs = [t for ts, _ in snap.tensor_files.values() for t in ts.values()]
+    assert bufs and all(t.device.type == "cpu" and t.is_pinned() for t in bufs)
+    want = model.weight.detach().cpu()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the GPU moves on; the snapshot must not
+    assert torch.equal(snap.tensor_files["model.safetensors"][0]["weight"], want)
