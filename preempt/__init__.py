@@ -5,6 +5,8 @@ __version__ = "0.1.0"
 from .checkpoint import CheckpointManager
 from .errors import (
     PREEMPTED_EXIT_CODE,
+    REQUEUE_FAILED_EXIT_CODE,
+    RESTART_LIMIT_EXIT_CODE,
     SAVE_FAILED_EXIT_CODE,
     CheckpointWriteError,
     CorruptCheckpointError,
@@ -12,8 +14,10 @@ from .errors import (
     NoCheckpointError,
     Preempted,
     PreemptError,
+    RestartLimitReached,
     RunComplete,
     SaveFailed,
+    SlurmError,
     UnsupportedStateError,
 )
 from .run import PreemptibleRun
@@ -21,6 +25,8 @@ from .sampler import ResumableSampler
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
+    "REQUEUE_FAILED_EXIT_CODE",
+    "RESTART_LIMIT_EXIT_CODE",
     "SAVE_FAILED_EXIT_CODE",
     "CheckpointManager",
     "CheckpointWriteError",
@@ -31,7 +37,9 @@ __all__ = [
     "Preempted",
     "PreemptibleRun",
     "ResumableSampler",
+    "RestartLimitReached",
     "RunComplete",
     "SaveFailed",
+    "SlurmError",
     "UnsupportedStateError",
 ]

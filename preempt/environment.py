@@ -36,6 +36,8 @@ class Environment:
         slurm_array_task_id: ``SLURM_ARRAY_TASK_ID``.
         slurm_restart_count: ``SLURM_RESTART_COUNT`` (unset on a job's first run).
         slurm_job_end_time: ``SLURM_JOB_END_TIME`` (unix seconds), set by some clusters.
+        rank: This process's global rank: ``RANK`` (torchrun), else ``SLURM_PROCID``
+            (srun), else None. Only rank 0 (or None) requeues a SLURM job.
         log_level: ``PREEMPT_LOG_LEVEL``, e.g. ``DEBUG``.
     """
 
@@ -44,22 +46,29 @@ class Environment:
     slurm_array_task_id: str | None = None
     slurm_restart_count: int | None = None
     slurm_job_end_time: int | None = None
+    rank: int | None = None
     log_level: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Environment:
         env = os.environ if environ is None else environ
+        rank = _int(env, "RANK")
         return cls(
             slurm_job_id=env.get("SLURM_JOB_ID") or None,
             slurm_array_job_id=env.get("SLURM_ARRAY_JOB_ID") or None,
             slurm_array_task_id=env.get("SLURM_ARRAY_TASK_ID") or None,
             slurm_restart_count=_int(env, "SLURM_RESTART_COUNT"),
             slurm_job_end_time=_int(env, "SLURM_JOB_END_TIME"),
+            rank=rank if rank is not None else _int(env, "SLURM_PROCID"),
             log_level=env.get("PREEMPT_LOG_LEVEL") or None,
         )
 
     def slurm(self) -> dict[str, Any] | None:
-        """The SLURM facts for a manifest, or None outside SLURM."""
+        """The SLURM facts for a manifest, or None outside SLURM.
+
+        ``end_time`` is the job's end time in unix seconds when the environment
+        says it; the run fills it in from ``scontrol show job`` otherwise.
+        """
         if self.slurm_job_id is None:
             return None
         return {
@@ -67,6 +76,7 @@ class Environment:
             "array_job_id": self.slurm_array_job_id,
             "array_task_id": self.slurm_array_task_id,
             "restart_count": self.slurm_restart_count or 0,
+            "end_time": self.slurm_job_end_time,
         }
 
 

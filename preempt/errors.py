@@ -9,20 +9,33 @@ code tells the caller what happened.
 Exit codes (documented in README.md too):
 
 * ``0``   the run completed, or a rerun found it already complete.
-* ``75``  :data:`PREEMPTED_EXIT_CODE`: a signal asked the run to stop; the
-  state was checkpointed (or nothing had changed since the last checkpoint)
-  and running the same command again continues exactly there. 75 is
-  ``EX_TEMPFAIL`` from ``sysexits.h``: "temporary failure, retry later".
+* ``75``  :data:`PREEMPTED_EXIT_CODE`: a signal (or the walltime keeper)
+  asked the run to stop; the state was checkpointed (or nothing had changed
+  since the last checkpoint) and running the same command again continues
+  exactly there. Under SLURM a stop at the time limit has also requeued the
+  job. 75 is ``EX_TEMPFAIL`` from ``sysexits.h``: "temporary failure, retry
+  later".
 * ``74``  :data:`SAVE_FAILED_EXIT_CODE`: a signal asked the run to stop, but
   the checkpoint of the stop could not be written (disk full, I/O error). The
   previous checkpoints are intact; a rerun continues from the last good one,
   and the steps after it are lost. 74 is ``EX_IOERR``.
+* ``76``  :data:`REQUEUE_FAILED_EXIT_CODE`: the run stopped at its SLURM time
+  limit with the state saved, but the job could not requeue itself
+  (``scontrol`` missing, or SLURM refused: ``--no-requeue``, an interactive
+  job); requeue or resubmit it to continue (see :mod:`preempt.slurm`).
+* ``77``  :data:`RESTART_LIMIT_EXIT_CODE`: ``SLURM_RESTART_COUNT`` passed
+  ``max_restarts`` (the run refuses to start; nothing changed), or a stop at
+  the time limit found the limit reached or no step made since the restart
+  (the state is saved and the job is not requeued), so that a job that cannot
+  progress stops coming back.
 """
 
 from __future__ import annotations
 
 PREEMPTED_EXIT_CODE = 75
 SAVE_FAILED_EXIT_CODE = 74
+REQUEUE_FAILED_EXIT_CODE = 76
+RESTART_LIMIT_EXIT_CODE = 77
 
 
 class PreemptError(Exception):
@@ -75,6 +88,18 @@ class IncompatibleStateError(PreemptError):
     """
 
 
+class SlurmError(PreemptError):
+    """``scontrol`` is missing, did not answer, or refused.
+
+    Attributes:
+        missing: scontrol is not on PATH (as inside some containers).
+    """
+
+    def __init__(self, message: str, *, missing: bool = False):
+        super().__init__(message)
+        self.missing = missing
+
+
 class UnsupportedStateError(PreemptError):
     """State that can be saved neither as a tensor nor as JSON.
 
@@ -89,15 +114,22 @@ class Preempted(SystemExit):
     The state is durable on disk when this is raised. The process exits with
     :data:`PREEMPTED_EXIT_CODE` unless the run was configured otherwise.
 
+    Under SLURM, a stop at the job's time limit requeues the job first; the
+    code is then still 75, or :data:`REQUEUE_FAILED_EXIT_CODE` when the
+    requeue was impossible, or :data:`RESTART_LIMIT_EXIT_CODE` when it was
+    refused.
+
     Attributes:
-        signum: The signal that asked for the stop.
+        signum: The signal that asked for the stop (None: the walltime keeper or request_stop()).
         checkpoint: The directory of the checkpoint that holds the state.
+        requeued: This process requeued its SLURM job.
     """
 
-    def __init__(self, code: int, signum: int | None, checkpoint: str | None):
+    def __init__(self, code: int, signum: int | None, checkpoint: str | None, *, requeued: bool = False):
         super().__init__(code)
         self.signum = signum
         self.checkpoint = checkpoint
+        self.requeued = requeued
 
 
 class SaveFailed(SystemExit):
@@ -117,6 +149,22 @@ class SaveFailed(SystemExit):
         self.signum = signum
         self.last_good = last_good
         self.error = error
+
+
+class RestartLimitReached(SystemExit):
+    """Raised on entering a run whose SLURM restart count exceeds ``max_restarts``; exit code 77.
+
+    Nothing was loaded or changed. Resubmit the job (a new job starts its count at 0) or raise the limit.
+
+    Attributes:
+        restart_count: ``SLURM_RESTART_COUNT``.
+        max_restarts: The limit.
+    """
+
+    def __init__(self, restart_count: int, max_restarts: int):
+        super().__init__(RESTART_LIMIT_EXIT_CODE)
+        self.restart_count = restart_count
+        self.max_restarts = max_restarts
 
 
 class RunComplete(SystemExit):

@@ -28,6 +28,7 @@ class Reason(str, enum.Enum):
     BEST = "best"  # the tracked metric improved
     FINAL = "final"  # the run completed
     BRANCH = "branch"  # a resume request started a new timeline from a chosen checkpoint
+    WALLTIME = "walltime"  # the walltime keeper stopped the run before its time limit; the run exits after it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,6 +84,8 @@ class SaveFacts:
         stop_requested: A stop signal is pending.
         best_improved: The tracked metric improved since the last save.
         dirty: The state changed since the last save or load.
+        stop_at: Monotonic time from which the walltime keeper stops the run
+            (see :class:`Walltime`); infinity without a time limit.
     """
 
     now: float
@@ -97,6 +100,7 @@ class SaveFacts:
     stop_requested: bool = False
     best_improved: bool = False
     dirty: bool = True
+    stop_at: float = math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,8 @@ def decide(policy: SavePolicy, facts: SaveFacts) -> Decision:
     if facts.stop_requested:
         # A stop with nothing new since the last save or load needs no write.
         return Decision(facts.dirty, True, Reason.PREEMPT)
+    if facts.now >= facts.stop_at:
+        return Decision(facts.dirty, True, Reason.WALLTIME)
     if not facts.dirty:
         return NOTHING
     if facts.best_improved:
@@ -169,10 +175,96 @@ def next_due(policy: SavePolicy, facts: SaveFacts) -> Due:
         )
         # smallest b with b * per_epoch // bpe >= slot + 1
         batch = -(-(slot + 1) * facts.batches_per_epoch // policy.per_epoch)
-    when: float = math.inf
+    when: float = facts.stop_at
     if policy.interval_s is not None:
-        when = facts.last_save_time + policy.interval_s
+        when = min(when, facts.last_save_time + policy.interval_s)
     return Due(step, batch, when)
+
+
+PRIOR_SAVE_BYTES_PER_S = 100e6
+"""Write speed assumed for the first checkpoint before one has been timed: a slow shared filesystem."""
+
+
+class Walltime:
+    """When to stop so that the stop's checkpoint is durable before a deadline.
+
+    Pure: the run passes the clock's values in. The run stops at the first
+    safe point at or after :meth:`stop_at`, which is the deadline minus a
+    margin of ``1.5 * (step + gap + save) + SLACK_S``: from a safe point just
+    before ``stop_at`` the loop may run one more step (or an epoch's end and
+    the next epoch's start) before it notices, then saves.
+
+    * ``save`` is the longest checkpoint this process has timed; before the
+      first one, a prior of 0.5 s plus the state's bytes at
+      :data:`PRIOR_SAVE_BYTES_PER_S`.
+    * ``step`` is the longest average step time over the windows between the
+      run's reviews (saves excluded, epoch-end code included). Reviews are
+      scheduled at half the time left before ``stop_at`` (at least
+      :attr:`MIN_REVIEW_S` apart), so there are about log2(T / 1 s) of them in
+      a job of T seconds and the windows near the end are short.
+    * ``gap`` is the longest stretch between safe points that is not a step:
+      the code after an epoch's last batch (validation), and the start of an
+      epoch's loader up to its first batch (worker start-up). The run times
+      both, twice per epoch.
+
+    The per-step cost is nil: the run folds :meth:`review_at` into the clock
+    threshold that ``run.step()`` already compares with. A single step much
+    longer than the average (an evaluation inside the loop every N steps) is
+    not foreseen; move it to an epoch's end, or leave room with a shorter
+    ``time_limit``.
+
+    Args:
+        deadline: Monotonic time by which the stop's checkpoint must be durable.
+        prior_save_s: Estimated seconds of one checkpoint until one is timed.
+        now: Monotonic time now (the start of the first window).
+        step: The global step now.
+    """
+
+    SLACK_S = 2.0
+    MIN_REVIEW_S = 1.0
+
+    def __init__(self, deadline: float, prior_save_s: float, now: float, step: int) -> None:
+        self.deadline = deadline
+        self.save_s = prior_save_s
+        self.save_measured = False
+        self.step_s = 0.0
+        self.gap_s = 0.0
+        self._base_time = now
+        self._base_step = step
+
+    @staticmethod
+    def prior_save_s(state_bytes: int) -> float:
+        return 0.5 + state_bytes / PRIOR_SAVE_BYTES_PER_S
+
+    def margin(self) -> float:
+        return 1.5 * (self.step_s + self.gap_s + self.save_s) + self.SLACK_S
+
+    def stop_at(self) -> float:
+        return self.deadline - self.margin()
+
+    def observe(self, now: float, step: int) -> None:
+        """At a safe point: the steps since the window started took ``now - start``."""
+        if step > self._base_step:
+            self.step_s = max(self.step_s, (now - self._base_time) / (step - self._base_step))
+            self._base_time, self._base_step = now, step
+
+    def gap(self, seconds: float) -> None:
+        """A stretch between safe points that is not a step (epoch end, loader start) took ``seconds``."""
+        self.gap_s = max(self.gap_s, seconds)
+
+    def saved(self, seconds: float, now: float, step: int) -> None:
+        """A checkpoint took ``seconds``; the next window starts after it."""
+        self.save_s = max(self.save_s, seconds) if self.save_measured else seconds
+        self.save_measured = True
+        self._base_time, self._base_step = now, step
+
+    def review_at(self, now: float) -> float:
+        """When the run should next call :meth:`observe` (never after :meth:`stop_at`)."""
+        stop = self.stop_at()
+        left = stop - now
+        if left <= self.MIN_REVIEW_S:
+            return stop
+        return now + max(left / 2, self.MIN_REVIEW_S)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

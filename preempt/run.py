@@ -34,6 +34,13 @@ only between ``__enter__`` and ``__exit__``; before and after, the process's
 previous handlers apply. A caught signal is recorded; the next safe point
 saves (when anything changed since the last save) and raises
 :class:`~preempt.errors.Preempted`, a ``SystemExit`` with code 75.
+
+**Walltime.** With a deadline (the SLURM job's end time, or ``time_limit``)
+the run also stops by itself, with no signal, early enough for the stop's
+checkpoint to be durable before the deadline; the margin comes from the
+measured step and save times (:class:`~preempt.policy.Walltime`). Under
+SLURM, a stop at the time limit then requeues the job (rule and limits in
+:mod:`preempt.slurm`); other stops only save and exit.
 """
 
 from __future__ import annotations
@@ -49,29 +56,34 @@ from typing import Any
 
 import torch
 
-from . import _log, codec, rng, state
+from . import _log, codec, rng, slurm, state
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .commit import MANIFEST
 from .dataloading import find_sampler, length, shield_workers
 from .environment import Environment, provenance
 from .errors import (
     PREEMPTED_EXIT_CODE,
+    REQUEUE_FAILED_EXIT_CODE,
+    RESTART_LIMIT_EXIT_CODE,
     SAVE_FAILED_EXIT_CODE,
     CheckpointWriteError,
     IncompatibleStateError,
     NoCheckpointError,
     Preempted,
     PreemptError,
+    RestartLimitReached,
     RunComplete,
     SaveFailed,
+    SlurmError,
 )
 from .lock import DirLock
 from .manifest import Cursor, Manifest
-from .policy import Decision, Reason, SaveFacts, SavePolicy, decide, next_due
+from .policy import Decision, Reason, SaveFacts, SavePolicy, Walltime, decide, next_due
 from .sampler import ResumableSampler
 from .signals import DEFAULT_SIGNALS, StopFlag, signal_name
 
 log = _log.log
+_END = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +134,15 @@ class PreemptibleRun:
             False continues training past the completed state instead.
         lock_timeout: Seconds to wait when another process holds ``save_dir``
             (see :mod:`preempt.lock`) before failing with LockedError; 0 fails at once.
+        time_limit: Walltime of this process, counted from entering the run:
+            seconds, or SLURM's ``[D-]HH:MM:SS``. The run stops and saves
+            before it ends, as on a signal. Under SLURM the job's end time
+            applies anyway (the earlier of the two wins).
+        requeue: Under SLURM, requeue the job after the checkpoint of a stop at
+            its time limit (see :mod:`preempt.slurm`). False only saves and exits.
+        max_restarts: Under SLURM, refuse to start when ``SLURM_RESTART_COUNT``
+            exceeds this, and do not requeue once it is reached (exit code 77):
+            stops a job that keeps coming back without finishing. None: no limit.
         clock: Monotonic clock (for tests).
     """
 
@@ -150,6 +171,9 @@ class PreemptibleRun:
         exit_code: int = PREEMPTED_EXIT_CODE,
         exit_if_complete: bool = True,
         lock_timeout: float = 0.0,
+        time_limit: float | str | None = None,
+        requeue: bool = True,
+        max_restarts: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
@@ -168,6 +192,13 @@ class PreemptibleRun:
             raise ValueError(f"resume: expected 'latest', 'best', a step, a path or None, got {resume!r}")
         if isinstance(resume, int) and resume < 0:
             raise ValueError(f"resume: a step number must be >= 0, got {resume}")
+        self.time_limit = _time_limit(time_limit)
+        if max_restarts is not None and (
+            not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0
+        ):
+            raise ValueError(f"max_restarts: expected an integer >= 0 or None, got {max_restarts!r}")
+        self.requeue = bool(requeue)
+        self.max_restarts = max_restarts
         self.save_dir = Path(save_dir)
         self.policy = SavePolicy(
             interval_s=checkpoint_interval,
@@ -233,6 +264,14 @@ class PreemptibleRun:
         self._due_step: float = math.inf
         self._due_batch: float = math.inf
         self._due_time: float = math.inf
+        self._walltime: Walltime | None = None
+        self._end_time: float | None = None  # the SLURM job's end time, unix seconds
+        self._kill_wait: float | None = None  # SLURM's KillWait, seconds
+        self._scontrol_missing = False
+        self._start_step = 0
+        self._grace_warned = False
+        self._walltime_margin = 0.0
+        self._loader_done: float | None = None  # when the epoch's loader ran out (walltime keeping only)
 
     # ---------------------------------------------------------------- enter
 
@@ -259,11 +298,14 @@ class PreemptibleRun:
                     done.get("epoch"),
                 )
                 raise RunComplete(str(self.save_dir))
+            self._check_restarts()
             self._provenance = provenance(self.env)
-            state.capture(self.components, self._run_state())  # unsupported state fails now, not hours later
+            payload = state.capture(self.components, self._run_state())  # unsupported state fails now
+            self._read_slurm_job()
             self._start()
             if done is not None:
                 self.manager.clear_complete()
+            self._arm_walltime(payload)
         except BaseException as e:
             self._flag.restore()
             # A completed run has time to delete the leftovers it found; a failed start does not wait.
@@ -272,8 +314,79 @@ class PreemptibleRun:
             raise
         self._active = True
         self._last_save_time = self._clock()
+        self._start_step = self.global_step
         self._recompute_due()
         return self
+
+    def _check_restarts(self) -> None:
+        count = self.env.slurm_restart_count or 0
+        if self.env.slurm_job_id and self.max_restarts is not None and count > self.max_restarts:
+            log.error(
+                "SLURM job %s is at restart %d but max_restarts=%d: not training (exit code %d); resubmit the"
+                " job to continue from %s",
+                self.env.slurm_job_id,
+                count,
+                self.max_restarts,
+                RESTART_LIMIT_EXIT_CODE,
+                self.save_dir,
+            )
+            raise RestartLimitReached(count, self.max_restarts)
+
+    def _read_slurm_job(self) -> None:
+        """Under SLURM: the job's end time, KillWait, and whether scontrol is there (one call each)."""
+        env = self.env
+        end_time: float | None = env.slurm_job_end_time
+        if env.slurm_job_id:
+            try:
+                job = slurm.show_job(env.slurm_job_id)
+            except SlurmError as e:
+                self._scontrol_missing = e.missing
+                log.warning(
+                    "SLURM job %s: %s. This job cannot requeue itself: a stop at its time limit will exit with"
+                    " code %d for a wrapper script to requeue or resubmit it.%s",
+                    env.slurm_job_id,
+                    e,
+                    REQUEUE_FAILED_EXIT_CODE,
+                    ""
+                    if end_time
+                    else " Its end time is unknown too (no SLURM_JOB_END_TIME): walltime keeping needs time_limit=",
+                )
+            else:
+                end_time = end_time or job.end_time
+                self._kill_wait = slurm.kill_wait()
+                if self.requeue and job.requeue is False:
+                    log.warning(
+                        "SLURM job %s has Requeue=0 (--no-requeue): a stop at its time limit cannot requeue it"
+                        " and will exit with code %d",
+                        env.slurm_job_id,
+                        REQUEUE_FAILED_EXIT_CODE,
+                    )
+            self._end_time = end_time
+            if isinstance(self._provenance.get("slurm"), dict):
+                self._provenance["slurm"] = {**self._provenance["slurm"], "end_time": end_time}
+
+    def _arm_walltime(self, payload: state.Payload) -> None:
+        """Starts the walltime keeper when there is a deadline: the job's end time or time_limit."""
+        env, end_time = self.env, self._end_time
+        now, wall = self._clock(), time.time()
+        limits = []  # (seconds left, what)
+        if end_time is not None:
+            limits.append((end_time - wall, f"SLURM job {env.slurm_job_id}"))
+        if self.time_limit is not None:
+            limits.append((self.time_limit, f"time_limit={self.time_limit:g} s"))
+        if not limits:
+            return
+        left, what = min(limits)
+        nbytes = sum(
+            t.numel() * t.element_size() for tensors, _ in payload.tensor_files.values() for t in tensors.values()
+        )
+        self._walltime = Walltime(now + left, Walltime.prior_save_s(nbytes), now, self.global_step)
+        log.info(
+            "walltime: %s ends in %s (at %s); the run stops and saves before then",
+            what,
+            _log.duration(max(0.0, left)),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall + left)),
+        )
 
     def _start(self) -> None:
         """Chooses the starting state: own latest, a requested checkpoint, or fresh."""
@@ -408,8 +521,14 @@ class PreemptibleRun:
         self.resumed_from = info.path
         age = _log.duration(max(0.0, time.time() - m.created))
         of = f"/{c.batches_per_epoch}" if c.batches_per_epoch >= 0 else ""
+        env = self.env
+        job = ""
+        if env.slurm_job_id:
+            array = f" (array {env.slurm_array_job_id}_{env.slurm_array_task_id})" if env.slurm_array_job_id else ""
+            job = f"restart {env.slurm_restart_count or 0} of job {env.slurm_job_id}{array}: "
         log.info(
-            "resumed from %s: step %d, epoch %d, batch %d%s, saved %s ago",
+            "%sresumed from %s: step %d, epoch %d, batch %d%s, saved %s ago",
+            job,
             info.path,
             m.step,
             c.epoch,
@@ -468,6 +587,9 @@ class PreemptibleRun:
                 s.set_epoch(self.epoch)
             self._recompute_due()
             yield self.epoch
+            if self._walltime is not None and self._loader_done is not None:
+                self._walltime.gap(self._clock() - self._loader_done)  # the epoch's end-of-epoch code
+                self._loader_done = None
             if self._batches_since_step:
                 log.debug(
                     "epoch %d ended with %d batch(es) not followed by run.step()", self.epoch, self._batches_since_step
@@ -508,10 +630,23 @@ class PreemptibleRun:
             it, start = iter(loader), 0
         self.batch = start
         self._recompute_due()
+        wt = self._walltime
+        if wt is not None:
+            # time the loader's start (worker start-up, first batch) once per epoch, outside the per-batch loop
+            t0 = self._clock()
+            first = next(it, _END)
+            if first is _END:
+                return
+            wt.gap(self._clock() - t0)
+            self.batch += 1
+            self._batches_since_step += 1
+            yield first
         for item in it:
             self.batch += 1
             self._batches_since_step += 1
             yield item
+        if wt is not None:
+            self._loader_done = self._clock()
 
     def _resume_iterator(
         self, loader: Iterable[Any], r: _Resume, sampler: ResumableSampler | None
@@ -685,14 +820,22 @@ class PreemptibleRun:
             stop_requested=self._flag.requested,
             best_improved=self._best_pending,
             dirty=self._dirty,
+            stop_at=math.inf if self._walltime is None else self._walltime.stop_at(),
         )
 
     def _recompute_due(self) -> None:
-        due = next_due(self.policy, self._facts())
+        facts = self._facts()
+        due = next_due(self.policy, facts)
         self._due_step, self._due_batch, self._due_time = due.step, due.batch, due.time
+        if self._walltime is not None:
+            self._due_time = min(self._due_time, self._walltime.review_at(facts.now))
 
     def _safe_point(self, point: str) -> None:
+        if self._walltime is not None:
+            self._walltime.observe(self._clock(), self.global_step)
         decision: Decision = decide(self.policy, self._facts())
+        if decision.reason is Reason.WALLTIME and self._walltime is not None:
+            self._walltime_margin = self._walltime.margin()  # for the log line: the save updates the estimate
         if decision.save:
             self._save(decision.reason, point)  # type: ignore[arg-type]
         if decision.stop or self._flag.requested:
@@ -703,19 +846,95 @@ class PreemptibleRun:
 
     def _stop(self) -> None:
         f = self._flag
-        waited = "" if f.received_at is None else f" {_log.duration(self._clock() - f.received_at)} after it arrived"
+        now = self._clock()
+        if f.requested:
+            cause = slurm.Cause.SIGNAL if f.signum is not None else slurm.Cause.REQUEST
+            what = signal_name(f.signum) if f.signum is not None else "request"
+            if f.received_at is not None:
+                what += f" {_log.duration(now - f.received_at)} after it arrived"
+        else:
+            cause = slurm.Cause.WALLTIME
+            wt = self._walltime
+            assert wt is not None
+            what = (
+                f"walltime ({_log.duration(max(0.0, wt.deadline - now))} before the deadline; margin"
+                f" {_log.duration(self._walltime_margin)} for steps of {_log.duration(wt.step_s)}, epoch ends of"
+                f" {_log.duration(wt.gap_s)} and saves of {_log.duration(wt.save_s)})"
+            )
+        code, requeued = self._after_stop(cause, None if f.received_at is None else time.time() - (now - f.received_at))
         where = self.last_checkpoint or "(no checkpoint: nothing had changed)"
         log.info(
-            "stopping on %s%s at step %d (epoch %d, batch %d); state in %s; exit code %d",
-            signal_name(f.signum) if f.signum is not None else "request",
-            waited,
+            "stopping on %s at step %d (epoch %d, batch %d); state in %s; exit code %d",
+            what,
             self.global_step,
             self.epoch,
             self.batch,
             where,
-            self.exit_code,
+            code,
         )
-        raise Preempted(self.exit_code, f.signum, None if self.last_checkpoint is None else str(self.last_checkpoint))
+        checkpoint = None if self.last_checkpoint is None else str(self.last_checkpoint)
+        raise Preempted(code, f.signum, checkpoint, requeued=requeued)
+
+    def _after_stop(self, cause: slurm.Cause, signal_time: float | None) -> tuple[int, bool]:
+        """Requeues the SLURM job when the stop is its time limit; returns the exit code and whether it did."""
+        env = self.env
+        if not env.slurm_job_id or not self.requeue or (env.rank or 0) != 0:
+            return self.exit_code, False
+        job = None
+        if cause is slurm.Cause.SIGNAL and not self._scontrol_missing:
+            try:
+                job = slurm.show_job(env.slurm_job_id, timeout=5.0)
+            except SlurmError as e:
+                log.warning("SLURM job %s: %s", env.slurm_job_id, e)
+        decision = slurm.decide_requeue(
+            cause=cause,
+            signal_time=signal_time,
+            end_time=self._end_time,
+            job=job,
+            restart_count=env.slurm_restart_count or 0,
+            max_restarts=self.max_restarts,
+            progressed=self.global_step > self._start_step,
+        )
+        name = f"SLURM job {env.slurm_job_id}"
+        if decision.action is slurm.Action.NONE:
+            log.info("%s: not requeued: %s", name, decision.why)
+            return self.exit_code, False
+        if decision.action is slurm.Action.REFUSE:
+            log.error(
+                "%s: not requeued: %s (exit code %d); resubmit the job to continue from %s",
+                name,
+                decision.why,
+                RESTART_LIMIT_EXIT_CODE,
+                self.save_dir,
+            )
+            return RESTART_LIMIT_EXIT_CODE, False
+        target = slurm.requeue_target(env.slurm_job_id, env.slurm_array_job_id, env.slurm_array_task_id)
+        signals = self._flag.count  # SLURM's SIGTERM for the requeue may come before scontrol returns
+        try:
+            slurm.requeue(target)
+        except SlurmError as e:
+            log.error(
+                "%s: %s; could not requeue it: %s. The state is saved: requeue or resubmit the job (exit code %d)",
+                name,
+                decision.why,
+                e,
+                REQUEUE_FAILED_EXIT_CODE,
+            )
+            return REQUEUE_FAILED_EXIT_CODE, False
+        log.info(
+            "%s: %s; requeued it (scontrol requeue %s): restart %d continues from step %d",
+            name,
+            decision.why,
+            target,
+            (env.slurm_restart_count or 0) + 1,
+            self.global_step,
+        )
+        # SLURM now ends the job with SIGTERM to all its processes. Receive it here, while the handlers are
+        # still in place, so that the process exits with the documented code instead of dying of it.
+        until = time.monotonic() + 2.0
+        while self._flag.count == signals and self._flag.installed and time.monotonic() < until:
+            time.sleep(0.01)
+        return self.exit_code, True
 
     def _run_state(self) -> dict[str, Any]:
         codec.check_json(self.user_state, "run.user_state")
@@ -763,7 +982,29 @@ class PreemptibleRun:
                 return
             self._mark_saved(info)
             self._best_pending = False
-            log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(self._clock() - t0))
+            t1 = self._clock()
+            log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
+            if self._walltime is not None:
+                self._walltime.saved(t1 - t0, t1, self.global_step)
+            self._check_grace(t1 - t0)
+
+    def _check_grace(self, seconds: float) -> None:
+        """Warns once when a stop could not be saved within SLURM's KillWait."""
+        if self._kill_wait is None or self._grace_warned:
+            return
+        step = self._walltime.step_s if self._walltime is not None else 0.0
+        if seconds + step <= self._kill_wait:
+            return
+        self._grace_warned = True
+        log.warning(
+            "a checkpoint took %s (plus %s to reach the next step) but SLURM kills %s after SIGTERM (KillWait):"
+            " a scancel, scontrol requeue or preemption will lose the steps since the last checkpoint. The time"
+            " limit is covered by the walltime keeper; for the rest checkpoint more often or ask for a longer"
+            " KillWait or GraceTime",
+            _log.duration(seconds),
+            _log.duration(step),
+            _log.duration(self._kill_wait),
+        )
 
     def _save_failed(self, reason: Reason, error: OSError) -> None:
         self.failed_saves += 1
@@ -830,6 +1071,15 @@ class PreemptibleRun:
         self._last_save_step = m.step
         self._last_save_epoch = m.cursor.epoch
         self._last_save_batch = m.cursor.batch
+
+
+def _time_limit(value: float | str | None) -> float | None:
+    if value is None:
+        return None
+    seconds = slurm.parse_duration(value) if isinstance(value, str) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"time_limit: expected a positive number of seconds or '[D-]HH:MM:SS', got {value!r}")
+    return float(seconds)
 
 
 def _check_stateful(name: str, obj: Any) -> None:

@@ -87,6 +87,13 @@ def signal_at(spec: str) -> None:
     preempt.checkpoint.read_verified = read_verified
 
 
+def _number_or_text(value: str) -> float | str:
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--save_dir", required=True)
@@ -107,6 +114,8 @@ def main() -> None:
     p.add_argument("--epoch_end_sleep", type=float, default=0.0)
     p.add_argument("--no_auto_resume", action="store_true")
     p.add_argument("--signal_at", default=None, help="STAGE:N:SIG[,...], see signal_at()")
+    p.add_argument("--time_limit", default=None, help="PreemptibleRun(time_limit=): seconds or [D-]HH:MM:SS")
+    p.add_argument("--max_restarts", type=int, default=None)
     args = p.parse_args()
     if args.signal_at:
         signal_at(args.signal_at)
@@ -126,6 +135,11 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
 
+    walltime = {}  # only when asked for: the other options also run against older installs
+    if args.time_limit is not None:
+        walltime["time_limit"] = _number_or_text(args.time_limit)
+    if args.max_restarts is not None:
+        walltime["max_restarts"] = args.max_restarts
     with PreemptibleRun(
         args.save_dir,
         model=model,
@@ -136,6 +150,7 @@ def main() -> None:
         checkpoint_every_steps=args.every_steps,
         keep_last=args.keep_last,
         auto_resume=not args.no_auto_resume,
+        **walltime,
     ) as run:
         run.user_state.setdefault("losses", [])
         sampler = run.sampler(data, shuffle=True, seed=7)

@@ -1,0 +1,185 @@
+"""A live single-node SLURM cluster (slurm/cluster.sh) and helpers to submit the templates in slurm/ to it.
+
+The cluster is the one ``.ci/run`` started; when none answers, the session starts it (and stops it at the
+end). Where it cannot be started (no root, no apt-get, no packages) every test here is skipped with the reason.
+
+(Not a conftest.py: the test modules import ``conftest`` by name, and a second conftest.py would replace it.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TRAIN
+
+SLURM = ROOT / "slurm"
+STATE_DIR = Path(os.environ.get("PREEMPT_SLURM_DIR", "/tmp/preempt-slurm"))
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "DEADLINE"}
+
+
+class Cluster:
+    """Client commands against the cluster whose slurm.conf is ``conf``."""
+
+    def __init__(self, conf: Path) -> None:
+        # Jobs inherit this environment (sbatch --export=ALL): PYTHONPATH makes them import this checkout of
+        # preempt whatever an editable install points at.
+        self.env = {**os.environ, "SLURM_CONF": str(conf), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+
+    def run(self, *cmd: str, timeout: float = 30.0, check: bool = True) -> str:
+        r = subprocess.run(list(cmd), capture_output=True, text=True, env=self.env, timeout=timeout, check=False)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{shlex.join(cmd)}: exit code {r.returncode}: {r.stderr.strip()}")
+        return r.stdout
+
+    def answers(self) -> bool:
+        try:
+            return (
+                subprocess.run(
+                    ["scontrol", "ping"], capture_output=True, env=self.env, timeout=10, check=False
+                ).returncode
+                == 0
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    def submit(self, template: str, command: Sequence[str], out: Path, options: Sequence[str] = ()) -> Job:
+        """``sbatch [options] slurm/<template> <command>``, one CPU, output appended to ``out``."""
+        job_id = (
+            self.run(
+                "sbatch",
+                "--parsable",
+                f"--chdir={ROOT}",
+                f"--output={out}",
+                "--cpus-per-task=1",
+                "--job-name=preempt-test",
+                *options,
+                str(SLURM / template),
+                *command,
+            )
+            .strip()
+            .split(";")[0]
+        )
+        return Job(self, job_id, out, time.monotonic())
+
+
+@dataclass
+class Job:
+    cluster: Cluster
+    id: str
+    out: Path
+    submitted: float
+
+    def info(self) -> dict[str, str]:
+        text = self.cluster.run("scontrol", "show", "job", "-o", self.id)
+        return dict(re.findall(r"(?:^|\s)([A-Za-z][\w/:]*)=(\S*)", text))
+
+    @property
+    def log(self) -> str:
+        return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    def wait(self, what: str, predicate: Callable[[], object], timeout: float, poll: float = 0.1) -> object:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {self.id}: no {what} within {timeout:.0f} s\n{self.describe()}")
+            time.sleep(poll)
+
+    def wait_log(self, pattern: str, timeout: float, count: int = 1) -> None:
+        rx = re.compile(pattern, re.M)
+
+        def seen() -> bool:
+            log = self.log
+            if len(rx.findall(log)) >= count:
+                return True
+            if self.info().get("JobState") in TERMINAL:
+                raise AssertionError(f"job {self.id} ended before {pattern!r} appeared\n{self.describe()}")
+            return False
+
+        self.wait(f"line matching {pattern!r}", seen, timeout)
+
+    def wait_running(self, timeout: float = 60.0, restarts: int | None = None) -> float:
+        """Waits until the job runs (its ``restarts``-th run, if given); returns the monotonic time."""
+
+        def running() -> bool:
+            i = self.info()
+            return i.get("JobState") == "RUNNING" and (restarts is None or i.get("Restarts") == str(restarts))
+
+        self.wait("RUNNING state", running, timeout, poll=0.05)
+        return time.monotonic()
+
+    def wait_done(self, timeout: float) -> dict[str, str]:
+        """Waits for a final state; returns the job's fields."""
+
+        def done() -> dict[str, str] | None:
+            i = self.info()
+            return i if i.get("JobState") in TERMINAL else None
+
+        return self.wait("final state", done, timeout, poll=0.5)  # type: ignore[return-value]
+
+    def requeue(self) -> float:
+        self.cluster.run("scontrol", "requeue", self.id)
+        return time.monotonic()
+
+    def cancel(self) -> None:
+        self.cluster.run("scancel", self.id, check=False)
+
+    def describe(self) -> str:
+        try:
+            fields = self.info()
+            state = " ".join(f"{k}={fields.get(k)}" for k in ("JobState", "Reason", "Restarts", "EndTime"))
+        except AssertionError as e:
+            state = str(e)
+        return f"{state}\n--- {self.out}:\n{self.log}"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Cluster]:
+    cluster = Cluster(STATE_DIR / "slurm.conf")
+    started = False
+    if not cluster.answers():
+        try:
+            r = subprocess.run(
+                [str(SLURM / "cluster.sh"), "start"], capture_output=True, text=True, timeout=300, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"the local SLURM cluster could not be started (slurm/cluster.sh start: {e})")
+        if r.returncode != 0 or not cluster.answers():
+            said = (r.stderr or r.stdout).strip().splitlines()[-3:]
+            pytest.skip(
+                f"the local SLURM cluster could not be started (slurm/cluster.sh start: exit {r.returncode}:"
+                f" {' / '.join(said)})"
+            )
+        started = True
+    yield cluster
+    if started:
+        subprocess.run([str(SLURM / "cluster.sh"), "stop"], capture_output=True, timeout=120, check=False)
+
+
+def train_command(save_dir: Path, final_out: Path, args: Sequence[str]) -> list[str]:
+    return [sys.executable, str(TRAIN), "--save_dir", str(save_dir), "--final_out", str(final_out), *args]
+
+
+def without_sleep(args: Sequence[str]) -> list[str]:
+    """The same training without --step_sleep (the sleep changes the timing, not the state)."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--step_sleep":
+            skip = True
+        elif not a.startswith("--step_sleep="):
+            out.append(a)
+    return out

@@ -1,0 +1,214 @@
+"""The job templates of slurm/ on a live SLURM cluster, running tests/scripts/train.py, compared bit for bit.
+
+The time-limit jobs need SLURM's minute granularity (``--time=1``), so they are submitted together when the
+module starts (the ``time_limit_jobs`` fixture) and run side by side while the interactive tests (requeue,
+scancel) run; each time-limit test then waits for its own job. The cluster's node takes up to 4 jobs per CPU
+(their steps mostly sleep).
+
+Why ``--signal=...@20`` and not ``@30`` in one-minute jobs: SLURM checks the limits every 30 s and sends the
+warning up to 30 s before its lead time, so in a 60 s job ``@30`` can arrive at second 0, before python has
+imported torch and entered the run (the default action of SIGTERM then kills it). ``@20`` arrives between
+second 10 and 40.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import assert_same_final
+from slurmjobs import TERMINAL, Cluster, Job, slurm_cluster, train_command, without_sleep  # noqa: F401
+
+from preempt.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.slurm
+
+BASE = ("--samples", "1024", "--epochs", "2", "--interval", "10")  # 128 steps; their time is --step_sleep
+
+
+@dataclass(frozen=True)
+class Spec:
+    template: str
+    options: tuple[str, ...]
+    args: tuple[str, ...]
+    timeout: float
+
+
+# One --time=1 allocation trains at most ~37 s before an @20 warning, ~55 s before the walltime keeper.
+SPECS = {
+    # ~45 s of work: at least one self-requeue
+    "test_time_limit_warning_requeues_the_job": Spec(
+        "job.sbatch", ("--time=1", "--signal=B:TERM@20"), (*BASE, "--step_sleep", "0.35"), 300
+    ),
+    # ~80 s of work: at least two self-requeues
+    "test_time_limit_warning_requeues_again_and_again": Spec(
+        "job.sbatch", ("--time=1", "--signal=B:TERM@20"), (*BASE, "--step_sleep", "0.62"), 420
+    ),
+    "test_srun_template_time_limit_warning": Spec(
+        "job_srun.sbatch", ("--time=1", "--signal=TERM@20"), (*BASE, "--step_sleep", "0.35"), 300
+    ),
+    # ~70 s of work and no warning at all (a lead time of 0 sends none): only the walltime keeper saves it
+    "test_walltime_keeper_without_any_signal": Spec(
+        "job.sbatch", ("--time=1", "--signal=B:TERM@0"), (*BASE, "--step_sleep", "0.55"), 300
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def time_limit_jobs(
+    slurm_cluster: Cluster,  # noqa: F811
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[Job, Path]]]:
+    """Submits the time-limit jobs of the selected tests at once; cancels what is left at the end."""
+    selected = {item.name for item in request.session.items}
+    jobs = {}
+    for name, spec in SPECS.items():
+        if name in selected:
+            d = tmp_path_factory.mktemp(name.removeprefix("test_")[:40])
+            cmd = train_command(d / "run", d / "final.safetensors", spec.args)
+            jobs[name] = (slurm_cluster.submit(spec.template, cmd, d / "job.out", spec.options), d)
+    # Let them import torch before the other tests start theirs: a start-up slower than 10 s would meet the
+    # earliest @20 warning outside the run.
+    for job, _ in jobs.values():
+        job.wait_log(r"^start step", timeout=60)
+    yield jobs
+    for job, _ in jobs.values():
+        if job.info().get("JobState") not in TERMINAL:
+            job.cancel()
+
+
+def finish_time_limit_job(
+    request: pytest.FixtureRequest, jobs: dict[str, tuple[Job, Path]], reference: Callable[[Sequence[str]], Path]
+) -> tuple[Job, dict[str, str], str]:
+    name = request.node.name
+    job, d = jobs[name]
+    spec = SPECS[name]
+    info = job.wait_done(timeout=spec.timeout)
+    log = job.log
+    assert info["JobState"] == "COMPLETED", job.describe()
+    assert "DUE TO TIME LIMIT" not in log, f"the job reached its time limit\n{log}"
+    assert_same_final(reference(without_sleep(spec.args)), d / "final.safetensors")
+    return job, info, log
+
+
+def test_scontrol_requeue_twice_at_random_moments(
+    slurm_cluster: Cluster,  # noqa: F811
+    time_limit_jobs: dict,
+    tmp_path: Path,
+    reference: Callable[[Sequence[str]], Path],
+) -> None:
+    """Two scheduler requeues: saved and exited each time, never requeued by the run itself; bit-exact."""
+    seed = random.randrange(10**6)
+    rng = random.Random(seed)
+    args = (*BASE, "--step_sleep", "0.15")  # ~20 s of work
+    cmd = train_command(tmp_path / "run", tmp_path / "final.safetensors", args)
+    # --time=5: the end is within preempt's 15-minute warning window, so only the job state (COMPLETING, not
+    # RUNNING) tells these SIGTERMs from the time-limit warning.
+    job = slurm_cluster.submit("job.sbatch", cmd, tmp_path / "job.out", ["--time=5"])
+    job.wait_log(r"^start step", timeout=90)
+    time.sleep(rng.uniform(0.5, 5.0))  # somewhere in the training
+    requeued = job.requeue()
+    back = job.wait_running(timeout=60, restarts=1)
+    print(f"requeue -> running: {back - requeued:.1f} s (seed {seed})")
+    time.sleep(rng.uniform(0.0, 8.0))  # anywhere: start-up, resume, training
+    requeued = job.requeue()
+    back = job.wait_running(timeout=60, restarts=2)
+    print(f"requeue -> running: {back - requeued:.1f} s")
+    info = job.wait_done(timeout=120)
+    log = job.log
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", f"seed {seed}\n{job.describe()}"
+    assert re.search(rf"^\[preempt\] restart 2 of job {job.id}: resumed from \S+step_\d+: step \d+", log, re.M), log
+    assert "requeued it" not in log, f"the run requeued a job that SLURM was requeueing\n{log}"
+    stops = len(re.findall(r"stopping on SIGTERM", log))
+    ending = len(re.findall(rf"SLURM job {job.id}: not requeued: the job is ending \(JobState=COMPLETING", log))
+    assert 1 <= stops == ending <= 2, f"seed {seed}\n{log}"
+    assert_same_final(reference(without_sleep(args)), tmp_path / "final.safetensors")
+
+
+def test_scancel_saves_and_does_not_requeue(
+    slurm_cluster: Cluster,  # noqa: F811
+    time_limit_jobs: dict,
+    tmp_path: Path,
+    reference: Callable[[Sequence[str]], Path],
+) -> None:
+    """scancel: the checkpoint is written, the job stays cancelled; a new job continues it bit-exactly."""
+    args = (*BASE, "--step_sleep", "0.12")  # ~16 s of work
+    cmd = train_command(tmp_path / "run", tmp_path / "final.safetensors", args)
+    job = slurm_cluster.submit("job.sbatch", cmd, tmp_path / "job.out", ["--time=5"])
+    job.wait_log(r"^step 20 ", timeout=90)
+    job.cancel()
+    info = job.wait_done(timeout=60)
+    time.sleep(2.0)  # a requeue would show as PENDING/RUNNING and a Restarts count by now
+    info = job.info()
+    log = job.log
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", job.describe()
+    assert "requeued it" not in log and "not requeued: the job is ending" in log, log
+    m = re.search(r"stopping on SIGTERM .* at step (\d+) .*; state in (\S+step_\d+); exit code 75", log)
+    assert m, log
+    saved = [c for c in CheckpointManager(tmp_path / "run", owner=False).list() if c.status == "valid"]
+    assert saved and saved[0].step == int(m.group(1)) and str(saved[0].path) == m.group(2), (saved, log)
+
+    again = slurm_cluster.submit("job.sbatch", cmd, tmp_path / "job.out", ["--time=5"])
+    info = again.wait_done(timeout=120)
+    assert info["JobState"] == "COMPLETED", again.describe()
+    assert re.search(rf"resumed from \S+step_0*{m.group(1)}: step {m.group(1)},", again.log), again.log
+    assert_same_final(reference(without_sleep(args)), tmp_path / "final.safetensors")
+
+
+def test_time_limit_warning_requeues_the_job(
+    request: pytest.FixtureRequest, time_limit_jobs: dict, reference: Callable[[Sequence[str]], Path]
+) -> None:
+    """--time=1 --signal=B:TERM@20, exec template: save at the warning, requeue itself, complete."""
+    job, info, log = finish_time_limit_job(request, time_limit_jobs, reference)
+    restarts = int(info["Restarts"])
+    assert restarts >= 1, log
+    assert len(re.findall(r"stopping on SIGTERM", log)) == restarts, log
+    assert len(re.findall(r"the time-limit warning \(\d+ s before the job's end time\); requeued it", log)) == (
+        restarts
+    ), log
+    assert re.search(rf"restart {restarts} of job {job.id}: resumed from", log), log
+
+
+@pytest.mark.slow
+def test_time_limit_warning_requeues_again_and_again(
+    request: pytest.FixtureRequest, time_limit_jobs: dict, reference: Callable[[Sequence[str]], Path]
+) -> None:
+    """The same with more than a minute of work: the job requeues itself at least twice."""
+    job, info, log = finish_time_limit_job(request, time_limit_jobs, reference)
+    restarts = int(info["Restarts"])
+    assert restarts >= 2, log
+    assert len(re.findall(r"the time-limit warning \(\d+ s before the job's end time\); requeued it", log)) == (
+        restarts
+    ), log
+
+
+def test_srun_template_time_limit_warning(
+    request: pytest.FixtureRequest, time_limit_jobs: dict, reference: Callable[[Sequence[str]], Path]
+) -> None:
+    """The srun template with --signal=TERM@20 (no B:): the step's python gets the warning."""
+    job, info, log = finish_time_limit_job(request, time_limit_jobs, reference)
+    restarts = int(info["Restarts"])
+    assert restarts >= 1 and ": srun " in log, log
+    assert len(re.findall(r"stopping on SIGTERM", log)) == restarts, log
+    assert len(re.findall(r"the time-limit warning \(\d+ s before the job's end time\); requeued it", log)) == (
+        restarts
+    ), log
+
+
+def test_walltime_keeper_without_any_signal(
+    request: pytest.FixtureRequest, time_limit_jobs: dict, reference: Callable[[Sequence[str]], Path]
+) -> None:
+    """No warning at all: the walltime keeper stops and saves before the end, requeues, completes."""
+    job, info, log = finish_time_limit_job(request, time_limit_jobs, reference)
+    restarts = int(info["Restarts"])
+    assert restarts >= 1, log
+    assert "stopping on SIGTERM" not in log, log
+    stops = re.findall(r"stopping on walltime \(([\d.]+) s before the deadline", log)
+    assert len(stops) == restarts and all(float(s) > 0 for s in stops), log
+    assert len(re.findall(r"the walltime keeper stopped the run .*; requeued it", log)) == restarts, log
