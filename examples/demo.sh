@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs preempt, then shows a training being stopped by SIGTERM and resuming exactly where it stopped.
+# Installs preempt, then shows the LatentWire example stopped by SIGTERM mid-run and resuming exactly where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -7,16 +7,17 @@ cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || pip install torch==2.13.0
 pip install -q -e .
 
-save_dir=runs/quickstart
+save_dir=runs/latentwire_demo
 rm -rf "$save_dir"
-echo "== 1. train, stopped after 8 s by 'timeout --signal=TERM' (as SLURM's --signal=TERM@N would)"
+args=(examples/latentwire_train.py --samples 2048 --epochs 3 --save_dir "$save_dir")  # ~35 s of training
+echo "== 1. train; 'timeout --signal=TERM 20' sends SIGTERM after 20 s (as SLURM's --signal=TERM@N would)"
 status=0
-timeout --signal=TERM 8 python examples/quickstart.py --save_dir "$save_dir" || status=$?
-echo "== exit code $status (124: timeout fired and the run saved and stopped)"
-echo "== 2. the same command again: it resumes from the checkpoint, mid-epoch, and finishes"
-python examples/quickstart.py --save_dir "$save_dir"
-echo "== 3. a third time: the run is complete, so it exits at once with code 0"
-python examples/quickstart.py --save_dir "$save_dir"
-echo "== 4. what is on disk"
+timeout --preserve-status --signal=TERM 20 python "${args[@]}" || status=$?
+echo "== exit code $status (75: stopped by the signal with its state saved; rerun with --auto_resume to continue)"
+echo "== 2. the same command with --auto_resume: it continues from that checkpoint, mid-epoch, and finishes"
+python "${args[@]}" --auto_resume
+echo "== 3. once more: the run is complete, so it exits at once with code 0 (what a late requeue sees)"
+python "${args[@]}" --auto_resume
+echo "== 4. what is on disk: every checkpoint file re-hashed against its manifest"
 preempt ls "$save_dir"
 preempt verify "$save_dir"

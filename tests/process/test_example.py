@@ -40,9 +40,12 @@ def test_quickstart_stopped_and_resumed_equals_uninterrupted(tmp_path):
 
 
 def test_readme_demo_command(tmp_path):
-    """README's first set-up command, run as written: stopped by timeout, resumed, complete, listed, verified."""
+    """README's first set-up command, run as written: the LatentWire example stopped by timeout's SIGTERM (exit 75),
+    resumed with --auto_resume, found complete, listed, verified."""
     r = subprocess.run(["bash", str(ROOT / "examples" / "demo.sh")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "== exit code 124" in r.stdout, r.stdout
-    assert "stopping on SIGTERM" in r.stderr and "resumed from" in r.stderr and "is complete" in r.stderr
-    assert "valid (latest)" in r.stdout and "run complete" in r.stdout and "DAMAGED" not in r.stdout
+    assert "== exit code 75" in r.stdout, r.stdout
+    assert "stopping on SIGTERM" in r.stderr and "resumed from" in r.stderr and "is complete" in r.stderr, r.stderr
+    assert "resuming at step" in r.stdout and "epoch 2 done" in r.stdout, r.stdout
+    assert "valid (latest)" in r.stdout and "run complete" in r.stdout and "all ok" in r.stdout, r.stdout
+    assert "DAMAGED" not in r.stdout
