@@ -52,6 +52,22 @@ def shield_workers(loader: Any, signals: Iterable[int]) -> Any:
     return loader
 
 
+def shutdown_workers(loader: Any) -> None:
+    """Stops the persistent workers a DataLoader keeps between epochs (``persistent_workers=True``).
+
+    Shielded workers ignore SIGTERM, and at interpreter exit multiprocessing
+    stops its daemon children with SIGTERM and then waits for them: a loader
+    still referenced at that point (one made at module level) would hang the
+    exit forever. So the run shuts them down itself when it ends. Uses the
+    iterator's own ``_shutdown_workers`` (private torch API; absent: nothing to do).
+    """
+    it = getattr(loader, "_iterator", None)
+    stop = getattr(it, "_shutdown_workers", None)
+    if callable(stop):
+        stop()
+        loader._iterator = None
+
+
 def find_sampler(loader: Any) -> tuple[ResumableSampler, int] | None:
     """The ResumableSampler feeding ``loader`` and the samples per batch, when skipping is exact.
 

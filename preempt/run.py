@@ -50,6 +50,7 @@ import errno
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ import torch
 from . import _log, codec, rng, slurm, state
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .commit import MANIFEST
-from .dataloading import find_sampler, length, shield_workers
+from .dataloading import find_sampler, length, shield_workers, shutdown_workers
 from .environment import Environment, provenance
 from .errors import (
     PREEMPTED_EXIT_CODE,
@@ -249,6 +250,7 @@ class PreemptibleRun:
         self._sample_offset = 0  # samples of the epoch done minus batch * samples per batch (after a resize)
         self._sampler: ResumableSampler | None = None
         self._samplers: list[ResumableSampler] = []
+        self._loaders: list[weakref.ref[Any]] = []  # loaders seen by batches(): their persistent workers stop at exit
         self._epoch_rng: rng.RngState | None = None
         self._resume: _Resume | None = None
         self._best: dict[str, Any] | None = None
@@ -290,7 +292,8 @@ class PreemptibleRun:
             self._lock.acquire()
             self.manager.recover()  # only the lock holder may clean up leftovers
             done = self.manager.completion()
-            if done is not None and self.exit_if_complete and not self._new_request():
+            fresh = not self.auto_resume or self.resume is None  # starting over is asked: complete or not
+            if done is not None and self.exit_if_complete and not fresh and not self._new_request():
                 log.info(
                     "%s is complete (step %s, epoch %s); nothing to do. Pass exit_if_complete=False to train further.",
                     self.save_dir,
@@ -546,6 +549,13 @@ class PreemptibleRun:
         finally:
             self._active = False
             self._flag.restore()
+            for ref in self._loaders:
+                loader = ref()
+                if loader is not None:
+                    try:
+                        shutdown_workers(loader)
+                    except Exception as e:  # never mask how the run ended
+                        log.warning("could not stop the DataLoader's persistent workers: %s", e)
             # After a stop the process must exit within its grace period;
             # unfinished deletions are redone at the next start.
             self.manager.close(timeout=None if exc_type is None else 0.0)
@@ -611,6 +621,7 @@ class PreemptibleRun:
             )
         self._batches_epoch = self.epoch
         shield_workers(loader, self._flag.signals)
+        self._loaders.append(weakref.ref(loader))
         found = find_sampler(loader)
         sampler, per_batch = found if found else (None, None)
         if sampler is not None:

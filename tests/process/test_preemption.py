@@ -229,3 +229,34 @@ def test_save_dir_is_a_file(tmp_path: Path):
     r = subprocess.run(train_cmd(f, None, WORKERS0), capture_output=True, text=True)
     assert r.returncode == 1
     assert f"save_dir {f}: expected a directory, found a file" in r.stderr
+
+
+PERSISTENT = """
+import sys, time, torch
+from torch.utils.data import DataLoader, TensorDataset
+from preempt import PreemptibleRun
+data = TensorDataset(torch.randn(64, 4))
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+# module level on purpose: the loader (and its persistent workers) is still alive when the interpreter exits
+with PreemptibleRun(sys.argv[1], model=model, optimizer=opt, checkpoint_interval=None) as run:
+    loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, seed=0), num_workers=2, persistent_workers=True)
+    for epoch in run.epochs(3):
+        for (x,) in run.batches(loader):
+            model(x).sum().backward(); opt.step(); opt.zero_grad()
+            print(f"step {run.global_step + 1}", flush=True)
+            time.sleep(float(sys.argv[2]))
+            run.step()
+"""
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["completes", "sigterm"])
+def test_persistent_workers_do_not_hang_the_exit(tmp_path, stop):
+    """Shielded workers ignore SIGTERM, which multiprocessing's exit handler sends them: the run stops them first."""
+    script = tmp_path / "persistent.py"
+    script.write_text(PERSISTENT)
+    p = Spawned([sys.executable, str(script), str(tmp_path / "run"), "0.05" if stop else "0"])
+    if stop:
+        assert p.wait_for(r"^step 10$")
+        p.signal(signal.SIGTERM)
+    assert p.finish(timeout=60) == (PREEMPTED if stop else 0), p.output

@@ -176,6 +176,13 @@ def test_completed_run_raises_run_complete_and_can_be_extended(tmp_path):
     assert run.global_step == 20
 
 
+def test_auto_resume_false_starts_over_even_when_the_run_is_complete(tmp_path):
+    train(tmp_path)
+    model, opt, sched, trace = train(tmp_path, auto_resume=False)
+    assert len(trace) == 15  # trained again from step 0
+    assert (tmp_path / "complete.json").is_file() and len(list((tmp_path / "superseded").iterdir())) >= 1
+
+
 def test_completed_run_cleans_leftovers_before_it_exits(tmp_path):
     """A kill after complete.json can leave leftovers; the rerun that only says "complete" deletes them."""
     train(tmp_path)
