@@ -464,7 +464,7 @@ class CheckpointManager:
             "epoch": m.cursor.epoch if m else None,
             "completed": time.time(),
         }
-        commit.write_atomic(self.save_dir / COMPLETE, json.dumps(doc, indent=1).encode() + b"\n")
+        commit.write_atomic(self.save_dir / COMPLETE, [json.dumps(doc, indent=1).encode() + b"\n"])
 
     def completion(self) -> dict[str, Any] | None:
         """The content of ``complete.json``, or None when the run is not complete."""

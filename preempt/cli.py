@@ -808,31 +808,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _write_new(out: Path, pieces: Iterable[Any], force: bool) -> FileDigest:
-    """Writes ``out`` atomically: a temporary file beside it, fdatasync, then rename (or link) and fsync(dir).
-
-    Without ``force``, the final step is ``link``, which fails when ``out``
-    appeared meanwhile, so an existing file is never replaced.
-    """
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    """Writes ``out`` atomically; without ``force`` an existing file (even one created meanwhile) is kept."""
     try:
-        digest = commit.write_file(tmp, pieces)
-        if force:
-            os.replace(tmp, out)
-        else:
-            try:
-                os.link(tmp, out)
-            except FileExistsError:
-                raise _Fail(EXIT_USAGE, f"{out}: exists (created meanwhile); pass --force to overwrite it") from None
-            except OSError:  # a filesystem without hard links
-                if out.exists():
-                    raise _Fail(EXIT_USAGE, f"{out}: exists; pass --force to overwrite it") from None
-                os.rename(tmp, out)
-        commit.fsync_dir(out.parent)
+        return commit.write_atomic(out, pieces, replace=force)
+    except FileExistsError:
+        raise _Fail(EXIT_USAGE, f"{out}: exists; pass --force to overwrite it") from None
     except OSError as e:
         raise _Fail(EXIT_USAGE, f"{out}: cannot be written ({e})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    return digest
 
 
 # --------------------------------------------------------------------- main

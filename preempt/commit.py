@@ -273,12 +273,36 @@ def commit_dir(save_dir: Path, tmp: Path, name: str) -> tuple[Path, Path | None]
     return final, replaced
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replaces one small file atomically: tmp file, fsync, rename, fsync(dir)."""
+def write_atomic(path: Path, pieces: Iterable[Any], *, replace: bool = True) -> FileDigest:
+    """Writes a file atomically: a temporary file beside it, fdatasync, rename, fsync(dir).
+
+    Args:
+        path: The file.
+        pieces: Its content (bytes-like pieces, as for :func:`write_file`).
+        replace: False never replaces an existing file, not even one created
+            meanwhile: the last step is ``link``, which fails when ``path`` exists.
+
+    Raises:
+        FileExistsError: ``replace`` is False and ``path`` exists.
+    """
     tmp = path.with_name(f"{_TMP}{path.name}-{_tag()}")
-    write_file(tmp, [data])
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
+    try:
+        digest = write_file(tmp, pieces)
+        if replace:
+            os.rename(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:  # a filesystem without hard links: check, then rename
+                if path.exists():
+                    raise FileExistsError(errno.EEXIST, "exists", str(path)) from None
+                os.rename(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after a rename; after a link, the second name
+    return digest
 
 
 def trash(save_dir: Path, path: Path) -> Path:

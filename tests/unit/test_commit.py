@@ -297,11 +297,20 @@ def test_recover_missing_or_clean_dir(tmp_path):
 
 def test_write_atomic_creates_and_replaces(tmp_path):
     path = tmp_path / "complete.json"
-    commit.write_atomic(path, b'{"a": 1}')
+    commit.write_atomic(path, [b'{"a": 1}'])
     assert path.read_bytes() == b'{"a": 1}'
-    commit.write_atomic(path, b"second")
-    assert path.read_bytes() == b"second"
+    d = commit.write_atomic(path, [b"sec", b"ond"])
+    assert path.read_bytes() == b"second" and d == commit.hash_file(path)
     assert os.listdir(tmp_path) == ["complete.json"]
+
+
+def test_write_atomic_without_replace_keeps_an_existing_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    commit.write_atomic(path, [b"new"], replace=False)
+    with pytest.raises(FileExistsError):
+        commit.write_atomic(path, [b"other"], replace=False)
+    assert path.read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["model.safetensors"], "no temporary file is left behind"
 
 
 def test_move_aside_never_overwrites(tmp_path):
