@@ -46,3 +46,12 @@ def duration(seconds: float) -> str:
     if h < 48:
         return f"{h}h{m:02d}m"
     return f"{h // 24}d{h % 24:02d}h"
+
+
+def size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``; ``3 << 30`` -> ``"3.0 GiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError

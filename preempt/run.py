@@ -82,9 +82,52 @@ from .manifest import Cursor, Manifest
 from .policy import Decision, Reason, SaveFacts, SavePolicy, Walltime, decide, next_due
 from .sampler import ResumableSampler
 from .signals import DEFAULT_SIGNALS, StopFlag, signal_name
+from .staging import BackgroundWriter, Stager, host_memory_available, payload_nbytes
 
 log = _log.log
 _END = object()
+
+# Periodic saves: one that comes due while a background write is in flight is postponed until it ends.
+# The others wait for it: a best or milestone checkpoint is of its own step, and a stop must be saved now.
+_POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
+_ASYNC_MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRecord:
+    """The latest checkpoint the run took (``run.last_save``).
+
+    Attributes:
+        step: Its global step.
+        reason: Why it was taken (``"interval"``, ``"preempt"``, ...).
+        stall_s: Seconds the training loop spent in it: the whole save when
+            synchronous, the copy into the staging buffers when asynchronous.
+        write_s: Seconds from the start of the save to its checkpoint being
+            durable; None while a background write is in flight.
+        path: The checkpoint directory once durable, else None.
+        background: Written by the background writer.
+    """
+
+    step: int
+    reason: str
+    stall_s: float
+    write_s: float | None = None
+    path: Path | None = None
+    background: bool = False
+
+    @property
+    def durable(self) -> bool:
+        """The checkpoint is on disk with all its files and manifest fsynced."""
+        return self.path is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What the background writer is doing: preparing buffers, or writing a staged snapshot."""
+
+    kind: str  # "prepare" or "save"
+    record: SaveRecord | None = None
+    started: float = 0.0  # clock at the start of the save
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +187,17 @@ class PreemptibleRun:
         max_restarts: Under SLURM, refuse to start when ``SLURM_RESTART_COUNT``
             exceeds this, and do not requeue once it is reached (exit code 77):
             stops a job that keeps coming back without finishing. None: no limit.
+        async_save: Periodic and "best" checkpoints copy the state into host
+            buffers (allocated once, reused) and a background thread writes
+            them with the same commit protocol, so the loop waits only for the
+            copy. At most one write is in flight: a periodic save that comes
+            due meanwhile is postponed until it ends; a best or milestone save
+            waits for it. A stop's save and the final one are synchronous,
+            after the write in flight has finished. The buffers hold one copy
+            of the state (pinned host memory when it lives on a GPU); when
+            that would take more than half of the host's available memory the
+            run saves synchronously and says so. False: every save is
+            synchronous.
         clock: Monotonic clock (for tests).
     """
 
@@ -175,6 +229,7 @@ class PreemptibleRun:
         time_limit: float | str | None = None,
         requeue: bool = True,
         max_restarts: int | None = None,
+        async_save: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
@@ -200,6 +255,7 @@ class PreemptibleRun:
             raise ValueError(f"max_restarts: expected an integer >= 0 or None, got {max_restarts!r}")
         self.requeue = bool(requeue)
         self.max_restarts = max_restarts
+        self.async_save = bool(async_save)
         self.save_dir = Path(save_dir)
         self.policy = SavePolicy(
             interval_s=checkpoint_interval,
@@ -239,6 +295,8 @@ class PreemptibleRun:
         self.resumed_from: Path | None = None
         self.last_checkpoint: Path | None = None
         self.failed_saves = 0  # periodic checkpoints that could not be written (disk full, I/O errors)
+        self.last_save: SaveRecord | None = None
+        self.staging_prepare_s: float | None = None  # background allocation of the staging buffers, seconds
 
         self._entered = False
         self._active = False
@@ -274,6 +332,11 @@ class PreemptibleRun:
         self._grace_warned = False
         self._walltime_margin = 0.0
         self._loader_done: float | None = None  # when the epoch's loader ran out (walltime keeping only)
+        self._stager: Stager | None = None
+        self._writer: BackgroundWriter | None = None
+        self._job: _Job | None = None  # the background writer's current job, until collected
+        self._postponed: Reason | None = None  # a periodic save that came due while a write was in flight
+        self._prepare_at_step: int | None = None  # the step after which the buffers are sized for the optimizer
 
     # ---------------------------------------------------------------- enter
 
@@ -318,6 +381,11 @@ class PreemptibleRun:
         self._active = True
         self._last_save_time = self._clock()
         self._start_step = self.global_step
+        if self.async_save:
+            self._stager, self._writer = Stager(), BackgroundWriter()
+            self._prepare(payload)
+            if self.components.optimizer is not None:
+                self._prepare_at_step = self.global_step + 1  # its moments appear at the first optimizer step
         self._recompute_due()
         return self
 
@@ -549,21 +617,32 @@ class PreemptibleRun:
         finally:
             self._active = False
             self._flag.restore()
-            for ref in self._loaders:
-                loader = ref()
-                if loader is not None:
+            try:
+                if self._job is not None:
+                    # The loop raised while a background write was in flight: that snapshot is a consistent
+                    # state, so let it become durable (a second Ctrl-C stops the wait). Its outcome is logged;
+                    # the exception that ended the loop is the one that propagates.
                     try:
-                        shutdown_workers(loader)
-                    except Exception as e:  # never mask how the run ended
-                        log.warning("could not stop the DataLoader's persistent workers: %s", e)
-            # After a stop the process must exit within its grace period;
-            # unfinished deletions are redone at the next start.
-            self.manager.close(timeout=None if exc_type is None else 0.0)
-            self._lock.release()
+                        self._collect()
+                    except BaseException as e:
+                        log.error("the background checkpoint write did not complete: %r", e)
+                for ref in self._loaders:
+                    loader = ref()
+                    if loader is not None:
+                        try:
+                            shutdown_workers(loader)
+                        except Exception as e:  # never mask how the run ended
+                            log.warning("could not stop the DataLoader's persistent workers: %s", e)
+                # After a stop the process must exit within its grace period;
+                # unfinished deletions are redone at the next start.
+                self.manager.close(timeout=None if exc_type is None else 0.0)
+            finally:
+                self._lock.release()
         return False
 
     def _finish(self) -> None:
         """Final checkpoint (when anything changed) and the completion marker."""
+        self._settle()
         if self._dirty or self._last_info is None:
             self._save(Reason.FINAL, "epoch")
         assert self._last_info is not None
@@ -738,6 +817,7 @@ class PreemptibleRun:
             or self.global_step >= self._due_step
             or self.batch >= self._due_batch
             or self._clock() >= self._due_time
+            or (self._job is not None and not self._writer.busy)  # type: ignore[union-attr]
         ):
             self._safe_point("step")
 
@@ -784,6 +864,21 @@ class PreemptibleRun:
     def stop_requested(self) -> bool:
         """A stop signal (or request_stop) is pending."""
         return self._flag.requested
+
+    def wait_for_checkpoint(self, timeout: float | None = None) -> Path | None:
+        """Waits for the background write in flight, if any; returns the newest durable checkpoint.
+
+        Raises:
+            TimeoutError: The write still runs after ``timeout`` seconds.
+            CheckpointWriteError: The write failed other than for want of disk
+                (a failed periodic write is logged and counted in ``failed_saves``).
+        """
+        if self._job is not None:
+            assert self._writer is not None
+            if not self._writer.wait(timeout):
+                raise TimeoutError(f"the background write of a checkpoint still runs after {timeout} s")
+            self._collect()
+        return self.last_checkpoint
 
     # ------------------------------------------------------------ internals
 
@@ -838,10 +933,22 @@ class PreemptibleRun:
         facts = self._facts()
         due = next_due(self.policy, facts)
         self._due_step, self._due_batch, self._due_time = due.step, due.batch, due.time
+        if self._postponed is not None:
+            # Periodic saves wait for the write in flight (step() sees it end); milestones stay due.
+            m = self.policy.milestone_steps
+            self._due_step = (self.global_step // m + 1) * m if m else math.inf
+            self._due_batch = self._due_time = math.inf
+        if self._prepare_at_step is not None and self._job is None:  # else step() sees the job end
+            self._due_step = min(self._due_step, self._prepare_at_step)
         if self._walltime is not None:
             self._due_time = min(self._due_time, self._walltime.review_at(facts.now))
 
     def _safe_point(self, point: str) -> None:
+        if self._job is not None and not self._writer.busy:  # type: ignore[union-attr]
+            self._collect()
+        if self._prepare_at_step is not None and self.global_step >= self._prepare_at_step and self._job is None:
+            self._prepare_at_step = None
+            self._prepare()
         if self._walltime is not None:
             self._walltime.observe(self._clock(), self.global_step)
         decision: Decision = decide(self.policy, self._facts())
@@ -849,8 +956,11 @@ class PreemptibleRun:
             self._walltime_margin = self._walltime.margin()  # for the log line: the save updates the estimate
         if decision.save:
             self._save(decision.reason, point)  # type: ignore[arg-type]
+        elif self._postponed is not None and self._job is None and self._dirty:
+            self._save(self._postponed, point)  # the write that postponed it has ended
         if decision.stop or self._flag.requested:
-            if self._dirty:  # the signal came during that save; what was saved is current
+            self._settle()  # the save in flight first
+            if self._dirty:  # the signal came during that save, or the write in flight failed
                 self._save(Reason.PREEMPT, point)
             self._stop()
         self._recompute_due()
@@ -961,12 +1071,28 @@ class PreemptibleRun:
         }
 
     def _save(self, reason: Reason, point: str) -> None:
-        """Writes a checkpoint of the current state.
+        """Writes a checkpoint of the current state, in the background when ``async_save`` allows.
 
         A periodic save that fails for want of disk (any OSError) is logged and
         training goes on; the next one is tried when it is next due. A save that
         cannot be skipped (the stop's, the final one, a branch's) raises.
         """
+        background = self._stager is not None and reason not in (
+            Reason.PREEMPT,
+            Reason.WALLTIME,
+            Reason.FINAL,
+            Reason.BRANCH,
+        )
+        if self._job is not None:
+            writing = self._job.kind == "save" and self._writer.busy  # type: ignore[union-attr]
+            if background and reason in _POSTPONABLE and writing:
+                if self._postponed is None:
+                    log.debug("a %s checkpoint is due while a write is in flight: postponed", reason.value)
+                self._postponed = reason
+                return
+            self._settle()  # best and milestone checkpoints, and synchronous saves, wait for the write
+            background = background and self._stager is not None
+        self._postponed = None
         with self._flag.critical():
             t0 = self._clock()
             cursor, sampler = self._cursor()
@@ -986,18 +1112,129 @@ class PreemptibleRun:
             )
             log.debug("saving %s (%s)", self.save_dir / f"step_{self.global_step:09d}", reason.value)
             payload = state.capture(self.components, self._run_state())
+            if background and self._stage(reason, payload, manifest, t0):
+                return
             try:
                 info = self.manager.save(payload, manifest)
             except OSError as e:
                 self._save_failed(reason, e)
                 return
             self._mark_saved(info)
-            self._best_pending = False
             t1 = self._clock()
+            self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
             log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
-            if self._walltime is not None:
-                self._walltime.saved(t1 - t0, t1, self.global_step)
-            self._check_grace(t1 - t0)
+            self._saved_in(t1 - t0, t1, self.global_step)
+
+    def _stage(self, reason: Reason, payload: state.Payload, manifest: Manifest, t0: float) -> bool:
+        """Copies the state into the staging buffers and hands it to the writer; False: save synchronously."""
+        stager, writer = self._stager, self._writer
+        assert stager is not None and writer is not None
+        try:
+            staged = stager.stage(payload)
+        except (MemoryError, RuntimeError) as e:  # e.g. pinned memory refused
+            log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
+            self._stager = None
+            return False
+        t1 = self._clock()
+        record = SaveRecord(manifest.step, reason.value, t1 - t0, background=True)
+        self.last_save = record
+        self._mark_staged(manifest.step, manifest.cursor)
+        self._job = _Job("save", record, t0)
+        writer.submit(lambda: self.manager.save(staged, manifest))
+        log.debug("step %d staged in %s; writing in the background", manifest.step, _log.duration(t1 - t0))
+        return True
+
+    def _collect(self) -> None:
+        """Waits for the background writer's job and takes its outcome.
+
+        Raises:
+            CheckpointWriteError: A background write failed other than with an OSError.
+        """
+        job, writer = self._job, self._writer
+        if job is None:
+            return
+        assert writer is not None
+        self._job = None
+        if self._postponed is not None:
+            self._due_step = min(self._due_step, self.global_step + 1)  # the next step takes the postponed save
+        try:
+            result = writer.result()
+        except Exception as e:
+            if job.kind == "prepare":
+                log.warning("async_save: could not allocate the staging buffers (%r); saving synchronously", e)
+                self._stager = None
+                return
+            assert job.record is not None
+            self._dirty = True  # that state is not on disk: a stop or the end must save again
+            self._postponed = None  # a failed periodic write is retried when the next save is due
+            if isinstance(e, OSError):
+                self._save_failed(Reason(job.record.reason), e, step=job.record.step)
+                return
+            last = self.last_checkpoint
+            raise CheckpointWriteError(
+                f"the background write of checkpoint step_{job.record.step:09d} in {self.save_dir} failed: {e!r};"
+                f" the last good checkpoint is {last or '(none)'}",
+                None if last is None else str(last),
+            ) from e
+        if job.kind == "prepare":
+            self.staging_prepare_s = result
+            return
+        info: CheckpointInfo = result
+        assert job.record is not None
+        now = self._clock()
+        self.last_save = dataclasses.replace(job.record, write_s=now - job.started, path=info.path)
+        self._last_info = info
+        self.last_checkpoint = info.path
+        log.info(
+            "checkpoint %s (%s) written in %s in the background; the loop waited %s",
+            info.path,
+            job.record.reason,
+            _log.duration(now - job.started),
+            _log.duration(job.record.stall_s),
+        )
+        self._saved_in(now - job.started, now, info.step)
+
+    def _settle(self) -> None:
+        """Lets the write in flight finish before a save that cannot be skipped; its failure is logged."""
+        if self._job is None:
+            return
+        try:
+            self._collect()
+        except CheckpointWriteError as e:
+            log.error("%s", e)
+
+    def _prepare(self, payload: state.Payload | None = None) -> None:
+        """Sizes the staging buffers for the state in the background (allocated and touched once)."""
+        stager, writer = self._stager, self._writer
+        if stager is None or writer is None or self._job is not None:
+            return
+        if payload is None:
+            payload = state.capture(self.components, {})
+        nbytes = payload_nbytes(payload)
+        available = host_memory_available()
+        if available is not None and nbytes - stager.nbytes > available * _ASYNC_MEMORY_SHARE:
+            log.warning(
+                "async_save: a copy of the state (%s) would take more than %d%% of the host memory available (%s);"
+                " checkpoints are written synchronously",
+                _log.size(nbytes),
+                int(_ASYNC_MEMORY_SHARE * 100),
+                _log.size(available),
+            )
+            self._stager = None
+            return
+
+        def job() -> float:
+            t0 = time.perf_counter()
+            stager.prepare(payload)
+            return time.perf_counter() - t0
+
+        self._job = _Job("prepare")
+        writer.submit(job)
+
+    def _saved_in(self, seconds: float, now: float, step: int) -> None:
+        if self._walltime is not None:
+            self._walltime.saved(seconds, now, step)
+        self._check_grace(seconds)
 
     def _check_grace(self, seconds: float) -> None:
         """Warns once when a stop could not be saved within SLURM's KillWait."""
@@ -1017,11 +1254,12 @@ class PreemptibleRun:
             _log.duration(self._kill_wait),
         )
 
-    def _save_failed(self, reason: Reason, error: OSError) -> None:
+    def _save_failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
         self.failed_saves += 1
         code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+        step = self.global_step if step is None else step
         what = (
-            f"could not write checkpoint step_{self.global_step:09d} ({reason.value}) in {self.save_dir}:"
+            f"could not write checkpoint step_{step:09d} ({reason.value}) in {self.save_dir}:"
             f" {error.strerror or error}{code}"
         )
         info = self._last_info
@@ -1077,11 +1315,16 @@ class PreemptibleRun:
         assert m is not None
         self._last_info = info
         self.last_checkpoint = info.path
+        self._mark_staged(m.step, m.cursor)
+
+    def _mark_staged(self, step: int, cursor: Cursor) -> None:
+        """The state at ``step`` is taken: nothing to save until the loop changes it."""
         self._dirty = False
+        self._best_pending = False
         self._last_save_time = self._clock()
-        self._last_save_step = m.step
-        self._last_save_epoch = m.cursor.epoch
-        self._last_save_batch = m.cursor.batch
+        self._last_save_step = step
+        self._last_save_epoch = cursor.epoch
+        self._last_save_batch = cursor.batch
 
 
 def _time_limit(value: float | str | None) -> float | None:

@@ -21,6 +21,7 @@ the writer before it stages again (see ``PreemptibleRun(async_save=...)``).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,23 @@ import torch
 
 from . import codec
 from .state import Payload
+
+
+def payload_nbytes(payload: Payload) -> int:
+    """Bytes of the tensors of ``payload``."""
+    return sum(t.numel() * t.element_size() for ts, _ in payload.tensor_files.values() for t in ts.values())
+
+
+def host_memory_available(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available to new allocations (MemAvailable), bytes; None where unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class Stager:
@@ -147,6 +165,10 @@ class BackgroundWriter:
             self._error = e
         finally:
             self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for the running job (up to ``timeout``) without collecting it; False if it still runs."""
+        return self._done.wait(timeout)
 
     def result(self, timeout: float | None = None) -> Any:
         """Waits for the job (up to ``timeout``) and returns its result, or raises its exception.

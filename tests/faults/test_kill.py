@@ -55,8 +55,9 @@ def leftovers(save_dir: Path) -> list[str]:
     return sorted(e for e in os.listdir(save_dir) if LEFTOVER.match(e))
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("stage", commit.STAGES)
-def test_sigkill_at_each_stage_of_the_commit(tmp_path, reference, stage):
+def test_sigkill_at_each_stage_of_the_commit(tmp_path, reference, stage, mode):
     """Killed at a named stage of the second save: the previous checkpoint stays the one chosen.
 
     Only after the rename (``before_dir_fsync``, ``committed``) is the new
@@ -65,13 +66,21 @@ def test_sigkill_at_each_stage_of_the_commit(tmp_path, reference, stage):
     directory fsync could still lose the rename; that cannot be staged here.)
     ``after_replace`` happens when a save replaces a checkpoint of the same
     step: the final save at step 48 replaces the periodic one.
+
+    In async mode the second save is written by the background writer while
+    the loop goes on (the kill comes from that thread); the final save is
+    synchronous in both modes.
     """
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     n = 1 if stage == "after_replace" else 2
-    args = [*MODEL, "--every_steps", "8", "--signal_at", f"{stage}:{n}:KILL"]
+    sync = ["--sync_save"] if mode == "sync" else []
+    args = [*MODEL, *sync, "--every_steps", "8", "--signal_at", f"{stage}:{n}:KILL"]
     first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert first.finish() == KILLED, first.output
     assert f"signal_at {stage} {n} SIGKILL" in first.output
+    if stage != "after_replace":
+        background = "step 16 staged in" in first.output
+        assert background == (mode == "async"), first.output
     written = [int(s) for s in re.findall(r"checkpoint \S*step_(\d+) \(\w+\) written", first.output)]
     attempted = int(re.findall(r"saving \S*step_(\d+)", first.output)[-1])
     committed = stage in ("before_dir_fsync", "committed")
@@ -87,7 +96,7 @@ def test_sigkill_at_each_stage_of_the_commit(tmp_path, reference, stage):
     if not committed:
         assert leftovers(save_dir), f"a kill at {stage} should leave a leftover: {os.listdir(save_dir)}"
 
-    rerun = Spawned(train_cmd(save_dir, final, [*MODEL, "--every_steps", "8"]))
+    rerun = Spawned(train_cmd(save_dir, final, [*MODEL, *sync, "--every_steps", "8"]))
     assert rerun.finish() == 0, rerun.output
     assert resumed_step(rerun.output) == expected, rerun.output
     if stage == "after_replace":

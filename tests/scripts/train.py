@@ -116,6 +116,7 @@ def main() -> None:
     p.add_argument("--signal_at", default=None, help="STAGE:N:SIG[,...], see signal_at()")
     p.add_argument("--time_limit", default=None, help="PreemptibleRun(time_limit=): seconds or [D-]HH:MM:SS")
     p.add_argument("--max_restarts", type=int, default=None)
+    p.add_argument("--sync_save", action="store_true", help="PreemptibleRun(async_save=False)")
     args = p.parse_args()
     if args.signal_at:
         signal_at(args.signal_at)
@@ -140,6 +141,8 @@ def main() -> None:
         walltime["time_limit"] = _number_or_text(args.time_limit)
     if args.max_restarts is not None:
         walltime["max_restarts"] = args.max_restarts
+    if args.sync_save:
+        walltime["async_save"] = False
     with PreemptibleRun(
         args.save_dir,
         model=model,

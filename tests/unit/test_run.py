@@ -251,6 +251,8 @@ def test_weights_only_non_strict_fine_tunes_with_a_new_head(tmp_path, caplog):
 def test_resume_best_branches_once(tmp_path):
     model, opt, _, data = build()
     kwargs = dict(checkpoint_interval=None, best_metric="val", keep_best=1, checkpoint_every_steps=1, keep_last=2)
+    # a checkpoint at every step exactly: asynchronous saves would postpone those due while a write runs
+    kwargs["async_save"] = False
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, **kwargs) as run:
         for epoch in run.epochs(3):
             for _b in run.batches(DataLoader(data, batch_size=BATCH)):

@@ -1,0 +1,53 @@
+"""Real signals while the background writer of ``async_save`` has a checkpoint in flight."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import Spawned, assert_same_final, train_cmd
+
+from preempt.checkpoint import CheckpointManager
+
+MODEL = ["--epochs", "3", "--samples", "256", "--dim", "256", "--width", "1024"]  # 48 steps, 3 MB per checkpoint
+
+
+def test_sigterm_while_a_write_is_in_flight_finishes_it_then_saves_the_current_state(tmp_path, reference):
+    """SIGTERM arrives (from the writer thread, mid-commit of step 16): that write completes, then the stop saves."""
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    args = [*MODEL, "--every_steps", "8", "--step_sleep", "0.01", "--signal_at", "before_manifest:2:TERM"]
+    first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
+    assert first.finish() == 75, first.output
+    out = first.output
+    assert "step 16 staged in" in out and "signal_at before_manifest 2 SIGTERM" in out, out
+    in_flight = re.search(r"checkpoint \S*step_0+16 \(steps\) written in .* in the background", out)
+    stop = re.search(r"checkpoint \S*step_(\d+) \(preempt\) written", out)
+    assert in_flight and stop and in_flight.start() < stop.start(), out
+    stopped_at = int(stop.group(1))
+    assert stopped_at >= 16, out
+    manager = CheckpointManager(save_dir, owner=False)
+    infos = manager.list()
+    steps = [c.step for c in infos]
+    assert steps[0] == stopped_at and 16 in steps, steps
+    assert all(c.status == "valid" and not manager.verify(c) for c in infos)
+
+    rerun = Spawned(train_cmd(save_dir, final, [*MODEL, "--every_steps", "8"]))
+    assert rerun.finish() == 0, rerun.output
+    assert re.search(rf"resumed from \S*step_0*{stopped_at}: step {stopped_at}\b", rerun.output), rerun.output
+    assert_same_final(reference(MODEL), final)
+
+
+def test_resume_from_a_checkpoint_the_background_writer_wrote_is_exact(tmp_path, reference):
+    """SIGKILL after the second background checkpoint is durable: the rerun starts from it, bit for bit."""
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    args = [*MODEL, "--every_steps", "8", "--step_sleep", "0.01"]
+    first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
+    assert first.wait_for(r"step_0+16 \(steps\) written in .* in the background"), first.output
+    first.signal(9)
+    assert first.finish() == -9, first.output
+    steps = [c.step for c in CheckpointManager(save_dir, owner=False).list()]
+    assert steps and steps[0] >= 16, steps
+    newest = steps[0]
+    rerun = Spawned(train_cmd(save_dir, final, args))
+    assert rerun.finish() == 0, rerun.output
+    assert re.search(rf"resumed from \S*step_0*{newest}: step {newest}\b", rerun.output), rerun.output
+    assert_same_final(reference(MODEL), final)
