@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from . import codec, commit, state, tensorfile
@@ -354,9 +355,6 @@ class CheckpointManager:
         tree: dict[str, Any] = {}
         if not weights_only:
             tensors, _ = _parse_tensors(bufs[state.STATE_FILE], info.path / state.STATE_FILE)
-            # Optimizer moments and the like live as long as the run: give them their own memory
-            # instead of pinning the file's mapping (the model's weights are copied into the model).
-            tensors = {k: v.clone() for k, v in tensors.items()}
             where = str(info.path / state.STATE_JSON)
             try:
                 tree = codec.decode(codec.loads(bufs[state.STATE_JSON], where), tensors, where)
@@ -364,7 +362,12 @@ class CheckpointManager:
                 raise CorruptCheckpointError(str(e)) from None
             if not isinstance(tree, dict):
                 raise CorruptCheckpointError(f"{where}: expected a JSON object")
-        return state.Loaded(str(info.path), model, tree)
+            tree = state.own_small_state(tree)
+        # The tensors are views into private mappings of the files (no copy here): the model's weights are
+        # copied into the model, and state.apply gives the optimizer's tensors their own memory unless
+        # loading already moved them (to the parameters' GPU).
+        mapped = tuple((b.ctypes.data, b.nbytes) for b in bufs.values() if isinstance(b, np.ndarray) and b.nbytes)
+        return state.Loaded(str(info.path), model, tree, mapped)
 
     # ------------------------------------------------------------------ save
 

@@ -141,6 +141,51 @@ class Loaded:
     path: str
     model: dict[str, torch.Tensor]
     tree: dict[str, Any]  # decoded state.json (empty for a weights-only read)
+    mapped: tuple[tuple[int, int], ...] = ()  # (address, bytes) of file mappings the tensors may view
+
+
+def own_small_state(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with every tensor copied into its own memory except the optimizer's per-parameter state.
+
+    Loaded tensors view a private mapping of the checkpoint file. What the run
+    keeps beyond loading (RNG states, tracked state) must not pin that file:
+    it may be pruned, and a file truncated by someone else while mapped
+    faults on access. These tensors are small; the optimizer's, which are
+    not, are handled by :func:`apply` once it knows their device.
+    """
+
+    def owned(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj.clone()
+        if isinstance(obj, dict):
+            return {k: owned(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(owned(v) for v in obj)
+        return obj
+
+    out = {}
+    for key, value in tree.items():
+        if key == "optimizer" and isinstance(value, dict):
+            out[key] = {k: (v if k == "state" else owned(v)) for k, v in value.items()}
+        else:
+            out[key] = owned(value)
+    return out
+
+
+def _release_mappings(optimizer: torch.optim.Optimizer, mapped: Sequence[tuple[int, int]]) -> None:
+    """Copies the optimizer's state tensors that still view a checkpoint file's mapping into their own memory.
+
+    Loading moves each tensor to its parameter's device and dtype; those on
+    the GPU were copied there straight from the mapping and need nothing.
+    """
+    if not mapped:
+        return
+    for per_param in optimizer.state.values():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                ptr = value.data_ptr()
+                if any(start <= ptr < start + size for start, size in mapped):
+                    per_param[key] = value.clone()
 
 
 # Per-parameter buffers of torch.optim that always have their parameter's shape (moments, momentum,
@@ -482,6 +527,7 @@ def apply(components: Components, loaded: Loaded, *, strict: bool = True) -> Ski
             components.optimizer.load_state_dict(tree["optimizer"])
         except Exception as e:
             raise IncompatibleStateError(f"{where}: optimizer state does not load: {type(e).__name__}: {e}") from e
+        _release_mappings(components.optimizer, loaded.mapped)
     if components.model is None or diff is None:
         return SkippedKeys()
     return _load_checked(components.model, diff, extra, model_file)

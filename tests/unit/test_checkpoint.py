@@ -299,3 +299,49 @@ def test_close_finishes_deletions_and_stops_the_thread(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step_000000003"]
     m.save_state(step=4, model=model, optimizer=opt)  # a closed manager starts a new thread when needed
     assert m.close(10) and sorted(os.listdir(tmp_path)) == ["step_000000004"]
+
+
+def _mapped_files() -> str:
+    with open("/proc/self/maps") as f:
+        return f.read()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+def test_a_restored_run_keeps_no_mapping_of_the_checkpoint_files(tmp_path):
+    """Loading maps the files (no copy); once restored, nothing the run keeps may pin them."""
+    import gc
+
+    from preempt import state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    manager = CheckpointManager(tmp_path)
+    manager.save_state(step=1, model=model, optimizer=opt, tracked={"t": _TensorHolder()})
+    path = tmp_path / "step_000000001"
+
+    model2 = torch.nn.Linear(64, 64)
+    opt2 = torch.optim.AdamW(model2.parameters())
+    holder = _TensorHolder()
+    info, loaded = manager.load("latest")
+    assert loaded.mapped and str(path / "state.safetensors") in _mapped_files()  # zero-copy read
+    state.apply(state.Components(model2, opt2, tracked={"t": holder}), loaded)
+    del loaded
+    gc.collect()
+    assert str(path) not in _mapped_files(), "a restored tensor still views the checkpoint's mapping"
+    for k, v in opt.state_dict()["state"][0].items():
+        assert torch.equal(v, opt2.state_dict()["state"][0][k]), k
+    assert torch.equal(holder.t, torch.arange(4.0))
+
+
+class _TensorHolder:
+    def __init__(self):
+        self.t = torch.arange(4.0)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, sd):
+        self.t = sd["t"]
