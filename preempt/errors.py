@@ -28,6 +28,12 @@ Exit codes (documented in README.md too):
   the time limit found the limit reached or no step made since the restart
   (the state is saved and the job is not requeued), so that a job that cannot
   progress stops coming back.
+* ``78``  :data:`NONFINITE_EXIT_CODE`: the loss was NaN or infinite too many
+  steps in a row; rerun with a lower learning rate. ``preempt supervise``
+  does that (divides ``--lr`` by ``--factor``).
+* ``79``  :data:`OOM_EXIT_CODE`: too many steps in a row ran out of device
+  memory; rerun with a smaller batch. ``preempt supervise`` does that
+  (``--batch-size`` becomes ``int(batch_size / factor)``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ PREEMPTED_EXIT_CODE = 75
 SAVE_FAILED_EXIT_CODE = 74
 REQUEUE_FAILED_EXIT_CODE = 76
 RESTART_LIMIT_EXIT_CODE = 77
+# The runtime guards' codes: the process can run again, but only with other hyperparameters.
+# 78 is EX_CONFIG ("configuration error") from sysexits.h, the last code defined there; 79 follows it.
+NONFINITE_EXIT_CODE = 78
+OOM_EXIT_CODE = 79
 
 
 class PreemptError(Exception):
