@@ -296,7 +296,7 @@ class PreemptibleRun:
         self.last_checkpoint: Path | None = None
         self.failed_saves = 0  # periodic checkpoints that could not be written (disk full, I/O errors)
         self.last_save: SaveRecord | None = None
-        self.staging_prepare_s: float | None = None  # background allocation of the staging buffers, seconds
+        self.staging_prepare_s: float | None = None  # seconds spent allocating the staging buffers (background)
 
         self._entered = False
         self._active = False
@@ -1177,7 +1177,7 @@ class PreemptibleRun:
                 None if last is None else str(last),
             ) from e
         if job.kind == "prepare":
-            self.staging_prepare_s = result
+            self.staging_prepare_s = (self.staging_prepare_s or 0.0) + result
             return
         info: CheckpointInfo = result
         assert job.record is not None

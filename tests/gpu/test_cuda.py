@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import Preempted, PreemptibleRun
+from preempt import Preempted, PreemptibleRun, state
 
 pytestmark = [
     pytest.mark.gpu,
@@ -14,14 +14,19 @@ pytestmark = [
 ]
 
 
-def train(save_dir, stop_at: int | None = None):
+class Crash(Exception):
+    pass
+
+
+def train(save_dir, stop_at: int | None = None, every: int | None = None, crash_at: int | None = None):
     torch.manual_seed(0)
     torch.cuda.manual_seed_all(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 4)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=3)
     data = TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)))
-    with PreemptibleRun(save_dir, model=model, optimizer=opt, scaler=scaler, checkpoint_interval=None) as run:
+    kw = dict(checkpoint_interval=None, checkpoint_every_steps=every)
+    with PreemptibleRun(save_dir, model=model, optimizer=opt, scaler=scaler, **kw) as run:
         loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, seed=2), pin_memory=True)
         for _ in run.epochs(2):
             for (x,) in run.batches(loader):
@@ -34,8 +39,33 @@ def train(save_dir, stop_at: int | None = None):
                 opt.zero_grad()
                 if run.global_step + 1 == stop_at:
                     run.request_stop()
+                if run.global_step + 1 == crash_at:
+                    assert run._stager is not None and run._stager._pin(state.capture(run.components, {}))
+                    raise Crash  # after the optimizer step: the last checkpoint is the background one before
                 run.step()
     return model, opt, scaler, torch.cuda.get_rng_state_all()
+
+
+def assert_same(a, b):
+    ref_model, ref_opt, ref_scaler, ref_rng = a
+    model, opt, scaler, rng = b
+    for x, y in zip(ref_model.state_dict().values(), model.state_dict().values(), strict=True):
+        assert x.is_cuda and torch.equal(x, y)
+    for s1, s2 in zip(ref_opt.state_dict()["state"].values(), opt.state_dict()["state"].values(), strict=True):
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+        assert all(v.is_cuda for k, v in s2.items() if k != "step")
+    assert ref_scaler.state_dict() == scaler.state_dict()
+    assert all(torch.equal(x, y) for x, y in zip(ref_rng, rng, strict=True))
+
+
+def test_cuda_run_resumes_bit_exact_from_a_background_checkpoint(tmp_path):
+    """Periodic checkpoints staged through pinned buffers and written by the background writer."""
+    ref = train(tmp_path / "ref", every=3)
+    with pytest.raises(Crash):
+        train(tmp_path / "run", every=3, crash_at=8)
+    latest = sorted(p.name for p in (tmp_path / "run").glob("step_*"))[-1]
+    assert latest == "step_000000006", latest
+    assert_same(ref, train(tmp_path / "run", every=3))
 
 
 def test_cuda_run_resumes_bit_exact(tmp_path):
