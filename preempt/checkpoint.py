@@ -299,7 +299,9 @@ class CheckpointManager:
             return [c for c in valid if c.step == selector]
         raise ValueError(f"resume: expected 'latest', 'best' or a step number, got {selector!r}")
 
-    def load(self, selector: Selector = "latest", *, weights_only: bool = False) -> tuple[CheckpointInfo, state.Loaded]:
+    def load(
+        self, selector: Selector = "latest", *, weights_only: bool = False, rank: int = 0
+    ) -> tuple[CheckpointInfo, state.Loaded]:
         """Loads the first checkpoint for ``selector`` whose files all verify.
 
         A corrupt candidate is reported (file and both digests), moved aside
@@ -321,7 +323,7 @@ class CheckpointManager:
         ]
         for info in self.candidates(selector, infos):
             try:
-                return info, self.read(info, weights_only=weights_only)
+                return info, self.read(info, weights_only=weights_only, rank=rank)
             except CorruptCheckpointError as e:
                 tried.append(str(e))
                 if self.owner:
@@ -335,8 +337,12 @@ class CheckpointManager:
         detail = f" ({len(tried)} corrupt: {'; '.join(tried)})" if tried else ""
         raise NoCheckpointError(f"{self.save_dir}: {what}{detail}", corrupt=tried)
 
-    def read(self, info: CheckpointInfo, *, weights_only: bool = False) -> state.Loaded:
+    def read(self, info: CheckpointInfo, *, weights_only: bool = False, rank: int = 0) -> state.Loaded:
         """Reads and verifies one checkpoint's files into memory (no pickle).
+
+        A checkpoint written by several ranks lists each rank's own files:
+        every one of them must verify, and ``rank``'s random generators (when
+        the checkpoint has that rank) replace rank 0's in the returned tree.
 
         Raises:
             CorruptCheckpointError: A file is missing, has the wrong size or
@@ -363,6 +369,18 @@ class CheckpointManager:
             if not isinstance(tree, dict):
                 raise CorruptCheckpointError(f"{where}: expected a JSON object")
             tree = state.own_small_state(tree)
+            own = state.rank_files(rank)
+            for fname in sorted(f for f in manifest.files if f.startswith("rank_")):
+                buf = read_verified(info.path / fname, manifest.files[fname])  # small: each rank's RNG
+                if rank and fname == own[1]:
+                    rank_tensors, _ = _parse_tensors(
+                        read_verified(info.path / own[0], manifest.files[own[0]]), info.path / own[0]
+                    )
+                    try:
+                        rank_tree = codec.decode(codec.loads(buf, str(info.path / fname)), rank_tensors, fname)
+                        tree["rng"] = state.own_small_state(rank_tree)["rng"]
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise CorruptCheckpointError(f"{info.path / fname}: not a rank's state ({e})") from None
         # The tensors are views into private mappings of the files (no copy here): the model's weights are
         # copied into the model, and state.apply gives the optimizer's tensors their own memory unless
         # loading already moved them (to the parameters' GPU).
@@ -380,24 +398,27 @@ class CheckpointManager:
         name = commit.checkpoint_name(manifest.step)
         tmp = commit.new_tmp_dir(self.save_dir, name)
         try:
-            files: dict[str, FileDigest] = {}
-            for fname, (tensors, meta) in payload.tensor_files.items():
-                files[fname] = commit.write_file(tmp / fname, tensorfile.pieces(tensors, meta))
-            commit.stage("after_tensor_files")
-            for fname, doc in payload.json_files.items():
-                data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
-                files[fname] = commit.write_file(tmp / fname, [data])
+            files = write_payload(tmp, payload)
+        except BaseException:
+            discard_tmp(tmp)
+            raise
+        return self.commit(tmp, manifest, files)
+
+    def commit(self, tmp: Path, manifest: Manifest, files: Mapping[str, FileDigest]) -> CheckpointInfo:
+        """Writes the manifest of ``files`` (already durable in ``tmp``), renames ``tmp`` into place, prunes.
+
+        On failure before the rename ``tmp`` is removed; a checkpoint that was
+        renamed into place stays (its files are all durable).
+        """
+        name = commit.checkpoint_name(manifest.step)
+        try:
             commit.stage("before_manifest")
-            manifest = dataclasses.replace(manifest, files=files)
+            manifest = dataclasses.replace(manifest, files=dict(files))
             commit.write_file(tmp / MANIFEST, [manifest.to_json()])
             final, replaced = commit.commit_dir(self.save_dir, tmp, name)
         except BaseException:
-            # The partial write goes at once (on a full disk its space is what the next try needs);
-            # a checkpoint that had already been renamed into place stays: its files are all durable.
-            try:
-                commit.remove_tree(tmp)
-            except OSError as e:
-                log.warning("could not remove the partial checkpoint %s: %s (removed at the next start)", tmp, e)
+            # The partial write goes at once (on a full disk its space is what the next try needs).
+            discard_tmp(tmp)
             raise
         if replaced is not None:
             self._deleter.submit([replaced])
@@ -529,6 +550,25 @@ def rank_best(infos: Iterable[CheckpointInfo], default_mode: str = "min") -> Bes
     same = [c for c in marked if ranking(c) == (metric, mode)]
     same.sort(key=lambda c: c.manifest.best_value, reverse=mode == "max")  # type: ignore[union-attr,return-value,arg-type]
     return BestRanking(same, metric, mode)
+
+
+def write_payload(directory: Path, payload: state.Payload) -> dict[str, FileDigest]:
+    """Writes a payload's files into ``directory``, each one fsynced; returns their digests."""
+    files: dict[str, FileDigest] = {}
+    for fname, (tensors, meta) in payload.tensor_files.items():
+        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta))
+    commit.stage("after_tensor_files")
+    for fname, doc in payload.json_files.items():
+        data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
+        files[fname] = commit.write_file(directory / fname, [data])
+    return files
+
+
+def discard_tmp(tmp: Path) -> None:
+    try:
+        commit.remove_tree(tmp)
+    except OSError as e:
+        log.warning("could not remove the partial checkpoint %s: %s (removed at the next start)", tmp, e)
 
 
 def read_manifest(path: Path) -> Manifest:

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from . import _log, codec, rng, slurm, state
+from . import _log, codec, distributed, rng, slurm, state
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .commit import MANIFEST
 from .dataloading import find_sampler, length, shield_workers, shutdown_workers
@@ -91,6 +91,7 @@ _END = object()
 # The others wait for it: a best or milestone checkpoint is of its own step, and a stop must be saved now.
 _POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
 _ASYNC_MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
+_REASONS = list(Reason)  # save reasons travel between ranks as index + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +199,10 @@ class PreemptibleRun:
             that would take more than half of the host's available memory the
             run saves synchronously and says so. False: every save is
             synchronous.
+        sync_every_steps: Under torch.distributed, the ranks agree on saving
+            and stopping at every N-th ``run.step()`` (one small all-reduce on
+            a gloo group; see :mod:`preempt.distributed`). Larger N costs less
+            per step and delays a stop and a periodic save by up to N-1 steps.
         clock: Monotonic clock (for tests).
     """
 
@@ -230,6 +235,7 @@ class PreemptibleRun:
         requeue: bool = True,
         max_restarts: int | None = None,
         async_save: bool = True,
+        sync_every_steps: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
@@ -256,6 +262,10 @@ class PreemptibleRun:
         self.requeue = bool(requeue)
         self.max_restarts = max_restarts
         self.async_save = bool(async_save)
+        if not isinstance(sync_every_steps, int) or isinstance(sync_every_steps, bool) or sync_every_steps < 1:
+            raise ValueError(f"sync_every_steps: expected an integer >= 1, got {sync_every_steps!r}")
+        self.sync_every_steps = sync_every_steps
+        self.rank, self.world_size = 0, 1  # set on entering, under torch.distributed
         self.save_dir = Path(save_dir)
         self.policy = SavePolicy(
             interval_s=checkpoint_interval,
@@ -337,6 +347,7 @@ class PreemptibleRun:
         self._job: _Job | None = None  # the background writer's current job, until collected
         self._postponed: Reason | None = None  # a periodic save that came due while a write was in flight
         self._prepare_at_step: int | None = None  # the step after which the buffers are sized for the optimizer
+        self._coord: distributed.Coordinator | None = None
 
     # ---------------------------------------------------------------- enter
 
@@ -345,6 +356,10 @@ class PreemptibleRun:
             raise PreemptError("this PreemptibleRun was already entered; create a new one for another run")
         self._entered = True
         _log.setup(self.env.log_level)
+        if distributed.active():
+            self._join_ranks()
+            if self.rank != 0:
+                return self._enter_follower()
         if not self._flag.install():
             log.warning(
                 "PreemptibleRun entered outside the main thread: stop signals cannot be caught here"
@@ -372,21 +387,78 @@ class PreemptibleRun:
             if done is not None:
                 self.manager.clear_complete()
             self._arm_walltime(payload)
+            if self._coord is not None:
+                self._coord.broadcast(("start", None if self.resumed_from is None else str(self.resumed_from)))
         except BaseException as e:
+            if self._coord is not None:
+                self._coord.broadcast(("complete" if isinstance(e, RunComplete) else "fail", repr(e)))
             self._flag.restore()
             # A completed run has time to delete the leftovers it found; a failed start does not wait.
             self.manager.close(timeout=None if isinstance(e, RunComplete) else 0.0)
             self._lock.release()
             raise
+        self._begin(payload)
+        return self
+
+    def _begin(self, payload: state.Payload) -> None:
+        """The run is on: clocks, the staging buffers, the first due points."""
         self._active = True
         self._last_save_time = self._clock()
         self._start_step = self.global_step
-        if self.async_save:
+        if self.async_save and self._coord is not None:
+            if self.rank == 0:
+                log.info("async_save: checkpoints are synchronous under torch.distributed (one commit for all ranks)")
+        elif self.async_save:
             self._stager, self._writer = Stager(), BackgroundWriter()
             self._prepare(payload)
             if self.components.optimizer is not None:
                 self._prepare_at_step = self.global_step + 1  # its moments appear at the first optimizer step
         self._recompute_due()
+
+    def _join_ranks(self) -> None:
+        """Under torch.distributed: checks what is supported and creates the ranks' coordinator (a collective)."""
+        if self.weights_only or (self.auto_resume and self.resume not in ("latest", None)):
+            raise PreemptError(
+                f"resume={self.resume!r}, weights_only={self.weights_only}: under torch.distributed only"
+                " resume='latest' (or starting fresh) is supported yet; load other weights before entering the run"
+            )
+        self._coord = distributed.Coordinator()
+        self.rank, self.world_size = self._coord.rank, self._coord.world_size
+        if self.rank != 0:
+            self.manager.owner = False  # rank 0 cleans, quarantines and prunes
+
+    def _enter_follower(self) -> PreemptibleRun:
+        """A rank other than 0 enters: rank 0 holds the lock and chooses the checkpoint; this rank loads it."""
+        coord = self._coord
+        assert coord is not None
+        if not self._flag.install():
+            log.warning("PreemptibleRun entered outside the main thread: stop signals cannot be caught here")
+        try:
+            kind, detail = coord.broadcast(None)
+            if kind == "complete":
+                raise RunComplete(str(self.save_dir))
+            if kind == "fail":
+                raise PreemptError(f"rank 0 could not start the run in {self.save_dir}: {detail}")
+            self._provenance = provenance(self.env)
+            payload = state.capture(self.components, self._run_state())  # unsupported state fails now
+            if detail is None:
+                self._lineage = {"request": None, "started": time.time()}
+            else:
+                path = Path(detail)
+                info = next((c for c in self.manager.list() if c.path == path), None)
+                if info is None or info.status != "valid":
+                    raise NoCheckpointError(f"rank {self.rank}: {path}, chosen by rank 0, is not a valid checkpoint")
+                if state.rank_files(self.rank)[1] not in info.manifest.files:
+                    log.warning(
+                        "rank %d: %s was written by fewer ranks; this rank starts from rank 0's random state",
+                        self.rank,
+                        path,
+                    )
+                self._restore(info, self.manager.read(info, rank=self.rank))
+        except BaseException:
+            self._flag.restore()
+            raise
+        self._begin(payload)
         return self
 
     def _check_restarts(self) -> None:
@@ -667,8 +739,11 @@ class PreemptibleRun:
                 rng.restore(r.rng_now)  # the program point where that checkpoint was taken
                 self._resume = None
             if self.batch == 0 and self._batches_since_step == 0:
-                self._safe_point("epoch")
-            elif self._flag.requested and not self._dirty:
+                if self._coord is not None:
+                    self._safe_point_ranks("epoch")
+                else:
+                    self._safe_point("epoch")
+            elif self._flag.requested and not self._dirty and self._coord is None:
                 self._stop()
             if self.epoch >= n:
                 return
@@ -811,6 +886,10 @@ class PreemptibleRun:
         self._dirty = True
         if metrics is not None:
             self._record(metrics)
+        if self._coord is not None:
+            if self.global_step % self.sync_every_steps == 0:
+                self._safe_point_ranks("step")
+            return
         if (
             self._flag.requested
             or self._best_pending
@@ -965,10 +1044,34 @@ class PreemptibleRun:
             self._stop()
         self._recompute_due()
 
-    def _stop(self) -> None:
+    def _safe_point_ranks(self, point: str) -> None:
+        """A safe point under torch.distributed: every rank does what the ranks agree (one all-reduce)."""
+        coord = self._coord
+        assert coord is not None
+        if self._walltime is not None:  # rank 0's only
+            self._walltime.observe(self._clock(), self.global_step)
+        decision: Decision = decide(self.policy, self._facts())  # rank 0's counts; the others only add a signal
+        if decision.reason is Reason.WALLTIME and self._walltime is not None:
+            self._walltime_margin = self._walltime.margin()
+        code = _REASONS.index(decision.reason) + 1 if decision.save and decision.reason is not None else 0
+        walltime = decision.stop and decision.reason is Reason.WALLTIME
+        agreed = coord.agree(self._flag.requested, code, walltime_stop=walltime)
+        if agreed.save:
+            self._save(_REASONS[agreed.save - 1], point)
+        if agreed.stop:
+            if self._dirty:  # a signal on another rank, or one that came during that save
+                self._save(Reason.PREEMPT, point)
+            self._stop(peer=agreed.signal_rank)
+        self._recompute_due()
+
+    def _stop(self, peer: int = -1) -> None:
         f = self._flag
         now = self._clock()
-        if f.requested:
+        if not f.requested and self._walltime is None:
+            # Under torch.distributed: another rank received the signal, or rank 0's walltime keeper stopped.
+            cause = slurm.Cause.SIGNAL if peer >= 0 else slurm.Cause.WALLTIME
+            what = f"a stop signal received by rank {peer}" if peer >= 0 else "rank 0's walltime keeper"
+        elif f.requested:
             cause = slurm.Cause.SIGNAL if f.signum is not None else slurm.Cause.REQUEST
             what = signal_name(f.signum) if f.signum is not None else "request"
             if f.received_at is not None:
@@ -1111,11 +1214,14 @@ class PreemptibleRun:
                 provenance=self._provenance,
             )
             log.debug("saving %s (%s)", self.save_dir / f"step_{self.global_step:09d}", reason.value)
-            payload = state.capture(self.components, self._run_state())
+            payload = self._rank_payload()
             if background and self._stage(reason, payload, manifest, t0):
                 return
             try:
-                info = self.manager.save(payload, manifest)
+                if self._coord is not None:
+                    info = distributed.save_ranked(self.manager, self._coord, payload, manifest)
+                else:
+                    info = self.manager.save(payload, manifest)
             except OSError as e:
                 self._save_failed(reason, e)
                 return
@@ -1124,6 +1230,17 @@ class PreemptibleRun:
             self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
             log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
             self._saved_in(t1 - t0, t1, self.global_step)
+
+    def _rank_payload(self) -> state.Payload:
+        """What this process writes: everything on rank 0; under torch.distributed, only its RNG on the others."""
+        if self.rank == 0:
+            return state.capture(self.components, self._run_state())
+        own = state.capture(state.Components(), {"rng": self._run_state()["rng"]})
+        tensors, meta = own.tensor_files[state.STATE_FILE]
+        tensor_file, json_file = state.rank_files(self.rank)
+        return state.Payload(
+            tensor_files={tensor_file: (tensors, meta)}, json_files={json_file: own.json_files[state.STATE_JSON]}
+        )
 
     def _stage(self, reason: Reason, payload: state.Payload, manifest: Manifest, t0: float) -> bool:
         """Copies the state into the staging buffers and hands it to the writer; False: save synchronously."""

@@ -37,6 +37,15 @@ from .tensorfile import check_tensor
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 STATE_JSON = "state.json"
+RANK_FILE = "rank_{rank:05d}.safetensors"  # rank r's own state in a distributed checkpoint (its RNG)
+RANK_JSON = "rank_{rank:05d}.json"
+
+
+def rank_files(rank: int) -> tuple[str, str]:
+    """The names of rank ``rank``'s own files in a checkpoint written by several ranks."""
+    return RANK_FILE.format(rank=rank), RANK_JSON.format(rank=rank)
+
+
 _PREFIXES = ("module.", "_orig_mod.")
 
 log = logging.getLogger("preempt")

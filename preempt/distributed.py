@@ -1,0 +1,174 @@
+"""Ranks that stop together and commit one checkpoint: the agreement behind ``PreemptibleRun`` under torchrun.
+
+When ``torch.distributed`` is initialised before the run is entered, every
+rank enters ``PreemptibleRun`` with the same ``save_dir`` (on a filesystem all
+ranks share) and the ranks agree, at every safe point, on what to do:
+
+* **One collective per safe point.** Each rank contributes whether it saw a stop
+  signal; rank 0 contributes its save decision (the policy's clock is rank 0's).
+  An all-reduce (MAX) of those few integers gives every rank the same answer,
+  so all save at the same step and all stop together even when only one rank
+  received the signal. The signal handler itself never calls a collective: it
+  sets a flag that the next safe point reads. The collective runs on a gloo
+  group of its own (a CPU tensor, no device synchronisation), created when
+  the run starts; it costs a round trip between the ranks per step
+  (``sync_every_steps`` spaces it out).
+* **One commit.** Rank 0 creates the temporary directory and names it to the
+  others; every rank writes and fsyncs its own files into it and sends rank 0
+  their digests (that gather is the barrier: every file is durable before it
+  returns); rank 0 writes the manifest listing every rank's files, renames the
+  directory into place and tells every rank the outcome. A checkpoint missing
+  any rank's file does not verify and is never chosen.
+* **What each rank writes.** The replicated state (DDP: the model, the
+  optimizer, scheduler, scaler, tracked objects, ``run.user_state``) is written
+  once, by rank 0, with rank 0's random generators. Every other rank writes its
+  own random generators (``rank_<r>.safetensors`` and ``rank_<r>.json``). The
+  cursor counts global samples, so a resume on another world size continues at
+  the right sample.
+
+Objects crossing ranks here (directory names, digests, outcomes) travel with
+``torch.distributed``'s object collectives between the run's own processes;
+nothing read from disk is unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import commit
+from .checkpoint import CheckpointInfo, CheckpointManager, discard_tmp, read_manifest, write_payload
+from .commit import MANIFEST
+from .errors import CheckpointWriteError
+from .manifest import Manifest
+from .state import Payload
+
+
+def active() -> bool:
+    """torch.distributed is initialised with more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What every rank does at a safe point."""
+
+    stop: bool  # some rank saw a stop signal (or rank 0's walltime keeper says stop)
+    save: int  # rank 0's save decision: 0 none, else an index into the run's reasons
+    signal_rank: int  # the lowest rank that saw a signal, or -1
+
+
+class Coordinator:
+    """The collectives of one run: agreement at safe points and the commit's exchanges.
+
+    Every method is a collective: every rank calls it, in the same order.
+    """
+
+    def __init__(self) -> None:
+        if not active():
+            raise RuntimeError("Coordinator: torch.distributed is not initialised with more than one rank")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        # A CPU group for the per-step agreement: with NCCL the default group would need a device tensor
+        # and a synchronisation of the stream every step.
+        self.group = None if self.backend == "gloo" else dist.new_group(backend="gloo")
+        self._buf = torch.zeros(3, dtype=torch.int64)
+
+    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
+        """Combines every rank's stop flag with rank 0's save decision."""
+        buf = self._buf
+        big = self.world_size + 1
+        buf[0] = 1 if stop or walltime_stop else 0
+        buf[1] = save if self.rank == 0 else 0
+        buf[2] = (big - self.rank) if stop else 0  # MAX picks the lowest signalled rank
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        first = int(buf[2])
+        return Agreement(bool(buf[0]), int(buf[1]), big - first if first else -1)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj``, on every rank."""
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+def _describe(error: BaseException, rank: int) -> tuple[int | None, str]:
+    """An error as (errno or None, text), to send to the other ranks."""
+    if isinstance(error, OSError):
+        return error.errno, f"rank {rank}: {error.strerror or error}"
+    return None, f"rank {rank}: {type(error).__name__}: {error}"
+
+
+def _rebuild(described: tuple[int | None, str]) -> Exception:
+    number, text = described
+    if number is not None:
+        return OSError(number, text)
+    return CheckpointWriteError(text)
+
+
+def save_ranked(manager: CheckpointManager, coord: Coordinator, payload: Payload, manifest: Manifest) -> CheckpointInfo:
+    """The distributed commit (see the module docstring); every rank calls it with its own payload.
+
+    Returns:
+        The checkpoint's CheckpointInfo, on every rank.
+
+    Raises:
+        OSError: Some rank could not write (disk full, I/O error): on every rank,
+            naming that rank; the partial directory is gone.
+        CheckpointWriteError: Any other failure of some rank.
+    """
+    name = commit.checkpoint_name(manifest.step)
+    tmp, error = None, None
+    if coord.rank == 0:
+        try:
+            tmp = commit.new_tmp_dir(manager.save_dir, name)
+        except OSError as e:
+            error = _describe(e, 0)
+    where, error = coord.broadcast((None if tmp is None else str(tmp), error))
+    if where is None:
+        raise _rebuild(error)
+    tmp = Path(where)
+    files, error = None, None
+    try:
+        files = write_payload(tmp, payload)
+    except Exception as e:
+        error = _describe(e, coord.rank)
+    got = coord.gather((files, error))  # returns on rank 0 once every rank's files are durable
+    outcome: Any = None
+    info = None
+    if coord.rank == 0:
+        assert got is not None
+        errors = [e for _, e in got if e is not None]
+        if errors:
+            discard_tmp(tmp)
+            outcome = ("error", errors[0])
+        else:
+            listed: dict[str, Any] = {}
+            for rank_files_ in got:
+                listed.update(rank_files_[0])
+            try:
+                info = manager.commit(tmp, manifest, listed)
+                outcome = ("ok", str(info.path))
+            except Exception as e:
+                outcome = ("error", _describe(e, 0))
+    outcome = coord.broadcast(outcome)
+    if outcome[0] == "error":
+        raise _rebuild(outcome[1])
+    if info is not None:
+        return info
+    path = Path(outcome[1])
+    return CheckpointInfo(path, manifest.step, "valid", read_manifest(path / MANIFEST))

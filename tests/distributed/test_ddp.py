@@ -1,0 +1,128 @@
+"""Real torchrun processes (2 ranks, gloo on the CPU) stopped by real signals, and resumed.
+
+Each test starts ``torchrun --standalone --nproc_per_node=N tests/scripts/train_ddp.py``:
+a DDP model, ``run.sampler`` sharding the data by rank, AdamW, dropout and a
+draw from the global RNG per step, so every rank's random state matters.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Spawned
+from safetensors.torch import load_file
+
+from preempt.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_ddp.py"
+ARGS = ["--epochs", "2", "--samples", "192", "--every_steps", "4"]  # 12 steps per epoch on 2 ranks, 24 in all
+TOTAL = 24
+
+
+def torchrun(save_dir: Path, final: Path | None, args: list[str], nproc: int = 2) -> Spawned:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT)]
+    cmd += ["--save_dir", str(save_dir), *args]
+    if final is not None:
+        cmd += ["--final_out", str(final)]
+    return Spawned(cmd, {"OMP_NUM_THREADS": "1"})
+
+
+def finals(final: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:
+    return [load_file(str(final.with_suffix(f".rank{r}{final.suffix}"))) for r in range(nproc)]
+
+
+def assert_equal_finals(want: list[dict[str, torch.Tensor]], got: list[dict[str, torch.Tensor]]) -> None:
+    for rank, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert a.keys() == b.keys(), (rank, sorted(a.keys() ^ b.keys()))
+        differ = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not differ, f"rank {rank}: {differ}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
+    d = tmp_path_factory.mktemp("ddp_ref")
+    p = torchrun(d / "run", d / "final.safetensors", ARGS)
+    assert p.finish() == 0, p.output
+    return finals(d / "final.safetensors")
+
+
+def stopped_steps(output: str) -> dict[int, int]:
+    """rank -> the step at which it stopped (from the run's log line)."""
+    found = re.findall(r"\[preempt\] stopping on .* at step (\d+) .*exit code 75", output)
+    ranks = re.findall(r"^rank (\d+) start", output, flags=re.M)
+    assert found, output
+    return dict(zip((int(r) for r in ranks), (int(s) for s in found), strict=False))
+
+
+def test_sigterm_to_the_agent_twice_resumes_bit_exact(tmp_path, reference):
+    rnd = random.Random()
+    seed = rnd.randrange(1 << 30)
+    rnd.seed(seed)
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    at = sorted(rnd.sample(range(3, TOTAL - 2), 2))
+    for target in at:
+        p = torchrun(save_dir, final, [*ARGS, "--step_sleep", "0.05"])
+        assert p.wait_for(rf"^rank 0 step {target} ", timeout=120), p.output
+        p.signal(signal.SIGTERM)
+        assert p.finish() != 0, p.output
+        stops = re.findall(r"\[preempt\] stopping on SIGTERM .* at step (\d+) ", p.output)
+        assert len(stops) == 2 and stops[0] == stops[1], f"seed {seed}: both ranks must stop at one step\n{p.output}"
+        info = CheckpointManager(save_dir, owner=False).list()[0]
+        assert info.step == int(stops[0]) and set(info.manifest.files) >= {"rank_00001.json", "model.safetensors"}
+    p = torchrun(save_dir, final, ARGS)
+    assert p.finish() == 0, p.output
+    assert re.search(r"resumed from \S+ step \d+", p.output) or "resumed from" in p.output, p.output
+    assert_equal_finals(reference, finals(final))
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference):
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = torchrun(save_dir, final, [*ARGS, "--self_signal", "1:7"])
+    p.finish(timeout=120)  # must not hang: rank 0 never received a signal
+    out = p.output
+    assert re.search(r"stopping on SIGTERM .* at step 7 ", out), out
+    assert re.search(r"stopping on a stop signal received by rank 1 at step 7 ", out), out
+    info = CheckpointManager(save_dir, owner=False).list()[0]
+    assert info.step == 7 and "rank_00001.safetensors" in info.manifest.files
+    p = torchrun(save_dir, final, ARGS)
+    assert p.finish() == 0, p.output
+    assert_equal_finals(reference, finals(final))
+
+
+def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    args = [*ARGS, "--signal_at", "after_tensor_files:2:KILL", "--signal_rank", "1"]  # the save of step 8
+    p = torchrun(save_dir, final, args)
+    assert p.finish(timeout=180) != 0, p.output
+    assert "signal_at after_tensor_files 2 SIGKILL" in p.output, p.output
+    manager = CheckpointManager(save_dir, owner=False)
+    assert [c.step for c in manager.list() if c.status == "valid"] == [4], p.output
+    p = torchrun(save_dir, final, ARGS)
+    assert p.finish() == 0, p.output
+    assert re.search(r"resumed from \S*step_0+4: step 4\b", p.output), p.output
+    assert_equal_finals(reference, finals(final))
+
+
+def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path):
+    """2 ranks stopped mid-epoch, resumed by 1 process: the epoch's samples are each trained exactly once."""
+    save_dir = tmp_path / "run"
+    p = torchrun(save_dir, None, [*ARGS, "--self_signal", "0:5"])
+    p.finish(timeout=120)
+    stop = 5
+    before = re.findall(r"^rank \d step (\d+) epoch 0 batch \d+ idx ([\d,]+)", p.output, flags=re.M)
+    seen = [int(i) for step, ids in before if int(step) <= stop for i in ids.split(",")]
+    assert len(seen) == stop * 2 * 8, p.output  # two ranks, 8 samples each per step
+    q = torchrun(save_dir, None, ARGS, nproc=1)
+    assert q.finish() == 0, q.output
+    assert "the batch size changed" in q.output or "resumed from" in q.output, q.output
+    after = re.findall(r"^rank 0 step \d+ epoch 0 batch \d+ idx ([\d,]+)", q.output, flags=re.M)
+    rest = [int(i) for ids in after for i in ids.split(",")]
+    assert sorted(seen + rest) == list(range(192)), (sorted(seen), sorted(rest))

@@ -1,0 +1,116 @@
+"""A small DDP training (gloo, CPU) for the distributed tests; run it with torchrun.
+
+Every rank prints ``rank R step N epoch E batch B`` per step. At the end each
+rank writes ``--final_out`` with ``.rank<R>`` inserted before the suffix: the
+model and optimizer (every rank holds the replicated copy), its RNG states,
+its losses and the global sample indices it trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import Synthetic, flatten, signal_at  # noqa: E402
+
+from preempt import PreemptibleRun  # noqa: E402
+
+
+class Indexed(Synthetic):
+    """The Synthetic data, each item with its index (to check which samples every rank saw)."""
+
+    def __getitem__(self, i: int):
+        x, y = super().__getitem__(i)
+        return x, y, i
+
+
+def say(line: str) -> None:
+    """One write per line: the ranks share the agent's stdout, and two writes could interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--save_dir", required=True)
+    p.add_argument("--final_out", default=None)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=192)
+    p.add_argument("--batch_size", type=int, default=8, help="per rank")
+    p.add_argument("--every_steps", type=int, default=None)
+    p.add_argument("--step_sleep", type=float, default=0.0)
+    p.add_argument("--self_signal", default=None, help="RANK:STEP: that rank sends itself SIGTERM before that step")
+    p.add_argument("--signal_at", default=None, help="STAGE:N:SIG, as in train.py (on every rank)")
+    p.add_argument("--signal_rank", type=int, default=None, help="apply --signal_at on this rank only")
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if args.signal_at and (args.signal_rank is None or args.signal_rank == rank):
+        signal_at(args.signal_at)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    data = Indexed(args.samples, 16, augment=False)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, 2))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    signal_rank, signal_step = map(int, args.self_signal.split(":")) if args.self_signal else (-1, -1)
+
+    with PreemptibleRun(
+        args.save_dir,
+        model=ddp,
+        optimizer=opt,
+        scheduler=sched,
+        checkpoint_interval=None,
+        checkpoint_every_steps=args.every_steps,
+    ) as run:
+        run.user_state.setdefault("losses", [])
+        seen = run.user_state.setdefault(f"seen_rank{rank}", [])  # rank 0's user_state is the one saved
+        sampler = run.sampler(data, shuffle=True, seed=5)
+        loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+        say(f"rank {rank} start step {run.global_step} epoch {run.epoch} batch {run.batch}")
+        for _epoch in run.epochs(args.epochs):
+            for x, y, idx in run.batches(loader):
+                if rank == signal_rank and run.global_step + 1 == signal_step:
+                    os.kill(os.getpid(), 15)
+                loss = torch.nn.functional.cross_entropy(ddp(x), y) + torch.randn(()) * 1e-3
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+                run.user_state["losses"].append(loss.item())
+                seen.extend(idx.tolist())
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+                ids = ",".join(map(str, idx.tolist()))
+                say(f"rank {rank} step {run.global_step + 1} epoch {run.epoch} batch {run.batch} idx {ids}")
+                run.step()
+
+    if args.final_out:
+        out: dict[str, torch.Tensor] = {}
+        flatten("model", model.state_dict(), out)
+        flatten("optimizer", opt.state_dict(), out)
+        out["rng.torch"] = torch.get_rng_state()
+        if rank == 0:  # only rank 0's user_state is saved
+            out["seen"] = torch.tensor(seen, dtype=torch.int64)
+        final = Path(args.final_out)
+        save_file(out, str(final.with_suffix(f".rank{rank}{final.suffix}")))
+    say(f"rank {rank} done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
