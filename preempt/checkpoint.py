@@ -36,6 +36,8 @@ from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from .manifest import MAX_MANIFEST_BYTES, Cursor, Manifest
 from .policy import Kept, RetentionPolicy, select_kept
 
+SHARDED_INDEX = "dcp_metadata.json"  # preempt.sharded.METADATA: the checkpoint holds DCP-written sharded state
+
 log = logging.getLogger("preempt")
 
 Status = Literal["valid", "corrupt", "incomplete"]
@@ -351,13 +353,23 @@ class CheckpointManager:
         manifest = info.manifest
         if manifest is None:
             raise CorruptCheckpointError(info.problem or f"{info.path}: no manifest")
+        sharded = SHARDED_INDEX in manifest.files
+        if sharded and weights_only:
+            raise CorruptCheckpointError(
+                f"{info.path}: holds sharded state (FSDP/DTensor); weights_only loading of it is not supported"
+            )
         wanted = [state.MODEL_FILE] if weights_only else [state.MODEL_FILE, state.STATE_FILE, state.STATE_JSON]
+        if sharded:
+            # the model and optimizer tensors are DCP's pieces: every one must verify before DCP reads any
+            wanted = [state.STATE_FILE, state.STATE_JSON]
+            for fname in sorted(f for f in manifest.files if f == SHARDED_INDEX or f.endswith(".distcp")):
+                read_verified(info.path / fname, manifest.files[fname])
         bufs = {}
         for name in wanted:
             if name not in manifest.files:
                 raise CorruptCheckpointError(f"{info.path / MANIFEST}: lists no {name}")
             bufs[name] = read_verified(info.path / name, manifest.files[name])
-        model, _ = _parse_tensors(bufs[state.MODEL_FILE], info.path / state.MODEL_FILE)
+        model = {} if sharded else _parse_tensors(bufs[state.MODEL_FILE], info.path / state.MODEL_FILE)[0]
         tree: dict[str, Any] = {}
         if not weights_only:
             tensors, _ = _parse_tensors(bufs[state.STATE_FILE], info.path / state.STATE_FILE)
@@ -385,7 +397,7 @@ class CheckpointManager:
         # copied into the model, and state.apply gives the optimizer's tensors their own memory unless
         # loading already moved them (to the parameters' GPU).
         mapped = tuple((b.ctypes.data, b.nbytes) for b in bufs.values() if isinstance(b, np.ndarray) and b.nbytes)
-        return state.Loaded(str(info.path), model, tree, mapped)
+        return state.Loaded(str(info.path), model, tree, mapped, sharded)
 
     # ------------------------------------------------------------------ save
 

@@ -34,6 +34,7 @@ nothing read from disk is unpickled.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,20 @@ def _rebuild(described: tuple[int | None, str]) -> Exception:
     return CheckpointWriteError(text)
 
 
-def save_ranked(manager: CheckpointManager, coord: Coordinator, payload: Payload, manifest: Manifest) -> CheckpointInfo:
+def save_ranked(
+    manager: CheckpointManager,
+    coord: Coordinator,
+    payload: Payload,
+    manifest: Manifest,
+    extra: Callable[[Path], list[str]] | None = None,
+) -> CheckpointInfo:
     """The distributed commit (see the module docstring); every rank calls it with its own payload.
+
+    Args:
+        extra: Called on every rank with the temporary directory before its
+            payload is written (a collective writer: DCP's pieces of sharded
+            state); returns the names of the files this rank wrote there, which
+            are hashed and listed like the payload's.
 
     Returns:
         The checkpoint's CheckpointInfo, on every rank.
@@ -144,7 +157,10 @@ def save_ranked(manager: CheckpointManager, coord: Coordinator, payload: Payload
     tmp = Path(where)
     files, error = None, None
     try:
+        extra_names = extra(tmp) if extra is not None else []
         files = write_payload(tmp, payload)
+        for fname in extra_names:
+            files[fname] = commit.read_file(tmp / fname)[1]
     except Exception as e:
         error = _describe(e, coord.rank)
     got = coord.gather((files, error))  # returns on rank 0 once every rank's files are durable

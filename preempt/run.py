@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from . import _log, codec, distributed, rng, slurm, state
+from . import _log, codec, distributed, rng, sharded, slurm, state
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .commit import MANIFEST
 from .dataloading import find_sampler, length, shield_workers, shutdown_workers
@@ -348,6 +348,8 @@ class PreemptibleRun:
         self._postponed: Reason | None = None  # a periodic save that came due while a write was in flight
         self._prepare_at_step: int | None = None  # the step after which the buffers are sized for the optimizer
         self._coord: distributed.Coordinator | None = None
+        self._sharded = False  # the model's state is DTensors: its tensors go through DCP (preempt.sharded)
+        self._announced = False  # rank 0 told the other ranks which checkpoint to load (before a sharded load)
 
     # ---------------------------------------------------------------- enter
 
@@ -360,6 +362,8 @@ class PreemptibleRun:
             self._join_ranks()
             if self.rank != 0:
                 return self._enter_follower()
+        elif sharded.is_sharded(self.components.model):
+            raise PreemptError("the model's state is sharded (DTensor/FSDP) but torch.distributed has one rank")
         if not self._flag.install():
             log.warning(
                 "PreemptibleRun entered outside the main thread: stop signals cannot be caught here"
@@ -381,16 +385,16 @@ class PreemptibleRun:
                 raise RunComplete(str(self.save_dir))
             self._check_restarts()
             self._provenance = provenance(self.env)
-            payload = state.capture(self.components, self._run_state())  # unsupported state fails now
+            payload = self._capture()  # unsupported state fails now
             self._read_slurm_job()
             self._start()
             if done is not None:
                 self.manager.clear_complete()
             self._arm_walltime(payload)
-            if self._coord is not None:
+            if self._coord is not None and not self._announced:
                 self._coord.broadcast(("start", None if self.resumed_from is None else str(self.resumed_from)))
         except BaseException as e:
-            if self._coord is not None:
+            if self._coord is not None and not self._announced:
                 self._coord.broadcast(("complete" if isinstance(e, RunComplete) else "fail", repr(e)))
             self._flag.restore()
             # A completed run has time to delete the leftovers it found; a failed start does not wait.
@@ -424,6 +428,7 @@ class PreemptibleRun:
             )
         self._coord = distributed.Coordinator()
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
+        self._sharded = sharded.is_sharded(self.components.model)
         if self.rank != 0:
             self.manager.owner = False  # rank 0 cleans, quarantines and prunes
 
@@ -440,7 +445,7 @@ class PreemptibleRun:
             if kind == "fail":
                 raise PreemptError(f"rank 0 could not start the run in {self.save_dir}: {detail}")
             self._provenance = provenance(self.env)
-            payload = state.capture(self.components, self._run_state())  # unsupported state fails now
+            payload = self._capture()  # unsupported state fails now
             if detail is None:
                 self._lineage = {"request": None, "started": time.time()}
             else:
@@ -648,7 +653,22 @@ class PreemptibleRun:
             raise IncompatibleStateError(f"{where}: no RNG state ({e}); was it written by PreemptibleRun?") from None
         if not isinstance(tree.get("user", {}), dict):
             raise IncompatibleStateError(f"{where}: user: expected an object, found {type(tree['user']).__name__}")
-        state.apply(self.components, loaded, strict=self.strict)
+        c = self.components
+        if loaded.sharded:
+            state.apply(state.Components(None, None, c.scheduler, c.scaler, c.tracked), loaded, strict=self.strict)
+            if self._coord is not None and self.rank == 0:
+                # loading sharded state is a collective: the other ranks must learn the checkpoint first
+                self._coord.broadcast(("start", str(info.path)))
+                self._announced = True
+            if c.model is None:
+                raise IncompatibleStateError(f"{info.path}: holds a sharded model but the run has no model")
+            try:
+                rest = (tree.get("sharded") or {}).get("optimizer")
+                sharded.load_into(info.path, state.unwrap_model(c.model), c.optimizer, rest, where)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise IncompatibleStateError(f"{info.path}: sharded state does not load: {e}") from e
+        else:
+            state.apply(c, loaded, strict=self.strict)
         self._saved_tracked = tree.get("tracked", {})
         self.user_state = dict(tree.get("user") or {})
         rng.restore(rng_now)
@@ -1219,7 +1239,8 @@ class PreemptibleRun:
                 return
             try:
                 if self._coord is not None:
-                    info = distributed.save_ranked(self.manager, self._coord, payload, manifest)
+                    extra = self._dcp_files if self._sharded else None
+                    info = distributed.save_ranked(self.manager, self._coord, payload, manifest, extra)
                 else:
                     info = self.manager.save(payload, manifest)
             except OSError as e:
@@ -1231,10 +1252,25 @@ class PreemptibleRun:
             log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
             self._saved_in(t1 - t0, t1, self.global_step)
 
+    def _capture(self) -> state.Payload:
+        """Everything but what DCP writes (the tensors of sharded state), as the files of a checkpoint."""
+        c = self.components
+        if not self._sharded:
+            return state.capture(c, self._run_state())
+        _, rest = sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
+        run_state = {**self._run_state(), "sharded": {"optimizer": rest}}
+        return state.capture(state.Components(None, None, c.scheduler, c.scaler, c.tracked), run_state)
+
+    def _dcp_files(self, directory: Path) -> list[str]:
+        """This rank's pieces of the sharded model and optimizer (a collective)."""
+        c = self.components
+        tensors, _ = sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
+        return sharded.save(directory, tensors, self.rank)
+
     def _rank_payload(self) -> state.Payload:
         """What this process writes: everything on rank 0; under torch.distributed, only its RNG on the others."""
         if self.rank == 0:
-            return state.capture(self.components, self._run_state())
+            return self._capture()
         own = state.capture(state.Components(), {"rng": self._run_state()["rng"]})
         tensors, meta = own.tensor_files[state.STATE_FILE]
         tensor_file, json_file = state.rank_files(self.rank)

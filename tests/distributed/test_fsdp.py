@@ -1,0 +1,52 @@
+"""Sharded state (FSDP2 ``fully_shard`` on the CPU, gloo): saved by 2 ranks, resumed on 2 ranks and on 1."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Spawned
+from safetensors.torch import load_file
+
+from preempt.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_fsdp.py"
+
+
+def torchrun(save_dir: Path, args: list[str], nproc: int = 2) -> Spawned:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT)]
+    return Spawned([*cmd, "--save_dir", str(save_dir), *args], {"OMP_NUM_THREADS": "1"})
+
+
+def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
+    ref = torchrun(tmp_path / "ref", ["--final_out", str(tmp_path / "ref.safetensors")])
+    assert ref.finish(timeout=180) == 0, ref.output
+
+    stopped = torchrun(tmp_path / "run", ["--self_signal", "1:6"])
+    stopped.finish(timeout=180)
+    assert "stopping on a stop signal received by rank 1 at step 6 " in stopped.output, stopped.output
+    info = CheckpointManager(tmp_path / "run", owner=False).list()[0]
+    assert info.step == 6
+    files = set(info.manifest.files)
+    assert {"__0_0.distcp", "__1_0.distcp", "dcp_metadata.json", "rank_00001.json"} <= files, files
+    assert not (info.path / ".metadata").exists(), "DCP's pickled index must not be written"
+    shutil.copytree(tmp_path / "run", tmp_path / "run1")
+
+    two = torchrun(tmp_path / "run", ["--dump_start", str(tmp_path / "start2"), "--final_out", str(tmp_path / "f2")])
+    assert two.finish(timeout=180) == 0, two.output
+    one = torchrun(tmp_path / "run1", ["--dump_start", str(tmp_path / "start1")], nproc=1)
+    assert one.finish(timeout=180) == 0, one.output
+    assert "rank 0 start step 6 world 1" in one.output, one.output
+
+    start2, start1 = load_file(str(tmp_path / "start2")), load_file(str(tmp_path / "start1"))
+    assert start2.keys() == start1.keys() and len(start2) == 16  # 4 parameters, 3 tensors of AdamW state each
+    assert all(torch.equal(start2[k], start1[k]) for k in start2), "1 rank loaded other values than 2 ranks"
+    assert float(start2["optim.0.weight.step"]) == 6.0
+    want, got = load_file(str(tmp_path / "ref.safetensors")), load_file(str(tmp_path / "f2"))
+    assert want.keys() == got.keys()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == [], "resumed on 2 ranks: not bit-exact"

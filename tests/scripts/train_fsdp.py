@@ -1,0 +1,93 @@
+"""A small FSDP2 training (``fully_shard`` on the CPU, gloo) for the sharded-state tests; run it with torchrun.
+
+With one process (``--nproc_per_node=1``) the same model is left unsharded: a checkpoint written by 2 ranks
+then loads into it through DCP's resharding. ``--dump_start`` / ``--final_out`` write, from rank 0, the full
+(unsharded) model and optimizer state right after entering the run / at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import Synthetic  # noqa: E402
+
+from preempt import PreemptibleRun  # noqa: E402
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def full_state(model, opt) -> dict[str, torch.Tensor]:
+    """Every tensor of the model and optimizer, unsharded, keyed by name (a collective under FSDP)."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = {f"model.{k}": v.clone() for k, v in msd.items()}
+    for fqn, s in osd.get("state", {}).items():  # empty on ranks other than 0 (cpu_offload)
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim.{fqn}.{k}"] = v.clone().reshape(v.shape)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--save_dir", required=True)
+    p.add_argument("--final_out", default=None)
+    p.add_argument("--dump_start", default=None)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--every_steps", type=int, default=4)
+    p.add_argument("--self_signal", default=None, help="RANK:STEP: that rank sends itself SIGTERM before that step")
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    data = Synthetic(128, 16, augment=False)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 2))
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    signal_rank, signal_step = map(int, args.self_signal.split(":")) if args.self_signal else (-1, -1)
+
+    kw = dict(checkpoint_interval=None, checkpoint_every_steps=args.every_steps)
+    with PreemptibleRun(args.save_dir, model=model, optimizer=opt, **kw) as run:
+        if args.dump_start:
+            start = full_state(model, opt)
+            if rank == 0:
+                save_file(start, args.dump_start)
+        say(f"rank {rank} start step {run.global_step} world {world}")
+        loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, shuffle=True, seed=1))
+        for _epoch in run.epochs(args.epochs):
+            for x, y in run.batches(loader):
+                if rank == signal_rank and run.global_step + 1 == signal_step:
+                    os.kill(os.getpid(), 15)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                say(f"rank {rank} step {run.global_step + 1}")
+                run.step()
+    final = full_state(model, opt)
+    if args.final_out and rank == 0:
+        save_file(final, args.final_out)
+    say(f"rank {rank} done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
