@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = Path(__file__).resolve().parent / "scripts" / "train.py"
+TRAIN_DDP = Path(__file__).resolve().parent / "scripts" / "train_ddp.py"
+DDP_ARGS = ["--epochs", "2", "--samples", "192", "--every_steps", "4"]  # 12 steps per epoch on 2 ranks, 24 in all
 PREEMPTED = 75
 
 
@@ -177,3 +179,26 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Sequence[st
         return cache[key]
 
     return get
+
+
+def torchrun(
+    save_dir: Path, final: Path | None, args: Sequence[str], nproc: int = 2, script: Path = TRAIN_DDP
+) -> Spawned:
+    """``torchrun --standalone --nproc_per_node=N script --save_dir ... [--final_out ...]``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    cmd += ["--save_dir", str(save_dir), *args]
+    if final is not None:
+        cmd += ["--final_out", str(final)]
+    return Spawned(cmd, {"OMP_NUM_THREADS": "1"})
+
+
+def ddp_finals(final: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:
+    """What each rank of train_ddp.py wrote at the end (``final.rank<R>.safetensors``)."""
+    return [load_file(str(final.with_suffix(f".rank{r}{final.suffix}"))) for r in range(nproc)]
+
+
+def assert_equal_finals(want: list[dict[str, torch.Tensor]], got: list[dict[str, torch.Tensor]]) -> None:
+    for rank, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert a.keys() == b.keys(), (rank, sorted(a.keys() ^ b.keys()))
+        differ = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not differ, f"rank {rank}: {differ}"

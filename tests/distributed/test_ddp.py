@@ -10,40 +10,17 @@ from __future__ import annotations
 import random
 import re
 import signal
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import Spawned
-from safetensors.torch import load_file
+from conftest import DDP_ARGS as ARGS
+from conftest import assert_equal_finals, ddp_finals, torchrun
 
 from preempt.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_ddp.py"
-ARGS = ["--epochs", "2", "--samples", "192", "--every_steps", "4"]  # 12 steps per epoch on 2 ranks, 24 in all
-TOTAL = 24
-
-
-def torchrun(save_dir: Path, final: Path | None, args: list[str], nproc: int = 2) -> Spawned:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT)]
-    cmd += ["--save_dir", str(save_dir), *args]
-    if final is not None:
-        cmd += ["--final_out", str(final)]
-    return Spawned(cmd, {"OMP_NUM_THREADS": "1"})
-
-
-def finals(final: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:
-    return [load_file(str(final.with_suffix(f".rank{r}{final.suffix}"))) for r in range(nproc)]
-
-
-def assert_equal_finals(want: list[dict[str, torch.Tensor]], got: list[dict[str, torch.Tensor]]) -> None:
-    for rank, (a, b) in enumerate(zip(want, got, strict=True)):
-        assert a.keys() == b.keys(), (rank, sorted(a.keys() ^ b.keys()))
-        differ = [k for k in a if not torch.equal(a[k], b[k])]
-        assert not differ, f"rank {rank}: {differ}"
+TOTAL = 24  # steps of ARGS on 2 ranks
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +28,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.
     d = tmp_path_factory.mktemp("ddp_ref")
     p = torchrun(d / "run", d / "final.safetensors", ARGS)
     assert p.finish() == 0, p.output
-    return finals(d / "final.safetensors")
+    return ddp_finals(d / "final.safetensors")
 
 
 def stopped_steps(output: str) -> dict[int, int]:
@@ -80,7 +57,7 @@ def test_sigterm_to_the_agent_twice_resumes_bit_exact(tmp_path, reference):
     p = torchrun(save_dir, final, ARGS)
     assert p.finish() == 0, p.output
     assert re.search(r"resumed from \S+ step \d+", p.output) or "resumed from" in p.output, p.output
-    assert_equal_finals(reference, finals(final))
+    assert_equal_finals(reference, ddp_finals(final))
 
 
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference):
@@ -94,7 +71,7 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference):
     assert info.step == 7 and "rank_00001.safetensors" in info.manifest.files
     p = torchrun(save_dir, final, ARGS)
     assert p.finish() == 0, p.output
-    assert_equal_finals(reference, finals(final))
+    assert_equal_finals(reference, ddp_finals(final))
 
 
 def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
@@ -108,7 +85,7 @@ def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_pat
     p = torchrun(save_dir, final, ARGS)
     assert p.finish() == 0, p.output
     assert re.search(r"resumed from \S*step_0+4: step 4\b", p.output), p.output
-    assert_equal_finals(reference, finals(final))
+    assert_equal_finals(reference, ddp_finals(final))
 
 
 def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import Spawned
+from conftest import torchrun as _torchrun
 from safetensors.torch import load_file
 
 from preempt.checkpoint import CheckpointManager
@@ -19,8 +19,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_fsdp.py"
 
 
 def torchrun(save_dir: Path, args: list[str], nproc: int = 2) -> Spawned:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT)]
-    return Spawned([*cmd, "--save_dir", str(save_dir), *args], {"OMP_NUM_THREADS": "1"})
+    return _torchrun(save_dir, None, args, nproc, script=SCRIPT)
 
 
 def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path):

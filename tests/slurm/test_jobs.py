@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_final
+from conftest import DDP_ARGS, TRAIN_DDP, assert_equal_finals, assert_same_final, ddp_finals, torchrun
 from slurmjobs import TERMINAL, Cluster, Job, slurm_cluster, train_command, without_sleep  # noqa: F401
 
 from preempt.checkpoint import CheckpointManager
@@ -212,3 +212,30 @@ def test_walltime_keeper_without_any_signal(
     stops = re.findall(r"stopping on walltime \(([\d.]+) s before the deadline", log)
     assert len(stops) == restarts and all(float(s) > 0 for s in stops), log
     assert len(re.findall(r"the walltime keeper stopped the run .*; requeued it", log)) == restarts, log
+
+
+def test_torchrun_template_two_ranks_requeued_by_the_scheduler(
+    slurm_cluster: Cluster,  # noqa: F811
+    time_limit_jobs: dict,
+    tmp_path: Path,
+) -> None:
+    """slurm/job_torchrun.sbatch on the one-node cluster (srun -> torchrun -> 2 gloo ranks), requeued mid-run:
+    both ranks stop at one step, the job comes back, resumes, and each rank ends bit-exact."""
+    ref = torchrun(tmp_path / "ref", tmp_path / "ref.safetensors", DDP_ARGS)
+    assert ref.finish(timeout=180) == 0, ref.output
+    final = tmp_path / "final.safetensors"
+    args = [*DDP_ARGS, "--step_sleep", "0.3", "--save_dir", str(tmp_path / "run"), "--final_out", str(final)]
+    options = ["--nodes=1", "--cpus-per-task=2", "--gres=none", "--time=5", "--export=ALL,GPUS_PER_NODE=2"]
+    job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
+    job.wait_log(r"^rank 0 step 6 ", timeout=120)
+    job.requeue()
+    job.wait_running(timeout=60, restarts=1)
+    info = job.wait_done(timeout=180)
+    log = job.log
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    stop = r"^\[preempt\] stopping on (?:SIGTERM|a stop signal received by rank \d).* at step (\d+) "
+    stops = re.findall(stop, log, re.M)
+    assert len(stops) == 2 and stops[0] == stops[1], log
+    assert len(re.findall(rf"restart 1 of job {job.id}: resumed from \S+: step {stops[0]}\b", log)) == 2, log
+    assert "requeued it" not in log, log
+    assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
