@@ -122,11 +122,28 @@ class Stager:
         return any(t.device.type == "cuda" for ts, _ in payload.tensor_files.values() for t in ts.values())
 
 
+def _lower_priority(niceness: int) -> None:
+    """Lowers the calling thread's CPU priority by ``niceness`` where the OS allows it per thread (Linux).
+
+    Hashing and copying a checkpoint in the background competes with the
+    training loop for the cores; the loop should win. Best effort: elsewhere
+    (or when refused) nothing changes.
+    """
+    if niceness <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+    except OSError:
+        pass
+
+
 class BackgroundWriter:
     """Runs one job at a time in a named daemon thread and keeps its result or its exception."""
 
-    def __init__(self, name: str = "preempt-writer") -> None:
+    def __init__(self, name: str = "preempt-writer", niceness: int = 10) -> None:
         self.name = name
+        self.niceness = niceness  # the thread yields the CPU to the training loop (Linux: per-thread nice)
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._done.set()
@@ -159,6 +176,7 @@ class BackgroundWriter:
         self._thread.start()
 
     def _run(self, job: Callable[[], Any]) -> None:
+        _lower_priority(self.niceness)
         try:
             self._result = job()
         except BaseException as e:  # kept for the loop; a thread's exception would otherwise only be printed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -99,3 +100,12 @@ def test_writer_keeps_the_result_and_reraises_the_error():
     with pytest.raises(OSError, match="No space left"):
         w.result()
     assert w.result() is None  # reported once, then nothing pending
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
+def test_the_writer_thread_runs_at_a_lower_priority_than_the_loop():
+    w = BackgroundWriter()
+    w.submit(lambda: (threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    tid, nice = w.result(timeout=10)
+    assert tid != threading.get_native_id()
+    assert nice == min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 10)
