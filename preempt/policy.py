@@ -29,6 +29,7 @@ class Reason(str, enum.Enum):
     FINAL = "final"  # the run completed
     BRANCH = "branch"  # a resume request started a new timeline from a chosen checkpoint
     WALLTIME = "walltime"  # the walltime keeper stopped the run before its time limit; the run exits after it
+    EMERGENCY = "emergency"  # an exception escaped the loop at a step boundary: its state, then the exception
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

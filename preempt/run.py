@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from . import _log, codec, distributed, rng, sharded, slurm, state
+from . import _log, codec, distributed, guards, rng, sharded, slurm, state
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .commit import MANIFEST
 from .dataloading import find_sampler, length, shield_workers, shutdown_workers
@@ -77,12 +77,15 @@ from .errors import (
     SaveFailed,
     SlurmError,
 )
+from .history import History, Progress, RunLog
 from .lock import DirLock
 from .manifest import Cursor, Manifest
+from .monitor import GPUMonitor
 from .policy import Decision, Reason, SaveFacts, SavePolicy, Walltime, decide, next_due
 from .sampler import ResumableSampler
 from .signals import DEFAULT_SIGNALS, StopFlag, signal_name
 from .staging import BackgroundWriter, Stager, host_memory_available, payload_nbytes
+from .supervise import Supervised
 
 log = _log.log
 _END = object()
@@ -203,6 +206,30 @@ class PreemptibleRun:
             and stopping at every N-th ``run.step()`` (one small all-reduce on
             a gloo group; see :mod:`preempt.distributed`). Larger N costs less
             per step and delays a stop and a periodic save by up to N-1 steps.
+        log_file: Also write the run's log to ``save_dir/train.log`` (rank 0),
+            appended across restarts with a marker line at each start, and
+            keep ``save_dir/history.jsonl``: one line per progress report
+            (step, epoch, the metrics given to ``run.step``, learning rates,
+            step time, GPU memory) and a marker at each start, resume,
+            rollback and stop (:mod:`preempt.history`).
+        progress_every_s: Seconds between progress lines (steps/s, ETA) in
+            the log and history records; None turns both off. An epoch
+            summary is logged at each epoch end either way.
+        monitor_gpu: Sample every GPU through NVML every this many seconds into
+            ``save_dir/gpu_stats.jsonl`` (:class:`~preempt.monitor.GPUMonitor`);
+            None: off. Without NVML or a GPU it says so once and does nothing.
+        max_nonfinite: ``run.check_loss`` skips a non-finite loss; after this many
+            in a row the run rolls back to its last checkpoint and divides the
+            learning rates by ``nonfinite_lr_factor`` (data keeps moving on).
+        max_rollbacks: After this many rollbacks (or with no checkpoint to roll
+            back to) the run exits with code 78 (:data:`~preempt.errors.NONFINITE_EXIT_CODE`).
+        max_oom: ``with run.oom_guard():`` skips a batch that runs out of memory;
+            after this many in a row the run exits with code 79
+            (:data:`~preempt.errors.OOM_EXIT_CODE`): rerun with a smaller batch.
+        emergency_save: When an exception escapes the loop at a step boundary
+            (no optimizer step begun since the last ``run.step()``), write a
+            checkpoint of that state (reason ``"emergency"``) before the
+            exception propagates. Not under torch.distributed.
         clock: Monotonic clock (for tests).
     """
 
@@ -236,6 +263,14 @@ class PreemptibleRun:
         max_restarts: int | None = None,
         async_save: bool = True,
         sync_every_steps: int = 1,
+        log_file: bool = True,
+        progress_every_s: float | None = 60.0,
+        monitor_gpu: float | None = None,
+        max_nonfinite: int = 5,
+        nonfinite_lr_factor: float = 1.5,
+        max_rollbacks: int = 3,
+        max_oom: int = 3,
+        emergency_save: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
@@ -265,6 +300,22 @@ class PreemptibleRun:
         if not isinstance(sync_every_steps, int) or isinstance(sync_every_steps, bool) or sync_every_steps < 1:
             raise ValueError(f"sync_every_steps: expected an integer >= 1, got {sync_every_steps!r}")
         self.sync_every_steps = sync_every_steps
+        for name, value in (("max_nonfinite", max_nonfinite), ("max_rollbacks", max_rollbacks), ("max_oom", max_oom)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        if not isinstance(nonfinite_lr_factor, (int, float)) or not nonfinite_lr_factor > 1:
+            raise ValueError(f"nonfinite_lr_factor: expected a number > 1, got {nonfinite_lr_factor!r}")
+        for name, value in (("progress_every_s", progress_every_s), ("monitor_gpu", monitor_gpu)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name}: expected a number of seconds > 0 or None, got {value!r}")
+        self.log_file = bool(log_file)
+        self.progress_every_s = progress_every_s
+        self.monitor_gpu = monitor_gpu
+        self.max_rollbacks = max_rollbacks
+        self.emergency_save = bool(emergency_save)
+        self.nonfinite = guards.NonFiniteGuard(max_in_a_row=max_nonfinite, lr_factor=float(nonfinite_lr_factor))
+        self.oom = guards.OOMGuard(max_in_a_row=max_oom)
+        self.rollbacks = 0
         self.rank, self.world_size = 0, 1  # set on entering, under torch.distributed
         self.save_dir = Path(save_dir)
         self.policy = SavePolicy(
@@ -349,6 +400,16 @@ class PreemptibleRun:
         self._prepare_at_step: int | None = None  # the step after which the buffers are sized for the optimizer
         self._coord: distributed.Coordinator | None = None
         self._sharded = False  # the model's state is DTensors: its tensors go through DCP (preempt.sharded)
+        self._lr_scale = 1.0  # learning rates relative to the run's own, as lowered by rollbacks and the supervisor
+        self._stepping = False  # an optimizer step began since the last run.step() (the state may be half-updated)
+        self._step_hook: Any = None
+        self._runlog: RunLog | None = None
+        self._history: History | None = None
+        self._progress: Progress | None = None
+        self._next_report = math.inf
+        self._monitor: GPUMonitor | None = None
+        self._epoch_started = 0.0
+        self._report_from = (0.0, 0)
         self._announced = False  # rank 0 told the other ranks which checkpoint to load (before a sharded load)
 
     # ---------------------------------------------------------------- enter
@@ -405,10 +466,15 @@ class PreemptibleRun:
         return self
 
     def _begin(self, payload: state.Payload) -> None:
-        """The run is on: clocks, the staging buffers, the first due points."""
+        """The run is on: clocks, the staging buffers, logs and monitors, the first due points."""
         self._active = True
         self._last_save_time = self._clock()
         self._start_step = self.global_step
+        self._apply_lr_scale()
+        opt = self.components.optimizer
+        if opt is not None:
+            self._step_hook = opt.register_step_pre_hook(self._optimizer_stepping)
+        self._start_reports()
         if self.async_save and self._coord is not None:
             if self.rank == 0:
                 log.info("async_save: checkpoints are synchronous under torch.distributed (one commit for all ranks)")
@@ -418,6 +484,94 @@ class PreemptibleRun:
             if self.components.optimizer is not None:
                 self._prepare_at_step = self.global_step + 1  # its moments appear at the first optimizer step
         self._recompute_due()
+
+    def _optimizer_stepping(self, *_: Any) -> None:
+        self._stepping = True
+
+    def _apply_lr_scale(self) -> None:
+        """Under ``preempt supervise --lr``: rescales learning rates restored from a checkpoint to its PREEMPT_LR_SCALE.
+
+        The scale is relative to the run's original learning rate and recorded
+        in each checkpoint, so a resume applies only the difference. A fresh
+        start takes the lowered ``{lr}`` from its command line as it is.
+        """
+        sup = Supervised.from_env()
+        if sup is None or sup.lr is None:
+            return
+        opt = self.components.optimizer
+        if self.resumed_from is None or opt is None:
+            self._lr_scale = sup.lr_scale
+            return
+        if math.isclose(sup.lr_scale, self._lr_scale, rel_tol=1e-9):
+            return
+        factor = sup.lr_scale / self._lr_scale
+        lrs = guards.scale_lr(opt, self.components.scheduler, factor)
+        log.info(
+            "learning rates x%.6g: preempt supervise asks for %.6g of the original (PREEMPT_LR_SCALE), the checkpoint"
+            " ran at %.6g; now %s",
+            factor,
+            sup.lr_scale,
+            self._lr_scale,
+            ", ".join(f"{lr:.6g}" for lr in lrs),
+        )
+        self._lr_scale = sup.lr_scale
+
+    def _start_reports(self) -> None:
+        """train.log, history.jsonl, the progress line and the GPU monitor, as configured."""
+        if self.log_file:
+            self._runlog = RunLog(self.save_dir, rank=self.rank, world_size=self.world_size)
+            self._runlog.start(self.resumed_from, self.global_step)
+            self._history = History(self.save_dir, rank=self.rank)
+            if self.resumed_from is None:
+                self._history.marker("start", step=self.global_step, pid=os.getpid())
+            else:
+                self._history.marker("resume", step=self.global_step, from_=str(self.resumed_from), pid=os.getpid())
+        self._progress = Progress(None, every_s=self.progress_every_s or 60.0, clock=self._clock)
+        if self.progress_every_s is not None:
+            self._next_report = self._clock() + self.progress_every_s
+            self._report_from = (self._clock(), self.global_step)
+        if self.monitor_gpu is not None and self.rank == 0:
+            monitor = GPUMonitor(self.save_dir, self.monitor_gpu)
+            if monitor.available:
+                self._monitor = monitor.start()
+
+    def _report(self) -> None:
+        """A progress line in the log and a record in history.jsonl (every ``progress_every_s``)."""
+        now = self._clock()
+        assert self.progress_every_s is not None and self._progress is not None
+        self._next_report = now + self.progress_every_s
+        t0, step0 = self._report_from
+        self._report_from = (now, self.global_step)
+        line = self._progress.update(self.global_step, self.epoch, self.batch, self._batches_per_epoch, self.metrics)
+        if line and self.rank == 0:
+            log.info("%s", line)
+        if self._history is not None:
+            steps = self.global_step - step0
+            opt = self.components.optimizer
+            self._history.record(
+                self.global_step,
+                self.epoch,
+                self.metrics,
+                lr=[float(g["lr"]) for g in opt.param_groups] if opt is not None else None,
+                step_time_s=(now - t0) / steps if steps > 0 else None,
+                gpu_mem=_gpu_memory(self._monitor),
+            )
+
+    def _stop_reports(self, event: str | None = None, **fields: Any) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
+        if self._history is not None:
+            if event is not None:
+                self._history.marker(event, step=self.global_step, **fields)
+            self._history.close()
+            self._history = None
+        if self._runlog is not None:
+            self._runlog.close()
+            self._runlog = None
 
     def _join_ranks(self) -> None:
         """Under torch.distributed: checks what is supported and creates the ranks' coordinator (a collective)."""
@@ -671,6 +825,8 @@ class PreemptibleRun:
             state.apply(c, loaded, strict=self.strict)
         self._saved_tracked = tree.get("tracked", {})
         self.user_state = dict(tree.get("user") or {})
+        scale = tree.get("lr_scale", 1.0)
+        self._lr_scale = float(scale) if isinstance(scale, (int, float)) and scale > 0 else 1.0
         rng.restore(rng_now)
         c = m.cursor
         self.global_step = m.step
@@ -706,9 +862,18 @@ class PreemptibleRun:
         try:
             if exc_type is None and self._active:
                 self._finish()
+            elif self._active and exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                self._emergency(exc)
         finally:
             self._active = False
             self._flag.restore()
+            if isinstance(exc, Preempted):
+                event: str | None = "stop"
+            elif exc_type is None:
+                event = "complete"
+            else:
+                event = "error"
+            self._stop_reports(event, **({"error": repr(exc)[:200]} if event == "error" else {}))
             try:
                 if self._job is not None:
                     # The loop raised while a background write was in flight: that snapshot is a consistent
@@ -770,7 +935,9 @@ class PreemptibleRun:
             for s in self._samplers:
                 s.set_epoch(self.epoch)
             self._recompute_due()
+            self._epoch_started = self._clock()
             yield self.epoch
+            self._epoch_summary()
             if self._walltime is not None and self._loader_done is not None:
                 self._walltime.gap(self._clock() - self._loader_done)  # the epoch's end-of-epoch code
                 self._loader_done = None
@@ -781,6 +948,20 @@ class PreemptibleRun:
             self.epoch += 1
             self.batch = 0
             self._dirty = True
+
+    def _epoch_summary(self) -> None:
+        if self._progress is None or self.rank != 0:
+            return
+        peak = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        log.info(
+            "%s",
+            self._progress.epoch_summary(
+                self.epoch, self.metrics, self._clock() - self._epoch_started, self._best, peak
+            ),
+        )
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Yields the loader's batches for the current epoch, from the resumed batch on.
@@ -903,6 +1084,7 @@ class PreemptibleRun:
         """
         self.global_step += 1
         self._batches_since_step = 0
+        self._stepping = False
         self._dirty = True
         if metrics is not None:
             self._record(metrics)
@@ -979,6 +1161,122 @@ class PreemptibleRun:
             self._collect()
         return self.last_checkpoint
 
+    def check_loss(self, loss: torch.Tensor | float) -> bool:
+        """True when ``loss`` is finite. Otherwise the step must be skipped: zero the gradients, do not step.
+
+        ::
+
+            loss = compute_loss(model, batch)
+            if not run.check_loss(loss):
+                opt.zero_grad(set_to_none=True)
+                continue  # no backward, no optimizer step, no run.step()
+            loss.backward(); opt.step(); run.step()
+
+        After ``max_nonfinite`` in a row the run rolls back to its last
+        checkpoint (model, optimizer, scheduler, scaler) and divides the
+        learning rates by ``nonfinite_lr_factor``; the data goes on from the
+        current batch, so the batches that diverged are not replayed. With no
+        checkpoint, under torch.distributed, or after ``max_rollbacks``, it
+        raises :class:`~preempt.guards.NonFiniteStreak` (exit code 78). One
+        synchronisation with the GPU per call (the finiteness test).
+        """
+        g = self.nonfinite
+        if g.check(loss):
+            return True
+        self._batches_since_step = 0  # the batch is consumed; nothing changed since the last step boundary
+        self._stepping = False
+        log.warning(
+            "non-finite loss (%s) at step %d: update skipped (%d in a row, %d in all)",
+            g.last_value,
+            self.global_step + 1,
+            g.in_a_row,
+            g.total,
+        )
+        if g.exhausted:
+            self._rollback()
+        return False
+
+    def oom_guard(self) -> Any:
+        """``with run.oom_guard() as s:`` around forward, backward and the optimizer step: an out-of-memory
+        error inside is caught, memory is freed, and ``s.skipped`` is True (zero the gradients and skip
+        ``run.step()``). ``max_oom`` in a row raise :class:`~preempt.guards.OutOfMemoryStreak` (exit code 79).
+        Under torch.distributed the first one does: one rank cannot skip a step alone.
+        """
+        if self._coord is not None:
+            self.oom.max_in_a_row = 1
+        return _OomStep(self)
+
+    def _rollback(self) -> None:
+        g = self.nonfinite
+        info = self._last_info
+        self._settle()
+        info = self._last_info
+        why = None
+        if info is None:
+            why = "there is no checkpoint to roll back to"
+        elif self._coord is not None:
+            why = "rolling back is not supported under torch.distributed"
+        elif self.rollbacks >= self.max_rollbacks:
+            why = f"the run already rolled back {self.rollbacks} time(s) (max_rollbacks)"
+        if why is not None:
+            streak = guards.NonFiniteStreak(g.in_a_row, g.total, step=self.global_step + 1, factor=g.lr_factor)
+            log.error("%s; %s", streak, why)
+            raise streak
+        assert info is not None
+        loaded = self.manager.read(info)
+        state.apply(self.components, loaded, strict=self.strict)
+        factor = 1.0 / g.lr_factor
+        lrs = []
+        if self.components.optimizer is not None:
+            lrs = guards.scale_lr(self.components.optimizer, self.components.scheduler, factor)
+        self._lr_scale *= factor
+        self.rollbacks += 1
+        g.reset_streak()
+        self.global_step = info.step
+        self._dirty = True
+        log.warning(
+            "%d non-finite losses in a row: rolled back to %s (step %d), learning rates / %g, now %s; the data"
+            " goes on from epoch %d batch %d (rollback %d of at most %d)",
+            g.max_in_a_row,
+            info.path,
+            info.step,
+            g.lr_factor,
+            ", ".join(f"{lr:.6g}" for lr in lrs) or "-",
+            self.epoch,
+            self.batch,
+            self.rollbacks,
+            self.max_rollbacks,
+        )
+        if self._history is not None:
+            self._history.marker("rollback", step=info.step, lr_scale=self._lr_scale)
+
+    def _emergency(self, exc: BaseException) -> None:
+        """An exception escaped the loop: saves the state when it is that of a step boundary."""
+        what = f"{type(exc).__name__} escaped the training loop at step {self.global_step}"
+        last = self.last_checkpoint or "(none)"
+        if not self.emergency_save or self._coord is not None:
+            return
+        if self._stepping:
+            log.error(
+                "%s during an optimizer step (the state may be half-updated): no emergency checkpoint; the last one"
+                " is %s",
+                what,
+                last,
+            )
+            return
+        try:
+            self._settle()
+            if not self._dirty and self._last_info is not None:
+                log.error("%s; nothing changed since checkpoint %s", what, last)
+                return
+            self.batch -= self._batches_since_step  # the batch that failed is trained again by the rerun
+            self._batches_since_step = 0
+            self._save(Reason.EMERGENCY, "step" if self.batch else "epoch")
+        except Exception as e:  # never mask the exception that ended the loop
+            log.error("%s; the emergency checkpoint failed too: %r (the last one is %s)", what, e, last)
+            return
+        log.error("%s: emergency checkpoint %s written; a rerun continues from it", what, self.last_checkpoint)
+
     # ------------------------------------------------------------ internals
 
     def _add_tracked(self, name: str, obj: Any) -> None:
@@ -1039,12 +1337,15 @@ class PreemptibleRun:
             self._due_batch = self._due_time = math.inf
         if self._prepare_at_step is not None and self._job is None:  # else step() sees the job end
             self._due_step = min(self._due_step, self._prepare_at_step)
+        self._due_time = min(self._due_time, self._next_report)
         if self._walltime is not None:
             self._due_time = min(self._due_time, self._walltime.review_at(facts.now))
 
     def _safe_point(self, point: str) -> None:
         if self._job is not None and not self._writer.busy:  # type: ignore[union-attr]
             self._collect()
+        if self._clock() >= self._next_report:
+            self._report()
         if self._prepare_at_step is not None and self.global_step >= self._prepare_at_step and self._job is None:
             self._prepare_at_step = None
             self._prepare()
@@ -1068,6 +1369,8 @@ class PreemptibleRun:
         """A safe point under torch.distributed: every rank does what the ranks agree (one all-reduce)."""
         coord = self._coord
         assert coord is not None
+        if self._clock() >= self._next_report:
+            self._report()
         if self._walltime is not None:  # rank 0's only
             self._walltime.observe(self._clock(), self.global_step)
         decision: Decision = decide(self.policy, self._facts())  # rank 0's counts; the others only add a signal
@@ -1191,6 +1494,7 @@ class PreemptibleRun:
                 "epoch_start": rng.to_tree(epoch_rng) if epoch_rng is not None else None,
             },
             "user": self.user_state,
+            "lr_scale": self._lr_scale,
         }
 
     def _save(self, reason: Reason, point: str) -> None:
@@ -1205,6 +1509,7 @@ class PreemptibleRun:
             Reason.WALLTIME,
             Reason.FINAL,
             Reason.BRANCH,
+            Reason.EMERGENCY,
         )
         if self._job is not None:
             writing = self._job.kind == "save" and self._writer.busy  # type: ignore[union-attr]
@@ -1494,3 +1799,40 @@ def _check_stateful(name: str, obj: Any) -> None:
         return
     if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
         raise TypeError(f"{name}: expected an object with state_dict() and load_state_dict(), got {type(obj).__name__}")
+
+
+class _OomStep:
+    """The context manager of ``run.oom_guard()``: the OOMGuard's step, and a skipped batch is a step boundary."""
+
+    def __init__(self, run: PreemptibleRun) -> None:
+        self.run = run
+        self._step = run.oom.step()
+        self.skipped = False
+
+    def __enter__(self) -> _OomStep:
+        self._step.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        suppressed = bool(self._step.__exit__(exc_type, exc, tb))
+        self.skipped = self._step.skipped
+        if self.skipped:
+            run = self.run
+            run._batches_since_step = 0
+            run._stepping = False
+            log.warning(
+                "out of memory at step %d: batch skipped (%d in a row, %d in all)",
+                run.global_step + 1,
+                run.oom.in_a_row,
+                run.oom.total,
+            )
+        return suppressed
+
+
+def _gpu_memory(monitor: GPUMonitor | None) -> dict[str, Any] | None:
+    """GPU memory for a history record: the monitor's NVML reading, else torch's own counters."""
+    if monitor is not None:
+        return {str(k): v for k, v in monitor.read_memory().items()} or None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+    return None

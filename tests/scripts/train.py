@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--time_limit", default=None, help="PreemptibleRun(time_limit=): seconds or [D-]HH:MM:SS")
     p.add_argument("--max_restarts", type=int, default=None)
     p.add_argument("--sync_save", action="store_true", help="PreemptibleRun(async_save=False)")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--nan_at", type=int, default=None, help="attempt 1 under preempt supervise: 'Loss is NaN', exit 1")
     args = p.parse_args()
     if args.signal_at:
         signal_at(args.signal_at)
@@ -132,7 +134,7 @@ def main() -> None:
         torch.nn.Dropout(args.dropout),
         torch.nn.Linear(args.width, 2),
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
 
@@ -158,10 +160,15 @@ def main() -> None:
         run.user_state.setdefault("losses", [])
         sampler = run.sampler(data, shuffle=True, seed=7)
         loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
-        print(f"start step {run.global_step} epoch {run.epoch} batch {run.batch}", flush=True)
+        lr = opt.param_groups[0]["lr"]
+        print(f"start step {run.global_step} epoch {run.epoch} batch {run.batch} lr {lr!r}", flush=True)
+        first_attempt = os.environ.get("PREEMPT_SUPERVISE_ATTEMPT") == "1"
         for epoch in run.epochs(args.epochs):
             micro = 0
             for x, y in run.batches(loader):
+                if first_attempt and run.global_step + 1 == args.nan_at:
+                    print(f"step {run.global_step + 1}: Loss is NaN", flush=True)
+                    sys.exit(1)
                 noise = torch.randn(()) * 1e-3  # the loop's own draw from the global RNG
                 loss = torch.nn.functional.cross_entropy(model(x), y) + noise
                 scaler.scale(loss / args.accum).backward()

@@ -239,9 +239,11 @@ def test_any_other_writer_failure_is_raised_by_the_next_step(tmp_path):
             run.step()  # step 3 learns of the failure
             raise AssertionError("run.step() did not raise the writer's failure")
     assert isinstance(err.value.__cause__, RuntimeError) and run.global_step == 3
-    # the run ended by the exception: nothing half-written is visible, no completion marker
+    # the run ended by the exception at a step boundary: no completion marker, and the state of step 3 was saved
+    # synchronously by the emergency checkpoint (the injected failure hits only the writer thread)
     assert not (tmp_path / "complete.json").exists()
-    assert CheckpointManager(tmp_path, owner=False).list() == []
+    infos = CheckpointManager(tmp_path, owner=False).list()
+    assert [(c.step, c.manifest.reason) for c in infos] == [(3, "emergency")]
 
 
 def test_the_final_save_waits_for_the_write_and_the_run_completes(tmp_path):
