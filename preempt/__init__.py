@@ -15,6 +15,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    NONFINITE_EXIT_CODE,
+    OOM_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     REQUEUE_FAILED_EXIT_CODE,
     RESTART_LIMIT_EXIT_CODE,
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
     from .sampler import ResumableSampler
 
 __all__ = [
+    "NONFINITE_EXIT_CODE",
+    "OOM_EXIT_CODE",
     "PREEMPTED_EXIT_CODE",
     "REQUEUE_FAILED_EXIT_CODE",
     "RESTART_LIMIT_EXIT_CODE",
