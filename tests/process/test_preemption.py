@@ -52,9 +52,12 @@ def test_three_sigterms_at_random_points(tmp_path, reference, model_args):
 def test_sigterm_during_first_step_between_epochs_and_during_a_save(tmp_path, reference):
     """The awkward moments: the first step, the epoch boundary (end-of-epoch code), and a checkpoint write."""
     model_args = [*WORKERS0, "--dim", "256", "--width", "1024"]  # ~1 MB of weights: a save takes a while
-    args = [*model_args, "--every_steps", "3", "--epoch_end_sleep", "0.3"]
+    # Synchronous saves: "during a save" is then the whole write (tests/faults/test_async_signals.py has a signal
+    # during a background write). The first step of each process sleeps 0.5 s, so that a signal sent 0.05 s after
+    # the start line lands inside it even on a loaded machine, not before the epoch's first safe point.
+    args = [*model_args, "--every_steps", "3", "--epoch_end_sleep", "0.3", "--sync_save", "--first_step_sleep", "0.5"]
     interrupts = [
-        Interrupt(after=r"^start step 0 "),  # during the first step
+        Interrupt(after=r"^start step 0 ", delay=0.05),  # during the first step
         Interrupt(after=r"^epoch_end 0"),  # between epochs
         Interrupt(after=r"saving .*step_0+(1[5-9]|2\d)"),  # while a periodic checkpoint is written
     ]

@@ -111,6 +111,7 @@ def main() -> None:
     p.add_argument("--every_steps", type=int, default=None)
     p.add_argument("--keep_last", type=int, default=2)
     p.add_argument("--step_sleep", type=float, default=0.0)
+    p.add_argument("--first_step_sleep", type=float, default=0.0, help="sleep in the first step of each process")
     p.add_argument("--epoch_end_sleep", type=float, default=0.0)
     p.add_argument("--no_auto_resume", action="store_true")
     p.add_argument("--signal_at", default=None, help="STAGE:N:SIG[,...], see signal_at()")
@@ -163,6 +164,7 @@ def main() -> None:
         lr = opt.param_groups[0]["lr"]
         print(f"start step {run.global_step} epoch {run.epoch} batch {run.batch} lr {lr!r}", flush=True)
         first_attempt = os.environ.get("PREEMPT_SUPERVISE_ATTEMPT") == "1"
+        started_at = run.global_step
         for epoch in run.epochs(args.epochs):
             micro = 0
             for x, y in run.batches(loader):
@@ -182,6 +184,8 @@ def main() -> None:
                 run.user_state["losses"].append(loss.item())
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
+                if args.first_step_sleep and run.global_step == started_at:
+                    time.sleep(args.first_step_sleep)
                 print(f"step {run.global_step + 1} epoch {epoch} batch {run.batch}", flush=True)
                 run.step()
             # end-of-epoch code that draws from the RNG, like a validation loader would
