@@ -55,8 +55,13 @@ def leftovers(save_dir: Path) -> list[str]:
     return sorted(e for e in os.listdir(save_dir) if LEFTOVER.match(e))
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-@pytest.mark.parametrize("stage", commit.STAGES)
+# after_replace needs a periodic checkpoint at the last step for the final save to replace: only the synchronous
+# schedule guarantees one (background saves due during a write are postponed to another step).
+STAGE_MODES = [(stage, mode) for stage in commit.STAGES for mode in ("async", "sync")]
+STAGE_MODES.remove(("after_replace", "async"))
+
+
+@pytest.mark.parametrize(("stage", "mode"), STAGE_MODES)
 def test_sigkill_at_each_stage_of_the_commit(tmp_path, reference, stage, mode):
     """Killed at a named stage of the second save: the previous checkpoint stays the one chosen.
 
@@ -79,7 +84,7 @@ def test_sigkill_at_each_stage_of_the_commit(tmp_path, reference, stage, mode):
     assert first.finish() == KILLED, first.output
     assert f"signal_at {stage} {n} SIGKILL" in first.output
     if stage != "after_replace":
-        background = "step 16 staged in" in first.output
+        background = len(re.findall(r"staged in .*; writing in the background", first.output)) >= 2  # 2nd save too
         assert background == (mode == "async"), first.output
     written = [int(s) for s in re.findall(r"checkpoint \S*step_(\d+) \(\w+\) written", first.output)]
     attempted = int(re.findall(r"saving \S*step_(\d+)", first.output)[-1])
