@@ -84,7 +84,8 @@ def test_sigkill_at_each_stage_of_the_commit(tmp_path, reference, stage, mode):
     assert first.finish() == KILLED, first.output
     assert f"signal_at {stage} {n} SIGKILL" in first.output
     if stage != "after_replace":
-        background = len(re.findall(r"staged in .*; writing in the background", first.output)) >= 2  # 2nd save too
+        # (the killed save's own "staged" line may not be out yet: the writer can reach the stage first)
+        background = "; writing in the background" in first.output
         assert background == (mode == "async"), first.output
     written = [int(s) for s in re.findall(r"checkpoint \S*step_(\d+) \(\w+\) written", first.output)]
     attempted = int(re.findall(r"saving \S*step_(\d+)", first.output)[-1])
