@@ -206,7 +206,9 @@ class PreemptibleRun:
             and stopping at every N-th ``run.step()`` (one small all-reduce on
             a gloo group; see :mod:`preempt.distributed`). Larger N costs less
             per step and delays a stop and a periodic save by up to N-1 steps.
-        log_file: Also write the run's log to ``save_dir/train.log`` (rank 0),
+        log_file: Also write the run's log to ``save_dir/train.log`` (rank 0; the
+            other ranks log nothing unless ``PREEMPT_LOG_ALL_RANKS=1``, then to
+            the console and ``train.rank<r>.log``),
             appended across restarts with a marker line at each start, and
             keep ``save_dir/history.jsonl``: one line per progress report
             (step, epoch, the metrics given to ``run.step``, learning rates,
@@ -519,7 +521,8 @@ class PreemptibleRun:
     def _start_reports(self) -> None:
         """train.log, history.jsonl, the progress line and the GPU monitor, as configured."""
         if self.log_file:
-            self._runlog = RunLog(self.save_dir, rank=self.rank, world_size=self.world_size)
+            every_rank = os.environ.get("PREEMPT_LOG_ALL_RANKS", "") not in ("", "0")
+            self._runlog = RunLog(self.save_dir, rank=self.rank, world_size=self.world_size, log_all_ranks=every_rank)
             self._runlog.start(self.resumed_from, self.global_step)
             self._history = History(self.save_dir, rank=self.rank)
             if self.resumed_from is None:

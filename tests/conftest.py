@@ -189,7 +189,7 @@ def torchrun(
     cmd += ["--save_dir", str(save_dir), *args]
     if final is not None:
         cmd += ["--final_out", str(final)]
-    return Spawned(cmd, {"OMP_NUM_THREADS": "1"})
+    return Spawned(cmd, {"OMP_NUM_THREADS": "1", "PREEMPT_LOG_ALL_RANKS": "1"})  # each rank says where it stopped
 
 
 def ddp_finals(final: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:

@@ -225,7 +225,8 @@ def test_torchrun_template_two_ranks_requeued_by_the_scheduler(
     assert ref.finish(timeout=180) == 0, ref.output
     final = tmp_path / "final.safetensors"
     args = [*DDP_ARGS, "--step_sleep", "0.3", "--save_dir", str(tmp_path / "run"), "--final_out", str(final)]
-    options = ["--nodes=1", "--cpus-per-task=2", "--gres=none", "--time=5", "--export=ALL,GPUS_PER_NODE=2"]
+    options = ["--nodes=1", "--cpus-per-task=2", "--gres=none", "--time=5"]
+    options.append("--export=ALL,GPUS_PER_NODE=2,PREEMPT_LOG_ALL_RANKS=1")  # each rank logs where it stopped
     job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
     job.wait_log(r"^rank 0 step 6 ", timeout=120)
     job.requeue()
