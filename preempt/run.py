@@ -217,9 +217,10 @@ class PreemptibleRun:
         progress_every_s: Seconds between progress lines (steps/s, ETA) in
             the log and history records; None turns both off. An epoch
             summary is logged at each epoch end either way.
-        monitor_gpu: Sample every GPU through NVML every this many seconds into
-            ``save_dir/gpu_stats.jsonl`` (:class:`~preempt.monitor.GPUMonitor`);
-            None: off. Without NVML or a GPU it says so once and does nothing.
+        monitor_gpu: Sample every GPU through NVML every this many seconds (True:
+            every 10 s) into ``save_dir/gpu_stats.jsonl``, summarised in
+            ``gpu_stats.json`` at the end (:class:`~preempt.monitor.GPUMonitor`);
+            None or False: off. Without NVML or a GPU it says so once and does nothing.
         max_nonfinite: ``run.check_loss`` skips a non-finite loss; after this many
             in a row the run rolls back to its last checkpoint and divides the
             learning rates by ``nonfinite_lr_factor`` (data keeps moving on).
@@ -267,7 +268,7 @@ class PreemptibleRun:
         sync_every_steps: int = 1,
         log_file: bool = True,
         progress_every_s: float | None = 60.0,
-        monitor_gpu: float | None = None,
+        monitor_gpu: bool | float | None = None,
         max_nonfinite: int = 5,
         nonfinite_lr_factor: float = 1.5,
         max_rollbacks: int = 3,
@@ -307,6 +308,10 @@ class PreemptibleRun:
                 raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
         if not isinstance(nonfinite_lr_factor, (int, float)) or not nonfinite_lr_factor > 1:
             raise ValueError(f"nonfinite_lr_factor: expected a number > 1, got {nonfinite_lr_factor!r}")
+        if monitor_gpu is True:
+            monitor_gpu = 10.0
+        elif monitor_gpu is False:
+            monitor_gpu = None
         for name, value in (("progress_every_s", progress_every_s), ("monitor_gpu", monitor_gpu)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ValueError(f"{name}: expected a number of seconds > 0 or None, got {value!r}")
@@ -412,6 +417,7 @@ class PreemptibleRun:
         self._monitor: GPUMonitor | None = None
         self._epoch_started = 0.0
         self._report_from = (0.0, 0)
+        self._epochs_total: int | None = None
         self._announced = False  # rank 0 told the other ranks which checkpoint to load (before a sharded load)
 
     # ---------------------------------------------------------------- enter
@@ -545,7 +551,11 @@ class PreemptibleRun:
         self._next_report = now + self.progress_every_s
         t0, step0 = self._report_from
         self._report_from = (now, self.global_step)
-        line = self._progress.update(self.global_step, self.epoch, self.batch, self._batches_per_epoch, self.metrics)
+        bpe, n = self._batches_per_epoch, self._epochs_total
+        if bpe and n is not None and self._progress.total_steps is None:
+            # one optimizer step per batch from here on (an estimate under gradient accumulation)
+            self._progress.total_steps = self.global_step + (n - self.epoch) * bpe - self.batch
+        line = self._progress.update(self.global_step, self.epoch, self.batch, bpe, self.metrics)
         if line and self.rank == 0:
             log.info("%s", line)
         if self._history is not None:
@@ -921,6 +931,7 @@ class PreemptibleRun:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"epochs: expected an integer >= 0, got {n!r}")
         self._check_active("epochs")
+        self._epochs_total = n
         while True:
             r = self._resume
             if r is not None and r.cursor.point == "epoch" and r.cursor.epoch == self.epoch:
@@ -979,7 +990,10 @@ class PreemptibleRun:
             )
         self._batches_epoch = self.epoch
         shield_workers(loader, self._flag.signals)
-        self._loaders.append(weakref.ref(loader))
+        try:
+            self._loaders.append(weakref.ref(loader))
+        except TypeError:  # a list or another plain iterable: no workers to stop
+            pass
         found = find_sampler(loader)
         sampler, per_batch = found if found else (None, None)
         if sampler is not None:
@@ -1269,8 +1283,9 @@ class PreemptibleRun:
             return
         try:
             self._settle()
-            if not self._dirty and self._last_info is not None:
-                log.error("%s; nothing changed since checkpoint %s", what, last)
+            if not self._dirty:
+                since = f"checkpoint {last}" if self._last_info is not None else "the start"
+                log.error("%s; nothing changed since %s: no emergency checkpoint", what, since)
                 return
             self.batch -= self._batches_since_step  # the batch that failed is trained again by the rerun
             self._batches_since_step = 0

@@ -166,3 +166,26 @@ def test_no_logging_files_when_turned_off(tmp_path, caplog):
             loop(run, model, opt, sched, data)
     assert not (tmp_path / "train.log").exists() and not (tmp_path / "history.jsonl").exists()
     assert "epoch 0" in caplog.text  # the epoch summary is logged either way
+
+
+def test_progress_lines_have_an_eta_and_monitor_gpu_true_is_quiet_without_a_gpu(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="preempt")
+    model, opt, sched, data = build()
+    kw = dict(progress_every_s=1e-9, monitor_gpu=True)
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_interval=None, **kw) as run:
+        loop(run, model, opt, sched, data, epochs=2)
+        assert run.monitor_gpu == 10.0
+    assert "ETA" in caplog.text and "/16 |" in caplog.text  # 2 epochs of 8 steps
+    if not torch.cuda.is_available():
+        assert "GPU monitor" in caplog.text or "NVML" in caplog.text
+        assert not (tmp_path / "gpu_stats.jsonl").exists()
+
+
+def test_a_plain_list_is_a_loader_and_a_failure_before_any_step_saves_nothing(tmp_path, caplog):
+    model, opt, _, _ = build()
+    with pytest.raises(Boom), PreemptibleRun(tmp_path, model=model, optimizer=opt) as run:
+        for _ in run.epochs(1):
+            for _batch in run.batches([1, 2, 3]):  # not weak-referenceable: used to raise TypeError
+                raise Boom("before the first step")
+    assert CheckpointManager(tmp_path, owner=False).list() == []
+    assert "nothing changed since the start: no emergency checkpoint" in caplog.text
