@@ -67,3 +67,29 @@ def test_monitor_samples_a_busy_gpu(tmp_path):
     if busy:  # None under MIG, where NVML has no per-instance utilisation
         assert max(busy) > 0, f"the GPU ran matmuls for 1 s but NVML says {busy}"
     del held, a
+
+
+def test_a_run_with_monitor_gpu_writes_samples_history_and_a_summary(tmp_path):
+    """PreemptibleRun(monitor_gpu=...) on a real GPU: the samples, the summary, and GPU memory in history.jsonl."""
+    from preempt import PreemptibleRun
+
+    model = torch.nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    kw = dict(monitor_gpu=0.2, progress_every_s=0.2, checkpoint_interval=None)
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, **kw) as run:
+        for _ in run.epochs(1):
+            deadline = time.monotonic() + 1.5
+            for _batch in run.batches(range(100_000)):
+                model(torch.randn(256, 1024, device="cuda")).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                torch.cuda.synchronize()
+                run.step()
+                if time.monotonic() > deadline:
+                    break
+    samples = [json.loads(x) for x in (tmp_path / SAMPLES).read_text().splitlines()]
+    assert sum(1 for s in samples if "mem_used_bytes" in s) >= 3, samples[:3]
+    summary = json.loads((tmp_path / SUMMARY).read_text())
+    assert summary["sessions"], summary
+    records = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert any(r.get("gpu_mem") for r in records if "metrics" in r), records
