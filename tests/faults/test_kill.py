@@ -56,9 +56,15 @@ def leftovers(save_dir: Path) -> list[str]:
 
 
 # after_replace needs a periodic checkpoint at the last step for the final save to replace: only the synchronous
-# schedule guarantees one (background saves due during a write are postponed to another step).
-STAGE_MODES = [(stage, mode) for stage in commit.STAGES for mode in ("async", "sync")]
-STAGE_MODES.remove(("after_replace", "async"))
+# schedule guarantees one (background saves due during a write are postponed to another step). Both modes run the
+# same commit; the synchronous one is run at three stages by default and at every stage under -m slow.
+_SYNC_DEFAULT = {"after_tensor_files", "before_rename", "after_replace"}
+STAGE_MODES = [
+    pytest.param(stage, mode, marks=[pytest.mark.slow] if mode == "sync" and stage not in _SYNC_DEFAULT else [])
+    for stage in commit.STAGES
+    for mode in ("async", "sync")
+    if (stage, mode) != ("after_replace", "async")
+]
 
 
 @pytest.mark.parametrize(("stage", "mode"), STAGE_MODES)
