@@ -29,7 +29,7 @@ from typing import Any
 
 import xxhash
 
-from . import commit, tensorfile
+from . import _log, commit, tensorfile
 from .checkpoint import CheckpointInfo, CheckpointManager, rank_best, read_verified, regular_file
 from .cli import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, _emit, _Fail
 from .commit import QUARANTINE, SUPERSEDED, FileDigest
@@ -45,14 +45,6 @@ _MAX_RNG_TENSOR = 1 << 20  # an RNG state is a few KiB; anything larger is not o
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def _when(ts: float | None) -> str:
@@ -194,7 +186,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "-" if r["epoch"] is None else str(r["epoch"]),
                     "-" if r["batch"] is None else str(r["batch"]),
                     _when(r["created"]),
-                    _human(r["bytes"]),
+                    _log.size(r["bytes"]),
                     r["reason"] or "-",
                     r["status"] + (f" ({', '.join(marks)})" if marks else ""),
                 ]
@@ -271,7 +263,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         for r in results:
             if r["ok"]:
-                print(f"{r['name']}: ok ({len(r['files'])} files, {_human(r['bytes'])})")
+                print(f"{r['name']}: ok ({len(r['files'])} files, {_log.size(r['bytes'])})")
             elif r["ok"] is None:
                 print(f"{r['name']}: gone")
             else:
@@ -280,7 +272,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"    {p}")
         rate = f" ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 and nbytes else ""
         verdict = f"{len(damaged)} of {len(results)} damaged" if damaged else "all ok"
-        print(f"{len(results)} checkpoint(s), {_human(nbytes)} hashed in {seconds:.2f} s{rate}: {verdict}")
+        print(f"{len(results)} checkpoint(s), {_log.size(nbytes)} hashed in {seconds:.2f} s{rate}: {verdict}")
     return EXIT_DAMAGED if damaged else EXIT_OK
 
 
@@ -534,16 +526,16 @@ def _print_inspect(
         print(f"  sampler: {_kv(m.sampler)}")
     print("files (not re-hashed here; `preempt verify` does)")
     for line in _table(
-        [[n, str(d.size), _human(d.size), d.xxh3_128] for n, d in sorted(m.files.items())], right={1, 2}
+        [[n, str(d.size), _log.size(d.size), d.xxh3_128] for n, d in sorted(m.files.items())], right={1, 2}
     ):
         print(f"  {line}")
     for name, t in tensors.items():
         dtypes = ", ".join(f"{k} x{v}" for k, v in sorted(t["dtypes"].items()))
-        print(f"{name}: {t['count']} tensors, {t['elements']:,} elements, {_human(t['bytes'])} ({dtypes or 'none'})")
+        print(f"{name}: {t['count']} tensors, {t['elements']:,} elements, {_log.size(t['bytes'])} ({dtypes or 'none'})")
         if t["metadata"]:
             print(f"  metadata: {_kv(t['metadata'])}")
         rows = [
-            [r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", _human(r["bytes"])]
+            [r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", _log.size(r["bytes"])]
             for r in t["tensors"]
         ]
         for line in _table(rows, right={3}) if rows else []:
@@ -712,18 +704,18 @@ def _report_prune(
         )
     else:
         verb = "deleted" if args.yes else "delete"
-        table = [["keep", c.name, _human(_size(c)), ", ".join(plan["why"][c.step])] for c in plan["keep"]]
-        table += [[verb, c.name, _human(_size(c)), ""] for c in plan["delete"]]
-        table += [["skip", c.name, _human(_size(c)), f"{c.status}, never touched by prune"] for c in plan["skip"]]
+        table = [["keep", c.name, _log.size(_size(c)), ", ".join(plan["why"][c.step])] for c in plan["keep"]]
+        table += [[verb, c.name, _log.size(_size(c)), ""] for c in plan["delete"]]
+        table += [["skip", c.name, _log.size(_size(c)), f"{c.status}, never touched by prune"] for c in plan["skip"]]
         for line in _table(table, right={2}) if table else [f"{save_dir}: no checkpoints"]:
             print(line)
         if args.keep_best and not plan["best_metric"]:
             print("note: no checkpoint is marked best; --keep-best keeps nothing extra")
         n = len(plan["delete"])
         if args.yes:
-            print(f"deleted {len(deleted)} checkpoint(s), {_human(freed)}")
+            print(f"deleted {len(deleted)} checkpoint(s), {_log.size(freed)}")
         else:
-            print(f"dry run: would delete {n} checkpoint(s), {_human(freed)}; pass --yes to delete")
+            print(f"dry run: would delete {n} checkpoint(s), {_log.size(freed)}; pass --yes to delete")
         for left in leftovers:
             print(f"warning: could not finish deleting {left} (deleted at the next run start)", file=sys.stderr)
     return EXIT_OK
@@ -776,7 +768,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         _emit(doc)
     else:
-        print(f"wrote {out} ({len(tensors)} tensors, {_human(digest.size)}, xxh3 {digest.xxh3_128}) from {info.path}")
+        size = _log.size(digest.size)
+        print(f"wrote {out} ({len(tensors)} tensors, {size}, xxh3 {digest.xxh3_128}) from {info.path}")
     return EXIT_OK
 
 
