@@ -4,14 +4,8 @@ checkpoints.
 ``preempt supervise [OPTIONS] -- CMD...`` reruns CMD after preemption, non-finite losses and out-of-memory
 errors (:mod:`preempt.supervise`, which has its own options and exit codes).
 
-``ls``, ``verify`` and ``inspect`` only read; ``prune --yes`` deletes (under the
-save_dir's lock, so never beside a running training); ``export`` writes only
-its ``--out`` file. Every command takes ``--json``; errors go to stderr and
-name the path, what was expected and what was found.
-
-Nothing here unpickles or executes anything from the checkpoint: manifests and
-``state.json`` are JSON, and tensor files are read through their safetensors
-header, a length-prefixed JSON document validated against the file's size.
+What each checkpoint command reads, writes and refuses (nothing is ever
+unpickled) is said in :mod:`preempt.checkpoint_cli`.
 
 This module imports no torch: ``supervise`` and every ``--help`` start in well
 under a second. The checkpoint commands are in :mod:`preempt.checkpoint_cli`,
