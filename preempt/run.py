@@ -1225,8 +1225,7 @@ class PreemptibleRun:
 
     def _rollback(self) -> None:
         g = self.nonfinite
-        info = self._last_info
-        self._settle()
+        self._settle()  # a background write in flight may be the checkpoint to roll back to
         info = self._last_info
         why = None
         if info is None:
@@ -1236,7 +1235,9 @@ class PreemptibleRun:
         elif self.rollbacks >= self.max_rollbacks:
             why = f"the run already rolled back {self.rollbacks} time(s) (max_rollbacks)"
         if why is not None:
-            streak = guards.NonFiniteStreak(g.in_a_row, g.total, step=self.global_step + 1, factor=g.lr_factor)
+            streak = guards.NonFiniteStreak(
+                g.in_a_row, g.total, step=self.global_step + 1, value=g.last_value, factor=g.lr_factor
+            )
             log.error("%s; %s", streak, why)
             raise streak
         assert info is not None

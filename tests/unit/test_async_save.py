@@ -89,6 +89,18 @@ def gated(gate: Gate) -> Iterator[Gate]:
         commit.inject_fault(None)
 
 
+def stepper(run, model, opt, data):
+    """This epoch's batches; each call of the returned function trains and counts ``n`` steps."""
+    it = iter(run.batches(DataLoader(data, batch_size=4, sampler=run.sampler(data, seed=0))))
+
+    def step(n: int = 1, metrics=None) -> None:
+        for _ in range(n):
+            train_step(model, opt, *next(it))
+            run.step(metrics)
+
+    return step
+
+
 def steps(run, model, opt, data, n: int, *, on_step=None):
     """Runs n optimizer steps inside one epoch; on_step(run) is called before each run.step()."""
     loader = DataLoader(data, batch_size=4, sampler=run.sampler(data, seed=0))
@@ -137,17 +149,13 @@ def test_a_periodic_save_due_during_a_write_is_postponed_not_waited_for(tmp_path
     caplog.set_level(logging.DEBUG, logger="preempt")
     with gated(Gate()) as gate, PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2) as run:
         next(run.epochs(1))
-        loader = DataLoader(data, batch_size=4, sampler=run.sampler(data, seed=0))
-        it = iter(run.batches(loader))
-        for _ in range(4):  # step 2 is staged and held; step 4 comes due while it is in flight
-            train_step(model, opt, *next(it))
-            run.step()
+        step = stepper(run, model, opt, data)
+        step(4)  # step 2 is staged and held; step 4 comes due while it is in flight
         assert gate.reached.wait(10) and run.last_save.step == 2 and not run.last_save.durable
         assert "a steps checkpoint is due while a write is in flight: postponed" in caplog.text
         gate.release.set()
         assert run.wait_for_checkpoint(timeout=30) == tmp_path / "step_000000002"
-        train_step(model, opt, *next(it))
-        run.step()  # step 5: the postponed save is taken now
+        step()  # step 5: the postponed save is taken now
         assert run.last_save.step == 5 and run.last_save.reason == "steps"
         assert run.wait_for_checkpoint(timeout=30) == tmp_path / "step_000000005"
 
@@ -158,15 +166,11 @@ def test_a_best_checkpoint_waits_for_the_write_in_flight(tmp_path):
     kw = dict(checkpoint_every_steps=2, best_metric="loss", keep_best=1)
     with gated(gate), PreemptibleRun(tmp_path, model=model, optimizer=opt, **kw) as run:
         next(run.epochs(1))
-        loader = DataLoader(data, batch_size=4, sampler=run.sampler(data, seed=0))
-        it = iter(run.batches(loader))
-        for _ in range(2):
-            train_step(model, opt, *next(it))
-            run.step()
+        step = stepper(run, model, opt, data)
+        step(2)
         assert gate.reached.wait(10)
         threading.Timer(0.3, gate.release.set).start()
-        train_step(model, opt, *next(it))
-        run.step({"loss": 0.5})  # step 3 is the best so far: it must be that step's state, so it waits
+        step(metrics={"loss": 0.5})  # step 3 is the best so far: it must be that step's state, so it waits
         assert run.last_save.step == 3 and run.last_save.reason == "best"
         assert run.last_checkpoint == tmp_path / "step_000000002"  # the held write was finished first
         assert run.wait_for_checkpoint(timeout=30) == tmp_path / "step_000000003"
@@ -228,15 +232,11 @@ def test_any_other_writer_failure_is_raised_by_the_next_step(tmp_path):
     with gated(gate), pytest.raises(CheckpointWriteError, match=r"step_000000002.*xxhash exploded") as err:
         with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2) as run:
             next(run.epochs(1))
-            loader = DataLoader(data, batch_size=4, sampler=run.sampler(data, seed=0))
-            it = iter(run.batches(loader))
-            for _ in range(2):
-                train_step(model, opt, *next(it))
-                run.step()
+            step = stepper(run, model, opt, data)
+            step(2)
             assert gate.reached.wait(10)
             run._writer.wait(10)
-            train_step(model, opt, *next(it))
-            run.step()  # step 3 learns of the failure
+            step()  # step 3 learns of the failure
             raise AssertionError("run.step() did not raise the writer's failure")
     assert isinstance(err.value.__cause__, RuntimeError) and run.global_step == 3
     # the run ended by the exception at a step boundary: no completion marker, and the state of step 3 was saved

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -96,31 +97,36 @@ def test_non_finite_losses_are_skipped_then_roll_back_with_a_lower_lr(tmp_path, 
     nan_steps = set(range(6, 9))  # three NaN losses in a row at steps 6, 7, 8 (no step counted for them)
     kw = dict(checkpoint_every_steps=3, max_nonfinite=3, async_save=False)
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, scheduler=sched, **kw) as run:
-        want = {}
+        at_step3: dict = {}  # the state the checkpoint of step 3 holds
+        after: dict = {}  # the state right after the rollback
 
         def loss_at(step):
-            if step == 4 and not want:
-                want.update({k: v.clone() for k, v in model.state_dict().items()})
+            if step == 4 and not at_step3:
+                at_step3.update({k: v.clone() for k, v in model.state_dict().items()}, lr=opt.param_groups[0]["lr"])
+            if run.rollbacks == 1 and not after:
+                after.update({k: v.clone() for k, v in model.state_dict().items()}, lr=opt.param_groups[0]["lr"])
             return float("nan") if step in nan_steps and run.rollbacks == 0 else None
 
-        lr_before = opt.param_groups[0]["lr"]
         loop(run, model, opt, sched, data, loss_at=loss_at, epochs=2)
         assert run.rollbacks == 1 and run.nonfinite.total == 3
+    assert math.isclose(after["lr"], at_step3["lr"] / 1.5, rel_tol=1e-12)
+    assert all(torch.equal(after[k], at_step3[k]) for k in model.state_dict()), "not rolled back to step 3"
     text = caplog.text
     assert "non-finite loss (nan) at step 6: update skipped (1 in a row, 1 in all)" in text
     assert "3 non-finite losses in a row: rolled back to" in text and "step_000000003 (step 3)" in text
     assert "learning rates / 1.5" in text
     history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert any(h.get("event") == "rollback" and h.get("step") == 3 for h in history), history
-    assert lr_before > 0
 
 
-def test_non_finite_losses_without_a_checkpoint_exit_78(tmp_path):
+def test_non_finite_losses_without_a_checkpoint_exit_78(tmp_path, caplog):
     model, opt, sched, data = build()
     kw = dict(checkpoint_interval=None, max_nonfinite=2)
     with pytest.raises(NonFiniteStreak) as e, PreemptibleRun(tmp_path, model=model, optimizer=opt, **kw) as run:
         loop(run, model, opt, sched, data, loss_at=lambda step: float("inf") if step >= 2 else None)
-    assert e.value.code == NONFINITE_EXIT_CODE and "no checkpoint to roll back to" not in str(e.value)
+    assert e.value.code == NONFINITE_EXIT_CODE
+    assert "not finite" not in str(e.value) and "inf 2 steps in a row" in str(e.value), str(e.value)
+    assert "there is no checkpoint to roll back to" in caplog.text
     assert CheckpointManager(tmp_path, owner=False).list() == []  # a diverged state is not saved
 
 
