@@ -1,12 +1,16 @@
 #!/usr/bin/env python
 """What the ranks' agreement costs per ``run.step()``: torchrun with N gloo ranks on this machine.
 
-    python bench/bench_distributed.py [--nproc 2] [--steps 2000]
+    python bench/bench_distributed.py [--nproc 2] [--steps 2000] [--gib 0.5] [--saves 4]
 
 Re-launches itself under ``torch.distributed.run --standalone``; rank 0 prints, per row, the median of 3
-timings of ``--steps`` calls: a bare ``dist.all_reduce`` of 3 int64 on a gloo group (the floor),
-``run.step()`` with ``sync_every_steps`` 1 and 10 (nothing due), and a single-process ``run.step()`` for
-reference (measured in the same rank, before the group is used).
+timings of ``--steps`` calls: a bare ``dist.all_reduce`` of 3 int64 on a gloo group (the floor), and
+``run.step()`` with ``sync_every_steps`` 1 and 10 (nothing due).
+
+A second table: what a checkpoint of a DDP state of ``--gib`` GiB (bench_checkpoint's GPT-like model and
+AdamW moments, replicated on every rank) costs the loop, ``async_save`` on and off, ``--saves`` checkpoints
+each after one warm-up: the median of the longest ``run.step()`` among the ranks at a save step (every rank
+waits for the others there), and the median time to durable (rank 0's ``run.last_save``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,47 @@ def timed(fn, n: int) -> float:
     return statistics.median(out)
 
 
-def worker(steps: int) -> None:
+def save_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
+    """(mode, median loop time of a save step, max over ranks; median seconds to durable on rank 0) per mode."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_checkpoint import build_state
+
+    from preempt import PreemptibleRun
+
+    model, opt = build_state(gib)
+    rows = []
+    for mode in ("sync", "async"):
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(__file__))) as d:
+            shared = [d]
+            dist.broadcast_object_list(shared, src=0)
+            kw = dict(checkpoint_interval=None, checkpoint_every_steps=1, keep_last=1, exit_if_complete=False)
+            stalls, durable = [], []
+            with PreemptibleRun(shared[0], model=model, optimizer=opt, async_save=mode == "async", **kw) as run:
+                if mode == "async" and dist.get_rank() == 0:  # rank 0 sizes its buffers when the run starts
+                    while run.staging_prepare_s is None:
+                        time.sleep(0.05)
+                        run.wait_for_checkpoint()
+                for i in range(saves + 1):
+                    run.wait_for_checkpoint()  # the previous write ends outside the timing: no postponement
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    run.step()
+                    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                    run.wait_for_checkpoint()
+                    if i:  # the first is the warm-up
+                        stalls.append(float(took))
+                        if run.last_save is not None and run.last_save.write_s is not None:
+                            durable.append(run.last_save.write_s)
+            dist.barrier()
+        rows.append((mode, statistics.median(stalls), statistics.median(durable) if durable else float("nan")))
+    return rows
+
+
+def worker(steps: int, gib: float, saves: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -50,11 +94,19 @@ def worker(steps: int) -> None:
             with PreemptibleRun(shared[0], model=model, optimizer=opt, **kw) as run:
                 rows.append((f"run.step(), sync_every_steps={every}", timed(run.step, steps)))
             dist.barrier()
+    costs = save_costs(gib, saves) if gib > 0 else []
     if rank == 0:
         print(f"\n{dist.get_world_size()} ranks, gloo, torch {torch.__version__}, medians of 3 x {steps} calls\n")
         print("| what | per call |\n|---|---:|")
         for what, sec in rows:
             print(f"| {what} | {sec * 1e6:.1f} us |")
+    if rank == 0 and costs:
+        print(f"\ncheckpoint of a replicated {gib:g} GiB state (model + AdamW), medians of {saves}\n")
+        print("| async_save | loop waits at the save step (slowest rank) | durable after (rank 0) |\n|---|---:|---:|")
+        for mode, stall, durable in costs:
+            print(f"| {mode} | {stall * 1e3:.0f} ms | {durable:.2f} s |")
+        sync, asyn = costs[0][1], costs[1][1]
+        print(f"\nasync / sync loop wait: {asyn / sync:.3f}x")
     dist.destroy_process_group()
 
 
@@ -62,13 +114,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--gib", type=float, default=0.5, help="state size of the checkpoint rows (0: leave them out)")
+    p.add_argument("--saves", type=int, default=4)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.nproc < 2 or args.steps < 1 or args.gib < 0 or args.saves < 1:
+        p.error("--nproc >= 2, --steps >= 1, --gib >= 0, --saves >= 1")
     if args.worker:
-        worker(args.steps)
+        worker(args.steps, args.gib, args.saves)
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-    cmd += [__file__, "--worker", "--steps", str(args.steps)]
+    cmd += [__file__, "--worker", "--steps", str(args.steps), "--gib", str(args.gib), "--saves", str(args.saves)]
     sys.exit(subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PREEMPT_LOG_LEVEL": "WARNING"}))
 
 

@@ -407,14 +407,22 @@ class CheckpointManager:
         ``manifest.files`` is filled in here. On any failure the partial
         directory is removed and the previous checkpoints are untouched.
         """
-        name = commit.checkpoint_name(manifest.step)
-        tmp = commit.new_tmp_dir(self.save_dir, name)
+        tmp = commit.new_tmp_dir(self.save_dir, commit.checkpoint_name(manifest.step))
+        return self.save_into(tmp, payload, manifest)
+
+    def save_into(
+        self, tmp: Path, payload: state.Payload, manifest: Manifest, files: Mapping[str, FileDigest] | None = None
+    ) -> CheckpointInfo:
+        """Writes ``payload`` into ``tmp``, then commits it with ``files`` (already durable there) and its own.
+
+        On any failure ``tmp`` is removed.
+        """
         try:
-            files = write_payload(tmp, payload)
+            own = write_payload(tmp, payload)
         except BaseException:
             discard_tmp(tmp)
             raise
-        return self.commit(tmp, manifest, files)
+        return self.commit(tmp, manifest, {**(files or {}), **own})
 
     def commit(self, tmp: Path, manifest: Manifest, files: Mapping[str, FileDigest]) -> CheckpointInfo:
         """Writes the manifest of ``files`` (already durable in ``tmp``), renames ``tmp`` into place, prunes.

@@ -18,7 +18,11 @@ ranks share) and the ranks agree, at every safe point, on what to do:
   their digests (that gather is the barrier: every file is durable before it
   returns); rank 0 writes the manifest listing every rank's files, renames the
   directory into place and tells every rank the outcome. A checkpoint missing
-  any rank's file does not verify and is never chosen.
+  any rank's file does not verify and is never chosen. Deferred: when rank 0
+  saves in the background, the exchange is the same but rank 0 writes none of
+  its files in it; its background writer later writes them into the same
+  directory and commits (:class:`Deferred`), with no collective off the main
+  thread.
 * **What each rank writes.** The replicated state (DDP: the model, the
   optimizer, scheduler, scaler, tracked objects, ``run.user_state``) is written
   once, by rank 0, with rank 0's random generators. Every other rank writes its
@@ -121,13 +125,30 @@ def _rebuild(described: tuple[int | None, str]) -> Exception:
     return CheckpointWriteError(text)
 
 
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A distributed checkpoint whose rank-0 files are still to be written: every other rank's are durable.
+
+    Rank 0's background writer calls :meth:`finish` with the staged snapshot: it
+    writes rank 0's files into ``tmp`` and commits the checkpoint.
+    """
+
+    tmp: Path
+    files: dict[str, Any]  # the other ranks' files (name -> digest), durable in tmp
+
+    def finish(self, manager: CheckpointManager, payload: Payload, manifest: Manifest) -> CheckpointInfo:
+        return manager.save_into(self.tmp, payload, manifest, self.files)
+
+
 def save_ranked(
     manager: CheckpointManager,
     coord: Coordinator,
     payload: Payload,
     manifest: Manifest,
     extra: Callable[[Path], list[str]] | None = None,
-) -> CheckpointInfo:
+    *,
+    defer: bool = False,
+) -> CheckpointInfo | Deferred | None:
     """The distributed commit (see the module docstring); every rank calls it with its own payload.
 
     Args:
@@ -135,9 +156,14 @@ def save_ranked(
             payload is written (a collective writer: DCP's pieces of sharded
             state); returns the names of the files this rank wrote there, which
             are hashed and listed like the payload's.
+        defer: Rank 0's wish (the other ranks' value is ignored; they learn
+            it): rank 0 does not write its payload here; it gets a
+            :class:`Deferred` to finish in the background, once every other
+            rank's files are durable.
 
     Returns:
-        The checkpoint's CheckpointInfo, on every rank.
+        The checkpoint's CheckpointInfo, on every rank; when deferred, the
+        Deferred on rank 0 and None on the others.
 
     Raises:
         OSError: Some rank could not write (disk full, I/O error): on every rank,
@@ -151,40 +177,43 @@ def save_ranked(
             tmp = commit.new_tmp_dir(manager.save_dir, name)
         except OSError as e:
             error = _describe(e, 0)
-    where, error = coord.broadcast((None if tmp is None else str(tmp), error))
+    where, error, defer = coord.broadcast((None if tmp is None else str(tmp), error, defer))
     if where is None:
         raise _rebuild(error)
     tmp = Path(where)
     files, error = None, None
     try:
         extra_names = extra(tmp) if extra is not None else []
-        files = write_payload(tmp, payload)
+        files = {} if defer and coord.rank == 0 else write_payload(tmp, payload)
         for fname in extra_names:
             files[fname] = commit.read_file(tmp / fname)[1]
     except Exception as e:
         error = _describe(e, coord.rank)
     got = coord.gather((files, error))  # returns on rank 0 once every rank's files are durable
     outcome: Any = None
-    info = None
+    result: CheckpointInfo | Deferred | None = None
     if coord.rank == 0:
         assert got is not None
         errors = [e for _, e in got if e is not None]
+        listed: dict[str, Any] = {}
+        for rank_files_ in got:
+            listed.update(rank_files_[0] or {})
         if errors:
             discard_tmp(tmp)
             outcome = ("error", errors[0])
+        elif defer:
+            result = Deferred(tmp, listed)
+            outcome = ("deferred", str(tmp))
         else:
-            listed: dict[str, Any] = {}
-            for rank_files_ in got:
-                listed.update(rank_files_[0])
             try:
-                info = manager.commit(tmp, manifest, listed)
-                outcome = ("ok", str(info.path))
+                result = manager.commit(tmp, manifest, listed)
+                outcome = ("ok", str(result.path))
             except Exception as e:
                 outcome = ("error", _describe(e, 0))
     outcome = coord.broadcast(outcome)
     if outcome[0] == "error":
         raise _rebuild(outcome[1])
-    if info is not None:
-        return info
+    if coord.rank == 0 or outcome[0] == "deferred":
+        return result
     path = Path(outcome[1])
     return CheckpointInfo(path, manifest.step, "valid", read_manifest(path / MANIFEST))

@@ -108,7 +108,9 @@ class SaveRecord:
             synchronous, the copy into the staging buffers when asynchronous.
         write_s: Seconds from the start of the save to its checkpoint being
             durable; None while a background write is in flight.
-        path: The checkpoint directory once durable, else None.
+        path: The checkpoint directory once durable, else None. Under
+            torch.distributed a checkpoint that rank 0 writes in the
+            background stays None on the other ranks.
         background: Written by the background writer.
     """
 
@@ -200,8 +202,10 @@ class PreemptibleRun:
             after the write in flight has finished. The buffers hold one copy
             of the state (pinned host memory when it lives on a GPU); when
             that would take more than half of the host's available memory the
-            run saves synchronously and says so. False: every save is
-            synchronous.
+            run saves synchronously and says so. Under torch.distributed rank 0
+            writes the replicated state in the background and the other ranks
+            write their files at the step; sharded (DCP) state is saved
+            synchronously. False: every save is synchronous.
         sync_every_steps: Under torch.distributed, the ranks agree on saving
             and stopping at every N-th ``run.step()`` (one small all-reduce on
             a gloo group; see :mod:`preempt.distributed`). Larger N costs less
@@ -483,10 +487,12 @@ class PreemptibleRun:
         if opt is not None:
             self._step_hook = opt.register_step_pre_hook(self._optimizer_stepping)
         self._start_reports()
-        if self.async_save and self._coord is not None:
+        if self.async_save and self._sharded:
             if self.rank == 0:
-                log.info("async_save: checkpoints are synchronous under torch.distributed (one commit for all ranks)")
-        elif self.async_save:
+                log.info("async_save: sharded state is saved synchronously (every rank writes its shards through DCP)")
+        elif self.async_save and self.rank == 0:
+            # Under torch.distributed rank 0 writes the replicated state in the background; the other ranks'
+            # files (their random generators) are small and written at the step, before rank 0's.
             self._stager, self._writer = Stager(), BackgroundWriter()
             self._prepare(payload)
             if self.components.optimizer is not None:
@@ -913,8 +919,18 @@ class PreemptibleRun:
     def _finish(self) -> None:
         """Final checkpoint (when anything changed) and the completion marker."""
         self._settle()
-        if self._dirty or self._last_info is None:
+        needed = self._dirty or self._last_info is None
+        if self._coord is not None:
+            # Rank 0 decides: only it knows whether its last background write became durable.
+            last = None if self.last_checkpoint is None else str(self.last_checkpoint)
+            needed, last = self._coord.broadcast((needed, last))
+            if not needed and self.rank != 0:
+                self.last_checkpoint = None if last is None else Path(last)
+                return
+        if needed:
             self._save(Reason.FINAL, "epoch")
+        if self.rank != 0:
+            return
         assert self._last_info is not None
         self.manager.mark_complete(self._last_info)
         log.info(
@@ -1166,6 +1182,10 @@ class PreemptibleRun:
     def wait_for_checkpoint(self, timeout: float | None = None) -> Path | None:
         """Waits for the background write in flight, if any; returns the newest durable checkpoint.
 
+        Under torch.distributed the background writes are rank 0's: on the
+        other ranks this returns at once, with the newest checkpoint they saw
+        committed synchronously (rank 0 knows of the later ones).
+
         Raises:
             TimeoutError: The write still runs after ``timeout`` seconds.
             CheckpointWriteError: The write failed other than for want of disk
@@ -1360,14 +1380,18 @@ class PreemptibleRun:
         if self._walltime is not None:
             self._due_time = min(self._due_time, self._walltime.review_at(facts.now))
 
-    def _safe_point(self, point: str) -> None:
+    def _tend_writer(self) -> None:
+        """Takes the outcome of a finished background job; sizes the buffers for the optimizer once it has state."""
         if self._job is not None and not self._writer.busy:  # type: ignore[union-attr]
             self._collect()
-        if self._clock() >= self._next_report:
-            self._report()
         if self._prepare_at_step is not None and self.global_step >= self._prepare_at_step and self._job is None:
             self._prepare_at_step = None
             self._prepare()
+
+    def _safe_point(self, point: str) -> None:
+        self._tend_writer()
+        if self._clock() >= self._next_report:
+            self._report()
         if self._walltime is not None:
             self._walltime.observe(self._clock(), self.global_step)
         decision: Decision = decide(self.policy, self._facts())
@@ -1388,6 +1412,7 @@ class PreemptibleRun:
         """A safe point under torch.distributed: every rank does what the ranks agree (one all-reduce)."""
         coord = self._coord
         assert coord is not None
+        self._tend_writer()  # rank 0's (the others have no background writer)
         if self._clock() >= self._next_report:
             self._report()
         if self._walltime is not None:  # rank 0's only
@@ -1395,13 +1420,21 @@ class PreemptibleRun:
         decision: Decision = decide(self.policy, self._facts())  # rank 0's counts; the others only add a signal
         if decision.reason is Reason.WALLTIME and self._walltime is not None:
             self._walltime_margin = self._walltime.margin()
-        code = _REASONS.index(decision.reason) + 1 if decision.save and decision.reason is not None else 0
+        reason = decision.reason if decision.save else None
+        writing = self._job is not None and self._job.kind == "save"
+        if reason in _POSTPONABLE and writing and self._stager is not None:
+            self._postponed = reason  # decided here, before the ranks agree: they all skip it
+            reason = None
+        elif reason is None and self._postponed is not None and not writing and self._dirty:
+            reason = self._postponed  # the write that postponed it has ended
+        code = _REASONS.index(reason) + 1 if reason is not None else 0
         walltime = decision.stop and decision.reason is Reason.WALLTIME
         agreed = coord.agree(self._flag.requested, code, walltime_stop=walltime)
         if agreed.save:
             self._save(_REASONS[agreed.save - 1], point)
         if agreed.stop:
-            if self._dirty:  # a signal on another rank, or one that came during that save
+            self._settle()  # rank 0's write in flight first
+            if coord.broadcast(self._dirty):  # rank 0's view: a signal during that save, or its write failed
                 self._save(Reason.PREEMPT, point)
             self._stop(peer=agreed.signal_rank)
         self._recompute_due()
@@ -1559,22 +1592,49 @@ class PreemptibleRun:
             )
             log.debug("saving %s (%s)", self.save_dir / f"step_{self.global_step:09d}", reason.value)
             payload = self._rank_payload()
-            if background and self._stage(reason, payload, manifest, t0):
+            if self._coord is not None:
+                self._save_ranks(reason, payload, manifest, t0, background)
                 return
+            if background:
+                staged = self._copy(payload)
+                if staged is not None:
+                    self._submit(reason, manifest, t0, lambda: self.manager.save(staged, manifest))
+                    return
             try:
-                if self._coord is not None:
-                    extra = self._dcp_files if self._sharded else None
-                    info = distributed.save_ranked(self.manager, self._coord, payload, manifest, extra)
-                else:
-                    info = self.manager.save(payload, manifest)
+                info = self.manager.save(payload, manifest)
             except OSError as e:
                 self._save_failed(reason, e)
                 return
-            self._mark_saved(info)
-            t1 = self._clock()
-            self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
-            log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
-            self._saved_in(t1 - t0, t1, self.global_step)
+            self._saved(reason, info, t0)
+
+    def _saved(self, reason: Reason, info: CheckpointInfo, t0: float) -> None:
+        """A synchronous save is durable."""
+        self._mark_saved(info)
+        t1 = self._clock()
+        self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
+        log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
+        self._saved_in(t1 - t0, t1, self.global_step)
+
+    def _save_ranks(
+        self, reason: Reason, payload: state.Payload, manifest: Manifest, t0: float, background: bool
+    ) -> None:
+        """A save under torch.distributed (a collective); rank 0 may write its part in the background."""
+        assert self._coord is not None
+        staged = self._copy(payload) if background else None
+        extra = self._dcp_files if self._sharded else None
+        try:
+            got = distributed.save_ranked(self.manager, self._coord, payload, manifest, extra, defer=staged is not None)
+        except OSError as e:
+            self._save_failed(reason, e)
+            return
+        if isinstance(got, distributed.Deferred):
+            assert staged is not None
+            self._submit(reason, manifest, t0, lambda: got.finish(self.manager, staged, manifest))
+        elif got is None:  # another rank's files are durable; rank 0 writes its own and commits in the background
+            self.last_save = SaveRecord(manifest.step, reason.value, self._clock() - t0, background=True)
+            self._mark_staged(manifest.step, manifest.cursor)
+        else:
+            self._saved(reason, got, t0)
 
     def _capture(self) -> state.Payload:
         """Everything but what DCP writes (the tensors of sharded state), as the files of a checkpoint."""
@@ -1602,24 +1662,27 @@ class PreemptibleRun:
             tensor_files={tensor_file: (tensors, meta)}, json_files={json_file: own.json_files[state.STATE_JSON]}
         )
 
-    def _stage(self, reason: Reason, payload: state.Payload, manifest: Manifest, t0: float) -> bool:
-        """Copies the state into the staging buffers and hands it to the writer; False: save synchronously."""
-        stager, writer = self._stager, self._writer
-        assert stager is not None and writer is not None
+    def _copy(self, payload: state.Payload) -> state.Payload | None:
+        """The state copied into the staging buffers; None: save synchronously (and from now on)."""
+        assert self._stager is not None
         try:
-            staged = stager.stage(payload)
+            return self._stager.stage(payload)
         except (MemoryError, RuntimeError) as e:  # e.g. pinned memory refused
             log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
             self._stager = None
-            return False
+            return None
+
+    def _submit(self, reason: Reason, manifest: Manifest, t0: float, write: Callable[[], CheckpointInfo]) -> None:
+        """Hands a staged snapshot's write to the background writer."""
+        writer = self._writer
+        assert writer is not None
         t1 = self._clock()
         record = SaveRecord(manifest.step, reason.value, t1 - t0, background=True)
         self.last_save = record
         self._mark_staged(manifest.step, manifest.cursor)
         self._job = _Job("save", record, t0)
-        writer.submit(lambda: self.manager.save(staged, manifest))
+        writer.submit(write)
         log.debug("step %d staged in %s; writing in the background", manifest.step, _log.duration(t1 - t0))
-        return True
 
     def _collect(self) -> None:
         """Waits for the background writer's job and takes its outcome.

@@ -39,14 +39,16 @@ def stopped_steps(output: str) -> dict[int, int]:
     return dict(zip((int(r) for r in ranks), (int(s) for s in found), strict=False))
 
 
-def test_sigterm_to_the_agent_twice_resumes_bit_exact(tmp_path, reference):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sigterm_to_the_agent_twice_resumes_bit_exact(tmp_path, reference, mode):
     rnd = random.Random()
     seed = rnd.randrange(1 << 30)
     rnd.seed(seed)
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     at = sorted(rnd.sample(range(3, TOTAL - 2), 2))
+    extra = ["--sync_save"] if mode == "sync" else []
     for target in at:
-        p = torchrun(save_dir, final, [*ARGS, "--step_sleep", "0.05"])
+        p = torchrun(save_dir, final, [*ARGS, *extra, "--step_sleep", "0.05"])
         assert p.wait_for(rf"^rank 0 step {target} ", timeout=120), p.output
         p.signal(signal.SIGTERM)
         assert p.finish() != 0, p.output
@@ -57,6 +59,27 @@ def test_sigterm_to_the_agent_twice_resumes_bit_exact(tmp_path, reference):
     p = torchrun(save_dir, final, ARGS)
     assert p.finish() == 0, p.output
     assert re.search(r"resumed from \S+ step \d+", p.output) or "resumed from" in p.output, p.output
+    assert_equal_finals(reference, ddp_finals(final))
+
+
+def test_rank_0_writes_in_the_background_and_a_failed_write_costs_nothing_else(tmp_path, reference):
+    """async_save under torchrun: rank 0's write runs behind the loop; one that fails (ENOSPC) is logged, leaves
+    no partial directory, the next one is written, and the training is bit-exact as without checkpoints failing."""
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = torchrun(save_dir, final, [*ARGS, "--fail_write", "2"])
+    assert p.finish() == 0, p.output
+    out = p.output
+    failed = re.search(r"^rank 0 fail_write step (\d+)$", out, flags=re.M)
+    assert failed, out
+    step = int(failed[1])
+    assert re.search(rf"could not write checkpoint step_0*{step} \(\w+\) .*No space left.*training goes on", out), out
+    written = [int(s) for s in re.findall(r"checkpoint \S*step_0*(\d+) \(\w+\) written in .+? in the background", out)]
+    assert written and written[0] < step < written[-1] and step not in written, out
+    assert not [d.name for d in save_dir.iterdir() if d.name.startswith(".tmp-")], out
+    manager = CheckpointManager(save_dir, owner=False)
+    for info in manager.list():
+        assert info.status == "valid" and {"rank_00001.json", "model.safetensors"} <= set(info.manifest.files)
+        manager.read(info)  # every file of every rank verifies
     assert_equal_finals(reference, ddp_finals(final))
 
 
@@ -74,9 +97,11 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference):
     assert_equal_finals(reference, ddp_finals(final))
 
 
-def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
+@pytest.mark.parametrize("rank", [1, 0])
+def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference, rank):
+    """Rank 1 dies while writing its files at the step; rank 0 dies in its background write of its own."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    args = [*ARGS, "--signal_at", "after_tensor_files:2:KILL", "--signal_rank", "1"]  # the save of step 8
+    args = [*ARGS, "--signal_at", "after_tensor_files:2:KILL", "--signal_rank", str(rank)]  # the save of step 8
     p = torchrun(save_dir, final, args)
     assert p.finish(timeout=180) != 0, p.output
     assert "signal_at after_tensor_files 2 SIGKILL" in p.output, p.output

@@ -9,6 +9,7 @@ its losses and the global sample indices it trained on.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import Synthetic, flatten, signal_at  # noqa: E402
 
+import preempt.checkpoint  # noqa: E402
 from preempt import PreemptibleRun  # noqa: E402
 
 
@@ -41,6 +43,26 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+def fail_write(n: int) -> None:
+    """Rank 0's n-th background write of its files fails as on a full disk; prints the checkpoint's step.
+
+    Replaces ``preempt.checkpoint.write_payload``, which ``CheckpointManager.save_into`` calls (the background
+    writer's path; the synchronous distributed commit imports its own reference and is not affected).
+    """
+    write_payload = preempt.checkpoint.write_payload
+    calls = [0]
+
+    def failing(directory, payload):
+        calls[0] += 1
+        if calls[0] == n:
+            step = int(directory.name.split("step_")[1].split("-")[0])
+            say(f"rank 0 fail_write step {step}")
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
+        return write_payload(directory, payload)
+
+    preempt.checkpoint.write_payload = failing
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--save_dir", required=True)
@@ -53,6 +75,8 @@ def main() -> None:
     p.add_argument("--self_signal", default=None, help="RANK:STEP: that rank sends itself SIGTERM before that step")
     p.add_argument("--signal_at", default=None, help="STAGE:N:SIG, as in train.py (on every rank)")
     p.add_argument("--signal_rank", type=int, default=None, help="apply --signal_at on this rank only")
+    p.add_argument("--sync_save", action="store_true", help="async_save=False")
+    p.add_argument("--fail_write", type=int, default=None, help="rank 0's N-th background write fails (ENOSPC)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -68,6 +92,8 @@ def main() -> None:
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     signal_rank, signal_step = map(int, args.self_signal.split(":")) if args.self_signal else (-1, -1)
+    if args.fail_write is not None and rank == 0:
+        fail_write(args.fail_write)
 
     with PreemptibleRun(
         args.save_dir,
@@ -76,6 +102,7 @@ def main() -> None:
         scheduler=sched,
         checkpoint_interval=None,
         checkpoint_every_steps=args.every_steps,
+        async_save=not args.sync_save,
     ) as run:
         run.user_state.setdefault("losses", [])
         seen = run.user_state.setdefault(f"seen_rank{rank}", [])  # rank 0's user_state is the one saved
