@@ -423,6 +423,8 @@ class PreemptibleRun:
         self._report_from = (0.0, 0)
         self._epochs_total: int | None = None
         self._announced = False  # rank 0 told the other ranks which checkpoint to load (before a sharded load)
+        self._branching = False  # a resume request is being applied (rank 0 tells the other ranks)
+        self._branch_rest: tuple[Any, ...] | None = None  # under torch.distributed: what is left of applying it
 
     # ---------------------------------------------------------------- enter
 
@@ -465,10 +467,13 @@ class PreemptibleRun:
                 self.manager.clear_complete()
             self._arm_walltime(payload)
             if self._coord is not None and not self._announced:
-                self._coord.broadcast(("start", None if self.resumed_from is None else str(self.resumed_from)))
+                self._announce(None if self.resumed_from is None else str(self.resumed_from))
+            if self._branch_rest is not None:
+                self._coord.barrier()  # type: ignore[union-attr]  # every rank has loaded the source
+                self._finish_branch(*self._branch_rest)
         except BaseException as e:
             if self._coord is not None and not self._announced:
-                self._coord.broadcast(("complete" if isinstance(e, RunComplete) else "fail", repr(e)))
+                self._coord.broadcast(("complete" if isinstance(e, RunComplete) else "fail", repr(e), False))
             self._flag.restore()
             # A completed run has time to delete the leftovers it found; a failed start does not wait.
             self.manager.close(timeout=None if isinstance(e, RunComplete) else 0.0)
@@ -594,14 +599,14 @@ class PreemptibleRun:
 
     def _join_ranks(self) -> None:
         """Under torch.distributed: checks what is supported and creates the ranks' coordinator (a collective)."""
-        if self.weights_only or (self.auto_resume and self.resume not in ("latest", None)):
+        self._sharded = sharded.is_sharded(self.components.model)
+        if self._sharded and self.weights_only and self.auto_resume and self.resume is not None:
             raise PreemptError(
-                f"resume={self.resume!r}, weights_only={self.weights_only}: under torch.distributed only"
-                " resume='latest' (or starting fresh) is supported yet; load other weights before entering the run"
+                f"resume={self.resume!r}, weights_only=True: loading only the weights into a sharded model is not"
+                " supported yet; load them before entering the run, or resume the whole state"
             )
         self._coord = distributed.Coordinator()
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
-        self._sharded = sharded.is_sharded(self.components.model)
         if self.rank != 0:
             self.manager.owner = False  # rank 0 cleans, quarantines and prunes
 
@@ -612,7 +617,7 @@ class PreemptibleRun:
         if not self._flag.install():
             log.warning("PreemptibleRun entered outside the main thread: stop signals cannot be caught here")
         try:
-            kind, detail = coord.broadcast(None)
+            kind, detail, branch = coord.broadcast(None)
             if kind == "complete":
                 raise RunComplete(str(self.save_dir))
             if kind == "fail":
@@ -622,22 +627,40 @@ class PreemptibleRun:
             if detail is None:
                 self._lineage = {"request": None, "started": time.time()}
             else:
-                path = Path(detail)
-                info = next((c for c in self.manager.list() if c.path == path), None)
-                if info is None or info.status != "valid":
-                    raise NoCheckpointError(f"rank {self.rank}: {path}, chosen by rank 0, is not a valid checkpoint")
-                if state.rank_files(self.rank)[1] not in info.manifest.files:
-                    log.warning(
-                        "rank %d: %s was written by fewer ranks; this rank starts from rank 0's random state",
-                        self.rank,
-                        path,
-                    )
-                self._restore(info, self.manager.read(info, rank=self.rank))
+                self._load_chosen(Path(detail), weights_only=branch and self.weights_only)
+            if branch:
+                coord.barrier()  # every rank has loaded the source: rank 0 may move the old timeline aside
+                self._dirty = True
+                self._save(Reason.BRANCH, "epoch" if self._resume is None else self._resume.cursor.point)
         except BaseException:
             self._flag.restore()
             raise
         self._begin(payload)
         return self
+
+    def _announce(self, path: str | None) -> None:
+        """Rank 0 tells the others which checkpoint to load, and whether a resume request is being applied."""
+        assert self._coord is not None
+        self._coord.broadcast(("start", path, self._branching))
+        self._announced = True
+
+    def _load_chosen(self, path: Path, *, weights_only: bool) -> None:
+        """A rank other than 0 loads the checkpoint rank 0 chose (in this save_dir or, for a request, another)."""
+        here = path.parent.resolve() == self.save_dir.resolve()
+        source = self.manager if here else CheckpointManager(path.parent, owner=False)
+        info = next((c for c in source.list() if c.path.resolve() == path.resolve()), None)
+        if info is None or info.status != "valid":
+            raise NoCheckpointError(f"rank {self.rank}: {path}, chosen by rank 0, is not a valid checkpoint")
+        if weights_only:
+            if self.components.model is not None:
+                state.load_model(self.components.model, source.read(info, weights_only=True), strict=self.strict)
+            self.resumed_from = info.path
+            return
+        if state.rank_files(self.rank)[1] not in info.manifest.files:
+            log.warning(
+                "rank %d: %s was written by fewer ranks; this rank starts from rank 0's random state", self.rank, path
+            )
+        self._restore(info, source.read(info, rank=self.rank))
 
     def _check_restarts(self) -> None:
         count = self.env.slurm_restart_count or 0
@@ -741,6 +764,7 @@ class PreemptibleRun:
             self._start_fresh({"request": request}, supersede=False)
             return
         source = self.manager if own else CheckpointManager(source_dir, owner=False)
+        self._branching = True
         info, loaded = source.load(selector, weights_only=self.weights_only)
         if self.weights_only:
             if self.components.model is not None:
@@ -753,6 +777,14 @@ class PreemptibleRun:
             )
         else:
             self._restore(info, loaded)
+        point = "epoch" if self._resume is None else self._resume.cursor.point
+        if self._coord is not None:
+            self._branch_rest = (request, info, own, point)  # after the other ranks have loaded the source too
+            return
+        self._finish_branch(request, info, own, point)
+
+    def _finish_branch(self, request: dict[str, Any], info: CheckpointInfo, own: bool, point: str) -> None:
+        """The new timeline of a resume request: the old one moved aside, and a first checkpoint at once."""
         # Checkpoints that would shadow the new timeline are moved aside, not deleted.
         shadowing = [
             c
@@ -765,7 +797,7 @@ class PreemptibleRun:
         self._lineage = {"request": request, "source": str(info.path), "started": time.time()}
         # The new timeline gets its first checkpoint at once, so that a rerun continues it.
         self._dirty = True
-        self._save(Reason.BRANCH, "epoch" if self._resume is None else self._resume.cursor.point)
+        self._save(Reason.BRANCH, point)
 
     def _new_request(self) -> bool:
         """A resume request (other than "latest") that the newest checkpoint does not record yet."""
@@ -831,8 +863,7 @@ class PreemptibleRun:
             state.apply(state.Components(None, None, c.scheduler, c.scaler, c.tracked), loaded, strict=self.strict)
             if self._coord is not None and self.rank == 0:
                 # loading sharded state is a collective: the other ranks must learn the checkpoint first
-                self._coord.broadcast(("start", str(info.path)))
-                self._announced = True
+                self._announce(str(info.path))
             if c.model is None:
                 raise IncompatibleStateError(f"{info.path}: holds a sharded model but the run has no model")
             try:

@@ -128,3 +128,51 @@ def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path):
     after = re.findall(r"^rank 0 step \d+ epoch 0 batch \d+ idx ([\d,]+)", q.output, flags=re.M)
     rest = [int(i) for ids in after for i in ids.split(",")]
     assert sorted(seen + rest) == list(range(192)), (sorted(seen), sorted(rest))
+
+
+def stop_at_step_10(save_dir) -> None:
+    """A 2-rank run stopped at step 10: checkpoints of steps 8 and 10 in save_dir (keep_last=2)."""
+    p = torchrun(save_dir, None, [*ARGS, "--self_signal", "0:10"])
+    p.finish(timeout=120)
+    steps = [c.step for c in CheckpointManager(save_dir, owner=False).list() if c.status == "valid"]
+    assert steps == [10, 8], p.output
+
+
+def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, reference):
+    """resume=<a checkpoint of another save_dir> on 2 ranks: rank 1 loads it too (with its own random state), the
+    new timeline records the request, and the run ends equal to the uninterrupted one."""
+    stop_at_step_10(tmp_path / "src")
+    source = tmp_path / "src" / "step_000000008"
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = torchrun(save_dir, final, [*ARGS, "--resume", str(source)])
+    assert p.finish() == 0, p.output
+    assert re.search(r"^rank 0 start step 8 ", p.output, flags=re.M), p.output
+    assert re.search(r"^rank 1 start step 8 ", p.output, flags=re.M), p.output
+    latest = CheckpointManager(save_dir, owner=False).list()[0]
+    assert latest.manifest.lineage["request"]["resume"] == str(source.resolve()), latest.manifest.lineage
+    assert latest.manifest.lineage["source"] == str(source), latest.manifest.lineage
+    assert_equal_finals(reference, ddp_finals(final))
+
+
+def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_path, reference):
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    stop_at_step_10(save_dir)
+    p = torchrun(save_dir, final, [*ARGS, "--resume", "8"])
+    assert p.finish() == 0, p.output
+    assert "moved 1 checkpoint(s) of the previous timeline" in p.output, p.output
+    assert (save_dir / "superseded" / "step_000000010").is_dir()
+    assert re.search(r"^rank 1 start step 8 ", p.output, flags=re.M), p.output
+    assert_equal_finals(reference, ddp_finals(final))
+
+
+def test_weights_only_loads_the_weights_on_every_rank(tmp_path, reference):
+    """Fine-tuning from another run's weights on 2 ranks: both start from them (else the replicas would differ)."""
+    stop_at_step_10(tmp_path / "src")
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = torchrun(save_dir, final, [*ARGS, "--resume", str(tmp_path / "src"), "--weights_only"])
+    assert p.finish() == 0, p.output
+    assert "loaded the weights of" in p.output and re.search(r"^rank 1 start step 0 ", p.output, flags=re.M)
+    r0, r1 = ddp_finals(final)
+    weights = [k for k in r0 if k.startswith("model.")]
+    assert weights and all(torch.equal(r0[k], r1[k]) for k in weights), "the ranks' replicas differ"
+    assert not all(torch.equal(r0[k], reference[0][k]) for k in weights), "the loaded weights made no difference"

@@ -35,6 +35,7 @@ def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
     assert {"__0_0.distcp", "__1_0.distcp", "dcp_metadata.json", "rank_00001.json"} <= files, files
     assert not (info.path / ".metadata").exists(), "DCP's pickled index must not be written"
     shutil.copytree(tmp_path / "run", tmp_path / "run1")
+    shutil.copytree(tmp_path / "run", tmp_path / "src")
 
     two = torchrun(tmp_path / "run", ["--dump_start", str(tmp_path / "start2"), "--final_out", str(tmp_path / "f2")])
     assert two.finish(timeout=180) == 0, two.output
@@ -49,3 +50,12 @@ def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
     want, got = load_file(str(tmp_path / "ref.safetensors")), load_file(str(tmp_path / "f2"))
     assert want.keys() == got.keys()
     assert [k for k in want if not torch.equal(want[k], got[k])] == [], "resumed on 2 ranks: not bit-exact"
+
+    # A resume request naming that checkpoint from a new save_dir: the shards are read from there, bit-exact again.
+    source = tmp_path / "src" / info.path.name
+    other = torchrun(tmp_path / "other", ["--resume", str(source), "--final_out", str(tmp_path / "f3")])
+    assert other.finish(timeout=180) == 0, other.output
+    assert "rank 1 start step 6 " in other.output, other.output
+    got = load_file(str(tmp_path / "f3"))
+    assert [k for k in want if not torch.equal(want[k], got[k])] == [], "branched on 2 ranks: not bit-exact"
+    assert CheckpointManager(tmp_path / "other", owner=False).list()[0].manifest.lineage["source"] == str(source)

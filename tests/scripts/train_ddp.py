@@ -76,6 +76,8 @@ def main() -> None:
     p.add_argument("--signal_at", default=None, help="STAGE:N:SIG, as in train.py (on every rank)")
     p.add_argument("--signal_rank", type=int, default=None, help="apply --signal_at on this rank only")
     p.add_argument("--sync_save", action="store_true", help="async_save=False")
+    p.add_argument("--resume", default="latest", help="latest, best, a step number or a path")
+    p.add_argument("--weights_only", action="store_true")
     p.add_argument("--fail_write", type=int, default=None, help="rank 0's N-th background write fails (ENOSPC)")
     args = p.parse_args()
 
@@ -103,6 +105,8 @@ def main() -> None:
         checkpoint_interval=None,
         checkpoint_every_steps=args.every_steps,
         async_save=not args.sync_save,
+        resume=int(args.resume) if args.resume.isdigit() else args.resume,
+        weights_only=args.weights_only,
     ) as run:
         run.user_state.setdefault("losses", [])
         seen = run.user_state.setdefault(f"seen_rank{rank}", [])  # rank 0's user_state is the one saved

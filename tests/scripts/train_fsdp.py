@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--every_steps", type=int, default=4)
     p.add_argument("--self_signal", default=None, help="RANK:STEP: that rank sends itself SIGTERM before that step")
+    p.add_argument("--resume", default="latest")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -64,7 +65,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     signal_rank, signal_step = map(int, args.self_signal.split(":")) if args.self_signal else (-1, -1)
 
-    kw = dict(checkpoint_interval=None, checkpoint_every_steps=args.every_steps)
+    kw = dict(checkpoint_interval=None, checkpoint_every_steps=args.every_steps, resume=args.resume)
     with PreemptibleRun(args.save_dir, model=model, optimizer=opt, **kw) as run:
         if args.dump_start:
             start = full_state(model, opt)
