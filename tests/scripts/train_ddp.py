@@ -140,6 +140,9 @@ def main() -> None:
         final = Path(args.final_out)
         save_file(out, str(final.with_suffix(f".rank{rank}{final.suffix}")))
     say(f"rank {rank} done")
+    # Every rank tears gloo down at once: once in ~40 runs a rank that got here alone died in the teardown
+    # ("terminate called without an active exception", SIGABRT) after its work was done.
+    dist.barrier()
     dist.destroy_process_group()
 
 
