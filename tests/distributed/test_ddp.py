@@ -132,8 +132,11 @@ def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path):
 
 
 def stop_at_step_10(save_dir) -> None:
-    """A 2-rank run stopped at step 10: checkpoints of steps 8 and 10 in save_dir (keep_last=2)."""
-    p = torchrun(save_dir, None, [*ARGS, "--self_signal", "0:10"])
+    """A 2-rank run stopped at step 10: checkpoints of steps 8 and 10 in save_dir (keep_last=2).
+
+    Synchronous saves: a background write still in flight at step 8 would postpone that checkpoint to step 9.
+    """
+    p = torchrun(save_dir, None, [*ARGS, "--self_signal", "0:10", "--sync_save"])
     p.finish(timeout=120)
     steps = [c.step for c in CheckpointManager(save_dir, owner=False).list() if c.status == "valid"]
     assert steps == [10, 8], p.output
