@@ -1415,7 +1415,12 @@ class PreemptibleRun:
         """Takes the outcome of a finished background job; sizes the buffers for the optimizer once it has state."""
         if self._job is not None and not self._writer.busy:  # type: ignore[union-attr]
             self._collect()
-        if self._prepare_at_step is not None and self.global_step >= self._prepare_at_step and self._job is None:
+        if (
+            self._prepare_at_step is not None
+            and self.global_step >= self._prepare_at_step
+            and self._job is None
+            and self._postponed is None  # the postponed save goes first; its staging sizes the buffers anyway
+        ):
             self._prepare_at_step = None
             self._prepare()
 
