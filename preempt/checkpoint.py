@@ -382,6 +382,8 @@ class CheckpointManager:
                 raise CorruptCheckpointError(f"{where}: expected a JSON object")
             tree = state.own_small_state(tree)
             own = state.rank_files(rank)
+            if rank:
+                tree.pop("data", None)  # rank 0's loader position is not this rank's; its own file has its own
             for fname in sorted(f for f in manifest.files if f.startswith("rank_")):
                 buf = read_verified(info.path / fname, manifest.files[fname])  # small: each rank's RNG
                 if rank and fname == own[1]:
@@ -390,7 +392,9 @@ class CheckpointManager:
                     )
                     try:
                         rank_tree = codec.decode(codec.loads(buf, str(info.path / fname)), rank_tensors, fname)
-                        tree["rng"] = state.own_small_state(rank_tree)["rng"]
+                        own_tree = state.own_small_state(rank_tree)
+                        tree["rng"] = own_tree["rng"]
+                        tree["data"] = own_tree.get("data")  # its own loader's position, not rank 0's
                     except (ValueError, KeyError, TypeError) as e:
                         raise CorruptCheckpointError(f"{info.path / fname}: not a rank's state ({e})") from None
         # The tensors are views into private mappings of the files (no copy here): the model's weights are

@@ -58,9 +58,10 @@ from typing import Any
 import torch
 
 from . import _log, codec, distributed, guards, rng, sharded, slurm, state
+from .data_replay import LoaderFeed
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .commit import MANIFEST
-from .dataloading import find_sampler, length, shield_workers, shutdown_workers
+from .dataloading import find_sampler, length, shield_workers
 from .environment import Environment, provenance
 from .errors import (
     PREEMPTED_EXIT_CODE,
@@ -78,7 +79,7 @@ from .errors import (
     SlurmError,
 )
 from .history import History, Progress, RunLog
-from .lock import DirLock
+from .lock import DirLock, StepBeacon
 from .manifest import Cursor, Manifest
 from .monitor import GPUMonitor
 from .policy import Decision, Reason, SaveFacts, SavePolicy, Walltime, decide, next_due
@@ -95,6 +96,7 @@ _END = object()
 _POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
 _ASYNC_MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
 _REASONS = list(Reason)  # save reasons travel between ranks as index + 1
+_SEED_MASK = (1 << 53) - 1  # the run's seed, kept exact by any JSON reader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +147,7 @@ class _Resume:
     rng_now: rng.RngState
     rng_epoch_start: rng.RngState | None
     sampler: dict[str, Any] | None
+    loader: Any = None  # where an iterable dataset's workers stood (preempt.data_replay.LoaderFeed.state)
 
 
 class PreemptibleRun:
@@ -357,6 +360,10 @@ class PreemptibleRun:
         self.env = Environment.from_env()
         job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
         self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=lock_timeout)
+        self._beacon = StepBeacon(self.save_dir)  # the lock holder's latest step, for whoever finds it dead
+        self._step_view: Any = self._beacon.view  # step() stores the step in [0]: shared memory, or a list
+        self._died_at: int | None = None  # the step a previous holder reached before it died (None: unknown)
+        self._predecessor_died = False
 
         # Progress. Read these; the run updates them.
         self.global_step = 0
@@ -380,7 +387,10 @@ class PreemptibleRun:
         self._sample_offset = 0  # samples of the epoch done minus batch * samples per batch (after a resize)
         self._sampler: ResumableSampler | None = None
         self._samplers: list[ResumableSampler] = []
-        self._loaders: list[weakref.ref[Any]] = []  # loaders seen by batches(): their persistent workers stop at exit
+        # Loaders seen by batches(), each with what replaying it exactly needs; their persistent workers stop at exit.
+        self._feeds: weakref.WeakKeyDictionary[Any, LoaderFeed] = weakref.WeakKeyDictionary()
+        self._feed: LoaderFeed | None = None  # the current epoch's
+        self._run_seed: int | None = None  # seeds iterable datasets' per-sample streams (torch's seed at the start)
         self._epoch_rng: rng.RngState | None = None
         self._resume: _Resume | None = None
         self._best: dict[str, Any] | None = None
@@ -447,6 +457,8 @@ class PreemptibleRun:
         try:
             self.manager.check_dir()  # a bad save_dir is said now, not at the first checkpoint hours later
             self._lock.acquire()
+            if self._lock.previous:  # the previous holder died holding the lock
+                self._predecessor_died, self._died_at = True, self._beacon.read()
             self.manager.recover()  # only the lock holder may clean up leftovers
             done = self.manager.completion()
             fresh = not self.auto_resume or self.resume is None  # starting over is asked: complete or not
@@ -485,6 +497,11 @@ class PreemptibleRun:
     def _begin(self, payload: state.Payload) -> None:
         """The run is on: clocks, the staging buffers, logs and monitors, the first due points."""
         self._active = True
+        if self._run_seed is None:
+            self._run_seed = torch.initial_seed() & _SEED_MASK
+        if self._lock.held:
+            self._beacon.open(self.global_step)
+            self._step_view = self._beacon.view
         self._last_save_time = self._clock()
         self._start_step = self.global_step
         self._apply_lr_scale()
@@ -834,6 +851,7 @@ class PreemptibleRun:
         return path, "latest"
 
     def _start_fresh(self, lineage: dict[str, Any], *, supersede: bool) -> None:
+        self._say_predecessor_died(0)
         existing = [c for c in self.manager.list() if c.status == "valid"]
         if existing and supersede:
             moved = self.manager.supersede(existing)
@@ -858,6 +876,12 @@ class PreemptibleRun:
             raise IncompatibleStateError(f"{where}: no RNG state ({e}); was it written by PreemptibleRun?") from None
         if not isinstance(tree.get("user", {}), dict):
             raise IncompatibleStateError(f"{where}: user: expected an object, found {type(tree['user']).__name__}")
+        data = tree.get("data") or {}  # absent in checkpoints of earlier versions
+        if not isinstance(data, dict):
+            raise IncompatibleStateError(f"{where}: data: expected an object, found {type(data).__name__}")
+        seed = data.get("seed")
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            self._run_seed = seed & _SEED_MASK
         c = self.components
         if loaded.sharded:
             state.apply(state.Components(None, None, c.scheduler, c.scaler, c.tracked), loaded, strict=self.strict)
@@ -885,7 +909,7 @@ class PreemptibleRun:
         self.metrics = dict(m.metrics)
         self._best = m.best
         self._lineage = dict(m.lineage)
-        self._resume = _Resume(info, c, rng_now, rng_epoch, m.sampler)
+        self._resume = _Resume(info, c, rng_now, rng_epoch, m.sampler, data.get("loader"))
         self._mark_saved(info)
         self.resumed_from = info.path
         age = _log.duration(max(0.0, time.time() - m.created))
@@ -904,6 +928,25 @@ class PreemptibleRun:
             c.batch,
             of,
             age,
+        )
+        self._say_predecessor_died(m.step)
+
+    def _say_predecessor_died(self, resumed_step: int) -> None:
+        """After a crash (no clean stop), how far the dead process got and what is recomputed."""
+        if not self._predecessor_died:
+            return
+        self._predecessor_died = False
+        what = "without stopping (killed: SIGKILL, out of memory, or its node failed)"
+        if self._died_at is None or self._died_at < resumed_step:
+            log.warning("the previous process died %s; how far it got is not known", what)
+            return
+        lost = self._died_at - resumed_step
+        log.warning(
+            "the previous process died %s at step %d: the %d step(s) since step %d will be recomputed",
+            what,
+            self._died_at,
+            lost,
+            resumed_step,
         )
 
     # ----------------------------------------------------------------- exit
@@ -933,17 +976,17 @@ class PreemptibleRun:
                         self._collect()
                     except BaseException as e:
                         log.error("the background checkpoint write did not complete: %r", e)
-                for ref in self._loaders:
-                    loader = ref()
-                    if loader is not None:
-                        try:
-                            shutdown_workers(loader)
-                        except Exception as e:  # never mask how the run ended
-                            log.warning("could not stop the DataLoader's persistent workers: %s", e)
+                for loader, feed in list(self._feeds.items()):
+                    try:
+                        feed.stop_workers(loader)
+                    except Exception as e:  # never mask how the run ended
+                        log.warning("could not stop the DataLoader's persistent workers: %s", e)
                 # After a stop the process must exit within its grace period;
                 # unfinished deletions are redone at the next start.
                 self.manager.close(timeout=None if exc_type is None else 0.0)
             finally:
+                self._step_view = [0]
+                self._beacon.close()
                 self._lock.release()
         return False
 
@@ -1037,10 +1080,7 @@ class PreemptibleRun:
             )
         self._batches_epoch = self.epoch
         shield_workers(loader, self._flag.signals)
-        try:
-            self._loaders.append(weakref.ref(loader))
-        except TypeError:  # a list or another plain iterable: no workers to stop
-            pass
+        feed = self._feed = self._feed_for(loader)
         found = find_sampler(loader)
         sampler, per_batch = found if found else (None, None)
         if sampler is not None:
@@ -1051,13 +1091,13 @@ class PreemptibleRun:
         r = self._resume
         if r is not None and r.cursor.point == "step" and r.cursor.epoch == self.epoch:
             self._resume = None
-            it, start = self._resume_iterator(loader, r, sampler)
+            it, start = self._resume_iterator(loader, r, sampler, feed)
             if it is None:
                 return
         else:
             self._epoch_rng = rng.capture()
             self._sample_offset = 0
-            it, start = iter(loader), 0
+            it, start = feed.iterate(loader, self.epoch), 0
         self.batch = start
         self._recompute_due()
         wt = self._walltime
@@ -1078,8 +1118,19 @@ class PreemptibleRun:
         if wt is not None:
             self._loader_done = self._clock()
 
+    def _feed_for(self, loader: Iterable[Any]) -> LoaderFeed:
+        """The loader's LoaderFeed, made at its first epoch (a list or another plain iterable gets a passing one)."""
+        assert self._run_seed is not None
+        try:
+            feed = self._feeds.get(loader)
+        except TypeError:  # not weakly referable: nothing to keep between epochs
+            return LoaderFeed(loader, self._run_seed)
+        if feed is None:
+            feed = self._feeds[loader] = LoaderFeed(loader, self._run_seed)
+        return feed
+
     def _resume_iterator(
-        self, loader: Iterable[Any], r: _Resume, sampler: ResumableSampler | None
+        self, loader: Iterable[Any], r: _Resume, sampler: ResumableSampler | None, feed: LoaderFeed
     ) -> tuple[Iterator[Any] | None, int]:
         """Recreates the epoch's iterator as it was at the checkpoint (see the module docstring)."""
         c = r.cursor
@@ -1108,12 +1159,22 @@ class PreemptibleRun:
             return None, start
         if r.rng_epoch_start is not None:
             rng.restore(r.rng_epoch_start)
+        why_not = feed.can_seek(r.loader, self.epoch)
         if sampler is not None and self._samples_per_batch and c.sample >= 0:
             sampler.start_at(c.sample)
-            it = iter(loader)
+            it = feed.iterate(loader, self.epoch)
+        elif why_not is None:
+            it = feed.iterate(loader, self.epoch, r.loader)
+            log.info(
+                "the IterableDataset's %d worker(s) continue where each stood at batch %d (no batch replayed)",
+                max(feed.num_workers, 1),
+                start,
+            )
         else:
-            it = iter(loader)
-            if start:
+            it = feed.iterate(loader, self.epoch)
+            if start and feed.kind == "iterable":
+                log.warning("%s: replaying %d batch(es) to reach the resume point", why_not, start)
+            elif start:
                 log.warning(
                     "the loader has no ResumableSampler (use run.sampler()); replaying %d batch(es) to reach the"
                     " resume point",
@@ -1147,6 +1208,7 @@ class PreemptibleRun:
                 decides "best" checkpoints.
         """
         self.global_step += 1
+        self._step_view[0] = self.global_step
         self._batches_since_step = 0
         self._stepping = False
         self._dirty = True
@@ -1176,13 +1238,33 @@ class PreemptibleRun:
     # ----------------------------------------------------------- extras
 
     def sampler(
-        self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+        self,
+        dataset: Any,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        per_sample_rng: bool = True,
     ) -> ResumableSampler:
-        """A ResumableSampler for ``dataset`` whose epoch the run keeps in step."""
+        """A ResumableSampler for ``dataset`` whose epoch the run keeps in step.
+
+        With ``per_sample_rng`` (the default) a DataLoader drawing from it seeds
+        the random generators of whichever process fetches a sample from
+        (seed, epoch, index) first, so random augmentation inside the dataset
+        replays exactly, with any number of workers (:mod:`preempt.data_replay`).
+        """
         replicas, rank = 1, 0
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        s = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, num_replicas=replicas, rank=rank)
+        s = ResumableSampler(
+            dataset,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            num_replicas=replicas,
+            rank=rank,
+            per_sample_rng=per_sample_rng,
+        )
         s.set_epoch(self.epoch)
         self._samplers.append(s)
         return s
@@ -1576,11 +1658,14 @@ class PreemptibleRun:
         epoch_rng = self._epoch_rng
         if epoch_rng is None and self._resume is not None:
             epoch_rng = self._resume.rng_epoch_start
+        r = self._resume  # not yet back at its program point: its loader position still holds
+        loader = r.loader if r is not None else (self._feed.state() if self._feed is not None else None)
         return {
             "rng": {
                 "now": rng.to_tree(rng.capture()),
                 "epoch_start": rng.to_tree(epoch_rng) if epoch_rng is not None else None,
             },
+            "data": {"seed": self._run_seed, "loader": loader},
             "user": self.user_state,
             "lr_scale": self._lr_scale,
         }
@@ -1691,7 +1776,8 @@ class PreemptibleRun:
         """What this process writes: everything on rank 0; under torch.distributed, only its RNG on the others."""
         if self.rank == 0:
             return self._capture()
-        own = state.capture(state.Components(), {"rng": self._run_state()["rng"]})
+        run_state = self._run_state()
+        own = state.capture(state.Components(), {"rng": run_state["rng"], "data": run_state["data"]})
         tensors, meta = own.tensor_files[state.STATE_FILE]
         tensor_file, json_file = state.rank_files(self.rank)
         return state.Payload(

@@ -25,7 +25,7 @@ from torch.utils.data import Sampler
 _MASK64 = (1 << 64) - 1
 
 
-def _mix(seed: int, epoch: int) -> int:
+def mix(seed: int, epoch: int) -> int:
     """A 64-bit generator seed from (seed, epoch); splitmix64 so that nearby pairs do not collide."""
     z = (seed * 0x9E3779B97F4A7C15 + epoch + 0x632BE59BD9B4E019) & _MASK64
     for _ in range(2):
@@ -47,6 +47,12 @@ class ResumableSampler(Sampler[int]):
             ``DistributedSampler`` does). No effect with one replica.
         num_replicas: Number of ranks sharing the epoch.
         rank: This process's rank.
+        per_sample_rng: When a DataLoader draws from this sampler, seed the
+            random generators of the process that fetches each sample from
+            (seed, epoch, index) just before it is fetched, so that random
+            augmentation inside the dataset replays exactly after a resume,
+            with any number of workers (see :mod:`preempt.data_replay`).
+            False leaves the workers' generators as torch seeds them.
     """
 
     def __init__(
@@ -58,6 +64,7 @@ class ResumableSampler(Sampler[int]):
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        per_sample_rng: bool = True,
     ) -> None:
         n = data_source if isinstance(data_source, int) else len(data_source)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -74,6 +81,7 @@ class ResumableSampler(Sampler[int]):
         self.drop_last = bool(drop_last)
         self.num_replicas = num_replicas
         self.rank = rank
+        self.per_sample_rng = bool(per_sample_rng)
         self.epoch = 0
         self._start = 0
 
@@ -105,7 +113,7 @@ class ResumableSampler(Sampler[int]):
         n = self.dataset_len
         if self.shuffle and n > 1:
             g = torch.Generator()
-            g.manual_seed(_mix(self.seed, epoch))
+            g.manual_seed(mix(self.seed, epoch))
             idx = torch.randperm(n, generator=g)
         else:
             idx = torch.arange(n)
@@ -128,6 +136,7 @@ class ResumableSampler(Sampler[int]):
             "drop_last": self.drop_last,
             "num_replicas": self.num_replicas,
             "epoch": self.epoch,
+            "per_sample_rng": self.per_sample_rng,
         }
 
 
