@@ -36,8 +36,11 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import socket
+import stat
+import struct
 import threading
 import time
 from pathlib import Path
@@ -48,6 +51,8 @@ from .errors import PreemptError
 log = logging.getLogger("preempt")
 
 LOCK = "lock"
+BEACON = "lock.step"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
@@ -256,6 +261,73 @@ class DirLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+class StepBeacon:
+    """The holder's latest step, in an 8-byte memory-mapped file beside the lock (``save_dir/lock.step``).
+
+    When a holder dies without stopping (SIGKILL, the OOM killer), its lock
+    file is left non-empty (:attr:`DirLock.previous`), and this file says how
+    far it had got, so the next holder can say how many steps since the
+    checkpoint it resumes from are recomputed. Writing the step is a store into
+    shared memory (no system call): the kernel keeps the page when the process
+    dies. A clean exit writes -1. The file is opened without following
+    symlinks and only when it is a regular file; it is information only, so any
+    trouble with it is logged and the beacon is off.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(save_dir) / BEACON
+        self._mm: mmap.mmap | None = None
+        self.view: Any = [0]  # view[0] = step; a list while off, so that writers need no test
+
+    def read(self) -> int | None:
+        """The step the last holder wrote, or None (a clean exit, no file, not a regular 8-byte file)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != 8:
+                return None
+            (step,) = struct.unpack("=q", os.pread(fd, 8, 0))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return step if step >= 0 else None
+
+    def open(self, step: int) -> None:
+        """Maps the file (created when missing) and writes ``step``."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            log.warning("%s: cannot open the step beacon (%s); a crash will not say how far it got", self.path, e)
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                log.warning("%s: not a regular file; the step beacon is off", self.path)
+                return
+            os.ftruncate(fd, 8)
+            self._mm = mmap.mmap(fd, 8)
+        except OSError as e:
+            log.warning("%s: cannot map the step beacon (%s); a crash will not say how far it got", self.path, e)
+            return
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._mm).cast("q")
+        self.view[0] = step
+
+    def close(self) -> None:
+        """Writes -1 (a clean exit) and unmaps; writers holding the old view must have dropped it."""
+        if self._mm is None:
+            return
+        view, self.view = self.view, [0]
+        view[0] = -1
+        view.release()
+        self._mm.close()
+        self._mm = None
 
 
 def _read(fd: int | None) -> dict[str, Any]:
