@@ -99,8 +99,8 @@ def test_timeout_signal_term(tmp_path, reference):
 
 
 def test_worker_randomness_replays_from_an_epoch_boundary(tmp_path, reference):
-    """Augmentation drawn inside two DataLoader workers: a stop at an epoch boundary resumes bit-exact
-    (the new epoch's workers get the same seeds). Mid-epoch it would not: see README's "exact resume"."""
+    """Augmentation drawn inside two DataLoader workers: a stop at an epoch boundary resumes bit-exact.
+    (Mid-epoch stops, persistent workers and other worker counts: tests/process/test_data_replay.py.)"""
     model_args = [*WORKERS2, "--augment"]
     args = [*model_args, "--epoch_end_sleep", "0.3"]
     interrupts = [Interrupt(after=r"^epoch_end 0"), Interrupt(after=r"^epoch_end 1")]

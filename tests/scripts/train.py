@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 import preempt.checkpoint
 from preempt import PreemptibleRun, commit
@@ -41,6 +41,34 @@ class Synthetic(Dataset):
         if self.augment:  # draws from the global RNGs of whichever process loads
             x = x + 0.01 * torch.randn_like(x) + 0.001 * random.random() + 0.001 * float(np.random.rand())
         return x, self.y[i]
+
+
+class Stream(IterableDataset):
+    """The same samples as a stream: worker w of n yields indices w, w + n, ... (augmented as Synthetic does)."""
+
+    def __init__(self, data: Synthetic) -> None:
+        self.data = data
+        self.pos = 0  # samples this copy (one per worker) has yielded this epoch
+        self._start = 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        shard = range(w, len(self.data), n)
+        start, self._start = self._start, 0
+        for k in range(start, len(shard)):
+            self.pos = k + 1  # before the yield: a state taken after this sample has been handed out counts it
+            yield self.data[shard[k]]
+
+
+class StatefulStream(Stream):
+    """A stream that can seek: the state_dict/load_state_dict protocol of torchdata's Stateful."""
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._start = int(state["pos"])
 
 
 def flatten(prefix: str, tree, out: dict) -> None:
@@ -106,6 +134,11 @@ def main() -> None:
     p.add_argument("--num_workers", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--augment", action="store_true")
+    p.add_argument("--persistent_workers", action="store_true")
+    p.add_argument("--no_per_sample_rng", action="store_true", help="run.sampler(per_sample_rng=False)")
+    p.add_argument("--iterable", choices=["stateful", "plain"], default=None, help="an IterableDataset, no sampler")
+    p.add_argument("--onecycle", action="store_true", help="OneCycleLR instead of StepLR")
+    p.add_argument("--clip", type=float, default=None, help="clip the gradients' norm (after unscaling)")
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--interval", type=float, default=None)
     p.add_argument("--every_steps", type=int, default=None)
@@ -136,7 +169,11 @@ def main() -> None:
         torch.nn.Linear(args.width, 2),
     )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
+    if args.onecycle:
+        per_epoch = -(-args.samples // args.batch_size) // args.accum
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.epochs * per_epoch + 1)
+    else:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
 
     walltime = {}  # only when asked for: the other options also run against older installs
@@ -159,8 +196,13 @@ def main() -> None:
         **walltime,
     ) as run:
         run.user_state.setdefault("losses", [])
-        sampler = run.sampler(data, shuffle=True, seed=7)
-        loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
+        workers = {"num_workers": args.num_workers, "persistent_workers": args.persistent_workers}
+        if args.iterable:
+            stream = (StatefulStream if args.iterable == "stateful" else Stream)(data)
+            loader = DataLoader(stream, batch_size=args.batch_size, **workers)
+        else:
+            sampler = run.sampler(data, shuffle=True, seed=7, per_sample_rng=not args.no_per_sample_rng)
+            loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, **workers)
         lr = opt.param_groups[0]["lr"]
         print(f"start step {run.global_step} epoch {run.epoch} batch {run.batch} lr {lr!r}", flush=True)
         first_attempt = os.environ.get("PREEMPT_SUPERVISE_ATTEMPT") == "1"
@@ -177,6 +219,9 @@ def main() -> None:
                 micro += 1
                 if micro % args.accum:
                     continue
+                if args.clip is not None:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)

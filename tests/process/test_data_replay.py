@@ -1,0 +1,162 @@
+"""Exact resume where users load data: augmentation inside DataLoader workers, persistent workers, other
+worker counts, iterable datasets (preempt/data_replay.py).
+
+The training is tests/scripts/train.py, the Quick start loop: run.sampler + DataLoader + run.epochs + run.batches
++ run.step, with augmentation drawn inside the dataset from torch, NumPy and Python's random, dropout, AdamW,
+OneCycleLR, gradient accumulation of 4, clipping and GradScaler("cpu"). Every test ends with every tensor of the
+final state (model, optimizer, scheduler, scaler, RNGs, the loss history) torch.equal to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import PREEMPTED, Interrupt, Spawned, assert_same_final, run_interrupted, train_cmd
+
+# 512 samples, batches of 16, 4 micro-batches per optimizer step: 32 batches and 8 steps per epoch, 24 steps.
+QUICKSTART = [
+    *["--epochs", "3", "--samples", "512", "--dropout", "0.3", "--augment"],
+    *["--accum", "4", "--onecycle", "--clip", "1.0"],
+]
+WORKERS2 = [*QUICKSTART, "--num_workers", "2"]
+PACE = ["--step_sleep", "0.15"]
+BATCHES_PER_EPOCH = 32
+
+
+def stops(text: str) -> list[tuple[int, int]]:
+    """(epoch, batch) of every stop in the outputs."""
+    return [(int(e), int(b)) for e, b in re.findall(r"stopping on SIGTERM .*\(epoch (\d+), batch (\d+)\)", text)]
+
+
+def resumes(text: str) -> list[int]:
+    """The batch of every resume."""
+    return [int(b) for b in re.findall(r"resumed from .*step_\d+: step \d+, epoch \d+, batch (\d+)", text)]
+
+
+def mid_epoch(batch: int) -> bool:
+    return 0 < batch < BATCHES_PER_EPOCH
+
+
+def test_worker_augmentation_exact_after_three_mid_epoch_sigterms(tmp_path, reference):
+    """The headline: augmentation inside 2 workers, 3 SIGTERMs inside epochs, final state bit-exact."""
+    interrupts = [Interrupt(after=rf"^step {n} ", delay=0.05) for n in (2, 10, 19)]
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", [*WORKERS2, *PACE], interrupts)
+    assert h.codes[:3] == [PREEMPTED] * 3, h.text
+    assert len(stops(h.text)) == 3 and all(mid_epoch(b) for _, b in stops(h.text)), stops(h.text)
+    assert_same_final(reference(WORKERS2), tmp_path / "final.safetensors")
+
+
+def test_worker_augmentation_exact_after_three_sigkills(tmp_path, reference):
+    """SIGKILL (no handler runs) three times with a checkpoint every step; each rerun says what it recomputes."""
+    interrupts = [Interrupt(after=rf"^step {n} ", delay=0.05, sig=signal.SIGKILL) for n in (3, 11, 21)]
+    args = [*WORKERS2, *PACE, "--every_steps", "1"]
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
+    assert h.codes[:3] == [-signal.SIGKILL] * 3, h.text
+    assert len(resumes(h.text)) == 3 and all(mid_epoch(b) for b in resumes(h.text)), h.text
+    recomputed = re.findall(r"previous process died without stopping .* at step (\d+): the (\d+) step", h.text)
+    assert len(recomputed) == 3, h.text
+    resumed_steps = [int(s) for s in re.findall(r"resumed from .*step_(\d+)", h.text)]
+    for (died, lost), resumed in zip(recomputed, resumed_steps, strict=True):
+        assert int(died) - resumed == int(lost) >= 0, (died, lost, resumed)
+    assert_same_final(reference(WORKERS2), tmp_path / "final.safetensors")
+
+
+def test_persistent_workers_exact_mid_epoch_and_at_an_epoch_boundary(tmp_path, reference):
+    """persistent_workers=True, stopped inside an epoch and between epochs: equal to the run without them."""
+    args = [*WORKERS2, "--persistent_workers", *PACE, "--epoch_end_sleep", "0.5"]
+    interrupts = [Interrupt(after=r"^step 3 ", delay=0.05), Interrupt(after=r"^epoch_end 1")]
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
+    assert h.codes[:2] == [PREEMPTED] * 2, h.text
+    assert [b for _, b in stops(h.text)][0] != 0 and stops(h.text)[1] == (2, 0), stops(h.text)
+    assert_same_final(reference(WORKERS2), tmp_path / "final.safetensors")
+
+
+def test_changing_the_number_of_workers_between_runs_stays_exact(tmp_path, reference):
+    """2 workers, stopped; resumed with 0 workers, stopped; finished with 3: the same as 2 workers throughout."""
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    outputs = []
+    for workers, target in (("2", "^step 5 "), ("0", "^step 13 "), ("3", None)):
+        p = Spawned(train_cmd(save_dir, final, [*QUICKSTART, *PACE, "--num_workers", workers]))
+        if target is not None:
+            assert p.wait_for(target)
+            p.signal(signal.SIGTERM)
+        assert p.finish() == (PREEMPTED if target else 0), p.output
+        outputs.append(p.output)
+    assert all(mid_epoch(b) for b in resumes("\n".join(outputs))), outputs
+    assert_same_final(reference(WORKERS2), final)
+    # and the uninterrupted runs agree among themselves: a sample's draws do not depend on who fetched it
+    assert_same_final(reference(WORKERS2), reference([*QUICKSTART, "--num_workers", "0"]))
+
+
+def test_per_sample_rng_off_is_not_exact_mid_epoch(tmp_path, reference):
+    """The opt-out really turns it off: with run.sampler(per_sample_rng=False) the workers' draws restart
+    from the epoch's seed, so a mid-epoch resume changes the training (the documented limitation)."""
+    model_args = [*WORKERS2, "--no_per_sample_rng"]
+    h = run_interrupted(
+        tmp_path / "run", tmp_path / "final.safetensors", [*model_args, *PACE], [Interrupt(r"^step 3 ", 0.05)]
+    )
+    assert h.codes[0] == PREEMPTED and mid_epoch(stops(h.text)[0][1]), h.text
+    with pytest.raises(AssertionError, match="tensors differ"):
+        assert_same_final(reference(model_args), tmp_path / "final.safetensors")
+
+
+# An IterableDataset sharded over the workers (worker w of n yields samples w, w + n, ...). Three micro-batches
+# per step, so that a stop after step 3 lands after batch 9: the next batch belongs to worker 1, not worker 0.
+STREAM = ["--epochs", "2", "--samples", "384", "--dropout", "0.3", "--augment", "--accum", "3"]
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_stateful_iterable_dataset_resumes_each_worker_where_it_stood(tmp_path, reference, workers):
+    model_args = [*STREAM, "--iterable", "stateful", "--num_workers", workers]
+    interrupts = [Interrupt(after=r"^step 3 ", delay=0.05), Interrupt(after=r"^step 12 ", delay=0.05)]
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", [*model_args, *PACE], interrupts)
+    assert h.codes[:2] == [PREEMPTED] * 2, h.text
+    assert h.count(r"IterableDataset's \d+ worker\(s\) continue where each stood") == 2, h.text
+    assert "replaying" not in h.text, h.text
+    assert_same_final(reference(model_args), tmp_path / "final.safetensors")
+
+
+def test_iterable_dataset_without_state_dict_replays_and_says_so(tmp_path, reference):
+    model_args = [*STREAM, "--iterable", "plain", "--num_workers", "2"]
+    h = run_interrupted(
+        tmp_path / "run", tmp_path / "final.safetensors", [*model_args, *PACE], [Interrupt(r"^step 3 ", 0.05)]
+    )
+    assert h.codes[0] == PREEMPTED, h.text
+    batch = stops(h.text)[0][1]
+    assert re.search(rf"no state_dict\(\)/load_state_dict\(\): replaying {batch} batch\(es\)", h.text), h.text
+    assert_same_final(reference(model_args), tmp_path / "final.safetensors")
+
+
+RAISES = """
+import sys, torch
+from torch.utils.data import DataLoader, Dataset
+from preempt import PreemptibleRun
+class Broken(Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        if i == 21:
+            raise ValueError("sample 21 is broken")
+        return torch.zeros(2)
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with PreemptibleRun(sys.argv[1], model=model, optimizer=opt, checkpoint_interval=None) as run:
+    data = Broken()
+    loader = DataLoader(data, batch_size=4, sampler=run.sampler(data, shuffle=False), num_workers=2)
+    for epoch in run.epochs(2):
+        for x in run.batches(loader):
+            run.step()
+"""
+
+
+def test_an_error_in_a_worker_ends_the_process(tmp_path):
+    """The exception's traceback keeps the epoch's iterator alive; its workers ignore SIGTERM (shielded), so
+    multiprocessing's exit handler would wait for them forever. The run stops them when it ends."""
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 1 and "sample 21 is broken" in r.stderr, r.stderr
