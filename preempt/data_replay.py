@@ -60,8 +60,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils import worker as _torch_worker
 
 from . import _log
-from .dataloading import shutdown_workers
-from .sampler import ResumableSampler, mix
+from .dataloading import index_sampler, shutdown_workers
+from .sampler import mix
 
 log = _log.log
 
@@ -258,15 +258,6 @@ class CollateWithState:
         return Stated(batch, worker, state)
 
 
-def find_resumable_sampler(loader: Any) -> ResumableSampler | None:
-    """The ResumableSampler that picks the loader's indices, whatever batches them."""
-    sampler = getattr(loader, "sampler", None)
-    if isinstance(sampler, ResumableSampler):
-        return sampler
-    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    return inner if isinstance(inner, ResumableSampler) else None
-
-
 class LoaderFeed:
     """One DataLoader as the run iterates it: the wrappers it needs, and what its iterable workers have reached.
 
@@ -295,7 +286,7 @@ class LoaderFeed:
             )
             self._wrapper = StatefulIterable(dataset, run_seed, self._epoch, self.stateful)
             return
-        sampler = find_resumable_sampler(loader)
+        sampler = index_sampler(loader)
         if sampler is not None and sampler.per_sample_rng:
             self.kind = "seeded"
             self._wrapper = SeededDataset(dataset, sampler.seed, self._epoch)

@@ -87,6 +87,15 @@ def find_sampler(loader: Any) -> tuple[ResumableSampler, int] | None:
     return None
 
 
+def index_sampler(loader: Any) -> ResumableSampler | None:
+    """The ResumableSampler that picks the loader's indices, whatever batches them (unlike find_sampler)."""
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, ResumableSampler):
+        return sampler
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    return inner if isinstance(inner, ResumableSampler) else None
+
+
 def length(loader: Any) -> int | None:
     """len(loader), or None when it has no length."""
     try:
