@@ -1196,6 +1196,13 @@ class PreemptibleRun:
                     f"{r.info.path}/{MANIFEST}: sampler {key} was {saved[key]!r}, now {now[key]!r};"
                     " the data order cannot continue where it stopped"
                 )
+        if saved.get("per_sample_rng", now["per_sample_rng"]) != now["per_sample_rng"]:
+            log.warning(
+                "sampler per_sample_rng was %s, now %s: random draws inside the DataLoader will not replay those of"
+                " the run so far",
+                saved["per_sample_rng"],
+                now["per_sample_rng"],
+            )
 
     def step(self, metrics: Mapping[str, Any] | None = None) -> None:
         """Counts one optimizer step; the safe point where checkpoints happen.

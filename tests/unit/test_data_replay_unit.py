@@ -181,3 +181,22 @@ def test_step_beacon_follows_no_symlink_and_reads_no_fifo(tmp_path):
     (tmp_path / "fifo").mkdir()
     os.mkfifo(tmp_path / "fifo" / "lock.step")
     assert StepBeacon(tmp_path / "fifo").read() is None  # no hang
+
+
+def test_a_resume_that_toggles_per_sample_rng_says_so(tmp_path, caplog):
+    data = Draws()
+
+    def one_step(per_sample_rng: bool) -> None:
+        with PreemptibleRun(tmp_path / "run", model=torch.nn.Linear(1, 1), checkpoint_interval=None) as run:
+            loader = DataLoader(data, batch_size=4, sampler=run.sampler(data, per_sample_rng=per_sample_rng))
+            for _ in run.epochs(1):
+                for _ in run.batches(loader):
+                    run.request_stop()
+                    run.step()  # saves mid-epoch and leaves by Preempted
+
+    with pytest.raises(SystemExit):
+        one_step(True)
+    caplog.set_level("WARNING", logger="preempt")
+    with pytest.raises(SystemExit):
+        one_step(False)
+    assert "sampler per_sample_rng was True, now False" in caplog.text

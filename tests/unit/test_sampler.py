@@ -178,6 +178,7 @@ def test_state_dict():
         "drop_last": True,
         "num_replicas": 4,
         "epoch": 5,
+        "per_sample_rng": True,
     }
 
 
