@@ -89,6 +89,19 @@ class Spawned:
             return "\n".join(self.lines)
 
 
+@pytest.fixture
+def sigint_handled():
+    """SIGINT with Python's KeyboardInterrupt handler for this test and the processes it starts.
+
+    A background job of a non-interactive shell (``pytest &`` in a script) inherits SIGINT ignored, and the
+    library rightly keeps an ignored SIGINT ignored (preempt.signals). Tests of what Ctrl+C does need it
+    handled, as in a terminal; children started meanwhile get it at its default (exec resets a handler).
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def train_cmd(save_dir: Path, final_out: Path | None, args: Sequence[str]) -> list[str]:
     cmd = [sys.executable, str(TRAIN), "--save_dir", str(save_dir), *args]
     if final_out is not None:

@@ -120,6 +120,7 @@ def test_sigterm_during_the_final_save_still_completes(tmp_path, reference):
     assert_same_final(reference(MODEL), final)
 
 
+@pytest.mark.usefixtures("sigint_handled")
 def test_two_sigints_during_the_stops_save(tmp_path, reference):
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = Spawned(train_cmd(save_dir, final, [*MODEL, "--signal_at", "after_tensor_files:1:INT"]))
@@ -133,6 +134,7 @@ def test_two_sigints_during_the_stops_save(tmp_path, reference):
     assert_same_final(reference(MODEL), final)
 
 
+@pytest.mark.usefixtures("sigint_handled")
 def test_two_sigints_outside_a_save_leave_at_once(tmp_path, reference):
     """A person pressing Ctrl+C twice wants out now: KeyboardInterrupt, no save; the rerun uses the last one."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"

@@ -192,6 +192,7 @@ def test_signal_before_the_run_is_entered_keeps_default_behaviour(tmp_path):
     assert "still alive" not in r.stdout
 
 
+@pytest.mark.usefixtures("sigint_handled")
 def test_second_sigint_raises_keyboard_interrupt(tmp_path):
     """First Ctrl+C asks for a save at the next step; a second one, outside a save, ends the process at once."""
     p = Spawned(train_cmd(tmp_path / "run", None, [*WORKERS0, "--step_sleep", "0.5"]))

@@ -375,6 +375,7 @@ def test_environment_of_the_child(child):
 # ------------------------------------------------------ signals, groups
 
 
+@pytest.mark.usefixtures("sigint_handled")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_is_forwarded_child_saves_supervisor_exits_75(child, sig):
     child.plan({"on_term": "save", "grandchild": "plain", "ready": True, "sleep": 20})

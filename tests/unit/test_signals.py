@@ -102,6 +102,7 @@ def test_sigterm_sets_the_flag():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.usefixtures("sigint_handled")
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT])
 def test_each_default_signal_is_recorded(sig):
     flag = StopFlag()
@@ -184,6 +185,7 @@ def test_only_listed_signals_are_touched():
         flag.restore()
 
 
+@pytest.mark.usefixtures("sigint_handled")
 def test_second_sigint_raises_keyboard_interrupt():
     flag = StopFlag()
     try:
@@ -197,6 +199,7 @@ def test_second_sigint_raises_keyboard_interrupt():
         flag.restore()
 
 
+@pytest.mark.usefixtures("sigint_handled")
 def test_sigint_after_sigterm_raises_keyboard_interrupt():
     """Any pending stop makes the next SIGINT an immediate interrupt (Ctrl+C after a scheduler's TERM)."""
     flag = StopFlag()
@@ -210,6 +213,7 @@ def test_sigint_after_sigterm_raises_keyboard_interrupt():
         flag.restore()
 
 
+@pytest.mark.usefixtures("sigint_handled")
 def test_second_sigint_inside_critical_is_only_counted():
     flag = StopFlag()
     try:
