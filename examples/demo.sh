@@ -10,10 +10,34 @@ pip install -q -e .
 save_dir=runs/latentwire_demo
 rm -rf "$save_dir"
 args=(examples/latentwire_train.py --samples 2048 --epochs 3 --save_dir "$save_dir")  # ~35 s of training
-echo "== 1. train; 'timeout --signal=TERM 20' sends SIGTERM after 20 s (as SLURM's --signal=TERM@N would)"
+echo "== 1. train; SIGTERM as soon as the run reports a step of epoch 1 (as SLURM's --signal=TERM@N would, mid-run)"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+python -u "${args[@]}" > >(tee "$log") 2>&1 &
+pid=$!
+# Stop on progress, not on a clock: however fast or loaded the machine, the signal lands mid-run.
+deadline=$((SECONDS + 300))
+until grep -qE '^step +[0-9]+/[0-9]+ +epoch 1 ' "$log"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+        echo "demo.sh: the training ended before reaching epoch 1; see its output above" >&2
+        exit 1
+    fi
+    if ((SECONDS > deadline)); then
+        kill -KILL "$pid" 2>/dev/null || true
+        echo "demo.sh: no step of epoch 1 within 300 s; gave up" >&2
+        exit 1
+    fi
+    sleep 0.2
+done
+kill -TERM "$pid"
 status=0
-timeout --preserve-status --signal=TERM 20 python "${args[@]}" || status=$?
+wait "$pid" || status=$?
+sleep 0.2  # let tee print the last lines
 echo "== exit code $status (75: stopped by the signal with its state saved; rerun with --auto_resume to continue)"
+if [ "$status" -ne 75 ]; then
+    echo "demo.sh: expected exit code 75 from the stopped run, got $status" >&2
+    exit 1
+fi
 echo "== 2. the same command with --auto_resume: it continues from that checkpoint, mid-epoch, and finishes"
 python "${args[@]}" --auto_resume
 echo "== 3. once more: the run is complete, so it exits at once with code 0 (what a late requeue sees)"
