@@ -27,7 +27,9 @@ before it creates the epoch's iterator. A checkpoint inside the batch loop
 stores that snapshot and the current RNG state; on resume the run restores
 the snapshot, creates the iterator (the same worker seeds are drawn), starts
 the sampler at the saved sample, and then restores the current state, so the
-loop's own draws (dropout, noise) continue exactly.
+loop's own draws (dropout, noise) continue exactly. Draws inside the loader
+(augmentation in workers) are seeded per sample, and an iterable dataset's
+workers continue from their saved positions: :mod:`preempt.data_replay`.
 
 **Signals.** SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (configurable) are caught
 only between ``__enter__`` and ``__exit__``; before and after, the process's
@@ -58,9 +60,9 @@ from typing import Any
 import torch
 
 from . import _log, codec, distributed, guards, rng, sharded, slurm, state
-from .data_replay import LoaderFeed
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .commit import MANIFEST
+from .data_replay import LoaderFeed
 from .dataloading import find_sampler, length, shield_workers
 from .environment import Environment, provenance
 from .errors import (
