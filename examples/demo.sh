@@ -13,7 +13,7 @@ args=(examples/latentwire_train.py --samples 2048 --epochs 3 --save_dir "$save_d
 echo "== 1. train; SIGTERM as soon as the run reports a step of epoch 1 (as SLURM's --signal=TERM@N would, mid-run)"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-python -u "${args[@]}" > >(tee "$log") 2>&1 &
+python -u "${args[@]}" > >(tee "$log") &  # its progress lines (stdout) to the screen and the log; the log lines stay on stderr
 pid=$!
 # Stop on progress, not on a clock: however fast or loaded the machine, the signal lands mid-run.
 deadline=$((SECONDS + 300))
