@@ -200,3 +200,23 @@ def test_a_resume_that_toggles_per_sample_rng_says_so(tmp_path, caplog):
     with pytest.raises(SystemExit):
         one_step(False)
     assert "sampler per_sample_rng was True, now False" in caplog.text
+
+
+def test_spawned_persistent_workers_see_each_epoch():
+    """The wrapper and its shared epoch pickle for the spawn start method; persistent workers follow the epoch."""
+    by_context = {}
+    for context, persistent in ((None, False), ("spawn", True)):
+        data = Draws()
+        loader = DataLoader(
+            data,
+            batch_size=5,
+            sampler=ResumableSampler(data),
+            num_workers=2,
+            multiprocessing_context=context,
+            persistent_workers=persistent,
+        )
+        feed = LoaderFeed(loader, run_seed=0)
+        by_context[context] = [sorted(epoch_of(loader, feed, e)) for e in (0, 1)]
+        feed.stop_workers(loader)
+    assert by_context[None] == by_context["spawn"]
+    assert by_context[None][0] != by_context[None][1]  # another epoch, other draws
