@@ -31,7 +31,7 @@ import xxhash
 
 from . import _log, commit, tensorfile
 from .checkpoint import CheckpointInfo, CheckpointManager, rank_best, read_verified, regular_file
-from .cli import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, _emit, _Fail
+from .cli_output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 from .commit import QUARANTINE, SUPERSEDED, FileDigest
 from .errors import CorruptCheckpointError
 from .lock import DirLock, LockedError
@@ -81,25 +81,25 @@ def _resolve(save_dir: Path, infos: list[CheckpointInfo], selector: int | str) -
     """The checkpoint STEP names: a step (whatever its status), the newest valid one, or the best one.
 
     Raises:
-        _Fail: EXIT_USAGE when there is none, saying what there is.
+        CommandFailed: EXIT_USAGE when there is none, saying what there is.
     """
     if isinstance(selector, int):
         for c in infos:
             if c.step == selector:
                 return c
         have = ", ".join(str(c.step) for c in infos[:20]) + (", ..." if len(infos) > 20 else "")
-        raise _Fail(EXIT_USAGE, f"{save_dir}: no checkpoint at step {selector} (steps here: {have or 'none'})")
+        raise CommandFailed(EXIT_USAGE, f"{save_dir}: no checkpoint at step {selector} (steps here: {have or 'none'})")
     if selector == "latest":
         valid = [c for c in infos if c.status == "valid"]
         if valid:
             return valid[0]
         broken = f" ({len(infos)} checkpoint(s), none with a valid manifest)" if infos else ""
-        raise _Fail(EXIT_USAGE, f"{save_dir}: no valid checkpoint{broken}")
+        raise CommandFailed(EXIT_USAGE, f"{save_dir}: no valid checkpoint{broken}")
     best = rank_best(infos)
     if best.problem:
-        raise _Fail(EXIT_DAMAGED, best.problem)
+        raise CommandFailed(EXIT_DAMAGED, best.problem)
     if not best.ranked:
-        raise _Fail(
+        raise CommandFailed(
             EXIT_USAGE,
             f"{save_dir}: no valid checkpoint is marked best (a run marks one when its best_metric improves)",
         )
@@ -110,7 +110,7 @@ def _completion(manager: CheckpointManager) -> dict[str, Any] | None:
     try:
         return manager.completion()
     except CorruptCheckpointError as e:
-        raise _Fail(EXIT_DAMAGED, f"{e}; expected the JSON written when the run completed") from None
+        raise CommandFailed(EXIT_DAMAGED, f"{e}; expected the JSON written when the run completed") from None
 
 
 def _moved_aside(save_dir: Path) -> dict[str, int]:
@@ -160,7 +160,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     aside = _moved_aside(save_dir)
     if args.json:
-        _emit(
+        emit(
             {
                 "dir": str(save_dir),
                 "complete": done is not None,
@@ -244,14 +244,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.step is not None:
         infos = [_resolve(save_dir, infos, args.step)]
     if not infos:
-        raise _Fail(EXIT_USAGE, f"{save_dir}: no checkpoints (expected step_* directories)")
+        raise CommandFailed(EXIT_USAGE, f"{save_dir}: no checkpoints (expected step_* directories)")
     t0 = time.perf_counter()
     results = [_verify_one(manager, c) for c in infos]
     seconds = time.perf_counter() - t0
     nbytes = sum(r["bytes"] for r in results)
     damaged = [r for r in results if r["ok"] is False]
     if args.json:
-        _emit(
+        emit(
             {
                 "dir": str(save_dir),
                 "ok": not damaged,
@@ -463,9 +463,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     manager = CheckpointManager(save_dir, owner=False)
     info = _resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
     if info.manifest is None:
-        raise _Fail(EXIT_DAMAGED, f"{info.problem}; expected a manifest.json written by a completed save")
+        raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; expected a manifest.json written by a completed save")
     if info.status != "valid":
-        raise _Fail(EXIT_DAMAGED, info.problem or f"{info.path}: {info.status}")
+        raise CommandFailed(EXIT_DAMAGED, info.problem or f"{info.path}: {info.status}")
     m = info.manifest
     limit = None if args.json or args.tensors == "all" else int(args.tensors)
     problems: list[str] = []
@@ -492,7 +492,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     problems += more
     if args.json:
         doc = {"dir": str(save_dir), "checkpoint": info.name, "path": str(info.path), "manifest": _manifest_doc(m)}
-        _emit({**doc, "tensor_files": tensors, **st, "problems": problems})
+        emit({**doc, "tensor_files": tensors, **st, "problems": problems})
     else:
         _print_inspect(info, m, tensors, st, limit)
         for p in problems:
@@ -608,7 +608,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             for c in plan["keep"] if plan["delete"] else []:
                 problems = manager.verify(c)
                 if problems:
-                    raise _Fail(
+                    raise CommandFailed(
                         EXIT_DAMAGED,
                         f"{c.path}: would be kept but is damaged ({'; '.join(problems)}); nothing deleted."
                         " Move it aside or delete it by hand, then prune again",
@@ -620,7 +620,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 except OSError as e:
                     done = ", ".join(d.name for d in deleted) or "none"
                     msg = f"{c.path}: cannot be moved aside to delete it ({e}); deleted: {done}"
-                    raise _Fail(EXIT_USAGE, msg) from None
+                    raise CommandFailed(EXIT_USAGE, msg) from None
                 deleted.append(c)
                 try:
                     commit.remove_tree(trashed)
@@ -629,9 +629,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
             if deleted:
                 commit.fsync_dir(save_dir)
     except LockedError as e:
-        raise _Fail(EXIT_LOCKED, f"{e} Nothing deleted.") from None
+        raise CommandFailed(EXIT_LOCKED, f"{e} Nothing deleted.") from None
     except OSError as e:
-        raise _Fail(EXIT_USAGE, f"{save_dir}: cannot prune ({e}); expected a writable save_dir") from None
+        raise CommandFailed(EXIT_USAGE, f"{save_dir}: cannot prune ({e}); expected a writable save_dir") from None
     return _report_prune(save_dir, plan, args, deleted=deleted, leftovers=leftovers)
 
 
@@ -643,7 +643,7 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     valid = [c for c in infos if c.status == "valid"]
     best = rank_best(infos)
     if args.keep_best and best.problem:
-        raise _Fail(EXIT_DAMAGED, best.problem)
+        raise CommandFailed(EXIT_DAMAGED, best.problem)
     rank = {c.step: i for i, c in enumerate(best.ranked)}
     policy = RetentionPolicy(
         keep_last=args.keep_last,
@@ -690,7 +690,7 @@ def _report_prune(
 
     freed = sum(_size(c) for c in plan["delete"])
     if args.json:
-        _emit(
+        emit(
             {
                 "dir": str(save_dir),
                 "dry_run": not args.yes,
@@ -728,26 +728,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     save_dir: Path = args.dir
     out: Path = args.out
     if out.is_dir():
-        raise _Fail(EXIT_USAGE, f"{out}: is a directory; expected the path of a .safetensors file to write")
+        raise CommandFailed(EXIT_USAGE, f"{out}: is a directory; expected the path of a .safetensors file to write")
     if not out.parent.is_dir():
-        raise _Fail(EXIT_USAGE, f"{out.parent}: no such directory (for --out {out})")
+        raise CommandFailed(EXIT_USAGE, f"{out.parent}: no such directory (for --out {out})")
     if (out.exists() or out.is_symlink()) and not args.force:
-        raise _Fail(EXIT_USAGE, f"{out}: exists; pass --force to overwrite it")
+        raise CommandFailed(EXIT_USAGE, f"{out}: exists; pass --force to overwrite it")
     manager = CheckpointManager(save_dir, owner=False)
     info = _resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
     if info.manifest is None or info.status != "valid":
-        raise _Fail(EXIT_DAMAGED, f"{info.problem}; cannot export from it")
+        raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; cannot export from it")
     expected = info.manifest.files.get(MODEL_FILE)
     src = info.path / MODEL_FILE
     if expected is None:
-        raise _Fail(EXIT_DAMAGED, f"{info.path / commit.MANIFEST}: lists no {MODEL_FILE}")
+        raise CommandFailed(EXIT_DAMAGED, f"{info.path / commit.MANIFEST}: lists no {MODEL_FILE}")
     try:
         buf = read_verified(src, expected)  # a regular file, size and xxh3 as the manifest says; a private mapping
         tensors, metadata = tensorfile.parse(buf, str(src))
     except (CorruptCheckpointError, ValueError) as e:
-        raise _Fail(EXIT_DAMAGED, f"{e}; nothing written") from None
+        raise CommandFailed(EXIT_DAMAGED, f"{e}; nothing written") from None
     if not tensors:
-        raise _Fail(EXIT_USAGE, f"{src}: holds no model weights (saved without a model); nothing written")
+        raise CommandFailed(EXIT_USAGE, f"{src}: holds no model weights (saved without a model); nothing written")
     metadata = {
         **metadata,
         "format": "pt",
@@ -766,7 +766,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         "xxh3_128": digest.xxh3_128,
     }
     if args.json:
-        _emit(doc)
+        emit(doc)
     else:
         size = _log.size(digest.size)
         print(f"wrote {out} ({len(tensors)} tensors, {size}, xxh3 {digest.xxh3_128}) from {info.path}")
@@ -778,25 +778,25 @@ def _write_new(out: Path, pieces: Iterable[Any], force: bool) -> FileDigest:
     try:
         return commit.write_atomic(out, pieces, replace=force)
     except FileExistsError:
-        raise _Fail(EXIT_USAGE, f"{out}: exists; pass --force to overwrite it") from None
+        raise CommandFailed(EXIT_USAGE, f"{out}: exists; pass --force to overwrite it") from None
     except OSError as e:
-        raise _Fail(EXIT_USAGE, f"{out}: cannot be written ({e})") from None
+        raise CommandFailed(EXIT_USAGE, f"{out}: cannot be written ({e})") from None
 
 
 def _checkpoint_as_dir(args: argparse.Namespace) -> None:
     """Lets DIR name one checkpoint directory (``runs/x/step_000000120``): its parent and its step.
 
     Raises:
-        _Fail: For ``ls`` and ``prune``, which work on a whole save_dir, or when
+        CommandFailed: For ``ls`` and ``prune``, which work on a whole save_dir, or when
             STEP names another checkpoint than DIR.
     """
     step = commit.parse_checkpoint_name(args.dir.name)
     if step is None or any(commit.parse_checkpoint_name(p) is not None for p in os.listdir(args.dir)):
         return
     if not hasattr(args, "step"):
-        raise _Fail(EXIT_USAGE, f"{args.dir}: is one checkpoint; expected its save_dir ({args.dir.parent})")
+        raise CommandFailed(EXIT_USAGE, f"{args.dir}: is one checkpoint; expected its save_dir ({args.dir.parent})")
     if args.step is not None and args.step != step:
-        raise _Fail(EXIT_USAGE, f"{args.dir}: is the checkpoint of step {step}, but STEP says {args.step}")
+        raise CommandFailed(EXIT_USAGE, f"{args.dir}: is the checkpoint of step {step}, but STEP says {args.step}")
     args.dir, args.step = args.dir.parent, step
 
 
@@ -813,11 +813,11 @@ def run(args: argparse.Namespace) -> int:
     """Runs the parsed command on its save_dir.
 
     Raises:
-        _Fail: With the exit code and the message for stderr.
+        CommandFailed: With the exit code and the message for stderr.
     """
     if not args.dir.exists():
-        raise _Fail(EXIT_USAGE, f"{args.dir}: no such directory; expected a preempt save_dir")
+        raise CommandFailed(EXIT_USAGE, f"{args.dir}: no such directory; expected a preempt save_dir")
     if not args.dir.is_dir():
-        raise _Fail(EXIT_USAGE, f"{args.dir}: is a file; expected a preempt save_dir (a directory)")
+        raise CommandFailed(EXIT_USAGE, f"{args.dir}: is a file; expected a preempt save_dir (a directory)")
     _checkpoint_as_dir(args)
     return COMMANDS[args.command](args)

@@ -15,35 +15,16 @@ imported when one of them runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
+from .cli_output import EXIT_CODES, EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
-EXIT_CODES = """\
-exit codes:
-  0  ok
-  1  a checkpoint is damaged: a file missing, truncated or with another digest, a corrupt manifest or header
-  2  bad usage: no such directory, no checkpoint at STEP, --out exists without --force
-  3  the save_dir is locked by a running process (prune --yes)"""
+__all__ = ["EXIT_CODES", "EXIT_DAMAGED", "EXIT_LOCKED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 _DEFAULT_TENSOR_ROWS = 20
-
-
-class _Fail(Exception):
-    """Ends a command with an exit code and a message for stderr."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def _emit(doc: Any) -> None:
-    print(json.dumps(doc, indent=1, allow_nan=True))
 
 
 def _selector(text: str) -> int | str:
@@ -182,9 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return checkpoint_cli.run(args)
-    except _Fail as e:
+    except CommandFailed as e:
         if args.json:
-            _emit({"error": str(e), "exit_code": e.code})
+            emit({"error": str(e), "exit_code": e.code})
         print(f"preempt {args.command}: {e}", file=sys.stderr)
         return e.code
     except BrokenPipeError:  # `preempt ls DIR | head`: the reader left; say nothing more
