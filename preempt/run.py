@@ -88,7 +88,7 @@ from .policy import Decision, Reason, SaveFacts, SavePolicy, Walltime, decide, n
 from .sampler import ResumableSampler
 from .signals import DEFAULT_SIGNALS, StopFlag, signal_name
 from .staging import BackgroundWriter, Stager, host_memory_available, payload_nbytes
-from .supervise import Supervised
+from .supervised import Supervised
 
 log = _log.log
 _END = object()

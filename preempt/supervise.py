@@ -85,7 +85,7 @@ supervisor's plus:
 The supervisor removes inherited values of the ``PREEMPT_LR*`` and
 ``PREEMPT_BATCH_SIZE`` variables it does not set. Values are written with 6
 significant digits (``0.000666667``); ``{lr}`` and ``PREEMPT_LR`` are the same
-text. :meth:`Supervised.from_env` reads them back (the runtime's side).
+text. :meth:`preempt.supervised.Supervised.from_env` reads them back (the runtime's side).
 
 Output. The child's stdout and stderr are two pipes, copied to the
 supervisor's stdout and stderr with ``os.read``/``os.write`` of whatever
@@ -174,6 +174,7 @@ from .errors import (
     SAVE_FAILED_EXIT_CODE,
 )
 from .signals import DEFAULT_SIGNALS, signal_name
+from .supervised import ENV_ATTEMPT, ENV_BATCH_SIZE, ENV_CAUSE, ENV_LR, ENV_LR_SCALE
 
 # Causes of an attempt's end.
 COMPLETE, PREEMPTED, NONFINITE, OOM, FAILED = "complete", "preempted", "nonfinite", "oom", "failed"
@@ -181,11 +182,6 @@ Cause = Literal["complete", "preempted", "nonfinite", "oom", "failed"]
 
 EXIT_USAGE, EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 2, 126, 127
 
-ENV_ATTEMPT = "PREEMPT_SUPERVISE_ATTEMPT"
-ENV_CAUSE = "PREEMPT_SUPERVISE_CAUSE"
-ENV_LR = "PREEMPT_LR"
-ENV_LR_SCALE = "PREEMPT_LR_SCALE"
-ENV_BATCH_SIZE = "PREEMPT_BATCH_SIZE"
 _OWNED_ENV = (ENV_ATTEMPT, ENV_CAUSE, ENV_LR, ENV_LR_SCALE, ENV_BATCH_SIZE)
 
 LR_PLACEHOLDER, BATCH_SIZE_PLACEHOLDER = "{lr}", "{batch_size}"
@@ -471,63 +467,6 @@ def child_env(
     if batch_size is not None:
         env[ENV_BATCH_SIZE] = str(batch_size)
     return env
-
-
-@dataclasses.dataclass(frozen=True)
-class Supervised:
-    """What ``preempt supervise`` told this process through its environment (the child's side of the contract).
-
-    Attributes:
-        attempt: 1 for the first run, then 2, 3, ...
-        cause: Why this attempt was started (the previous one's cause); None on attempt 1.
-        lr: ``PREEMPT_LR``, or None when the supervisor was given no ``--lr``.
-        lr_scale: ``PREEMPT_LR_SCALE`` (1.0 when absent): multiply learning rates restored from a checkpoint by it.
-        batch_size: ``PREEMPT_BATCH_SIZE``, or None.
-    """
-
-    attempt: int
-    cause: str | None = None
-    lr: float | None = None
-    lr_scale: float = 1.0
-    batch_size: int | None = None
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Supervised | None:
-        """Reads the variables; None when this process was not started by ``preempt supervise``.
-
-        Raises:
-            ValueError: A variable that does not parse, named with its value.
-        """
-        env = os.environ if environ is None else environ
-        if ENV_ATTEMPT not in env:
-            return None
-
-        def number(name: str, kind: Callable[[str], float]) -> float | None:
-            text = env.get(name)
-            if text is None:
-                return None
-            try:
-                value = kind(text)
-            except ValueError:
-                raise ValueError(f"{name}={text!r}: expected a positive {kind.__name__}") from None
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}={text!r}: expected a positive {kind.__name__}")
-            return value
-
-        attempt, lr, scale, bs = (
-            number(ENV_ATTEMPT, int),
-            number(ENV_LR, float),
-            number(ENV_LR_SCALE, float),
-            number(ENV_BATCH_SIZE, int),
-        )
-        assert attempt is not None
-        return cls(
-            attempt=int(attempt),
-            cause=env.get(ENV_CAUSE) or None,
-            lr=lr,
-            lr_scale=1.0 if scale is None else scale,
-            batch_size=None if bs is None else int(bs),
-        )
 
 
 # --------------------------------------------------------------- the process

@@ -20,7 +20,6 @@ from preempt.supervise import (
     PATTERNS,
     PREEMPTED,
     SuperviseConfig,
-    Supervised,
     _Scanner,
     child_env,
     classify,
@@ -29,6 +28,7 @@ from preempt.supervise import (
     plan_next,
     substitute,
 )
+from preempt.supervised import Supervised
 
 ROOT = Path(__file__).resolve().parents[2]
 
