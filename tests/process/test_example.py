@@ -50,7 +50,11 @@ def test_readme_demo_command(tmp_path):
     once it reports epoch 1 (on progress, not a timer, so on any machine: exit 75 mid-epoch), resumed with
     --auto_resume at that batch, found complete, listed, verified."""
     r = subprocess.run(
-        ["bash", str(ROOT / "examples" / "demo.sh")], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600
+        ["bash", str(ROOT / "examples" / "demo.sh")],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "== exit code 75" in r.stdout, r.stdout

@@ -134,7 +134,7 @@ def test_handlers_restored_after_normal_exit_and_after_preemption(tmp_path):
     try:
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
         model, opt, _, _ = build()
-        with PreemptibleRun(tmp_path / "a", model=model, optimizer=opt) as run:
+        with PreemptibleRun(tmp_path / "a", model=model, optimizer=opt):
             assert callable(signal.getsignal(signal.SIGTERM))  # the run's handler, in place of SIG_DFL
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
         assert signal.getsignal(signal.SIGUSR1) is custom
