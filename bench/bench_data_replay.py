@@ -136,5 +136,6 @@ def main() -> None:
             f" (rounds {ratios[0]:.3f} to {ratios[-1]:.3f}) |"
         )
 
+
 if __name__ == "__main__":
     main()
