@@ -12,22 +12,22 @@ import pytest
 
 from preempt import cli
 from preempt.errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE, PREEMPTED_EXIT_CODE
-from preempt.supervise import (
+from preempt.supervise_policy import (
     COMPLETE,
     FAILED,
     NONFINITE,
     OOM,
     PATTERNS,
     PREEMPTED,
+    Scanner,
     SuperviseConfig,
-    _Scanner,
     child_env,
     classify,
-    exit_code,
     find_patterns,
     plan_next,
     substitute,
 )
+from preempt.supervise_process import exit_code
 from preempt.supervised import Supervised
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_matches_come_in_order_of_position():
 
 
 def test_scanner_finds_a_pattern_cut_across_chunks_once_its_line_ends():
-    s = _Scanner("stdout")
+    s = Scanner("stdout")
     data = b"step 1 loss: 0.5\rstep 2 loss: nan\rstep 3"
     found = [m for byte in range(len(data)) for m in s.feed(data[byte : byte + 1])]
     assert [(m.cause, m.text) for m in found] == [(NONFINITE, "loss: nan")]
@@ -75,12 +75,12 @@ def test_scanner_finds_a_pattern_cut_across_chunks_once_its_line_ends():
 
 
 def test_scanner_scans_an_unfinished_last_line_at_close_and_very_long_lines():
-    s = _Scanner("stderr")
+    s = Scanner("stderr")
     assert s.feed(b"RuntimeError: CUDA out of mem") == []
     assert s.feed(b"ory") == []
     (m,) = s.close()
     assert (m.cause, m.stream) == (OOM, "stderr")
-    s = _Scanner("stdout")
+    s = Scanner("stdout")
     found = s.feed(b"x" * (1 << 17) + b" loss=nan") + s.feed(b"y" * (1 << 17)) + s.close()
     assert {m.cause for m in found} == {NONFINITE}
 
