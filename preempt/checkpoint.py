@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import queue
-import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -31,9 +30,10 @@ import numpy as np
 import torch
 
 from . import codec, commit, state, tensorfile
+from .checkpoint_files import FileCheck, check_file, parse_tensors, read_manifest, read_verified
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
 from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from .manifest import MAX_MANIFEST_BYTES, Cursor, Manifest
+from .manifest import Cursor, Manifest
 from .policy import Kept, RetentionPolicy, select_kept
 
 SHARDED_INDEX = "dcp_metadata.json"  # preempt.sharded.METADATA: the checkpoint holds DCP-written sharded state
@@ -243,7 +243,7 @@ class CheckpointManager:
             raise CorruptCheckpointError(info.problem or f"{info.path}: no manifest")
         wanted = None if files is None else set(files)
         return [
-            _check_file(info.path / name, expected)
+            check_file(info.path / name, expected)
             for name, expected in info.manifest.files.items()
             if wanted is None or name in wanted
         ]
@@ -369,10 +369,10 @@ class CheckpointManager:
             if name not in manifest.files:
                 raise CorruptCheckpointError(f"{info.path / MANIFEST}: lists no {name}")
             bufs[name] = read_verified(info.path / name, manifest.files[name])
-        model = {} if sharded else _parse_tensors(bufs[state.MODEL_FILE], info.path / state.MODEL_FILE)[0]
+        model = {} if sharded else parse_tensors(bufs[state.MODEL_FILE], info.path / state.MODEL_FILE)[0]
         tree: dict[str, Any] = {}
         if not weights_only:
-            tensors, _ = _parse_tensors(bufs[state.STATE_FILE], info.path / state.STATE_FILE)
+            tensors, _ = parse_tensors(bufs[state.STATE_FILE], info.path / state.STATE_FILE)
             where = str(info.path / state.STATE_JSON)
             try:
                 tree = codec.decode(codec.loads(bufs[state.STATE_JSON], where), tensors, where)
@@ -387,7 +387,7 @@ class CheckpointManager:
             for fname in sorted(f for f in manifest.files if f.startswith("rank_")):
                 buf = read_verified(info.path / fname, manifest.files[fname])  # small: each rank's RNG
                 if rank and fname == own[1]:
-                    rank_tensors, _ = _parse_tensors(
+                    rank_tensors, _ = parse_tensors(
                         read_verified(info.path / own[0], manifest.files[own[0]]), info.path / own[0]
                     )
                     try:
@@ -593,123 +593,3 @@ def discard_tmp(tmp: Path) -> None:
         commit.remove_tree(tmp)
     except OSError as e:
         log.warning("could not remove the partial checkpoint %s: %s (removed at the next start)", tmp, e)
-
-
-def read_manifest(path: Path) -> Manifest:
-    """Reads and validates one manifest.
-
-    Raises:
-        FileNotFoundError: There is none.
-        CorruptCheckpointError: It does not parse or fails its checksum.
-    """
-    regular_file(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
-    try:
-        return Manifest.from_json(data, str(path))
-    except ValueError as e:
-        raise CorruptCheckpointError(str(e)) from None
-
-
-def read_verified(path: Path, expected: FileDigest) -> Any:
-    """The bytes of a checkpoint file, after checking size and digest."""
-    try:
-        regular_file(path)
-        buf, got = commit.read_file(path, expected.size)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing") from None
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: {e}") from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
-    _compare(path, expected, got)
-    return buf
-
-
-def _compare(path: Path, expected: FileDigest, got: FileDigest) -> None:
-    """Raises CorruptCheckpointError naming ``path`` and both sizes or both full digests."""
-    if got.size != expected.size:
-        raise CorruptCheckpointError(f"{path}: size {got.size} bytes, manifest says {expected.size}")
-    if got.xxh3_128 != expected.xxh3_128:
-        raise CorruptCheckpointError(
-            f"{path}: xxh3 mismatch (manifest {expected.xxh3_128}, file {got.xxh3_128}; {got.size} bytes)"
-        )
-
-
-def _parse_tensors(buf: Any, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    try:
-        return tensorfile.parse(buf, str(path))
-    except ValueError as e:
-        raise CorruptCheckpointError(str(e)) from None
-
-
-@dataclasses.dataclass(frozen=True)
-class FileCheck:
-    """What verification found for one file of a checkpoint.
-
-    ``status`` is ``"ok"``, ``"missing"``, ``"not_regular"`` (a symlink, FIFO or
-    directory), ``"size"``, ``"digest"``, ``"format"`` (the digest matches but
-    the content does not parse) or ``"unreadable"``; ``found`` holds the size
-    (and digest, when hashed) of what is there; ``message`` is None when ok.
-    """
-
-    name: str
-    path: Path
-    expected: FileDigest
-    status: str
-    found: FileDigest | None = None
-    message: str | None = None
-
-
-def _check_file(path: Path, expected: FileDigest) -> FileCheck:
-    def bad(status: str, message: str, found: FileDigest | None = None) -> FileCheck:
-        return FileCheck(path.name, path, expected, status, found, message)
-
-    try:
-        regular_file(path)
-    except FileNotFoundError:
-        return bad("missing", f"{path}: missing (manifest says {expected.size} bytes, xxh3 {expected.xxh3_128})")
-    except CorruptCheckpointError as e:
-        return bad("not_regular", str(e))
-    try:
-        size = os.stat(path).st_size
-        if size != expected.size:  # a truncated or grown file: no need to hash it
-            return bad("size", f"{path}: size {size} bytes, manifest says {expected.size}", FileDigest(size, ""))
-        buf, got = commit.read_file(path)
-    except OSError as e:
-        return bad("unreadable", f"{path}: cannot be read ({e.strerror or e})")
-    try:
-        _compare(path, expected, got)
-    except CorruptCheckpointError as e:
-        return bad("digest", str(e), got)
-    try:
-        if path.suffix == ".safetensors":
-            _parse_tensors(buf, path)
-        elif path.suffix == ".json" and path.name != MANIFEST:  # the manifest was parsed to get here
-            try:
-                codec.loads(buf, str(path))
-            except ValueError as e:
-                raise CorruptCheckpointError(str(e)) from None
-    except CorruptCheckpointError as e:
-        return bad("format", str(e), got)
-    return FileCheck(path.name, path, expected, "ok", got)
-
-
-def regular_file(path: Path) -> None:
-    """Raises CorruptCheckpointError unless ``path`` is a regular file; never follows a link or opens anything.
-
-    A symlink could point out of the checkpoint; opening a FIFO blocks forever;
-    a directory or a device is not a checkpoint file either.
-
-    Raises:
-        FileNotFoundError: Nothing is there.
-    """
-    st = os.lstat(path)
-    if stat.S_ISREG(st.st_mode):
-        return
-    kinds = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"))
-    kind = next((name for test, name in kinds if test(st.st_mode)), "not a regular file")
-    raise CorruptCheckpointError(f"{path}: is {kind}; checkpoint files must be regular files")

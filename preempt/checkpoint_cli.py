@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from . import _log, commit, tensorfile
-from .checkpoint import CheckpointInfo, CheckpointManager, rank_best, read_verified
+from .checkpoint import CheckpointInfo, CheckpointManager, rank_best
+from .checkpoint_files import read_verified
 from .checkpoint_inspect import cmd_inspect
 from .checkpoint_views import checkpoint_size, completion, fmt_table, fmt_utc, fmt_when, moved_aside, resolve
 from .cli_output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit

@@ -18,7 +18,8 @@ from typing import Any
 import xxhash
 
 from . import _log, commit, tensorfile
-from .checkpoint import CheckpointInfo, CheckpointManager, read_verified, regular_file
+from .checkpoint import CheckpointInfo, CheckpointManager
+from .checkpoint_files import read_verified, regular_file
 from .checkpoint_views import fmt_table, fmt_utc, fmt_when, resolve
 from .cli_output import EXIT_DAMAGED, EXIT_OK, CommandFailed, emit
 from .errors import CorruptCheckpointError
