@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import supervise  # no torch
 from .cli_output import EXIT_CODES, EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
 __all__ = ["EXIT_CODES", "EXIT_DAMAGED", "EXIT_LOCKED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -54,13 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     step_help = "a step number, 'latest' (newest valid) or 'best' (best by the metric the manifests record)"
 
-    # Listed for --help only: main() hands `supervise ...` to preempt.supervise before this parser runs.
-    sub.add_parser(
-        "supervise",
-        help="run a training command; rerun it after preemption (unchanged), NaN losses (lower lr) and"
-        " out-of-memory (smaller batch); see preempt supervise --help",
-        add_help=False,
-    )
+    # Defined once, in preempt.supervise, and only listed here: main() hands `supervise ...` to supervise.main
+    # before this parser runs, since supervise splits its arguments at "--" itself (CMD's options are not ours).
+    supervise.build_parser(commands=sub)
 
     def add(name: str, help: str, epilog: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help, epilog=f"{epilog}\n\n{EXIT_CODES}", formatter_class=fmt)
@@ -155,8 +152,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns its exit code (argparse exits 2 itself on bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["supervise"]:
-        from . import supervise  # no torch
-
         return supervise.main(argv[1:])
     args = build_parser().parse_args(argv)
     from . import checkpoint_cli  # imports torch (through the checkpoint and tensor modules)

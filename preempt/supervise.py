@@ -151,7 +151,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from .errors import (
     NONFINITE_EXIT_CODE,
@@ -180,9 +180,24 @@ exit codes:
 # ----------------------------------------------------------------- the CLI
 
 
-def build_parser(prog: str = "preempt supervise") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
+SUMMARY = (
+    "run a training command; rerun it after preemption (unchanged), NaN losses (lower lr) and"
+    " out-of-memory (smaller batch); see preempt supervise --help"
+)
+
+
+def build_parser(
+    prog: str = "preempt supervise", commands: argparse._SubParsersAction | None = None
+) -> argparse.ArgumentParser:
+    """The one parser of ``preempt supervise``.
+
+    Args:
+        prog: The name in its usage and error messages.
+        commands: The sub-commands of the ``preempt`` parser (:func:`preempt.cli.build_parser`): the parser is
+            added there as ``supervise``, so that ``preempt --help`` lists it with :data:`SUMMARY`. None: a
+            parser of its own, the one :func:`main` parses with.
+    """
+    texts: dict[str, Any] = dict(
         usage=f"{prog} [OPTIONS] -- CMD [ARGS...]",
         description=(
             "Run CMD until it completes: restart it unchanged after a preemption (exit 75), with the learning rate\n"
@@ -200,6 +215,10 @@ def build_parser(prog: str = "preempt supervise") -> argparse.ArgumentParser:
         + "\n\nexample:\n  preempt supervise --lr 3e-4 --batch-size 64 -- python train.py --lr {lr} --bs {batch_size}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    if commands is None:
+        parser = argparse.ArgumentParser(prog=prog, **texts)
+    else:
+        parser = commands.add_parser("supervise", prog=prog, help=SUMMARY, **texts)
     parser.add_argument("--lr", type=float, metavar="X", help="the first learning rate; CMD must contain {lr}")
     parser.add_argument(
         "--batch-size", type=int, metavar="N", help="the first batch size; CMD must contain {batch_size}"

@@ -223,6 +223,18 @@ def test_help_lists_supervise_and_its_exit_codes(capsys):
         assert text in out, text
 
 
+def test_preempt_lists_supervise_with_the_parser_supervise_parses_with(capsys):
+    from preempt import supervise
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert " ".join(supervise.SUMMARY.split()) in " ".join(capsys.readouterr().out.split())
+    options = ["--lr", "0.1", "--batch-size", "8", "--factor", "2", "--grace", "5", "--no-log"]
+    listed = vars(cli.build_parser().parse_args(["supervise", *options]))
+    assert listed.pop("command") == "supervise"
+    assert listed == vars(supervise.build_parser().parse_args(options))
+
+
 def test_supervise_imports_no_torch():
     code = "import sys, preempt.cli, preempt.supervise; sys.exit('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
