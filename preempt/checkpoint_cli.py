@@ -1,8 +1,10 @@
 """The checkpoint commands of the ``preempt`` command line: ls, verify, inspect, prune, export.
 
-The parser, the exit codes and ``main`` are in :mod:`preempt.cli`, which imports
-this module (and with it torch) only when one of these commands runs, so that
-``preempt supervise`` and ``--help`` start fast.
+The parser and ``main`` are in :mod:`preempt.cli`, which imports this module
+(and with it torch) only when one of these commands runs, so that ``preempt
+supervise`` and ``--help`` start fast; the exit codes, the failure and the JSON
+output both share are in :mod:`preempt.cli_output`. ``inspect`` is in
+:mod:`preempt.checkpoint_inspect`.
 
 ``ls``, ``verify`` and ``inspect`` only read; ``prune --yes`` deletes (under the
 save_dir's lock, so never beside a running training); ``export`` writes only
