@@ -338,9 +338,7 @@ class LoaderFeed:
 
     def plan(self, saved: Any, epoch: int) -> ResumePlan | None:
         """The resume plan for ``saved``, when it is of this epoch and this many workers; else None."""
-        if not isinstance(saved, dict) or saved.get("epoch") != epoch:
-            return None
-        if saved.get("num_workers") != self.num_workers or not isinstance(saved.get("workers"), dict):
+        if self._mismatch(saved, epoch) is not None:
             return None
         n = max(self.num_workers, 1)
         return ResumePlan(epoch, int(saved.get("next", 0)) % n, {int(k): v for k, v in saved["workers"].items()})
@@ -351,7 +349,11 @@ class LoaderFeed:
             return "not an iterable dataset"
         if not self.stateful:
             return "the IterableDataset has no state_dict()/load_state_dict()"
-        if not isinstance(saved, dict) or saved.get("epoch") != epoch:
+        return self._mismatch(saved, epoch)
+
+    def _mismatch(self, saved: Any, epoch: int) -> str | None:
+        """Why ``saved`` positions do not apply to this epoch of this loader; None when they do."""
+        if not isinstance(saved, dict) or saved.get("epoch") != epoch or not isinstance(saved.get("workers"), dict):
             return "the checkpoint holds no position of its workers"
         if saved.get("num_workers") != self.num_workers:
             return (

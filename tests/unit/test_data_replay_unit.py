@@ -220,3 +220,11 @@ def test_spawned_persistent_workers_see_each_epoch():
         feed.stop_workers(loader)
     assert by_context[None] == by_context["spawn"]
     assert by_context[None][0] != by_context[None][1]  # another epoch, other draws
+
+
+def test_malformed_positions_replay_instead_of_starting_over_silently():
+    loader = DataLoader(Counting(8), batch_size=2, num_workers=0)
+    feed = LoaderFeed(loader, 0)
+    saved = {"epoch": 0, "num_workers": 0, "next": 0, "workers": ["not", "a", "dict"]}
+    assert feed.plan(saved, 0) is None
+    assert feed.can_seek(saved, 0) == "the checkpoint holds no position of its workers"
