@@ -132,6 +132,8 @@ class CheckpointManager:
         owner: When True (a run that owns ``save_dir``), broken checkpoints are
             moved to ``quarantine/`` as they are found; when False (tools that
             only look), nothing on disk is changed.
+        retention: The keep_* and best_* options as one RetentionPolicy
+            (a run passes its own); given, it replaces them.
     """
 
     def __init__(
@@ -144,9 +146,10 @@ class CheckpointManager:
         best_metric: str | None = None,
         best_mode: str = "min",
         owner: bool = True,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         self.save_dir = Path(save_dir)
-        self.retention = RetentionPolicy(
+        self.retention = retention or RetentionPolicy(
             keep_last=keep_last,
             keep_best=keep_best,
             keep_every_steps=keep_every_steps,

@@ -70,6 +70,11 @@ class Stager:
         """Bytes held in buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    @property
+    def pinned(self) -> bool:
+        """Some buffer is in pinned (page-locked) host memory: copies from a GPU go straight into it."""
+        return any(b.is_pinned() for b in self._buffers.values())
+
     def _buffer(self, file: str, key: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
         buf = self._buffers.get((file, key))
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:

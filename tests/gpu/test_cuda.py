@@ -40,7 +40,7 @@ def train(save_dir, stop_at: int | None = None, every: int | None = None, crash_
                 if run.global_step + 1 == stop_at:
                     run.request_stop()
                 if run.global_step + 1 == crash_at:
-                    assert run._stager is not None and run._stager._pin(state.capture(run.components, {}))
+                    assert run.saves.pinned, "the staging buffers of a CUDA state are pinned"
                     raise Crash  # after the optimizer step: the last checkpoint is the background one before
                 run.step()
     return model, opt, scaler, torch.cuda.get_rng_state_all()

@@ -217,7 +217,7 @@ def test_a_writer_out_of_disk_is_logged_at_the_next_step_and_training_goes_on(tm
             next(run.epochs(1))
             steps(run, model, opt, data, 2)  # step 2 staged; its write fails
             assert gate.reached.wait(10)
-            run._writer.wait(10)
+            assert run.saves.wait_idle(10)  # ended; its outcome is taken by the next step
             assert run.failed_saves == 0  # not seen yet: the loop learns it at its next step
             steps_more = DataLoader(data, batch_size=4)
             x, y = next(iter(steps_more))
@@ -246,7 +246,7 @@ def test_any_other_writer_failure_is_raised_by_the_next_step(tmp_path):
             step = stepper(run, model, opt, data)
             step(2)
             assert gate.reached.wait(10)
-            run._writer.wait(10)
+            assert run.saves.wait_idle(10)  # ended; its outcome is taken by the next step
             step()  # step 3 learns of the failure
             raise AssertionError("run.step() did not raise the writer's failure")
     assert isinstance(err.value.__cause__, RuntimeError) and run.global_step == 3
@@ -282,7 +282,7 @@ def test_wait_for_checkpoint_times_out_while_the_writer_is_held(tmp_path):
 
 
 def test_too_little_host_memory_falls_back_to_synchronous_saves(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr("preempt.run.host_memory_available", lambda: 1000)
+    monkeypatch.setattr("preempt.save_scheduler.host_memory_available", lambda: 1000)
     model, opt, data = build()
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2) as run:
         next(run.epochs(1))
@@ -332,7 +332,7 @@ def test_staging_buffers_are_prepared_in_the_background_for_the_optimizer_state(
         steps(run, model, opt, data, 2)  # step 1 sizes the buffers for the AdamW moments
         run.wait_for_checkpoint()
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        assert run._stager.nbytes >= 3 * state_bytes  # weights + exp_avg + exp_avg_sq (+ step counters)
+        assert run.saves.buffer_nbytes >= 3 * state_bytes  # weights + exp_avg + exp_avg_sq (+ step counters)
         assert run.staging_prepare_s is not None and run.staging_prepare_s >= 0
         run.request_stop()
         with pytest.raises(Preempted):

@@ -1,0 +1,105 @@
+"""The processes of one run, and what they agree on: one process is the case of a single peer.
+
+The run has ONE safe-point path and ONE enter path; what differs between a
+plain process and the ranks of torchrun is only how decisions are combined
+and how a checkpoint's files are committed:
+
+* :class:`Alone` -- one process. Agreement is its own decision, a broadcast
+  returns what it was given, a checkpoint is one :meth:`CheckpointManager.save`.
+* :class:`Ranks` -- under torch.distributed. Rank 0 leads (it holds the lock,
+  chooses the checkpoint, writes the replicated state and commits); every rank
+  meets the others at every ``sync_every``-th step in one all-reduce
+  (:class:`~preempt.distributed.Coordinator`), and a checkpoint is the
+  distributed commit of :func:`~preempt.distributed.save_ranked`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import distributed
+from .checkpoint import CheckpointInfo, CheckpointManager
+from .distributed import Agreement
+from .manifest import Manifest
+from .state import Payload
+
+ExtraFiles = Callable[[Path], list[str]]  # a collective writer of more files into the checkpoint (DCP's shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A checkpoint whose leader's files are still to be written by the background writer."""
+
+    finish: Callable[[CheckpointManager, Payload, Manifest], CheckpointInfo]
+
+
+class Alone:
+    """One process: the degenerate case of agreement."""
+
+    rank = 0
+    world_size = 1
+    leader = True
+    alone = True
+
+    def meets(self, step: int, due: bool) -> bool:
+        """Whether ``run.step()`` goes through the safe point: when something may be due."""
+        return due
+
+    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
+        return Agreement(stop or walltime_stop, save, 0 if stop else -1)
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+    def save(
+        self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
+    ) -> CheckpointInfo | Deferred | None:
+        """Commits a checkpoint; when ``defer``, returns what the background writer finishes with the staged copy."""
+        if defer:
+            return Deferred(lambda manager, staged, manifest: manager.save(staged, manifest))
+        return manager.save(payload, manifest)
+
+
+class Ranks(Alone):
+    """The ranks of torch.distributed (created collectively, on every rank)."""
+
+    alone = False
+
+    def __init__(self, sync_every: int) -> None:
+        self.coord = distributed.Coordinator()
+        self.rank, self.world_size = self.coord.rank, self.coord.world_size
+        self.leader = self.rank == 0
+        self.sync_every = sync_every
+
+    def meets(self, step: int, due: bool) -> bool:
+        # Every rank must take the same path: the decision is taken together, at fixed steps.
+        return step % self.sync_every == 0
+
+    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
+        return self.coord.agree(stop, save, walltime_stop=walltime_stop)
+
+    def broadcast(self, obj: Any) -> Any:
+        return self.coord.broadcast(obj)
+
+    def barrier(self) -> None:
+        self.coord.barrier()
+
+    def save(
+        self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
+    ) -> CheckpointInfo | Deferred | None:
+        """The distributed commit; None on the ranks other than 0 when rank 0 finishes it in the background."""
+        got = distributed.save_ranked(manager, self.coord, payload, manifest, extra, defer=defer)
+        if isinstance(got, distributed.Deferred):
+            return Deferred(got.finish)
+        return got
+
+
+def join(sync_every: int) -> Alone:
+    """The peers of this process: the ranks when torch.distributed has more than one, else the process alone."""
+    return Ranks(sync_every) if distributed.active() else Alone()

@@ -1,0 +1,422 @@
+"""When and how a checkpoint is written: now, in the background, or postponed; and what came of it.
+
+:class:`SaveScheduler` owns the staging buffers (:class:`~preempt.staging.Stager`),
+the background writer, the one job it may have in flight (sizing the buffers,
+or writing a staged snapshot), a periodic save postponed behind that job, the
+newest durable checkpoint, and what a failed write means. Its choices are
+three pure functions, unit-tested with made-up facts:
+
+* :func:`pick` -- at a safe point: which save to take now, and which waits;
+* :func:`plan` -- for a save: wait for the job in flight first? in the background?
+* :func:`wake` -- the step and time at which ``run.step()`` must look again.
+
+Periodic saves that come due while a write is in flight are postponed until
+it ends; best and milestone saves wait for it (they are of their own step);
+the stop's, the final, a branch's and an emergency save are synchronous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import _log
+from .checkpoint import CheckpointInfo, CheckpointManager
+from .errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
+from .loop_state import LoopState
+from .manifest import Manifest
+from .peers import Alone, Deferred
+from .policy import Due, Reason
+from .signals import StopFlag
+from .snapshot import Snapshot
+from .staging import BackgroundWriter, Stager, host_memory_available, payload_nbytes
+
+log = _log.log
+
+POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
+SYNCHRONOUS = frozenset({Reason.PREEMPT, Reason.WALLTIME, Reason.FINAL, Reason.BRANCH, Reason.EMERGENCY})
+MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRecord:
+    """The latest checkpoint the run took (``run.last_save``).
+
+    Attributes:
+        step: Its global step.
+        reason: Why it was taken (``"interval"``, ``"preempt"``, ...).
+        stall_s: Seconds the training loop spent in it: the whole save when
+            synchronous, the copy into the staging buffers when asynchronous.
+        write_s: Seconds from the start of the save to its checkpoint being
+            durable; None while a background write is in flight.
+        path: The checkpoint directory once durable, else None. Under
+            torch.distributed a checkpoint that rank 0 writes in the
+            background stays None on the other ranks.
+        background: Written by the background writer.
+    """
+
+    step: int
+    reason: str
+    stall_s: float
+    write_s: float | None = None
+    path: Path | None = None
+    background: bool = False
+
+    @property
+    def durable(self) -> bool:
+        """The checkpoint is on disk with all its files and manifest fsynced."""
+        return self.path is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What the background writer is doing: preparing buffers, or writing a staged snapshot."""
+
+    kind: str  # "prepare" or "save"
+    record: SaveRecord | None = None
+    started: float = 0.0  # clock at the start of the save
+
+
+# ---------------------------------------------------------------------------- the pure decisions
+
+
+def pick(
+    reason: Reason | None, *, job: str | None, staging: bool, postponed: Reason | None, dirty: bool
+) -> tuple[Reason | None, Reason | None]:
+    """At a safe point: the save to take now (None: none) and the periodic save that stays postponed.
+
+    Args:
+        reason: What the save policy says is due (None: nothing).
+        job: The kind of the background job in flight, if any (``"save"``, ``"prepare"``).
+        staging: Background saves are possible.
+        postponed: A periodic save postponed earlier.
+        dirty: The state changed since the last checkpoint.
+    """
+    writing = job == "save"
+    if reason in POSTPONABLE and writing and staging:
+        return None, reason
+    if reason is None and postponed is not None and not writing and dirty:
+        return postponed, postponed  # the write that postponed it has ended
+    return reason, postponed
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    settle: bool  # wait for the job in flight first
+    background: bool  # stage the state and let the writer write it
+
+
+def plan(reason: Reason, *, job: str | None, staging: bool) -> Plan:
+    """How to write a save that is taken now."""
+    return Plan(settle=job is not None, background=staging and reason not in SYNCHRONOUS)
+
+
+def wake(
+    due: Due, *, step: int, milestone_steps: int | None, postponed: Reason | None, job: bool, prepare_at: int | None
+) -> Due:
+    """The policy's thresholds, adjusted for the scheduler: a postponed save, a buffer sizing to start."""
+    if postponed is not None:
+        if job:  # periodic saves wait for the write in flight (run.step() sees it end); milestones stay due
+            m = milestone_steps
+            return Due((step // m + 1) * m if m else math.inf, math.inf, math.inf)
+        return Due(step + 1, math.inf, math.inf)  # its write ended: the next step takes it
+    if prepare_at is not None and not job:
+        return Due(min(due.step, prepare_at), due.batch, due.time)
+    return due
+
+
+# ---------------------------------------------------------------------------- the scheduler
+
+
+class SaveScheduler:
+    """Writes the run's checkpoints (see the module docstring)."""
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        loop: LoopState,
+        snapshot: Snapshot,
+        flag: StopFlag,
+        *,
+        peers: Alone | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_durable: Callable[[float, float, int], None] | None = None,
+        writer: Callable[[], Any] = BackgroundWriter,
+        stager: Callable[[], Any] = Stager,
+    ) -> None:
+        self.manager = manager
+        self.loop = loop
+        self.snapshot = snapshot
+        self.flag = flag
+        self.peers = peers or Alone()
+        self.clock = clock
+        self.on_durable = on_durable  # (seconds, now, step) of each durable save
+        self._new_writer, self._new_stager = writer, stager
+        self.stager: Any = None  # Stager, while background saves are possible
+        self.writer: Any = None  # BackgroundWriter
+        self.job: Job | None = None  # the writer's current job, until collected
+        self.postponed: Reason | None = None
+        self.prepare_at: int | None = None  # the step after which the buffers are sized for the optimizer
+        self.last_save: SaveRecord | None = None
+        self.last_info: CheckpointInfo | None = None  # the newest durable checkpoint this process wrote or loaded
+        self.last_checkpoint: Path | None = None  # its path (under torch.distributed: rank 0's, when told)
+        self.failed = 0  # periodic checkpoints that could not be written
+        self.prepare_s: float | None = None  # seconds spent allocating the staging buffers (background)
+
+    @property
+    def pinned(self) -> bool:
+        """The staging buffers are in pinned (page-locked) host memory."""
+        return self.stager is not None and self.stager.pinned
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return 0 if self.stager is None else self.stager.nbytes
+
+    def start(self, payload: Any, *, optimizer_state_later: bool) -> None:
+        """Background saves from now: the buffers are sized for ``payload`` in the background."""
+        self.stager, self.writer = self._new_stager(), self._new_writer()
+        self._prepare(payload)
+        if optimizer_state_later:
+            self.prepare_at = self.loop.global_step + 1  # its moments appear at the first optimizer step
+
+    def wake(self, due: Due, milestone_steps: int | None) -> Due:
+        step = self.loop.global_step
+        return wake(
+            due, step=step, milestone_steps=milestone_steps, postponed=self.postponed, job=self.job is not None,
+            prepare_at=self.prepare_at,
+        )  # fmt: skip
+
+    def finished(self) -> bool:
+        """The job in flight has ended and its outcome waits to be taken."""
+        return self.job is not None and not self.writer.busy
+
+    def tend(self) -> None:
+        """Takes the outcome of a finished job; sizes the buffers for the optimizer once it has state."""
+        if self.finished():
+            self.collect()
+        if self.prepare_at is not None and self.loop.global_step >= self.prepare_at and self.job is None:
+            if self.postponed is None:  # the postponed save goes first; its staging sizes the buffers anyway
+                self.prepare_at = None
+                self._prepare(self.snapshot.tensors())
+
+    def pick(self, reason: Reason | None) -> Reason | None:
+        """At a safe point, after :meth:`tend`: the save to take now (see :func:`pick`)."""
+        now, self.postponed = pick(
+            reason,
+            job=None if self.job is None else self.job.kind,
+            staging=self.stager is not None,
+            postponed=self.postponed,
+            dirty=self.loop.dirty,
+        )
+        if self.postponed is not None and now is None and reason is not None:
+            log.debug("a %s checkpoint is due while a write is in flight: postponed", reason.value)
+        return now
+
+    def save(self, reason: Reason, point: str) -> None:
+        """Writes a checkpoint of the current state, in the background when it may.
+
+        A periodic save that fails for want of disk (any OSError) is logged and
+        training goes on; the next one is tried when it is next due. A save that
+        cannot be skipped (the stop's, the final one, a branch's) raises.
+        """
+        how = plan(reason, job=None if self.job is None else self.job.kind, staging=self.stager is not None)
+        if how.settle:
+            self.settle()
+        background = how.background and self.stager is not None  # settling may have turned staging off
+        self.postponed = None
+        with self.flag.critical():
+            t0 = self.clock()
+            manifest = self.snapshot.manifest(reason, point)
+            log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
+            payload = self.snapshot.payload()
+            staged = self._copy(payload) if background else None
+            extra = self.snapshot.extra_files if self.snapshot.sharded else None
+            try:
+                got = self.peers.save(self.manager, payload, manifest, extra, staged is not None)
+            except OSError as e:
+                self._failed(reason, e)
+                return
+            if isinstance(got, Deferred):
+                write = got.finish
+                self._submit(reason, manifest, t0, lambda: write(self.manager, staged, manifest))
+            elif got is None:  # another rank's files are durable; rank 0 writes its own and commits in the background
+                self.last_save = SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True)
+                self.loop.taken(manifest.step, manifest.cursor, self.clock())
+            else:
+                self._durable(reason, got, t0)
+
+    def loaded(self, info: CheckpointInfo) -> None:
+        """The run restored ``info``: the newest durable checkpoint, and nothing to save until the loop moves."""
+        assert info.manifest is not None
+        self.last_info, self.last_checkpoint = info, info.path
+        self.loop.taken(info.manifest.step, info.manifest.cursor, self.clock())
+
+    def _durable(self, reason: Reason, info: CheckpointInfo, t0: float) -> None:
+        """A synchronous save is durable."""
+        self.loaded(info)
+        t1 = self.clock()
+        self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
+        log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
+        if self.on_durable is not None:
+            self.on_durable(t1 - t0, t1, self.loop.global_step)
+
+    def _copy(self, payload: Any) -> Any:
+        """The state copied into the staging buffers; None: save synchronously (and from now on)."""
+        try:
+            return self.stager.stage(payload)
+        except (MemoryError, RuntimeError) as e:  # e.g. pinned memory refused
+            log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
+            self.stager = None
+            return None
+
+    def _submit(self, reason: Reason, manifest: Manifest, t0: float, write: Callable[[], CheckpointInfo]) -> None:
+        """Hands a staged snapshot's write to the background writer."""
+        t1 = self.clock()
+        record = SaveRecord(manifest.step, reason.value, t1 - t0, background=True)
+        self.last_save = record
+        self.loop.taken(manifest.step, manifest.cursor, t1)
+        self.job = Job("save", record, t0)
+        self.writer.submit(write)
+        log.debug("step %d staged in %s; writing in the background", manifest.step, _log.duration(t1 - t0))
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Waits for the job in flight and takes its outcome; returns the newest durable checkpoint.
+
+        Raises:
+            TimeoutError: The write still runs after ``timeout`` seconds.
+            CheckpointWriteError: The write failed other than for want of disk.
+        """
+        if self.job is not None:
+            if not self.writer.wait(timeout):
+                raise TimeoutError(f"the background write of a checkpoint still runs after {timeout} s")
+            self.collect()
+        return self.last_checkpoint
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Waits for the job in flight to end without taking its outcome (the next safe point takes it)."""
+        return self.writer is None or self.writer.wait(timeout)
+
+    def collect(self) -> None:
+        """Waits for the background job and takes its outcome.
+
+        Raises:
+            CheckpointWriteError: A background write failed other than with an OSError.
+        """
+        job = self.job
+        if job is None:
+            return
+        self.job = None
+        try:
+            result = self.writer.result()
+        except Exception as e:
+            if job.kind == "prepare":
+                log.warning("async_save: could not allocate the staging buffers (%r); saving synchronously", e)
+                self.stager = None
+                return
+            assert job.record is not None
+            self.loop.changed()  # that state is not on disk: a stop or the end must save again
+            self.postponed = None  # a failed periodic write is retried when the next save is due
+            if isinstance(e, OSError):
+                self._failed(Reason(job.record.reason), e, step=job.record.step)
+                return
+            last = self.last_checkpoint
+            raise CheckpointWriteError(
+                f"the background write of checkpoint step_{job.record.step:09d} in {self.manager.save_dir} failed:"
+                f" {e!r}; the last good checkpoint is {last or '(none)'}",
+                None if last is None else str(last),
+            ) from e
+        if job.kind == "prepare":
+            self.prepare_s = (self.prepare_s or 0.0) + result
+            return
+        info: CheckpointInfo = result
+        assert job.record is not None
+        now = self.clock()
+        self.last_save = dataclasses.replace(job.record, write_s=now - job.started, path=info.path)
+        self.last_info, self.last_checkpoint = info, info.path
+        log.info(
+            "checkpoint %s (%s) written in %s in the background; the loop waited %s",
+            info.path,
+            job.record.reason,
+            _log.duration(now - job.started),
+            _log.duration(job.record.stall_s),
+        )
+        if self.on_durable is not None:
+            self.on_durable(now - job.started, now, info.step)
+
+    def settle(self) -> None:
+        """Lets the job in flight finish before a save that cannot be skipped; a failed write is logged."""
+        if self.job is None:
+            return
+        try:
+            self.collect()
+        except CheckpointWriteError as e:
+            log.error("%s", e)
+
+    def close(self) -> None:
+        """At the end of the run: a write in flight is a consistent state, so it may become durable."""
+        if self.job is None:
+            return
+        try:
+            self.collect()
+        except BaseException as e:  # the way the run ended is what propagates; a second Ctrl-C stops the wait
+            log.error("the background checkpoint write did not complete: %r", e)
+
+    def _prepare(self, payload: Any) -> None:
+        """Sizes the staging buffers for the state in the background (allocated and touched once)."""
+        stager, writer = self.stager, self.writer
+        if stager is None or writer is None or self.job is not None:
+            return
+        nbytes = payload_nbytes(payload)
+        available = host_memory_available()
+        if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:
+            log.warning(
+                "async_save: a copy of the state (%s) would take more than %d%% of the host memory available (%s);"
+                " checkpoints are written synchronously",
+                _log.size(nbytes),
+                int(MEMORY_SHARE * 100),
+                _log.size(available),
+            )
+            self.stager = None
+            return
+
+        def job() -> float:
+            t0 = time.perf_counter()
+            stager.prepare(payload)
+            return time.perf_counter() - t0
+
+        self.job = Job("prepare")
+        writer.submit(job)
+
+    def _failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
+        loop = self.loop
+        self.failed += 1
+        code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+        step = loop.global_step if step is None else step
+        what = (
+            f"could not write checkpoint step_{step:09d} ({reason.value}) in {self.manager.save_dir}:"
+            f" {error.strerror or error}{code}"
+        )
+        info = self.last_info
+        if info is None or info.manifest is None:
+            last, last_good = "there is no earlier checkpoint", None
+        else:
+            ago = _log.duration(max(0.0, time.time() - info.manifest.created))
+            last = f"the last good checkpoint is {info.path} (step {info.step}, saved {ago} ago)"
+            last_good = str(info.path)
+        if reason == Reason.PREEMPT:
+            lost = loop.global_step - (info.step if info is not None else 0)
+            log.error(
+                "%s; %s; the %d step(s) since are lost; exiting with code %d", what, last, lost, SAVE_FAILED_EXIT_CODE
+            )
+            raise SaveFailed(SAVE_FAILED_EXIT_CODE, self.flag.signum, last_good, error) from error
+        if reason in (Reason.FINAL, Reason.BRANCH):
+            raise CheckpointWriteError(f"{what}; {last}", last_good) from error
+        # A periodic checkpoint: its partial files are gone, older checkpoints untouched (nothing is deleted to
+        # make room). Training goes on; the next try comes when the next checkpoint is due, not at every step.
+        log.error("%s; %s; training goes on and tries again at the next checkpoint", what, last)
+        loop.save_skipped(self.clock())

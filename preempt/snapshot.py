@@ -1,0 +1,99 @@
+"""What a checkpoint of the run holds: the payload of every file, and its manifest.
+
+:class:`Snapshot` turns the run's parts into a checkpoint's content: the
+components' tensors and JSON (:func:`preempt.state.capture`), the run's own
+state (every random generator now and at the epoch's start, where the data
+stands, the user's state, the learning-rate scale), and the manifest with the
+cursor, metrics, best and lineage. Under torch.distributed each rank other
+than 0 writes only its own random state; sharded (DTensor) tensors are
+written by DCP (:mod:`preempt.sharded`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from . import codec, rng, sharded, state
+from .data_cursor import DataCursor
+from .loop_state import LoopState
+from .manifest import Manifest
+from .policy import Reason
+
+
+class Snapshot:
+    """Builds the content of the run's checkpoints."""
+
+    def __init__(self, components: state.Components, loop: LoopState, data: DataCursor, *, rank: int = 0) -> None:
+        self.components = components
+        self.loop = loop
+        self.data = data
+        self.rank = rank
+        self.sharded = False  # the model's state is DTensors: its tensors go through DCP
+        self.user_state: dict[str, Any] = {}
+        self.lr_scale = 1.0  # learning rates relative to the run's own (rollbacks, the supervisor)
+        self.lineage: dict[str, Any] = {}  # the timeline: the resume request it follows, its source, its start
+        self.provenance: dict[str, Any] = {}  # host, versions, SLURM job
+
+    def run_state(self) -> dict[str, Any]:
+        codec.check_json(self.user_state, "run.user_state")
+        epoch_rng, data = self.data.state()
+        return {
+            "rng": {
+                "now": rng.to_tree(rng.capture()),
+                "epoch_start": rng.to_tree(epoch_rng) if epoch_rng is not None else None,
+            },
+            "data": data,
+            "user": self.user_state,
+            "lr_scale": self.lr_scale,
+        }
+
+    def capture(self) -> state.Payload:
+        """Everything but what DCP writes (the tensors of sharded state), as the files of a checkpoint."""
+        c = self.components
+        if not self.sharded:
+            return state.capture(c, self.run_state())
+        _, rest = sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
+        run_state = {**self.run_state(), "sharded": {"optimizer": rest}}
+        return state.capture(state.Components(None, None, c.scheduler, c.scaler, c.tracked), run_state)
+
+    def tensors(self) -> state.Payload:
+        """The components' tensors alone (to size the staging buffers)."""
+        return state.capture(self.components, {})
+
+    def payload(self) -> state.Payload:
+        """What this process writes: everything on rank 0; under torch.distributed, only its RNG on the others."""
+        if self.rank == 0:
+            return self.capture()
+        run_state = self.run_state()
+        own = state.capture(state.Components(), {"rng": run_state["rng"], "data": run_state["data"]})
+        tensors, meta = own.tensor_files[state.STATE_FILE]
+        tensor_file, json_file = state.rank_files(self.rank)
+        return state.Payload(
+            tensor_files={tensor_file: (tensors, meta)}, json_files={json_file: own.json_files[state.STATE_JSON]}
+        )
+
+    def extra_files(self, directory: Path) -> list[str]:
+        """This rank's pieces of the sharded model and optimizer (a collective; DCP writes them)."""
+        c = self.components
+        tensors, _ = sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
+        return sharded.save(directory, tensors, self.rank)
+
+    def manifest(self, reason: Reason, point: str) -> Manifest:
+        loop = self.loop
+        cursor, sampler = self.data.cursor(loop.global_step, loop.epoch, loop.batch)
+        return Manifest(
+            step=loop.global_step,
+            cursor=dataclasses.replace(cursor, point=point),
+            reason=reason.value,
+            created=time.time(),
+            files={},
+            sampler=sampler,
+            metrics=dict(loop.metrics),
+            best=loop.best,
+            is_best=loop.holds_best,
+            lineage=self.lineage,
+            provenance=self.provenance,
+        )
