@@ -7,6 +7,17 @@ from just before the epoch's iterator was made, each loader's
 checkpoint left (:class:`Resume`) until the loop is back at its program point.
 It writes no loop counter: it says where the epoch's iterator starts, and the
 run's :class:`~preempt.loop_state.LoopState` takes it.
+
+**Exact resume.** The batch order comes from the sampler, a pure function of
+(seed, epoch). Creating a DataLoader iterator draws from the global torch RNG
+(that draw seeds the workers), so the run snapshots every global RNG just
+before it creates the epoch's iterator. A checkpoint inside the batch loop
+stores that snapshot and the current RNG state; on resume the run restores
+the snapshot, creates the iterator (the same worker seeds are drawn), starts
+the sampler at the saved sample, and then restores the current state, so the
+loop's own draws (dropout, noise) continue exactly. Draws inside the loader
+(augmentation in workers) are seeded per sample, and an iterable dataset's
+workers continue from their saved positions: :mod:`preempt.data_replay`.
 """
 
 from __future__ import annotations
@@ -15,6 +26,8 @@ import dataclasses
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+import torch
 
 from . import _log, rng
 from .checkpoint import CheckpointInfo
@@ -58,7 +71,13 @@ class DataCursor:
         self._feeds: weakref.WeakKeyDictionary[Any, LoaderFeed] = weakref.WeakKeyDictionary()
         self._feed: LoaderFeed | None = None  # the current epoch's
 
-    def add_sampler(self, sampler: ResumableSampler) -> ResumableSampler:
+    def make_sampler(self, dataset: Any, *, epoch: int, **options: Any) -> ResumableSampler:
+        """A ResumableSampler (one replica per rank under torch.distributed) whose epoch follows the loop's."""
+        replicas, rank = 1, 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, **options)
+        sampler.set_epoch(epoch)
         self.samplers.append(sampler)
         return sampler
 

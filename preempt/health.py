@@ -71,7 +71,24 @@ class Health:
         snap.lr_scale = sup.lr_scale
 
     def check_loss(self, loss: torch.Tensor | float, rollback: Callable[[], None]) -> bool:
-        """``run.check_loss``: True when finite; else the batch is skipped, and a streak calls ``rollback``."""
+        """``run.check_loss``: True when ``loss`` is finite; otherwise the step must be skipped.
+
+        ::
+
+            loss = compute_loss(model, batch)
+            if not run.check_loss(loss):
+                opt.zero_grad(set_to_none=True)
+                continue  # no backward, no optimizer step, no run.step()
+            loss.backward(); opt.step(); run.step()
+
+        After ``max_nonfinite`` in a row ``rollback`` is called: the run rolls
+        back to its last checkpoint (model, optimizer, scheduler, scaler) and
+        divides the learning rates by ``nonfinite_lr_factor``; the data goes on
+        from the current batch, so the batches that diverged are not replayed.
+        With no checkpoint, under torch.distributed, or after ``max_rollbacks``,
+        it raises :class:`~preempt.guards.NonFiniteStreak` (exit code 78). One
+        synchronisation with the GPU per call (the finiteness test).
+        """
         g = self.nonfinite
         if g.check(loss):
             return True

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import _log
+from .errors import Preempted
 from .history import History, Progress, RunLog
 from .loop_state import LoopState
 from .monitor import GPUMonitor
@@ -109,6 +110,15 @@ class Reporter:
         """A marker record in history.jsonl (rollback, ...)."""
         if self._history is not None:
             self._history.marker(event, **fields)
+
+    def ended(self, completed: bool, exc: BaseException | None) -> None:
+        """The run's end: a marker (``complete``, ``stop`` or ``error``) and the files closed."""
+        if isinstance(exc, Preempted):
+            self.stop("stop")
+        elif completed:
+            self.stop("complete")
+        else:
+            self.stop("error", error=repr(exc)[:200])
 
     def stop(self, event: str | None = None, **fields: Any) -> None:
         if self._monitor is not None:

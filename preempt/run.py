@@ -20,16 +20,7 @@
 * at an epoch boundary inside ``run.epochs()``, after the epoch body's own
   end-of-epoch code, when every batch handed out was followed by ``run.step()``.
 
-**Exact resume.** The batch order comes from the sampler, a pure function of
-(seed, epoch). Creating a DataLoader iterator draws from the global torch RNG
-(that draw seeds the workers), so the run snapshots every global RNG just
-before it creates the epoch's iterator. A checkpoint inside the batch loop
-stores that snapshot and the current RNG state; on resume the run restores
-the snapshot, creates the iterator (the same worker seeds are drawn), starts
-the sampler at the saved sample, and then restores the current state, so the
-loop's own draws (dropout, noise) continue exactly. Draws inside the loader
-(augmentation in workers) are seeded per sample, and an iterable dataset's
-workers continue from their saved positions: :mod:`preempt.data_replay`.
+**Exact resume** of the data: :mod:`preempt.data_cursor` and :mod:`preempt.data_replay`.
 
 **Signals.** SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (configurable) are caught
 only between ``__enter__`` and ``__exit__``; before and after, the process's
@@ -37,16 +28,12 @@ previous handlers apply. A caught signal is recorded; the next safe point
 saves (when anything changed since the last save) and raises
 :class:`~preempt.errors.Preempted`, a ``SystemExit`` with code 75.
 
-**Walltime.** With a deadline (the SLURM job's end time, or ``time_limit``)
-the run also stops by itself, with no signal, early enough for the stop's
-checkpoint to be durable before the deadline; the margin comes from the
-measured step and save times (:class:`~preempt.policy.Walltime`). Under
-SLURM, a stop at the time limit then requeues the job (rule and limits in
-:mod:`preempt.slurm`); other stops only save and exit.
+**Walltime** keeping and SLURM's requeue: :mod:`preempt.stopping`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -61,7 +48,7 @@ from .checkpoint import CheckpointManager
 from .data_cursor import SEED_MASK, DataCursor
 from .dataloading import shield_workers
 from .environment import Environment, provenance
-from .errors import PREEMPTED_EXIT_CODE, Preempted, PreemptError, RunComplete
+from .errors import PREEMPTED_EXIT_CODE, PreemptError, RunComplete
 from .health import Health, OomStep
 from .lock import DirLock, StepBeacon
 from .loop_state import LoopState
@@ -69,7 +56,7 @@ from .peers import Alone, join
 from .policy import Reason, SaveFacts, decide, next_due
 from .reporting import Reporter
 from .restore import Starter
-from .run_config import RunConfig
+from .run_config import OPTIONS_DOC, RunConfig
 from .sampler import ResumableSampler
 from .save_scheduler import SaveRecord, SaveScheduler
 from .signals import DEFAULT_SIGNALS
@@ -82,10 +69,19 @@ __all__ = ["PreemptibleRun", "RunConfig", "SaveRecord"]
 log = _log.log
 _END = object()
 _REASONS = list(Reason)  # save reasons travel between ranks as index + 1
+_OPTIONS = frozenset(f.name for f in dataclasses.fields(RunConfig))
 
 
 class PreemptibleRun:
     """Makes a training loop stop cleanly on a signal and resume exactly.
+
+    The run composes parts of one concern each: :class:`RunConfig` (the options),
+    :class:`~preempt.loop_state.LoopState` (the counters), :mod:`~preempt.peers`
+    (one process, or the ranks of torch.distributed), :mod:`~preempt.restore`
+    (where it starts), :class:`~preempt.data_cursor.DataCursor` (where the data
+    stands), :class:`~preempt.save_scheduler.SaveScheduler` (writing checkpoints),
+    :class:`~preempt.stopping.Stopper`, :class:`~preempt.health.Health` and
+    :class:`~preempt.reporting.Reporter`.
 
     Args:
         save_dir: Directory of this run's checkpoints (created if missing).
@@ -93,88 +89,10 @@ class PreemptibleRun:
         optimizer: Its optimizer.
         scheduler: An LR scheduler (anything with state_dict/load_state_dict).
         scaler: A ``torch.amp.GradScaler``.
-        checkpoint_interval: Seconds between periodic checkpoints; None disables.
-        checkpoint_every_steps: Also save at every multiple of this global step.
-        checkpoints_per_epoch: Also save N times per epoch, evenly spaced.
-        keep_last: Keep the newest N valid checkpoints (None keeps all).
-        keep_best: Also keep the N best by ``best_metric``.
-        keep_every_steps: Save at every multiple of this step and keep those forever.
-        best_metric: Metric name (from ``run.step(metrics=...)``/``run.report``) ranking "best".
-        best_mode: ``"min"`` or ``"max"``.
-        auto_resume: Restore the newest valid checkpoint on entering (default).
-            False starts fresh and moves existing checkpoints to ``superseded/``.
-        resume: Where to start when this run's own checkpoints do not say:
-            ``"latest"`` (default), ``"best"``, a step number, a path to another
-            save_dir or checkpoint directory, or None (start fresh). A request
-            other than "latest" is applied once: the checkpoints written after
-            it record it, and a rerun (a requeue) continues from those.
-        weights_only: Load only the model's weights from that checkpoint;
-            optimizer, scheduler, scaler and counters start fresh (fine-tuning).
-        strict: False loads the model tensors whose key and shape match and
-            skips (and logs) model keys the checkpoint lacks and checkpoint keys
-            the model lacks; a key of another shape is an error either way (see
-            :func:`preempt.state.load_model`). Meant for weights_only=True.
         track: Further objects with state_dict()/load_state_dict(), by name.
-        signals: The signals that ask for a stop.
-        exit_code: The code of the SystemExit raised on a stop (default 75).
-        exit_if_complete: On entering a completed run, raise RunComplete (exit 0).
-            False continues training past the completed state instead.
-        lock_timeout: Seconds to wait when another process holds ``save_dir``
-            (see :mod:`preempt.lock`) before failing with LockedError; 0 fails at once.
-        time_limit: Walltime of this process, counted from entering the run:
-            seconds, or SLURM's ``[D-]HH:MM:SS``. The run stops and saves
-            before it ends, as on a signal. Under SLURM the job's end time
-            applies anyway (the earlier of the two wins).
-        requeue: Under SLURM, requeue the job after the checkpoint of a stop at
-            its time limit (see :mod:`preempt.slurm`). False only saves and exits.
-        max_restarts: Under SLURM, refuse to start when ``SLURM_RESTART_COUNT``
-            exceeds this, and do not requeue once it is reached (exit code 77):
-            stops a job that keeps coming back without finishing. None: no limit.
-        async_save: Periodic and "best" checkpoints copy the state into host
-            buffers (allocated once, reused) and a background thread writes
-            them with the same commit protocol, so the loop waits only for the
-            copy. At most one write is in flight: a periodic save that comes
-            due meanwhile is postponed until it ends; a best or milestone save
-            waits for it. A stop's save and the final one are synchronous,
-            after the write in flight has finished. The buffers hold one copy
-            of the state (pinned host memory when it lives on a GPU); when
-            that would take more than half of the host's available memory the
-            run saves synchronously and says so. Under torch.distributed rank 0
-            writes the replicated state in the background and the other ranks
-            write their files at the step; sharded (DCP) state is saved
-            synchronously. False: every save is synchronous.
-        sync_every_steps: Under torch.distributed, the ranks agree on saving
-            and stopping at every N-th ``run.step()`` (one small all-reduce on
-            a gloo group; see :mod:`preempt.distributed`). Larger N costs less
-            per step and delays a stop and a periodic save by up to N-1 steps.
-        log_file: Also write the run's log to ``save_dir/train.log`` (rank 0; the
-            other ranks log nothing unless ``PREEMPT_LOG_ALL_RANKS=1``, then to
-            the console and ``train.rank<r>.log``),
-            appended across restarts with a marker line at each start, and
-            keep ``save_dir/history.jsonl``: one line per progress report
-            (step, epoch, the metrics given to ``run.step``, learning rates,
-            step time, GPU memory) and a marker at each start, resume,
-            rollback and stop (:mod:`preempt.history`).
-        progress_every_s: Seconds between progress lines (steps/s, ETA) in
-            the log and history records; None turns both off. An epoch
-            summary is logged at each epoch end either way.
-        monitor_gpu: Sample every GPU through NVML every this many seconds (True:
-            every 10 s) into ``save_dir/gpu_stats.jsonl``, summarised in
-            ``gpu_stats.json`` at the end (:class:`~preempt.monitor.GPUMonitor`);
-            None or False: off. Without NVML or a GPU it says so once and does nothing.
-        max_nonfinite: ``run.check_loss`` skips a non-finite loss; after this many
-            in a row the run rolls back to its last checkpoint and divides the
-            learning rates by ``nonfinite_lr_factor`` (data keeps moving on).
-        max_rollbacks: After this many rollbacks (or with no checkpoint to roll
-            back to) the run exits with code 78 (:data:`~preempt.errors.NONFINITE_EXIT_CODE`).
-        max_oom: ``with run.oom_guard():`` skips a batch that runs out of memory;
-            after this many in a row the run exits with code 79
-            (:data:`~preempt.errors.OOM_EXIT_CODE`): rerun with a smaller batch.
-        emergency_save: When an exception escapes the loop at a step boundary
-            (no optimizer step begun since the last ``run.step()``), write a
-            checkpoint of that state (reason ``"emergency"``) before the
-            exception propagates. Not under torch.distributed.
         clock: Monotonic clock (for tests).
+
+        **options: The options of :class:`RunConfig`, checked there:
     """
 
     def __init__(
@@ -219,29 +137,12 @@ class PreemptibleRun:
     ) -> None:
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
             raise ValueError(f"save_dir: expected a directory path, got {save_dir!r}")
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
-            _check_stateful(name, obj)
-        cfg = self.config = RunConfig(
-            checkpoint_interval=checkpoint_interval, checkpoint_every_steps=checkpoint_every_steps,
-            checkpoints_per_epoch=checkpoints_per_epoch, keep_last=keep_last, keep_best=keep_best,
-            keep_every_steps=keep_every_steps, best_metric=best_metric, best_mode=best_mode, async_save=async_save,
-            auto_resume=auto_resume, resume=resume, weights_only=weights_only, strict=strict,
-            exit_if_complete=exit_if_complete, lock_timeout=lock_timeout, signals=tuple(signals), exit_code=exit_code,
-            time_limit=time_limit, requeue=requeue, max_restarts=max_restarts, sync_every_steps=sync_every_steps,
-            log_file=log_file, progress_every_s=progress_every_s, monitor_gpu=monitor_gpu,
-            max_nonfinite=max_nonfinite, nonfinite_lr_factor=nonfinite_lr_factor, max_rollbacks=max_rollbacks,
-            max_oom=max_oom, emergency_save=emergency_save,
-        )  # fmt: skip
+        self.components = state.Components.checked(model, optimizer, scheduler, scaler, track)
+        options = {name: value for name, value in locals().items() if name in _OPTIONS}
+        cfg = self.config = RunConfig(**options)  # checks them all
         self.save_dir = Path(save_dir)
         self.policy = cfg.save_policy()
         self.manager = CheckpointManager(save_dir, retention=cfg.retention())
-        self.components = state.Components(model, optimizer, scheduler, scaler)
-        for name, obj in (track or {}).items():
-            self._add_tracked(name, obj)
         self.env = Environment.from_env()
         self._clock = clock
         # The parts, each of one concern; the run composes them.
@@ -268,24 +169,19 @@ class PreemptibleRun:
 
     # ---------------------------------------------------------------- what a user reads
 
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps counted by run.step() over the whole run (all restarts)."""
-        return self.loop.global_step
-
-    @property
-    def epoch(self) -> int:
-        return self.loop.epoch
-
-    @property
-    def batch(self) -> int:
-        """Batches of the current epoch the loop received."""
-        return self.loop.batch
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The latest value of each metric given to run.step() or run.report()."""
-        return self.loop.metrics
+    global_step = property(lambda self: self.loop.global_step, doc="Optimizer steps counted by run.step(), in all.")
+    epoch = property(lambda self: self.loop.epoch, doc="The current epoch.")
+    batch = property(lambda self: self.loop.batch, doc="Batches of the current epoch the loop received.")
+    metrics = property(lambda self: self.loop.metrics, doc="The latest value of each metric given to the run.")
+    last_checkpoint = property(lambda self: self.saves.last_checkpoint, doc="The newest durable checkpoint known.")
+    last_save = property(lambda self: self.saves.last_save, doc="The latest checkpoint taken (a SaveRecord).")
+    failed_saves = property(lambda self: self.saves.failed, doc="Periodic checkpoints that could not be written.")
+    staging_prepare_s = property(lambda self: self.saves.prepare_s, doc="Seconds spent sizing the staging buffers.")
+    rank = property(lambda self: self.peers.rank, doc="This process's rank (0 alone).")
+    world_size = property(lambda self: self.peers.world_size, doc="The number of ranks (1 alone).")
+    nonfinite = property(lambda self: self.health.nonfinite, doc="The non-finite loss guard (counts).")
+    oom = property(lambda self: self.health.oom, doc="The out-of-memory guard (counts).")
+    rollbacks = property(lambda self: self.health.rollbacks, doc="Rollbacks after non-finite losses so far.")
 
     @property
     def user_state(self) -> dict[str, Any]:
@@ -295,45 +191,6 @@ class PreemptibleRun:
     @user_state.setter
     def user_state(self, value: dict[str, Any]) -> None:
         self.snapshot.user_state = value
-
-    @property
-    def last_checkpoint(self) -> Path | None:
-        """The newest durable checkpoint this process knows of."""
-        return self.saves.last_checkpoint
-
-    @property
-    def last_save(self) -> SaveRecord | None:
-        return self.saves.last_save
-
-    @property
-    def failed_saves(self) -> int:
-        """Periodic checkpoints that could not be written (disk full, I/O errors)."""
-        return self.saves.failed
-
-    @property
-    def staging_prepare_s(self) -> float | None:
-        """Seconds spent allocating the staging buffers (in the background)."""
-        return self.saves.prepare_s
-
-    @property
-    def rank(self) -> int:
-        return self.peers.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.peers.world_size
-
-    @property
-    def nonfinite(self) -> Any:
-        return self.health.nonfinite
-
-    @property
-    def oom(self) -> Any:
-        return self.health.oom
-
-    @property
-    def rollbacks(self) -> int:
-        return self.health.rollbacks
 
     # ---------------------------------------------------------------- enter
 
@@ -432,12 +289,7 @@ class PreemptibleRun:
         if opt is not None:
             self._step_hook = opt.register_step_pre_hook(self.loop.optimizer_stepping)
         self.reporter.start(self.resumed_from)
-        if self.config.async_save and self.snapshot.sharded:
-            if self.peers.leader:
-                log.info("async_save: sharded state is saved synchronously (every rank writes its shards through DCP)")
-        elif self.config.async_save and self.peers.leader:
-            # Under torch.distributed rank 0 writes the replicated state in the background; the other ranks'
-            # files (their random generators) are small and written at the step, before rank 0's.
+        if self.config.async_save:
             self.saves.start(payload, optimizer_state_later=opt is not None)
         self._recompute_due()
 
@@ -455,13 +307,7 @@ class PreemptibleRun:
             if self._step_hook is not None:
                 self._step_hook.remove()
                 self._step_hook = None
-            if isinstance(exc, Preempted):
-                event: str | None = "stop"
-            elif exc_type is None:
-                event = "complete"
-            else:
-                event = "error"
-            self.reporter.stop(event, **({"error": repr(exc)[:200]} if event == "error" else {}))
+            self.reporter.ended(exc_type is None, exc)
             try:
                 self.saves.close()  # a write in flight is a consistent state: let it become durable
                 self.data.stop_workers()
@@ -614,27 +460,21 @@ class PreemptibleRun:
         (seed, epoch, index) first, so random augmentation inside the dataset
         replays exactly, with any number of workers (:mod:`preempt.data_replay`).
         """
-        replicas, rank = 1, 0
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        s = ResumableSampler(
+        return self.data.make_sampler(
             dataset,
+            epoch=self.loop.epoch,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
-            num_replicas=replicas,
-            rank=rank,
             per_sample_rng=per_sample_rng,
         )
-        s.set_epoch(self.loop.epoch)
-        return self.data.add_sampler(s)
 
     def track(self, name: str, obj: state.Stateful) -> None:
         """Saves and restores ``obj`` (anything with state_dict/load_state_dict) under ``name``.
 
         When the run resumed, the object's saved state is loaded at once.
         """
-        self._add_tracked(name, obj)
+        self.components.track(name, obj)
         saved = self._starter.saved_tracked if self._starter is not None else {}
         if self._active and not state.load_tracked(name, obj, saved, str(self.resumed_from)):
             if self.resumed_from is not None:
@@ -671,23 +511,10 @@ class PreemptibleRun:
         return path
 
     def check_loss(self, loss: torch.Tensor | float) -> bool:
-        """True when ``loss`` is finite. Otherwise the step must be skipped: zero the gradients, do not step.
+        """True when ``loss`` is finite. Otherwise skip the step: zero the gradients, no backward, no run.step().
 
-        ::
-
-            loss = compute_loss(model, batch)
-            if not run.check_loss(loss):
-                opt.zero_grad(set_to_none=True)
-                continue  # no backward, no optimizer step, no run.step()
-            loss.backward(); opt.step(); run.step()
-
-        After ``max_nonfinite`` in a row the run rolls back to its last
-        checkpoint (model, optimizer, scheduler, scaler) and divides the
-        learning rates by ``nonfinite_lr_factor``; the data goes on from the
-        current batch, so the batches that diverged are not replayed. With no
-        checkpoint, under torch.distributed, or after ``max_rollbacks``, it
-        raises :class:`~preempt.guards.NonFiniteStreak` (exit code 78). One
-        synchronisation with the GPU per call (the finiteness test).
+        After ``max_nonfinite`` in a row the run rolls back to its last checkpoint with lower learning rates
+        (:meth:`preempt.health.Health.check_loss`); it cannot roll back: exit code 78.
         """
         return self.health.check_loss(
             loss,
@@ -705,14 +532,6 @@ class PreemptibleRun:
         return self.health.oom_step(alone=self.peers.alone)
 
     # ------------------------------------------------------------ internals
-
-    def _add_tracked(self, name: str, obj: Any) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"track: expected a non-empty name, got {name!r}")
-        if name in self.components.tracked:
-            raise ValueError(f"track: the name {name!r} is already tracked")
-        _check_stateful(f"track[{name!r}]", obj)
-        self.components.tracked[name] = obj
 
     def _check_active(self, what: str) -> None:
         if not self._active:
@@ -758,19 +577,7 @@ class PreemptibleRun:
         self._recompute_due()
 
     def _stop(self, peer: int = -1) -> None:
-        loop = self.loop
-        self.stopper.stop(
-            step=loop.global_step,
-            epoch=loop.epoch,
-            batch=loop.batch,
-            start_step=loop.start_step,
-            checkpoint=self.saves.last_checkpoint,
-            peer=peer,
-        )
+        self.stopper.stop(self.loop, checkpoint=self.saves.last_checkpoint, peer=peer)
 
 
-def _check_stateful(name: str, obj: Any) -> None:
-    if obj is None:
-        return
-    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-        raise TypeError(f"{name}: expected an object with state_dict() and load_state_dict(), got {type(obj).__name__}")
+PreemptibleRun.__doc__ = (PreemptibleRun.__doc__ or "").rstrip() + "\n" + OPTIONS_DOC  # help() shows every option

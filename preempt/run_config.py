@@ -18,10 +18,96 @@ from .errors import PREEMPTED_EXIT_CODE
 from .policy import RetentionPolicy, SavePolicy
 from .signals import DEFAULT_SIGNALS
 
+OPTIONS_DOC = """\
+        checkpoint_interval: Seconds between periodic checkpoints; None disables.
+        checkpoint_every_steps: Also save at every multiple of this global step.
+        checkpoints_per_epoch: Also save N times per epoch, evenly spaced.
+        keep_last: Keep the newest N valid checkpoints (None keeps all).
+        keep_best: Also keep the N best by ``best_metric``.
+        keep_every_steps: Save at every multiple of this step and keep those forever.
+        best_metric: Metric name (from ``run.step(metrics=...)``/``run.report``) ranking "best".
+        best_mode: ``"min"`` or ``"max"``.
+        auto_resume: Restore the newest valid checkpoint on entering (default).
+            False starts fresh and moves existing checkpoints to ``superseded/``.
+        resume: Where to start when this run's own checkpoints do not say:
+            ``"latest"`` (default), ``"best"``, a step number, a path to another
+            save_dir or checkpoint directory, or None (start fresh). A request
+            other than "latest" is applied once: the checkpoints written after
+            it record it, and a rerun (a requeue) continues from those.
+        weights_only: Load only the model's weights from that checkpoint;
+            optimizer, scheduler, scaler and counters start fresh (fine-tuning).
+        strict: False loads the model tensors whose key and shape match and
+            skips (and logs) model keys the checkpoint lacks and checkpoint keys
+            the model lacks; a key of another shape is an error either way (see
+            :func:`preempt.state.load_model`). Meant for weights_only=True.
+        signals: The signals that ask for a stop.
+        exit_code: The code of the SystemExit raised on a stop (default 75).
+        exit_if_complete: On entering a completed run, raise RunComplete (exit 0).
+            False continues training past the completed state instead.
+        lock_timeout: Seconds to wait when another process holds ``save_dir``
+            (see :mod:`preempt.lock`) before failing with LockedError; 0 fails at once.
+        time_limit: Walltime of this process, counted from entering the run:
+            seconds, or SLURM's ``[D-]HH:MM:SS``. The run stops and saves
+            before it ends, as on a signal. Under SLURM the job's end time
+            applies anyway (the earlier of the two wins).
+        requeue: Under SLURM, requeue the job after the checkpoint of a stop at
+            its time limit (see :mod:`preempt.slurm`). False only saves and exits.
+        max_restarts: Under SLURM, refuse to start when ``SLURM_RESTART_COUNT``
+            exceeds this, and do not requeue once it is reached (exit code 77):
+            stops a job that keeps coming back without finishing. None: no limit.
+        async_save: Periodic and "best" checkpoints copy the state into host
+            buffers (allocated once, reused) and a background thread writes
+            them with the same commit protocol, so the loop waits only for the
+            copy. At most one write is in flight: a periodic save that comes
+            due meanwhile is postponed until it ends; a best or milestone save
+            waits for it. A stop's save and the final one are synchronous,
+            after the write in flight has finished. The buffers hold one copy
+            of the state (pinned host memory when it lives on a GPU); when
+            that would take more than half of the host's available memory the
+            run saves synchronously and says so. Under torch.distributed rank 0
+            writes the replicated state in the background and the other ranks
+            write their files at the step; sharded (DCP) state is saved
+            synchronously. False: every save is synchronous.
+        sync_every_steps: Under torch.distributed, the ranks agree on saving
+            and stopping at every N-th ``run.step()`` (one small all-reduce on
+            a gloo group; see :mod:`preempt.distributed`). Larger N costs less
+            per step and delays a stop and a periodic save by up to N-1 steps.
+        log_file: Also write the run's log to ``save_dir/train.log`` (rank 0; the
+            other ranks log nothing unless ``PREEMPT_LOG_ALL_RANKS=1``, then to
+            the console and ``train.rank<r>.log``),
+            appended across restarts with a marker line at each start, and
+            keep ``save_dir/history.jsonl``: one line per progress report
+            (step, epoch, the metrics given to ``run.step``, learning rates,
+            step time, GPU memory) and a marker at each start, resume,
+            rollback and stop (:mod:`preempt.history`).
+        progress_every_s: Seconds between progress lines (steps/s, ETA) in
+            the log and history records; None turns both off. An epoch
+            summary is logged at each epoch end either way.
+        monitor_gpu: Sample every GPU through NVML every this many seconds (True:
+            every 10 s) into ``save_dir/gpu_stats.jsonl``, summarised in
+            ``gpu_stats.json`` at the end (:class:`~preempt.monitor.GPUMonitor`);
+            None or False: off. Without NVML or a GPU it says so once and does nothing.
+        max_nonfinite: ``run.check_loss`` skips a non-finite loss; after this many
+            in a row the run rolls back to its last checkpoint and divides the
+            learning rates by ``nonfinite_lr_factor`` (data keeps moving on).
+        max_rollbacks: After this many rollbacks (or with no checkpoint to roll
+            back to) the run exits with code 78 (:data:`~preempt.errors.NONFINITE_EXIT_CODE`).
+        max_oom: ``with run.oom_guard():`` skips a batch that runs out of memory;
+            after this many in a row the run exits with code 79
+            (:data:`~preempt.errors.OOM_EXIT_CODE`): rerun with a smaller batch.
+        emergency_save: When an exception escapes the loop at a step boundary
+            (no optimizer step begun since the last ``run.step()``), write a
+            checkpoint of that state (reason ``"emergency"``) before the
+            exception propagates. Not under torch.distributed.
+"""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """The run's options (see :class:`~preempt.run.PreemptibleRun` for each)."""
+    """The options of a run; ``PreemptibleRun(save_dir, model=..., **options)`` builds one and reads it.
+
+    Args:
+    """
 
     # what is saved when
     checkpoint_interval: float | None = 300.0
@@ -125,3 +211,6 @@ def _time_limit(value: float | str | None) -> float | None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"time_limit: expected a positive number of seconds or '[D-]HH:MM:SS', got {value!r}")
     return float(seconds)
+
+
+RunConfig.__doc__ = (RunConfig.__doc__ or "").rstrip() + "\n" + OPTIONS_DOC

@@ -178,7 +178,18 @@ class SaveScheduler:
         return 0 if self.stager is None else self.stager.nbytes
 
     def start(self, payload: Any, *, optimizer_state_later: bool) -> None:
-        """Background saves from now: the buffers are sized for ``payload`` in the background."""
+        """Background saves from now: the buffers are sized for ``payload`` in the background.
+
+        Under torch.distributed rank 0 writes the replicated state in the background; the other ranks' files
+        (their random generators) are small and written at the step, before rank 0's. Sharded state is written
+        by every rank through DCP, synchronously.
+        """
+        if self.snapshot.sharded:
+            if self.peers.leader:
+                log.info("async_save: sharded state is saved synchronously (every rank writes its shards through DCP)")
+            return
+        if not self.peers.leader:
+            return
         self.stager, self.writer = self._new_stager(), self._new_writer()
         self._prepare(payload)
         if optimizer_state_later:

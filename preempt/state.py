@@ -26,11 +26,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from . import codec
+from .components import Components, Stateful
 from .errors import IncompatibleStateError, UnsupportedStateError
 from .tensorfile import check_tensor
 
@@ -49,12 +50,6 @@ def rank_files(rank: int) -> tuple[str, str]:
 _PREFIXES = ("module.", "_orig_mod.")
 
 log = logging.getLogger("preempt")
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> Any: ...
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -83,17 +78,6 @@ def strip_prefixes(keys: list[str], wanted: set[str]) -> dict[str, str]:
                 mapping = {k: v[len(prefix) :] for k, v in mapping.items()}
                 changed = True
     return mapping
-
-
-@dataclasses.dataclass
-class Components:
-    """The objects a run saves and restores."""
-
-    model: torch.nn.Module | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: Stateful | None = None
-    scaler: Stateful | None = None
-    tracked: dict[str, Stateful] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -7,6 +7,13 @@ names the cause, requeues the job when the stop is its time limit (the rule is
 :func:`preempt.slurm.decide_requeue`), and raises
 :class:`~preempt.errors.Preempted` with the exit code that tells the caller
 what happened.
+
+**Walltime.** With a deadline (the SLURM job's end time, or ``time_limit``)
+the run also stops by itself, with no signal, early enough for the stop's
+checkpoint to be durable before the deadline; the margin comes from the
+measured step and save times (:class:`~preempt.policy.Walltime`). Under
+SLURM, a stop at the time limit then requeues the job (rule and limits in
+:mod:`preempt.slurm`); other stops only save and exit.
 """
 
 from __future__ import annotations
@@ -14,11 +21,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import _log, slurm
 from .environment import Environment
 from .errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
+from .loop_state import LoopState
 from .policy import Decision, Reason, Walltime
 from .run_config import RunConfig
 from .signals import StopFlag, signal_name
@@ -178,8 +186,9 @@ class Stopper:
 
     # ---------------------------------------------------------------- the stop
 
-    def stop(self, *, step: int, epoch: int, batch: int, start_step: int, checkpoint: Path | None, peer: int = -1):
+    def stop(self, loop: LoopState, *, checkpoint: Path | None, peer: int = -1) -> NoReturn:
         """Leaves the run: requeues the job when due, logs why, and raises Preempted."""
+        step, epoch, batch, start_step = loop.global_step, loop.epoch, loop.batch, loop.start_step
         f = self.flag
         now = self.clock()
         if not f.requested and self.walltime is None:
