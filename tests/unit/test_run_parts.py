@@ -1,0 +1,149 @@
+"""The run's smaller parts, pure: loop state, the single process as peers, the start plan, the config."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from preempt import PreemptibleRun
+from preempt.errors import NoCheckpointError
+from preempt.loop_state import LoopState
+from preempt.manifest import Cursor
+from preempt.peers import Alone
+from preempt.policy import RetentionPolicy
+from preempt.resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
+from preempt.run_config import RunConfig
+
+# ---------------------------------------------------------------------------- LoopState
+
+
+def test_a_step_counts_and_marks_the_state_changed_and_whole_again():
+    loop = LoopState()
+    loop.took_batch()
+    loop.took_batch()
+    loop.optimizer_stepping()
+    assert loop.stepping and loop.batches_since_step == 2 and not loop.dirty
+    assert loop.stepped() == 1
+    assert (loop.global_step, loop.batch, loop.batches_since_step, loop.stepping, loop.dirty) == (1, 2, 0, False, True)
+
+
+def test_a_skipped_batch_is_a_step_boundary_and_an_emergency_save_unwinds_the_unstepped_batches():
+    loop = LoopState()
+    loop.took_batch()
+    loop.optimizer_stepping()
+    loop.batch_skipped()
+    assert not loop.stepping and loop.batches_since_step == 0 and loop.batch == 1
+    loop.took_batch()
+    loop.took_batch()
+    loop.unwind_batches()
+    assert loop.batch == 1 and loop.batches_since_step == 0
+
+
+def test_metrics_take_numbers_and_one_element_tensors_and_a_better_value_makes_best_due():
+    loop = LoopState()
+    retention = RetentionPolicy(keep_last=2, keep_best=1, metric="loss", mode="min")
+    loop.record({"loss": torch.tensor(2.0), "acc": 1}, retention)
+    assert loop.metrics == {"loss": 2.0, "acc": 1.0} and loop.best_pending and loop.best["value"] == 2.0
+    loop.taken(0, Cursor(), now=5.0)
+    assert not loop.best_pending and not loop.dirty and loop.last_save_time == 5.0
+    loop.record({"loss": 3.0}, retention)
+    assert not loop.best_pending and loop.best["value"] == 2.0
+    loop.record({"loss": float("nan")}, retention)
+    assert not loop.best_pending
+    with pytest.raises(ValueError, match=r"metrics\['loss'\]: expected one number, got a tensor of shape \(2,\)"):
+        loop.record({"loss": torch.zeros(2)}, retention)
+    with pytest.raises(TypeError, match=r"metrics\['ok'\]: expected a number, got True"):
+        loop.record({"ok": True}, retention)
+    with pytest.raises(TypeError, match="expected a mapping"):
+        loop.record([1.0], retention)  # type: ignore[arg-type]
+
+
+def test_the_facts_for_the_save_policy_come_from_the_counters():
+    loop = LoopState(global_step=7, epoch=2, batch=3)
+    loop.taken(5, Cursor(epoch=2, batch=1), now=10.0)
+    loop.epoch_ended()
+    f = loop.facts(12.0, batches_per_epoch=4, stop_requested=True)
+    assert (f.step, f.epoch, f.batch, f.last_save_step, f.last_save_epoch, f.last_save_batch) == (7, 3, 0, 5, 2, 1)
+    assert f.dirty and f.stop_requested and f.stop_at == math.inf and f.now == 12.0
+
+
+# ---------------------------------------------------------------------------- one process as peers
+
+
+def test_a_process_alone_agrees_with_itself():
+    alone = Alone()
+    assert alone.leader and alone.alone and (alone.rank, alone.world_size) == (0, 1)
+    assert alone.meets(3, True) and not alone.meets(3, False)
+    a = alone.agree(False, 4)
+    assert (a.stop, a.save, a.signal_rank) == (False, 4, -1)
+    a = alone.agree(True, 0)
+    assert (a.stop, a.save, a.signal_rank) == (True, 0, 0)
+    assert alone.agree(False, 0, walltime_stop=True).stop
+    assert alone.broadcast(("x", 1)) == ("x", 1)
+
+
+# ---------------------------------------------------------------------------- the start plan
+
+
+def test_the_start_plan():
+    assert plan_start(fresh=True, request=None).kind == "fresh"
+    assert plan_start(fresh=True, request=None).supersede
+    assert plan_start(fresh=False, request=None, latest_request=NO_CHECKPOINT).kind == "latest"
+    best = request_of("best", False)
+    assert best == {"resume": "best", "weights_only": False}
+    assert plan_start(fresh=False, request=best, latest_request=None).kind == "branch"  # not applied yet
+    assert plan_start(fresh=False, request=best, latest_request=best).kind == "latest"  # its timeline exists
+    assert plan_start(fresh=False, request=best).kind == "branch"
+    assert request_of("latest", False) is None and request_of("latest", True) is not None
+    assert not is_new_request(None, None) and is_new_request(best) and not is_new_request(best, best)
+
+
+def test_a_request_names_its_source_or_says_what_it_found(tmp_path):
+    assert request_source("best", tmp_path) == (tmp_path.resolve(), "best")
+    assert request_source(4, tmp_path) == (tmp_path.resolve(), 4)
+    other = tmp_path / "other"
+    other.mkdir()
+    assert request_source(str(other), tmp_path) == (other.resolve(), "latest")
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "manifest.json").write_text("{}")
+    with pytest.raises(NoCheckpointError, match="holds a manifest but is not named step_<N>"):
+        request_source(str(tmp_path / "odd"), tmp_path)
+    with pytest.raises(NoCheckpointError, match="neither a save_dir nor a checkpoint directory"):
+        request_source(os.fspath(tmp_path / "missing"), tmp_path)
+
+
+# ---------------------------------------------------------------------------- the config
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("exit_code", 300, r"exit_code: expected an integer in \[0, 255\], got 300"),
+        ("resume", True, "resume: expected 'latest', 'best', a step, a path or None, got True"),
+        ("resume", -1, "resume: a step number must be >= 0, got -1"),
+        ("time_limit", "soon", "time_limit: expected a positive number of seconds or"),
+        ("max_restarts", -1, "max_restarts: expected an integer >= 0 or None, got -1"),
+        ("sync_every_steps", 0, "sync_every_steps: expected an integer >= 1, got 0"),
+        ("max_oom", 0, "max_oom: expected an integer >= 1, got 0"),
+        ("nonfinite_lr_factor", 1, "nonfinite_lr_factor: expected a number > 1, got 1"),
+        ("progress_every_s", 0, "progress_every_s: expected a number of seconds > 0 or None, got 0"),
+        ("keep_best", 1, r"keep_best=1 needs best_metric="),
+        ("checkpoint_interval", -5, "checkpoint_interval"),
+    ],
+)
+def test_every_option_is_checked_once_by_the_config_and_named(tmp_path, option, value, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig(**{option: value})
+    with pytest.raises(ValueError, match=message):
+        PreemptibleRun(tmp_path, **{option: value})
+
+
+def test_the_config_normalises_and_hands_the_retention_to_the_manager(tmp_path):
+    cfg = RunConfig(monitor_gpu=True, time_limit="01:00:00", keep_best=2, best_metric="loss", best_mode="max")
+    assert cfg.monitor_gpu == 10.0 and cfg.time_limit == 3600.0
+    run = PreemptibleRun(tmp_path, keep_best=2, best_metric="loss", best_mode="max", keep_last=3)
+    assert run.manager.retention == RetentionPolicy(keep_last=3, keep_best=2, metric="loss", mode="max")
+    assert "checkpoint_interval" in (PreemptibleRun.__doc__ or "") and "emergency_save" in (RunConfig.__doc__ or "")

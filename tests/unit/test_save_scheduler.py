@@ -1,0 +1,210 @@
+"""The save scheduler's decisions, pure, and the scheduler driven with a fake writer: no threads, no sleeps."""
+
+from __future__ import annotations
+
+import errno
+import math
+
+import pytest
+import torch
+
+from preempt import CheckpointManager, CheckpointWriteError
+from preempt.components import Components
+from preempt.data_cursor import DataCursor
+from preempt.loop_state import LoopState
+from preempt.policy import Due, Reason
+from preempt.save_scheduler import SaveScheduler, pick, plan, wake
+from preempt.signals import StopFlag
+from preempt.snapshot import Snapshot
+
+R = Reason
+
+# ---------------------------------------------------------------------------- pick
+
+
+@pytest.mark.parametrize("reason", [R.INTERVAL, R.STEPS, R.PER_EPOCH])
+def test_a_periodic_save_due_while_a_write_is_in_flight_is_postponed(reason):
+    assert pick(reason, job="save", staging=True, postponed=None, dirty=True) == (None, reason)
+
+
+@pytest.mark.parametrize("reason", [R.BEST, R.MILESTONE, R.PREEMPT, R.WALLTIME])
+def test_best_milestone_and_stop_saves_are_taken_now_even_while_writing(reason):
+    assert pick(reason, job="save", staging=True, postponed=None, dirty=True) == (reason, None)
+
+
+def test_buffer_sizing_in_flight_postpones_nothing():
+    assert pick(R.STEPS, job="prepare", staging=True, postponed=None, dirty=True) == (R.STEPS, None)
+
+
+def test_without_staging_nothing_is_postponed():
+    assert pick(R.STEPS, job="save", staging=False, postponed=None, dirty=True) == (R.STEPS, None)
+
+
+def test_the_postponed_save_is_taken_once_the_write_ended_and_only_when_something_changed():
+    assert pick(None, job=None, staging=True, postponed=R.INTERVAL, dirty=True) == (R.INTERVAL, R.INTERVAL)
+    assert pick(None, job="save", staging=True, postponed=R.INTERVAL, dirty=True) == (None, R.INTERVAL)
+    assert pick(None, job=None, staging=True, postponed=R.INTERVAL, dirty=False) == (None, R.INTERVAL)
+    assert pick(None, job=None, staging=True, postponed=None, dirty=True) == (None, None)
+
+
+# ---------------------------------------------------------------------------- plan and wake
+
+
+@pytest.mark.parametrize("reason", list(Reason))
+def test_stop_final_branch_and_emergency_saves_are_synchronous(reason):
+    sync = reason in (R.PREEMPT, R.WALLTIME, R.FINAL, R.BRANCH, R.EMERGENCY)
+    assert plan(reason, job=None, staging=True).background is not sync
+    assert plan(reason, job=None, staging=False).background is False
+    assert plan(reason, job="save", staging=True).settle and not plan(reason, job=None, staging=True).settle
+
+
+def test_wake_waits_for_the_write_then_takes_the_postponed_save_at_the_next_step():
+    due = Due(10, 7, 100.0)
+    writing = wake(due, step=12, milestone_steps=5, postponed=R.STEPS, job=True, prepare_at=None)
+    assert writing == Due(15, math.inf, math.inf)  # a milestone stays due; periodic ones wait for the write
+    assert wake(due, step=12, milestone_steps=None, postponed=R.STEPS, job=True, prepare_at=None).step == math.inf
+    assert wake(due, step=12, milestone_steps=5, postponed=R.STEPS, job=False, prepare_at=None) == Due(
+        13, math.inf, math.inf
+    )
+    assert wake(due, step=0, milestone_steps=None, postponed=None, job=False, prepare_at=1) == Due(1, 7, 100.0)
+    assert wake(due, step=0, milestone_steps=None, postponed=None, job=True, prepare_at=1) == due
+    assert wake(due, step=0, milestone_steps=None, postponed=None, job=False, prepare_at=None) == due
+
+
+# ---------------------------------------------------------------------------- the scheduler, with a fake writer
+
+
+class FakeWriter:
+    """The BackgroundWriter's interface; a job runs only when the test says (or when its result is asked)."""
+
+    def __init__(self) -> None:
+        self.job = None
+        self.done = True
+        self.outcome: tuple[object, BaseException | None] = (None, None)
+        self.submitted = 0
+
+    @property
+    def busy(self) -> bool:
+        return not self.done
+
+    def submit(self, job) -> None:
+        assert self.done and self.job is None, "a job was submitted while another was pending"
+        self.job, self.done = job, False
+        self.submitted += 1
+
+    def finish(self) -> None:
+        try:
+            self.outcome = (self.job(), None)
+        except BaseException as e:
+            self.outcome = (None, e)
+        self.done = True
+
+    def wait(self, timeout=None) -> bool:
+        return self.done
+
+    def result(self, timeout=None):
+        if not self.done:
+            self.finish()
+        job, self.job = self.job, None
+        assert job is not None
+        value, error = self.outcome
+        if error is not None:
+            raise error
+        return value
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def scheduler(tmp_path, writer: FakeWriter):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    loop, data = LoopState(), DataCursor(())
+    data.seed = 1
+    snapshot = Snapshot(Components(model), loop, data)
+    manager = CheckpointManager(tmp_path, keep_last=None)
+    saves = SaveScheduler(manager, loop, snapshot, StopFlag(()), clock=Clock(), writer=lambda: writer)
+    saves.start(snapshot.capture(), optimizer_state_later=False)
+    writer.finish()  # the buffers are sized
+    saves.tend()
+    return saves, loop, model
+
+
+def on_disk(manager: CheckpointManager) -> list[tuple[int, str]]:
+    return [(c.step, c.manifest.reason) for c in manager.list() if c.status == "valid"]
+
+
+def test_a_background_save_is_staged_then_written_and_a_periodic_one_waits_for_it(tmp_path):
+    writer = FakeWriter()
+    saves, loop, model = scheduler(tmp_path, writer)
+    assert saves.prepare_s is not None and saves.buffer_nbytes > 0
+    loop.stepped()
+    saves.save(R.STEPS, "step")
+    assert saves.job is not None and saves.job.kind == "save" and not loop.dirty
+    assert saves.last_save.step == 1 and saves.last_save.background and not saves.last_save.durable
+    assert on_disk(saves.manager) == []  # staged only
+    before = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the loop goes on: the snapshot must not see this
+    loop.stepped()
+    assert saves.pick(R.STEPS) is None and saves.postponed is R.STEPS
+    writer.finish()
+    saves.tend()
+    assert on_disk(saves.manager) == [(1, "steps")] and saves.last_checkpoint == tmp_path / "step_000000001"
+    written = saves.manager.read(saves.last_info).model
+    assert torch.equal(written["weight"], before)  # the state of step 1, not the later one
+    assert saves.pick(None) is R.STEPS  # the write that postponed it ended
+    saves.save(R.STEPS, "step")
+    assert saves.postponed is None and writer.submitted == 3  # prepare, step 1, step 2
+
+
+def test_a_stop_waits_for_the_write_in_flight_then_saves_synchronously(tmp_path):
+    writer = FakeWriter()
+    saves, loop, _ = scheduler(tmp_path, writer)
+    loop.stepped()
+    saves.save(R.INTERVAL, "step")
+    loop.stepped()
+    saves.save(R.PREEMPT, "step")
+    assert saves.job is None and on_disk(saves.manager) == [(2, "preempt"), (1, "interval")]
+    assert saves.last_save.step == 2 and saves.last_save.durable and not saves.last_save.background
+
+
+def test_a_write_out_of_disk_is_counted_and_the_state_is_due_again(tmp_path, monkeypatch):
+    writer = FakeWriter()
+    saves, loop, _ = scheduler(tmp_path, writer)
+    loop.stepped()
+    monkeypatch.setattr(saves.manager, "save", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    saves.save(R.STEPS, "step")
+    assert not loop.dirty
+    saves.collect()
+    assert saves.failed == 1 and loop.dirty and saves.last_checkpoint is None
+
+
+def test_any_other_write_failure_is_raised_naming_the_step(tmp_path, monkeypatch):
+    writer = FakeWriter()
+    saves, loop, _ = scheduler(tmp_path, writer)
+    loop.stepped()
+    monkeypatch.setattr(saves.manager, "save", lambda *a: (_ for _ in ()).throw(ValueError("bad bytes")))
+    saves.save(R.STEPS, "step")
+    with pytest.raises(CheckpointWriteError, match=r"step_000000001.*bad bytes"):
+        saves.collect()
+    assert loop.dirty
+
+
+def test_a_failed_stop_save_raises_save_failed_with_the_last_good_checkpoint(tmp_path, monkeypatch):
+    from preempt.errors import SaveFailed
+
+    writer = FakeWriter()
+    saves, loop, _ = scheduler(tmp_path, writer)
+    loop.stepped()
+    saves.save(R.FINAL, "epoch")
+    loop.stepped()
+    monkeypatch.setattr(saves.manager, "save", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(SaveFailed) as err:
+        saves.save(R.PREEMPT, "step")
+    assert err.value.last_good == str(tmp_path / "step_000000001")
