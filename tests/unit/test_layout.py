@@ -49,6 +49,28 @@ def test_no_import_circle():
     assert not cycles, [" -> ".join(c) for c in cycles]
 
 
+# The run's parts (preempt/README.md): each imports only parts before it.
+PARTS = [
+    "run_config", "loop_state", "data_cursor", "snapshot", "peers", "save_scheduler", "stopping", "reporting",
+    "health", "resume_plan", "restore", "run",
+]  # fmt: skip
+
+
+def test_the_runs_parts_import_only_the_parts_before_them():
+    wrong = {}
+    for i, part in enumerate(PARTS):
+        later = imports(PACKAGE / f"{part}.py") & set(PARTS[i + 1 :])
+        if later:
+            wrong[part] = sorted(later)
+    assert not wrong, wrong
+
+
+def test_the_building_blocks_do_not_import_the_run():
+    blocks = [p for p in PACKAGE.glob("*.py") if p.stem not in PARTS and p.stem != "__init__"]
+    wrong = {p.stem: sorted(imports(p) & set(PARTS) - {"run_config"}) for p in blocks}
+    assert not {k: v for k, v in wrong.items() if v}, wrong
+
+
 def test_modules_are_short():
     long = {p.name: n for p in PACKAGE.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert set(long) <= TOO_LONG_FOR_NOW, {k: v for k, v in long.items() if k not in TOO_LONG_FOR_NOW}
