@@ -156,6 +156,8 @@ class PreemptibleRun:
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
         self.reporter = Reporter(cfg, self.save_dir, self.loop, clock)
         self.peers: Alone = Alone()
+        self._meets = self.peers.meets  # run.step()'s hot path reads these two directly
+        self._flag = self.stopper.flag
         self.resumed_from: Path | None = None
         job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
         self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=lock_timeout)
@@ -182,6 +184,12 @@ class PreemptibleRun:
     nonfinite = property(lambda self: self.health.nonfinite, doc="The non-finite loss guard (counts).")
     oom = property(lambda self: self.health.oom, doc="The out-of-memory guard (counts).")
     rollbacks = property(lambda self: self.health.rollbacks, doc="Rollbacks after non-finite losses so far.")
+
+    def __getattr__(self, name: str) -> Any:
+        """The options read as attributes, as before the config had its own class (``run.time_limit``, ...)."""
+        if name in _OPTIONS and "config" in self.__dict__:
+            return getattr(self.config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def user_state(self) -> dict[str, Any]:
@@ -240,6 +248,7 @@ class PreemptibleRun:
                 " supported yet; load them before entering the run, or resume the whole state"
             )
         peers = self.peers = join(cfg.sync_every_steps)
+        self._meets = peers.meets
         self.snapshot.rank = self.reporter.rank = peers.rank
         self.reporter.world_size = peers.world_size
         self.saves.peers = peers
@@ -424,9 +433,9 @@ class PreemptibleRun:
         step = self._step_view[0] = loop.stepped()
         if metrics is not None:
             loop.record(metrics, self.manager.retention)
-        if self.peers.meets(
+        if self._meets(
             step,
-            self.stopper.flag.requested
+            self._flag.requested
             or loop.best_pending
             or step >= self._due_step
             or loop.batch >= self._due_batch
