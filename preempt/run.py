@@ -72,6 +72,11 @@ _REASONS = list(Reason)  # save reasons travel between ranks as index + 1
 _OPTIONS = frozenset(f.name for f in dataclasses.fields(RunConfig))
 
 
+def _view(part: str, name: str, doc: str) -> property:
+    """A read-only attribute of the run that is ``name`` of one of its parts."""
+    return property(lambda run: getattr(getattr(run, part), name), doc=doc)
+
+
 class PreemptibleRun:
     """Makes a training loop stop cleanly on a signal and resume exactly.
 
@@ -171,19 +176,19 @@ class PreemptibleRun:
 
     # ---------------------------------------------------------------- what a user reads
 
-    global_step = property(lambda self: self.loop.global_step, doc="Optimizer steps counted by run.step(), in all.")
-    epoch = property(lambda self: self.loop.epoch, doc="The current epoch.")
-    batch = property(lambda self: self.loop.batch, doc="Batches of the current epoch the loop received.")
-    metrics = property(lambda self: self.loop.metrics, doc="The latest value of each metric given to the run.")
-    last_checkpoint = property(lambda self: self.saves.last_checkpoint, doc="The newest durable checkpoint known.")
-    last_save = property(lambda self: self.saves.last_save, doc="The latest checkpoint taken (a SaveRecord).")
-    failed_saves = property(lambda self: self.saves.failed, doc="Periodic checkpoints that could not be written.")
-    staging_prepare_s = property(lambda self: self.saves.prepare_s, doc="Seconds spent sizing the staging buffers.")
-    rank = property(lambda self: self.peers.rank, doc="This process's rank (0 alone).")
-    world_size = property(lambda self: self.peers.world_size, doc="The number of ranks (1 alone).")
-    nonfinite = property(lambda self: self.health.nonfinite, doc="The non-finite loss guard (counts).")
-    oom = property(lambda self: self.health.oom, doc="The out-of-memory guard (counts).")
-    rollbacks = property(lambda self: self.health.rollbacks, doc="Rollbacks after non-finite losses so far.")
+    global_step = _view("loop", "global_step", "Optimizer steps counted by run.step(), in all.")
+    epoch = _view("loop", "epoch", "The current epoch.")
+    batch = _view("loop", "batch", "Batches of the current epoch the loop received.")
+    metrics = _view("loop", "metrics", "The latest value of each metric given to the run.")
+    last_checkpoint = _view("saves", "last_checkpoint", "The newest durable checkpoint known.")
+    last_save = _view("saves", "last_save", "The latest checkpoint taken (a SaveRecord).")
+    failed_saves = _view("saves", "failed", "Periodic checkpoints that could not be written.")
+    staging_prepare_s = _view("saves", "prepare_s", "Seconds spent sizing the staging buffers.")
+    rank = _view("peers", "rank", "This process's rank (0 alone).")
+    world_size = _view("peers", "world_size", "The number of ranks (1 alone).")
+    nonfinite = _view("health", "nonfinite", "The non-finite loss guard (counts).")
+    oom = _view("health", "oom", "The out-of-memory guard (counts).")
+    rollbacks = _view("health", "rollbacks", "Rollbacks after non-finite losses so far.")
 
     def __getattr__(self, name: str) -> Any:
         """The options read as attributes, as before the config had its own class (``run.time_limit``, ...)."""

@@ -82,7 +82,6 @@ def test_cuda_run_resumes_bit_exact(tmp_path):
 
 
 def test_stager_copies_gpu_tensors_into_pinned_buffers_once_synchronised(tmp_path):
-    from preempt import state
     from preempt.staging import Stager
 
     model = torch.nn.Linear(256, 256).cuda()
