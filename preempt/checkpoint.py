@@ -29,7 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import codec, commit, state, tensorfile
+from . import codec, commit, safe_io, state, tensorfile
 from .checkpoint_files import FileCheck, check_file, parse_tensors, read_manifest, read_verified
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
 from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
@@ -518,17 +518,17 @@ class CheckpointManager:
         commit.write_atomic(self.save_dir / COMPLETE, [json.dumps(doc, indent=1).encode() + b"\n"])
 
     def completion(self) -> dict[str, Any] | None:
-        """The content of ``complete.json``, or None when the run is not complete."""
+        """The content of ``complete.json``, or None: a marker that is not a small regular file holding a JSON
+        object (a symlink, a FIFO, deep or broken JSON) is logged and ignored; the run's own replaces it."""
         path = self.save_dir / COMPLETE
         try:
-            doc = json.loads(path.read_bytes())
+            return safe_io.read_json(path, safe_io.SMALL)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
-            raise CorruptCheckpointError(f"{path}: unreadable completion marker ({e})") from None
-        if not isinstance(doc, dict):
-            raise CorruptCheckpointError(f"{path}: expected a JSON object")
-        return doc
+            text = safe_io.describe_error(path, e) if isinstance(e, OSError) else str(e)
+            log.warning("%s; not a completion marker of ours: ignored", text)
+            return None
 
     def clear_complete(self) -> None:
         """Removes the completion marker (training goes on past it)."""

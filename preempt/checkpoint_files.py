@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import codec, commit, tensorfile
+from . import codec, commit, safe_io, tensorfile
 from .commit import MANIFEST, FileDigest
 from .errors import CorruptCheckpointError
 from .manifest import MAX_MANIFEST_BYTES, Manifest
@@ -31,8 +31,11 @@ def read_manifest(path: Path) -> Manifest:
     """
     regular_file(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+        data = safe_io.read_bytes(path, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise
+    except safe_io.UnsafeFileError as e:
+        raise CorruptCheckpointError(str(e)) from None
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     try:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import safe_io
 from .errors import UnsupportedStateError
 from .tensorfile import foreign_format
 
@@ -129,6 +130,8 @@ def loads(data: bytes | bytearray | memoryview | np.ndarray, where: str) -> Any:
     if not isinstance(data, (bytes, bytearray)):
         data = memoryview(data).tobytes()  # a NumPy buffer from commit.read_file
     try:
+        if safe_io.json_depth(bytes(data)) > safe_io.MAX_DEPTH:  # before parsing: no RecursionError anywhere after
+            raise ValueError(f"nested deeper than {safe_io.MAX_DEPTH} levels")
         return json.loads(data)
     except (ValueError, RecursionError) as e:
         kind = foreign_format(bytes(data[:8]))

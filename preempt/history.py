@@ -67,7 +67,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import _log
+from . import _log, safe_io
 from ._log import duration, size
 
 LOG_FILE = "train.log"
@@ -103,6 +103,11 @@ class _FileHandler(logging.FileHandler):
     """
 
     _failed = False
+
+    def _open(self) -> Any:
+        # Appends to a regular file only: never through a symlink planted in save_dir, never into a FIFO.
+        fd = safe_io.open_fd(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
 
     def handleError(self, record: logging.LogRecord) -> None:
         if self._failed:
@@ -175,9 +180,14 @@ class RunLog:
             return
         save_dir = Path(save_dir)
         save_dir.mkdir(parents=True, exist_ok=True)
-        self.path = save_dir / (LOG_FILE if rank == 0 else f"train.rank{rank}.log")
-        _end_torn_line(self.path)
-        handler = _FileHandler(self.path, mode="a", encoding="utf-8")
+        path = save_dir / (LOG_FILE if rank == 0 else f"train.rank{rank}.log")
+        try:
+            _end_torn_line(path)
+            handler = _FileHandler(path, mode="a", encoding="utf-8", errors="backslashreplace")
+        except OSError as e:
+            _log.log.warning("%s; the log is not written to a file", safe_io.describe_error(path, e))
+            return
+        self.path = path
         handler.setFormatter(_Formatter(f"[rank {rank}] " if world_size > 1 else ""))
         with _LOCK:
             for h in list(_log.log.handlers):
@@ -223,11 +233,13 @@ _LOCK = threading.Lock()  # around the check-then-add of handlers on the shared 
 
 def _end_torn_line(path: Path) -> None:
     """Appends a newline when the file ends inside a line (a predecessor was killed mid-write)."""
-    with open(path, "a+b") as f:
-        if f.seek(0, os.SEEK_END) > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
+    fd = safe_io.open_fd(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+            os.write(fd, b"\n")
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------------- History
@@ -292,8 +304,12 @@ class History:
         if rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _end_torn_line(self.path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            _end_torn_line(self.path)
+            self._fd = safe_io.open_fd(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except OSError as e:
+            self._failed = True
+            _log.log.warning("%s; no history is kept", safe_io.describe_error(self.path, e))
 
     @property
     def active(self) -> bool:
@@ -387,13 +403,11 @@ def read_history(path: str | os.PathLike[str], *, timeline: bool = True) -> list
     if p.is_dir():
         p = p / HISTORY_FILE
     out: list[dict[str, Any]] = []
-    with open(p, "rb") as f:
+    with os.fdopen(safe_io.open_fd(p), "rb") as f:
         for raw in f:
             try:
-                doc = json.loads(raw)
+                doc = safe_io.load_json(raw, str(p))
             except ValueError:
-                continue
-            if not isinstance(doc, dict):
                 continue
             if timeline and doc.get("event") == "resume" and isinstance(doc.get("step"), int):
                 n = doc["step"]

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import safe_io
 from .errors import PreemptError
 
 log = logging.getLogger("preempt")
@@ -97,15 +98,16 @@ def describe(holder: dict[str, Any]) -> str:
     """``pid 123 on host n1 since 2026-11-22 13:01:02 (4m13s ago), training``."""
     if not holder:
         return "a process that left no details"
-    since = holder.get("since")
+    since = safe_io.plausible_time(holder.get("since"))  # what a lock file says is not trusted
     when = ""
-    if isinstance(since, (int, float)):
+    if since is not None:
         from ._log import duration
 
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
         when = f" since {stamp} ({duration(max(0.0, time.time() - since))} ago)"
-    purpose = f", {holder['purpose']}" if holder.get("purpose") else ""
-    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{when}{purpose}"
+    text = safe_io.printable
+    purpose = f", {text(holder['purpose'])}" if holder.get("purpose") else ""
+    return f"pid {text(holder.get('pid', '?'))} on host {text(holder.get('host', '?'))}{when}{purpose}"
 
 
 class DirLock:
@@ -170,7 +172,7 @@ class DirLock:
 
     def _try(self) -> dict[str, Any] | None:
         """One attempt: None when taken, else what is known of the holder."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = safe_io.open_fd(self.path, os.O_RDWR | os.O_CREAT)  # never a symlink's target, never a FIFO
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         with _HELD_GUARD:
@@ -197,7 +199,11 @@ class DirLock:
                 "%s: took over the lock left by %s (that process is gone)", self.path.parent, describe(self.previous)
             )
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "purpose": self.purpose}
-        _write(fd, {**me, "start": _start_time(os.getpid())})
+        try:
+            _write(fd, {**me, "start": _start_time(os.getpid())})
+        except OSError as e:
+            self.release()
+            raise OSError(e.errno, f"cannot write the lock file: {e.strerror or e}", str(self.path)) from None
         if not self.use_record_locks:
             self._stop.clear()
             self._heartbeat = threading.Thread(target=self._beat, name="preempt-lock-heartbeat", daemon=True)
@@ -335,10 +341,9 @@ def _read(fd: int | None) -> dict[str, Any]:
         return {}
     try:
         data = os.pread(fd, 4096, 0)
-        doc = json.loads(data) if data.strip() else {}
+        return safe_io.load_json(data, "lock") if data.strip() else {}
     except (OSError, ValueError):
         return {}
-    return doc if isinstance(doc, dict) else {}
 
 
 def _write(fd: int, doc: dict[str, Any]) -> None:

@@ -21,11 +21,13 @@ from typing import Any
 
 import xxhash
 
+from . import safe_io
 from .commit import MANIFEST, FileDigest, dumps_json
 
 FORMAT = "preempt-checkpoint"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_FILES = 1 << 16  # files a manifest may list: every rank's and every DCP shard's, with room to spare
 MAX_FILE_BYTES = 1 << 50  # 1 PiB: larger claims are corruption, not data
 _FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # used with fullmatch
 _HEX32_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
@@ -115,14 +117,8 @@ class Manifest:
         """
         if len(data) > MAX_MANIFEST_BYTES:
             raise ValueError(f"{where}: {len(data)} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
-        try:
-            raw = json.loads(data)
-        except (ValueError, RecursionError) as e:
-            # ValueError covers bad UTF-8, bad syntax and integers of more than 4300 digits;
-            # RecursionError a document nested deeper than the interpreter's stack.
-            raise ValueError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+        # Nesting is checked before parsing (a deep document would break the checksum's re-encoding too).
+        raw = safe_io.load_json(data, where)
         if raw.get("format") != FORMAT:
             raise ValueError(f"{where}: expected format {FORMAT!r}, found {_short(raw.get('format'))}")
         version = raw.get("format_version")
@@ -138,7 +134,10 @@ class Manifest:
             raise ValueError(f"{where}: manifest checksum mismatch (recorded {checksum}, computed {actual})")
         r = _Reader(raw, where)
         files = {}
-        for name, entry in r.dict("files").items():
+        listed = r.dict("files")
+        if len(listed) > MAX_FILES:
+            raise ValueError(f"{where}: lists {len(listed)} files; a checkpoint holds at most {MAX_FILES}")
+        for name, entry in listed.items():
             if not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or name == MANIFEST or ".." in name:
                 raise ValueError(f"{where}: file name {_short(name)} is not a plain file name inside the checkpoint")
             e = _Reader(entry, f"{where}: files[{name!r}]")

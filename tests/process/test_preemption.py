@@ -55,7 +55,10 @@ def test_sigterm_during_first_step_between_epochs_and_during_a_save(tmp_path, re
     # Synchronous saves: "during a save" is then the whole write (tests/faults/test_async_signals.py has a signal
     # during a background write). The first step of each process sleeps 0.5 s, so that a signal sent 0.05 s after
     # the start line lands inside it even on a loaded machine, not before the epoch's first safe point.
+    # Each commit sleeps 0.3 s before its manifest, so that a signal sent when "saving" is logged lands inside the
+    # write even on a loaded machine (a 1 MB write alone takes ~10 ms).
     args = [*model_args, "--every_steps", "3", "--epoch_end_sleep", "0.3", "--sync_save", "--first_step_sleep", "0.5"]
+    args += ["--slow_commit", "0.3"]
     interrupts = [
         Interrupt(after=r"^start step 0 ", delay=0.05),  # during the first step
         Interrupt(after=r"^epoch_end 0"),  # between epochs

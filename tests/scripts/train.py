@@ -147,6 +147,7 @@ def main() -> None:
     p.add_argument("--first_step_sleep", type=float, default=0.0, help="sleep in the first step of each process")
     p.add_argument("--epoch_end_sleep", type=float, default=0.0)
     p.add_argument("--no_auto_resume", action="store_true")
+    p.add_argument("--slow_commit", type=float, default=0.0, help="sleep this long before each manifest is written")
     p.add_argument("--signal_at", default=None, help="STAGE:N:SIG[,...], see signal_at()")
     p.add_argument("--time_limit", default=None, help="PreemptibleRun(time_limit=): seconds or [D-]HH:MM:SS")
     p.add_argument("--max_restarts", type=int, default=None)
@@ -156,6 +157,8 @@ def main() -> None:
     args = p.parse_args()
     if args.signal_at:
         signal_at(args.signal_at)
+    elif args.slow_commit:
+        commit.inject_fault(lambda stage: time.sleep(args.slow_commit) if stage == "before_manifest" else None)
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

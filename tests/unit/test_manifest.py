@@ -314,8 +314,28 @@ def test_nan_metrics_round_trip():
     ids=["nested-100000-deep", "5000-digit-integer"],
 )
 def test_json_that_python_cannot_hold_is_not_valid_json(data, found):
-    with pytest.raises(ValueError, match=rf"^{WHERE}: not valid JSON \({found}"):
+    if found == "RecursionError":  # refused before parsing now, with its depth
+        found_re = rf"^{WHERE}: JSON nested 100000 levels deep; at most 64 expected"
+    else:
+        found_re = rf"^{WHERE}: not valid JSON \({found}"
+    with pytest.raises(ValueError, match=found_re):
         Manifest.from_json(data, WHERE)
+
+
+@pytest.mark.parametrize("depth", [65, 990])
+def test_a_manifest_nested_deeper_than_any_of_ours_is_refused_before_its_checksum_is_computed(depth):
+    # json.loads alone takes ~990 levels; re-encoding it for the checksum then overflowed the stack
+    data = b'{"format": "preempt", "x": ' + b"[" * depth + b"]" * depth + b"}"
+    with pytest.raises(ValueError, match=rf"JSON nested {depth + 1} levels deep"):
+        Manifest.from_json(data, WHERE)
+
+
+def test_a_manifest_listing_more_files_than_a_checkpoint_holds_is_refused():
+    files = {f"f{i}": {"size": 1, "xxh3_128": "0" * 32} for i in range(70_000)}
+    raw = {"format": mf.FORMAT, "format_version": mf.FORMAT_VERSION, "files": files}
+    raw["checksum"] = xxhash.xxh3_128_hexdigest(dumps_json(raw))
+    with pytest.raises(ValueError, match="lists 70000 files; a checkpoint holds at most 65536"):
+        Manifest.from_json(json.dumps(raw).encode(), WHERE)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,205 @@
+"""One rule for every file the library opens inside a save_dir, which someone else may have planted.
+
+A save_dir often sits on a shared filesystem, where a colleague's or an
+attacker's symlink, FIFO, device or giant file can stand where the run expects
+one of its own files. Every file the run and the command-line tools open there
+goes through this module:
+
+* no symlink is followed (``O_NOFOLLOW``; directories are checked with ``lstat``);
+* only regular files are read or written: a FIFO is opened without blocking
+  and refused, a device or socket too;
+* a read is capped before anything is read;
+* JSON from disk is checked for nesting depth before it is parsed, and for
+  its top-level type after: one boundary for every JSON document;
+* text bound for a terminal has control characters and lone surrogates escaped
+  (:func:`printable`), and timestamps are range-checked before formatting.
+
+Each refusal is an :class:`UnsafeFileError` (an ``OSError``, so code that
+handles an unreadable file handles it too) naming the path, what was expected
+and what was found. No torch here.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import json
+import math
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any, BinaryIO
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+MAX_DEPTH = 64  # JSON nesting: our documents need fewer than 10 levels
+SMALL = 1 << 20  # caps for small documents (lock, complete.json, a history line)
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_YEAR_2200 = 7258118400.0  # the latest time a file of ours may record (seconds since the epoch)
+
+
+class UnsafeFileError(OSError):
+    """A file inside a save_dir is not what the library writes there (a symlink, a FIFO, too large, ...)."""
+
+    def __init__(self, path: str | os.PathLike[str], expected: str, found: str) -> None:
+        super().__init__(errno.EINVAL, f"expected {expected}, found {found}", os.fspath(path))
+        self.path, self.expected, self.found = os.fspath(path), expected, found
+
+    def __str__(self) -> str:
+        return f"{printable(self.path)}: expected {self.expected}, found {self.found}"
+
+
+def kind(mode: int) -> str:
+    """What a file of this ``st_mode`` is, in words."""
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISREG, "a regular file"),
+    ):
+        if test(mode):
+            return name
+    return "a file of unknown kind"
+
+
+def open_fd(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """``os.open`` of a regular file that follows no symlink and never blocks on a FIFO.
+
+    Raises:
+        UnsafeFileError: ``path`` is a symlink, a FIFO, a device, a directory or a socket.
+        OSError: As ``os.open`` (missing file, no permission, no space).
+    """
+    try:
+        fd = os.open(path, flags | NOFOLLOW | os.O_NONBLOCK | CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeFileError(path, "a regular file", "a symbolic link") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO opened for writing without a reader; a directory
+            found = kind(os.lstat(path).st_mode) if os.path.lexists(path) else "something else"
+            raise UnsafeFileError(path, "a regular file", found) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(path, "a regular file", kind(st.st_mode))
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_append(path: str | os.PathLike[str]) -> BinaryIO:
+    """A log file opened for appending (created if missing), under the rule of :func:`open_fd`."""
+    fd = open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    return os.fdopen(fd, "ab", buffering=0)  # type: ignore[return-value]
+
+
+def read_bytes(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes.
+
+    Raises:
+        UnsafeFileError: Not a regular file, or larger than ``limit``.
+        OSError: As ``os.open``/``read``.
+    """
+    with io.FileIO(open_fd(path), "rb", closefd=True) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise UnsafeFileError(path, f"at most {limit} bytes", f"{size} bytes")
+        chunks, total = [], 0
+        while chunk := f.read(min(1 << 20, limit + 1 - total)):  # a file that grows while read stops at limit + 1
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise UnsafeFileError(path, f"at most {limit} bytes", "a file that kept growing while read")
+    return b"".join(chunks)
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in a JSON text (strings skipped); no recursion."""
+    brackets = _STRINGS.sub(b"", data).translate(None, _NOT_BRACKETS)
+    depth = deepest = 0
+    for b in brackets:
+        if b in b"[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        else:
+            depth -= 1
+    return deepest
+
+
+def load_json(data: bytes | str, where: str, *, expect: type | None = dict, max_depth: int = MAX_DEPTH) -> Any:
+    """Parses a JSON document from disk: nesting checked first, then the top-level type.
+
+    Raises:
+        ValueError: Bad UTF-8 or syntax, nested deeper than ``max_depth``, or not of type ``expect``; the
+            message names ``where``.
+    """
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise ValueError(f"{printable(where)}: JSON nested {depth} levels deep; at most {max_depth} expected")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{printable(where)}: not valid JSON ({type(e).__name__}: {e})") from None
+    if expect is not None and not isinstance(doc, expect):
+        raise ValueError(f"{printable(where)}: expected a JSON {_name(expect)}, found {_name(type(doc))}")
+    return doc
+
+
+def read_json(path: str | os.PathLike[str], limit: int = SMALL, *, expect: type | None = dict) -> Any:
+    """:func:`read_bytes` then :func:`load_json`; any refusal is a ValueError or an OSError naming ``path``."""
+    return load_json(read_bytes(path, limit), os.fspath(path), expect=expect)
+
+
+def is_real_dir(path: str | os.PathLike[str]) -> bool:
+    """``path`` is a directory itself, not a symlink to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def printable(text: object) -> str:
+    """``text`` safe for a terminal: control characters, escape sequences and lone surrogates escaped."""
+    s = text if isinstance(text, str) else str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in s)
+
+
+def plausible_time(value: object) -> float | None:
+    """A timestamp read from disk as a float, or None when it is not a finite time between 1970 and 2200."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        t = float(value)
+    except OverflowError:
+        return None
+    return t if math.isfinite(t) and 0.0 <= t <= _YEAR_2200 else None
+
+
+def describe_error(path: str | os.PathLike[str], error: OSError) -> str:
+    """``<path>: <what went wrong>`` for an OSError that may or may not name its file."""
+    if isinstance(error, UnsafeFileError):
+        return str(error)
+    return f"{path_text(path)}: {error.strerror or error}"
+
+
+def path_text(path: str | os.PathLike[str] | Path) -> str:
+    """A path for messages and logs, whatever bytes its name holds."""
+    return printable(os.fsdecode(os.fspath(path)))
+
+
+def _name(t: type) -> str:
+    return {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+        t, "null" if t is type(None) else t.__name__
+    )
