@@ -21,7 +21,7 @@ from .manifest import Cursor
 from .policy import RetentionPolicy, SaveFacts
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class LoopState:
     """The loop's counters (read them; change them through the methods)."""
 
@@ -39,6 +39,10 @@ class LoopState:
     last_save_step: int = 0
     last_save_epoch: int = 0
     last_save_batch: int = 0
+    # run.step() looks further (the safe point) once the step or the batch reaches these (the run sets them)
+    wake_step: float = math.inf
+    wake_batch: float = math.inf
+    beacon: Any = dataclasses.field(default_factory=lambda: [0])  # stepped() stores the step in [0] (lock.StepBeacon)
 
     # ------------------------------------------------------------ the loop's events
 
@@ -59,13 +63,13 @@ class LoopState:
         """The optimizer's step-pre hook: from here until run.step() the state may be half-updated."""
         self.stepping = True
 
-    def stepped(self) -> int:
-        """``run.step()``: one optimizer step done; returns the new global step."""
-        self.global_step += 1
+    def stepped(self) -> bool:
+        """``run.step()``: one optimizer step done; True when the safe point must look (a threshold or a best)."""
+        step = self.global_step = self.beacon[0] = self.global_step + 1
         self.batches_since_step = 0
         self.stepping = False
         self.dirty = True
-        return self.global_step
+        return step >= self.wake_step or self.batch >= self.wake_batch or self.best_pending
 
     def batch_skipped(self) -> None:
         """A batch consumed without a step (non-finite loss, out of memory): a step boundary again."""
@@ -85,6 +89,14 @@ class LoopState:
     @property
     def at_epoch_start(self) -> bool:
         return self.batch == 0 and self.batches_since_step == 0
+
+    def publish(self, view: Any) -> None:
+        """Every step is stored into ``view[0]`` (shared memory that outlives a killed process); None: stop."""
+        self.beacon = [0] if view is None else view
+
+    def wake_at(self, step: float, batch: float) -> None:
+        """The thresholds at which :meth:`stepped` says to look further (the run takes each part's earliest)."""
+        self.wake_step, self.wake_batch = step, batch
 
     # ------------------------------------------------------------ metrics
 

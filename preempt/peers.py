@@ -43,10 +43,7 @@ class Alone:
     world_size = 1
     leader = True
     alone = True
-
-    def meets(self, step: int, due: bool) -> bool:
-        """Whether ``run.step()`` goes through the safe point: when something may be due."""
-        return due
+    every = 0  # run.step() goes through the safe point when something may be due (Ranks: at fixed steps)
 
     def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
         return Agreement(stop or walltime_stop, save, 0 if stop else -1)
@@ -75,11 +72,7 @@ class Ranks(Alone):
         self.coord = distributed.Coordinator()
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.leader = self.rank == 0
-        self.sync_every = sync_every
-
-    def meets(self, step: int, due: bool) -> bool:
-        # Every rank must take the same path: the decision is taken together, at fixed steps.
-        return step % self.sync_every == 0
+        self.every = sync_every  # every rank must take the same path: the ranks meet at every N-th step
 
     def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
         return self.coord.agree(stop, save, walltime_stop=walltime_stop)

@@ -161,17 +161,16 @@ class PreemptibleRun:
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
         self.reporter = Reporter(cfg, self.save_dir, self.loop, clock)
         self.peers: Alone = Alone()
-        self._meets = self.peers.meets  # run.step()'s hot path reads these two directly
+        self._every = 0  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
         self._flag = self.stopper.flag
         self.resumed_from: Path | None = None
         job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
         self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=lock_timeout)
         self._beacon = StepBeacon(self.save_dir)  # the lock holder's latest step, for whoever finds it dead
-        self._step_view: Any = self._beacon.view  # step() stores the step in [0]: shared memory, or a list
         self._starter: Starter | None = None
         self._entered = self._active = False
         self._batches_epoch = -1  # the epoch whose batches() has started
-        self._due_step = self._due_batch = self._due_time = math.inf  # below these, run.step() does not look
+        self._due_time = math.inf  # before this, run.step() does not look (the loop holds the step and batch ones)
         self._step_hook: Any = None
 
     # ---------------------------------------------------------------- what a user reads
@@ -189,12 +188,6 @@ class PreemptibleRun:
     nonfinite = _view("health", "nonfinite", "The non-finite loss guard (counts).")
     oom = _view("health", "oom", "The out-of-memory guard (counts).")
     rollbacks = _view("health", "rollbacks", "Rollbacks after non-finite losses so far.")
-
-    def __getattr__(self, name: str) -> Any:
-        """The options read as attributes, as before the config had its own class (``run.time_limit``, ...)."""
-        if name in _OPTIONS and "config" in self.__dict__:
-            return getattr(self.config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def user_state(self) -> dict[str, Any]:
@@ -253,7 +246,7 @@ class PreemptibleRun:
                 " supported yet; load them before entering the run, or resume the whole state"
             )
         peers = self.peers = join(cfg.sync_every_steps)
-        self._meets = peers.meets
+        self._every = peers.every
         self.snapshot.rank = self.reporter.rank = peers.rank
         self.reporter.world_size = peers.world_size
         self.saves.peers = peers
@@ -296,7 +289,7 @@ class PreemptibleRun:
             self.data.seed = torch.initial_seed() & SEED_MASK
         if self._lock.held:
             self._beacon.open(self.loop.global_step)
-            self._step_view = self._beacon.view
+            self.loop.publish(self._beacon.view)
         self.loop.started(self._clock())
         self.health.apply_lr_scale(resumed=self.resumed_from is not None)
         opt = self.components.optimizer
@@ -329,7 +322,7 @@ class PreemptibleRun:
                 # unfinished deletions are redone at the next start.
                 self.manager.close(timeout=None if exc_type is None else 0.0)
             finally:
-                self._step_view = [0]
+                self.loop.publish(None)
                 self._beacon.close()
                 self._lock.release()
         return False
@@ -435,17 +428,20 @@ class PreemptibleRun:
                 decides "best" checkpoints.
         """
         loop = self.loop
-        step = self._step_view[0] = loop.stepped()
+        look = loop.stepped()
+        step = loop.global_step
         if metrics is not None:
             loop.record(metrics, self.manager.retention)
-        if self._meets(
-            step,
-            self._flag.requested
-            or loop.best_pending
-            or step >= self._due_step
-            or loop.batch >= self._due_batch
+            look = look or loop.best_pending
+        # The ranks meet at every sync_every_steps-th step, all together; alone, only when something may be due.
+        if self._every:
+            if step % self._every == 0:
+                self._safe_point("step")
+        elif (
+            look
+            or self._flag.requested
             or self._clock() >= self._due_time
-            or (self.saves.job is not None and self.saves.finished()),
+            or (self.saves.job is not None and self.saves.finished())
         ):
             self._safe_point("step")
 
@@ -563,7 +559,7 @@ class PreemptibleRun:
         """The thresholds below which run.step() does not go through the safe point: each part's earliest."""
         now = self._clock()
         due = self.saves.wake(next_due(self.policy, self._facts(now)), self.policy.milestone_steps)
-        self._due_step, self._due_batch = due.step, due.batch
+        self.loop.wake_at(due.step, due.batch)
         self._due_time = min(due.time, self.reporter.next_at, self.stopper.review_at(now))
 
     def _safe_point(self, point: str) -> None:
@@ -594,4 +590,6 @@ class PreemptibleRun:
         self.stopper.stop(self.loop, checkpoint=self.saves.last_checkpoint, peer=peer)
 
 
+for _name in sorted(_OPTIONS - set(vars(PreemptibleRun))):  # the options read as attributes: run.time_limit, ...
+    setattr(PreemptibleRun, _name, _view("config", _name, f"The {_name} option (see RunConfig)."))
 PreemptibleRun.__doc__ = (PreemptibleRun.__doc__ or "").rstrip() + "\n" + OPTIONS_DOC  # help() shows every option

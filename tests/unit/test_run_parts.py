@@ -26,8 +26,25 @@ def test_a_step_counts_and_marks_the_state_changed_and_whole_again():
     loop.took_batch()
     loop.optimizer_stepping()
     assert loop.stepping and loop.batches_since_step == 2 and not loop.dirty
-    assert loop.stepped() == 1
+    beacon = [0]
+    loop.publish(beacon)
+    assert loop.stepped() is False  # nothing due: run.step() looks no further
+    assert beacon == [1]
     assert (loop.global_step, loop.batch, loop.batches_since_step, loop.stepping, loop.dirty) == (1, 2, 0, False, True)
+
+
+def test_stepped_says_when_a_threshold_or_a_best_is_reached():
+    loop = LoopState()
+    loop.wake_at(3, math.inf)
+    assert [loop.stepped() for _ in range(4)] == [False, False, True, True]
+    loop.wake_at(math.inf, 2)
+    loop.took_batch()
+    assert not loop.stepped()
+    loop.took_batch()
+    assert loop.stepped()
+    loop.wake_at(math.inf, math.inf)
+    loop.best_pending = True
+    assert loop.stepped()
 
 
 def test_a_skipped_batch_is_a_step_boundary_and_an_emergency_save_unwinds_the_unstepped_batches():
@@ -76,7 +93,7 @@ def test_the_facts_for_the_save_policy_come_from_the_counters():
 def test_a_process_alone_agrees_with_itself():
     alone = Alone()
     assert alone.leader and alone.alone and (alone.rank, alone.world_size) == (0, 1)
-    assert alone.meets(3, True) and not alone.meets(3, False)
+    assert alone.every == 0  # no fixed meeting steps: the safe point runs when something is due
     a = alone.agree(False, 4)
     assert (a.stop, a.save, a.signal_rank) == (False, 4, -1)
     a = alone.agree(True, 0)
