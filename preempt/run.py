@@ -579,6 +579,8 @@ class PreemptibleRun:
         )
         if agreed.save:
             saves.save(_REASONS[agreed.save - 1], point)
+            if not agreed.stop:  # a signal that came during the write stops the run here, with that checkpoint
+                agreed = self.peers.agree(stopper.flag.requested, 0)
         if agreed.stop:
             saves.settle()  # rank 0's write in flight first
             if self.peers.broadcast(loop.dirty):  # rank 0's view: a signal during that save, or its write failed
