@@ -29,8 +29,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import codec, commit, safe_io, state, tensorfile
-from .checkpoint_files import FileCheck, check_file, parse_tensors, read_manifest, read_verified
+from . import checkpoint_files, codec, commit, safe_io, state, tensorfile
+from .checkpoint_files import FileCheck, check_file, discard_tmp, parse_tensors, read_manifest, read_verified
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
 from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from .manifest import Cursor, Manifest
@@ -157,6 +157,7 @@ class CheckpointManager:
             mode=best_mode,
         )
         self.owner = owner
+        self.completion_problem: str | None = None  # why complete.json was ignored, by the last completion()
         self._deleter = _Deleter()
         self._index: dict[int, Kept] = {}
         self._indexed = False
@@ -356,6 +357,10 @@ class CheckpointManager:
         manifest = info.manifest
         if manifest is None:
             raise CorruptCheckpointError(info.problem or f"{info.path}: no manifest")
+        for name, expected in manifest.files.items():  # valid = every listed file there, as listed (as verify)
+            problem = checkpoint_files.present(info.path / name, expected)
+            if problem is not None:
+                raise CorruptCheckpointError(problem)
         sharded = SHARDED_INDEX in manifest.files
         if sharded and weights_only:
             raise CorruptCheckpointError(
@@ -521,13 +526,15 @@ class CheckpointManager:
         """The content of ``complete.json``, or None: a marker that is not a small regular file holding a JSON
         object (a symlink, a FIFO, deep or broken JSON) is logged and ignored; the run's own replaces it."""
         path = self.save_dir / COMPLETE
+        self.completion_problem = None
         try:
             return safe_io.read_json(path, safe_io.SMALL)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
             text = safe_io.describe_error(path, e) if isinstance(e, OSError) else str(e)
-            log.warning("%s; not a completion marker of ours: ignored", text)
+            self.completion_problem = f"{text}; not a completion marker of ours: ignored"
+            log.warning("%s", self.completion_problem)
             return None
 
     def clear_complete(self) -> None:
@@ -589,10 +596,3 @@ def write_payload(directory: Path, payload: state.Payload) -> dict[str, FileDige
         data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
         files[fname] = commit.write_file(directory / fname, [data])
     return files
-
-
-def discard_tmp(tmp: Path) -> None:
-    try:
-        commit.remove_tree(tmp)
-    except OSError as e:
-        log.warning("could not remove the partial checkpoint %s: %s (removed at the next start)", tmp, e)

@@ -48,11 +48,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     latest = next((c.step for c in infos if c.status == "valid"), None)
     best = rank_best(infos)
     best_step = best.ranked[0].step if best.ranked else None
-    try:
-        done = manager.completion()
-        done_problem = None
-    except CorruptCheckpointError as e:
-        done, done_problem = None, str(e)
+    done = manager.completion()
+    done_problem = manager.completion_problem
     done_name = done.get("checkpoint") if done else None
     rows = []
     for c in infos:
@@ -134,6 +131,8 @@ def _verify_one(manager: CheckpointManager, info: CheckpointInfo) -> dict[str, A
     if info.manifest is None:
         return {**doc, "ok": False, "bytes": 0, "files": [], "problems": [info.problem or f"{info.path}: no manifest"]}
     checks = manager.check_files(info)
+    # A checkpoint that list() found broken (its manifest names another step) is never ok, whatever its files.
+    broken = [info.problem or f"{info.path}: {info.status}"] if info.status != "valid" else []
     files = [
         {
             "name": c.name,
@@ -145,7 +144,7 @@ def _verify_one(manager: CheckpointManager, info: CheckpointInfo) -> dict[str, A
         }
         for c in checks
     ]
-    problems = [c.message for c in checks if c.message is not None]
+    problems = broken + [c.message for c in checks if c.message is not None]
     nbytes = sum(c.found.size for c in checks if c.found is not None and c.found.xxh3_128)
     if problems and not os.path.lexists(info.path):
         # Pruned or moved aside by a running training while this was reading it: not damage.

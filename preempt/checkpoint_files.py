@@ -9,6 +9,7 @@ checkpoint commands.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import stat
 from pathlib import Path
@@ -94,20 +95,37 @@ class FileCheck:
     message: str | None = None
 
 
+def _absent(path: Path, expected: FileDigest) -> tuple[str, str, int | None] | None:
+    """The cheap half of a file's check: (status, message, size found) unless it is a regular file of its size."""
+    try:
+        regular_file(path)
+        size = os.lstat(path).st_size
+    except FileNotFoundError:
+        return "missing", f"{path}: missing (manifest says {expected.size} bytes, xxh3 {expected.xxh3_128})", None
+    except CorruptCheckpointError as e:
+        return "not_regular", str(e), None
+    except OSError as e:
+        return "unreadable", f"{path}: cannot be read ({e.strerror or e})", None
+    if size != expected.size:  # a truncated or grown file: no need to hash it
+        return "size", f"{path}: size {size} bytes, manifest says {expected.size}", size
+    return None
+
+
+def present(path: Path, expected: FileDigest) -> str | None:
+    """None when ``path`` is a regular file of the listed size, else what is wrong (no hashing: a stat)."""
+    absent = _absent(path, expected)
+    return None if absent is None else absent[1]
+
+
 def check_file(path: Path, expected: FileDigest) -> FileCheck:
     def bad(status: str, message: str, found: FileDigest | None = None) -> FileCheck:
         return FileCheck(path.name, path, expected, status, found, message)
 
+    absent = _absent(path, expected)
+    if absent is not None:
+        status, message, size = absent
+        return bad(status, message, None if size is None else FileDigest(size, ""))
     try:
-        regular_file(path)
-    except FileNotFoundError:
-        return bad("missing", f"{path}: missing (manifest says {expected.size} bytes, xxh3 {expected.xxh3_128})")
-    except CorruptCheckpointError as e:
-        return bad("not_regular", str(e))
-    try:
-        size = os.stat(path).st_size
-        if size != expected.size:  # a truncated or grown file: no need to hash it
-            return bad("size", f"{path}: size {size} bytes, manifest says {expected.size}", FileDigest(size, ""))
         buf, got = commit.read_file(path)
     except OSError as e:
         return bad("unreadable", f"{path}: cannot be read ({e.strerror or e})")
@@ -143,3 +161,13 @@ def regular_file(path: Path) -> None:
     kinds = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"))
     kind = next((name for test, name in kinds if test(st.st_mode)), "not a regular file")
     raise CorruptCheckpointError(f"{path}: is {kind}; checkpoint files must be regular files")
+
+
+def discard_tmp(tmp: Path) -> None:
+    """Removes a partial checkpoint's temporary directory; what cannot be removed now goes at the next start."""
+    try:
+        commit.remove_tree(tmp)
+    except OSError as e:
+        logging.getLogger("preempt").warning(
+            "could not remove the partial checkpoint %s: %s (removed at the next start)", tmp, e
+        )

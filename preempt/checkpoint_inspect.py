@@ -7,7 +7,6 @@ JSON (never unpickled), and an RNG state is summarised by its size and digest.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -17,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from . import _log, commit, tensorfile
+from . import _log, commit, safe_io, tensorfile
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .checkpoint_files import read_verified, regular_file
 from .checkpoint_views import fmt_table, fmt_utc, fmt_when, resolve
@@ -32,8 +31,11 @@ _MAX_RNG_TENSOR = 1 << 20  # an RNG state is a few KiB; anything larger is not o
 
 
 def _read_span(path: Path, header: Header, entry: Entry) -> bytes:
-    with open(path, "rb") as f:
-        data = os.pread(f.fileno(), entry.end - entry.begin, header.data_start + entry.begin)
+    fd = safe_io.open_fd(path)
+    try:
+        data = os.pread(fd, entry.end - entry.begin, header.data_start + entry.begin)
+    finally:
+        os.close(fd)
     if len(data) != entry.end - entry.begin:
         raise CorruptCheckpointError(f"{path}: tensor {entry.name!r} ends past the end of the file")
     return data
@@ -157,11 +159,12 @@ def _state_summary(info: CheckpointInfo, state_header: Header | None) -> tuple[d
     if expected.size > _MAX_STATE_JSON:
         return out, [f"{jpath}: {expected.size} bytes; not summarised (limit {_MAX_STATE_JSON})"]
     try:
-        tree = json.loads(read_verified(jpath, expected).tobytes())  # refuses what is not a regular file
+        data = read_verified(jpath, expected).tobytes()  # refuses what is not a regular file
+        tree = safe_io.load_json(data, str(jpath), expect=None)  # depth checked before parsing
     except CorruptCheckpointError as e:
         return out, [str(e)]
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        return out, [f"{jpath}: matches its digest but is not valid JSON ({e})"]
+    except ValueError as e:
+        return out, [f"matches its digest but is not valid JSON: {e}"]
     if not isinstance(tree, dict):
         return out, [f"{jpath}: expected a JSON object, found {type(tree).__name__}"]
     spath = info.path / STATE_FILE
@@ -336,10 +339,11 @@ def _print_inspect(
         names = ("preempt", "torch", "numpy", "safetensors", "python", "cuda")
         versions = ", ".join(f"{k} {p[k]}" for k in names if p.get(k))
         print(f"provenance: {versions}")
-        git = p.get("git")
+        git = p.get("git")  # what a manifest holds here is not checked: any JSON type may come
         git_s = f"{git.get('commit')}{' (dirty)' if git.get('dirty') else ''}" if isinstance(git, dict) else "unknown"
         slurm = p.get("slurm")
         slurm_s = _kv(slurm) if isinstance(slurm, dict) else "none"
         print(f"  host {p.get('host')}, pid {p.get('pid')}, git {git_s}, slurm {slurm_s}")
-        if p.get("argv"):
-            print(f"  argv: {' '.join(map(str, p['argv']))}")
+        argv = p.get("argv")
+        if argv:
+            print(f"  argv: {' '.join(map(str, argv)) if isinstance(argv, list) else argv}")

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import supervise  # no torch
+from . import safe_io, supervise  # no torch
 from .cli_output import EXIT_CODES, EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
 __all__ = ["EXIT_CODES", "EXIT_DAMAGED", "EXIT_LOCKED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -156,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from . import checkpoint_cli  # imports torch (through the checkpoint and tensor modules)
 
+    # What a save_dir holds is printed through escaping streams: a planted name or reason cannot drive the terminal.
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = safe_io.TerminalText(out), safe_io.TerminalText(err)
     try:
         return checkpoint_cli.run(args)
     except CommandFailed as e:
@@ -166,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `preempt ls DIR | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    finally:
+        sys.stdout, sys.stderr = out, err
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 
 from . import commit
-from .checkpoint import CheckpointInfo, CheckpointManager, discard_tmp, write_payload
-from .checkpoint_files import read_manifest
+from .checkpoint import CheckpointInfo, CheckpointManager, write_payload
+from .checkpoint_files import discard_tmp, read_manifest
 from .commit import MANIFEST
 from .errors import CheckpointWriteError
 from .manifest import Manifest

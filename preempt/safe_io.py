@@ -176,6 +176,22 @@ def printable(text: object) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in s)
 
 
+class TerminalText:
+    """A text stream that writes through :func:`printable`, line by line: newlines and tabs pass, nothing else
+    that a terminal would act on (an ESC sequence planted in a manifest, a lone surrogate) reaches it."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if not text.isprintable():
+            text = "\n".join("\t".join(printable(p) for p in line.split("\t")) for line in text.split("\n"))
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
 def plausible_time(value: object) -> float | None:
     """A timestamp read from disk as a float, or None when it is not a finite time between 1970 and 2200."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -99,23 +99,6 @@ def train(
                 run.step()
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A save_dir with the checkpoints of steps 1 and 2 (stopped at step 2: no completion marker)."""
-    d = tmp_path_factory.mktemp("template") / "run"
-    with pytest.raises(Preempted):
-        train(d, stop_after=2, checkpoint_every_steps=1, keep_last=None)
-    assert sorted(p.name for p in d.glob("step_*")) == [STEP1, STEP2]
-    return d
-
-
-@pytest.fixture
-def save_dir(template: Path, tmp_path: Path) -> Path:
-    d = tmp_path / "run"
-    shutil.copytree(template, d, symlinks=True)
-    return d
-
-
 # ---------------------------------------------------------------- tools of the attacker
 
 
@@ -275,8 +258,8 @@ RESIGNED = [
     ("files-a-list", _set("files", value=[]), r"field 'files': expected an object, found list"),
     ("negative-step", _set("step", value=-1), r"field 'step': expected an integer in \[0, \d+\], found -1"),
     ("absurd-step", _set("step", value=10**30), r"field 'step': expected an integer in \[0, \d+\], found 10{30}"),
-    # `preempt verify` hashes the files of a checkpoint whose manifest names another step, and says ok (cli.py)
-    ("step-of-another-directory", _set("step", value=7), r"records step 7, directory says 2", None),
+    # `preempt verify` says DAMAGED too: its files hash fine, but the directory is not the checkpoint it claims
+    ("step-of-another-directory", _set("step", value=7), r"records step 7, directory says 2"),
     ("negative-epoch", _set("cursor", "epoch", value=-3), r"cursor: field 'epoch': expected an integer .*found -3"),
     (
         "cursor-past-the-epoch",
@@ -333,9 +316,9 @@ def test_resigned_manifest_with_bad_content_is_refused(save_dir, case):
     "data, expected",
     [
         (b"\x00\x01 not json at all", r"not valid JSON"),
-        (b"[1, 2]", r"expected a JSON object, found list"),
+        (b"[1, 2]", r"expected a JSON object, found array"),
         (pickle.dumps({"format": "preempt-checkpoint"}), r"not valid JSON"),
-        (b"[" * 100_000 + b"]" * 100_000, r"not valid JSON \(RecursionError"),
+        (b"[" * 100_000 + b"]" * 100_000, r"JSON nested 100000 levels deep; at most 64 expected"),
         (b'{"step": ' + b"7" * 5000 + b"}", r"not valid JSON \(ValueError: Exceeds the limit"),
         (b"", r"not valid JSON"),
     ],
