@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _log, commit
+from . import _log, commit, safe_io
 from ._log import duration, log
 
 SAMPLES = "gpu_stats.jsonl"
@@ -310,7 +310,8 @@ class GPUMonitor:
         if not self.available or self._thread is not None:
             return self
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.samples_path, "a+b")  # closed by stop()
+        # closed by stop(); never through a symlink planted in save_dir, never into a FIFO (preempt.safe_io)
+        self._file = os.fdopen(safe_io.open_fd(self.samples_path, os.O_RDWR | os.O_APPEND | os.O_CREAT), "a+b")
         try:
             self._file.seek(0, os.SEEK_END)
             if self._file.tell() > 0:
@@ -464,7 +465,7 @@ class GPUMonitor:
         session = self.summary()
         sessions: list[Any] = []
         try:
-            old = json.loads(self.summary_path.read_bytes())
+            old = safe_io.read_json(self.summary_path, 64 << 20)
             if not (isinstance(old, dict) and isinstance(old.get("sessions"), list)):
                 raise ValueError(f"expected an object with a 'sessions' list, found {type(old).__name__}")
             sessions = old["sessions"]
