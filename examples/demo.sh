@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 
 # The CPU build of torch when torch is missing (a plain "pip install torch" fetches a multi-GB CUDA build).
 python -c "import torch" 2>/dev/null || pip install torch==2.13.0
-pip install -q -e .
+# preempt from this tree, installed (editable) only when `import preempt` finds none or another copy.
+python -c "import pathlib, sys, preempt; sys.exit(pathlib.Path(preempt.__file__).resolve().parents[1] != pathlib.Path.cwd())" \
+  2>/dev/null || pip install -q -e .
 
 save_dir=runs/latentwire_demo
 rm -rf "$save_dir"

@@ -19,22 +19,24 @@ import json
 import logging
 import math
 import os
-import queue
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 
-from . import checkpoint_files, codec, commit, safe_io, state, tensorfile
+from . import checkpoint_files, commit, safe_io
 from .checkpoint_files import FileCheck, check_file, discard_tmp, parse_tensors, read_manifest, read_verified
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
 from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from .manifest import Cursor, Manifest
 from .policy import Kept, RetentionPolicy, select_kept
+
+if TYPE_CHECKING:  # torch: imported by the methods that read or write tensors, not by ls or verify
+    import torch
+
+    from . import state
 
 SHARDED_INDEX = "dcp_metadata.json"  # preempt.sharded.METADATA: the checkpoint holds DCP-written sharded state
 
@@ -62,61 +64,6 @@ class CheckpointInfo:
     @property
     def name(self) -> str:
         return self.path.name
-
-
-class _Deleter:
-    """A named daemon thread that deletes directory trees handed to it.
-
-    Failures are logged and kept in :attr:`errors` (a failed deletion costs
-    disk space, never data, so it does not stop training).
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[Path | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self.errors: list[str] = []
-
-    def submit(self, paths: Iterable[Path]) -> None:
-        for p in paths:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="preempt-deleter", daemon=True)
-                self._thread.start()
-            self._queue.put(p)
-
-    def _run(self) -> None:
-        while (path := self._queue.get()) is not None:
-            try:
-                commit.remove_tree(path)
-            except OSError as e:
-                self.errors.append(f"{path}: {e}")
-                log.warning("could not delete %s: %s", path, e)
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Lets the thread finish what it was given, then end; False if it is still busy after ``timeout``.
-
-        A thread still deleting when the process exits dies with it (it is a
-        daemon); the leftover ``.trash-`` directories are deleted at the next start.
-        """
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return True
-        self._queue.put(None)
-        thread.join(timeout)
-        return not thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Waits until every submitted path is gone; False on timeout."""
-        if self._thread is None:
-            return True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-        return True
 
 
 class CheckpointManager:
@@ -158,7 +105,7 @@ class CheckpointManager:
         )
         self.owner = owner
         self.completion_problem: str | None = None  # why complete.json was ignored, by the last completion()
-        self._deleter = _Deleter()
+        self._deleter = commit.Deleter()
         self._index: dict[int, Kept] = {}
         self._indexed = False
 
@@ -354,6 +301,8 @@ class CheckpointManager:
             CorruptCheckpointError: A file is missing, has the wrong size or
                 digest, or is malformed; the message names it.
         """
+        from . import codec, state
+
         manifest = info.manifest
         if manifest is None:
             raise CorruptCheckpointError(info.problem or f"{info.path}: no manifest")
@@ -473,6 +422,8 @@ class CheckpointManager:
         reason: str = "manual",
     ) -> CheckpointInfo:
         """Saves objects directly (no RNG, no cursor): the manager used without a run."""
+        from . import codec, state
+
         components = state.Components(model, optimizer, scheduler, scaler, dict(tracked or {}))
         run_state = {"user": dict(user_state or {})}
         codec.check_json(run_state["user"], "user_state")
@@ -588,6 +539,8 @@ def rank_best(infos: Iterable[CheckpointInfo], default_mode: str = "min") -> Bes
 
 def write_payload(directory: Path, payload: state.Payload) -> dict[str, FileDigest]:
     """Writes a payload's files into ``directory``, each one fsynced; returns their digests."""
+    from . import codec, tensorfile
+
     files: dict[str, FileDigest] = {}
     for fname, (tensors, meta) in payload.tensor_files.items():
         files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta))

@@ -26,17 +26,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from . import _log, commit, tensorfile
+from . import _log, commit
 from .checkpoint import CheckpointInfo, CheckpointManager, rank_best
 from .checkpoint_files import read_verified
-from .checkpoint_inspect import cmd_inspect
 from .checkpoint_views import checkpoint_size, completion, fmt_table, fmt_utc, fmt_when, moved_aside, resolve
 from .cli_output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 from .commit import FileDigest
 from .errors import CorruptCheckpointError
 from .lock import DirLock, LockedError
 from .policy import Kept, RetentionPolicy, select_kept
-from .state import MODEL_FILE
 
 # ----------------------------------------------------------------------- ls
 
@@ -338,6 +336,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     info = resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
     if info.manifest is None or info.status != "valid":
         raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; cannot export from it")
+    from . import tensorfile  # torch: only export and inspect need it
+    from .state import MODEL_FILE
+
     expected = info.manifest.files.get(MODEL_FILE)
     src = info.path / MODEL_FILE
     if expected is None:
@@ -404,10 +405,16 @@ def _checkpoint_as_dir(args: argparse.Namespace) -> None:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": cmd_ls,
     "verify": cmd_verify,
-    "inspect": cmd_inspect,
+    "inspect": lambda args: _inspect(args),
     "prune": cmd_prune,
     "export": cmd_export,
 }
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .checkpoint_inspect import cmd_inspect  # torch (tensor headers): ls, verify and prune start without it
+
+    return cmd_inspect(args)
 
 
 def run(args: argparse.Namespace) -> int:

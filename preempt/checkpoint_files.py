@@ -13,14 +13,15 @@ import logging
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from . import codec, commit, safe_io, tensorfile
+from . import commit, safe_io
 from .commit import MANIFEST, FileDigest
 from .errors import CorruptCheckpointError
 from .manifest import MAX_MANIFEST_BYTES, Manifest
+
+if TYPE_CHECKING:
+    import torch
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -70,8 +71,20 @@ def _compare(path: Path, expected: FileDigest, got: FileDigest) -> None:
         )
 
 
+def check_tensors(buf: Any, path: Path) -> None:
+    """Raises CorruptCheckpointError unless ``buf`` is a well-formed safetensors file (torch is not needed)."""
+    from . import tensorfile
+
+    try:
+        tensorfile.validate(buf, str(path))
+    except ValueError as e:
+        raise CorruptCheckpointError(str(e)) from None
+
+
 def parse_tensors(buf: Any, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     try:
+        from . import tensorfile  # torch, only when tensors are parsed
+
         return tensorfile.parse(buf, str(path))
     except ValueError as e:
         raise CorruptCheckpointError(str(e)) from None
@@ -135,9 +148,11 @@ def check_file(path: Path, expected: FileDigest) -> FileCheck:
         return bad("digest", str(e), got)
     try:
         if path.suffix == ".safetensors":
-            parse_tensors(buf, path)
+            check_tensors(buf, path)  # the header and every extent, without building tensors (no torch)
         elif path.suffix == ".json" and path.name != MANIFEST:  # the manifest was parsed to get here
             try:
+                from . import codec
+
                 codec.loads(buf, str(path))
             except ValueError as e:
                 raise CorruptCheckpointError(str(e)) from None

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from . import safe_io
 from .errors import UnsupportedStateError
 from .tensorfile import foreign_format
+
+if TYPE_CHECKING:  # imported where tensors are met: loads() needs no torch (preempt verify never imports it)
+    import torch
 
 TENSOR = "__tensor__"
 NDARRAY = "__ndarray__"
@@ -44,6 +46,8 @@ def encode(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _encode(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    import torch
+
     if isinstance(tree, torch.Tensor):
         return {TENSOR: _put(tensors, prefix, tree)}
     if isinstance(tree, np.ndarray):
@@ -95,6 +99,7 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
 
 
 def _decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
+
     if isinstance(tree, list):
         return [_decode(v, tensors, where) for v in tree]
     if not isinstance(tree, dict):

@@ -56,13 +56,17 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import mmap
 import os
+import queue
 import re
 import secrets
 import shutil
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -383,3 +387,58 @@ def recover(save_dir: Path) -> Recovery:
         if entry.startswith((_TMP, _TRASH)):
             out.to_delete.append(save_dir / entry)
     return out
+
+
+class Deleter:
+    """A named daemon thread that deletes directory trees handed to it.
+
+    Failures are logged and kept in :attr:`errors` (a failed deletion costs
+    disk space, never data, so it does not stop training).
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Path | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.errors: list[str] = []
+
+    def submit(self, paths: Iterable[Path]) -> None:
+        for p in paths:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="preempt-deleter", daemon=True)
+                self._thread.start()
+            self._queue.put(p)
+
+    def _run(self) -> None:
+        while (path := self._queue.get()) is not None:
+            try:
+                remove_tree(path)
+            except OSError as e:
+                self.errors.append(f"{path}: {e}")
+                logging.getLogger("preempt").warning("could not delete %s: %s", path, e)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Lets the thread finish what it was given, then end; False if it is still busy after ``timeout``.
+
+        A thread still deleting when the process exits dies with it (it is a
+        daemon); the leftover ``.trash-`` directories are deleted at the next start.
+        """
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        self._queue.put(None)
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until every submitted path is gone; False on timeout."""
+        if self._thread is None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True

@@ -16,55 +16,54 @@ reading its tensor data: what ``preempt inspect`` shows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import sys
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_HEADER_BYTES = 100 << 20
 MAX_DIMS = 64  # more dimensions than any tensor has; bounds the work an empty tensor with a huge shape costs
 MAX_EXTENT = 1 << 62  # the product of a shape's non-zero dimensions: torch's strides are int64
 
-_BY_NAME: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "C64": torch.complex64,
-}
-for _name, _attr in (
-    ("U16", "uint16"),
-    ("U32", "uint32"),
-    ("U64", "uint64"),
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
-    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-):
-    if hasattr(torch, _attr):
-        _BY_NAME[_name] = getattr(torch, _attr)
-_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
-_ITEMSIZE: dict[str, int] = {k: v.itemsize for k, v in _BY_NAME.items()}
+# The format's dtypes and their sizes: headers are checked without torch (preempt ls/verify never import it).
+_ITEMSIZE: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "C64": 8,
+    "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
+}  # fmt: skip
+_TORCH_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "C64": "complex64", "U16": "uint16",
+    "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+}  # fmt: skip
+
+
+@functools.cache
+def _dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """The format's dtypes that this torch has, by name and by torch dtype (imports torch on first use)."""
+    import torch
+
+    by_name = {k: getattr(torch, v) for k, v in _TORCH_NAMES.items() if hasattr(torch, v)}
+    return by_name, {v: k for k, v in by_name.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str | None:
     """The safetensors name of a torch dtype, or None when the format has none."""
-    return _BY_DTYPE.get(dtype)
+    return _dtypes()[1].get(dtype)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a dense tensor in row-major order (a view when possible)."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -76,13 +75,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def check_tensor(key: str, t: torch.Tensor) -> None:
     """Raises TypeError naming ``key`` for a tensor the format cannot hold."""
+    import torch
+
     if t.layout != torch.strided:
         raise TypeError(f"{key}: {t.layout} tensors are not supported; convert with .to_dense()")
     if t.is_quantized:
         raise TypeError(f"{key}: quantized tensors are not supported")
     if t.device.type == "meta":
         raise TypeError(f"{key}: a meta tensor has no data to save")
-    if t.dtype not in _BY_DTYPE:
+    if t.dtype not in _dtypes()[1]:
         raise TypeError(f"{key}: dtype {t.dtype} has no safetensors equivalent")
 
 
@@ -95,6 +96,7 @@ def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     """
     if sys.byteorder != "little":
         raise RuntimeError("preempt writes little-endian safetensors files; big-endian hosts are not supported")
+    by_dtype = _dtypes()[1]
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict[str, Any] = {}
     if metadata:
@@ -104,7 +106,7 @@ def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
         t = tensors[key]
         check_tensor(key, t)
         nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _BY_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": by_dtype[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
@@ -149,6 +151,17 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     return _validate_header(first, raw, size, str(path))
 
 
+def validate(buf: np.ndarray, where: str) -> Header:
+    """The validated header of a safetensors file held in memory (no torch: what ``preempt verify`` checks).
+
+    Raises:
+        ValueError: The bytes are not a well-formed safetensors file.
+    """
+    first = buf[:8].tobytes()
+    hlen = _header_length(first, int(buf.size), where)
+    return _validate_header(first, buf[8 : 8 + hlen].tobytes(), int(buf.size), where)
+
+
 def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors (views into ``buf``) and metadata of a safetensors file held in memory.
 
@@ -157,15 +170,20 @@ def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[st
         where: The file's path, for messages.
 
     Raises:
-        ValueError: The bytes are not a well-formed safetensors file.
+        ValueError: The bytes are not a well-formed safetensors file, or hold a dtype this torch lacks.
     """
-    first = buf[:8].tobytes()
-    hlen = _header_length(first, int(buf.size), where)
-    header = _validate_header(first, buf[8 : 8 + hlen].tobytes(), int(buf.size), where)
+    import torch
+
+    header = validate(buf, where)
+    by_name = _dtypes()[0]
     data = buf[header.data_start :]
     out: dict[str, torch.Tensor] = {}
     for e in _by_offset(header.entries):
-        dtype = _BY_NAME[e.dtype]
+        dtype = by_name.get(e.dtype)
+        if dtype is None:
+            raise ValueError(
+                f"{where}: entry {_short(e.name)}: dtype {e.dtype} is not supported by torch {torch.__version__}"
+            )
         if e.begin == e.end:
             out[e.name] = torch.empty(e.shape, dtype=dtype)
             continue
@@ -215,7 +233,7 @@ def _validate_header(first: bytes, raw: bytes, size: int, where: str) -> Header:
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise ValueError(f"{where}: entry {_short(key)} must have exactly dtype, shape and data_offsets")
         dtype = entry["dtype"]
-        if not isinstance(dtype, str) or dtype not in _BY_NAME:
+        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise ValueError(f"{where}: entry {_short(key)}: unknown dtype {_short(dtype)}")
         shape = entry["shape"]
         if (

@@ -541,3 +541,36 @@ def test_no_command_blocks_or_crashes_on_odd_files(tmp_path, capsys, name, kind)
         rc, out, err = cli(capsys, *argv)
         assert rc == 1 and str(path) in out + err, (argv, out, err)
     assert not (tmp_path / "w.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["ls"], ["ls", "--json"], ["verify"], ["prune", "--keep-last", "1"], ["prune", "--keep-last", "1", "--yes"]],
+    ids=" ".join,
+)
+def test_ls_verify_and_prune_never_import_torch(tmp_path, args):
+    """Reading headers and JSON needs no torch: these commands start in a fraction of a second (issue 16)."""
+    saved(tmp_path / "run")
+    script = (
+        "import sys\nfrom preempt import cli\n"
+        "code = cli.main(sys.argv[1:])\n"
+        "sys.stderr.write(f'\\ntorch imported: {\"torch\" in sys.modules}\\n')\nsys.exit(code)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, args[0], str(tmp_path / "run"), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "torch imported: False" in r.stderr, r.stderr
+    if args[0] == "prune" and "--yes" in args:
+        assert [p.name for p in (tmp_path / "run").glob("step_*")] == ["step_000000003"]
+
+
+def test_inspect_and_export_still_read_tensors(tmp_path, capsys):
+    saved(tmp_path / "run")
+    code, out, _ = cli(capsys, "inspect", str(tmp_path / "run"))
+    assert code == 0 and "model.safetensors" in out
+    code, _, _ = cli(capsys, "export", str(tmp_path / "run"), "--out", str(tmp_path / "w.safetensors"))
+    assert code == 0 and set(load_file(str(tmp_path / "w.safetensors")))
