@@ -180,6 +180,7 @@ def regular_file(path: Path) -> None:
 
 def discard_tmp(tmp: Path) -> None:
     """Removes a partial checkpoint's temporary directory; what cannot be removed now goes at the next start."""
+    commit.stage("discard")  # not a stage of the protocol: where tests kill a failed or cancelled write's cleanup
     try:
         commit.remove_tree(tmp)
     except OSError as e:

@@ -53,6 +53,7 @@ or raises there, to prove each leftover is read as documented above).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -67,7 +68,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +108,42 @@ def inject_fault(hook: Callable[[str], None] | None) -> None:
 
 
 def stage(name: str) -> None:
-    """Marks a protocol boundary (see :data:`STAGES`); calls the injected hook, if any."""
+    """Marks a protocol boundary (see :data:`STAGES`); calls the injected hook, if any.
+
+    Before the rename, a write running under :func:`cancellable` whose event is set stops here.
+    """
+    if name in _CANCEL_POINTS:
+        check_cancelled()
     if _fault_hook is not None:
         _fault_hook(name)
+
+
+class WriteCancelled(Exception):
+    """A write under :func:`cancellable` was cancelled before its rename; its temporary directory is removed."""
+
+
+_CANCEL_POINTS = frozenset({"after_tensor_files", "before_manifest", "before_tmp_fsync", "before_rename"})
+_cancel = threading.local()
+
+
+@contextlib.contextmanager
+def cancellable(event: threading.Event) -> Iterator[None]:
+    """Within the block, this thread's writes stop with :class:`WriteCancelled` once ``event`` is set.
+
+    They look at every 64 MiB written and at each stage before the rename; after the rename the checkpoint
+    is committed and the write completes.
+    """
+    _cancel.event = event
+    try:
+        yield
+    finally:
+        _cancel.event = None
+
+
+def check_cancelled() -> None:
+    event = getattr(_cancel, "event", None)
+    if event is not None and event.is_set():
+        raise WriteCancelled("the write was cancelled")
 
 
 def checkpoint_name(step: int) -> str:
@@ -161,6 +195,7 @@ def write_file(path: str | os.PathLike[str], pieces: Iterable[Any]) -> FileDiges
 
         def put(view: memoryview) -> None:
             while view:
+                check_cancelled()
                 n = os.write(fd, view[:_WRITE_CHUNK])
                 view = view[n:]
 

@@ -582,7 +582,7 @@ class PreemptibleRun:
             if not agreed.stop:  # a signal that came during the write stops the run here, with that checkpoint
                 agreed = self.peers.agree(stopper.flag.requested, 0)
         if agreed.stop:
-            saves.settle()  # rank 0's write in flight first
+            saves.before_stop()  # rank 0's write in flight: cancelled when the state moved past it, else awaited
             if self.peers.broadcast(loop.dirty):  # rank 0's view: a signal during that save, or its write failed
                 saves.save(Reason.PREEMPT, point)
             self._stop(peer=agreed.signal_rank)

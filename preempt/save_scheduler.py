@@ -20,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import errno
 import math
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import _log
+from . import _log, commit
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .loop_state import LoopState
@@ -40,6 +41,7 @@ log = _log.log
 
 POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
 SYNCHRONOUS = frozenset({Reason.PREEMPT, Reason.WALLTIME, Reason.FINAL, Reason.BRANCH, Reason.EMERGENCY})
+STOPS = frozenset({Reason.PREEMPT, Reason.WALLTIME})  # saves racing the grace period: they never wait for stale work
 MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
 
 
@@ -80,6 +82,7 @@ class Job:
     kind: str  # "prepare" or "save"
     record: SaveRecord | None = None
     started: float = 0.0  # clock at the start of the save
+    cancel: threading.Event | None = None  # set: the write stops before its rename (preempt.commit.cancellable)
 
 
 # ---------------------------------------------------------------------------- the pure decisions
@@ -109,11 +112,23 @@ def pick(
 class Plan:
     settle: bool  # wait for the job in flight first
     background: bool  # stage the state and let the writer write it
+    cancel: bool = False  # stop the write in flight instead of waiting for it: this save supersedes it
 
 
-def plan(reason: Reason, *, job: str | None, staging: bool) -> Plan:
-    """How to write a save that is taken now."""
-    return Plan(settle=job is not None, background=staging and reason not in SYNCHRONOUS)
+def plan(reason: Reason, *, job: str | None, staging: bool, writing: Reason | None = None) -> Plan:
+    """How to write a save that is taken now.
+
+    Args:
+        writing: The reason of the snapshot the writer is writing (when ``job`` is ``"save"``).
+
+    A stop's save does not wait for a periodic write in flight: that snapshot is older than the state the stop
+    saves, so it is cancelled (its partial files removed) and the stop's durable time is that of one write. A
+    best or milestone write in flight is waited for: it is kept for its own sake.
+    """
+    background = staging and reason not in SYNCHRONOUS
+    if job == "save" and reason in STOPS and writing in POSTPONABLE:
+        return Plan(settle=False, background=background, cancel=True)
+    return Plan(settle=job is not None, background=background)
 
 
 def wake(
@@ -235,8 +250,11 @@ class SaveScheduler:
         training goes on; the next one is tried when it is next due. A save that
         cannot be skipped (the stop's, the final one, a branch's) raises.
         """
-        how = plan(reason, job=None if self.job is None else self.job.kind, staging=self.stager is not None)
-        if how.settle:
+        how = plan(reason, job=None if self.job is None else self.job.kind, staging=self.stager is not None,
+                   writing=self._writing())  # fmt: skip
+        if how.cancel:
+            self.cancel()
+        elif how.settle:
             self.settle()
         background = how.background and self.stager is not None  # settling may have turned staging off
         self.postponed = None
@@ -260,6 +278,23 @@ class SaveScheduler:
                 self.loop.taken(manifest.step, manifest.cursor, self.clock())
             else:
                 self._durable(reason, got, t0)
+
+    def _writing(self) -> Reason | None:
+        job = self.job
+        return Reason(job.record.reason) if job is not None and job.record is not None else None
+
+    def before_stop(self) -> None:
+        """At a stop: a periodic write of a state the loop has moved past is cancelled; any other job is waited for."""
+        if self.job is not None and self.loop.dirty and self._writing() in POSTPONABLE:
+            self.cancel()
+        else:
+            self.settle()
+
+    def cancel(self) -> None:
+        """Stops the write in flight before its rename (its temporary directory is removed) and takes the outcome."""
+        if self.job is not None and self.job.cancel is not None:
+            self.job.cancel.set()
+        self.settle()
 
     def loaded(self, info: CheckpointInfo) -> None:
         """The run restored ``info``: the newest durable checkpoint, and nothing to save until the loop moves."""
@@ -291,8 +326,14 @@ class SaveScheduler:
         record = SaveRecord(manifest.step, reason.value, t1 - t0, background=True)
         self.last_save = record
         self.loop.taken(manifest.step, manifest.cursor, t1)
-        self.job = Job("save", record, t0)
-        self.writer.submit(write)
+        cancel = threading.Event()
+        self.job = Job("save", record, t0, cancel)
+
+        def job() -> CheckpointInfo:
+            with commit.cancellable(cancel):
+                return write()
+
+        self.writer.submit(job)
         log.debug("step %d staged in %s; writing in the background", manifest.step, _log.duration(t1 - t0))
 
     def wait(self, timeout: float | None = None) -> Path | None:
@@ -332,6 +373,14 @@ class SaveScheduler:
             assert job.record is not None
             self.loop.changed()  # that state is not on disk: a stop or the end must save again
             self.postponed = None  # a failed periodic write is retried when the next save is due
+            if isinstance(e, commit.WriteCancelled):
+                log.info(
+                    "the background write of step %d (%s) was cancelled after %s: the stop saves the current state",
+                    job.record.step,
+                    job.record.reason,
+                    _log.duration(self.clock() - job.started),
+                )
+                return
             if isinstance(e, OSError):
                 self._failed(Reason(job.record.reason), e, step=job.record.step)
                 return

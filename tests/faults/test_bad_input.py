@@ -99,6 +99,31 @@ def train(
                 run.step()
 
 
+def make_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A save_dir with the checkpoints of steps 1 and 2 (stopped at step 2: no completion marker)."""
+    d = tmp_path_factory.mktemp("template") / "run"
+    with pytest.raises(Preempted):
+        train(d, stop_after=2, checkpoint_every_steps=1, keep_last=None, async_save=False)  # both on disk
+    assert sorted(p.name for p in d.glob("step_*")) == [STEP1, STEP2]
+    return d
+
+
+def copy_template(template: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "run"
+    shutil.copytree(template, d, symlinks=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_template(tmp_path_factory)
+
+
+@pytest.fixture
+def save_dir(template: Path, tmp_path: Path) -> Path:
+    return copy_template(template, tmp_path)
+
+
 # ---------------------------------------------------------------- tools of the attacker
 
 

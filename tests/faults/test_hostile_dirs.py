@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_bad_input import STEP1, STEP2, build, forbidden, resign
+from test_bad_input import STEP1, STEP2, build, copy_template, forbidden, make_template, resign
 
 from preempt import PreemptibleRun, cli, lock, safe_io
 from preempt.errors import CheckpointError
@@ -57,6 +57,16 @@ def resume(save_dir: Path) -> PreemptibleRun:
     with PreemptibleRun(save_dir, model=model, optimizer=opt, scheduler=sched, checkpoint_interval=None) as run:
         pass
     return run
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_template(tmp_path_factory)
+
+
+@pytest.fixture
+def save_dir(planted: Path, tmp_path: Path) -> Path:
+    return copy_template(planted, tmp_path)
 
 
 @pytest.fixture

@@ -188,3 +188,27 @@ def test_sigkill_at_random_moments(tmp_path, reference):
 @pytest.mark.slow
 def test_sigkill_at_random_moments_many(tmp_path, reference):
     run_kill_trials(tmp_path, reference, trials=50, seed=50)
+
+
+def test_sigkill_while_a_cancelled_write_is_cleaned_up(tmp_path, reference):
+    """A stop cancels the background write in flight (issue 16); killed while its files are being removed.
+
+    Each commit sleeps 0.2 s before its manifest and a step takes 0.05 s: the writer's second save (step 16)
+    sends SIGTERM there, so the stop comes at the next step while that write is in flight; the stop cancels it, and the process is killed as the cancelled write starts removing its
+    temporary directory. The rerun cleans it and resumes from the last whole checkpoint, bit-exact.
+    """
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    kill = "before_manifest:2:TERM,discard:1:KILL"
+    args = [*MODEL, "--every_steps", "8", "--step_sleep", "0.05", "--slow_commit", "0.2", "--signal_at", kill]
+    first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
+    assert first.finish() == KILLED, first.output
+    assert "signal_at before_manifest 2 SIGTERM" in first.output and "signal_at discard 1 SIGKILL" in first.output
+    written = [int(s) for s in re.findall(r"checkpoint \S*step_(\d+) \(\w+\) written", first.output)]
+    assert written == [8], first.output  # the second periodic save never committed
+    assert whole_checkpoints(save_dir) == [8] and leftovers(save_dir), os.listdir(save_dir)
+
+    rerun = Spawned(train_cmd(save_dir, final, [*MODEL, "--every_steps", "8"]))
+    assert rerun.finish() == 0, rerun.output
+    assert resumed_step(rerun.output) == 8, rerun.output
+    assert leftovers(save_dir) == [], "the rerun did not clean the cancelled write's files"
+    assert_same_final(reference(MODEL), final)

@@ -84,16 +84,27 @@ def flatten(prefix: str, tree, out: dict) -> None:
         out[prefix] = torch.tensor(float(tree), dtype=torch.float64)
 
 
-def signal_at(spec: str) -> None:
+def slow_commit(seconds: float):
+    """--slow_commit: a hook that makes each commit sleep before its manifest."""
+
+    def hook(stage: str) -> None:
+        if stage == "before_manifest" and seconds:
+            time.sleep(seconds)
+
+    return hook
+
+
+def signal_at(spec: str, then=None) -> None:
     """``STAGE:N:SIG[,...]``: send this process a real SIG the N-th time the commit reaches STAGE.
 
-    STAGE is one of ``preempt.commit.STAGES``, or ``load`` (a checkpoint file is about to be read and
-    verified). The signal is real (``os.kill``); SIGKILL ends the process right there.
+    STAGE is one of ``preempt.commit.STAGES``, ``load`` (a checkpoint file is about to be read and
+    verified) or ``discard`` (a failed or cancelled write's temporary directory is about to be removed).
+    The signal is real (``os.kill``); SIGKILL ends the process right there.
     """
     plan: dict[str, list[tuple[int, int]]] = {}
     for item in spec.split(","):
         stage, n, sig = item.split(":")
-        if stage not in (*commit.STAGES, "load"):
+        if stage not in (*commit.STAGES, "load", "discard"):
             raise SystemExit(f"--signal_at: unknown stage {stage!r}")
         plan.setdefault(stage, []).append((int(n), signal.Signals[f"SIG{sig}"]))
     seen: dict[str, int] = {}
@@ -105,7 +116,7 @@ def signal_at(spec: str) -> None:
                 print(f"signal_at {stage} {n} {sig.name}", flush=True)
                 os.kill(os.getpid(), sig)
 
-    commit.inject_fault(hook)
+    commit.inject_fault(hook if then is None else lambda stage: (hook(stage), then(stage)))
     original = preempt.checkpoint.read_verified
 
     def read_verified(path, expected):
@@ -156,9 +167,9 @@ def main() -> None:
     p.add_argument("--nan_at", type=int, default=None, help="attempt 1 under preempt supervise: 'Loss is NaN', exit 1")
     args = p.parse_args()
     if args.signal_at:
-        signal_at(args.signal_at)
+        signal_at(args.signal_at, then=slow_commit(args.slow_commit))
     elif args.slow_commit:
-        commit.inject_fault(lambda stage: time.sleep(args.slow_commit) if stage == "before_manifest" else None)
+        commit.inject_fault(slow_commit(args.slow_commit))
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

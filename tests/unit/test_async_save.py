@@ -187,7 +187,8 @@ def test_a_best_checkpoint_waits_for_the_write_in_flight(tmp_path):
         assert run.wait_for_checkpoint(timeout=30) == tmp_path / "step_000000003"
 
 
-def test_stop_while_a_write_is_in_flight_finishes_it_then_saves_the_current_state(tmp_path, caplog):
+def test_stop_while_a_periodic_write_is_in_flight_cancels_it_and_saves_the_current_state_once(tmp_path, caplog):
+    """The stop does not wait for a stale write (issue 16): it is cancelled before its rename and its files removed."""
     model, opt, data = build()
     caplog.set_level(logging.INFO, logger="preempt")
     gate = Gate()
@@ -197,16 +198,40 @@ def test_stop_while_a_write_is_in_flight_finishes_it_then_saves_the_current_stat
 
             def at_step(run):
                 if run.global_step + 1 == 3:
-                    assert gate.reached.wait(10)
+                    assert gate.reached.wait(10)  # step 2's write is held before its manifest
                     threading.Timer(0.3, gate.release.set).start()
                     run.request_stop()
 
             steps(run, model, opt, data, 10, on_step=at_step)
     assert stop.value.code == 75 and stop.value.checkpoint == str(tmp_path / "step_000000003")
     text = caplog.text
-    assert text.index("step_000000002 (steps) written") < text.index("step_000000003 (preempt) written")
+    assert "the background write of step 2 (steps) was cancelled" in text
+    assert "step_000000002 (steps) written" not in text and "step_000000003 (preempt) written" in text
     manager = CheckpointManager(tmp_path, owner=False)
-    assert [c.step for c in manager.list()] == [3, 2] and all(not manager.verify(c) for c in manager.list())
+    assert [c.step for c in manager.list()] == [3] and not manager.verify(manager.list()[0])
+    assert not list(tmp_path.glob(".tmp-*")), "the cancelled write left its partial files"
+    assert torch.equal(loaded(tmp_path / "step_000000003")["model.0.weight"], model[0].weight.detach())
+
+
+def test_stop_while_a_best_write_is_in_flight_waits_for_it(tmp_path, caplog):
+    """A best checkpoint is kept for its own sake: the stop lets it become durable, then saves its own state."""
+    model, opt, data = build()
+    caplog.set_level(logging.INFO, logger="preempt")
+    gate = Gate()
+    with gated(gate), pytest.raises(Preempted) as stop:
+        with PreemptibleRun(
+            tmp_path, model=model, optimizer=opt, checkpoint_interval=None, best_metric="loss", keep_best=1
+        ) as run:
+            next(run.epochs(1))
+            step = stepper(run, model, opt, data)
+            step(1, metrics={"loss": 1.0})  # step 1: a best checkpoint, held by the gate
+            assert gate.reached.wait(10)
+            threading.Timer(0.3, gate.release.set).start()
+            run.request_stop()
+            step(1, metrics={"loss": 2.0})
+    assert stop.value.checkpoint == str(tmp_path / "step_000000002")
+    assert caplog.text.index("step_000000001 (best) written") < caplog.text.index("step_000000002 (preempt) written")
+    assert [c.step for c in CheckpointManager(tmp_path, owner=False).list()] == [2, 1]
 
 
 def test_a_writer_out_of_disk_is_logged_at_the_next_step_and_training_goes_on(tmp_path, caplog):

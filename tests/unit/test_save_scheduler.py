@@ -163,15 +163,58 @@ def test_a_background_save_is_staged_then_written_and_a_periodic_one_waits_for_i
     assert saves.postponed is None and writer.submitted == 3  # prepare, step 1, step 2
 
 
-def test_a_stop_waits_for_the_write_in_flight_then_saves_synchronously(tmp_path):
+def test_a_stop_cancels_a_periodic_write_in_flight_and_saves_synchronously(tmp_path):
     writer = FakeWriter()
     saves, loop, _ = scheduler(tmp_path, writer)
     loop.stepped()
     saves.save(R.INTERVAL, "step")
     loop.stepped()
     saves.save(R.PREEMPT, "step")
-    assert saves.job is None and on_disk(saves.manager) == [(2, "preempt"), (1, "interval")]
+    assert saves.job is None and on_disk(saves.manager) == [(2, "preempt")]  # step 1's write never committed
+    assert saves.failed == 0 and not list(tmp_path.glob(".tmp-*"))
     assert saves.last_save.step == 2 and saves.last_save.durable and not saves.last_save.background
+
+
+def test_a_stop_waits_for_a_best_write_in_flight(tmp_path):
+    writer = FakeWriter()
+    saves, loop, _ = scheduler(tmp_path, writer)
+    loop.stepped()
+    saves.save(R.BEST, "step")
+    loop.stepped()
+    saves.save(R.PREEMPT, "step")
+    assert on_disk(saves.manager) == [(2, "preempt"), (1, "best")]
+
+
+def test_before_a_stop_a_write_of_the_current_state_is_awaited_not_cancelled(tmp_path):
+    writer = FakeWriter()
+    saves, loop, _ = scheduler(tmp_path, writer)
+    loop.stepped()
+    saves.save(R.STEPS, "step")  # the state of this very step: nothing moved since
+    saves.before_stop()
+    assert on_disk(saves.manager) == [(1, "steps")] and not loop.dirty
+    loop.stepped()
+    saves.save(R.STEPS, "step")
+    loop.stepped()  # the loop moved past the snapshot in flight
+    saves.before_stop()
+    assert on_disk(saves.manager) == [(1, "steps")] and loop.dirty  # cancelled: the stop must save
+
+
+@pytest.mark.parametrize(
+    ("reason", "writing", "cancel"),
+    [
+        (R.PREEMPT, R.STEPS, True),
+        (R.WALLTIME, R.INTERVAL, True),
+        (R.PREEMPT, R.PER_EPOCH, True),
+        (R.PREEMPT, R.BEST, False),
+        (R.PREEMPT, R.MILESTONE, False),
+        (R.FINAL, R.STEPS, False),
+        (R.EMERGENCY, R.STEPS, False),
+        (R.BEST, R.STEPS, False),
+    ],
+)
+def test_only_a_stop_cancels_and_only_a_periodic_write(reason, writing, cancel):
+    p = plan(reason, job="save", staging=True, writing=writing)
+    assert p.cancel is cancel and p.settle is not cancel
 
 
 def test_a_write_out_of_disk_is_counted_and_the_state_is_due_again(tmp_path, monkeypatch):
