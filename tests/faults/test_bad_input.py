@@ -99,7 +99,8 @@ def train(
                 run.step()
 
 
-def make_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A save_dir with the checkpoints of steps 1 and 2 (stopped at step 2: no completion marker)."""
     d = tmp_path_factory.mktemp("template") / "run"
     with pytest.raises(Preempted):
@@ -108,20 +109,11 @@ def make_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def copy_template(template: Path, tmp_path: Path) -> Path:
+@pytest.fixture
+def save_dir(template: Path, tmp_path: Path) -> Path:
     d = tmp_path / "run"
     shutil.copytree(template, d, symlinks=True)
     return d
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_template(tmp_path_factory)
-
-
-@pytest.fixture
-def save_dir(template: Path, tmp_path: Path) -> Path:
-    return copy_template(template, tmp_path)
 
 
 # ---------------------------------------------------------------- tools of the attacker

@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import test_bad_input
 import torch
-from test_bad_input import STEP1, STEP2, build, copy_template, forbidden, make_template, resign
+from test_bad_input import STEP1, STEP2, build, forbidden, resign
 
 from preempt import PreemptibleRun, cli, lock, safe_io
 from preempt.errors import CheckpointError
@@ -59,14 +60,8 @@ def resume(save_dir: Path) -> PreemptibleRun:
     return run
 
 
-@pytest.fixture(scope="module")
-def planted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_template(tmp_path_factory)
-
-
-@pytest.fixture
-def save_dir(planted: Path, tmp_path: Path) -> Path:
-    return copy_template(planted, tmp_path)
+# test_bad_input's save_dir (checkpoints of steps 1 and 2), registered here under its own names
+template, save_dir = test_bad_input.template, test_bad_input.save_dir
 
 
 @pytest.fixture

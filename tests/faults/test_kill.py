@@ -194,7 +194,8 @@ def test_sigkill_while_a_cancelled_write_is_cleaned_up(tmp_path, reference):
     """A stop cancels the background write in flight (issue 16); killed while its files are being removed.
 
     Each commit sleeps 0.2 s before its manifest and a step takes 0.05 s: the writer's second save (step 16)
-    sends SIGTERM there, so the stop comes at the next step while that write is in flight; the stop cancels it, and the process is killed as the cancelled write starts removing its
+    sends SIGTERM there, so the stop comes at the next step while that write is in flight; the stop cancels
+    it, and the process is killed as the cancelled write starts removing its
     temporary directory. The rerun cleans it and resumes from the last whole checkpoint, bit-exact.
     """
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
