@@ -690,7 +690,11 @@ def sigterm_trial(
     res["stop_save_s"] = float(m.group(1)) if m else None
     m = re.search(r"written in ([0-9.]+) s in the background", log)
     res["background_write_s"] = float(m.group(1)) if m else None
-    if variant == "inflight" and res["background_write_s"] is not None:
+    # A stop cancels a periodic write in flight (issue 16): it never reports "written", it says "was cancelled".
+    res["write_cancelled"] = bool(re.search(r"the background write of step \d+ \(\w+\) was cancelled", log))
+    if variant == "inflight" and res["write_cancelled"]:
+        res["write_in_flight_at_kill"] = True
+    elif variant == "inflight" and res["background_write_s"] is not None:
         started = res["staged_wall"] - res["staged_stall_s"]
         res["write_in_flight_at_kill"] = t_kill < started + res["background_write_s"]
     res["log_tail"] = log.strip().splitlines()[-4:]
@@ -888,7 +892,8 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
             extra = ""
             if v == "inflight":
                 inf = [t.get("write_in_flight_at_kill") for t in ts]
-                extra = f"; write still in flight at kill: {sum(bool(x) for x in inf)}/{len(inf)}"
+                cancelled = sum(bool(t.get("write_cancelled")) for t in ts)
+                extra = f"; in flight at kill: {sum(bool(x) for x in inf)}/{len(inf)}, cancelled {cancelled}"
             w(
                 f"   {label:<18} kill->durable median {fmt_s(median(k2d))} ({median(k2d) / ref:.2f}x the reference;"
                 f" trials {', '.join(fmt_s(x) for x in k2d)}); kill->exit {fmt_s(median(k2e))};"
