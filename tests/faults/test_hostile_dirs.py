@@ -281,3 +281,15 @@ def test_safe_io_refuses_what_is_not_a_regular_file(tmp_path):
         safe_io.read_bytes(tmp_path / "big", 10)
     with forbidden(tmp_path / "elsewhere"):
         pass
+
+
+def test_deep_json_in_the_lock_and_in_history_is_ignored(save_dir):
+    (save_dir / "lock").write_bytes(deep(5000))  # a dead holder's "details", planted
+    with open(save_dir / "history.jsonl", "ab") as f:
+        f.write(deep(5000) + b"\n")
+    run = resume(save_dir)
+    assert run.resumed_from == save_dir / STEP2
+    from preempt.history import read_history
+
+    records = read_history(save_dir)
+    assert records and all(isinstance(r, dict) for r in records)
