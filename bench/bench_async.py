@@ -718,6 +718,18 @@ def run_sigterm(args: argparse.Namespace, work: Path, gib: float, step_s: float,
 # ----------------------------------------------------------------- report
 
 
+def _yardstick(s: dict[str, Any]) -> Any:
+    """kill->durable as a ratio to the copy floor + a raw write (steady; first write of a process), when known."""
+
+    def ratios(t: float) -> str:
+        if "raw_write_s" not in s:
+            return ""
+        steady, first = s["copy_floor_s"] + s["raw_write_s"], s["copy_floor_s"] + s["raw_first_write_s"]
+        return f"; {t / steady:.2f}x copy+raw write steady, {t / first:.2f}x copy+first raw write"
+
+    return ratios
+
+
 def fmt_s(t: float | None) -> str:
     if t is None:
         return ""
@@ -876,6 +888,7 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
         w("")
         gib = s["gib"]
         ref = s["ref_step_plus_save_s"]
+        yard = _yardstick(s)
         w(
             f"6. SIGTERM -> durable checkpoint, {gib:g} GiB state, async_save=True: kill() to the stop's checkpoint"
             " durable (the child's clock when Preempted is raised, after the save's last fsync)"
@@ -884,6 +897,11 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
             f"   reference: one step + one synchronous save (row 3) = {fmt_s(ref)} steady,"
             f" {fmt_s(s['ref_step_plus_first_save_s'])} with the first save of a process"
         )
+        if "raw_write_s" in s:
+            w(
+                f"   yardstick: copy floor + raw write of the bytes = {fmt_s(s['copy_floor_s'] + s['raw_write_s'])}"
+                f" steady, {fmt_s(s['copy_floor_s'] + s['raw_first_write_s'])} as a process's first write"
+            )
         for v, label in (("idle", "nothing in flight"), ("inflight", "a save in flight")):
             ts = s[v]
             k2d = [t["kill_to_durable_s"] for t in ts]
@@ -897,7 +915,7 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
             w(
                 f"   {label:<18} kill->durable median {fmt_s(median(k2d))} ({median(k2d) / ref:.2f}x the reference;"
                 f" trials {', '.join(fmt_s(x) for x in k2d)}); kill->exit {fmt_s(median(k2e))};"
-                f" the stop's save {fmt_s(median(save) if save else None)}{extra}"
+                f" the stop's save {fmt_s(median(save) if save else None)}{extra}{yard(median(k2d))}"
             )
         ok = all(t["manifest_exists"] for v in ("idle", "inflight") for t in s[v])
         w(f"   every child exited with code 75 and its stop's manifest on disk: {ok}")
@@ -1017,6 +1035,9 @@ def main(argv: list[str] | None = None) -> None:
             s = run_sigterm(args, work, e2e_gib, step_s, m["preempt_async"]["durable_s"])
             s["ref_step_plus_save_s"] = step_s + m["save_preempt"]["stall_s"]
             s["ref_step_plus_first_save_s"] = step_s + m["save_preempt"]["first_stall_s"]
+            # issue 16's yardstick: the copy floor + a raw write of the same bytes, steady and a process's first
+            s["raw_write_s"], s["raw_first_write_s"] = m["python_write"]["stall_s"], m["python_write"]["first_stall_s"]
+            s["copy_floor_s"] = m["copy_floor"]["stall_s"]
             results["sigterm"] = s
     finally:
         shutil.rmtree(work, ignore_errors=True)
