@@ -368,6 +368,8 @@ class CheckpointManager:
         ``manifest.files`` is filled in here. On any failure the partial
         directory is removed and the previous checkpoints are untouched.
         """
+        if not self.save_dir.is_dir():  # "created if missing", also without a run (save_state)
+            self.check_dir()
         tmp = commit.new_tmp_dir(self.save_dir, commit.checkpoint_name(manifest.step))
         return self.save_into(tmp, payload, manifest)
 
