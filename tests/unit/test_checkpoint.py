@@ -349,9 +349,5 @@ class _TensorHolder:
 
 def test_save_state_creates_a_missing_save_dir(tmp_path):
     """The class says "created if missing": true of the manager used without a run too."""
-    import torch as _torch
-
-    from preempt import CheckpointManager as _Manager
-
-    info = _Manager(tmp_path / "new" / "run").save_state(step=1, model=_torch.nn.Linear(2, 2))
+    info = CheckpointManager(tmp_path / "new" / "run").save_state(step=1, model=torch.nn.Linear(2, 2))
     assert info.path == tmp_path / "new" / "run" / "step_000000001" and (info.path / "manifest.json").is_file()
