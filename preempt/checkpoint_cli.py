@@ -336,8 +336,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     info = resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
     if info.manifest is None or info.status != "valid":
         raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; cannot export from it")
-    from . import tensorfile  # torch: only export and inspect need it
-    from .state import MODEL_FILE
+    from . import tensorfile
+    from .commit import MODEL_FILE
 
     expected = info.manifest.files.get(MODEL_FILE)
     src = info.path / MODEL_FILE
@@ -345,9 +345,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CommandFailed(EXIT_DAMAGED, f"{info.path / commit.MANIFEST}: lists no {MODEL_FILE}")
     try:
         buf = read_verified(src, expected)  # a regular file, size and xxh3 as the manifest says; a private mapping
-        tensors, metadata = tensorfile.parse(buf, str(src))
+        header = tensorfile.validate(buf, str(src))
     except (CorruptCheckpointError, ValueError) as e:
         raise CommandFailed(EXIT_DAMAGED, f"{e}; nothing written") from None
+    tensors, metadata = header.entries, header.metadata
     if not tensors:
         raise CommandFailed(EXIT_USAGE, f"{src}: holds no model weights (saved without a model); nothing written")
     metadata = {
@@ -357,8 +358,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         "preempt.step": str(info.step),
         "preempt.source_xxh3_128": expected.xxh3_128,
     }
-    # The tensors are views into the verified mapping: written straight from it, in the writer's aligned layout.
-    digest = _write_new(out, tensorfile.pieces(tensors, metadata), args.force)
+    # The data area is written straight from the verified mapping, its layout (and alignment) unchanged: no torch.
+    digest = _write_new(out, tensorfile.restamped(buf, header, metadata), args.force)
     doc = {
         "source": str(info.path),
         "step": info.step,
@@ -412,7 +413,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoint_inspect import cmd_inspect  # torch (tensor headers): ls, verify and prune start without it
+    from .checkpoint_inspect import cmd_inspect  # the largest of the commands: loaded when asked for
 
     return cmd_inspect(args)
 

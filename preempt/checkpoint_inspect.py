@@ -21,9 +21,9 @@ from .checkpoint import CheckpointInfo, CheckpointManager
 from .checkpoint_files import read_verified, regular_file
 from .checkpoint_views import fmt_table, fmt_utc, fmt_when, resolve
 from .cli_output import EXIT_DAMAGED, EXIT_OK, CommandFailed, emit
+from .commit import MODEL_FILE, STATE_FILE, STATE_JSON
 from .errors import CorruptCheckpointError
 from .manifest import Manifest
-from .state import MODEL_FILE, STATE_FILE, STATE_JSON
 from .tensorfile import Entry, Header
 
 _MAX_STATE_JSON = 1 << 30  # state.json larger than this is not summarised by inspect

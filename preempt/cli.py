@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["supervise"]:
         return supervise.main(argv[1:])
     args = build_parser().parse_args(argv)
-    from . import checkpoint_cli  # ls, verify and prune never import torch; inspect and export do (tensors)
+    from . import checkpoint_cli  # no torch: headers and JSON are read without it
 
     # What a save_dir holds is printed through escaping streams: a planted name or reason cannot drive the terminal.
     out, err = sys.stdout, sys.stderr

@@ -76,6 +76,9 @@ import numpy as np
 import xxhash
 
 MANIFEST = "manifest.json"
+MODEL_FILE = "model.safetensors"  # the model's state_dict
+STATE_FILE = "state.safetensors"  # every other tensor
+STATE_JSON = "state.json"  # everything else (no pickle)
 COMPLETE = "complete.json"
 QUARANTINE = "quarantine"
 SUPERSEDED = "superseded"

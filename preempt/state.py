@@ -31,13 +31,11 @@ from typing import Any
 import torch
 
 from . import codec
+from .commit import MODEL_FILE, STATE_FILE, STATE_JSON  # noqa: F401  (the names of a checkpoint's files)
 from .components import Components, Stateful
 from .errors import IncompatibleStateError, UnsupportedStateError
 from .tensorfile import check_tensor
 
-MODEL_FILE = "model.safetensors"
-STATE_FILE = "state.safetensors"
-STATE_JSON = "state.json"
 RANK_FILE = "rank_{rank:05d}.safetensors"  # rank r's own state in a distributed checkpoint (its RNG)
 RANK_JSON = "rank_{rank:05d}.json"
 

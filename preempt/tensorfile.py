@@ -162,6 +162,21 @@ def validate(buf: np.ndarray, where: str) -> Header:
     return _validate_header(first, buf[8 : 8 + hlen].tobytes(), int(buf.size), where)
 
 
+def restamped(buf: np.ndarray, header: Header, metadata: Mapping[str, str]) -> Iterator[Any]:
+    """The safetensors file ``buf`` (validated as ``header``) with ``metadata`` instead of its own, as pieces.
+
+    The entries keep their offsets, so the data area is yielded as it is (a view of ``buf``); the new header is
+    padded to a multiple of 8, which keeps every tensor at the alignment it had. No torch.
+    """
+    doc: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
+    for e in header.entries:
+        doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    yield len(head).to_bytes(8, "little") + head
+    yield memoryview(buf[header.data_start :])
+
+
 def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors (views into ``buf``) and metadata of a safetensors file held in memory.
 

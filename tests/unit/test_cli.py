@@ -545,19 +545,34 @@ def test_no_command_blocks_or_crashes_on_odd_files(tmp_path, capsys, name, kind)
 
 @pytest.mark.parametrize(
     "args",
-    [["ls"], ["ls", "--json"], ["verify"], ["prune", "--keep-last", "1"], ["prune", "--keep-last", "1", "--yes"]],
-    ids=" ".join,
+    [
+        ["ls"],
+        ["ls", "--json"],
+        ["verify"],
+        ["inspect"],
+        ["export", "--out", "EXPORT"],
+        ["prune", "--keep-last", "1"],
+        ["prune", "--keep-last", "1", "--yes"],
+    ],
+    ids=lambda a: " ".join(a).replace("EXPORT", "out"),
 )
-def test_ls_verify_and_prune_never_import_torch(tmp_path, args):
+def test_the_checkpoint_commands_never_import_torch(tmp_path, args):
     """Reading headers and JSON needs no torch: these commands start in a fraction of a second (issue 16)."""
-    saved(tmp_path / "run")
+    model, _ = saved(tmp_path / "run")
     script = (
         "import sys\nfrom preempt import cli\n"
         "code = cli.main(sys.argv[1:])\n"
         "sys.stderr.write(f'\\ntorch imported: {\"torch\" in sys.modules}\\n')\nsys.exit(code)\n"
     )
     r = subprocess.run(
-        [sys.executable, "-c", script, args[0], str(tmp_path / "run"), *args[1:]],
+        [
+            sys.executable,
+            "-c",
+            script,
+            args[0],
+            str(tmp_path / "run"),
+            *[str(tmp_path / "w.safetensors") if a == "EXPORT" else a for a in args[1:]],
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -566,6 +581,11 @@ def test_ls_verify_and_prune_never_import_torch(tmp_path, args):
     assert "torch imported: False" in r.stderr, r.stderr
     if args[0] == "prune" and "--yes" in args:
         assert [p.name for p in (tmp_path / "run").glob("step_*")] == ["step_000000003"]
+    if args[0] == "export":  # the latest weights, bit for bit, with the export's metadata
+        exported, weights = load_file(str(tmp_path / "w.safetensors")), model.state_dict()
+        assert set(exported) == set(weights) and all(torch.equal(exported[k], weights[k]) for k in weights)
+        with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+            assert f.metadata()["preempt.step"] == "3"
 
 
 def test_inspect_and_export_still_read_tensors(tmp_path, capsys):
