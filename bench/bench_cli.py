@@ -1,4 +1,4 @@
-"""How fast the ``preempt`` command line starts: ls, verify, prune and inspect against importing torch, one run.
+"""How fast the ``preempt`` command line starts: ls, verify, prune, inspect, export against importing torch.
 
     python bench/bench_cli.py                 # a 3-checkpoint save_dir of a small model, 7 rounds
 
@@ -55,6 +55,16 @@ def main(argv: list[str] | None = None) -> None:
             "preempt verify": [*py, "-m", "preempt", "verify", str(d)],
             "preempt prune (dry run)": [*py, "-m", "preempt", "prune", str(d), "--keep-last", "1"],
             "preempt inspect": [*py, "-m", "preempt", "inspect", str(d)],
+            "preempt export": [
+                *py,
+                "-m",
+                "preempt",
+                "export",
+                str(d),
+                "--out",
+                str(Path(tmp) / "w.safetensors"),
+                "--force",
+            ],
         }
         times: dict[str, list[float]] = {k: [] for k in commands}
         for _ in range(args.rounds):
