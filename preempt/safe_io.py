@@ -5,7 +5,7 @@ attacker's symlink, FIFO, device or giant file can stand where the run expects
 one of its own files. Every file the run and the command-line tools open there
 goes through this module:
 
-* no symlink is followed (``O_NOFOLLOW``; directories are checked with ``lstat``);
+* no symlink is followed (``O_NOFOLLOW``);
 * only regular files are read or written: a FIFO is opened without blocking
   and refused, a device or socket too;
 * a read is capped before anything is read;
@@ -30,7 +30,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -95,12 +95,6 @@ def open_fd(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 
     return fd
 
 
-def open_append(path: str | os.PathLike[str]) -> BinaryIO:
-    """A log file opened for appending (created if missing), under the rule of :func:`open_fd`."""
-    fd = open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    return os.fdopen(fd, "ab", buffering=0)  # type: ignore[return-value]
-
-
 def read_bytes(path: str | os.PathLike[str], limit: int) -> bytes:
     """The whole of a regular file of at most ``limit`` bytes.
 
@@ -158,14 +152,6 @@ def load_json(data: bytes | str, where: str, *, expect: type | None = dict, max_
 def read_json(path: str | os.PathLike[str], limit: int = SMALL, *, expect: type | None = dict) -> Any:
     """:func:`read_bytes` then :func:`load_json`; any refusal is a ValueError or an OSError naming ``path``."""
     return load_json(read_bytes(path, limit), os.fspath(path), expect=expect)
-
-
-def is_real_dir(path: str | os.PathLike[str]) -> bool:
-    """``path`` is a directory itself, not a symlink to one."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def printable(text: object) -> str:
