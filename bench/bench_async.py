@@ -509,7 +509,7 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     work_step = make_workload()
     inflight = args.variant == "inflight"
     run = PreemptibleRun(
-        work / f"sigterm_{os.getpid()}",
+        args.save_dir or work / f"sigterm_{os.getpid()}",
         model=model,
         optimizer=opt,
         async_save=True,
@@ -616,6 +616,7 @@ def run_size(args: argparse.Namespace, work: Path, gib: float, slowdown: bool) -
         dd_bytes, secs = dd_once(work, count)
         dd_times.append(secs)
     out: dict[str, Any] = {
+        "gib": gib,
         "state": state,
         "dd": {
             "command": f"dd if=/dev/zero of=FILE bs=16M count={count} conv=fdatasync",
@@ -648,13 +649,20 @@ def run_e2e(args: argparse.Namespace, work: Path, gib: float, step_s: float) -> 
 
 
 def sigterm_trial(
-    args: argparse.Namespace, work: Path, gib: float, variant: str, steps: int, delay: Callable[[], float]
+    args: argparse.Namespace,
+    work: Path,
+    gib: float,
+    variant: str,
+    steps: int,
+    delay: Callable[[], float],
+    save_dir: Path,
 ) -> dict[str, Any]:
     """One child: waits for it to be ready (and for a save in flight), sleeps ``delay()``, SIGTERMs it."""
     result = work / "sigterm.json"
     errpath = work / "sigterm.err"
     ns = argparse.Namespace(**{**vars(args), "gib": gib})
-    cmd = child_cmd("sigterm", ns, work, result, gib, "--variant", variant, "--steps", str(steps))
+    extra = ("--variant", variant, "--steps", str(steps), "--save-dir", str(save_dir))
+    cmd = child_cmd("sigterm", ns, work, result, gib, *extra)
     with open(errpath, "w") as err:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
@@ -701,16 +709,32 @@ def sigterm_trial(
     return res
 
 
+SIGTERM_VARIANTS = (
+    ("idle", "nothing in flight, a new save_dir (the first write of the job)"),
+    ("inflight", "a periodic write in flight (cancelled by the stop)"),
+    ("resumed", "nothing in flight, a requeued job resumed from that save_dir"),
+)
+
+
 def run_sigterm(args: argparse.Namespace, work: Path, gib: float, step_s: float, write_s: float) -> dict[str, Any]:
+    """Each trial: a fresh job stopped idle; a fresh job stopped with a write in flight; that job resumed and stopped.
+
+    The third is the common case of preemptible capacity (a requeued job preempted again): its save_dir holds
+    the earlier process's checkpoint and the files it recycles.
+    """
     rng = random.Random(6)
     every = max(3, round(1.0 / step_s))  # the in-flight child's first checkpoint comes ~1 s after the start
-    out: dict[str, Any] = {"gib": gib, "inflight_every_steps": every, "idle": [], "inflight": []}
+    out: dict[str, Any] = {"gib": gib, "inflight_every_steps": every, **{v: [] for v, _ in SIGTERM_VARIANTS}}
     t0 = perf()
-    for _ in range(args.repeats):
-        out["idle"].append(sigterm_trial(args, work, gib, "idle", 0, lambda: rng.uniform(0.2, 1.0)))
+    for i in range(args.repeats):
+        fresh, job = work / f"sigterm_{gib:g}_fresh_{i}", work / f"sigterm_{gib:g}_job_{i}"
+        out["idle"].append(sigterm_trial(args, work, gib, "idle", 0, lambda: rng.uniform(0.2, 1.0), fresh))
+        shutil.rmtree(fresh)
         out["inflight"].append(
-            sigterm_trial(args, work, gib, "inflight", every, lambda: rng.uniform(0.0, 0.5) * write_s)
+            sigterm_trial(args, work, gib, "inflight", every, lambda: rng.uniform(0.0, 0.5) * write_s, job)
         )
+        out["resumed"].append(sigterm_trial(args, work, gib, "resumed", 0, lambda: rng.uniform(0.2, 1.0), job))
+        shutil.rmtree(job)
     print(f"  {gib:g} GiB {'SIGTERM trials':<22} done in {perf() - t0:5.1f} s", file=sys.stderr, flush=True)
     return out
 
@@ -883,8 +907,7 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
         over = e["async"]["loop_s"] / ref - 1
         targets.append((f"{gib:g} GiB: end-to-end overhead of async checkpoints <= 3%", f"{over:+.1%}", over <= 0.03))
 
-    s = r.get("sigterm")
-    if s:
+    for s in r.get("sigterm", []):
         w("")
         gib = s["gib"]
         ref = s["ref_step_plus_save_s"]
@@ -902,7 +925,9 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
                 f"   yardstick: copy floor + raw write of the bytes = {fmt_s(s['copy_floor_s'] + s['raw_write_s'])}"
                 f" steady, {fmt_s(s['copy_floor_s'] + s['raw_first_write_s'])} as a process's first write"
             )
-        for v, label in (("idle", "nothing in flight"), ("inflight", "a save in flight")):
+        for v, label in SIGTERM_VARIANTS:
+            w(f"   {v}: {label}")
+        for v, _ in SIGTERM_VARIANTS:
             ts = s[v]
             k2d = [t["kill_to_durable_s"] for t in ts]
             k2e = [t["kill_to_exit_s"] for t in ts]
@@ -913,11 +938,11 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
                 cancelled = sum(bool(t.get("write_cancelled")) for t in ts)
                 extra = f"; in flight at kill: {sum(bool(x) for x in inf)}/{len(inf)}, cancelled {cancelled}"
             w(
-                f"   {label:<18} kill->durable median {fmt_s(median(k2d))} ({median(k2d) / ref:.2f}x the reference;"
+                f"   {v:<9} kill->durable median {fmt_s(median(k2d))} ({median(k2d) / ref:.2f}x the reference;"
                 f" trials {', '.join(fmt_s(x) for x in k2d)}); kill->exit {fmt_s(median(k2e))};"
                 f" the stop's save {fmt_s(median(save) if save else None)}{extra}{yard(median(k2d))}"
             )
-        ok = all(t["manifest_exists"] for v in ("idle", "inflight") for t in s[v])
+        ok = all(t["manifest_exists"] for v, _ in SIGTERM_VARIANTS for t in s[v])
         w(f"   every child exited with code 75 and its stop's manifest on disk: {ok}")
 
     w("")
@@ -982,6 +1007,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--every", type=float, default=10.0, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--save-dir", help=argparse.SUPPRESS)
     ap.add_argument("--slowdown", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.only:
@@ -1032,13 +1058,17 @@ def main(argv: list[str] | None = None) -> None:
             results["e2e"] = run_e2e(args, work, e2e_gib, step_s)
             results["e2e"]["copy_floor_s"] = m["copy_floor"]["stall_s"]
         if "sigterm" not in args.skip:
-            s = run_sigterm(args, work, e2e_gib, step_s, m["preempt_async"]["durable_s"])
-            s["ref_step_plus_save_s"] = step_s + m["save_preempt"]["stall_s"]
-            s["ref_step_plus_first_save_s"] = step_s + m["save_preempt"]["first_stall_s"]
-            # issue 16's yardstick: the copy floor + a raw write of the same bytes, steady and a process's first
-            s["raw_write_s"], s["raw_first_write_s"] = m["python_write"]["stall_s"], m["python_write"]["first_stall_s"]
-            s["copy_floor_s"] = m["copy_floor"]["stall_s"]
-            results["sigterm"] = s
+            results["sigterm"] = []
+            for size in results["sizes"]:  # row 6 at every size (issue 16), the step time of the e2e size
+                m = size["methods"]
+                s = run_sigterm(args, work, size["gib"], step_s, m["preempt_async"]["durable_s"])
+                s["ref_step_plus_save_s"] = step_s + m["save_preempt"]["stall_s"]
+                s["ref_step_plus_first_save_s"] = step_s + m["save_preempt"]["first_stall_s"]
+                # issue 16's yardstick: the copy floor + a raw write of the same bytes, steady and a process's first
+                raw = m["python_write"]
+                s["raw_write_s"], s["raw_first_write_s"] = raw["stall_s"], raw["first_stall_s"]
+                s["copy_floor_s"] = m["copy_floor"]["stall_s"]
+                results["sigterm"].append(s)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     total = perf() - t0

@@ -81,6 +81,10 @@ class CheckpointManager:
             only look), nothing on disk is changed.
         retention: The keep_* and best_* options as one RetentionPolicy
             (a run passes its own); given, it replaces them.
+        recycle_files: Keep the files of one pruned checkpoint as
+            ``.recycle-*`` for the next save to write over in place (on many
+            disks far faster than writing into new blocks; see
+            :mod:`preempt.commit`), instead of deleting them.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class CheckpointManager:
         best_mode: str = "min",
         owner: bool = True,
         retention: RetentionPolicy | None = None,
+        recycle_files: bool = True,
     ) -> None:
         self.save_dir = Path(save_dir)
         self.retention = retention or RetentionPolicy(
@@ -102,6 +107,7 @@ class CheckpointManager:
             keep_every_steps=keep_every_steps,
             metric=best_metric,
             mode=best_mode,
+            recycle=recycle_files,
         )
         self.owner = owner
         self.completion_problem: str | None = None  # why complete.json was ignored, by the last completion()
@@ -139,7 +145,9 @@ class CheckpointManager:
         found = commit.recover(d)
         for name in found.restored:
             log.warning("%s: restored %s from an interrupted replacement", d, name)
-        self._deleter.submit(found.to_delete)
+        # A pool to delete is renamed out of reach first: a save must never take a directory being deleted.
+        extra = found.pools[1:] if self.retention.recycle else found.pools
+        self._deleter.submit(found.to_delete + [commit.trash(d, p) for p in extra])
         self._indexed = False
 
     # ------------------------------------------------------------- discovery
@@ -370,8 +378,33 @@ class CheckpointManager:
         """
         if not self.save_dir.is_dir():  # "created if missing", also without a run (save_state)
             self.check_dir()
-        tmp = commit.new_tmp_dir(self.save_dir, commit.checkpoint_name(manifest.step))
-        return self.save_into(tmp, payload, manifest)
+        return self.save_into(self.new_tmp_dir(manifest.step), payload, manifest)
+
+    def new_tmp_dir(self, step: int, *, recycle: bool = True) -> Path:
+        """Step 1 of the commit protocol for a checkpoint of ``step``: recycled files when there are some.
+
+        ``recycle=False`` for a directory that others' code writes into (DCP's
+        shards): only :func:`commit.write_file` knows how to write over a recycled file.
+        """
+        recycle = recycle and self.owner and self.retention.recycle
+        return commit.new_tmp_dir(self.save_dir, commit.checkpoint_name(step), recycle=recycle)
+
+    def discard(self, tmp: Path, *, cancelled: bool = False) -> None:
+        """Drops a failed or cancelled write.
+
+        A cancelled write's files (a stop cancelled a periodic write) are kept
+        for the next save, the stop's, to write over when recycling. A failed
+        write's are removed at once: after a full disk or an I/O error the
+        space goes back to everyone.
+        """
+        if cancelled and self.owner and self.retention.recycle:
+            commit.stage("discard")
+            try:
+                commit.to_pool(self.save_dir, tmp)
+                return
+            except OSError:
+                pass
+        discard_tmp(tmp)
 
     def save_into(
         self, tmp: Path, payload: state.Payload, manifest: Manifest, files: Mapping[str, FileDigest] | None = None
@@ -382,8 +415,8 @@ class CheckpointManager:
         """
         try:
             own = write_payload(tmp, payload)
-        except BaseException:
-            discard_tmp(tmp)
+        except BaseException as e:
+            self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))
             raise
         return self.commit(tmp, manifest, {**(files or {}), **own})
 
@@ -397,11 +430,11 @@ class CheckpointManager:
         try:
             commit.stage("before_manifest")
             manifest = dataclasses.replace(manifest, files=dict(files))
-            commit.write_file(tmp / MANIFEST, [manifest.to_json()])
+            commit.drop_extra(tmp, [*files, MANIFEST])  # a recycled directory's files the new one does not list
+            commit.write_file(tmp / MANIFEST, [manifest.to_json()], recycle=True)
             final, replaced = commit.commit_dir(self.save_dir, tmp, name)
-        except BaseException:
-            # The partial write goes at once (on a full disk its space is what the next try needs).
-            discard_tmp(tmp)
+        except BaseException as e:
+            self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))
             raise
         if replaced is not None:
             self._deleter.submit([replaced])
@@ -446,10 +479,18 @@ class CheckpointManager:
         keep = select_kept(self.retention, self._index.values())
         victims = sorted(s for s in self._index if s not in keep)
         doomed = []
-        for s in victims:
+        recycled = not self.retention.recycle
+        for s in sorted(victims, reverse=True):  # the newest victim is the likeliest to match the next save's files
             path = self.save_dir / commit.checkpoint_name(s)
             del self._index[s]
-            if path.is_dir():
+            if not path.is_dir():
+                continue
+            if not recycled:
+                # One pool at a time: an unused older one goes (renamed first: a save must never take it mid-delete).
+                doomed += [commit.trash(self.save_dir, p) for p in commit.pools(self.save_dir)]
+                commit.to_pool(self.save_dir, path)
+                recycled = True
+            else:
                 doomed.append(commit.trash(self.save_dir, path))
         self._deleter.submit(doomed)
         return victims
@@ -545,9 +586,9 @@ def write_payload(directory: Path, payload: state.Payload) -> dict[str, FileDige
 
     files: dict[str, FileDigest] = {}
     for fname, (tensors, meta) in payload.tensor_files.items():
-        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta))
+        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta), recycle=True)
     commit.stage("after_tensor_files")
     for fname, doc in payload.json_files.items():
         data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
-        files[fname] = commit.write_file(directory / fname, [data])
+        files[fname] = commit.write_file(directory / fname, [data], recycle=True)
     return files

@@ -29,7 +29,7 @@ from typing import Any
 from . import _log, commit
 from .checkpoint import CheckpointInfo, CheckpointManager, rank_best
 from .checkpoint_files import read_verified
-from .checkpoint_views import checkpoint_size, completion, fmt_table, fmt_utc, fmt_when, moved_aside, resolve
+from .checkpoint_views import checkpoint_size, completion, fmt_table, fmt_utc, fmt_when, moved_aside, recycled, resolve
 from .cli_output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 from .commit import FileDigest
 from .errors import CorruptCheckpointError
@@ -71,6 +71,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             }
         )
     aside = moved_aside(save_dir)
+    pool = recycled(save_dir)
     if args.json:
         emit(
             {
@@ -81,6 +82,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "best_metric": best.metric,
                 "best_mode": best.mode,
                 "moved_aside": aside,
+                "recycled": pool,
                 "checkpoints": rows,
             }
         )
@@ -114,6 +116,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for where, n in aside.items():
         if n:
             print(f"{where}/: {n} checkpoint(s) moved aside")
+    for p in pool:
+        print(f"{p['name']}/: {_log.size(p['bytes'])} of a pruned checkpoint's files, for the next save to write over")
     if done is not None:
         print(f"run complete: {done_name or '?'}")
     if done_problem:
@@ -211,6 +215,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
                         " Move it aside or delete it by hand, then prune again",
                     )
             deleted, leftovers = [], []
+            for p in plan["recycled"]:  # no checkpoint: the next save would have written over them
+                try:
+                    commit.remove_tree(commit.trash(save_dir, Path(p["path"])))
+                except OSError as e:
+                    leftovers.append(f"{p['path']}: {e}")
             for c in plan["delete"]:
                 try:
                     trashed = commit.trash(save_dir, c.path)
@@ -223,7 +232,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                     commit.remove_tree(trashed)
                 except OSError as e:  # out of sight already; the next run start deletes it
                     leftovers.append(f"{trashed}: {e}")
-            if deleted:
+            if deleted or plan["recycled"]:
                 commit.fsync_dir(save_dir)
     except LockedError as e:
         raise CommandFailed(EXIT_LOCKED, f"{e} Nothing deleted.") from None
@@ -268,6 +277,7 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "keep": [c for c in valid if c.step in kept],
         "delete": [c for c in valid if c.step not in kept],
         "skip": [c for c in infos if c.status != "valid"],
+        "recycled": recycled(save_dir),
         "why": why,
         "best_metric": best.metric,
     }
@@ -285,7 +295,7 @@ def _report_prune(
             "why": plan["why"].get(c.step, []),
         }
 
-    freed = sum(checkpoint_size(c) for c in plan["delete"])
+    freed = sum(checkpoint_size(c) for c in plan["delete"]) + sum(p["bytes"] for p in plan["recycled"])
     if args.json:
         emit(
             {
@@ -295,6 +305,7 @@ def _report_prune(
                 "delete": [row(c) for c in plan["delete"]],
                 "skipped": [row(c) for c in plan["skip"]],
                 "deleted": [c.name for c in deleted],
+                "recycled": plan["recycled"],
                 "bytes": freed,
                 "leftovers": leftovers,
             }
@@ -303,6 +314,8 @@ def _report_prune(
         verb = "deleted" if args.yes else "delete"
         table = [["keep", c.name, _log.size(checkpoint_size(c)), ", ".join(plan["why"][c.step])] for c in plan["keep"]]
         table += [[verb, c.name, _log.size(checkpoint_size(c)), ""] for c in plan["delete"]]
+        reuse = "files kept for the next save to reuse"
+        table += [[verb, p["name"], _log.size(p["bytes"]), reuse] for p in plan["recycled"]]
         table += [
             ["skip", c.name, _log.size(checkpoint_size(c)), f"{c.status}, never touched by prune"] for c in plan["skip"]
         ]
@@ -311,10 +324,11 @@ def _report_prune(
         if args.keep_best and not plan["best_metric"]:
             print("note: no checkpoint is marked best; --keep-best keeps nothing extra")
         n = len(plan["delete"])
+        kept_files = f" and {len(plan['recycled'])} recycling directory" if plan["recycled"] else ""
         if args.yes:
-            print(f"deleted {len(deleted)} checkpoint(s), {_log.size(freed)}")
+            print(f"deleted {len(deleted)} checkpoint(s){kept_files}, {_log.size(freed)}")
         else:
-            print(f"dry run: would delete {n} checkpoint(s), {_log.size(freed)}; pass --yes to delete")
+            print(f"dry run: would delete {n} checkpoint(s){kept_files}, {_log.size(freed)}; pass --yes to delete")
         for left in leftovers:
             print(f"warning: could not finish deleting {left} (deleted at the next run start)", file=sys.stderr)
     return EXIT_OK

@@ -6,13 +6,14 @@ Shared by :mod:`preempt.checkpoint_cli` (ls, verify, prune, export) and :mod:`pr
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointInfo, CheckpointManager, rank_best
 from .cli_output import EXIT_DAMAGED, EXIT_USAGE, CommandFailed
-from .commit import QUARANTINE, SUPERSEDED
+from .commit import QUARANTINE, SUPERSEDED, pools
 from .errors import CorruptCheckpointError
 
 
@@ -87,4 +88,17 @@ def moved_aside(save_dir: Path) -> dict[str, int]:
     for where in (QUARANTINE, SUPERSEDED):
         d = save_dir / where
         out[where] = sum(1 for _ in d.iterdir()) if d.is_dir() and not d.is_symlink() else 0
+    return out
+
+
+def recycled(save_dir: Path) -> list[dict[str, Any]]:
+    """The ``.recycle-`` directories (a pruned checkpoint's files, for the next save to write over), with sizes."""
+    out = []
+    for d in pools(save_dir):
+        try:
+            files = [e for e in os.scandir(d) if e.is_file(follow_symlinks=False)]
+            nbytes = sum(e.stat(follow_symlinks=False).st_size for e in files)
+        except OSError:  # taken by a save meanwhile
+            continue
+        out.append({"name": d.name, "path": str(d), "bytes": nbytes})
     return out

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from . import commit
 from .checkpoint import CheckpointInfo, CheckpointManager, write_payload
-from .checkpoint_files import discard_tmp, read_manifest
+from .checkpoint_files import read_manifest
 from .commit import MANIFEST
 from .errors import CheckpointWriteError
 from .manifest import Manifest
@@ -171,11 +171,10 @@ def save_ranked(
             naming that rank; the partial directory is gone.
         CheckpointWriteError: Any other failure of some rank.
     """
-    name = commit.checkpoint_name(manifest.step)
     tmp, error = None, None
     if coord.rank == 0:
         try:
-            tmp = commit.new_tmp_dir(manager.save_dir, name)
+            tmp = manager.new_tmp_dir(manifest.step, recycle=extra is None)  # DCP writes its own files
         except OSError as e:
             error = _describe(e, 0)
     where, error, defer = coord.broadcast((None if tmp is None else str(tmp), error, defer))
@@ -200,7 +199,7 @@ def save_ranked(
         for rank_files_ in got:
             listed.update(rank_files_[0] or {})
         if errors:
-            discard_tmp(tmp)
+            manager.discard(tmp)
             outcome = ("error", errors[0])
         elif defer:
             result = Deferred(tmp, listed)

@@ -280,6 +280,9 @@ class RetentionPolicy:
         metric: Name of the metric passed to ``run.step(metrics=...)`` or
             ``run.report(...)`` that decides "best".
         mode: ``"min"`` or ``"max"``.
+        recycle: Keep the files of one pruned checkpoint for the next save to
+            write over in place rather than delete them (see
+            :mod:`preempt.commit`, "Recycling").
     """
 
     keep_last: int | None = 2
@@ -287,6 +290,7 @@ class RetentionPolicy:
     keep_every_steps: int | None = None
     metric: str | None = None
     mode: str = "min"
+    recycle: bool = True
 
     def __post_init__(self) -> None:
         _check_positive_int_or_none("keep_last", self.keep_last)
@@ -297,6 +301,8 @@ class RetentionPolicy:
             raise ValueError(f"best_mode: expected 'min' or 'max', got {self.mode!r}")
         if self.metric is not None and (not isinstance(self.metric, str) or not self.metric):
             raise ValueError(f"best_metric: expected a metric name, got {self.metric!r}")
+        if not isinstance(self.recycle, bool):
+            raise ValueError(f"recycle_files: expected True or False, got {self.recycle!r}")
         if self.keep_best and self.metric is None:
             raise ValueError(f"keep_best={self.keep_best} needs best_metric= (the name of the metric to rank by)")
 

@@ -116,6 +116,7 @@ class PreemptibleRun:
         keep_every_steps: int | None = None,
         best_metric: str | None = None,
         best_mode: str = "min",
+        recycle_files: bool = True,
         auto_resume: bool = True,
         resume: str | int | os.PathLike[str] | None = "latest",
         weights_only: bool = False,

@@ -63,14 +63,18 @@ def test_files_are_standard_safetensors(tmp_path):
     assert manifest["provenance"] == {} and manifest["format"] == "preempt-checkpoint"
 
 
-def test_keep_last_prunes_in_the_background(tmp_path):
+@pytest.mark.parametrize("recycle", [True, False])
+def test_keep_last_prunes_in_the_background(tmp_path, recycle):
     model, opt, *_ = objects()
-    m = CheckpointManager(tmp_path, keep_last=2)
+    m = CheckpointManager(tmp_path, keep_last=2, recycle_files=recycle)
     m.prepare()
     for step in range(1, 6):
         m.save_state(step=step, model=model, optimizer=opt)
     assert m.wait(10)
-    assert sorted(os.listdir(tmp_path)) == ["step_000000004", "step_000000005"]
+    left = sorted(os.listdir(tmp_path))
+    assert left[-2:] == ["step_000000004", "step_000000005"]
+    # recycling keeps one pruned checkpoint's files for the next save, never more
+    assert [e.split("-")[0] for e in left[:-2]] == ([".recycle"] if recycle else [])
 
 
 def flip(path: Path) -> None:
@@ -131,18 +135,19 @@ def test_read_only_manager_changes_nothing(tmp_path):
         ro.prune()
 
 
+@pytest.mark.parametrize("recycle", [True, False])
 @pytest.mark.parametrize("fail_on", ["state.safetensors", "state.json", "manifest.json", "rename"])
-def test_failed_write_leaves_previous_checkpoint_and_no_partial(tmp_path, monkeypatch, fail_on):
+def test_failed_write_leaves_previous_checkpoint_and_no_partial(tmp_path, monkeypatch, fail_on, recycle):
     model, opt, *_ = objects()
-    m = CheckpointManager(tmp_path)
+    m = CheckpointManager(tmp_path, recycle_files=recycle)
     m.prepare()
     m.save_state(step=1, model=model, optimizer=opt)
     real_write, real_commit = commit.write_file, commit.commit_dir
 
-    def write(path, pieces):
+    def write(path, pieces, **kw):
         if Path(path).name == fail_on:
             raise OSError(28, "No space left on device")
-        return real_write(path, pieces)
+        return real_write(path, pieces, **kw)
 
     def commit_dir(*a):
         if fail_on == "rename":
@@ -154,6 +159,7 @@ def test_failed_write_leaves_previous_checkpoint_and_no_partial(tmp_path, monkey
     with pytest.raises(OSError):
         m.save_state(step=2, model=model, optimizer=opt)
     monkeypatch.undo()
+    # No partial checkpoint left, recycling or not: after a full disk its space goes back at once.
     assert sorted(os.listdir(tmp_path)) == ["step_000000001"]
     info, _ = CheckpointManager(tmp_path).load("latest")
     assert info.step == 1
@@ -290,7 +296,7 @@ def test_close_finishes_deletions_and_stops_the_thread(tmp_path):
     import threading
 
     model, opt, *_ = objects()
-    m = CheckpointManager(tmp_path, keep_last=1)
+    m = CheckpointManager(tmp_path, keep_last=1, recycle_files=False)
     m.prepare()
     for step in (1, 2, 3):
         m.save_state(step=step, model=model, optimizer=opt)

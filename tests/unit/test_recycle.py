@@ -1,0 +1,228 @@
+"""Recycling: the next save writes over a pruned checkpoint's files in place, and never into anything else.
+
+The point is speed on disks where new blocks are slow (bench/README.md); what these tests hold is that it changes
+nothing a reader sees (bit-exact load, verify ok, nothing extra in the checkpoint), never writes outside save_dir
+through a planted symlink, hard link or FIFO, and never keeps more than one pruned checkpoint's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import objects
+
+from preempt import commit
+from preempt.checkpoint import CheckpointManager
+
+
+@pytest.fixture(autouse=True)
+def _no_hang():
+    """A FIFO opened the wrong way blocks forever: fail instead."""
+    signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+
+
+def names(d: Path) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+def pool_of(d: Path) -> Path:
+    (pool,) = commit.pools(d)
+    return pool
+
+
+def test_the_next_save_writes_over_the_pruned_files_in_place(tmp_path):
+    model, opt, *_ = objects()
+    m = CheckpointManager(tmp_path, keep_last=1)
+    m.prepare()
+    m.save_state(step=1, model=model, optimizer=opt)
+    inodes = {f: os.stat(tmp_path / "step_000000001" / f).st_ino for f in ("model.safetensors", "state.safetensors")}
+    m.save_state(step=2, model=model, optimizer=opt)  # prunes step 1: its files become the pool
+    pool = pool_of(tmp_path)
+    assert {f: os.stat(pool / f).st_ino for f in inodes} == inodes
+    model[0].weight.data.add_(1.0)  # a different state, same sizes
+    info = m.save_state(step=3, model=model, optimizer=opt)
+    # the same inodes (the same disk blocks) now hold step 3; the pool is step 2's files
+    assert {f: os.stat(info.path / f).st_ino for f in inodes} == inodes
+    assert m.verify(info) == []
+    loaded, got = CheckpointManager(tmp_path, owner=False).load("latest")
+    assert loaded.step == 3
+    for k, v in model.state_dict().items():
+        assert torch.equal(got.model[k], v), k
+    assert names(tmp_path)[1:] == ["step_000000003"] and names(tmp_path)[0].startswith(".recycle-")
+
+
+def test_a_bigger_recycled_file_is_cut_and_extra_files_go(tmp_path):
+    model, opt, *_ = objects()
+    m = CheckpointManager(tmp_path, keep_last=1)
+    m.prepare()
+    pool = tmp_path / ".recycle-by-hand"
+    pool.mkdir()
+    (pool / "model.safetensors").write_bytes(os.urandom(1 << 20))  # larger than the new content
+    (pool / "rank_1.safetensors").write_bytes(b"a file the new checkpoint does not have")
+    (pool / "sub").mkdir()
+    (pool / "sub" / "x").write_bytes(b"x")
+    ino = os.stat(pool / "model.safetensors").st_ino
+    info = m.save_state(step=1, model=model, optimizer=opt)
+    assert os.stat(info.path / "model.safetensors").st_ino == ino
+    listed = json.loads((info.path / "manifest.json").read_text())["files"]
+    assert names(info.path) == sorted([*listed, "manifest.json"])
+    assert os.path.getsize(info.path / "model.safetensors") == listed["model.safetensors"]["size"] < 1 << 20
+    assert m.verify(info) == []
+    assert not commit.pools(tmp_path)
+
+
+def test_planted_links_and_fifos_in_a_pool_are_replaced_never_written_through(tmp_path):
+    save_dir, outside = tmp_path / "run", tmp_path / "outside"
+    save_dir.mkdir()
+    outside.mkdir()
+    target = outside / "victim"
+    target.write_bytes(b"precious")
+    pool = save_dir / ".recycle-planted"
+    pool.mkdir()
+    os.symlink(target, pool / "model.safetensors")
+    os.link(target, pool / "state.safetensors")  # a second name of the file outside
+    os.mkfifo(pool / "state.json")
+    (pool / "manifest.json").mkdir()
+    model, opt, *_ = objects()
+    m = CheckpointManager(save_dir, keep_last=1)
+    m.prepare()
+    info = m.save_state(step=1, model=model, optimizer=opt)
+    assert target.read_bytes() == b"precious" and os.stat(target).st_nlink == 1
+    assert m.verify(info) == []
+    for f in names(info.path):
+        assert (info.path / f).is_file() and not (info.path / f).is_symlink(), f
+
+
+def test_a_pool_that_is_a_symlink_is_never_taken(tmp_path):
+    save_dir, outside = tmp_path / "run", tmp_path / "outside"
+    save_dir.mkdir()
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"precious")
+    os.symlink(outside, save_dir / ".recycle-link")
+    model, opt, *_ = objects()
+    m = CheckpointManager(save_dir, keep_last=1)
+    assert commit.pools(save_dir) == []
+    m.prepare()  # the start removes the link (not what it points at)
+    assert m.wait(10)
+    m.save_state(step=1, model=model, optimizer=opt)
+    assert (outside / "model.safetensors").read_bytes() == b"precious" and names(outside) == ["model.safetensors"]
+    assert not (save_dir / ".recycle-link").is_symlink()
+
+
+def test_the_start_keeps_the_newest_pool_and_renames_the_others_out_of_reach(tmp_path):
+    for i, name in enumerate((".recycle-old", ".recycle-older", ".recycle-new")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * (i + 1))
+        os.utime(tmp_path / name)  # ctime order = creation order here
+    newest = commit.pools(tmp_path)[0]
+    m = CheckpointManager(tmp_path)
+    m.prepare()
+    assert m.wait(10)
+    assert names(tmp_path) == [newest.name]
+
+    off = CheckpointManager(tmp_path, recycle_files=False)
+    off.prepare()
+    assert off.wait(10)
+    assert names(tmp_path) == []
+
+
+def test_recycling_off_deletes_what_it_prunes(tmp_path):
+    model, opt, *_ = objects()
+    m = CheckpointManager(tmp_path, keep_last=1, recycle_files=False)
+    m.prepare()
+    for step in (1, 2, 3):
+        m.save_state(step=step, model=model, optimizer=opt)
+    assert m.wait(10)
+    assert names(tmp_path) == ["step_000000003"]
+
+
+def test_never_more_than_one_checkpoint_of_extra_space(tmp_path, monkeypatch):
+    """At every moment a save is writing, the directories holding checkpoint data number at most keep_last + 1."""
+    model, opt, *_ = objects()
+    m = CheckpointManager(tmp_path, keep_last=2)
+    m.prepare()
+    seen = []
+    real = commit.write_file
+
+    def counting(path, pieces, **kw):
+        seen.append(len([e for e in os.listdir(tmp_path) if not e.startswith(".trash-")]))
+        return real(path, pieces, **kw)
+
+    monkeypatch.setattr(commit, "write_file", counting)
+    for step in range(1, 8):
+        m.save_state(step=step, model=model, optimizer=opt)
+        m.wait(10)
+    assert max(seen) == 3  # 2 kept + the one being written (the pool is what it writes into)
+    assert len(os.listdir(tmp_path)) == 3  # 2 kept + the pool
+
+
+def test_the_options_are_checked():
+    from preempt.policy import RetentionPolicy
+    from preempt.run_config import RunConfig
+
+    with pytest.raises(ValueError, match="recycle_files: expected True or False"):
+        RetentionPolicy(recycle="yes")  # type: ignore[arg-type]
+    assert RunConfig(recycle_files=0).retention().recycle is False
+
+
+def test_ls_shows_the_pool_and_prune_deletes_it(tmp_path):
+    model, opt, *_ = objects()
+    m = CheckpointManager(tmp_path, keep_last=1)
+    m.prepare()
+    m.save_state(step=1, model=model, optimizer=opt)
+    m.save_state(step=2, model=model, optimizer=opt)
+    m.close(10)
+    pool = pool_of(tmp_path)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "preempt", *args], capture_output=True, text=True, timeout=60)
+
+    out = cli("ls", str(tmp_path))
+    assert out.returncode == 0 and f"{pool.name}/:" in out.stdout and "for the next save to write over" in out.stdout
+    doc = json.loads(cli("ls", str(tmp_path), "--json").stdout)
+    assert [p["name"] for p in doc["recycled"]] == [pool.name] and doc["recycled"][0]["bytes"] > 0
+    dry = cli("prune", str(tmp_path), "--keep-last", "1")
+    assert "and 1 recycling directory" in dry.stdout and pool.is_dir()
+    done = cli("prune", str(tmp_path), "--keep-last", "1", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert [n for n in names(tmp_path) if n != "lock"] == ["step_000000002"]
+
+
+def test_a_cancelled_write_is_kept_for_the_next_save_and_a_failed_one_is_not(tmp_path, monkeypatch):
+    import threading
+
+    model, opt, *_ = objects()
+    m = CheckpointManager(tmp_path, keep_last=2)
+    m.prepare()
+    m.save_state(step=1, model=model, optimizer=opt)
+    stop = threading.Event()
+    stop.set()  # as a stop does to a periodic write in flight
+    with commit.cancellable(stop), pytest.raises(commit.WriteCancelled):
+        m.save_state(step=2, model=model, optimizer=opt)
+    pool = pool_of(tmp_path)
+    inode = os.stat(pool / "model.safetensors").st_ino
+    info = m.save_state(step=2, model=model, optimizer=opt)  # the stop's save writes over the cancelled one's files
+    assert os.stat(info.path / "model.safetensors").st_ino == inode and m.verify(info) == []
+    assert names(tmp_path) == ["step_000000001", "step_000000002"]
+
+    real = commit.write_file
+
+    def full(path, pieces, **kw):
+        if Path(path).name == "state.json":
+            raise OSError(28, "No space left on device")
+        return real(path, pieces, **kw)
+
+    monkeypatch.setattr(commit, "write_file", full)
+    with pytest.raises(OSError):
+        m.save_state(step=3, model=model, optimizer=opt)
+    assert names(tmp_path) == ["step_000000001", "step_000000002"]  # a failed write's space goes back at once
