@@ -664,7 +664,9 @@ def sigterm_trial(
     extra = ("--variant", variant, "--steps", str(steps), "--save-dir", str(save_dir))
     cmd = child_cmd("sigterm", ns, work, result, gib, *extra)
     with open(errpath, "w") as err:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        # DEBUG: the lines on background writes (written, cancelled) that this parent reads are debug lines
+        env = {**os.environ, "PREEMPT_LOG_LEVEL": "DEBUG"}
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     try:
         assert p.stdout is not None
         wanted = "inflight" if variant == "inflight" else "ready"
@@ -694,6 +696,10 @@ def sigterm_trial(
     result.unlink()
     errpath.unlink()
     res.update(delay_s=d, kill_to_durable_s=res["stopped_wall"] - t_kill, kill_to_exit_s=t_exit - t_kill, exit=code)
+    # The yardstick in the same disk state: this VM's disk writes at very different speeds depending on what was
+    # written just before (bench/README.md), so a raw write measured minutes earlier says little about this trial.
+    count = max(1, round(describe_state(gib)["state_bytes"] / (16 << 20)))
+    res["raw_after_bytes"], res["raw_after_s"] = dd_once(work, count)
     m = re.search(r"checkpoint \S+ \(preempt\) written in ([0-9.]+) s", log)
     res["stop_save_s"] = float(m.group(1)) if m else None
     m = re.search(r"written in ([0-9.]+) s in the background", log)
@@ -937,6 +943,12 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
                 inf = [t.get("write_in_flight_at_kill") for t in ts]
                 cancelled = sum(bool(t.get("write_cancelled")) for t in ts)
                 extra = f"; in flight at kill: {sum(bool(x) for x in inf)}/{len(inf)}, cancelled {cancelled}"
+            same = [t["kill_to_durable_s"] / (s["copy_floor_s"] + t["raw_after_s"]) for t in ts if "raw_after_s" in t]
+            if same:
+                extra += (
+                    f"; {median(same):.2f}x (trials {', '.join(f'{x:.2f}' for x in same)}) copy floor + a raw write"
+                    " (dd, fdatasync) of the bytes right after the trial"
+                )
             w(
                 f"   {v:<9} kill->durable median {fmt_s(median(k2d))} ({median(k2d) / ref:.2f}x the reference;"
                 f" trials {', '.join(fmt_s(x) for x in k2d)}); kill->exit {fmt_s(median(k2e))};"
