@@ -1,5 +1,5 @@
 """The ``preempt`` command line: ``supervise`` a training command; list, verify, inspect, prune and export
-checkpoints.
+checkpoints; ``report`` a run's timeline and goodput (:mod:`preempt.report_cli`).
 
 ``preempt supervise [OPTIONS] -- CMD...`` reruns CMD after preemption, non-finite losses and out-of-memory
 errors (:mod:`preempt.supervise`, which has its own options and exit codes).
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import safe_io, supervise  # no torch
+from . import report_cli, safe_io, supervise  # no torch
 from .cli_output import EXIT_CODES, EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
 __all__ = ["EXIT_CODES", "EXIT_DAMAGED", "EXIT_LOCKED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", type=_selector, nargs="?", metavar="STEP", help=f"{step_help}; default latest")
     p.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    report_cli.add_parser(add)
     return parser
 
 
@@ -154,13 +155,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["supervise"]:
         return supervise.main(argv[1:])
     args = build_parser().parse_args(argv)
-    from . import checkpoint_cli  # no torch: headers and JSON are read without it
+    if args.command == "report":
+        command = report_cli.cmd_report
+    else:
+        from . import checkpoint_cli  # no torch: headers and JSON are read without it
+
+        command = checkpoint_cli.run
 
     # What a save_dir holds is printed through escaping streams: a planted name or reason cannot drive the terminal.
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = safe_io.TerminalText(out), safe_io.TerminalText(err)
     try:
-        return checkpoint_cli.run(args)
+        return command(args)
     except CommandFailed as e:
         if args.json:
             emit({"error": str(e), "exit_code": e.code})

@@ -133,13 +133,18 @@ class Preempted(SystemExit):
         signum: The signal that asked for the stop (None: the walltime keeper or request_stop()).
         checkpoint: The directory of the checkpoint that holds the state.
         requeued: This process requeued its SLURM job.
+        cause: What asked for the stop, for people and ``preempt report``:
+            a signal's name (``"SIGTERM"``), ``"walltime"`` or ``"request"``.
     """
 
-    def __init__(self, code: int, signum: int | None, checkpoint: str | None, *, requeued: bool = False):
+    def __init__(
+        self, code: int, signum: int | None, checkpoint: str | None, *, requeued: bool = False, cause: str = ""
+    ):
         super().__init__(code)
         self.signum = signum
         self.checkpoint = checkpoint
         self.requeued = requeued
+        self.cause = cause
 
 
 class SaveFailed(SystemExit):

@@ -137,6 +137,7 @@ class Health:
         self.snapshot.lr_scale *= factor
         self.rollbacks += 1
         g.reset_streak()
+        reached = loop.global_step
         loop.rolled_back(info.step)
         log.warning(
             "%d non-finite losses in a row: rolled back to %s (step %d), learning rates / %g, now %s; the data"
@@ -151,7 +152,7 @@ class Health:
             self.rollbacks,
             self.config.max_rollbacks,
         )
-        marker("rollback", step=info.step, lr_scale=self.snapshot.lr_scale)
+        marker("rollback", step=info.step, from_step=reached, lr_scale=self.snapshot.lr_scale)
 
     def emergency(self, exc: BaseException, saves: SaveScheduler, *, alone: bool) -> None:
         """An exception escaped the loop: saves the state when it is that of a step boundary."""

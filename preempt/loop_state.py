@@ -32,6 +32,7 @@ class LoopState:
     stepping: bool = False  # an optimizer step began since the last run.step(): the state may be half-updated
     dirty: bool = False  # changed since the last checkpoint (or load)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    epoch_totals: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # name -> [sum, count] (finite)
     best: dict[str, Any] | None = None  # {"metric", "mode", "value", "step"} of the best value so far
     best_pending: bool = False  # the best improved since the last checkpoint
     start_step: int = 0  # the step this process started from
@@ -80,6 +81,7 @@ class LoopState:
         self.epoch += 1
         self.batch = 0
         self.dirty = True
+        self.epoch_totals = {}
 
     def unwind_batches(self) -> None:
         """The batches received since the last step are trained again by the rerun (an emergency save)."""
@@ -119,9 +121,20 @@ class LoopState:
                 raise TypeError(f"metrics[{key!r}]: expected a number, got {value!r}")
             value = float(value)
             self.metrics[key] = value
+            if math.isfinite(value):
+                total = self.epoch_totals.get(key)
+                if total is None:
+                    self.epoch_totals[key] = [value, 1.0]
+                else:
+                    total[0] += value
+                    total[1] += 1.0
             if key == retention.metric and retention.better(value, None if self.best is None else self.best["value"]):
                 self.best = {"metric": key, "mode": retention.mode, "value": value, "step": self.global_step}
                 self.best_pending = True
+
+    def epoch_means(self) -> dict[str, float]:
+        """The mean of each metric over this epoch's records (in this process), non-finite values left out."""
+        return {k: s / n for k, (s, n) in self.epoch_totals.items() if n}
 
     @property
     def holds_best(self) -> bool:

@@ -18,12 +18,14 @@ import torch
 
 from . import _log
 from .errors import Preempted
-from .history import History, Progress, RunLog
+from .history import History, Progress, RunLog, exit_line_at_exit
 from .loop_state import LoopState
 from .monitor import GPUMonitor
 from .run_config import RunConfig
+from .save_scheduler import SaveRecord
 
 log = _log.log
+FIRST_PROGRESS_S = 5.0  # the first progress record comes this soon (or at progress_every_s if sooner), then doubles
 
 
 class Reporter:
@@ -45,22 +47,35 @@ class Reporter:
         self._monitor: GPUMonitor | None = None
         self._epoch_started = 0.0
         self._from = (0.0, 0)  # (clock, step) of the previous record
+        self.crash: dict[str, Any] | None = None  # the previous process died holding the lock: how far it got
+        self._base = (0, 0, 0)  # (step, epoch, batch) at the start of this process: the optimizer steps per batch
+        self._interval = 0.0  # the wait before the next progress record: short at first, up to progress_every_s
 
     def start(self, resumed_from: Path | None) -> None:
         """train.log, history.jsonl, the progress line and the GPU monitor, as configured."""
         cfg, step = self.config, self.loop.global_step
+        self._base = (step, self.loop.epoch, self.loop.batch)
+        if self.rank == 0:
+            log.info("%s", start_line(cfg, self.save_dir, resumed_from, step))
         if cfg.log_file:
             every_rank = os.environ.get("PREEMPT_LOG_ALL_RANKS", "") not in ("", "0")
             self._runlog = RunLog(self.save_dir, rank=self.rank, world_size=self.world_size, log_all_ranks=every_rank)
             self._runlog.start(resumed_from, step)
             self._history = History(self.save_dir, rank=self.rank)
+            if self._history.active:
+                exit_line_at_exit(self.save_dir)
+            facts: dict[str, Any] = {"pid": os.getpid(), "proc_start": process_start()}
+            if self.crash is not None:
+                facts["crashed"] = self.crash
             if resumed_from is None:
-                self._history.marker("start", step=step, pid=os.getpid())
+                self._history.marker("start", step=step, **facts)
             else:
-                self._history.marker("resume", step=step, from_=str(resumed_from), pid=os.getpid())
+                self._history.marker("resume", step=step, from_=str(resumed_from), **facts)
         self._progress = Progress(None, every_s=cfg.progress_every_s or 60.0, clock=self.clock)
         if cfg.progress_every_s is not None:
-            self.next_at = self.clock() + cfg.progress_every_s
+            self._interval = min(cfg.progress_every_s, FIRST_PROGRESS_S)
+            self._progress.every_s = self._interval
+            self.next_at = self.clock() + self._interval
             self._from = (self.clock(), step)
         if cfg.monitor_gpu is not None and self.rank == 0:
             monitor = GPUMonitor(self.save_dir, cfg.monitor_gpu)
@@ -71,14 +86,15 @@ class Reporter:
         """A progress line in the log and a record in history.jsonl (every ``progress_every_s``)."""
         now, loop, every = self.clock(), self.loop, self.config.progress_every_s
         assert every is not None and self._progress is not None
-        self.next_at = now + every
+        self._interval = min(every, self._interval * 2)  # 5 s, 10 s, 20 s, ... up to progress_every_s
+        self.next_at = now + self._interval
         t0, step0 = self._from
         self._from = (now, loop.global_step)
         bpe, n = batches_per_epoch, self.epochs_total
-        if bpe and n is not None and self._progress.total_steps is None:
-            # one optimizer step per batch from here on (an estimate under gradient accumulation)
-            self._progress.total_steps = loop.global_step + (n - loop.epoch) * bpe - loop.batch
+        if bpe and n is not None:
+            self._progress.total_steps = total_steps(self._base, loop, bpe, n)
         line = self._progress.update(loop.global_step, loop.epoch, loop.batch, bpe, loop.metrics)
+        self._progress.every_s = self._interval
         if line and self.rank == 0:
             log.info("%s", line)
         if self._history is not None:
@@ -104,7 +120,24 @@ class Reporter:
             torch.cuda.reset_peak_memory_stats()
         loop = self.loop
         took = self.clock() - self._epoch_started
-        log.info("%s", self._progress.epoch_summary(loop.epoch, loop.metrics, took, loop.best, peak))
+        means = loop.epoch_means()  # the epoch's mean of each metric, not its last step's
+        log.info("%s", self._progress.epoch_summary(loop.epoch, means, took, loop.best, peak))
+
+    def checkpoint(self, record: SaveRecord, nbytes: int) -> None:
+        """A ``checkpoint`` marker: its step, why, what it cost the loop, and ``at``, when its state was taken."""
+        if self._history is None or record.write_s is None:
+            return
+        at = time.time() - record.write_s - (record.stall_s if record.background else 0.0)
+        self._history.marker(
+            "checkpoint",
+            step=record.step,
+            reason=record.reason,
+            stall_s=round(record.stall_s, 4),
+            write_s=round(record.write_s, 4),
+            background=record.background,
+            bytes=nbytes,
+            at=round(at, 3),
+        )
 
     def marker(self, event: str, **fields: Any) -> None:
         """A marker record in history.jsonl (rollback, ...)."""
@@ -114,7 +147,7 @@ class Reporter:
     def ended(self, completed: bool, exc: BaseException | None) -> None:
         """The run's end: a marker (``complete``, ``stop`` or ``error``) and the files closed."""
         if isinstance(exc, Preempted):
-            self.stop("stop")
+            self.stop("stop", cause=exc.cause or None, code=exc.code, requeued=exc.requeued)
         elif completed:
             self.stop("complete")
         else:
@@ -140,3 +173,58 @@ class Reporter:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
         return None
+
+
+def process_start() -> float | None:
+    """When this process started (unix seconds), from ``/proc`` (Linux); None elsewhere.
+
+    ``preempt report`` counts the time before the run was entered (imports,
+    building the model, restoring) as start-up.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot (fields[0] is field 3)
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])  # 10 ms resolution (btime in /proc/stat has whole seconds)
+        return round(time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK")), 3)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def total_steps(base: tuple[int, int, int], loop: LoopState, batches_per_epoch: int, epochs: int) -> int | None:
+    """The run's last global step, from the optimizer steps per batch measured since ``base`` (step, epoch, batch).
+
+    Under gradient accumulation a step takes several batches: counting one
+    step per batch would put the end, and the ETA, several times too far.
+    None until a batch was seen.
+    """
+    step0, epoch0, batch0 = base
+    batches = (loop.epoch - epoch0) * batches_per_epoch + loop.batch - batch0
+    if batches <= 0:
+        return None
+    per_batch = (loop.global_step - step0) / batches
+    left = (epochs - loop.epoch) * batches_per_epoch - loop.batch
+    return loop.global_step + max(0, round(per_batch * left))
+
+
+def start_line(cfg: RunConfig, save_dir: Path, resumed_from: Path | None, step: int) -> str:
+    """What a user wants to see first: fresh or resumed, where, what is saved when, and what is kept."""
+    how = "fresh start" if resumed_from is None else f"resumed at step {step}"
+    saves = []
+    if cfg.checkpoint_interval is not None:
+        saves.append(f"every {_log.duration(cfg.checkpoint_interval)}")
+    if cfg.checkpoint_every_steps is not None:
+        saves.append(f"every {cfg.checkpoint_every_steps} steps")
+    if cfg.checkpoints_per_epoch is not None:
+        saves.append(f"{cfg.checkpoints_per_epoch} per epoch")
+    if cfg.keep_every_steps is not None:
+        saves.append(f"at multiples of step {cfg.keep_every_steps}")
+    if cfg.best_metric is not None:
+        saves.append(f"when {cfg.best_metric} improves")
+    saves.append("at a stop and at the end")
+    keeps = [f"the last {cfg.keep_last}" if cfg.keep_last is not None else "all"]
+    if cfg.keep_best:
+        keeps.append(f"the best {cfg.keep_best} by {cfg.best_metric} ({cfg.best_mode})")
+    mode = "in the background" if cfg.async_save else "synchronously"
+    return f"{save_dir}: {how}; checkpoints {', '.join(saves)} ({mode}); keeping {', '.join(keeps)}"

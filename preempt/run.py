@@ -133,6 +133,7 @@ class PreemptibleRun:
         sync_every_steps: int = 1,
         log_file: bool = True,
         progress_every_s: float | None = 60.0,
+        log_level: str | None = None,
         monitor_gpu: bool | float | None = None,
         max_nonfinite: int = 5,
         nonfinite_lr_factor: float = 1.5,
@@ -161,6 +162,7 @@ class PreemptibleRun:
         )
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
         self.reporter = Reporter(cfg, self.save_dir, self.loop, clock)
+        self.saves.on_saved = self.reporter.checkpoint
         self.peers: Alone = Alone()
         self._every = 0  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
         self._flag = self.stopper.flag
@@ -205,7 +207,7 @@ class PreemptibleRun:
         if self._entered:
             raise PreemptError("this PreemptibleRun was already entered; create a new one for another run")
         self._entered = True
-        _log.setup(self.env.log_level)
+        _log.setup(self.env.log_level or self.config.log_level)
         self._join()
         if not self.stopper.flag.install():
             log.warning(
@@ -261,6 +263,8 @@ class PreemptibleRun:
         self._lock.acquire()
         if self._lock.previous:  # the previous holder died holding the lock
             starter.predecessor_died, starter.died_at = True, self._beacon.read()
+            pid = self._lock.previous.get("pid")
+            self.reporter.crash = {"died_at": starter.died_at, "pid": pid if isinstance(pid, int) else None}
         self.manager.recover()  # only the lock holder may clean up leftovers
         done = self.manager.completion()
         if done is not None and cfg.exit_if_complete and not cfg.starts_fresh and not starter.new_request():

@@ -18,6 +18,8 @@ from .errors import PREEMPTED_EXIT_CODE
 from .policy import RetentionPolicy, SavePolicy
 from .signals import DEFAULT_SIGNALS
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 OPTIONS_DOC = """\
         checkpoint_interval: Seconds between periodic checkpoints; None disables.
         checkpoint_every_steps: Also save at every multiple of this global step.
@@ -87,9 +89,18 @@ OPTIONS_DOC = """\
             (step, epoch, the metrics given to ``run.step``, learning rates,
             step time, GPU memory) and a marker at each start, resume,
             rollback and stop (:mod:`preempt.history`).
-        progress_every_s: Seconds between progress lines (steps/s, ETA) in
-            the log and history records; None turns both off. An epoch
-            summary is logged at each epoch end either way.
+        progress_every_s: Seconds between progress lines (step, epoch, the
+            metrics given to ``run.step``, steps/s, ETA) in the log and
+            history records; None turns both off. The first line comes after
+            5 s (or this, if sooner) and the wait doubles up to this, so a short
+            run shows its metrics too. An epoch summary (the epoch's mean of
+            each metric) is logged at each epoch end either way.
+        log_level: The level of the ``preempt`` logger: ``"DEBUG"`` (every
+            checkpoint, postponements, staging), ``"INFO"`` (the default: start,
+            progress, epoch summaries, stops, checkpoints that are not routine
+            background ones), ``"WARNING"``, ``"ERROR"``. The environment
+            variable ``PREEMPT_LOG_LEVEL`` overrides it (to debug a job without
+            editing it). None: INFO, or what your logging setup says.
         monitor_gpu: Sample every GPU through NVML every this many seconds (True:
             every 10 s) into ``save_dir/gpu_stats.jsonl``, summarised in
             ``gpu_stats.json`` at the end (:class:`~preempt.monitor.GPUMonitor`);
@@ -144,6 +155,7 @@ class RunConfig:
     # reporting
     log_file: bool = True
     progress_every_s: float | None = 60.0
+    log_level: str | None = None
     monitor_gpu: bool | float | None = None
     # health
     max_nonfinite: int = 5
@@ -182,6 +194,9 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ValueError(f"{name}: expected a number of seconds > 0 or None, got {value!r}")
+        level = self.log_level
+        if level is not None and (not isinstance(level, str) or level.upper() not in LOG_LEVELS):
+            raise ValueError(f"log_level: expected one of {', '.join(LOG_LEVELS)} or None, got {level!r}")
         self.save_policy()  # its own checks, now rather than at the first save
         self.retention()
 

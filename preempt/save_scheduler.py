@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import math
 import threading
 import time
@@ -38,6 +39,7 @@ from .snapshot import Snapshot
 from .staging import BackgroundWriter, Stager, host_memory_available, payload_nbytes
 
 log = _log.log
+_ROUTINE = frozenset({Reason.INTERVAL.value, Reason.STEPS.value, Reason.PER_EPOCH.value})
 
 POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
 SYNCHRONOUS = frozenset({Reason.PREEMPT, Reason.WALLTIME, Reason.FINAL, Reason.BRANCH, Reason.EMERGENCY})
@@ -171,6 +173,7 @@ class SaveScheduler:
         self.peers = peers or Alone()
         self.clock = clock
         self.on_durable = on_durable  # (seconds, now, step) of each durable save
+        self.on_saved: Callable[[SaveRecord, int], None] | None = None  # (record, bytes) of each durable save
         self._new_writer, self._new_stager = writer, stager
         self.stager: Any = None  # Stager, while background saves are possible
         self.writer: Any = None  # BackgroundWriter
@@ -308,8 +311,14 @@ class SaveScheduler:
         t1 = self.clock()
         self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
         log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
+        self._said(info)
         if self.on_durable is not None:
             self.on_durable(t1 - t0, t1, self.loop.global_step)
+
+    def _said(self, info: CheckpointInfo) -> None:
+        if self.on_saved is not None and self.last_save is not None:
+            files = info.manifest.files if info.manifest is not None else {}
+            self.on_saved(self.last_save, sum(d.size for d in files.values()))
 
     def _copy(self, payload: Any) -> Any:
         """The state copied into the staging buffers; None: save synchronously (and from now on)."""
@@ -398,13 +407,17 @@ class SaveScheduler:
         now = self.clock()
         self.last_save = dataclasses.replace(job.record, write_s=now - job.started, path=info.path)
         self.last_info, self.last_checkpoint = info, info.path
-        log.info(
+        # Routine checkpoints written in the background say so at DEBUG: a run would print little else.
+        routine = job.record.reason in _ROUTINE
+        log.log(
+            logging.DEBUG if routine else logging.INFO,
             "checkpoint %s (%s) written in %s in the background; the loop waited %s",
             info.path,
             job.record.reason,
             _log.duration(now - job.started),
             _log.duration(job.record.stall_s),
         )
+        self._said(info)
         if self.on_durable is not None:
             self.on_durable(now - job.started, now, info.step)
 

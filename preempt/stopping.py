@@ -220,7 +220,8 @@ class Stopper:
             checkpoint or "(no checkpoint: nothing had changed)",
             code,
         )
-        raise Preempted(code, f.signum, None if checkpoint is None else str(checkpoint), requeued=requeued)
+        said = signal_name(f.signum) if f.signum is not None else cause.value
+        raise Preempted(code, f.signum, None if checkpoint is None else str(checkpoint), requeued=requeued, cause=said)
 
     def _after_stop(
         self, cause: slurm.Cause, signal_time: float | None, *, progressed: bool, step: int

@@ -195,14 +195,20 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Sequence[st
 
 
 def torchrun(
-    save_dir: Path, final: Path | None, args: Sequence[str], nproc: int = 2, script: Path = TRAIN_DDP
+    save_dir: Path,
+    final: Path | None,
+    args: Sequence[str],
+    nproc: int = 2,
+    script: Path = TRAIN_DDP,
+    env: dict[str, str] | None = None,
 ) -> Spawned:
     """``torchrun --standalone --nproc_per_node=N script --save_dir ... [--final_out ...]``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
     cmd += ["--save_dir", str(save_dir), *args]
     if final is not None:
         cmd += ["--final_out", str(final)]
-    return Spawned(cmd, {"OMP_NUM_THREADS": "1", "PREEMPT_LOG_ALL_RANKS": "1"})  # each rank says where it stopped
+    # each rank says where it stopped
+    return Spawned(cmd, {"OMP_NUM_THREADS": "1", "PREEMPT_LOG_ALL_RANKS": "1", **(env or {})})
 
 
 def ddp_finals(final: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:

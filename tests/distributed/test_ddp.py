@@ -67,7 +67,8 @@ def test_rank_0_writes_in_the_background_and_a_failed_write_costs_nothing_else(t
     """async_save under torchrun: rank 0's write runs behind the loop; one that fails (ENOSPC) is logged, leaves
     no partial directory, the next one is written, and the training is bit-exact as without checkpoints failing."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    p = torchrun(save_dir, final, [*ARGS, "--fail_write", "2"])
+    # routine background checkpoints are said at DEBUG
+    p = torchrun(save_dir, final, [*ARGS, "--fail_write", "2"], env={"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert p.finish() == 0, p.output
     out = p.output
     failed = re.search(r"^rank 0 fail_write step (\d+)$", out, flags=re.M)

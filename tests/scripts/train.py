@@ -165,6 +165,11 @@ def main() -> None:
     p.add_argument("--sync_save", action="store_true", help="PreemptibleRun(async_save=False)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--nan_at", type=int, default=None, help="attempt 1 under preempt supervise: 'Loss is NaN', exit 1")
+    p.add_argument(
+        "--kill_at_step", default=None, help="STEP:SIG: send this process a real SIG once run.step() made STEP"
+    )
+    p.add_argument("--metrics", action="store_true", help="run.step(metrics={'loss': ...})")
+    p.add_argument("--progress_every_s", type=float, default=None)
     args = p.parse_args()
     if args.signal_at:
         signal_at(args.signal_at, then=slow_commit(args.slow_commit))
@@ -197,6 +202,11 @@ def main() -> None:
         walltime["max_restarts"] = args.max_restarts
     if args.sync_save:
         walltime["async_save"] = False
+    if args.progress_every_s is not None:
+        walltime["progress_every_s"] = args.progress_every_s
+    kill_step, kill_sig = (
+        (int(args.kill_at_step.split(":")[0]), args.kill_at_step.split(":")[1]) if args.kill_at_step else (None, None)
+    )
     with PreemptibleRun(
         args.save_dir,
         model=model,
@@ -246,7 +256,10 @@ def main() -> None:
                 if args.first_step_sleep and run.global_step == started_at:
                     time.sleep(args.first_step_sleep)
                 print(f"step {run.global_step + 1} epoch {epoch} batch {run.batch}", flush=True)
-                run.step()
+                run.step(metrics={"loss": loss.item()} if args.metrics else None)
+                if run.global_step == kill_step:
+                    print(f"kill_at_step {kill_step} {kill_sig}", flush=True)
+                    os.kill(os.getpid(), signal.Signals[f"SIG{kill_sig}"])
             # end-of-epoch code that draws from the RNG, like a validation loader would
             run.user_state.setdefault("epoch_draws", []).append(float(torch.rand(())))
             print(f"epoch_end {epoch}", flush=True)

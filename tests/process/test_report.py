@@ -1,0 +1,138 @@
+"""``preempt report``: a run stopped by SIGTERM once, SIGKILLed once and finished, told back with real processes.
+
+The processes are real (tests/scripts/train.py), the signals too; the test times each process from outside
+(start to exit) and checks the report's accounting against that and against what it knows it did.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import PREEMPTED, ROOT, TRAIN
+
+STEP_SLEEP = 0.1  # each optimizer step sleeps this long: a floor for the productive time
+ARGS = ["--epochs", "6", "--samples", "512", "--every_steps", "10", "--metrics", "--progress_every_s", "0.5"]
+ARGS += ["--step_sleep", str(STEP_SLEEP)]  # 32 steps per epoch, 192 in all
+TOTAL_STEPS = 192
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "preempt", *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
+def timed(save_dir: Path, *extra: str) -> tuple[int, float]:
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, str(TRAIN), "--save_dir", str(save_dir), *ARGS, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    return p.returncode, time.time() - t0
+
+
+@pytest.fixture(scope="module")
+def three_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    """SIGTERM after step 40 (saved at 41), SIGKILL right after step 67 (last checkpoint 60), then the rest."""
+    save_dir = tmp_path_factory.mktemp("report") / "run"
+    walls = []
+    code, wall = timed(save_dir, "--kill_at_step", "40:TERM")
+    assert code == PREEMPTED
+    walls.append(wall)
+    code, wall = timed(save_dir, "--kill_at_step", "67:KILL")
+    assert code == -9
+    walls.append(wall)
+    code, wall = timed(save_dir)
+    assert code == 0
+    walls.append(wall)
+    return save_dir, walls
+
+
+def test_report_json_tells_the_stops_the_lost_steps_and_a_goodput_that_adds_up(three_processes):
+    save_dir, walls = three_processes
+    out = cli("report", str(save_dir), "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["restarts"] == 2 and doc["processes"] == 3 and doc["complete"] is True
+    assert [s["cause"] for s in doc["stops"]] == ["SIGTERM", "killed"]
+    assert [s["step"] for s in doc["stops"]] == [41, 67]
+    assert doc["lost_steps"] == 7  # steps 61-67, done again after the resume from step 60
+    assert doc["final_step"] == TOTAL_STEPS
+    # The processes' wall time as measured from outside, within 5%.
+    measured = sum(walls)
+    assert abs(doc["wall_s"] - measured) <= 0.05 * measured, (doc["wall_s"], walls)
+    # The accounting closes, and each part is what the processes did.
+    parts = doc["productive_s"] + doc["startup_s"] + doc["checkpoint_stall_s"] + doc["lost_s"]
+    assert parts == pytest.approx(doc["wall_s"], abs=1e-6)
+    assert doc["goodput"] == pytest.approx(doc["productive_s"] / doc["wall_s"])
+    assert doc["productive_s"] >= 0.95 * TOTAL_STEPS * STEP_SLEEP  # every step that counts slept STEP_SLEEP
+    assert doc["productive_s"] <= doc["wall_s"] - doc["startup_s"]
+    assert doc["lost_s"] >= 0.9 * 7 * STEP_SLEEP
+    assert doc["startup_s"] > 0 and doc["checkpoint_stall_s"] > 0
+    kept = {int(p.name.split("_")[1]) for p in save_dir.glob("step_*")}
+    assert kept and max(kept) == TOTAL_STEPS
+    per = doc["timeline"]
+    assert [p["end"] for p in per] == ["stop", "killed", "complete"]
+    assert [p["start_step"] for p in per] == [0, 41, 60] and per[1]["end_step"] == 67
+
+
+def test_report_text_names_each_process_and_the_goodput(three_processes):
+    save_dir, _ = three_processes
+    out = cli("report", str(save_dir))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "3 process(es), 2 restart(s)" in text and "stopped: SIGTERM" in text and "killed" in text
+    assert "goodput " in text and "recomputed" in text and "7 steps" in text
+
+
+def test_plot_draws_the_metric_and_marks_the_restarts(three_processes, tmp_path):
+    pytest.importorskip("matplotlib")  # an extra ([plot]); installed with [test], so CI runs this
+    import matplotlib.image
+
+    save_dir, _ = three_processes
+    png = tmp_path / "run.png"
+    out = cli("report", str(save_dir), "--plot", str(png), "--json")
+    assert out.returncode == 0, out.stderr
+    drawn = json.loads(out.stdout)["plot"]
+    assert drawn["metric"] == "loss" and drawn["points"] >= 10
+    assert drawn["restarts"] == [41, 60]
+    assert [(s["step"], s["how"]) for s in drawn["stops"]] == [(41, "stop"), (67, "killed")]
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 300 and image.shape[1] > 500
+    assert (image[..., :3] < 0.5).mean() > 0.001  # something dark is drawn, not a blank canvas
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(three_processes, tmp_path):
+    save_dir, _ = three_processes
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # what an environment without it looks like to import
+        "from preempt.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    png = tmp_path / "x.png"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "report", str(save_dir), "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2
+    assert "pip install 'preempt[plot]'" in out.stderr and not png.exists()
+
+
+def test_report_refuses_clearly(tmp_path):
+    out = cli("report", str(tmp_path))
+    assert out.returncode == 2 and "history.jsonl: no such file" in out.stderr
+    (tmp_path / "history.jsonl").write_text('{"t": 1, "event": "start", "step": 0}\n{"t": 2, "step": 1}\n')
+    out = cli("report", str(tmp_path), "--plot", str(tmp_path / "p.png"))
+    assert out.returncode == 2 and "nothing to plot" in out.stderr
+    out = cli("report", str(tmp_path), "--plot", str(tmp_path / "p.txt"))
+    assert out.returncode == 2 and "expected a .png" in out.stderr

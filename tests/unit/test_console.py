@@ -1,0 +1,120 @@
+"""What a user sees on the console: the start line, progress at a cadence short runs see too, an ETA right under
+gradient accumulation, epoch means, routine checkpoints at DEBUG, and the log level."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from preempt import PreemptibleRun
+from preempt.loop_state import LoopState
+from preempt.reporting import Reporter, start_line, total_steps
+from preempt.run_config import RunConfig
+
+
+def test_the_total_counts_optimizer_steps_under_gradient_accumulation():
+    loop = LoopState()
+    loop.epoch, loop.batch, loop.global_step = 0, 40, 10  # 4 batches per optimizer step
+    assert total_steps((0, 0, 0), loop, batches_per_epoch=100, epochs=2) == 50  # 200 batches / 4, not 170
+    loop.epoch, loop.batch, loop.global_step = 1, 60, 40  # this process started at step 25, epoch 0, batch 100
+    assert total_steps((25, 0, 100), loop, batches_per_epoch=100, epochs=2) == 50
+    assert total_steps((40, 1, 60), loop, batches_per_epoch=100, epochs=2) is None  # no batch seen yet
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_comes_early_then_every_progress_every_s(tmp_path):
+    clock = Clock()
+    loop = LoopState()
+    reporter = Reporter(RunConfig(progress_every_s=60.0, log_file=False), tmp_path, loop, clock)
+    reporter.start(None)
+    waits = []
+    for _ in range(6):
+        waits.append(reporter.next_at - clock.now)
+        clock.now = reporter.next_at
+        loop.global_step += 10
+        reporter.report(None, None)
+    assert waits == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
+    quick = Reporter(RunConfig(progress_every_s=2.0, log_file=False), tmp_path, LoopState(), clock)
+    quick.start(None)
+    assert quick.next_at - clock.now == 2.0  # an explicit shorter period is kept from the start
+
+
+def test_the_epoch_summary_shows_epoch_means(tmp_path, caplog):
+    clock = Clock()
+    loop = LoopState()
+    cfg = RunConfig(log_file=False)
+    reporter = Reporter(cfg, tmp_path, loop, clock)
+    reporter.start(None)
+    reporter.epoch_started()
+    for v in (1.0, 2.0, 6.0, float("nan")):
+        loop.record({"loss": v}, cfg.retention())
+    with caplog.at_level(logging.INFO, logger="preempt"):
+        reporter.epoch_summary()
+    assert "| loss 3" in caplog.text and "nan" not in caplog.text  # (1+2+6)/3, not the last value (nan)
+    loop.epoch_ended()
+    assert loop.epoch_means() == {}
+
+
+def test_the_start_line_says_where_and_what_is_saved(tmp_path):
+    cfg = RunConfig(checkpoint_interval=300, checkpoint_every_steps=100, keep_last=3, keep_best=1, best_metric="val")
+    fresh = start_line(cfg, tmp_path, None, 0)
+    assert fresh.startswith(f"{tmp_path}: fresh start; checkpoints every 5m") and "every 100 steps" in fresh
+    assert "when val improves" in fresh and "keeping the last 3, the best 1 by val (min)" in fresh
+    assert "(in the background)" in fresh
+    resumed = start_line(RunConfig(async_save=False, checkpoint_interval=None), tmp_path, tmp_path / "s", 7)
+    assert "resumed at step 7" in resumed and "(synchronously)" in resumed
+
+
+def tiny_run(save_dir: Path, **kw) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with PreemptibleRun(save_dir, model=model, optimizer=opt, checkpoint_interval=None, **kw) as run:
+        for _ in run.epochs(1):
+            for x in run.batches([torch.randn(3, 4) for _ in range(6)]):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                run.step(metrics={"loss": 1.0})
+                run.wait_for_checkpoint()
+
+
+def test_routine_background_checkpoints_are_debug_lines(tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv("PREEMPT_LOG_LEVEL", raising=False)
+    with caplog.at_level(logging.DEBUG, logger="preempt"):
+        tiny_run(tmp_path / "a", checkpoint_every_steps=2)
+    background = [r for r in caplog.records if "in the background; the loop waited" in r.getMessage()]
+    assert len(background) >= 2 and all(r.levelno == logging.DEBUG for r in background)
+    final = [r for r in caplog.records if "(final) written" in r.getMessage()]
+    assert final and final[0].levelno == logging.INFO
+    starts = [r.getMessage() for r in caplog.records if "fresh start; checkpoints" in r.getMessage()]
+    assert starts == [
+        f"{tmp_path / 'a'}: fresh start; checkpoints every 2 steps, at a stop and at the end"
+        " (in the background); keeping the last 2"
+    ]
+
+
+def test_log_level_on_the_run_and_the_environment_variable_wins(tmp_path, monkeypatch):
+    logger = logging.getLogger("preempt")
+    before = logger.level
+    try:
+        monkeypatch.delenv("PREEMPT_LOG_LEVEL", raising=False)
+        tiny_run(tmp_path / "a", log_level="warning")
+        assert logger.level == logging.WARNING
+        monkeypatch.setenv("PREEMPT_LOG_LEVEL", "DEBUG")
+        tiny_run(tmp_path / "b", log_level="warning")
+        assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(before)
+    with pytest.raises(ValueError, match="log_level: expected one of DEBUG, INFO"):
+        RunConfig(log_level="LOUD")
