@@ -33,6 +33,7 @@ class LoopState:
     dirty: bool = False  # changed since the last checkpoint (or load)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     epoch_totals: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # name -> [sum, count] (finite)
+    metrics_restored: bool = False  # metrics came back from a checkpoint (sorted): the next record() sets the order
     best: dict[str, Any] | None = None  # {"metric", "mode", "value", "step"} of the best value so far
     best_pending: bool = False  # the best improved since the last checkpoint
     start_step: int = 0  # the step this process started from
@@ -110,6 +111,9 @@ class LoopState:
         """
         if not isinstance(metrics, Mapping):
             raise TypeError(f"metrics: expected a mapping of names to numbers, got {type(metrics).__name__}")
+        restored = None
+        if self.metrics_restored:  # shown in the order the loop gives them, as before the restart
+            restored, self.metrics, self.metrics_restored = self.metrics, {}, False
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
@@ -131,6 +135,9 @@ class LoopState:
             if key == retention.metric and retention.better(value, None if self.best is None else self.best["value"]):
                 self.best = {"metric": key, "mode": retention.mode, "value": value, "step": self.global_step}
                 self.best_pending = True
+        if restored:
+            for key, value in restored.items():
+                self.metrics.setdefault(key, value)
 
     def epoch_means(self) -> dict[str, float]:
         """The mean of each metric over this epoch's records (in this process), non-finite values left out."""
@@ -170,6 +177,7 @@ class LoopState:
         self.epoch = cursor.epoch
         self.batch = cursor.batch
         self.metrics = dict(metrics)
+        self.metrics_restored = True
         self.best = best
 
     def rolled_back(self, step: int) -> None:

@@ -118,3 +118,15 @@ def test_log_level_on_the_run_and_the_environment_variable_wins(tmp_path, monkey
         logger.setLevel(before)
     with pytest.raises(ValueError, match="log_level: expected one of DEBUG, INFO"):
         RunConfig(log_level="LOUD")
+
+
+def test_metrics_keep_the_loops_order_after_a_resume():
+    from preempt.manifest import Cursor
+
+    cfg = RunConfig()
+    loop = LoopState()
+    loop.restored(10, Cursor(), {"acc": 0.5, "loss": 2.0, "val": 1.0}, None)  # as a checkpoint stores them: sorted
+    loop.record({"loss": 1.5, "acc": 0.6}, cfg.retention())
+    assert list(loop.metrics) == ["loss", "acc", "val"]
+    loop.record({"acc": 0.7}, cfg.retention())  # from here on, as any dict: the order stays
+    assert list(loop.metrics) == ["loss", "acc", "val"] and loop.metrics["acc"] == 0.7
