@@ -520,6 +520,7 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     res: dict[str, Any] = {"variant": args.variant}
     t_enter = time.time()
     ready = announced = False
+    durable: set[int] = set()  # periodic checkpoints written: a requeued job's save_dir has pruned (recycled) ones
     with run:
         try:
             while True:
@@ -532,7 +533,9 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     proto.write(f"ready {time.time()!r}\n")
                     proto.flush()
                 rec = run.last_save
-                if inflight and ready and not announced and rec is not None and not rec.durable:
+                if rec is not None and rec.durable:
+                    durable.add(rec.step)
+                if inflight and ready and not announced and len(durable) >= 2 and rec is not None and not rec.durable:
                     announced = True
                     res["staged_wall"] = time.time()
                     res["staged_step"] = rec.step
@@ -729,7 +732,7 @@ def run_sigterm(args: argparse.Namespace, work: Path, gib: float, step_s: float,
     the earlier process's checkpoint and the files it recycles.
     """
     rng = random.Random(6)
-    every = max(3, round(1.0 / step_s))  # the in-flight child's first checkpoint comes ~1 s after the start
+    every = max(3, round(1.0 / step_s))  # the in-flight child checkpoints every ~1 s; stopped during its third
     out: dict[str, Any] = {"gib": gib, "inflight_every_steps": every, **{v: [] for v, _ in SIGTERM_VARIANTS}}
     t0 = perf()
     for i in range(args.repeats):

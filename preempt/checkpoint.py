@@ -401,9 +401,12 @@ class CheckpointManager:
             commit.stage("discard")
             try:
                 commit.to_pool(self.save_dir, tmp)
-                return
             except OSError:
-                pass
+                discard_tmp(tmp)
+                return
+            # One pool at a time: the one with the most to write over stays (a whole pruned checkpoint, not a part).
+            self._deleter.submit([commit.trash(self.save_dir, p) for p in commit.pools(self.save_dir)[1:]])
+            return
         discard_tmp(tmp)
 
     def save_into(

@@ -6,14 +6,13 @@ Shared by :mod:`preempt.checkpoint_cli` (ls, verify, prune, export) and :mod:`pr
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointInfo, CheckpointManager, rank_best
 from .cli_output import EXIT_DAMAGED, EXIT_USAGE, CommandFailed
-from .commit import QUARANTINE, SUPERSEDED, pools
+from .commit import QUARANTINE, SUPERSEDED, file_bytes, pools
 from .errors import CorruptCheckpointError
 
 
@@ -96,9 +95,7 @@ def recycled(save_dir: Path) -> list[dict[str, Any]]:
     out = []
     for d in pools(save_dir):
         try:
-            files = [e for e in os.scandir(d) if e.is_file(follow_symlinks=False)]
-            nbytes = sum(e.stat(follow_symlinks=False).st_size for e in files)
+            out.append({"name": d.name, "path": str(d), "bytes": file_bytes(d)})
         except OSError:  # taken by a save meanwhile
             continue
-        out.append({"name": d.name, "path": str(d), "bytes": nbytes})
     return out

@@ -40,8 +40,8 @@ What a reader concludes from each leftover (:func:`recover`, run at start):
 * ``.replaced-step_N-*`` and ``step_N`` absent: the process died between
   steps 5 and 6. The old copy is renamed back to ``step_N``: it was valid.
 * ``.trash-*``: pruning was interrupted. Deleted.
-* ``.recycle-*``: files kept for the next save; never read. The newest one is
-  kept (when recycling is on), any other deleted.
+* ``.recycle-*``: files kept for the next save; never read. The one with the
+  most bytes is kept (when recycling is on), any other deleted.
 * ``step_N`` without ``manifest.json``, or whose files do not match the
   manifest: not made by a completed commit (or damaged since). The manager
   moves it to ``quarantine/`` when it meets it (never deletes it), so that a
@@ -342,8 +342,8 @@ def _tag() -> str:
 def new_tmp_dir(save_dir: Path, name: str, *, recycle: bool = False) -> Path:
     """Step 1 of the protocol: a hidden directory inside ``save_dir`` for checkpoint ``name``.
 
-    With ``recycle``, the newest ``.recycle-`` directory (when there is a
-    usable one) becomes it, files and all, for the writer to write over.
+    With ``recycle``, the best ``.recycle-`` directory (:func:`pools`; when
+    there is a usable one) becomes it, files and all, for the writer to write over.
     """
     tmp = save_dir / f"{_TMP}{name}-{_tag()}"
     if recycle:
@@ -360,10 +360,12 @@ def new_tmp_dir(save_dir: Path, name: str, *, recycle: bool = False) -> Path:
 
 
 def pools(save_dir: Path) -> list[Path]:
-    """The ``.recycle-`` directories of ``save_dir`` that a save may write over, newest first.
+    """The ``.recycle-`` directories of ``save_dir`` that a save may write over, the best first.
 
-    Only real directories owned by this user count (a symlink there could
-    lead a save to write outside ``save_dir``).
+    Best: the most bytes to write over (a whole pruned checkpoint before the
+    part of a cancelled write), then the newest. Only real directories owned
+    by this user count (a symlink there could lead a save to write outside
+    ``save_dir``).
     """
     found = []
     try:
@@ -371,9 +373,19 @@ def pools(save_dir: Path) -> list[Path]:
     except OSError:
         return []
     for entry in entries:
-        if entry.startswith(_POOL) and _own_dir(save_dir / entry):
-            found.append((os.stat(save_dir / entry, follow_symlinks=False).st_ctime_ns, entry))
-    return [save_dir / entry for _, entry in sorted(found, reverse=True)]
+        path = save_dir / entry
+        if entry.startswith(_POOL) and _own_dir(path):
+            try:
+                found.append((file_bytes(path), os.stat(path, follow_symlinks=False).st_ctime_ns, entry))
+            except OSError:  # taken meanwhile
+                continue
+    return [save_dir / entry for *_, entry in sorted(found, reverse=True)]
+
+
+def file_bytes(directory: Path) -> int:
+    """The bytes of the regular files directly in ``directory`` (links not followed)."""
+    with os.scandir(directory) as entries:
+        return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
 
 
 def _own_dir(path: Path) -> bool:
@@ -508,7 +520,7 @@ class Recovery:
 
     restored: list[str] = dataclasses.field(default_factory=list)
     to_delete: list[Path] = dataclasses.field(default_factory=list)
-    pools: list[Path] = dataclasses.field(default_factory=list)  # .recycle- directories, newest first
+    pools: list[Path] = dataclasses.field(default_factory=list)  # .recycle- directories, the best first
 
 
 def recover(save_dir: Path) -> Recovery:

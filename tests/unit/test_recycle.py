@@ -119,16 +119,15 @@ def test_a_pool_that_is_a_symlink_is_never_taken(tmp_path):
     assert not (save_dir / ".recycle-link").is_symlink()
 
 
-def test_the_start_keeps_the_newest_pool_and_renames_the_others_out_of_reach(tmp_path):
-    for i, name in enumerate((".recycle-old", ".recycle-older", ".recycle-new")):
+def test_the_start_keeps_the_fullest_pool_and_renames_the_others_out_of_reach(tmp_path):
+    for size, name in ((300, ".recycle-whole"), (100, ".recycle-part"), (200, ".recycle-newer-part")):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "model.safetensors").write_bytes(b"x" * (i + 1))
-        os.utime(tmp_path / name)  # ctime order = creation order here
-    newest = commit.pools(tmp_path)[0]
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * size)
+    assert [p.name for p in commit.pools(tmp_path)] == [".recycle-whole", ".recycle-newer-part", ".recycle-part"]
     m = CheckpointManager(tmp_path)
     m.prepare()
     assert m.wait(10)
-    assert names(tmp_path) == [newest.name]
+    assert names(tmp_path) == [".recycle-whole"]  # the most to write over
 
     off = CheckpointManager(tmp_path, recycle_files=False)
     off.prepare()
@@ -209,7 +208,7 @@ def test_a_cancelled_write_is_kept_for_the_next_save_and_a_failed_one_is_not(tmp
     stop.set()  # as a stop does to a periodic write in flight
     with commit.cancellable(stop), pytest.raises(commit.WriteCancelled):
         m.save_state(step=2, model=model, optimizer=opt)
-    pool = pool_of(tmp_path)
+    pool = pool_of(tmp_path)  # the cancelled write's files (nothing was pruned yet)
     inode = os.stat(pool / "model.safetensors").st_ino
     info = m.save_state(step=2, model=model, optimizer=opt)  # the stop's save writes over the cancelled one's files
     assert os.stat(info.path / "model.safetensors").st_ino == inode and m.verify(info) == []
@@ -226,3 +225,24 @@ def test_a_cancelled_write_is_kept_for_the_next_save_and_a_failed_one_is_not(tmp
     with pytest.raises(OSError):
         m.save_state(step=3, model=model, optimizer=opt)
     assert names(tmp_path) == ["step_000000001", "step_000000002"]  # a failed write's space goes back at once
+
+
+def test_a_cancelled_write_gives_back_what_it_took_and_one_pool_stays(tmp_path):
+    import threading
+
+    model, opt, *_ = objects()
+    m = CheckpointManager(tmp_path, keep_last=1)
+    m.prepare()
+    m.save_state(step=1, model=model, optimizer=opt)
+    m.save_state(step=2, model=model, optimizer=opt)  # step 1's files become the pool
+    whole = commit.file_bytes(pool_of(tmp_path))
+    (tmp_path / ".recycle-part").mkdir()  # what an earlier cancelled write left
+    (tmp_path / ".recycle-part" / "model.safetensors").write_bytes(b"x" * 10)
+    stop = threading.Event()
+    stop.set()
+    with commit.cancellable(stop), pytest.raises(commit.WriteCancelled):
+        m.save_state(step=3, model=model, optimizer=opt)  # takes the whole pool, is cancelled, gives it back
+    assert m.wait(10)
+    (pool,) = commit.pools(tmp_path)  # one pool: the one with the most to write over
+    assert commit.file_bytes(pool) == whole
+    assert names(tmp_path) == [pool.name, "step_000000002"]
