@@ -5,6 +5,11 @@ logged, its partial files are freed, older checkpoints stay (none is deleted
 to make room), and training goes on and tries again at the next interval. The
 checkpoint a stop signal asks for cannot be skipped: when it fails the process
 exits 74 naming the last good checkpoint, and a rerun continues from there.
+Those two run with recycling off (every save needs new space). With recycling
+on (the default), a save writes over the last pruned checkpoint's files, so a
+disk that filled up after it does not stop the checkpoints at all.
+
+The checkpoint lines these tests wait for are DEBUG lines (routine, in the background).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from preempt.checkpoint import CheckpointManager
 # ~3 MB per checkpoint; 48 steps of ~0.1 s, a checkpoint every 0.3 s.
 MODEL = ["--epochs", "3", "--samples", "256", "--dim", "256", "--width", "1024"]
 PACE = ["--step_sleep", "0.1", "--interval", "0.3", "--keep_last", "2"]
+DEBUG = {"PREEMPT_LOG_LEVEL": "DEBUG"}
 FAILED = r"could not write checkpoint .*No space left on device \(ENOSPC\)"
 SIZE_MB = 24
 
@@ -76,7 +82,7 @@ def partial(save_dir: Path) -> list[str]:
 
 def test_periodic_saves_fail_on_a_full_disk_and_training_goes_on(small_fs, tmp_path, reference):
     save_dir, final = small_fs / "run", tmp_path / "final.safetensors"
-    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, "--no_recycle"]), DEBUG)
     assert p.wait_for(r"checkpoint \S+ \(interval\) written"), p.output
     filler = fill(small_fs)
     before = checkpoints(save_dir)
@@ -98,7 +104,7 @@ def test_periodic_saves_fail_on_a_full_disk_and_training_goes_on(small_fs, tmp_p
 
 def test_a_stop_whose_save_fails_exits_74_and_the_rerun_continues(small_fs, tmp_path, reference):
     save_dir, final = small_fs / "run", tmp_path / "final.safetensors"
-    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, "--no_recycle"]), DEBUG)
     assert p.wait_for(r"checkpoint \S+ \(interval\) written"), p.output
     filler = fill(small_fs)
     before = checkpoints(save_dir)
@@ -115,4 +121,22 @@ def test_a_stop_whose_save_fails_exits_74_and_the_rerun_continues(small_fs, tmp_
     rerun = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))
     assert rerun.finish() == 0, rerun.output
     assert re.search(rf"resumed from \S+step_0*{last_good}: step {last_good},", rerun.output), rerun.output
+    assert_same_final(reference(MODEL), final)
+
+
+def test_with_recycling_a_full_disk_does_not_stop_the_checkpoints(small_fs, tmp_path, reference):
+    save_dir, final = small_fs / "run", tmp_path / "final.safetensors"
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]), DEBUG)
+    assert p.wait_for(r"checkpoint \S+ \(interval\) written", count=3), p.output  # one pruned: the pool
+    assert [e for e in os.listdir(save_dir) if e.startswith(".recycle-")], os.listdir(save_dir)
+    fill(small_fs)
+    n_written = len(re.findall(r"\(interval\) written", p.output))
+    assert p.wait_for(r"\(interval\) written", count=n_written + 2), p.output  # written over the pool, in place
+    p.signal(signal.SIGTERM)
+    assert p.finish() == 75, p.output  # the stop's save too
+    assert not re.search(FAILED, p.output), p.output
+    stopped = max(checkpoints(save_dir))
+    rerun = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))  # the disk is still full
+    assert rerun.finish() == 0, rerun.output
+    assert re.search(rf"resumed from \S+step_0*{stopped}: step {stopped},", rerun.output), rerun.output
     assert_same_final(reference(MODEL), final)

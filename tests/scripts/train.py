@@ -170,6 +170,7 @@ def main() -> None:
     )
     p.add_argument("--metrics", action="store_true", help="run.step(metrics={'loss': ...})")
     p.add_argument("--progress_every_s", type=float, default=None)
+    p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
     args = p.parse_args()
     if args.signal_at:
         signal_at(args.signal_at, then=slow_commit(args.slow_commit))
@@ -204,6 +205,8 @@ def main() -> None:
         walltime["async_save"] = False
     if args.progress_every_s is not None:
         walltime["progress_every_s"] = args.progress_every_s
+    if args.no_recycle:
+        walltime["recycle_files"] = False
     kill_step, kill_sig = (
         (int(args.kill_at_step.split(":")[0]), args.kill_at_step.split(":")[1]) if args.kill_at_step else (None, None)
     )
