@@ -14,6 +14,7 @@ sight (fast, atomic) and then deleted by a background thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from . import checkpoint_files, commit, safe_io
+from . import checkpoint_files, commit, recycle, safe_io
 from .checkpoint_files import FileCheck, check_file, discard_tmp, parse_tensors, read_manifest, read_verified
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
 from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
@@ -146,8 +147,9 @@ class CheckpointManager:
         for name in found.restored:
             log.warning("%s: restored %s from an interrupted replacement", d, name)
         # A pool to delete is renamed out of reach first: a save must never take a directory being deleted.
-        extra = found.pools[1:] if self.retention.recycle else found.pools
-        self._deleter.submit(found.to_delete + [commit.trash(d, p) for p in extra])
+        pools = recycle.pools(d)
+        extra = pools[1:] if self.retention.recycle else pools
+        self._deleter.submit(found.to_delete + recycle.strays(d) + [commit.trash(d, p) for p in extra])
         self._indexed = False
 
     # ------------------------------------------------------------- discovery
@@ -380,14 +382,17 @@ class CheckpointManager:
             self.check_dir()
         return self.save_into(self.new_tmp_dir(manifest.step), payload, manifest)
 
-    def new_tmp_dir(self, step: int, *, recycle: bool = True) -> Path:
+    def new_tmp_dir(self, step: int, *, reuse: bool = True) -> Path:
         """Step 1 of the commit protocol for a checkpoint of ``step``: recycled files when there are some.
 
-        ``recycle=False`` for a directory that others' code writes into (DCP's
+        ``reuse=False`` for a directory that others' code writes into (DCP's
         shards): only :func:`commit.write_file` knows how to write over a recycled file.
         """
-        recycle = recycle and self.owner and self.retention.recycle
-        return commit.new_tmp_dir(self.save_dir, commit.checkpoint_name(step), recycle=recycle)
+        tmp = commit.tmp_dir_path(self.save_dir, commit.checkpoint_name(step))
+        if reuse and self.owner and self.retention.recycle and recycle.take(self.save_dir, tmp):
+            return tmp
+        tmp.mkdir()
+        return tmp
 
     def discard(self, tmp: Path, *, cancelled: bool = False) -> None:
         """Drops a failed or cancelled write.
@@ -399,14 +404,11 @@ class CheckpointManager:
         """
         if cancelled and self.owner and self.retention.recycle:
             commit.stage("discard")
-            try:
-                commit.to_pool(self.save_dir, tmp)
-            except OSError:
-                discard_tmp(tmp)
+            with contextlib.suppress(OSError):  # not renamed: removed below
+                recycle.give(self.save_dir, tmp)
+                # One pool at a time: the one with the most to write over stays (a whole pruned checkpoint, not a part).
+                self._deleter.submit([commit.trash(self.save_dir, p) for p in recycle.pools(self.save_dir)[1:]])
                 return
-            # One pool at a time: the one with the most to write over stays (a whole pruned checkpoint, not a part).
-            self._deleter.submit([commit.trash(self.save_dir, p) for p in commit.pools(self.save_dir)[1:]])
-            return
         discard_tmp(tmp)
 
     def save_into(
@@ -433,7 +435,7 @@ class CheckpointManager:
         try:
             commit.stage("before_manifest")
             manifest = dataclasses.replace(manifest, files=dict(files))
-            commit.drop_extra(tmp, [*files, MANIFEST])  # a recycled directory's files the new one does not list
+            recycle.drop_extra(tmp, [*files, MANIFEST])  # a recycled directory's files the new one does not list
             commit.write_file(tmp / MANIFEST, [manifest.to_json()], recycle=True)
             final, replaced = commit.commit_dir(self.save_dir, tmp, name)
         except BaseException as e:
@@ -490,8 +492,8 @@ class CheckpointManager:
                 continue
             if not recycled:
                 # One pool at a time: an unused older one goes (renamed first: a save must never take it mid-delete).
-                doomed += [commit.trash(self.save_dir, p) for p in commit.pools(self.save_dir)]
-                commit.to_pool(self.save_dir, path)
+                doomed += [commit.trash(self.save_dir, p) for p in recycle.pools(self.save_dir)]
+                recycle.give(self.save_dir, path)
                 recycled = True
             else:
                 doomed.append(commit.trash(self.save_dir, path))

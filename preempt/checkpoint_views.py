@@ -12,8 +12,9 @@ from typing import Any
 
 from .checkpoint import CheckpointInfo, CheckpointManager, rank_best
 from .cli_output import EXIT_DAMAGED, EXIT_USAGE, CommandFailed
-from .commit import QUARANTINE, SUPERSEDED, file_bytes, pools
+from .commit import QUARANTINE, SUPERSEDED
 from .errors import CorruptCheckpointError
+from .recycle import file_bytes, pools
 
 
 def fmt_when(ts: float | None) -> str:

@@ -18,7 +18,8 @@ Layout of ``save_dir``::
 
 The commit protocol, in this exact order (:func:`write_checkpoint`):
 
-1. ``mkdir save_dir/.tmp-step_N-<tag>``, or rename a ``.recycle-`` directory to that name.
+1. ``mkdir save_dir/.tmp-step_N-<tag>``, or rename a ``.recycle-`` directory to that name
+   (:mod:`preempt.recycle`).
 2. Each data file: write, hash with xxh3-128 while writing, ``fdatasync``
    (a recycled file of the same name is written over, then truncated to its new size).
 3. ``manifest.json`` (sizes and digests of every data file, and a checksum of
@@ -40,8 +41,8 @@ What a reader concludes from each leftover (:func:`recover`, run at start):
 * ``.replaced-step_N-*`` and ``step_N`` absent: the process died between
   steps 5 and 6. The old copy is renamed back to ``step_N``: it was valid.
 * ``.trash-*``: pruning was interrupted. Deleted.
-* ``.recycle-*``: files kept for the next save; never read. The one with the
-  most bytes is kept (when recycling is on), any other deleted.
+* ``.recycle-*``: files kept for the next save (:mod:`preempt.recycle`); never
+  read; tidied by the manager.
 * ``step_N`` without ``manifest.json``, or whose files do not match the
   manifest: not made by a completed commit (or damaged since). The manager
   moves it to ``quarantine/`` when it meets it (never deletes it), so that a
@@ -50,24 +51,8 @@ What a reader concludes from each leftover (:func:`recover`, run at start):
 Rename within one filesystem is atomic on POSIX; a crash leaves either the old
 name or the new one, never a mix.
 
-Recycling: writing a file into disk blocks that were never written is far
-slower on some disks than writing over blocks a file already holds (thin
-provisioned virtual disks: 11x on our VM for 512 MiB, ``bench/README.md``).
-So the manager can keep the files of one pruned checkpoint as
-``.recycle-<tag>/`` instead of deleting them, and the next save renames that
-directory to its temporary name (step 1) and writes over the files in place.
-Nothing trusts a recycled file's content: each one is opened without
-following links, must be a regular file of ours with one link (else it is
-removed and a new one made), and is truncated to what was written; files the
-new checkpoint does not list are removed before its manifest is written. Disk
-use: the space of one more checkpoint between saves, none more at the peak
-(the pool is the same space a save needs while the oldest kept one still
-exists).
-
-Fault injection: the writer calls :func:`stage` with a name from
-:data:`STAGES` at each boundary of the protocol. It does nothing unless a test
-installed a hook with :func:`inject_fault` (the fault suite kills the process
-or raises there, to prove each leftover is read as documented above).
+Recycling (``.recycle-*``, step 1 with a recycled directory, writing over a
+file in place) is :mod:`preempt.recycle`.
 """
 
 from __future__ import annotations
@@ -105,7 +90,6 @@ SUPERSEDED = "superseded"
 _TMP = ".tmp-"
 _REPLACED = ".replaced-"
 _TRASH = ".trash-"
-_POOL = ".recycle-"
 _STEP_RE = re.compile(r"step_([0-9]+)", re.ASCII)  # used with fullmatch
 
 _WRITE_CHUNK = 64 << 20  # bytes per write(2) call; also bounds a partial write
@@ -216,7 +200,7 @@ def write_file(path: str | os.PathLike[str], pieces: Iterable[Any], *, recycle: 
         pieces: The content.
         recycle: ``path`` is in a checkpoint's temporary directory, which may be
             a recycled one: a plain file of ours already there is written over in
-            place, anything else there is replaced (see "Recycling" above).
+            place, anything else there is replaced (:mod:`preempt.recycle`).
     """
     digest = xxhash.xxh3_128()
     size = 0
@@ -334,81 +318,21 @@ def dumps_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
 
 
-def _tag() -> str:
+def tag() -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:40]
     return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def new_tmp_dir(save_dir: Path, name: str, *, recycle: bool = False) -> Path:
-    """Step 1 of the protocol: a hidden directory inside ``save_dir`` for checkpoint ``name``.
+def tmp_dir_path(save_dir: Path, name: str) -> Path:
+    """The name of step 1's hidden directory for checkpoint ``name`` (unique to this process and call)."""
+    return save_dir / f"{_TMP}{name}-{tag()}"
 
-    With ``recycle``, the best ``.recycle-`` directory (:func:`pools`; when
-    there is a usable one) becomes it, files and all, for the writer to write over.
-    """
-    tmp = save_dir / f"{_TMP}{name}-{_tag()}"
-    if recycle:
-        for pool in pools(save_dir):
-            try:
-                os.rename(pool, tmp)
-            except OSError:  # taken by someone else meanwhile, or not renameable: not needed
-                continue
-            if _own_dir(tmp):
-                return tmp
-            remove_tree(tmp)  # swapped for something else between the check and the rename: not written into
+
+def new_tmp_dir(save_dir: Path, name: str) -> Path:
+    """Step 1 of the protocol: a fresh hidden directory inside ``save_dir``."""
+    tmp = tmp_dir_path(save_dir, name)
     tmp.mkdir()
     return tmp
-
-
-def pools(save_dir: Path) -> list[Path]:
-    """The ``.recycle-`` directories of ``save_dir`` that a save may write over, the best first.
-
-    Best: the most bytes to write over (a whole pruned checkpoint before the
-    part of a cancelled write), then the newest. Only real directories owned
-    by this user count (a symlink there could lead a save to write outside
-    ``save_dir``).
-    """
-    found = []
-    try:
-        entries = os.listdir(save_dir)
-    except OSError:
-        return []
-    for entry in entries:
-        path = save_dir / entry
-        if entry.startswith(_POOL) and _own_dir(path):
-            try:
-                found.append((file_bytes(path), os.stat(path, follow_symlinks=False).st_ctime_ns, entry))
-            except OSError:  # taken meanwhile
-                continue
-    return [save_dir / entry for *_, entry in sorted(found, reverse=True)]
-
-
-def file_bytes(directory: Path) -> int:
-    """The bytes of the regular files directly in ``directory`` (links not followed)."""
-    with os.scandir(directory) as entries:
-        return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
-
-
-def _own_dir(path: Path) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-
-
-def to_pool(save_dir: Path, path: Path) -> Path:
-    """Renames a pruned or discarded checkpoint directory to a ``.recycle-`` name, for the next save."""
-    target = save_dir / f"{_POOL}{_tag()}"
-    os.rename(path, target)
-    return target
-
-
-def drop_extra(tmp: Path, keep: Iterable[str]) -> None:
-    """Removes what a recycled directory still holds beyond the files ``keep`` (before the manifest is written)."""
-    wanted = set(keep)
-    for entry in os.listdir(tmp):
-        if entry not in wanted:
-            remove_tree(tmp / entry)
 
 
 def commit_dir(save_dir: Path, tmp: Path, name: str) -> tuple[Path, Path | None]:
@@ -424,7 +348,7 @@ def commit_dir(save_dir: Path, tmp: Path, name: str) -> tuple[Path, Path | None]
     final = save_dir / name
     replaced = None
     if final.exists():
-        replaced = save_dir / f"{_REPLACED}{name}-{_tag()}"
+        replaced = save_dir / f"{_REPLACED}{name}-{tag()}"
         os.rename(final, replaced)
     try:
         if replaced is not None:
@@ -452,7 +376,7 @@ def write_atomic(path: Path, pieces: Iterable[Any], *, replace: bool = True) -> 
     Raises:
         FileExistsError: ``replace`` is False and ``path`` exists.
     """
-    tmp = path.with_name(f"{_TMP}{path.name}-{_tag()}")
+    tmp = path.with_name(f"{_TMP}{path.name}-{tag()}")
     try:
         digest = write_file(tmp, pieces)
         if replace:
@@ -474,7 +398,7 @@ def write_atomic(path: Path, pieces: Iterable[Any], *, replace: bool = True) -> 
 
 def trash(save_dir: Path, path: Path) -> Path:
     """Renames a directory to a ``.trash-`` name (invisible to discovery) for later deletion."""
-    target = save_dir / f"{_TRASH}{path.name}-{_tag()}"
+    target = save_dir / f"{_TRASH}{path.name}-{tag()}"
     os.rename(path, target)
     return target
 
@@ -520,7 +444,6 @@ class Recovery:
 
     restored: list[str] = dataclasses.field(default_factory=list)
     to_delete: list[Path] = dataclasses.field(default_factory=list)
-    pools: list[Path] = dataclasses.field(default_factory=list)  # .recycle- directories, the best first
 
 
 def recover(save_dir: Path) -> Recovery:
@@ -550,9 +473,6 @@ def recover(save_dir: Path) -> Recovery:
     for entry in entries:
         if entry.startswith((_TMP, _TRASH)):
             out.to_delete.append(save_dir / entry)
-    out.pools = pools(save_dir)
-    # A .recycle- entry that is not a directory of ours (a symlink, a file) is not used: it goes.
-    out.to_delete += [save_dir / e for e in entries if e.startswith(_POOL) and save_dir / e not in out.pools]
     return out
 
 

@@ -174,7 +174,7 @@ def save_ranked(
     tmp, error = None, None
     if coord.rank == 0:
         try:
-            tmp = manager.new_tmp_dir(manifest.step, recycle=extra is None)  # DCP writes its own files
+            tmp = manager.new_tmp_dir(manifest.step, reuse=extra is None)  # DCP writes its own files
         except OSError as e:
             error = _describe(e, 0)
     where, error, defer = coord.broadcast((None if tmp is None else str(tmp), error, defer))

@@ -28,7 +28,7 @@ reads (:mod:`preempt.run_report`): ``start``/``resume`` with the process's
 start time and, after a crash, how far the dead process got (``crashed``);
 ``checkpoint``; ``rollback``; ``stop`` (its cause), ``complete`` or
 ``error``; and ``exit`` when the process exits normally
-(:func:`exit_line_at_exit`).
+(:func:`preempt.reporting.exit_line_at_exit`).
 
 A record has ``t`` (unix seconds), ``step``, ``epoch``, ``metrics`` and, when
 given, ``lr`` (a number, or a list with one number per parameter group),
@@ -65,7 +65,6 @@ absurd numbers; and the epoch summary line.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import math
@@ -398,36 +397,6 @@ class History:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_AT_EXIT: dict[Path, int] = {}  # save_dir -> pid: the history files that get an "exit" line when the process exits
-
-
-def exit_line_at_exit(save_dir: str | os.PathLike[str]) -> None:
-    """Appends ``{"event": "exit"}`` to ``save_dir/history.jsonl`` when this process exits normally.
-
-    The run's own last line (``complete``, ``stop``) comes before the code
-    after its ``with`` block (an export, an evaluation) and the interpreter's
-    exit: ``preempt report`` counts a process's wall time to this line. Not
-    written when the process is killed; written once per save_dir.
-    """
-    if not _AT_EXIT:
-        atexit.register(_write_exit_lines)
-    _AT_EXIT[Path(save_dir)] = os.getpid()
-
-
-def _write_exit_lines() -> None:
-    for save_dir, pid in list(_AT_EXIT.items()):
-        if pid != os.getpid():  # a forked child (a DataLoader worker) inherits the registry, not the run
-            continue
-        try:
-            hist = History(save_dir) if save_dir.is_dir() else None
-        except OSError:
-            continue
-        if hist is not None:
-            hist.marker("exit", pid=pid)
-            hist.close()
-    _AT_EXIT.clear()
 
 
 def read_history(path: str | os.PathLike[str], *, timeline: bool = True) -> list[dict[str, Any]]:

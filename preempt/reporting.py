@@ -8,6 +8,7 @@ It reads the loop's counters and changes none.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import torch
 
 from . import _log
 from .errors import Preempted
-from .history import History, Progress, RunLog, exit_line_at_exit
+from .history import History, Progress, RunLog
 from .loop_state import LoopState
 from .monitor import GPUMonitor
 from .run_config import RunConfig
@@ -122,6 +123,10 @@ class Reporter:
         took = self.clock() - self._epoch_started
         means = loop.epoch_means()  # the epoch's mean of each metric, not its last step's
         log.info("%s", self._progress.epoch_summary(loop.epoch, means, took, loop.best, peak))
+
+    def predecessor_died(self, step: int | None, pid: Any) -> None:
+        """The previous process died holding the lock, at ``step`` (its beacon): said in the resume marker."""
+        self.crash = {"died_at": step, "pid": pid if isinstance(pid, int) and not isinstance(pid, bool) else None}
 
     def checkpoint(self, record: SaveRecord, nbytes: int) -> None:
         """A ``checkpoint`` marker: its step, why, what it cost the loop, and ``at``, when its state was taken."""
@@ -228,3 +233,33 @@ def start_line(cfg: RunConfig, save_dir: Path, resumed_from: Path | None, step: 
         keeps.append(f"the best {cfg.keep_best} by {cfg.best_metric} ({cfg.best_mode})")
     mode = "in the background" if cfg.async_save else "synchronously"
     return f"{save_dir}: {how}; checkpoints {', '.join(saves)} ({mode}); keeping {', '.join(keeps)}"
+
+
+_AT_EXIT: dict[Path, int] = {}  # save_dir -> pid: the history files that get an "exit" line when the process exits
+
+
+def exit_line_at_exit(save_dir: str | os.PathLike[str]) -> None:
+    """Appends ``{"event": "exit"}`` to ``save_dir/history.jsonl`` when this process exits normally.
+
+    The run's own last line (``complete``, ``stop``) comes before the code
+    after its ``with`` block (an export, an evaluation) and the interpreter's
+    exit: ``preempt report`` counts a process's wall time to this line. Not
+    written when the process is killed; written once per save_dir.
+    """
+    if not _AT_EXIT:
+        atexit.register(_write_exit_lines)
+    _AT_EXIT[Path(save_dir)] = os.getpid()
+
+
+def _write_exit_lines() -> None:
+    for save_dir, pid in list(_AT_EXIT.items()):
+        if pid != os.getpid():  # a forked child (a DataLoader worker) inherits the registry, not the run
+            continue
+        try:
+            hist = History(save_dir) if save_dir.is_dir() else None
+        except OSError:
+            continue
+        if hist is not None:
+            hist.marker("exit", pid=pid)
+            hist.close()
+    _AT_EXIT.clear()

@@ -151,8 +151,7 @@ class PreemptibleRun:
         self.policy = cfg.save_policy()
         self.manager = CheckpointManager(save_dir, retention=cfg.retention())
         self.env = Environment.from_env()
-        self._clock = clock
-        # The parts, each of one concern; the run composes them.
+        self._clock = clock  # below: the parts, each of one concern; the run composes them
         self.loop = LoopState()
         self.stopper = Stopper(cfg, self.env, self.save_dir, clock)
         self.data = DataCursor(self.stopper.flag.signals)
@@ -263,8 +262,7 @@ class PreemptibleRun:
         self._lock.acquire()
         if self._lock.previous:  # the previous holder died holding the lock
             starter.predecessor_died, starter.died_at = True, self._beacon.read()
-            pid = self._lock.previous.get("pid")
-            self.reporter.crash = {"died_at": starter.died_at, "pid": pid if isinstance(pid, int) else None}
+            self.reporter.predecessor_died(starter.died_at, self._lock.previous.get("pid"))
         self.manager.recover()  # only the lock holder may clean up leftovers
         done = self.manager.completion()
         if done is not None and cfg.exit_if_complete and not cfg.starts_fresh and not starter.new_request():

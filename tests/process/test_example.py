@@ -33,7 +33,7 @@ def final_tensors(save_dir) -> dict[str, torch.Tensor]:
 def test_quickstart_stopped_and_resumed_equals_uninterrupted(tmp_path):
     ref = subprocess.run([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "ref")], capture_output=True, text=True)
     assert ref.returncode == 0, ref.stderr
-    p = Spawned([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "run")])
+    p = Spawned([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "run")], {"PREEMPT_LOG_LEVEL": "DEBUG"})
     p.wait_for(r"checkpoint .* \(interval\) written")
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output

@@ -188,9 +188,10 @@ def test_a_best_checkpoint_waits_for_the_write_in_flight(tmp_path):
 
 
 def test_stop_while_a_periodic_write_is_in_flight_cancels_it_and_saves_the_current_state_once(tmp_path, caplog):
-    """The stop does not wait for a stale write (issue 16): it is cancelled before its rename and its files removed."""
+    """The stop does not wait for a stale write (issue 16): it is cancelled before its rename; the stop's save writes
+    over its files (recycling)."""
     model, opt, data = build()
-    caplog.set_level(logging.INFO, logger="preempt")
+    caplog.set_level(logging.DEBUG, logger="preempt")  # a routine background write would say "written" at DEBUG
     gate = Gate()
     with gated(gate), pytest.raises(Preempted) as stop:
         with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2) as run:
@@ -210,6 +211,7 @@ def test_stop_while_a_periodic_write_is_in_flight_cancels_it_and_saves_the_curre
     manager = CheckpointManager(tmp_path, owner=False)
     assert [c.step for c in manager.list()] == [3] and not manager.verify(manager.list()[0])
     assert not list(tmp_path.glob(".tmp-*")), "the cancelled write left its partial files"
+    assert not list(tmp_path.glob(".recycle-*")), "the stop's save did not take the cancelled write's files"
     assert torch.equal(loaded(tmp_path / "step_000000003")["model.0.weight"], model[0].weight.detach())
 
 

@@ -277,7 +277,7 @@ def test_recover_after_crash_between_rename_steps(tmp_path):
     """Simulates death after step 5 (old renamed aside) and before step 6 (tmp renamed in): the old one is back."""
     commit.commit_dir(tmp_path, _make_tmp(tmp_path, "step_000000007", b"valid"), "step_000000007")
     tmp = _make_tmp(tmp_path, "step_000000007", b"half")
-    aside = tmp_path / f".replaced-step_000000007-{commit._tag()}"
+    aside = tmp_path / f".replaced-step_000000007-{commit.tag()}"
     os.rename(tmp_path / "step_000000007", aside)  # step 5, then the process dies
     rec = commit.recover(tmp_path)
     assert rec.restored == ["step_000000007"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_checkpoint import objects
 
-from preempt import commit
+from preempt import commit, recycle
 from preempt.checkpoint import CheckpointManager
 
 
@@ -36,7 +36,7 @@ def names(d: Path) -> list[str]:
 
 
 def pool_of(d: Path) -> Path:
-    (pool,) = commit.pools(d)
+    (pool,) = recycle.pools(d)
     return pool
 
 
@@ -78,7 +78,7 @@ def test_a_bigger_recycled_file_is_cut_and_extra_files_go(tmp_path):
     assert names(info.path) == sorted([*listed, "manifest.json"])
     assert os.path.getsize(info.path / "model.safetensors") == listed["model.safetensors"]["size"] < 1 << 20
     assert m.verify(info) == []
-    assert not commit.pools(tmp_path)
+    assert not recycle.pools(tmp_path)
 
 
 def test_planted_links_and_fifos_in_a_pool_are_replaced_never_written_through(tmp_path):
@@ -111,7 +111,7 @@ def test_a_pool_that_is_a_symlink_is_never_taken(tmp_path):
     os.symlink(outside, save_dir / ".recycle-link")
     model, opt, *_ = objects()
     m = CheckpointManager(save_dir, keep_last=1)
-    assert commit.pools(save_dir) == []
+    assert recycle.pools(save_dir) == []
     m.prepare()  # the start removes the link (not what it points at)
     assert m.wait(10)
     m.save_state(step=1, model=model, optimizer=opt)
@@ -123,7 +123,7 @@ def test_the_start_keeps_the_fullest_pool_and_renames_the_others_out_of_reach(tm
     for size, name in ((300, ".recycle-whole"), (100, ".recycle-part"), (200, ".recycle-newer-part")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"x" * size)
-    assert [p.name for p in commit.pools(tmp_path)] == [".recycle-whole", ".recycle-newer-part", ".recycle-part"]
+    assert [p.name for p in recycle.pools(tmp_path)] == [".recycle-whole", ".recycle-newer-part", ".recycle-part"]
     m = CheckpointManager(tmp_path)
     m.prepare()
     assert m.wait(10)
@@ -235,7 +235,7 @@ def test_a_cancelled_write_gives_back_what_it_took_and_one_pool_stays(tmp_path):
     m.prepare()
     m.save_state(step=1, model=model, optimizer=opt)
     m.save_state(step=2, model=model, optimizer=opt)  # step 1's files become the pool
-    whole = commit.file_bytes(pool_of(tmp_path))
+    whole = recycle.file_bytes(pool_of(tmp_path))
     (tmp_path / ".recycle-part").mkdir()  # what an earlier cancelled write left
     (tmp_path / ".recycle-part" / "model.safetensors").write_bytes(b"x" * 10)
     stop = threading.Event()
@@ -243,6 +243,6 @@ def test_a_cancelled_write_gives_back_what_it_took_and_one_pool_stays(tmp_path):
     with commit.cancellable(stop), pytest.raises(commit.WriteCancelled):
         m.save_state(step=3, model=model, optimizer=opt)  # takes the whole pool, is cancelled, gives it back
     assert m.wait(10)
-    (pool,) = commit.pools(tmp_path)  # one pool: the one with the most to write over
-    assert commit.file_bytes(pool) == whole
+    (pool,) = recycle.pools(tmp_path)  # one pool: the one with the most to write over
+    assert recycle.file_bytes(pool) == whole
     assert names(tmp_path) == [pool.name, "step_000000002"]
