@@ -242,18 +242,36 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Which valid checkpoints retention keeps and deletes; the others are skipped (never touched)."""
+    """Which valid checkpoints retention keeps and deletes; the others are skipped (never touched).
+
+    Kept: the newest ``--keep-last``, the one complete.json names, and what the run itself keeps as the newest
+    valid manifest records it (its ``keep_best`` best, its ``keep_every_steps`` milestones), unless
+    ``--keep-best``/``--keep-every-steps`` say otherwise. A manifest that records no retention (an older
+    preempt's) adds nothing.
+    """
     manager = CheckpointManager(save_dir, owner=False)
     infos = manager.list()
     done = completion(manager)
     valid = [c for c in infos if c.status == "valid"]
+    recorded = valid[0].manifest.retention if valid else None  # type: ignore[union-attr]
+    recorded_in = str(valid[0].path / commit.MANIFEST) if recorded is not None else None
+    run = recorded or {}
+    keep_best = run.get("keep_best", 0) if args.keep_best is None else args.keep_best
+    every = run.get("keep_every_steps") if args.keep_every_steps is None else args.keep_every_steps
+    every = every or None  # 0: none
+    best_why = "" if args.keep_best is not None else f", the run's keep_best={keep_best}"
+    every_why = (
+        f"--keep-every-steps {every}" if args.keep_every_steps is not None else f"the run's keep_every_steps={every}"
+    )
     best = rank_best(infos)
-    if args.keep_best and best.problem:
-        raise CommandFailed(EXIT_DAMAGED, best.problem)
+    if keep_best and best.problem:
+        hint = "" if args.keep_best is not None else f" (the run's keep_best={keep_best}; --keep-best 0 prunes them)"
+        raise CommandFailed(EXIT_DAMAGED, f"{best.problem}{hint}")
     rank = {c.step: i for i, c in enumerate(best.ranked)}
     policy = RetentionPolicy(
         keep_last=args.keep_last,
-        keep_best=args.keep_best if best.metric else 0,
+        keep_best=keep_best if best.metric else 0,
+        keep_every_steps=every,
         metric=best.metric,
         mode=best.mode or "min",
     )
@@ -268,8 +286,10 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
             reasons.append("latest")
         elif i < args.keep_last:
             reasons.append(f"last {args.keep_last}")
-        if c.step in rank and rank[c.step] < args.keep_best:
-            reasons.append(f"best #{rank[c.step] + 1} by {best.metric} ({best.mode})")
+        if c.step in rank and rank[c.step] < policy.keep_best:
+            reasons.append(f"best #{rank[c.step] + 1} by {best.metric} ({best.mode}){best_why}")
+        if every and c.step % every == 0:
+            reasons.append(f"milestone ({every_why})")
         if done and c.name == done.get("checkpoint"):
             reasons.append("complete.json")
             kept.add(c.step)
@@ -280,6 +300,15 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "recycled": recycled(save_dir),
         "why": why,
         "best_metric": best.metric,
+        "retention": {
+            "keep_last": args.keep_last,
+            "keep_best": keep_best,
+            "keep_best_from": "run" if args.keep_best is None else "option",
+            "keep_every_steps": every,
+            "keep_every_steps_from": "run" if args.keep_every_steps is None else "option",
+            "recorded": recorded,
+            "recorded_in": recorded_in,
+        },
     }
 
 
@@ -308,6 +337,7 @@ def _report_prune(
                 "recycled": plan["recycled"],
                 "bytes": freed,
                 "leftovers": leftovers,
+                "retention": plan["retention"],
             }
         )
     else:
@@ -321,8 +351,26 @@ def _report_prune(
         ]
         for line in fmt_table(table, right={2}) if table else [f"{save_dir}: no checkpoints"]:
             print(line)
-        if args.keep_best and not plan["best_metric"]:
-            print("note: no checkpoint is marked best; --keep-best keeps nothing extra")
+        kept = plan["retention"]
+        if kept["recorded_in"] is not None:
+            run = kept["recorded"]
+            best = f"keep_best={run['keep_best']}" + (f" by {run['metric']} ({run['mode']})" if run["metric"] else "")
+            options = [f"--keep-best {kept['keep_best']}"] if kept["keep_best_from"] == "option" else []
+            if kept["keep_every_steps_from"] == "option":
+                options.append(f"--keep-every-steps {kept['keep_every_steps'] or 0}")
+            instead = f"; replaced by {', '.join(options)}" if options else ""
+            print(
+                f"the run's retention ({kept['recorded_in']}): {best}, keep_every_steps={run['keep_every_steps']}"
+                f"{instead}"
+            )
+        elif plan["keep"] or plan["delete"]:
+            print(
+                "the run's retention: not recorded in the newest valid manifest (written by an older preempt or"
+                " without a run); only the options apply"
+            )
+        by = "--keep-best" if kept["keep_best_from"] == "option" else f"the run's keep_best={kept['keep_best']}"
+        if kept["keep_best"] and not plan["best_metric"]:
+            print(f"note: no checkpoint is marked best; {by} keeps nothing extra")
         n = len(plan["delete"])
         kept_files = f" and {len(plan['recycled'])} recycling directory" if plan["recycled"] else ""
         if args.yes:

@@ -97,9 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         "prune",
         "delete valid checkpoints that retention does not keep (dry run without --yes)",
         "Only valid checkpoints are candidates. Never touched: quarantine/, superseded/, corrupt and incomplete\n"
-        "checkpoints, the newest valid checkpoint and the one complete.json names. With --yes, takes the\n"
-        "save_dir's lock (exit 3 while a run holds it), re-hashes the kept checkpoints (exit 1 and nothing\n"
-        "deleted if one is damaged), then deletes.",
+        "checkpoints, the newest valid checkpoint and the one complete.json names. Also kept by default: what the\n"
+        "run itself keeps, as the newest valid manifest records it (its keep_best best checkpoints, its\n"
+        "keep_every_steps milestones); --keep-best K and --keep-every-steps N replace the run's values (0: none).\n"
+        "A manifest written by an older preempt records nothing: then only the options apply. The dry run says\n"
+        "why each checkpoint is kept. With --yes, takes the save_dir's lock (exit 3 while a run holds it),\n"
+        "re-hashes the kept checkpoints (exit 1 and nothing deleted if one is damaged), then deletes.",
     )
     p.add_argument(
         "--keep-last",
@@ -113,9 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_best_count,
         nargs="?",
         const=1,
-        default=0,
+        default=None,
         metavar="K",
-        help="also keep the K best (default 1) by the metric and mode their manifests record",
+        help="also keep the K best (1 when K is left out) by the metric and mode their manifests record;"
+        " 0 keeps none of them. Default: the run's keep_best, as its newest valid manifest records it",
+    )
+    p.add_argument(
+        "--keep-every-steps",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="also keep the checkpoints whose step is a multiple of N (milestones); 0 keeps none of them."
+        " Default: the run's keep_every_steps, as its newest valid manifest records it",
     )
     p.add_argument("--yes", action="store_true", help="delete (without it, only print what would be deleted)")
     p = add(

@@ -3,9 +3,15 @@
 ``manifest.json`` holds the format version, where the run stood (global step,
 epoch, batch and sample cursor, the sampler's state), why the checkpoint was
 written, the size and xxh3-128 digest of every other file, and provenance
-(library versions, the code's git commit, the SLURM job). It carries a
-checksum of itself, so a flipped byte in the manifest is detected like one in
-a tensor file.
+(library versions, the code's git commit, the SLURM job), and the run's
+retention (which checkpoints it keeps, so that ``preempt prune`` keeps them
+too). It carries a checksum of itself, so a flipped byte in the manifest is
+detected like one in a tensor file.
+
+Fields added after format version 1 was first written are optional: a
+manifest without ``retention`` (written by an older preempt, or by
+:meth:`~preempt.checkpoint.CheckpointManager.save_state`) loads, its retention
+unknown; an older preempt ignores the field (the checksum covers every key).
 
 Parsing is strict: a manifest from an untrusted source cannot name files
 outside its directory, claim absurd sizes, or smuggle in anything but JSON.
@@ -17,12 +23,15 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from . import safe_io
 from .commit import MANIFEST, FileDigest, dumps_json
+
+if TYPE_CHECKING:
+    from .policy import RetentionPolicy
 
 FORMAT = "preempt-checkpoint"
 FORMAT_VERSION = 1
@@ -33,6 +42,7 @@ _FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # us
 _HEX32_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
 MAX_CREATED = 1e11  # seconds since 1970: the year 5138; the largest time ``datetime`` can show is below 2.6e11
 POINTS = ("step", "epoch")
+MODES = ("min", "max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +81,8 @@ class Manifest:
     is_best: bool = False  # this checkpoint holds the state that set ``best``
     lineage: dict[str, Any] = dataclasses.field(default_factory=dict)
     provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What the writing run keeps (:func:`retention_record`); None: unknown (an older manifest, or no run).
+    retention: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -96,6 +108,8 @@ class Manifest:
             "lineage": self.lineage,
             "provenance": self.provenance,
         }
+        if self.retention is not None:  # absent rather than null: a manifest without it reads as before
+            body["retention"] = self.retention
         body["checksum"] = xxhash.xxh3_128_hexdigest(dumps_json(body))
         return body
 
@@ -169,6 +183,7 @@ class Manifest:
             m.float(key)  # NaN and infinities are legitimate metric values (and an infinite "best")
         sampler = r.optional_dict("sampler")
         _check_cursor_in_epoch(cursor, sampler, where)
+        retention = _check_retention(r.optional_dict("retention"), where) if "retention" in raw else None
         return cls(
             step=r.int("step"),
             cursor=cursor,
@@ -181,6 +196,7 @@ class Manifest:
             is_best=r.bool("is_best"),
             lineage=r.dict("lineage"),
             provenance=r.dict("provenance"),
+            retention=retention,
             format_version=version,
         )
 
@@ -240,6 +256,49 @@ class _Reader:
 
     def optional_dict(self, key: str) -> dict[str, Any] | None:
         return None if self._get(key) is None else self.dict(key)
+
+    def optional_int(self, key: str, lo: int = 0, hi: int = 1 << 62) -> int | None:
+        return None if self._get(key) is None else self.int(key, lo, hi)
+
+    def optional_str(self, key: str) -> str | None:
+        return None if self._get(key) is None else self.str(key)
+
+
+def retention_record(policy: RetentionPolicy) -> dict[str, Any]:
+    """What a run records of its retention in each manifest: what ``preempt prune`` keeps by default.
+
+    ``recycle`` is left out: it says how the run deletes, not what it keeps.
+    """
+    return {
+        "keep_last": policy.keep_last,
+        "keep_best": policy.keep_best,
+        "keep_every_steps": policy.keep_every_steps,
+        "metric": policy.metric,
+        "mode": policy.mode,
+    }
+
+
+def _check_retention(raw: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """The ``retention`` object, each field type- and range-checked; unknown keys are left out (a newer writer's)."""
+    if raw is None:
+        return None
+    r = _Reader(raw, f"{where}: retention")
+    keep_best = r.int("keep_best")
+    metric = r.optional_str("metric")
+    mode = r.str("mode")
+    if mode not in MODES:
+        raise ValueError(f"{where}: retention.mode: expected one of {MODES}, found {_short(mode)}")
+    if metric == "":
+        raise ValueError(f"{where}: retention.metric: expected a metric name or null, found ''")
+    if keep_best and metric is None:
+        raise ValueError(f"{where}: retention.keep_best: {keep_best} needs a metric to rank by, found metric null")
+    return {
+        "keep_last": r.optional_int("keep_last", lo=1),
+        "keep_best": keep_best,
+        "keep_every_steps": r.optional_int("keep_every_steps", lo=1),
+        "metric": metric,
+        "mode": mode,
+    }
 
 
 def _check_cursor_in_epoch(cursor: Cursor, sampler: dict[str, Any] | None, where: str) -> None:

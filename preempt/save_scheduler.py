@@ -263,7 +263,7 @@ class SaveScheduler:
         self.postponed = None
         with self.flag.critical():
             t0 = self.clock()
-            manifest = self.snapshot.manifest(reason, point)
+            manifest = self.snapshot.manifest(reason, point, self.manager.retention)
             log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
             payload = self.snapshot.payload()
             staged = self._copy(payload) if background else None

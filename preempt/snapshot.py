@@ -4,9 +4,9 @@
 components' tensors and JSON (:func:`preempt.state.capture`), the run's own
 state (every random generator now and at the epoch's start, where the data
 stands, the user's state, the learning-rate scale), and the manifest with the
-cursor, metrics, best and lineage. Under torch.distributed each rank other
-than 0 writes only its own random state; sharded (DTensor) tensors are
-written by DCP (:mod:`preempt.sharded`).
+cursor, metrics, best, lineage and the run's retention. Under torch.distributed
+each rank other than 0 writes only its own random state; sharded (DTensor)
+tensors are written by DCP (:mod:`preempt.sharded`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 from . import codec, rng, sharded, state
 from .data_cursor import DataCursor
 from .loop_state import LoopState
-from .manifest import Manifest
-from .policy import Reason
+from .manifest import Manifest, retention_record
+from .policy import Reason, RetentionPolicy
 
 
 class Snapshot:
@@ -81,7 +81,8 @@ class Snapshot:
         tensors, _ = sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
         return sharded.save(directory, tensors, self.rank)
 
-    def manifest(self, reason: Reason, point: str) -> Manifest:
+    def manifest(self, reason: Reason, point: str, retention: RetentionPolicy | None = None) -> Manifest:
+        """The manifest of a checkpoint taken now; ``retention``: the run's, recorded for ``preempt prune``."""
         loop = self.loop
         cursor, sampler = self.data.cursor(loop.global_step, loop.epoch, loop.batch)
         return Manifest(
@@ -96,4 +97,5 @@ class Snapshot:
             is_best=loop.holds_best,
             lineage=self.lineage,
             provenance=self.provenance,
+            retention=None if retention is None else retention_record(retention),
         )

@@ -123,10 +123,15 @@ asks the kernel to send SIGTERM to the child should the supervisor die
 themselves (``setsid``, ``setpgid``). If one of them holds the output pipes
 open, the supervisor stops reading them 0.5 s after the group is empty.
 
-The log (``--log``, default ``./supervise.log``; ``--no-log`` for none) is
-appended to, so that the history of a requeued job stays in one place; each
-line is one event, ``<local ISO time> [<supervisor pid>] <event>``, and the
-same event goes to stderr as ``[preempt supervise] <event>``.
+Every event goes to stderr as ``[preempt supervise] <event>``. The log file
+gets the same events, one line each, ``<local ISO time> [<supervisor pid>]
+<event>``, appended to, so that the history of a requeued job stays in one
+place. Where: ``--log FILE``; else, with ``--save-dir DIR`` (the run's
+save_dir), ``DIR/supervise.log`` beside the run's ``train.log`` and
+``history.jsonl`` (DIR is created if need be; the file is opened as the run
+opens its own files there: no symlink followed, regular files only); else no
+file at all, stderr only: nothing is written into the current directory
+unasked. ``--no-log`` writes no file whatever else is given.
 
 Exit codes of the supervisor (:data:`EXIT_CODES`):
 
@@ -148,11 +153,13 @@ needed (the log says what happened before).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from . import safe_io
 from .errors import (
     NONFINITE_EXIT_CODE,
     OOM_EXIT_CODE,
@@ -162,7 +169,7 @@ from .supervise_policy import SuperviseConfig
 from .supervise_process import Supervisor, become_subreaper
 
 EXIT_USAGE = 2
-DEFAULT_LOG = Path("supervise.log")
+LOG_NAME = "supervise.log"  # inside --save-dir
 
 EXIT_CODES = f"""\
 exit codes:
@@ -245,16 +252,49 @@ def build_parser(
         metavar="S",
         help="seconds CMD has to exit after a forwarded signal before SIGKILL (default 60)",
     )
+    parser.add_argument(
+        "--save-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"the run's save_dir: the events are appended to DIR/{LOG_NAME} (unless --log or --no-log)",
+    )
     log = parser.add_mutually_exclusive_group()
     log.add_argument(
         "--log",
         type=Path,
-        default=DEFAULT_LOG,
         metavar="FILE",
-        help=f"append one line per event here (default ./{DEFAULT_LOG}; its directory is created)",
+        help="append one line per event here (its directory is created). Default: DIR/"
+        f"{LOG_NAME} with --save-dir DIR, else no file (the events go to stderr in any case)",
     )
     log.add_argument("--no-log", action="store_true", help="write no log file")
     return parser
+
+
+def log_path(args: argparse.Namespace) -> Path | None:
+    """Where the events are appended: ``--log``, else ``--save-dir``'s ``supervise.log``, else nowhere."""
+    if args.no_log:
+        return None
+    if args.log is not None:
+        return args.log
+    return None if args.save_dir is None else args.save_dir / LOG_NAME
+
+
+def open_log(path: Path, in_save_dir: bool) -> IO[str]:
+    """Opens the log for appending; inside a save_dir as the run opens its files there (:mod:`preempt.safe_io`).
+
+    Raises:
+        OSError: It cannot be created or appended to (an :class:`~preempt.safe_io.UnsafeFileError` for a
+            symlink, a FIFO or a device standing in its place inside the save_dir).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not in_save_dir:
+        return open(path, "a", encoding="utf-8")  # a file the user named: theirs to point anywhere
+    fd = safe_io.open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        return os.fdopen(fd, "a", encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -284,12 +324,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     log: IO[str] | None = None
-    if not args.no_log:
+    path = log_path(args)
+    if path is not None:
         try:
-            args.log.parent.mkdir(parents=True, exist_ok=True)
-            log = open(args.log, "a", encoding="utf-8")  # closed below
+            log = open_log(path, in_save_dir=args.log is None)  # closed below
         except OSError as e:
-            parser.error(f"--log {args.log}: cannot append to it ({e.strerror or e})")
+            option = f"--log {args.log}" if args.log is not None else f"--save-dir {args.save_dir}"
+            found = str(e) if isinstance(e, safe_io.UnsafeFileError) else f"{path}: {e.strerror or e}"
+            parser.error(f"{option}: cannot append to the log ({found})")
     try:
         become_subreaper()
         return Supervisor(config, log=log).run().code

@@ -372,6 +372,56 @@ def test_environment_of_the_child(child):
     assert child.records[0]["env"] == {"PREEMPT_SUPERVISE_ATTEMPT": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def test_the_log_goes_into_the_save_dir_or_nowhere_never_into_the_cwd(child):
+    """No --log: without --save-dir the events go to stderr only; with it, to DIR/supervise.log. The cwd stays empty."""
+    child.plan({"exit": 0})
+    cwd = child.dir / "cwd"
+    cwd.mkdir()
+    sup = [sys.executable, "-m", "preempt", "supervise"]
+    cmd = ["--", sys.executable, str(child.script)]
+    r = subprocess.run([*sup, *cmd], cwd=cwd, capture_output=True, env=ENV, timeout=30)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "[preempt supervise] attempt 1: exit 0" in r.stderr.decode()
+    assert list(cwd.iterdir()) == [] and not (child.dir / "supervise.log").exists()
+
+    save_dir = child.dir / "runs" / "exp1"  # not there yet: the run creates it, and so does the supervisor
+    for attempt in (1, 2):  # appended to across requeues
+        r = subprocess.run([*sup, "--save-dir", str(save_dir), *cmd], cwd=cwd, capture_output=True, env=ENV, timeout=30)
+        assert r.returncode == 0, r.stderr.decode()
+        assert list(cwd.iterdir()) == []
+        log = (save_dir / "supervise.log").read_text()
+        assert log.count("] stop: the command completed; exit 0") == attempt, log
+
+    r = subprocess.run([*sup, "--save-dir", str(save_dir), "--no-log", *cmd], cwd=cwd, capture_output=True, env=ENV,
+                       timeout=30)  # fmt: skip
+    assert r.returncode == 0 and (save_dir / "supervise.log").read_text() == log
+    mine = child.dir / "elsewhere" / "mine.log"  # --log wins over --save-dir
+    r = subprocess.run([*sup, "--save-dir", str(save_dir), "--log", str(mine), *cmd], cwd=cwd, capture_output=True,
+                       env=ENV, timeout=30)  # fmt: skip
+    assert r.returncode == 0 and "attempt 1: exit 0" in mine.read_text()
+    assert (save_dir / "supervise.log").read_text() == log and list(cwd.iterdir()) == []
+
+
+def test_a_symlinked_log_in_the_save_dir_is_refused_and_nothing_starts(child):
+    """The save_dir may be shared: a planted link is not followed (as for the run's own files there)."""
+    child.plan({"exit": 0})
+    save_dir = child.dir / "run"
+    save_dir.mkdir()
+    target = child.dir / "victim.txt"
+    target.write_text("keep me\n")
+    (save_dir / "supervise.log").symlink_to(target)
+    r = subprocess.run(
+        [sys.executable, "-m", "preempt", "supervise", "--save-dir", str(save_dir), "--", sys.executable,
+         str(child.script)],
+        capture_output=True, env=ENV, timeout=30, cwd=child.dir,
+    )  # fmt: skip
+    err = r.stderr.decode()
+    assert r.returncode == 2, err
+    assert f"--save-dir {save_dir}: cannot append to the log" in err
+    assert f"{save_dir / 'supervise.log'}: expected a regular file, found a symbolic link" in err
+    assert child.records == [] and target.read_text() == "keep me\n"
+
+
 # ------------------------------------------------------ signals, groups
 
 

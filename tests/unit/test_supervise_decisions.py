@@ -235,6 +235,23 @@ def test_preempt_lists_supervise_with_the_parser_supervise_parses_with(capsys):
     assert listed == vars(supervise.build_parser().parse_args(options))
 
 
+@pytest.mark.parametrize(
+    "options, where",
+    [
+        ([], None),  # stderr only: nothing lands in the current directory
+        (["--save-dir", "runs/x"], "runs/x/supervise.log"),
+        (["--save-dir", "runs/x", "--log", "other.log"], "other.log"),
+        (["--log", "other.log"], "other.log"),
+        (["--save-dir", "runs/x", "--no-log"], None),
+    ],
+)
+def test_where_the_log_goes(options, where):
+    from preempt import supervise
+
+    path = supervise.log_path(supervise.build_parser().parse_args(options))
+    assert path == (None if where is None else Path(where))
+
+
 def test_supervise_imports_no_torch():
     code = "import sys, preempt.cli, preempt.supervise; sys.exit('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
