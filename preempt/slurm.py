@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +66,20 @@ time); the common ones are 90 to 300 s.
 SCONTROL_TIMEOUT_S = 10.0
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+def run_shielded(cmd: Sequence[str], **kwargs) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` of a command that ignores SIGTERM and SIGINT (the dispositions survive ``exec``).
+
+    A ``scontrol requeue`` issued from inside the job makes SLURM end the job's processes at once, scontrol among
+    them: measured under load, scontrol was killed (exit code -15) before it could report the requeue that had
+    taken effect, and the run said it could not requeue. Shielded, scontrol gets its answer; its timeout and
+    SIGKILL (after KillWait) still end it.
+    """
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        raise FileNotFoundError(errno.ENOENT, "not found on PATH", cmd[0])
+    return subprocess.run(["sh", "-c", 'trap "" TERM INT; exec "$0" "$@"', exe, *cmd[1:]], **kwargs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,7 +160,7 @@ def _scontrol(args: Sequence[str], timeout: float, run: Runner) -> str:
     return r.stdout
 
 
-def show_job(job_id: str, *, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = subprocess.run) -> JobInfo:
+def show_job(job_id: str, *, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = run_shielded) -> JobInfo:
     """The job's state, end time and flags.
 
     Raises:
@@ -153,7 +169,7 @@ def show_job(job_id: str, *, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = 
     return parse_job(_scontrol(["show", "job", "-o", job_id], timeout, run))
 
 
-def kill_wait(*, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = subprocess.run) -> float | None:
+def kill_wait(*, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = run_shielded) -> float | None:
     """KillWait (seconds between SIGTERM and SIGKILL) from ``scontrol show config``; None if unreadable."""
     try:
         out = _scontrol(["show", "config"], timeout, run)
@@ -163,7 +179,7 @@ def kill_wait(*, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = subprocess.r
     return float(m.group(1)) if m else None
 
 
-def requeue(target: str, *, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = subprocess.run) -> None:
+def requeue(target: str, *, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = run_shielded) -> None:
     """``scontrol requeue TARGET``. SLURM then ends this job's processes (SIGTERM) and starts it again.
 
     Raises:

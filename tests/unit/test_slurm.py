@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -19,6 +21,7 @@ from preempt.slurm import (
     parse_job,
     requeue,
     requeue_target,
+    run_shielded,
     show_job,
 )
 
@@ -182,3 +185,30 @@ def test_kill_wait_from_show_config():
 def test_requeue_target_names_the_array_task():
     assert requeue_target("1240", "1234", "6") == "1234_6"
     assert requeue_target("1240", None, None) == "1240"
+
+
+SIGTERMED_ANSWER = (
+    "import os, signal, time\n"
+    "os.kill(os.getpid(), signal.SIGTERM)  # what SLURM does to the job's processes after a requeue\n"
+    "time.sleep(0.2)\n"
+    "print('requeued')\n"
+)
+
+
+def test_scontrol_survives_the_sigterm_of_its_own_requeue():
+    """The shield is what keeps the answer: the same child unshielded dies of the SIGTERM (exit code -15)."""
+    cmd = [sys.executable, "-c", SIGTERMED_ANSWER]
+    bare = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    assert bare.returncode == -signal.SIGTERM, bare
+    shielded = run_shielded(cmd, capture_output=True, text=True, timeout=30, check=False)
+    assert (shielded.returncode, shielded.stdout) == (0, "requeued\n"), shielded
+
+
+def test_shielded_run_of_a_missing_command_is_file_not_found(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(FileNotFoundError):
+        run_shielded(["scontrol", "show", "config"], capture_output=True, text=True, timeout=5, check=False)
+    assert kill_wait() is None
+    with pytest.raises(SlurmError, match="scontrol requeue 7: scontrol not found on PATH") as e:
+        requeue("7")
+    assert e.value.missing
