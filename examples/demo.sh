@@ -48,9 +48,9 @@ echo "== 4. what is on disk: every checkpoint file re-hashed against its manifes
 preempt ls "$save_dir"
 preempt verify "$save_dir"
 echo "== 5. the run's story across its processes: the stop, the resume, and where the time went (goodput)"
-preempt report "$save_dir"
 if python -c "import matplotlib" 2>/dev/null; then
     preempt report "$save_dir" --plot "$save_dir/report.png"
 else
+    preempt report "$save_dir"
     echo "(pip install 'preempt[plot]' for a picture: preempt report $save_dir --plot report.png)"
 fi

@@ -85,13 +85,14 @@ OPTIONS_DOC = """\
             other ranks log nothing unless ``PREEMPT_LOG_ALL_RANKS=1``, then to
             the console and ``train.rank<r>.log``),
             appended across restarts with a marker line at each start, and
-            keep ``save_dir/history.jsonl``: one line per progress report
-            (step, epoch, the metrics given to ``run.step``, learning rates,
-            step time, GPU memory) and a marker at each start, resume,
-            rollback and stop (:mod:`preempt.history`).
+            keep ``save_dir/history.jsonl``: metric points (step, epoch, the
+            metrics given to ``run.step``, learning rates, step time, GPU
+            memory; each second at first, see
+            :func:`preempt.reporting.point_interval`) and a marker at each
+            start, resume, checkpoint, rollback and stop (:mod:`preempt.history`).
         progress_every_s: Seconds between progress lines (step, epoch, the
-            metrics given to ``run.step``, steps/s, ETA) in the log and
-            history records; None turns both off. The first line comes after
+            metrics given to ``run.step``, steps/s, ETA) in the log; None
+            turns them and the metric points of ``history.jsonl`` off. The first line comes after
             5 s (or this, if sooner) and the wait doubles up to this, so a short
             run shows its metrics too. An epoch summary (the epoch's mean of
             each metric) is logged at each epoch end either way.

@@ -3,7 +3,9 @@ gradient accumulation, epoch means, routine checkpoints at DEBUG, and the log le
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 from preempt import PreemptibleRun
 from preempt.loop_state import LoopState
-from preempt.reporting import Reporter, start_line, total_steps
+from preempt.reporting import Reporter, point_interval, start_line, total_steps
 from preempt.run_config import RunConfig
 
 
@@ -47,6 +49,34 @@ def test_progress_comes_early_then_every_progress_every_s(tmp_path):
     quick = Reporter(RunConfig(progress_every_s=2.0, log_file=False), tmp_path, LoopState(), clock)
     quick.start(None)
     assert quick.next_at - clock.now == 2.0  # an explicit shorter period is kept from the start
+
+
+def test_history_gets_metric_points_denser_than_the_progress_lines(tmp_path, caplog):
+    """Each second for the first 100 s, then a hundredth of the process's age, never sparser than the lines."""
+    assert [point_interval(a, 60.0) for a in (0.0, 99.0, 500.0, 5000.0, 1e5)] == [1.0, 1.0, 5.0, 50.0, 60.0]
+    assert point_interval(500.0, 2.0) == 2.0
+    clock = Clock()
+    loop = LoopState()
+    reporter = Reporter(RunConfig(progress_every_s=60.0), tmp_path, loop, clock)
+    reporter.start(None)
+    points, lines = [], []
+    with caplog.at_level(logging.INFO, logger="preempt"):
+        while clock.now < 1000.0 + 300.0:
+            clock.now = reporter.next_at
+            loop.global_step += 1
+            loop.metrics = {"loss": 1.0 / loop.global_step}
+            caplog.clear()
+            reporter.report(None, None)
+            lines += [clock.now - 1000.0 for r in caplog.records if r.getMessage().startswith("step ")]
+    reporter.stop()
+    for line in (tmp_path / "history.jsonl").read_text().splitlines():
+        doc = json.loads(line)
+        if "metrics" in doc:
+            points.append(doc["step"])
+    assert lines == [5.0, 15.0, 35.0, 75.0, 135.0, 195.0, 255.0]  # the console: as before
+    # 100 in the first 100 s, then about 100 * ln(300 / 100) = 110 up to 300 s
+    assert abs(len(points) - (100 + 100 * math.log(3))) <= 3, len(points)
+    assert points == sorted(points) and len(points) > 10 * len(lines)
 
 
 def test_the_epoch_summary_shows_epoch_means(tmp_path, caplog):
