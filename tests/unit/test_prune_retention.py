@@ -79,21 +79,8 @@ def steps(d: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in d.glob("step_*"))
 
 
-def prune(d: Path, *options: str) -> tuple[int, dict[str, Any], str]:
-    """``python -m preempt prune DIR OPTIONS --json``: exit code, document, stderr."""
-    r = subprocess.run(
-        [sys.executable, "-m", "preempt", "prune", str(d), *options, "--json"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        cwd=d.parent,
-        timeout=120,
-    )
-    assert "Traceback" not in r.stderr, r.stderr
-    return r.returncode, json.loads(r.stdout), r.stderr
-
-
-def prune_text(d: Path, *options: str) -> tuple[int, str, str]:
+def run_prune(d: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """``python -m preempt prune DIR OPTIONS`` in a real process, from the save_dir's parent."""
     r = subprocess.run(
         [sys.executable, "-m", "preempt", "prune", str(d), *options],
         capture_output=True,
@@ -103,6 +90,17 @@ def prune_text(d: Path, *options: str) -> tuple[int, str, str]:
         timeout=120,
     )
     assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def prune(d: Path, *options: str) -> tuple[int, dict[str, Any], str]:
+    """``prune ... --json``: exit code, document, stderr."""
+    r = run_prune(d, *options, "--json")
+    return r.returncode, json.loads(r.stdout), r.stderr
+
+
+def prune_text(d: Path, *options: str) -> tuple[int, str, str]:
+    r = run_prune(d, *options)
     return r.returncode, r.stdout, r.stderr
 
 
