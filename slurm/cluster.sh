@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# A private single-node SLURM cluster (munged + slurmctld + slurmd) for preempt's tests, started by hand.
+# A private SLURM cluster of two nodes on this machine (munged + slurmctld + one slurmd per node) for preempt's
+# tests, started by hand.
 #
-#   slurm/cluster.sh start    install the Debian packages if missing, configure, start, wait for the node to be idle
+#   slurm/cluster.sh start    install the Debian packages if missing, configure, start, wait for the nodes to be idle
 #   slurm/cluster.sh stop     cancel every job, wait for them to end, stop the daemons by their recorded PIDs
-#   slurm/cluster.sh status   exit 0 when the cluster answers, 1 when not
+#   slurm/cluster.sh status   exit 0 when the cluster answers and the slurmd of each node runs, 1 when not
 #   slurm/cluster.sh env      print the line to eval for the client commands: export SLURM_CONF=...
 #
 # Everything (configuration, munge key and socket, state, spool, PID files, logs, job output) lives under
 # $PREEMPT_SLURM_DIR (default /tmp/preempt-slurm), and the daemons listen on non-default ports
-# ($PREEMPT_SLURM_PORT and the next one; default 46817), so the cluster collides neither with a system SLURM
-# nor with another copy started from another directory and port. Clients find it through
+# ($PREEMPT_SLURM_PORT for slurmctld, the next ones for the slurmds; default 46817), so the cluster collides neither
+# with a system SLURM nor with another copy started from another directory and port. Clients find it through
 # SLURM_CONF=$PREEMPT_SLURM_DIR/slurm.conf (sbatch exports it into the jobs, so scontrol works inside them).
 #
 # Needs root (SlurmUser=root; slurmd starts jobs as their user) and no systemd: the daemons are started directly.
@@ -22,14 +23,25 @@
 #   KillWait=5                     SIGTERM -> SIGKILL grace of requeue, scancel and the time limit (default 30)
 #   MinJobAge=300                  finished jobs stay visible to `scontrol show job` for the tests to inspect
 #   OverSubscribe=FORCE:4          up to 4 jobs per CPU: the test jobs mostly sleep, and run side by side
+#
+# The nodes (n1, n2, ...; $PREEMPT_SLURM_NODES of them, default 2) are slurmds of their own on this host
+# (Debian's slurmd runs one daemon per node name with -N): each has its own port, spool directory, PID file and
+# log (the %n in slurm.conf), all with this host's address, CPUs and memory. So a job with --nodes=2 gets two
+# nodes whose job steps are started by two daemons, as on a real cluster, while sharing one kernel: the nodes
+# see each other's loopback, and a rendezvous port must not collide between jobs.
 set -euo pipefail
 
 DIR=${PREEMPT_SLURM_DIR:-/tmp/preempt-slurm}
 PORT=${PREEMPT_SLURM_PORT:-46817}
+NODES=${PREEMPT_SLURM_NODES:-2}
 CONF=$DIR/slurm.conf
 export SLURM_CONF=$CONF
 
 say() { echo "cluster.sh: $*" >&2; }
+
+[[ $NODES =~ ^[1-9][0-9]?$ ]] || { say "PREEMPT_SLURM_NODES: expected a number of nodes from 1 to 99, found '$NODES'"; exit 2; }
+
+node_names() { seq -f 'n%g' 1 "$NODES"; }
 
 # The PID in FILE when that process is alive, is BINARY (argv[0]; Debian runs slurmctld as slurmctld-wlm) and
 # was started on this cluster's files (its arguments name $DIR): a PID reused by another process is never ours.
@@ -43,6 +55,8 @@ live_pid() {
     [[ $(basename "$argv0") == "$binary" && $args == *"$DIR/"* ]] || return 1
     echo "$pid"
 }
+
+running() { answering && [[ $(slurmd_pids | wc -l) == "$NODES" ]]; }
 
 answering() { [[ -f $CONF ]] && command -v scontrol >/dev/null && timeout 5 scontrol ping >/dev/null 2>&1; }
 
@@ -61,12 +75,14 @@ install() {
 }
 
 configure() {
-    local host node
+    local host node hardware n i=0
     host=$(hostname -s)
     # "NodeName=h CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=24105"
     node=$(slurmd -C 2>/dev/null | head -n 1)
     [[ $node == NodeName=* ]] || { say "slurmd -C did not describe this machine: $node"; exit 1; }
-    mkdir -p "$DIR"/{munge,state,spool,log}
+    hardware=${node#NodeName=* }
+    mkdir -p "$DIR"/{munge,state,log}
+    for n in $(node_names); do mkdir -p "$DIR/spool/$n"; done
     # munged refuses a socket directory that others can write to, or whose parents are not 755.
     chmod 755 "$DIR" "$DIR/munge"
     if [[ ! -s $DIR/munge/munge.key ]]; then
@@ -78,18 +94,17 @@ configure() {
 ClusterName=preempt
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$PORT
-SlurmdPort=$((PORT + 1))
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=5
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd.%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/pgid
@@ -106,26 +121,35 @@ MailProg=/bin/true
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-$node NodeAddr=127.0.0.1 State=UNKNOWN
-PartitionName=test Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
+    for n in $(node_names); do
+        i=$((i + 1))
+        echo "NodeName=$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + i)) $hardware State=UNKNOWN" >>"$CONF"
+    done
+    echo "PartitionName=test Nodes=n[1-$NODES] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4" >>"$CONF"
 }
 
+# Waits until every node is up (idle, or already running jobs).
 wait_idle() {
-    local i state
+    local i states up
     for i in $(seq 1 150); do
-        state=$(sinfo -h -N -o %T 2>/dev/null | head -n 1 || true)
-        if [[ $state == idle* || $state == mixed* || $state == allocated* ]]; then
-            return 0
-        fi
+        states=$(sinfo -h -N -o '%N %T' 2>/dev/null || true)
+        up=$(grep -cE ' (idle|mixed|allocated)' <<<"$states" || true)
+        [[ $up == "$NODES" ]] && return 0
         sleep 0.2
     done
-    say "the node did not become idle within 30 s (state: ${state:-none}); see $DIR/log/"
+    say "the nodes did not become idle within 30 s (${states:-no answer}); see $DIR/log/"
     return 1
 }
 
+# The slurmds that are alive, one PID per line.
+slurmd_pids() {
+    local n
+    for n in $(node_names); do live_pid "$DIR/slurmd.$n.pid" slurmd || true; done
+}
+
 start() {
-    if answering && live_pid "$DIR/slurmd.pid" slurmd >/dev/null; then
+    if running; then
         say "already running ($DIR)"
         return 0
     fi
@@ -138,10 +162,10 @@ start() {
             --log-file="$DIR/munge/munged.log" --seed-file="$DIR/munge/munged.seed"
     # -c: forget the jobs of an earlier start; -i: ignore unreadable state files
     slurmctld -c -i -f "$CONF"
-    slurmd -f "$CONF"
+    for n in $(node_names); do slurmd -f "$CONF" -N "$n"; done
     wait_idle
     echo "export SLURM_CONF=$CONF" >"$DIR/env"
-    say "running: $(sinfo -h -N -o '%N %T %c CPUs') (SLURM_CONF=$CONF)"
+    say "running: $(sinfo -h -N -o '%N %T %c CPUs' | paste -sd ',' -) (SLURM_CONF=$CONF)"
 }
 
 # Sends SIGTERM to the PIDs and waits for all of them to exit; SIGKILLs what is left after 10 s.
@@ -160,8 +184,9 @@ stop_pids() {
 }
 
 stop_daemons() {
-    local pid pids=()
-    if pid=$(live_pid "$DIR/slurmd.pid" slurmd); then pids+=("$pid"); fi
+    local pid pids
+    mapfile -t pids < <(slurmd_pids)
+    if pid=$(live_pid "$DIR/slurmd.pid" slurmd); then pids+=("$pid"); fi  # the one node of an older cluster.sh
     if pid=$(live_pid "$DIR/slurmctld.pid" slurmctld); then pids+=("$pid"); fi
     [[ ${#pids[@]} == 0 ]] || stop_pids "${pids[@]}"
     # munge last: the slurm daemons authenticate their last messages with it
@@ -202,7 +227,7 @@ stop() {
 case ${1:-} in
 start) start ;;
 stop) stop ;;
-status) answering ;;
+status) running ;;
 env) echo "export SLURM_CONF=$CONF" ;;
 *)
     echo "usage: $0 start|stop|status|env   (state in \$PREEMPT_SLURM_DIR, default /tmp/preempt-slurm)" >&2
