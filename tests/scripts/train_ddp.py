@@ -112,7 +112,10 @@ def main() -> None:
         seen = run.user_state.setdefault(f"seen_rank{rank}", [])  # rank 0's user_state is the one saved
         sampler = run.sampler(data, shuffle=True, seed=5)
         loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-        say(f"rank {rank} start step {run.global_step} epoch {run.epoch} batch {run.batch}")
+        say(
+            f"rank {rank} start step {run.global_step} epoch {run.epoch} batch {run.batch}"
+            f" node {os.environ.get('SLURMD_NODENAME', '-')}"
+        )
         for _epoch in run.epochs(args.epochs):
             for x, y, idx in run.batches(loader):
                 if rank == signal_rank and run.global_step + 1 == signal_step:

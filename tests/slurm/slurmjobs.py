@@ -1,4 +1,5 @@
-"""A live single-node SLURM cluster (slurm/cluster.sh) and helpers to submit the templates in slurm/ to it.
+"""A live SLURM cluster of two nodes on this machine (slurm/cluster.sh) and helpers to submit the templates in
+slurm/ to it.
 
 The cluster is the one ``.ci/run`` started; when none answers, the session starts it (and stops it at the
 end). Where it cannot be started (no root, no apt-get, no packages) every test here is skipped with the reason.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -165,6 +167,14 @@ def slurm_cluster() -> Iterator[Cluster]:
     yield cluster
     if started:
         subprocess.run([str(SLURM / "cluster.sh"), "stop"], capture_output=True, timeout=120, check=False)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a job's torchrun rendezvous: jobs on the nodes of the local
+    cluster share one network, so the template's default port would collide between jobs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def train_command(save_dir: Path, final_out: Path, args: Sequence[str]) -> list[str]:

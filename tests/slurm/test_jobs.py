@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DDP_ARGS, TRAIN_DDP, assert_equal_finals, assert_same_final, ddp_finals, torchrun
-from slurmjobs import TERMINAL, Cluster, Job, slurm_cluster, train_command, without_sleep  # noqa: F401
+from slurmjobs import TERMINAL, Cluster, Job, free_port, slurm_cluster, train_command, without_sleep  # noqa: F401
 
 from preempt.checkpoint import CheckpointManager
 
@@ -219,14 +219,15 @@ def test_torchrun_template_two_ranks_requeued_by_the_scheduler(
     time_limit_jobs: dict,
     tmp_path: Path,
 ) -> None:
-    """slurm/job_torchrun.sbatch on the one-node cluster (srun -> torchrun -> 2 gloo ranks), requeued mid-run:
+    """slurm/job_torchrun.sbatch on one node of the cluster (srun -> torchrun -> 2 gloo ranks), requeued mid-run:
     both ranks stop at one step, the job comes back, resumes, and each rank ends bit-exact."""
     ref = torchrun(tmp_path / "ref", tmp_path / "ref.safetensors", DDP_ARGS)
     assert ref.finish(timeout=180) == 0, ref.output
     final = tmp_path / "final.safetensors"
     args = [*DDP_ARGS, "--step_sleep", "0.3", "--save_dir", str(tmp_path / "run"), "--final_out", str(final)]
     options = ["--nodes=1", "--cpus-per-task=2", "--gres=none", "--time=5"]
-    options.append("--export=ALL,GPUS_PER_NODE=2,PREEMPT_LOG_ALL_RANKS=1")  # each rank logs where it stopped
+    # each rank logs where it stopped
+    options.append(f"--export=ALL,GPUS_PER_NODE=2,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1")
     job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
     job.wait_log(r"^rank 0 step 6 ", timeout=120)
     job.requeue()

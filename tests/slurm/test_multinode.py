@@ -1,0 +1,83 @@
+"""slurm/job_torchrun.sbatch across two nodes of the local cluster: one torchrun per node under srun, one gloo
+rank on each, the rendezvous across the nodes.
+
+The nodes n1 and n2 are slurmds of their own on this machine (slurm/cluster.sh): SLURM allocates them to the job
+as two nodes, srun starts a task on each through that node's daemon, and a requeue tears down and restarts the
+job on both. The job is requeued twice with ``scontrol requeue`` and then meets its time limit: a one-minute job
+with no warning signal, which only rank 0's walltime keeper sees coming; the ranks agree on that stop at one
+step, and rank 0 requeues the job. The final state of each rank must equal, tensor for tensor, that of an
+uninterrupted torchrun of the same training.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import TRAIN_DDP, assert_equal_finals, ddp_finals, torchrun
+from slurmjobs import Cluster, Job, free_port, slurm_cluster  # noqa: F401
+
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
+
+# 1600 samples, 8 per rank per step on 2 ranks: 100 steps per epoch, 200 in all; at --step_sleep 0.3 that is
+# more than a minute of training, so the third run (up to ~45 s of steps before its keeper stops it) cannot
+# finish it, and the fourth does.
+ARGS = ["--epochs", "2", "--samples", "1600", "--every_steps", "10"]
+STOP = r"^\[preempt\] stopping on (?:SIGTERM|a stop signal received by rank \d|walltime|rank 0's walltime keeper)"
+
+
+def steps_of_rank0(job: Job) -> int:
+    return len(re.findall(r"^rank 0 step \d+ ", job.log, re.M))
+
+
+def requeue_after_steps(job: Job, restarts: int, steps: int) -> None:
+    """Waits until run ``restarts`` has both ranks on two nodes and ``steps`` more steps done; requeues it."""
+    job.wait_log(r"^rank [01] start step \d+ .* node n\d$", timeout=120, count=2 * (restarts + 1))
+    before = steps_of_rank0(job)
+    job.wait("steps after the start", lambda: steps_of_rank0(job) >= before + steps, timeout=90)
+    job.requeue()
+    job.wait_running(timeout=60, restarts=restarts + 1)
+
+
+def test_two_nodes_requeued_twice_then_stopped_by_the_walltime_keeper(
+    slurm_cluster: Cluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    nodes = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N").split()
+    if len(set(nodes)) < 2:
+        pytest.skip(f"the local cluster has {len(set(nodes))} node(s) ({nodes}); this test needs 2 (slurm/cluster.sh)")
+    ref = torchrun(tmp_path / "ref", tmp_path / "ref.safetensors", ARGS)
+    assert ref.finish(timeout=240) == 0, ref.output
+
+    final = tmp_path / "final.safetensors"
+    args = [*ARGS, "--step_sleep", "0.3", "--save_dir", str(tmp_path / "run"), "--final_out", str(final)]
+    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=none", "--time=1", "--signal=TERM@0"]
+    options.append(f"--export=ALL,GPUS_PER_NODE=1,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1")
+    job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
+    requeue_after_steps(job, restarts=0, steps=4)
+    requeue_after_steps(job, restarts=1, steps=4)
+    info = job.wait_done(timeout=300)
+    log = job.log
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "3", job.describe()
+    assert info["NumNodes"] == "2" and info["NodeList"] == "n[1-2]", info
+
+    # Each of the four runs had rank 0 and rank 1 on different nodes.
+    starts = re.findall(r"^rank ([01]) start step (\d+) .* node (n\d)$", log, re.M)
+    assert len(starts) == 8, log
+    for run in range(4):
+        (r0, s0, n0), (r1, s1, n1) = sorted(starts[2 * run : 2 * run + 2])
+        assert (r0, r1) == ("0", "1") and s0 == s1 and n0 != n1, (run, starts)
+
+    # Three stops, each at one step on both ranks; each restart resumed from the stop's step on both ranks.
+    stops = re.findall(STOP + r".* at step (\d+) ", log, re.M)
+    assert len(stops) == 6 and all(stops[i] == stops[i + 1] for i in (0, 2, 4)), log
+    for restart, step in enumerate(stops[::2], start=1):
+        resumed = rf"restart {restart} of job {job.id}: resumed from \S+: step {step}\b"
+        assert len(re.findall(resumed, log)) == 2, (restart, step, log)
+    # The first two by the scheduler's SIGTERM, the third by the walltime keeper, which requeued the job once.
+    assert len(re.findall(r"^\[preempt\] stopping on (?:walltime|rank 0's walltime keeper)", log, re.M)) == 2, log
+    assert len(re.findall(r"the walltime keeper stopped the run .*; requeued it", log)) == 1, log
+    assert "DUE TO TIME LIMIT" not in log, log
+
+    assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
