@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     NONFINITE_EXIT_CODE,
     OOM_EXIT_CODE,
+    PEER_LOST_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     REQUEUE_FAILED_EXIT_CODE,
     RESTART_LIMIT_EXIT_CODE,
@@ -25,6 +26,7 @@ from .errors import (
     CorruptCheckpointError,
     IncompatibleStateError,
     NoCheckpointError,
+    PeerLost,
     Preempted,
     PreemptError,
     RestartLimitReached,
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NONFINITE_EXIT_CODE",
     "OOM_EXIT_CODE",
+    "PEER_LOST_EXIT_CODE",
     "PREEMPTED_EXIT_CODE",
     "REQUEUE_FAILED_EXIT_CODE",
     "RESTART_LIMIT_EXIT_CODE",
@@ -51,6 +54,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleStateError",
     "NoCheckpointError",
+    "PeerLost",
     "PreemptError",
     "Preempted",
     "PreemptibleRun",

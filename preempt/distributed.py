@@ -37,8 +37,9 @@ nothing read from disk is unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,11 @@ import torch
 import torch.distributed as dist
 
 from . import commit
+from ._log import log
 from .checkpoint import CheckpointInfo, CheckpointManager, write_payload
 from .checkpoint_files import read_manifest
 from .commit import MANIFEST
-from .errors import CheckpointWriteError
+from .errors import CheckpointWriteError, PeerLost
 from .manifest import Manifest
 from .state import Payload
 
@@ -92,24 +94,42 @@ class Coordinator:
         buf[0] = 1 if stop or walltime_stop else 0
         buf[1] = save if self.rank == 0 else 0
         buf[2] = (big - self.rank) if stop else 0  # MAX picks the lowest signalled rank
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        with self._peers("the agreement at a safe point"):
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
         first = int(buf[2])
         return Agreement(bool(buf[0]), int(buf[1]), big - first if first else -1)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj``, on every rank."""
         box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        with self._peers("a broadcast from rank 0"):
+            dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
+        with self._peers("a gather to rank 0"):
+            dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        with self._peers("a barrier"):
+            dist.barrier(group=self.group)
+
+    @contextlib.contextmanager
+    def _peers(self, during: str) -> Iterator[None]:
+        """Turns the failure of a collective (another rank is gone) into :class:`PeerLost`, exit code 80.
+
+        gloo and NCCL report a lost peer as a ``RuntimeError`` (``DistBackendError`` derives from it): a
+        closed connection, or the collective's timeout.
+        """
+        try:
+            yield
+        except RuntimeError as e:
+            lost = PeerLost(self.rank, self.world_size, during, e)
+            log.error("%s", lost)
+            raise lost from e
 
 
 def _describe(error: BaseException, rank: int) -> tuple[int | None, str]:

@@ -34,6 +34,10 @@ Exit codes (documented in README.md too):
 * ``79``  :data:`OOM_EXIT_CODE`: too many steps in a row ran out of device
   memory; rerun with a smaller batch. ``preempt supervise`` does that
   (``--batch-size`` becomes ``int(batch_size / factor)``).
+* ``80``  :data:`PEER_LOST_EXIT_CODE`: under torch.distributed, a collective
+  of the run failed because another rank went away (it died, or its node
+  did). Nothing is saved then (a checkpoint needs every rank's files); the
+  last checkpoint stands and a rerun of all ranks continues from it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ RESTART_LIMIT_EXIT_CODE = 77
 # 78 is EX_CONFIG ("configuration error") from sysexits.h, the last code defined there; 79 follows it.
 NONFINITE_EXIT_CODE = 78
 OOM_EXIT_CODE = 79
+# A rank lost its peers: rerun every rank (the job, not this process alone).
+PEER_LOST_EXIT_CODE = 80
 
 
 class PreemptError(Exception):
@@ -116,6 +122,38 @@ class UnsupportedStateError(PreemptError):
     preempt never pickles, so a checkpoint can be opened safely from an
     untrusted source; the message names the key that holds the value.
     """
+
+
+class PeerLost(SystemExit):
+    """A collective of the run failed on this rank: another rank is gone. Exit code 80 (``PEER_LOST_EXIT_CODE``).
+
+    A rank that dies closes its connections, so the others notice at their
+    next collective (their next ``run.step()``, within a second here); a rank
+    whose node vanishes without closing them is noticed when the collective
+    times out (``timeout=`` of ``init_process_group``). Raised from the
+    error of the collective (``__cause__``); ``str()`` is the message.
+
+    Attributes:
+        rank: This process's rank.
+        world_size: The number of ranks.
+        during: The collective that failed, in words (``"the agreement at a safe point"``).
+    """
+
+    def __init__(self, rank: int, world_size: int, during: str, error: BaseException) -> None:
+        super().__init__(PEER_LOST_EXIT_CODE)
+        self.rank = rank
+        self.world_size = world_size
+        self.during = during
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self.message = (
+            f"rank {rank} of {world_size} lost the other ranks during {during} ({type(error).__name__}: "
+            f"{first[:300]}): a rank died or its node went away. Nothing is saved now (a checkpoint needs every "
+            f"rank); the last checkpoint stands and a rerun of all ranks continues from it (exit code "
+            f"{PEER_LOST_EXIT_CODE})"
+        )
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class Preempted(SystemExit):

@@ -9,10 +9,11 @@ Three small pieces, each usable alone; none imports torch.
     2025-06-01 12:34:56.790 INFO resumed from runs/exp1/step_000000120: step 120, epoch 1, batch 20/100, ...
     2025-06-01 12:35:02.120 WARNING [rank 1] ...        (the [rank r] tag only when world_size > 1)
 
-Ranks other than 0 say nothing, neither in a file nor on the console (all
-ranks would say the same thing ``world_size`` times), unless
+Ranks other than 0 say nothing below ERROR, neither in a file nor on the
+console (all ranks would say the same thing ``world_size`` times), unless
 ``log_all_ranks``: rank ``r`` then writes ``train.rank{r}.log`` and keeps its
-console output. An error that ends a rank still shows as its traceback.
+console output. An error that ends a rank still shows: as its traceback, or
+as its ERROR line when it leaves with an exit code (a lost peer, 80).
 
 :class:`History` appends one JSON object per line to ``save_dir/history.jsonl``
 (rank 0 only)::
@@ -131,10 +132,10 @@ class _FileHandler(logging.FileHandler):
 
 
 class _Silence(logging.Filter):
-    """Drops every record: set on the ``preempt`` logger of a rank that must say nothing."""
+    """Drops every record below ERROR: set on the ``preempt`` logger of a rank that says only what ends it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return False
+        return record.levelno >= logging.ERROR
 
 
 class RunLog:
@@ -165,7 +166,7 @@ class RunLog:
         rank: This process's rank.
         world_size: Number of ranks; above 1 every line carries ``[rank r]``.
         log_all_ranks: Ranks other than 0 also log: to the console as usual,
-            and to ``train.rank{r}.log``. False: they log nothing at all.
+            and to ``train.rank{r}.log``. False: they log only errors, to the console.
 
     Raises:
         ValueError: ``rank`` is not in ``0..world_size-1``.

@@ -178,7 +178,8 @@ class Reporter:
         elif completed:
             self.stop("complete")
         else:
-            self.stop("error", error=repr(exc)[:200])
+            # The exits with a code of their own (a lost peer, a NaN or OOM streak) carry their message.
+            self.stop("error", error=(getattr(exc, "message", None) or repr(exc))[:200])
 
     def stop(self, event: str | None = None, **fields: Any) -> None:
         if self._monitor is not None:

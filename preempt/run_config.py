@@ -82,7 +82,7 @@ OPTIONS_DOC = """\
             a gloo group; see :mod:`preempt.distributed`). Larger N costs less
             per step and delays a stop and a periodic save by up to N-1 steps.
         log_file: Also write the run's log to ``save_dir/train.log`` (rank 0; the
-            other ranks log nothing unless ``PREEMPT_LOG_ALL_RANKS=1``, then to
+            other ranks log only errors unless ``PREEMPT_LOG_ALL_RANKS=1``, then to
             the console and ``train.rank<r>.log``),
             appended across restarts with a marker line at each start, and
             keep ``save_dir/history.jsonl``: metric points (step, epoch, the

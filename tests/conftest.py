@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -192,6 +193,25 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Sequence[st
         return cache[key]
 
     return get
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now: for a rendezvous or a MASTER_PORT that must not collide between the
+    jobs and processes of the suite (the default 29500 would)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ranks_by_hand(save_dir: Path, final: Path | None, args: Sequence[str], nproc: int = 2) -> list[Spawned]:
+    """train_ddp.py as ``nproc`` processes started without torchrun (MASTER_ADDR/PORT, RANK, WORLD_SIZE set
+    here): no agent that kills the other ranks when one dies, as across the nodes of a job."""
+    cmd = [sys.executable, str(TRAIN_DDP), "--save_dir", str(save_dir), *args]
+    if final is not None:
+        cmd += ["--final_out", str(final)]
+    env = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}  # ranks other than 0 log only errors
+    env |= {"MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+    return [Spawned(cmd, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
 
 
 def torchrun(

@@ -14,9 +14,10 @@ import signal
 import pytest
 import torch
 from conftest import DDP_ARGS as ARGS
-from conftest import assert_equal_finals, ddp_finals, torchrun
+from conftest import assert_equal_finals, ddp_finals, ranks_by_hand, torchrun
 
 from preempt.checkpoint import CheckpointManager
+from preempt.errors import PEER_LOST_EXIT_CODE
 
 pytestmark = pytest.mark.distributed
 
@@ -181,3 +182,27 @@ def test_weights_only_loads_the_weights_on_every_rank(tmp_path, reference):
     weights = [k for k in r0 if k.startswith("model.")]
     assert weights and all(torch.equal(r0[k], r1[k]) for k in weights), "the ranks' replicas differ"
     assert not all(torch.equal(r0[k], reference[0][k]) for k in weights), "the loaded weights made no difference"
+
+
+@pytest.mark.parametrize("dies", [1, 0])
+def test_a_rank_that_dies_is_noticed_by_the_other_which_exits_80_and_the_rerun_resumes(tmp_path, reference, dies):
+    """Two ranks started by hand (no torchrun agent to kill the survivor, as across the nodes of a job); one is
+    SIGKILLed after step 6. The other leaves at its next collective with exit code 80 and says why (rank 1
+    too, which otherwise logs nothing); no checkpoint is added; a rerun of both resumes from step 4, bit-exact."""
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    ranks = ranks_by_hand(save_dir, final, [*ARGS, "--step_sleep", "0.2"])
+    assert ranks[dies].wait_for(rf"^rank {dies} step 6 ", timeout=120), ranks[dies].output
+    ranks[dies].signal(signal.SIGKILL)
+    assert ranks[dies].finish() == -signal.SIGKILL
+    survivor = ranks[1 - dies]
+    assert survivor.finish(timeout=120) == PEER_LOST_EXIT_CODE, survivor.output
+    said = re.findall(r"rank (\d) of 2 lost the other ranks during (.+?) \(", survivor.output)
+    assert said and said[0][0] == str(1 - dies), survivor.output
+    assert "a rerun of all ranks continues from it (exit code 80)" in survivor.output, survivor.output
+    assert "Traceback" not in survivor.output, survivor.output
+    manager = CheckpointManager(save_dir, owner=False)
+    assert [c.step for c in manager.list() if c.status == "valid"] == [4], survivor.output
+    p = torchrun(save_dir, final, ARGS)
+    assert p.finish() == 0, p.output
+    assert re.search(r"resumed from \S*step_0+4: step 4\b", p.output), p.output
+    assert_equal_finals(reference, ddp_finals(final))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TRAIN
+from conftest import ROOT, TRAIN, free_port  # noqa: F401  (the tests import it from here too)
 
 SLURM = ROOT / "slurm"
 STATE_DIR = Path(os.environ.get("PREEMPT_SLURM_DIR", "/tmp/preempt-slurm"))
@@ -167,14 +166,6 @@ def slurm_cluster() -> Iterator[Cluster]:
     yield cluster
     if started:
         subprocess.run([str(SLURM / "cluster.sh"), "stop"], capture_output=True, timeout=120, check=False)
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for a job's torchrun rendezvous: jobs on the nodes of the local
-    cluster share one network, so the template's default port would collide between jobs."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(save_dir: Path, final_out: Path, args: Sequence[str]) -> list[str]:

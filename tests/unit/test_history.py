@@ -281,9 +281,11 @@ def test_runlog_other_rank_silent(tmp_path: Path, preempt_logger: logging.Logger
     with RunLog(tmp_path / "run", rank=1, world_size=2) as run:
         run.start()
         preempt_logger.warning("rank 1 says")
+        preempt_logger.error("rank 1 lost its peers")
     preempt_logger.info("after")
     assert not (tmp_path / "run").exists()
-    assert seen.messages == ["after"]  # nothing reached any handler while silenced
+    # Nothing below ERROR reached any handler while silenced: an error that ends the rank does.
+    assert seen.messages == ["rank 1 lost its peers", "after"]
 
 
 def test_runlog_all_ranks(tmp_path: Path, preempt_logger: logging.Logger) -> None:
