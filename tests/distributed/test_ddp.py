@@ -100,6 +100,16 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference):
     assert_equal_finals(reference, ddp_finals(final))
 
 
+def rerun_from_step_4(save_dir, final, reference, before: str) -> None:
+    """The checkpoint of step 4 is the only valid one; a torchrun of both ranks resumes from it, bit-exact."""
+    manager = CheckpointManager(save_dir, owner=False)
+    assert [c.step for c in manager.list() if c.status == "valid"] == [4], before
+    p = torchrun(save_dir, final, ARGS)
+    assert p.finish() == 0, p.output
+    assert re.search(r"resumed from \S*step_0+4: step 4\b", p.output), p.output
+    assert_equal_finals(reference, ddp_finals(final))
+
+
 @pytest.mark.parametrize("rank", [1, 0])
 def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference, rank):
     """Rank 1 dies while writing its files at the step; rank 0 dies in its background write of its own."""
@@ -108,12 +118,7 @@ def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_pat
     p = torchrun(save_dir, final, args)
     assert p.finish(timeout=180) != 0, p.output
     assert "signal_at after_tensor_files 2 SIGKILL" in p.output, p.output
-    manager = CheckpointManager(save_dir, owner=False)
-    assert [c.step for c in manager.list() if c.status == "valid"] == [4], p.output
-    p = torchrun(save_dir, final, ARGS)
-    assert p.finish() == 0, p.output
-    assert re.search(r"resumed from \S*step_0+4: step 4\b", p.output), p.output
-    assert_equal_finals(reference, ddp_finals(final))
+    rerun_from_step_4(save_dir, final, reference, p.output)
 
 
 def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path):
@@ -200,9 +205,4 @@ def test_a_rank_that_dies_is_noticed_by_the_other_which_exits_80_and_the_rerun_r
     assert said and said[0][0] == str(1 - dies), survivor.output
     assert "a rerun of all ranks continues from it (exit code 80)" in survivor.output, survivor.output
     assert "Traceback" not in survivor.output, survivor.output
-    manager = CheckpointManager(save_dir, owner=False)
-    assert [c.step for c in manager.list() if c.status == "valid"] == [4], survivor.output
-    p = torchrun(save_dir, final, ARGS)
-    assert p.finish() == 0, p.output
-    assert re.search(r"resumed from \S*step_0+4: step 4\b", p.output), p.output
-    assert_equal_finals(reference, ddp_finals(final))
+    rerun_from_step_4(save_dir, final, reference, survivor.output)
