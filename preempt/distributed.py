@@ -30,6 +30,13 @@ ranks share) and the ranks agree, at every safe point, on what to do:
   cursor counts global samples, so a resume on another world size continues at
   the right sample.
 
+* **A lost rank.** A rank that dies closes its connections, so the others'
+  next collective fails (within about a second here); a rank whose node
+  vanishes is noticed when the group's timeout passes. Every collective here
+  turns that failure into :class:`~preempt.errors.PeerLost`: one ERROR line
+  and exit code 80 on each survivor, nothing saved (a checkpoint needs every
+  rank), the last checkpoint intact for the rerun of all ranks.
+
 Objects crossing ranks here (directory names, digests, outcomes) travel with
 ``torch.distributed``'s object collectives between the run's own processes;
 nothing read from disk is unpickled.
