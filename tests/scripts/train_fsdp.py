@@ -87,9 +87,15 @@ def main() -> None:
     if args.final_out and rank == 0:
         save_file(final, args.final_out)
     say(f"rank {rank} done")
-    # Every rank's work is done and written. About once in a hundred runs (torch 2.13 CPU, gloo) a rank then
-    # died of SIGABRT ("terminate called without an active exception") on its way out, with or without this
-    # barrier; the cause is not found yet. os._exit skips the interpreter's teardown, where it happened.
+    # Every rank's work is done and written. Without os._exit, a rank sometimes dies of SIGABRT ("terminate called
+    # without an active exception") on its way out: train_ddp.py, 0 in 100 runs on an idle machine, 4 in 112 with two
+    # CPU-bound processes beside them (torch 2.13 CPU, gloo). The cause, from a core dump: a gloo worker thread
+    # (ProcessGroupGloo::runLoop) drops the last collective's work after the main thread has moved on; the work holds
+    # tensors with Python objects, releasing them takes the GIL, and a thread that takes the GIL during the
+    # interpreter's finalization is made to exit (pthread_exit), whose unwind through a noexcept destructor calls
+    # std::terminate. destroy_process_group() does not stop those threads while the group is still referenced: a DDP
+    # module keeps it alive even after del and gc.collect(), and so does something a PreemptibleRun leaves (not found
+    # yet). os._exit skips the finalization.
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
