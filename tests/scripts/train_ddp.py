@@ -149,9 +149,10 @@ def main() -> None:
     # (ProcessGroupGloo::runLoop) drops the last collective's work after the main thread has moved on; the work holds
     # tensors with Python objects, releasing them takes the GIL, and a thread that takes the GIL during the
     # interpreter's finalization is made to exit (pthread_exit), whose unwind through a noexcept destructor calls
-    # std::terminate. destroy_process_group() does not stop those threads while the group is still referenced: a DDP
-    # module keeps it alive even after del and gc.collect(), and so does something a PreemptibleRun leaves (not found
-    # yet). os._exit skips the finalization.
+    # std::terminate. destroy_process_group() would join those threads, but only when nothing else holds the group: a
+    # DDP module keeps it alive even after del and gc.collect(), and so does importing torch.distributed.fsdp or
+    # .checkpoint after init_process_group (torch._dynamo imports fsdp on first use, which a PreemptibleRun triggers):
+    # the gloo threads are still there after destroy_process_group(). os._exit skips the finalization.
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
