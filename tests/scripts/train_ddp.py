@@ -144,10 +144,10 @@ def main() -> None:
         save_file(out, str(final.with_suffix(f".rank{rank}{final.suffix}")))
     say(f"rank {rank} done")
     # Every rank's work is done and written. Without os._exit, a rank sometimes dies of SIGABRT ("terminate called
-    # without an active exception") on its way out: train_ddp.py, 0 in 100 runs on an idle machine, 4 in 112 with two
-    # CPU-bound processes beside them (torch 2.13 CPU, gloo). The cause, from a core dump: a gloo worker thread
-    # (ProcessGroupGloo::runLoop) drops the last collective's work after the main thread has moved on; the work holds
-    # tensors with Python objects, releasing them takes the GIL, and a thread that takes the GIL during the
+    # without an active exception") on its way out: train_ddp.py, 0 in 100 runs on an idle machine, 4 in at least 112
+    # with two CPU-bound processes beside them (torch 2.13 CPU, gloo). The cause, from a core dump: a gloo worker
+    # thread (ProcessGroupGloo::runLoop) drops the last collective's work after the main thread has moved on; the work
+    # holds tensors with Python objects, releasing them takes the GIL, and a thread that takes the GIL during the
     # interpreter's finalization is made to exit (pthread_exit), whose unwind through a noexcept destructor calls
     # std::terminate. destroy_process_group() would join those threads, but only when nothing else holds the group: a
     # DDP module keeps it alive even after del and gc.collect(), and so does importing torch.distributed.fsdp or
