@@ -144,7 +144,8 @@ class PeerLost(SystemExit):
         self.rank = rank
         self.world_size = world_size
         self.during = during
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        lines = str(error).strip().splitlines()
+        first = lines[0] if lines else ""
         self.message = (
             f"rank {rank} of {world_size} lost the other ranks during {during} ({type(error).__name__}: "
             f"{first[:300]}): a rank died or its node went away. Nothing is saved now (a checkpoint needs every "

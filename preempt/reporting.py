@@ -179,7 +179,8 @@ class Reporter:
             self.stop("complete")
         else:
             # The exits with a code of their own (a lost peer, a NaN or OOM streak) carry their message.
-            self.stop("error", error=(getattr(exc, "message", None) or repr(exc))[:200])
+            message = getattr(exc, "message", None)
+            self.stop("error", error=(message if isinstance(message, str) else repr(exc))[:200])
 
     def stop(self, event: str | None = None, **fields: Any) -> None:
         if self._monitor is not None:

@@ -71,7 +71,7 @@ class Process:
     end: float = 0.0  # its last line
     end_step: int = 0  # the furthest step it is known to have reached
     how: str = "killed"  # "stop", "complete", "error", or "killed" (no end line)
-    cause: str | None = None  # of a stop: "SIGTERM", "walltime", ...; of an error: its repr
+    cause: str | None = None  # of a stop: "SIGTERM", "walltime", ...; of an error: its message, else its repr
     checkpoints: list[Checkpoint] = dataclasses.field(default_factory=list)
     steps_seen: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (t, step) of its lines
     lost_steps: int = 0

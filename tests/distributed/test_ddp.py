@@ -7,6 +7,7 @@ draw from the global RNG per step, so every rank's random state matters.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
@@ -205,4 +206,9 @@ def test_a_rank_that_dies_is_noticed_by_the_other_which_exits_80_and_the_rerun_r
     assert said and said[0][0] == str(1 - dies), survivor.output
     assert "a rerun of all ranks continues from it (exit code 80)" in survivor.output, survivor.output
     assert "Traceback" not in survivor.output, survivor.output
+    if dies == 1:  # rank 0 keeps the history: the run's end is the error, with the message
+        events = [json.loads(line) for line in (save_dir / "history.jsonl").read_text().splitlines()]
+        ends = [e for e in events if e.get("event") in ("stop", "complete", "error")]
+        assert ends and ends[-1]["event"] == "error", ends
+        assert ends[-1]["error"].startswith("rank 0 of 2 lost the other ranks during"), ends[-1]
     rerun_from_step_4(save_dir, final, reference, survivor.output)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TRAIN, free_port  # noqa: F401  (the tests import it from here too)
+from conftest import ROOT, TRAIN
 
 SLURM = ROOT / "slurm"
 STATE_DIR = Path(os.environ.get("PREEMPT_SLURM_DIR", "/tmp/preempt-slurm"))

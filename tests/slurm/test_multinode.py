@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import TRAIN_DDP, assert_equal_finals, ddp_finals, torchrun
-from slurmjobs import Cluster, Job, free_port, slurm_cluster  # noqa: F401
+from conftest import TRAIN_DDP, assert_equal_finals, ddp_finals, free_port, torchrun
+from slurmjobs import Cluster, Job, slurm_cluster  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
