@@ -92,7 +92,7 @@ _REPLACED = ".replaced-"
 _TRASH = ".trash-"
 _STEP_RE = re.compile(r"step_([0-9]+)", re.ASCII)  # used with fullmatch
 
-_WRITE_CHUNK = 64 << 20  # bytes per write(2) call; also bounds a partial write
+WRITE_CHUNK = 64 << 20  # bytes per write(2) call; also bounds a partial write
 _COALESCE = 4 << 20  # small pieces are gathered up to this size before writing
 
 
@@ -211,7 +211,7 @@ def write_file(path: str | os.PathLike[str], pieces: Iterable[Any], *, recycle: 
         def put(view: memoryview) -> None:
             while view:
                 check_cancelled()
-                n = os.write(fd, view[:_WRITE_CHUNK])
+                n = os.write(fd, view[:WRITE_CHUNK])
                 view = view[n:]
 
         for piece in pieces:
@@ -304,7 +304,7 @@ def hash_file(path: str | os.PathLike[str]) -> FileDigest:
     """Size and digest of a file, streamed (constant memory)."""
     digest = xxhash.xxh3_128()
     size = 0
-    buf = bytearray(_WRITE_CHUNK)
+    buf = bytearray(WRITE_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):

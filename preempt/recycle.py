@@ -21,13 +21,20 @@ ours count as pools (a symlink named ``.recycle-x`` could lead a save outside
 Disk use: the space of one checkpoint more between saves, none more at the
 peak (the pool is the space a save needs while the oldest kept one still
 exists). One pool at a time: the one with the most bytes to write over.
+
+A pool written ahead (:func:`reserve`): a new job has pruned nothing yet, so
+its first saves, the stop's among them, would all write into new blocks. When
+a run's staging buffers are sized for the whole state and ``save_dir`` has no
+pool, its background writer writes one: a file of zeros for each file of the
+state, of that file's tensor bytes, at the writer's low priority. Any save
+that comes meanwhile cancels it and writes over what it had written.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from . import commit
@@ -97,6 +104,33 @@ def give(save_dir: Path, path: Path) -> Path:
     target = save_dir / f"{PREFIX}{commit.tag()}"
     os.rename(path, target)
     return target
+
+
+def reserve(save_dir: Path, sizes: Mapping[str, int]) -> Path:
+    """Writes a pool ahead: ``sizes`` (file name -> bytes) as files of zeros, fdatasynced; returns the pool.
+
+    Cancellable (:func:`preempt.commit.cancellable`): what was written by then
+    becomes the pool, and :class:`~preempt.commit.WriteCancelled` propagates.
+    Any other failure (a full disk) removes what was written.
+    """
+    tmp = commit.new_tmp_dir(save_dir, "reserve")
+    try:
+        for name, size in sizes.items():
+            commit.write_file(tmp / name, _zeros(size))
+    except commit.WriteCancelled:
+        give(save_dir, tmp)
+        raise
+    except BaseException:
+        commit.remove_tree(tmp)
+        raise
+    return give(save_dir, tmp)
+
+
+def _zeros(size: int) -> Iterator[memoryview]:
+    block = memoryview(bytes(min(size, commit.WRITE_CHUNK)))
+    while size > 0:
+        yield block[: min(size, block.nbytes)]
+        size -= block.nbytes
 
 
 def drop_extra(tmp: Path, keep: Iterable[str]) -> None:

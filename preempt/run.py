@@ -321,8 +321,7 @@ class PreemptibleRun:
             try:
                 self.saves.close()  # a write in flight is a consistent state: let it become durable
                 self.data.stop_workers()
-                # After a stop the process must exit within its grace period;
-                # unfinished deletions are redone at the next start.
+                # After a stop the process must exit within its grace period; the next start redoes deletions.
                 self.manager.close(timeout=None if exc_type is None else 0.0)
             finally:
                 self.loop.publish(None)
@@ -560,6 +559,7 @@ class PreemptibleRun:
 
     def _recompute_due(self) -> None:
         """The thresholds below which run.step() does not go through the safe point: each part's earliest."""
+        self.saves.idle()  # after the safe point's saves: a pool may be written ahead now
         now = self._clock()
         due = self.saves.wake(next_due(self.policy, self._facts(now)), self.policy.milestone_steps)
         self.loop.wake_at(due.step, due.batch)

@@ -2,8 +2,9 @@
 
 :class:`SaveScheduler` owns the staging buffers (:class:`~preempt.staging.Stager`),
 the background writer, the one job it may have in flight (sizing the buffers,
-or writing a staged snapshot), a periodic save postponed behind that job, the
-newest durable checkpoint, and what a failed write means. Its choices are
+writing a staged snapshot, or writing a pool of files ahead for the saves to
+write over: :func:`preempt.recycle.reserve`), a periodic save postponed behind
+that job, the newest durable checkpoint, and what a failed write means. Its choices are
 three pure functions, unit-tested with made-up facts:
 
 * :func:`pick` -- at a safe point: which save to take now, and which waits;
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import _log, commit
+from . import _log, commit, recycle
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .loop_state import LoopState
@@ -81,7 +82,7 @@ class SaveRecord:
 class Job:
     """What the background writer is doing: preparing buffers, or writing a staged snapshot."""
 
-    kind: str  # "prepare" or "save"
+    kind: str  # "prepare", "save" or "reserve"
     record: SaveRecord | None = None
     started: float = 0.0  # clock at the start of the save
     cancel: threading.Event | None = None  # set: the write stops before its rename (preempt.commit.cancellable)
@@ -97,7 +98,7 @@ def pick(
 
     Args:
         reason: What the save policy says is due (None: nothing).
-        job: The kind of the background job in flight, if any (``"save"``, ``"prepare"``).
+        job: The kind of the background job in flight, if any (``"save"``, ``"prepare"``, ``"reserve"``).
         staging: Background saves are possible.
         postponed: A periodic save postponed earlier.
         dirty: The state changed since the last checkpoint.
@@ -125,9 +126,12 @@ def plan(reason: Reason, *, job: str | None, staging: bool, writing: Reason | No
 
     A stop's save does not wait for a periodic write in flight: that snapshot is older than the state the stop
     saves, so it is cancelled (its partial files removed) and the stop's durable time is that of one write. A
-    best or milestone write in flight is waited for: it is kept for its own sake.
+    best or milestone write in flight is waited for: it is kept for its own sake. A pool being written ahead
+    is cancelled by any save, which writes over what it holds.
     """
     background = staging and reason not in SYNCHRONOUS
+    if job == "reserve":
+        return Plan(settle=False, background=background, cancel=True)
     if job == "save" and reason in STOPS and writing in POSTPONABLE:
         return Plan(settle=False, background=background, cancel=True)
     return Plan(settle=job is not None, background=background)
@@ -185,6 +189,8 @@ class SaveScheduler:
         self.last_checkpoint: Path | None = None  # its path (under torch.distributed: rank 0's, when told)
         self.failed = 0  # periodic checkpoints that could not be written
         self.prepare_s: float | None = None  # seconds spent allocating the staging buffers (background)
+        self.sizes: dict[str, int] = {}  # the state's tensor bytes per file, as the buffers were last sized
+        self.reserve_due = False  # a pool is to be written ahead once the writer is free (see idle)
 
     @property
     def pinned(self) -> bool:
@@ -216,7 +222,7 @@ class SaveScheduler:
     def wake(self, due: Due, milestone_steps: int | None) -> Due:
         step = self.loop.global_step
         return wake(
-            due, step=step, milestone_steps=milestone_steps, postponed=self.postponed, job=self.job is not None,
+            due, step=step, milestone_steps=milestone_steps, postponed=self.postponed, job=self._blocking(),
             prepare_at=self.prepare_at,
         )  # fmt: skip
 
@@ -282,13 +288,18 @@ class SaveScheduler:
             else:
                 self._durable(reason, got, t0)
 
+    def _blocking(self) -> bool:
+        """A job is in flight that a periodic save waits for (a pool written ahead is cancelled instead)."""
+        return self.job is not None and self.job.kind != "reserve"
+
     def _writing(self) -> Reason | None:
         job = self.job
         return Reason(job.record.reason) if job is not None and job.record is not None else None
 
     def before_stop(self) -> None:
         """At a stop: a periodic write of a state the loop has moved past is cancelled; any other job is waited for."""
-        if self.job is not None and self.loop.dirty and self._writing() in POSTPONABLE:
+        job = self.job
+        if job is not None and (job.kind == "reserve" or (self.loop.dirty and self._writing() in POSTPONABLE)):
             self.cancel()
         else:
             self.settle()
@@ -352,7 +363,7 @@ class SaveScheduler:
             TimeoutError: The write still runs after ``timeout`` seconds.
             CheckpointWriteError: The write failed other than for want of disk.
         """
-        if self.job is not None:
+        if self.job is not None and self.job.kind != "reserve":  # a pool written ahead is nobody's checkpoint
             if not self.writer.wait(timeout):
                 raise TimeoutError(f"the background write of a checkpoint still runs after {timeout} s")
             self.collect()
@@ -375,6 +386,10 @@ class SaveScheduler:
         try:
             result = self.writer.result()
         except Exception as e:
+            if job.kind == "reserve":
+                if not isinstance(e, commit.WriteCancelled):
+                    log.warning("%s: could not write a pool ahead for the saves: %r", self.manager.save_dir, e)
+                return
             if job.kind == "prepare":
                 log.warning("async_save: could not allocate the staging buffers (%r); saving synchronously", e)
                 self.stager = None
@@ -401,6 +416,14 @@ class SaveScheduler:
             ) from e
         if job.kind == "prepare":
             self.prepare_s = (self.prepare_s or 0.0) + result
+            self.reserve_due = self.prepare_at is None  # sized for the whole state: its files' sizes are known
+            return
+        if job.kind == "reserve":
+            log.debug(
+                "%s written ahead in %s, for the next save to write over",
+                result,
+                _log.duration(self.clock() - job.started),
+            )
             return
         info: CheckpointInfo = result
         assert job.record is not None
@@ -434,6 +457,9 @@ class SaveScheduler:
         """At the end of the run: a write in flight is a consistent state, so it may become durable."""
         if self.job is None:
             return
+        if self.job.kind == "reserve":
+            self.cancel()
+            return
         try:
             self.collect()
         except BaseException as e:  # the way the run ended is what propagates; a second Ctrl-C stops the wait
@@ -462,8 +488,32 @@ class SaveScheduler:
             stager.prepare(payload)
             return time.perf_counter() - t0
 
+        self.sizes = {name: sum(t.nbytes for t in ts.values()) for name, (ts, _) in payload.tensor_files.items()}
         self.job = Job("prepare")
         writer.submit(job)
+
+    def idle(self) -> None:
+        """At the end of a safe point: starts writing a pool ahead when one is due and the writer is free.
+
+        Not earlier in the safe point: a save taken there would cancel it at once. The pool is written when
+        ``save_dir`` has none (:func:`preempt.recycle.reserve`).
+        """
+        manager, sizes = self.manager, self.sizes
+        if not self.reserve_due or self.job is not None:
+            return
+        self.reserve_due = False
+        if not (manager.owner and manager.retention.recycle and any(sizes.values())):
+            return
+        if recycle.pools(manager.save_dir):
+            return
+        cancel = threading.Event()
+
+        def job() -> Path:
+            with commit.cancellable(cancel):
+                return recycle.reserve(manager.save_dir, sizes)
+
+        self.job = Job("reserve", started=self.clock(), cancel=cancel)
+        self.writer.submit(job)
 
     def _failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
         loop = self.loop

@@ -86,7 +86,7 @@ def test_partial_writes_and_small_chunks(tmp_path, monkeypatch):
     """Short writes from the OS and tiny chunk sizes still produce the exact file and digest."""
     real_write = os.write
     monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:3]))
-    monkeypatch.setattr(commit, "_WRITE_CHUNK", 7)
+    monkeypatch.setattr(commit, "WRITE_CHUNK", 7)
     monkeypatch.setattr(commit, "_COALESCE", 5)
     pieces = [_bytes(n, seed=n) for n in (0, 1, 4, 5, 6, 13, 50, 2)]
     expected = b"".join(pieces)

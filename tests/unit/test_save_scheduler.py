@@ -121,17 +121,22 @@ class Clock:
         return self.t
 
 
-def scheduler(tmp_path, writer: FakeWriter):
+def scheduler(tmp_path, writer: FakeWriter, *, reserve: bool = True, **manager_options):
+    """A scheduler whose buffers are sized; ``reserve``: the pool it then writes ahead is written (else in flight)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     loop, data = LoopState(), DataCursor(())
     data.seed = 1
     snapshot = Snapshot(Components(model), loop, data)
-    manager = CheckpointManager(tmp_path, keep_last=None)
+    manager = CheckpointManager(tmp_path, **{"keep_last": None, **manager_options})
     saves = SaveScheduler(manager, loop, snapshot, StopFlag(()), clock=Clock(), writer=lambda: writer)
     saves.start(snapshot.capture(), optimizer_state_later=False)
     writer.finish()  # the buffers are sized
     saves.tend()
+    saves.idle()  # the end of that safe point: a pool ahead starts
+    if reserve and saves.job is not None:
+        writer.finish()
+        saves.tend()
     return saves, loop, model
 
 
@@ -160,7 +165,7 @@ def test_a_background_save_is_staged_then_written_and_a_periodic_one_waits_for_i
     assert torch.equal(written["weight"], before)  # the state of step 1, not the later one
     assert saves.pick(None) is R.STEPS  # the write that postponed it ended
     saves.save(R.STEPS, "step")
-    assert saves.postponed is None and writer.submitted == 3  # prepare, step 1, step 2
+    assert saves.postponed is None and writer.submitted == 4  # prepare, the pool ahead, step 1, step 2
 
 
 def test_a_stop_cancels_a_periodic_write_in_flight_and_saves_synchronously(tmp_path):
@@ -251,3 +256,89 @@ def test_a_failed_stop_save_raises_save_failed_with_the_last_good_checkpoint(tmp
     with pytest.raises(SaveFailed) as err:
         saves.save(R.PREEMPT, "step")
     assert err.value.last_good == str(tmp_path / "step_000000001")
+
+
+# ---------------------------------------------------------------------------- a pool written ahead
+
+
+@pytest.mark.parametrize("reason", list(Reason))
+def test_any_save_cancels_a_pool_being_written_ahead(reason):
+    assert plan(reason, job="reserve", staging=True).cancel
+    assert pick(reason, job="reserve", staging=True, postponed=None, dirty=True) == (reason, None)
+
+
+def pool_files(directory) -> dict[str, tuple[int, int]]:
+    """name -> (size, inode) of each pool's files."""
+    return {f.name: (f.stat().st_size, f.stat().st_ino) for d in directory.glob(".recycle-*") for f in d.iterdir()}
+
+
+def test_once_the_buffers_are_sized_a_pool_of_the_states_files_is_written_and_the_first_save_writes_over_it(
+    tmp_path,
+):
+    writer = FakeWriter()
+    saves, loop, model = scheduler(tmp_path, writer, reserve=False)
+    assert saves.job is not None and saves.job.kind == "reserve"
+    assert saves.wait() is None and saves.job is not None  # waiting for a checkpoint does not wait for it
+    writer.finish()
+    saves.tend()
+    pool = pool_files(tmp_path)
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert {name: size for name, (size, _) in pool.items()} == saves.sizes  # the tensor bytes of each file
+    assert saves.sizes["model.safetensors"] == state_bytes and set(saves.sizes) == {
+        "model.safetensors",
+        "state.safetensors",
+    }
+    loop.stepped()
+    saves.save(R.STEPS, "step")
+    writer.finish()
+    saves.tend()
+    for name, (_, inode) in pool.items():
+        assert (tmp_path / "step_000000001" / name).stat().st_ino == inode
+    assert pool_files(tmp_path) == {}
+    assert torch.equal(saves.manager.read(saves.last_info).model["weight"], model.weight.detach())
+
+
+def test_a_save_cancels_the_pool_in_flight_and_writes_over_what_it_holds(tmp_path):
+    writer = FakeWriter()
+    saves, loop, model = scheduler(tmp_path, writer, reserve=False)
+    loop.stepped()
+    saves.save(R.PREEMPT, "step")  # synchronous: the pool is cancelled first, then taken
+    assert saves.last_save.durable and saves.job is None and pool_files(tmp_path) == {}
+    assert torch.equal(saves.manager.read(saves.last_info).model["weight"], model.weight.detach())
+    assert writer.submitted == 2  # prepare, the pool; nothing more is written ahead while one save took it
+
+
+@pytest.mark.parametrize("end", ["before_stop", "close"])
+def test_a_stop_or_the_end_of_the_run_cancels_the_pool_rather_than_waiting(tmp_path, end):
+    writer = FakeWriter()
+    saves, _, _ = scheduler(tmp_path, writer, reserve=False)
+    cancel = saves.job.cancel
+    getattr(saves, end)()
+    assert cancel.is_set() and saves.job is None
+    assert set(pool_files(tmp_path)) == {"model.safetensors"}  # cancelled in its first file; that stays for a save
+
+
+@pytest.mark.parametrize(
+    ("options", "pool_before"), [({"recycle_files": False}, False), ({}, True)], ids=["recycling off", "a pool exists"]
+)
+def test_no_pool_is_written_ahead_without_recycling_or_when_there_is_one(tmp_path, options, pool_before):
+    if pool_before:
+        (tmp_path / ".recycle-earlier").mkdir()
+        (tmp_path / ".recycle-earlier" / "model.safetensors").write_bytes(b"x")
+    writer = FakeWriter()
+    saves, _, _ = scheduler(tmp_path, writer, reserve=False, **options)
+    assert saves.job is None and writer.submitted == 1
+
+
+def test_a_pool_that_cannot_be_written_is_a_warning_and_leaves_nothing(tmp_path, monkeypatch, caplog):
+    writer = FakeWriter()
+    saves, _, _ = scheduler(tmp_path, writer, reserve=False)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("preempt.commit.write_file", full)
+    writer.finish()
+    saves.tend()
+    assert saves.job is None and list(tmp_path.glob(".*")) == []
+    assert "could not write a pool ahead" in caplog.text and "No space left" in caplog.text
