@@ -40,6 +40,9 @@ def full_state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+_LAST_WORK: list[dist.Work] = []
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--save_dir", required=True)
@@ -87,20 +90,11 @@ def main() -> None:
     if args.final_out and rank == 0:
         save_file(final, args.final_out)
     say(f"rank {rank} done")
-    # Every rank's work is done and written. Without os._exit, a rank sometimes dies of SIGABRT ("terminate called
-    # without an active exception") on its way out: train_ddp.py, 0 in 100 runs on an idle machine, 4 in at least 112
-    # with two CPU-bound processes beside them (torch 2.13 CPU, gloo). The cause, from a core dump: a gloo worker
-    # thread (ProcessGroupGloo::runLoop) drops the last collective's work after the main thread has moved on; the work
-    # holds tensors with Python objects, releasing them takes the GIL, and a thread that takes the GIL during the
-    # interpreter's finalization is made to exit (pthread_exit), whose unwind through a noexcept destructor calls
-    # std::terminate. destroy_process_group() would join those threads, but only when nothing else holds the group: a
-    # DDP module keeps it alive even after del and gc.collect(), and so does importing torch.distributed.fsdp or
-    # .checkpoint after init_process_group (torch._dynamo imports fsdp on first use, which a PreemptibleRun triggers):
-    # the gloo threads are still there after destroy_process_group(). os._exit skips the finalization.
-    dist.barrier()
+    # The last barrier's work is kept until the process ends, so that the main thread destroys it (and the works it
+    # waited for) with the GIL: preempt/distributed.py, "Works destroyed in the main thread".
+    _LAST_WORK.append(dist.barrier(async_op=True))
+    _LAST_WORK[-1].wait()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
