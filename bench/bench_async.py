@@ -508,8 +508,9 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model, opt = build_state(args.gib)
     work_step = make_workload()
     inflight = args.variant == "inflight"
+    save_dir = Path(args.save_dir or work / f"sigterm_{os.getpid()}")
     run = PreemptibleRun(
-        args.save_dir or work / f"sigterm_{os.getpid()}",
+        save_dir,
         model=model,
         optimizer=opt,
         async_save=True,
@@ -526,7 +527,11 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             while True:
                 work_step()
                 run.step()
-                if not ready and (run.staging_prepare_s is not None or time.time() - t_enter > 30):
+                # "reserved": ready once the pool the writer writes ahead is complete (renamed to .recycle-*)
+                prepared = run.staging_prepare_s is not None
+                if args.variant == "reserved":
+                    prepared = prepared and any(save_dir.glob(".recycle-*"))
+                if not ready and (prepared or time.time() - t_enter > (120 if args.variant == "reserved" else 30)):
                     ready = True
                     res["staging_prepare_s"] = run.staging_prepare_s
                     res["ready_step"] = run.global_step
@@ -719,16 +724,18 @@ def sigterm_trial(
 
 
 SIGTERM_VARIANTS = (
-    ("idle", "nothing in flight, a new save_dir (the first write of the job)"),
+    ("idle", "nothing in flight, a new save_dir (the first write of the job), stopped 0.2-1 s after its buffers"),
+    ("reserved", "nothing in flight, a new save_dir, stopped once the pool written ahead for it is complete"),
     ("inflight", "a periodic write in flight (cancelled by the stop)"),
     ("resumed", "nothing in flight, a requeued job resumed from that save_dir"),
 )
 
 
 def run_sigterm(args: argparse.Namespace, work: Path, gib: float, step_s: float, write_s: float) -> dict[str, Any]:
-    """Each trial: a fresh job stopped idle; a fresh job stopped with a write in flight; that job resumed and stopped.
+    """Each trial: a fresh job stopped idle, early and once its pool is written ahead; a fresh job stopped with a
+    write in flight; that job resumed and stopped.
 
-    The third is the common case of preemptible capacity (a requeued job preempted again): its save_dir holds
+    The last is the common case of preemptible capacity (a requeued job preempted again): its save_dir holds
     the earlier process's checkpoint and the files it recycles.
     """
     rng = random.Random(6)
@@ -738,6 +745,8 @@ def run_sigterm(args: argparse.Namespace, work: Path, gib: float, step_s: float,
     for i in range(args.repeats):
         fresh, job = work / f"sigterm_{gib:g}_fresh_{i}", work / f"sigterm_{gib:g}_job_{i}"
         out["idle"].append(sigterm_trial(args, work, gib, "idle", 0, lambda: rng.uniform(0.2, 1.0), fresh))
+        shutil.rmtree(fresh)
+        out["reserved"].append(sigterm_trial(args, work, gib, "reserved", 0, lambda: rng.uniform(0.2, 1.0), fresh))
         shutil.rmtree(fresh)
         out["inflight"].append(
             sigterm_trial(args, work, gib, "inflight", every, lambda: rng.uniform(0.0, 0.5) * write_s, job)
