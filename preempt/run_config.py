@@ -35,7 +35,9 @@ OPTIONS_DOC = """\
             on thin-provisioned and cloud disks is several times slower
             (11x on our VM; see :mod:`preempt.commit`). Costs the space of one
             checkpoint between saves, nothing more at the peak. Needs
-            ``keep_last`` or ``keep_best`` to prune something.
+            ``keep_last`` or ``keep_best`` to prune something. With
+            ``async_save``, a new job's writer writes such a pool ahead once
+            the state is complete (:mod:`preempt.recycle`).
         auto_resume: Restore the newest valid checkpoint on entering (default).
             False starts fresh and moves existing checkpoints to ``superseded/``.
         resume: Where to start when this run's own checkpoints do not say:
