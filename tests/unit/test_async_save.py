@@ -364,3 +364,30 @@ def test_staging_buffers_are_prepared_in_the_background_for_the_optimizer_state(
         run.request_stop()
         with pytest.raises(Preempted):
             run.step()
+
+
+def test_a_new_jobs_writer_writes_a_pool_ahead_and_its_first_checkpoint_writes_over_it(tmp_path):
+    """The real writer thread: once the buffers are sized for the optimizer's state, the pool appears; the first
+    checkpoint's files are the pool's files (same inodes), and its state is that of its step, bit for bit."""
+    model, opt, data = build()
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=8, keep_last=1) as run:
+        next(run.epochs(1))
+        step = stepper(run, model, opt, data)
+        pools: list[Path] = []
+        while not pools and run.global_step < 7:  # sized again after the first optimizer step, then the pool
+            step()
+            threading.Event().wait(0.2)  # the writer's outcome is taken, and the next job started, at a step
+            pools = list(tmp_path.glob(".recycle-*"))
+        assert len(pools) == 1, "no pool was written ahead"
+        inodes = {f.name: f.stat().st_ino for f in pools[0].iterdir()}
+        sizes = {f.name: f.stat().st_size for f in pools[0].iterdir()}
+        expected = sum(t.nbytes for t in model.state_dict().values())
+        assert set(inodes) == {"model.safetensors", "state.safetensors"} and sizes["model.safetensors"] == expected
+        step(8 - run.global_step)  # the first checkpoint, at step 8
+        path = run.wait_for_checkpoint(timeout=30)
+        assert path == tmp_path / "step_000000008"
+        assert {name: (path / name).stat().st_ino for name in inodes} == inodes
+        assert list(tmp_path.glob(".recycle-*")) == []
+        want = snapshot(model, opt)
+    got = loaded(path)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
