@@ -22,7 +22,10 @@ ranks share) and the ranks agree, at every safe point, on what to do:
   saves in the background, the exchange is the same but rank 0 writes none of
   its files in it; its background writer later writes them into the same
   directory and commits (:class:`Deferred`), with no collective off the main
-  thread.
+  thread. Sharded state in the background: the whole exchange runs in every
+  rank's writer thread, on a :class:`Coordinator` of its own group
+  (``own_group=True``), so the writers' collectives and the loop's never share
+  a group.
 * **What each rank writes.** The replicated state (DDP: the model, the
   optimizer, scheduler, scaler, tracked objects, ``run.user_state``) is written
   once, by rank 0, with rank 0's random generators. Every other rank writes its
@@ -101,7 +104,8 @@ class Coordinator:
     Every method is a collective: every rank calls it, in the same order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, own_group: bool = False) -> None:
+        """``own_group``: on a gloo group of its own (created now, a collective), for the ranks' background writers."""
         if not active():
             raise RuntimeError("Coordinator: torch.distributed is not initialised with more than one rank")
         self.rank = dist.get_rank()
@@ -109,7 +113,7 @@ class Coordinator:
         self.backend = str(dist.get_backend())
         # A CPU group for the per-step agreement: with NCCL the default group would need a device tensor
         # and a synchronisation of the stream every step.
-        self.group = None if self.backend == "gloo" else dist.new_group(backend="gloo")
+        self.group = None if self.backend == "gloo" and not own_group else dist.new_group(backend="gloo")
         self._buf = torch.zeros(3, dtype=torch.int64)
 
     def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
@@ -123,6 +127,13 @@ class Coordinator:
             _wait(dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         first = int(buf[2])
         return Agreement(bool(buf[0]), int(buf[1]), big - first if first else -1)
+
+    def all(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on every rank."""
+        buf = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        with self._peers("an agreement on how to save"):
+            _wait(dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
+        return bool(buf[0])
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj``, on every rank."""

@@ -51,6 +51,10 @@ class Alone:
     def broadcast(self, obj: Any) -> Any:
         return obj
 
+    def all(self, flag: bool) -> bool:
+        """``flag`` is True on every peer."""
+        return flag
+
     def barrier(self) -> None:
         pass
 
@@ -68,17 +72,25 @@ class Ranks(Alone):
 
     alone = False
 
-    def __init__(self, sync_every: int) -> None:
-        self.coord = distributed.Coordinator()
+    def __init__(self, sync_every: int, *, own_group: bool = False) -> None:
+        self.coord = distributed.Coordinator(own_group=own_group)
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self.leader = self.rank == 0
         self.every = sync_every  # every rank must take the same path: the ranks meet at every N-th step
+
+    def writers(self) -> Ranks:
+        """The ranks' background writers: the same ranks on a gloo group of their own (created now, on every rank),
+        so that their collectives never interleave with the loop's."""
+        return Ranks(self.every, own_group=True)
 
     def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
         return self.coord.agree(stop, save, walltime_stop=walltime_stop)
 
     def broadcast(self, obj: Any) -> Any:
         return self.coord.broadcast(obj)
+
+    def all(self, flag: bool) -> bool:
+        return self.coord.all(flag)
 
     def barrier(self) -> None:
         self.coord.barrier()

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import _log, commit, recycle
+from . import _log, commit, recycle, sharded
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .loop_state import LoopState
@@ -191,6 +191,8 @@ class SaveScheduler:
         self.prepare_s: float | None = None  # seconds spent allocating the staging buffers (background)
         self.sizes: dict[str, int] = {}  # the state's tensor bytes per file, as the buffers were last sized
         self.reserve_due = False  # a pool is to be written ahead once the writer is free (see idle)
+        self.writers: Any = None  # sharded state under torch.distributed: the ranks' writers, on their own group
+        self.shard_stager: Any = None  # the buffers of this rank's pieces of sharded state
 
     @property
     def pinned(self) -> bool:
@@ -205,14 +207,17 @@ class SaveScheduler:
         """Background saves from now: the buffers are sized for ``payload`` in the background.
 
         Under torch.distributed rank 0 writes the replicated state in the background; the other ranks' files
-        (their random generators) are small and written at the step, before rank 0's. Sharded state is written
-        by every rank through DCP, synchronously.
+        (their random generators) are small and written at the step, before rank 0's. Sharded state: every rank
+        copies its pieces and its files, and every rank's writer runs the whole distributed commit, DCP's
+        collectives included, on a gloo group of the writers' own (see :meth:`_save_sharded`).
         """
         if self.snapshot.sharded:
-            if self.peers.leader:
-                log.info("async_save: sharded state is saved synchronously (every rank writes its shards through DCP)")
-            return
-        if not self.peers.leader:
+            if self.peers.alone:
+                log.info("async_save: sharded state in one process is saved synchronously (through DCP)")
+                return
+            self.writers = self.peers.writers()  # a collective: every rank creates the writers' group now
+            self.shard_stager = self._new_stager()
+        elif not self.peers.leader:
             return
         self.stager, self.writer = self._new_stager(), self._new_writer()
         self._prepare(payload)
@@ -266,12 +271,17 @@ class SaveScheduler:
         elif how.settle:
             self.settle()
         background = how.background and self.stager is not None  # settling may have turned staging off
+        if self.writers is not None and how.background:  # sharded: every rank must take the same path
+            background = self.peers.all(background)
         self.postponed = None
         with self.flag.critical():
             t0 = self.clock()
             manifest = self.snapshot.manifest(reason, point, self.manager.retention)
             log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
             payload = self.snapshot.payload()
+            if background and self.writers is not None:
+                self._save_sharded(reason, manifest, t0, payload)
+                return
             staged = self._copy(payload) if background else None
             extra = self.snapshot.extra_files if self.snapshot.sharded else None
             try:
@@ -340,17 +350,36 @@ class SaveScheduler:
             self.stager = None
             return None
 
-    def _submit(self, reason: Reason, manifest: Manifest, t0: float, write: Callable[[], CheckpointInfo]) -> None:
-        """Hands a staged snapshot's write to the background writer."""
+    def _save_sharded(self, reason: Reason, manifest: Manifest, t0: float, payload: Any) -> None:
+        """Every rank copies its files and its pieces of the sharded state into its buffers; then its writer runs
+        the distributed commit (:func:`preempt.distributed.save_ranked`, DCP writing the staged pieces) with the
+        other ranks' writers, on their own group. Not cancellable: a rank that left the commit's collectives alone
+        would leave the others waiting; a stop waits for it instead."""
+        staged = self.stager.stage(payload)  # no fallback here: every rank must take the same path
+        live = self.snapshot.shards()
+        shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)))
+        writers, manager, rank = self.writers, self.manager, self.peers.rank
+
+        def extra(tmp: Path) -> list[str]:
+            return sharded.save(tmp, shards, rank, writers.coord.group)
+
+        self._submit(reason, manifest, t0, lambda: writers.save(manager, staged, manifest, extra, False), cancel=False)
+
+    def _submit(
+        self, reason: Reason, manifest: Manifest, t0: float, write: Callable[[], CheckpointInfo], cancel: bool = True
+    ) -> None:
+        """Hands a staged snapshot's write to the background writer (``cancel``: a stop may cancel it)."""
         t1 = self.clock()
         record = SaveRecord(manifest.step, reason.value, t1 - t0, background=True)
         self.last_save = record
         self.loop.taken(manifest.step, manifest.cursor, t1)
-        cancel = threading.Event()
-        self.job = Job("save", record, t0, cancel)
+        event = threading.Event() if cancel else None
+        self.job = Job("save", record, t0, event)
 
         def job() -> CheckpointInfo:
-            with commit.cancellable(cancel):
+            if event is None:
+                return write()
+            with commit.cancellable(event):
                 return write()
 
         self.writer.submit(job)
@@ -467,10 +496,13 @@ class SaveScheduler:
 
     def _prepare(self, payload: Any) -> None:
         """Sizes the staging buffers for the state in the background (allocated and touched once)."""
-        stager, writer = self.stager, self.writer
+        stager, writer, shard_stager = self.stager, self.writer, self.shard_stager
         if stager is None or writer is None or self.job is not None:
             return
-        nbytes = payload_nbytes(payload)
+        shards = None
+        if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
+            payload, shards = self.snapshot.payload(), sharded.local_payload(self.snapshot.shards())
+        nbytes = payload_nbytes(payload) + (0 if shards is None else payload_nbytes(shards))
         available = host_memory_available()
         if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:
             log.warning(
@@ -486,6 +518,8 @@ class SaveScheduler:
         def job() -> float:
             t0 = time.perf_counter()
             stager.prepare(payload)
+            if shards is not None:
+                shard_stager.prepare(shards)
             return time.perf_counter() - t0
 
         self.sizes = {name: sum(t.nbytes for t in ts.values()) for name, (ts, _) in payload.tensor_files.items()}
@@ -502,7 +536,7 @@ class SaveScheduler:
         if not self.reserve_due or self.job is not None:
             return
         self.reserve_due = False
-        if not (manager.owner and manager.retention.recycle and any(sizes.values())):
+        if self.writers is not None or not (manager.owner and manager.retention.recycle and any(sizes.values())):
             return
         if recycle.pools(manager.save_dir):
             return

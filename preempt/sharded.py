@@ -18,6 +18,11 @@ is listed with its digest in the manifest and verified before DCP reads it.
 
 The optimizer's state is keyed by parameter name, so the same checkpoint
 loads into an unsharded model and optimizer on one process.
+
+In the background (``async_save``, under torch.distributed): each rank copies
+the local pieces into host buffers (:func:`local_payload`), DCP is handed
+DTensors rebuilt around those copies (:func:`staged`), and the ranks' writers
+run DCP's collectives on a group of their own (``save(group=...)``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 
 from . import codec
 from .checkpoint import SHARDED_INDEX
+from .state import Payload
 
 METADATA = SHARDED_INDEX
 _FORMAT = "preempt-dcp-1"
@@ -97,12 +103,43 @@ def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     return tensors, rest
 
 
-def save(directory: Path, tensors: dict[str, Any], rank: int) -> list[str]:
-    """Writes this rank's pieces (a collective under torch.distributed); returns the names of its files."""
+def local_payload(tensors: dict[str, Any]) -> Payload:
+    """This rank's own pieces of ``tensors`` (a DTensor's local shard) as a payload, to stage in host buffers."""
+    return Payload(tensor_files={"shards": ({k: _local(v) for k, v in tensors.items()}, {})}, json_files={})
+
+
+def staged(tensors: dict[str, Any], copy: Payload) -> dict[str, Any]:
+    """``tensors`` rebuilt over their staged local pieces (``copy``, from :func:`local_payload`): DCP writes these.
+
+    A DTensor keeps its mesh, placements, global shape and stride around its
+    copied local shard, so that DCP plans the same pieces as from the live state.
+    """
+    from torch.distributed.tensor import DTensor
+
+    pieces = copy.tensor_files["shards"][0]
+    out: dict[str, Any] = {}
+    for key, v in tensors.items():
+        if isinstance(v, DTensor):
+            out[key] = DTensor.from_local(
+                pieces[key], v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
+            )
+        else:
+            out[key] = pieces[key]
+    return out
+
+
+def _local(v: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return v.to_local() if isinstance(v, DTensor) else v
+
+
+def save(directory: Path, tensors: dict[str, Any], rank: int, group: Any = None) -> list[str]:
+    """Writes this rank's pieces (a collective under torch.distributed, on ``group``); returns its files' names."""
     import torch.distributed.checkpoint as dcp
 
     with _single_process_quiet():
-        dcp.save(tensors, storage_writer=_writer(directory), no_dist=not _distributed())
+        dcp.save(tensors, storage_writer=_writer(directory), no_dist=not _distributed(), process_group=group)
     mine = [f"__{rank}_0.distcp"]
     if rank == 0:
         mine.append(METADATA)

@@ -75,11 +75,14 @@ class Snapshot:
             tensor_files={tensor_file: (tensors, meta)}, json_files={json_file: own.json_files[state.STATE_JSON]}
         )
 
+    def shards(self) -> dict[str, Any]:
+        """The live tensors of the sharded model and optimizer, as DCP writes them (:func:`sharded.split_state`)."""
+        c = self.components
+        return sharded.split_state(state.unwrap_model(c.model), c.optimizer)[0]  # type: ignore[arg-type]
+
     def extra_files(self, directory: Path) -> list[str]:
         """This rank's pieces of the sharded model and optimizer (a collective; DCP writes them)."""
-        c = self.components
-        tensors, _ = sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
-        return sharded.save(directory, tensors, self.rank)
+        return sharded.save(directory, self.shards(), self.rank)
 
     def manifest(self, reason: Reason, point: str, retention: RetentionPolicy | None = None) -> Manifest:
         """The manifest of a checkpoint taken now; ``retention``: the run's, recorded for ``preempt prune``."""

@@ -22,9 +22,16 @@ def torchrun(save_dir: Path, args: list[str], nproc: int = 2) -> Spawned:
     return _torchrun(save_dir, None, args, nproc, script=SCRIPT)
 
 
-def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
-    ref = torchrun(tmp_path / "ref", ["--final_out", str(tmp_path / "ref.safetensors")])
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final state of an uninterrupted run on 2 ranks."""
+    tmp = tmp_path_factory.mktemp("fsdp_ref")
+    ref = torchrun(tmp / "ref", ["--final_out", str(tmp / "ref.safetensors")])
     assert ref.finish(timeout=180) == 0, ref.output
+    return load_file(str(tmp / "ref.safetensors"))
+
+
+def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path, reference):
 
     stopped = torchrun(tmp_path / "run", ["--self_signal", "1:6"])
     stopped.finish(timeout=180)
@@ -47,7 +54,7 @@ def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
     assert start2.keys() == start1.keys() and len(start2) == 16  # 4 parameters, 3 tensors of AdamW state each
     assert all(torch.equal(start2[k], start1[k]) for k in start2), "1 rank loaded other values than 2 ranks"
     assert float(start2["optim.0.weight.step"]) == 6.0
-    want, got = load_file(str(tmp_path / "ref.safetensors")), load_file(str(tmp_path / "f2"))
+    want, got = reference, load_file(str(tmp_path / "f2"))
     assert want.keys() == got.keys()
     assert [k for k in want if not torch.equal(want[k], got[k])] == [], "resumed on 2 ranks: not bit-exact"
 
@@ -59,3 +66,29 @@ def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
     got = load_file(str(tmp_path / "f3"))
     assert [k for k in want if not torch.equal(want[k], got[k])] == [], "branched on 2 ranks: not bit-exact"
     assert CheckpointManager(tmp_path / "other", owner=False).list()[0].manifest.lineage["source"] == str(source)
+
+
+def test_sharded_checkpoints_are_written_in_the_background_by_every_rank_and_resume_bit_exact(tmp_path, reference):
+    """Each rank copies its shards and goes on training while its writer writes them (made 0.4 s slow here); a
+    stop during that write waits for it, then saves its own step. The background checkpoint holds the state of
+    its step, not a later one: a resume from it ends bit-exact."""
+    env = {"PREEMPT_LOG_LEVEL": "DEBUG"}
+    run = _torchrun(tmp_path / "run", None, ["--slow_write", "0.4", "--self_signal", "1:7"], 2, script=SCRIPT, env=env)
+    run.finish(timeout=180)
+    lines = run.output.splitlines()
+    for rank in (0, 1):
+        started = lines.index(f"rank {rank} slow_write 4")
+        written = [i for i, line in enumerate(lines) if "step_000000004 (steps) written in" in line]
+        assert len(written) == 2 and all("in the background" in lines[i] for i in written), run.output
+        assert f"rank {rank} step 5" in lines[started : max(written)], "the loop did not go on during the write"
+    assert "stopping on a stop signal received by rank 1 at step 7 " in run.output, run.output
+    infos = {c.step: c for c in CheckpointManager(tmp_path / "run", owner=False).list()}
+    assert sorted(infos) == [4, 7] and infos[7].manifest.reason == "preempt"
+    assert {"__0_0.distcp", "__1_0.distcp", "dcp_metadata.json"} <= set(infos[4].manifest.files)
+
+    resumed = torchrun(tmp_path / "other", ["--resume", str(infos[4].path), "--final_out", str(tmp_path / "f")])
+    assert resumed.finish(timeout=180) == 0, resumed.output
+    assert "rank 1 start step 4 " in resumed.output, resumed.output
+    got = load_file(str(tmp_path / "f"))
+    assert reference.keys() == got.keys()
+    assert [k for k in reference if not torch.equal(reference[k], got[k])] == [], "not bit-exact"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import Synthetic  # noqa: E402
 
+import preempt.sharded  # noqa: E402
 from preempt import PreemptibleRun  # noqa: E402
 
 
@@ -40,6 +43,19 @@ def full_state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def slow_write(seconds: float) -> None:
+    """Each background write of the shards starts ``seconds`` late (the loop goes on meanwhile); prints its step."""
+    save = preempt.sharded.save
+
+    def slow(directory, tensors, rank, group=None):
+        if threading.current_thread().name == "preempt-writer":
+            say(f"rank {rank} slow_write {directory.name.split('step_')[1].split('-')[0].lstrip('0')}")
+            time.sleep(seconds)
+        return save(directory, tensors, rank, group)
+
+    preempt.sharded.save = slow
+
+
 _LAST_WORK: list[dist.Work] = []
 
 
@@ -52,7 +68,10 @@ def main() -> None:
     p.add_argument("--every_steps", type=int, default=4)
     p.add_argument("--self_signal", default=None, help="RANK:STEP: that rank sends itself SIGTERM before that step")
     p.add_argument("--resume", default="latest")
+    p.add_argument("--slow_write", type=float, default=0.0, help="background writes of the shards start this late")
     args = p.parse_args()
+    if args.slow_write:
+        slow_write(args.slow_write)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
