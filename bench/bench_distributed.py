@@ -11,6 +11,9 @@ A second table: what a checkpoint of a DDP state of ``--gib`` GiB (bench_checkpo
 AdamW moments, replicated on every rank) costs the loop, ``async_save`` on and off, ``--saves`` checkpoints
 each after one warm-up: the median of the longest ``run.step()`` among the ranks at a save step (every rank
 waits for the others there), and the median time to durable (rank 0's ``run.last_save``).
+
+A third table: the same state sharded by FSDP2 (``fully_shard`` on a CPU mesh), saved by preempt in the
+background and synchronously, and by DCP's ``async_save`` with a reused stager, of the same tensors.
 """
 
 from __future__ import annotations
@@ -74,6 +77,88 @@ def save_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
     return rows
 
 
+def sharded_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
+    """The same state sharded by FSDP2 (``fully_shard`` on a CPU mesh): per method, the median of the longest wait
+    among the ranks at a save and the median seconds to durable. preempt's background save (every rank copies its
+    shards, the writers commit on their own group) and its synchronous one; DCP's ``async_save`` with a reused
+    ``DefaultStager`` (staging before it returns), on a gloo group of its own, of the very tensors preempt writes."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_checkpoint import build_model
+
+    from preempt import PreemptibleRun, sharded
+
+    torch.manual_seed(0)
+    model = build_model(gib)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # both moments exist
+    for p in model.parameters():
+        p.grad = None
+
+    def slowest(t0: float) -> float:
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return float(took)
+
+    rows = []
+    for mode in ("sync", "async"):
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(__file__))) as d:
+            shared = [d]
+            dist.broadcast_object_list(shared, src=0)
+            kw = dict(checkpoint_interval=None, checkpoint_every_steps=1, keep_last=1, exit_if_complete=False)
+            stalls, durable = [], []
+            with PreemptibleRun(shared[0], model=model, optimizer=opt, async_save=mode == "async", **kw) as run:
+                for i in range(saves + 1):
+                    run.wait_for_checkpoint()  # the previous write ends outside the timing
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    run.step()
+                    took = slowest(t0)
+                    run.wait_for_checkpoint()
+                    if i:
+                        stalls.append(took)
+                        if run.last_save is not None and run.last_save.write_s is not None:
+                            durable.append(run.last_save.write_s)
+            dist.barrier()
+        rows.append((f"preempt, async_save={mode == 'async'}", statistics.median(stalls), statistics.median(durable)))
+    group = dist.new_group(backend="gloo")  # async_save's collectives run in its thread: not on the loop's group
+    options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                             use_non_blocking_copy=False)  # fmt: skip
+    stager = DefaultStager(options)
+    tensors = sharded.split_state(model, opt)[0]
+    stalls, durable = [], []
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(__file__))) as d:
+        shared = [d]
+        dist.broadcast_object_list(shared, src=0)
+        for i in range(saves + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            resp = dcp.async_save(tensors, checkpoint_id=f"{shared[0]}/c{i}", async_stager=stager, process_group=group)
+            if hasattr(resp, "staging_completion"):
+                resp.staging_completion.result()
+                took = slowest(t0)
+                resp.upload_completion.result()
+            else:
+                took = slowest(t0)
+                resp.result()
+            done = slowest(t0)
+            if i:
+                stalls.append(took)
+                durable.append(done)
+        dist.barrier()
+    rows.append(("DCP async_save, reused DefaultStager", statistics.median(stalls), statistics.median(durable)))
+    return rows
+
+
 def worker(steps: int, gib: float, saves: int) -> None:
     import torch
     import torch.distributed as dist
@@ -95,6 +180,7 @@ def worker(steps: int, gib: float, saves: int) -> None:
                 rows.append((f"run.step(), sync_every_steps={every}", timed(run.step, steps)))
             dist.barrier()
     costs = save_costs(gib, saves) if gib > 0 else []
+    shard_costs = sharded_costs(gib, saves) if gib > 0 else []
     if rank == 0:
         print(f"\n{dist.get_world_size()} ranks, gloo, torch {torch.__version__}, medians of 3 x {steps} calls\n")
         print("| what | per call |\n|---|---:|")
@@ -107,6 +193,14 @@ def worker(steps: int, gib: float, saves: int) -> None:
             print(f"| {mode} | {stall * 1e3:.0f} ms | {durable:.2f} s |")
         sync, asyn = costs[0][1], costs[1][1]
         print(f"\nasync / sync loop wait: {asyn / sync:.3f}x")
+    if rank == 0 and shard_costs:
+        print(f"\ncheckpoint of the same {gib:g} GiB state sharded by FSDP2 over the ranks, medians of {saves}\n")
+        print("| method | loop waits (slowest rank) | durable after |\n|---|---:|---:|")
+        for what, stall, durable in shard_costs:
+            print(f"| {what} | {stall * 1e3:.0f} ms | {durable:.2f} s |")
+        ours, theirs = shard_costs[1][1], shard_costs[2][1]
+        print(f"\npreempt background / DCP async_save loop wait: {ours / theirs:.3f}x;"
+              f" / preempt synchronous: {ours / shard_costs[0][1]:.3f}x")  # fmt: skip
     dist.destroy_process_group()
 
 
