@@ -193,6 +193,7 @@ class SaveScheduler:
         self.reserve_due = False  # a pool is to be written ahead once the writer is free (see idle)
         self.writers: Any = None  # sharded state under torch.distributed: the ranks' writers, on their own group
         self.shard_stager: Any = None  # the buffers of this rank's pieces of sharded state
+        self._shard_views: dict[str, Any] = {}  # the DTensors around those buffers (sharded.staged)
 
     @property
     def pinned(self) -> bool:
@@ -357,7 +358,7 @@ class SaveScheduler:
         would leave the others waiting; a stop waits for it instead."""
         staged = self.stager.stage(payload)  # no fallback here: every rank must take the same path
         live = self.snapshot.shards()
-        shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)))
+        shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)), self._shard_views)
         writers, manager, rank = self.writers, self.manager, self.peers.rank
 
         def extra(tmp: Path) -> list[str]:
