@@ -77,8 +77,9 @@ OPTIONS_DOC = """\
             that would take more than half of the host's available memory the
             run saves synchronously and says so. Under torch.distributed rank 0
             writes the replicated state in the background and the other ranks
-            write their files at the step; sharded (DCP) state is saved
-            synchronously. False: every save is synchronous.
+            write their files at the step; with sharded (DCP) state every rank
+            copies its pieces and the ranks' writers commit together in the
+            background. False: every save is synchronous.
         sync_every_steps: Under torch.distributed, the ranks agree on saving
             and stopping at every N-th ``run.step()`` (one small all-reduce on
             a gloo group; see :mod:`preempt.distributed`). Larger N costs less
