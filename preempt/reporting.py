@@ -25,7 +25,7 @@ from .history import History, Progress, RunLog
 from .loop_state import LoopState
 from .monitor import GPUMonitor
 from .run_config import RunConfig
-from .save_scheduler import SaveRecord
+from .save_plan import SaveRecord
 
 log = _log.log
 FIRST_PROGRESS_S = 5.0  # the first progress line comes this soon (or at progress_every_s if sooner), then doubles

@@ -58,7 +58,8 @@ from .reporting import Reporter
 from .restore import Starter
 from .run_config import OPTIONS_DOC, RunConfig
 from .sampler import ResumableSampler
-from .save_scheduler import SaveRecord, SaveScheduler
+from .save_plan import SaveRecord
+from .save_scheduler import SaveScheduler
 from .signals import DEFAULT_SIGNALS
 from .snapshot import Snapshot
 from .staging import payload_nbytes
@@ -130,6 +131,7 @@ class PreemptibleRun:
         requeue: bool = True,
         max_restarts: int | None = None,
         async_save: bool = True,
+        lazy_snapshot: bool = True,
         sync_every_steps: int = 1,
         log_file: bool = True,
         progress_every_s: float | None = 60.0,
@@ -156,9 +158,8 @@ class PreemptibleRun:
         self.stopper = Stopper(cfg, self.env, self.save_dir, clock)
         self.data = DataCursor(self.stopper.flag.signals)
         self.snapshot = Snapshot(self.components, self.loop, self.data)
-        self.saves = SaveScheduler(
-            self.manager, self.loop, self.snapshot, self.stopper.flag, clock=clock, on_durable=self.stopper.saved
-        )
+        self.saves = SaveScheduler(self.manager, self.loop, self.snapshot, self.stopper.flag, clock=clock)
+        self.saves.on_durable = self.stopper.saved
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
         self.reporter = Reporter(cfg, self.save_dir, self.loop, clock)
         self.saves.on_saved = self.reporter.checkpoint
@@ -300,7 +301,7 @@ class PreemptibleRun:
             self._step_hook = opt.register_step_pre_hook(self.loop.optimizer_stepping)
         self.reporter.start(self.resumed_from)
         if self.config.async_save:
-            self.saves.start(payload, optimizer_state_later=opt is not None)
+            self.saves.start(payload, optimizer_state_later=opt is not None, lazy=self.config.lazy_snapshot)
         self._recompute_due()
 
     # ----------------------------------------------------------------- exit
@@ -333,8 +334,7 @@ class PreemptibleRun:
         """Final checkpoint (when anything changed) and the completion marker."""
         saves = self.saves
         saves.settle()
-        needed = self.loop.dirty or saves.last_info is None
-        # Rank 0 decides: only it knows whether its last background write became durable.
+        needed = self.loop.dirty or saves.last_info is None  # rank 0 decides: it knows if its last write is durable
         last = None if saves.last_checkpoint is None else str(saves.last_checkpoint)
         needed, last = self.peers.broadcast((needed, last))
         if not needed and not self.peers.leader:

@@ -80,6 +80,17 @@ OPTIONS_DOC = """\
             write their files at the step; with sharded (DCP) state every rank
             copies its pieces and the ranks' writers commit together in the
             background. False: every save is synchronous.
+        lazy_snapshot: With ``async_save``, a checkpoint copies the
+            parameters and the optimizer's state (CPU tensors) while the loop
+            runs its next forward and backward, which only read them: the
+            writer thread makes the copies, and ``optimizer.step()`` (through
+            a pre-step hook) waits for whatever is not copied yet before it
+            changes them. Everything else is copied at the step. Something else
+            that changes one of those tensors in place before its copy is made
+            is seen (its version counter moved): that checkpoint is not
+            written, the run says so and copies at the step from then on.
+            Tensors on a GPU are copied at the step. False: every copy is made
+            at the step.
         sync_every_steps: Under torch.distributed, the ranks agree on saving
             and stopping at every N-th ``run.step()`` (one small all-reduce on
             a gloo group; see :mod:`preempt.distributed`). Larger N costs less
@@ -142,6 +153,7 @@ class RunConfig:
     best_mode: str = "min"
     recycle_files: bool = True
     async_save: bool = True
+    lazy_snapshot: bool = True
     # where a run starts
     auto_resume: bool = True
     resume: str | int | os.PathLike[str] | None = "latest"
@@ -171,7 +183,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalised values replace the given ones
         set_(self, "signals", tuple(self.signals))
-        flags = ("async_save", "recycle_files", "auto_resume", "weights_only", "strict", "exit_if_complete", "requeue")
+        flags = ("async_save", "lazy_snapshot", "recycle_files", "auto_resume", "weights_only", "strict")
+        flags += ("exit_if_complete", "requeue")
         for name in (*flags, "log_file", "emergency_save"):
             set_(self, name, bool(getattr(self, name)))
         if not _is_int(self.exit_code) or not 0 <= self.exit_code <= 255:

@@ -5,11 +5,7 @@ the background writer, the one job it may have in flight (sizing the buffers,
 writing a staged snapshot, or writing a pool of files ahead for the saves to
 write over: :func:`preempt.recycle.reserve`), a periodic save postponed behind
 that job, the newest durable checkpoint, and what a failed write means. Its choices are
-three pure functions, unit-tested with made-up facts:
-
-* :func:`pick` -- at a safe point: which save to take now, and which waits;
-* :func:`plan` -- for a save: wait for the job in flight first? in the background?
-* :func:`wake` -- the step and time at which ``run.step()`` must look again.
+the pure functions of :mod:`preempt.save_plan` (pick, plan, wake), unit-tested with made-up facts.
 
 Periodic saves that come due while a write is in flight are postponed until
 it ends; best and milestone saves wait for it (they are of their own step);
@@ -21,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from . import _log, commit, recycle, sharded
 from .checkpoint import CheckpointInfo, CheckpointManager
@@ -35,120 +32,15 @@ from .loop_state import LoopState
 from .manifest import Manifest
 from .peers import Alone, Deferred
 from .policy import Due, Reason
+from .save_plan import POSTPONABLE, Job, SaveRecord, pick, plan, wake
 from .signals import StopFlag
 from .snapshot import Snapshot
-from .staging import BackgroundWriter, Stager, host_memory_available, payload_nbytes
+from .staging import BackgroundWriter, LazyCopy, Stager, TornSnapshot, host_memory_available, payload_nbytes
 
 log = _log.log
 _ROUTINE = frozenset({Reason.INTERVAL.value, Reason.STEPS.value, Reason.PER_EPOCH.value})
 
-POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
-SYNCHRONOUS = frozenset({Reason.PREEMPT, Reason.WALLTIME, Reason.FINAL, Reason.BRANCH, Reason.EMERGENCY})
-STOPS = frozenset({Reason.PREEMPT, Reason.WALLTIME})  # saves racing the grace period: they never wait for stale work
 MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveRecord:
-    """The latest checkpoint the run took (``run.last_save``).
-
-    Attributes:
-        step: Its global step.
-        reason: Why it was taken (``"interval"``, ``"preempt"``, ...).
-        stall_s: Seconds the training loop spent in it: the whole save when
-            synchronous, the copy into the staging buffers when asynchronous.
-        write_s: Seconds from the start of the save to its checkpoint being
-            durable; None while a background write is in flight.
-        path: The checkpoint directory once durable, else None. Under
-            torch.distributed a checkpoint that rank 0 writes in the
-            background stays None on the other ranks.
-        background: Written by the background writer.
-    """
-
-    step: int
-    reason: str
-    stall_s: float
-    write_s: float | None = None
-    path: Path | None = None
-    background: bool = False
-
-    @property
-    def durable(self) -> bool:
-        """The checkpoint is on disk with all its files and manifest fsynced."""
-        return self.path is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """What the background writer is doing: preparing buffers, or writing a staged snapshot."""
-
-    kind: str  # "prepare", "save" or "reserve"
-    record: SaveRecord | None = None
-    started: float = 0.0  # clock at the start of the save
-    cancel: threading.Event | None = None  # set: the write stops before its rename (preempt.commit.cancellable)
-
-
-# ---------------------------------------------------------------------------- the pure decisions
-
-
-def pick(
-    reason: Reason | None, *, job: str | None, staging: bool, postponed: Reason | None, dirty: bool
-) -> tuple[Reason | None, Reason | None]:
-    """At a safe point: the save to take now (None: none) and the periodic save that stays postponed.
-
-    Args:
-        reason: What the save policy says is due (None: nothing).
-        job: The kind of the background job in flight, if any (``"save"``, ``"prepare"``, ``"reserve"``).
-        staging: Background saves are possible.
-        postponed: A periodic save postponed earlier.
-        dirty: The state changed since the last checkpoint.
-    """
-    writing = job == "save"
-    if reason in POSTPONABLE and writing and staging:
-        return None, reason
-    if reason is None and postponed is not None and not writing and dirty:
-        return postponed, postponed  # the write that postponed it has ended
-    return reason, postponed
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    settle: bool  # wait for the job in flight first
-    background: bool  # stage the state and let the writer write it
-    cancel: bool = False  # stop the write in flight instead of waiting for it: this save supersedes it
-
-
-def plan(reason: Reason, *, job: str | None, staging: bool, writing: Reason | None = None) -> Plan:
-    """How to write a save that is taken now.
-
-    Args:
-        writing: The reason of the snapshot the writer is writing (when ``job`` is ``"save"``).
-
-    A stop's save does not wait for a periodic write in flight: that snapshot is older than the state the stop
-    saves, so it is cancelled (its partial files removed) and the stop's durable time is that of one write. A
-    best or milestone write in flight is waited for: it is kept for its own sake. A pool being written ahead
-    is cancelled by any save, which writes over what it holds.
-    """
-    background = staging and reason not in SYNCHRONOUS
-    if job == "reserve":
-        return Plan(settle=False, background=background, cancel=True)
-    if job == "save" and reason in STOPS and writing in POSTPONABLE:
-        return Plan(settle=False, background=background, cancel=True)
-    return Plan(settle=job is not None, background=background)
-
-
-def wake(
-    due: Due, *, step: int, milestone_steps: int | None, postponed: Reason | None, job: bool, prepare_at: int | None
-) -> Due:
-    """The policy's thresholds, adjusted for the scheduler: a postponed save, a buffer sizing to start."""
-    if postponed is not None:
-        if job:  # periodic saves wait for the write in flight (run.step() sees it end); milestones stay due
-            m = milestone_steps
-            return Due((step // m + 1) * m if m else math.inf, math.inf, math.inf)
-        return Due(step + 1, math.inf, math.inf)  # its write ended: the next step takes it
-    if prepare_at is not None and not job:
-        return Due(min(due.step, prepare_at), due.batch, due.time)
-    return due
 
 
 # ---------------------------------------------------------------------------- the scheduler
@@ -194,6 +86,9 @@ class SaveScheduler:
         self.writers: Any = None  # sharded state under torch.distributed: the ranks' writers, on their own group
         self.shard_stager: Any = None  # the buffers of this rank's pieces of sharded state
         self._shard_views: dict[str, Any] = {}  # the DTensors around those buffers (sharded.staged)
+        self.lazy = False  # snapshots are lazy: see start()
+        self.pending: LazyCopy | None = None  # the lazy copies of the snapshot in flight
+        self._hook: Any = None  # the optimizer's pre-step hook that waits for them
 
     @property
     def pinned(self) -> bool:
@@ -204,8 +99,12 @@ class SaveScheduler:
     def buffer_nbytes(self) -> int:
         return 0 if self.stager is None else self.stager.nbytes
 
-    def start(self, payload: Any, *, optimizer_state_later: bool) -> None:
+    def start(self, payload: Any, *, optimizer_state_later: bool, lazy: bool = False) -> None:
         """Background saves from now: the buffers are sized for ``payload`` in the background.
+
+        ``lazy``: the copies of the parameters and the optimizer's state (on the CPU) are made by the writer
+        while the loop runs its next forward and backward, and the optimizer's pre-step hook waits for them
+        (:class:`~preempt.staging.LazyCopy`); not with sharded state.
 
         Under torch.distributed rank 0 writes the replicated state in the background; the other ranks' files
         (their random generators) are small and written at the step, before rank 0's. Sharded state: every rank
@@ -221,6 +120,10 @@ class SaveScheduler:
         elif not self.peers.leader:
             return
         self.stager, self.writer = self._new_stager(), self._new_writer()
+        optimizer = self.snapshot.components.optimizer
+        if lazy and optimizer is not None and self.writers is None:
+            self.lazy = True
+            self._hook = optimizer.register_step_pre_hook(self._optimizer_stepping)
         self._prepare(payload)
         if optimizer_state_later:
             self.prepare_at = self.loop.global_step + 1  # its moments appear at the first optimizer step
@@ -288,11 +191,18 @@ class SaveScheduler:
             try:
                 got = self.peers.save(self.manager, payload, manifest, extra, staged is not None)
             except OSError as e:
+                self.pending = None  # never made: no optimizer step may wait for it
                 self._failed(reason, e)
                 return
             if isinstance(got, Deferred):
-                write = got.finish
-                self._submit(reason, manifest, t0, lambda: write(self.manager, staged, manifest))
+                write, lazy = got.finish, self.pending
+
+                def copy_then_write() -> CheckpointInfo:
+                    if lazy is not None:
+                        lazy.run()
+                    return write(self.manager, staged, manifest)
+
+                self._submit(reason, manifest, t0, copy_then_write)
             elif got is None:  # another rank's files are durable; rank 0 writes its own and commits in the background
                 self.last_save = SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True)
                 self.loop.taken(manifest.step, manifest.cursor, self.clock())
@@ -343,13 +253,34 @@ class SaveScheduler:
             self.on_saved(self.last_save, sum(d.size for d in files.values()))
 
     def _copy(self, payload: Any) -> Any:
-        """The state copied into the staging buffers; None: save synchronously (and from now on)."""
+        """The state copied into the staging buffers (lazily: see start()); None: save synchronously (from now on)."""
         try:
+            if self.lazy:
+                staged, self.pending = self.stager.stage_lazily(payload, self._lazy_sources())
+                return staged
             return self.stager.stage(payload)
         except (MemoryError, RuntimeError) as e:  # e.g. pinned memory refused
             log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
             self.stager = None
             return None
+
+    def _lazy_sources(self) -> set[int]:
+        """The storages of the tensors that only ``optimizer.step()`` changes: the parameters and its state."""
+        c = self.snapshot.components
+        found: set[int] = set()
+        for group in c.optimizer.param_groups:  # type: ignore[union-attr]
+            for p in group["params"]:
+                found.add(p.untyped_storage().data_ptr())
+        for per_param in c.optimizer.state.values():  # type: ignore[union-attr]
+            for v in per_param.values():
+                if isinstance(v, torch.Tensor):
+                    found.add(v.untyped_storage().data_ptr())
+        return found
+
+    def _optimizer_stepping(self, *_: Any) -> None:
+        """The optimizer's pre-step hook: the lazy copies of the snapshot in flight are made first."""
+        if self.pending is not None:
+            self.pending.wait()
 
     def _save_sharded(self, reason: Reason, manifest: Manifest, t0: float, payload: Any) -> None:
         """Every rank copies its files and its pieces of the sharded state into its buffers; then its writer runs
@@ -413,9 +344,15 @@ class SaveScheduler:
         if job is None:
             return
         self.job = None
+        lazy = None
+        if job.kind == "save":
+            lazy, self.pending = self.pending, None
         try:
             result = self.writer.result()
         except Exception as e:
+            if isinstance(e, TornSnapshot):
+                self._torn(job, e)
+                return
             if job.kind == "reserve":
                 if not isinstance(e, commit.WriteCancelled):
                     log.warning("%s: could not write a pool ahead for the saves: %r", self.manager.save_dir, e)
@@ -458,7 +395,8 @@ class SaveScheduler:
         info: CheckpointInfo = result
         assert job.record is not None
         now = self.clock()
-        self.last_save = dataclasses.replace(job.record, write_s=now - job.started, path=info.path)
+        stall = job.record.stall_s + (lazy.waited if lazy is not None else 0.0)  # and the optimizer's wait, if lazy
+        self.last_save = dataclasses.replace(job.record, stall_s=stall, write_s=now - job.started, path=info.path)
         self.last_info, self.last_checkpoint = info, info.path
         # Routine checkpoints written in the background say so at DEBUG: a run would print little else.
         routine = job.record.reason in _ROUTINE
@@ -474,6 +412,20 @@ class SaveScheduler:
         if self.on_durable is not None:
             self.on_durable(now - job.started, now, info.step)
 
+    def _torn(self, job: Job, error: TornSnapshot) -> None:
+        """A lazy snapshot was changed before its copy was made: it is not written; copies are made at the step
+        from now on, and the state is due again."""
+        self.lazy = False
+        self.loop.changed()
+        self.postponed = None
+        assert job.record is not None
+        log.warning(
+            "the checkpoint of step %d is not written: %s (something other than optimizer.step() changes it"
+            " between steps); checkpoints copy the state at the step from now on",
+            job.record.step,
+            error,
+        )
+
     def settle(self) -> None:
         """Lets the job in flight finish before a save that cannot be skipped; a failed write is logged."""
         if self.job is None:
@@ -485,6 +437,9 @@ class SaveScheduler:
 
     def close(self) -> None:
         """At the end of the run: a write in flight is a consistent state, so it may become durable."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self.job is None:
             return
         if self.job.kind == "reserve":

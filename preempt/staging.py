@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -97,7 +98,13 @@ class Stager:
         The returned payload refers only to the buffers and to bytes; the live
         objects may change as soon as this returns.
         """
+        return self.stage_lazily(payload, frozenset())[0]
+
+    def stage_lazily(self, payload: Payload, later: Collection[int]) -> tuple[Payload, LazyCopy | None]:
+        """:meth:`stage`, except for the CPU tensors whose storage address is in ``later``: their copies are left
+        to the returned :class:`LazyCopy` (None when there are none), to be made before those tensors change."""
         pin = self._pin(payload)
+        deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         seen: set[tuple[str, str]] = set()
         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
         on_gpu = False
@@ -107,17 +114,20 @@ class Stager:
                 for key, t in tensors.items():
                     buf = self._buffer(file, key, t, pin)
                     src = t.detach()
-                    on_gpu |= src.device.type == "cuda"
-                    buf.copy_(src, non_blocking=src.device.type == "cuda" and buf.is_pinned())
                     staged[key] = buf
                     seen.add((file, key))
+                    if later and src.device.type == "cpu" and src.untyped_storage().data_ptr() in later:
+                        deferred.append((f"{file}:{key}", src, buf, src._version))
+                        continue
+                    on_gpu |= src.device.type == "cuda"
+                    buf.copy_(src, non_blocking=src.device.type == "cuda" and buf.is_pinned())
                 files[file] = (staged, dict(meta))
         if on_gpu:
             torch.cuda.synchronize()  # one wait for every non-blocking copy
         for gone in self._buffers.keys() - seen:
             del self._buffers[gone]
         docs = {name: codec.dumps(doc) for name, doc in payload.json_files.items()}
-        return Payload(tensor_files=files, json_files=docs)
+        return Payload(tensor_files=files, json_files=docs), LazyCopy(deferred) if deferred else None
 
     def _pin(self, payload: Payload) -> bool:
         if self.pin_memory is not None:
@@ -125,6 +135,50 @@ class Stager:
         if not torch.cuda.is_available():
             return False
         return any(t.device.type == "cuda" for ts, _ in payload.tensor_files.values() for t in ts.values())
+
+
+class TornSnapshot(RuntimeError):
+    """A tensor of a lazy snapshot changed before its copy was made: the snapshot would mix two steps."""
+
+
+class LazyCopy:
+    """The copies of a snapshot that are made after the loop has moved on (a lazy snapshot).
+
+    Between one ``optimizer.step()`` and the next, the forward and backward
+    passes only read the parameters and the optimizer's state, so their copies
+    can be made meanwhile: the writer thread calls :meth:`run` and the
+    optimizer's pre-step hook calls :meth:`wait`, which returns once every copy
+    is made. Anything else that writes into one of these tensors in place
+    before its copy is made bumps its version counter; :meth:`run` compares
+    each tensor's counter with the one read when the snapshot was taken, after
+    every copy, and raises :class:`TornSnapshot` naming the first that moved.
+    (A write through ``tensor.data`` bumps no counter and is not seen.)
+    """
+
+    def __init__(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor, int]]) -> None:
+        self.pairs = pairs  # (name, source, buffer, the source's version when the snapshot was taken)
+        self.nbytes = sum(b.numel() * b.element_size() for _, _, b, _ in pairs)
+        self.done = threading.Event()
+        self.waited = 0.0  # seconds the loop waited for the copies (the optimizer's hook)
+
+    def run(self) -> None:
+        """Makes the copies (the writer thread), then checks that no source changed meanwhile."""
+        try:
+            with torch.no_grad():
+                for _name, src, buf, _version in self.pairs:
+                    buf.copy_(src)
+            for name, src, _buf, version in self.pairs:
+                if src._version != version:
+                    raise TornSnapshot(f"{name} was changed in place before its copy was made")
+        finally:
+            self.done.set()
+
+    def wait(self) -> None:
+        """Returns once every copy is made (before anything may change the sources)."""
+        if not self.done.is_set():
+            t0 = time.perf_counter()
+            self.done.wait()
+            self.waited += time.perf_counter() - t0
 
 
 def _lower_priority(niceness: int) -> None:

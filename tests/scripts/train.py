@@ -94,6 +94,20 @@ def slow_commit(seconds: float):
     return hook
 
 
+def slow_lazy_copy(seconds: float) -> None:
+    """--slow_lazy_copy: the writer makes the lazy copies of a snapshot this much later; says when it starts."""
+    from preempt.staging import LazyCopy
+
+    run = LazyCopy.run
+
+    def slow(self) -> None:
+        print(f"lazy_copy_waits {seconds}", flush=True)
+        time.sleep(seconds)
+        run(self)
+
+    LazyCopy.run = slow
+
+
 def signal_at(spec: str, then=None) -> None:
     """``STAGE:N:SIG[,...]``: send this process a real SIG the N-th time the commit reaches STAGE.
 
@@ -171,7 +185,10 @@ def main() -> None:
     p.add_argument("--metrics", action="store_true", help="run.step(metrics={'loss': ...})")
     p.add_argument("--progress_every_s", type=float, default=None)
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
+    p.add_argument("--slow_lazy_copy", type=float, default=0.0, help="the lazy copies of a snapshot start this late")
     args = p.parse_args()
+    if args.slow_lazy_copy:
+        slow_lazy_copy(args.slow_lazy_copy)
     if args.signal_at:
         signal_at(args.signal_at, then=slow_commit(args.slow_commit))
     elif args.slow_commit:

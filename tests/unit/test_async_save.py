@@ -322,10 +322,10 @@ def test_too_little_host_memory_falls_back_to_synchronous_saves(tmp_path, monkey
 
 
 def test_staging_that_fails_falls_back_to_a_synchronous_save(tmp_path, monkeypatch, caplog):
-    def refuse(self, payload):
+    def refuse(self, payload, later=()):
         raise RuntimeError("cudaHostAlloc failed")
 
-    monkeypatch.setattr(Stager, "stage", refuse)
+    monkeypatch.setattr(Stager, "stage_lazily", refuse)  # what stage() calls too
     model, opt, data = build()
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2) as run:
         next(run.epochs(1))

@@ -13,7 +13,8 @@ from preempt.components import Components
 from preempt.data_cursor import DataCursor
 from preempt.loop_state import LoopState
 from preempt.policy import Due, Reason
-from preempt.save_scheduler import SaveScheduler, pick, plan, wake
+from preempt.save_plan import pick, plan, wake
+from preempt.save_scheduler import SaveScheduler
 from preempt.signals import StopFlag
 from preempt.snapshot import Snapshot
 
