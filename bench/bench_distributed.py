@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 
 def timed(fn, n: int) -> float:
@@ -37,17 +38,16 @@ def timed(fn, n: int) -> float:
     return statistics.median(out)
 
 
-def save_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
-    """(mode, median loop time of a save step, max over ranks; median seconds to durable on rank 0) per mode."""
+def preempt_saves(model: Any, opt: Any, saves: int, *, every_rank_stages: bool) -> list[tuple[str, float, float]]:
+    """``async_save`` off and on: (mode, median loop time of a save step, max over ranks; median seconds to durable).
+
+    ``every_rank_stages``: every rank sizes staging buffers at the start (sharded state), else rank 0 alone.
+    """
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_checkpoint import build_state
-
     from preempt import PreemptibleRun
 
-    model, opt = build_state(gib)
     rows = []
     for mode in ("sync", "async"):
         with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(__file__))) as d:
@@ -56,7 +56,7 @@ def save_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
             kw = dict(checkpoint_interval=None, checkpoint_every_steps=1, keep_last=1, exit_if_complete=False)
             stalls, durable = [], []
             with PreemptibleRun(shared[0], model=model, optimizer=opt, async_save=mode == "async", **kw) as run:
-                if mode == "async" and dist.get_rank() == 0:  # rank 0 sizes its buffers when the run starts
+                if mode == "async" and (every_rank_stages or dist.get_rank() == 0):  # buffers sized at the start
                     while run.staging_prepare_s is None:
                         time.sleep(0.05)
                         run.wait_for_checkpoint()
@@ -77,6 +77,15 @@ def save_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
     return rows
 
 
+def save_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
+    """The replicated (DDP-like) state: :func:`preempt_saves` with rank 0 writing in the background."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_checkpoint import build_state
+
+    model, opt = build_state(gib)
+    return preempt_saves(model, opt, saves, every_rank_stages=False)
+
+
 def sharded_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
     """The same state sharded by FSDP2 (``fully_shard`` on a CPU mesh): per method, the median of the longest wait
     among the ranks at a save and the median seconds to durable. preempt's background save (every rank copies its
@@ -92,7 +101,7 @@ def sharded_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_checkpoint import build_model
 
-    from preempt import PreemptibleRun, sharded
+    from preempt import sharded
 
     torch.manual_seed(0)
     model = build_model(gib)
@@ -121,26 +130,8 @@ def sharded_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
         floors.append(slowest(t0))
     del bufs
     rows = [("copy floor: each rank's pieces into touched buffers", statistics.median(floors[1:]), float("nan"))]
-    for mode in ("sync", "async"):
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(__file__))) as d:
-            shared = [d]
-            dist.broadcast_object_list(shared, src=0)
-            kw = dict(checkpoint_interval=None, checkpoint_every_steps=1, keep_last=1, exit_if_complete=False)
-            stalls, durable = [], []
-            with PreemptibleRun(shared[0], model=model, optimizer=opt, async_save=mode == "async", **kw) as run:
-                for i in range(saves + 1):
-                    run.wait_for_checkpoint()  # the previous write ends outside the timing
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    run.step()
-                    took = slowest(t0)
-                    run.wait_for_checkpoint()
-                    if i:
-                        stalls.append(took)
-                        if run.last_save is not None and run.last_save.write_s is not None:
-                            durable.append(run.last_save.write_s)
-            dist.barrier()
-        rows.append((f"preempt, async_save={mode == 'async'}", statistics.median(stalls), statistics.median(durable)))
+    for mode, stall, durable in preempt_saves(model, opt, saves, every_rank_stages=True):
+        rows.append((f"preempt, async_save={mode == 'async'}", stall, durable))
     group = dist.new_group(backend="gloo")  # async_save's collectives run in its thread: not on the loop's group
     options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
                              use_non_blocking_copy=False)  # fmt: skip
