@@ -40,9 +40,9 @@ ranks share) and the ranks agree, at every safe point, on what to do:
   and exit code 80 on each survivor, nothing saved (a checkpoint needs every
   rank), the last checkpoint intact for the rerun of all ranks.
 
-Objects crossing ranks here (directory names, digests, outcomes) travel
-pickled between the run's own processes, as ``torch.distributed``'s object
-collectives send them; nothing read from disk is unpickled.
+Objects crossing ranks here (directory names, digests, outcomes) travel as
+JSON (:mod:`preempt.codec`), never pickled: a rank opens nothing another
+process could turn into code.
 
 * **Works destroyed in the main thread.** The latest collectives' work
   objects are kept until the process ends (:func:`_wait`), so that a
@@ -66,7 +66,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -74,7 +73,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import commit
+from . import codec, commit
 from ._log import log
 from .checkpoint import CheckpointInfo, CheckpointManager, write_payload
 from .checkpoint_files import read_manifest
@@ -136,18 +135,18 @@ class Coordinator:
         return bool(buf[0])
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj``, on every rank."""
+        """Rank 0's ``obj`` (JSON: tuples arrive as lists), on every rank."""
         with self._peers("a broadcast from rank 0"):
-            mine = _tensor_of(pickle.dumps(obj)) if self.rank == 0 else None
+            mine = _tensor_of(codec.dumps(obj)) if self.rank == 0 else None
             size = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64)
             _wait(dist.broadcast(size, src=0, group=self.group, async_op=True))
             data = torch.empty(int(size[0]), dtype=torch.uint8) if mine is None else mine
             _wait(dist.broadcast(data, src=0, group=self.group, async_op=True))
-        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+        return obj if self.rank == 0 else codec.loads(data.numpy().tobytes(), "a broadcast from rank 0")
 
     def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
-        mine = pickle.dumps(obj)
+        """Every rank's ``obj`` (JSON), in rank order, on rank 0 (None elsewhere)."""
+        mine = codec.dumps(obj)
         with self._peers("a gather to rank 0"):
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
             size = torch.tensor([len(mine)], dtype=torch.int64)
@@ -159,7 +158,8 @@ class Coordinator:
             _wait(dist.gather(data, pieces or None, dst=0, group=self.group, async_op=True))
         if self.rank != 0:
             return None
-        return [pickle.loads(p[: int(s[0])].numpy().tobytes()) for p, s in zip(pieces, sizes, strict=True)]
+        return [codec.loads(p[: int(s[0])].numpy().tobytes(), f"rank {r}'s part of a gather") for r, (p, s) in
+                enumerate(zip(pieces, sizes, strict=True))]  # fmt: skip
 
     def barrier(self) -> None:
         with self._peers("a barrier"):
@@ -274,7 +274,8 @@ def save_ranked(
             files[fname] = commit.read_file(tmp / fname)[1]
     except Exception as e:
         error = _describe(e, coord.rank)
-    got = coord.gather((files, error))  # returns on rank 0 once every rank's files are durable
+    sent = None if files is None else {name: d.to_json() for name, d in files.items()}
+    got = coord.gather((sent, error))  # returns on rank 0 once every rank's files are durable
     outcome: Any = None
     result: CheckpointInfo | Deferred | None = None
     if coord.rank == 0:
@@ -282,7 +283,7 @@ def save_ranked(
         errors = [e for _, e in got if e is not None]
         listed: dict[str, Any] = {}
         for rank_files_ in got:
-            listed.update(rank_files_[0] or {})
+            listed.update({name: commit.FileDigest(**d) for name, d in (rank_files_[0] or {}).items()})
         if errors:
             manager.discard(tmp)
             outcome = ("error", errors[0])
