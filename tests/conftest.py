@@ -28,6 +28,10 @@ TRAIN_DDP = Path(__file__).resolve().parent / "scripts" / "train_ddp.py"
 DDP_ARGS = ["--epochs", "2", "--samples", "192", "--every_steps", "4"]  # 12 steps per epoch on 2 ranks, 24 in all
 PREEMPTED = 75
 
+# Every process a test starts imports preempt from this checkout, whatever the installed (editable) copy points at:
+# a suite run in one clone must not test another clone's code.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
 
 class Spawned:
     """A child process whose merged stdout/stderr is collected line by line by a thread."""
