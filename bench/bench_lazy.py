@@ -12,7 +12,7 @@ after the last, and reports the loop's wall time (buffers and DCP's stager sized
 - ``none``: ``PreemptibleRun(async_save=False)`` without checkpoints (run twice, first and last: their gap is
   the noise floor);
 - ``eager``: ``async_save=True, lazy_snapshot=False``: the state is copied at the step, then written;
-- ``lazy``: ``async_save=True`` (``lazy_snapshot=True``): the parameters and moments are copied by the writer
+- ``lazy``: ``async_save=True, lazy_snapshot=True``: the parameters and moments are copied by the writer
   while the next forward and backward run; the next ``optimizer.step()`` waits for what is not copied yet;
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` of the same tensors with a ``DefaultStager`` created once
   and reused (staging before it returns), the loop otherwise the same, no ``PreemptibleRun``.

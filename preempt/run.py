@@ -131,7 +131,7 @@ class PreemptibleRun:
         requeue: bool = True,
         max_restarts: int | None = None,
         async_save: bool = True,
-        lazy_snapshot: bool = True,
+        lazy_snapshot: bool = False,
         sync_every_steps: int = 1,
         log_file: bool = True,
         progress_every_s: float | None = 60.0,

@@ -89,8 +89,11 @@ OPTIONS_DOC = """\
             that changes one of those tensors in place before its copy is made
             is seen (its version counter moved): that checkpoint is not
             written, the run says so and copies at the step from then on.
-            Tensors on a GPU are copied at the step. False: every copy is made
-            at the step.
+            Tensors on a GPU are copied at the step. Off by default: on this
+            project's 2-core CPU machine it did not lower what a checkpoint
+            costs a loop of real steps (``bench/bench_lazy.py``: the write
+            competing with the loop costs ~6x the copy there, eager or lazy),
+            and a change through ``tensor.data`` is not seen.
         sync_every_steps: Under torch.distributed, the ranks agree on saving
             and stopping at every N-th ``run.step()`` (one small all-reduce on
             a gloo group; see :mod:`preempt.distributed`). Larger N costs less
@@ -153,7 +156,7 @@ class RunConfig:
     best_mode: str = "min"
     recycle_files: bool = True
     async_save: bool = True
-    lazy_snapshot: bool = True
+    lazy_snapshot: bool = False
     # where a run starts
     auto_resume: bool = True
     resume: str | int | os.PathLike[str] | None = "latest"

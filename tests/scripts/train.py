@@ -185,7 +185,7 @@ def main() -> None:
     p.add_argument("--metrics", action="store_true", help="run.step(metrics={'loss': ...})")
     p.add_argument("--progress_every_s", type=float, default=None)
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
-    p.add_argument("--slow_lazy_copy", type=float, default=0.0, help="the lazy copies of a snapshot start this late")
+    p.add_argument("--slow_lazy_copy", type=float, default=0.0, help="lazy_snapshot=True, its copies this late")
     args = p.parse_args()
     if args.slow_lazy_copy:
         slow_lazy_copy(args.slow_lazy_copy)
@@ -224,6 +224,8 @@ def main() -> None:
         walltime["progress_every_s"] = args.progress_every_s
     if args.no_recycle:
         walltime["recycle_files"] = False
+    if args.slow_lazy_copy:
+        walltime["lazy_snapshot"] = True
     kill_step, kill_sig = (
         (int(args.kill_at_step.split(":")[0]), args.kill_at_step.split(":")[1]) if args.kill_at_step else (None, None)
     )

@@ -1,4 +1,4 @@
-"""Lazy snapshots: the parameters and the optimizer's state are copied while the loop runs its next step.
+"""Lazy snapshots (``lazy_snapshot=True``): parameters and optimizer state copied while the loop runs its next step.
 
 The writer's copies are made slow here (``slow_copies``: the writer thread sleeps before copying), so the
 next ``optimizer.step()`` always comes while they are still to be made: the optimizer's pre-step hook must
@@ -19,6 +19,7 @@ from preempt.save_scheduler import SaveScheduler
 from preempt.staging import LazyCopy
 
 DELAY = 0.3
+LAZY = dict(checkpoint_every_steps=2, keep_last=None, lazy_snapshot=True)
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def slow_copies(monkeypatch):
 def test_the_optimizer_waits_for_the_lazy_copies_so_the_checkpoint_holds_its_own_step(tmp_path, slow_copies):
     """Fails without the optimizer's hook: the copies would be of step 3, or the snapshot dropped as torn."""
     model, opt, data = build()
-    with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2, keep_last=None) as run:
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, **LAZY) as run:
         next(run.epochs(1))
         step = stepper(run, model, opt, data)
         step(2)  # step 2 is snapshotted: the parameters and moments are left to the writer
@@ -63,7 +64,7 @@ def test_without_the_optimizers_hook_the_torn_snapshot_is_caught_and_not_written
     SaveScheduler._optimizer_stepping = lambda self, *a: None
     model, opt, data = build()
     try:
-        with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2, keep_last=None) as run:
+        with PreemptibleRun(tmp_path, model=model, optimizer=opt, **LAZY) as run:
             next(run.epochs(1))
             step = stepper(run, model, opt, data)
             step(3)  # step 2's copies are still to be made when step 3's optimizer changes the parameters
@@ -82,7 +83,7 @@ def test_without_the_optimizers_hook_the_torn_snapshot_is_caught_and_not_written
 def test_a_parameter_changed_outside_the_optimizer_drops_that_snapshot_not_a_later_one(tmp_path, slow_copies, caplog):
     caplog.set_level(logging.WARNING, logger="preempt")
     model, opt, data = build()
-    with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2, keep_last=None) as run:
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, **LAZY) as run:
         next(run.epochs(1))
         step = stepper(run, model, opt, data)
         step(2)
@@ -99,7 +100,7 @@ def test_a_parameter_changed_outside_the_optimizer_drops_that_snapshot_not_a_lat
 
 def test_a_stop_while_the_lazy_copies_are_made_saves_the_stop_step_bit_exact(tmp_path, slow_copies):
     model, opt, data = build()
-    with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2, keep_last=None) as run:
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, **LAZY) as run:
         next(run.epochs(1))
         step = stepper(run, model, opt, data)
         step(2)
