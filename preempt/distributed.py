@@ -55,7 +55,7 @@ process could turn into code.
   GIL (torch keeps the Python object of a tensor that C++ shares); a thread
   that takes the GIL during finalization is made to exit inside a
   ``noexcept`` destructor and the process aborts ("terminate called without
-  an active exception", SIGABRT; seen in 4 of 112 two-rank runs under load,
+  an active exception", SIGABRT; seen in 4 of at least 112 two-rank runs under load,
   and in 8 of 25 runs of a script that ends with a barrier behind 2,000
   broadcasts, against 0 of 40 when the barrier's work is kept). A work kept
   here is destroyed by the main thread, with the GIL, when the process ends.

@@ -157,7 +157,6 @@ class LazyCopy:
 
     def __init__(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor, int]]) -> None:
         self.pairs = pairs  # (name, source, buffer, the source's version when the snapshot was taken)
-        self.nbytes = sum(b.numel() * b.element_size() for _, _, b, _ in pairs)
         self.done = threading.Event()
         self.waited = 0.0  # seconds the loop waited for the copies (the optimizer's hook)
 
