@@ -580,9 +580,8 @@ class PreemptibleRun:
             _REASONS.index(reason) + 1 if reason is not None else 0,
             walltime_stop=decision.stop and decision.reason is Reason.WALLTIME,
         )
-        if agreed.save:
-            saves.save(_REASONS[agreed.save - 1], point)
-            if not agreed.stop:  # a signal that came during the write stops the run here, with that checkpoint
+        if agreed.save:  # a signal that came during a write stops the run here, with that checkpoint
+            if not saves.save(_REASONS[agreed.save - 1], point) and not agreed.stop:  # (a mere copy: next time)
                 agreed = self.peers.agree(stopper.flag.requested, 0)
         if agreed.stop:
             saves.before_stop()  # rank 0's write in flight: cancelled when the state moved past it, else awaited

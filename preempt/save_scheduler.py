@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import threading
 import time
@@ -161,12 +162,16 @@ class SaveScheduler:
             log.debug("a %s checkpoint is due while a write is in flight: postponed", reason.value)
         return now
 
-    def save(self, reason: Reason, point: str) -> None:
+    def save(self, reason: Reason, point: str) -> bool:
         """Writes a checkpoint of the current state, in the background when it may.
 
         A periodic save that fails for want of disk (any OSError) is logged and
         training goes on; the next one is tried when it is next due. A save that
         cannot be skipped (the stop's, the final one, a branch's) raises.
+
+        Returns True when every rank, by agreement, only copied the state (sharded
+        state saved in the background): no rank waited for a write, so the ranks
+        need not agree again before the loop goes on.
         """
         how = plan(reason, job=None if self.job is None else self.job.kind, staging=self.stager is not None,
                    writing=self._writing())  # fmt: skip
@@ -182,18 +187,18 @@ class SaveScheduler:
             t0 = self.clock()
             manifest = self.snapshot.manifest(reason, point, self.manager.retention)
             log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
-            payload = self.snapshot.payload()
+            payload, live = self.snapshot.content()
             if background and self.writers is not None:
-                self._save_sharded(reason, manifest, t0, payload)
-                return
+                self._save_sharded(reason, manifest, t0, payload, live)
+                return True
             staged = self._copy(payload) if background else None
-            extra = self.snapshot.extra_files if self.snapshot.sharded else None
+            extra = None if live is None else functools.partial(sharded.save, tensors=live, rank=self.peers.rank)
             try:
                 got = self.peers.save(self.manager, payload, manifest, extra, staged is not None)
             except OSError as e:
                 self.pending = None  # never made: no optimizer step may wait for it
                 self._failed(reason, e)
-                return
+                return False
             if isinstance(got, Deferred):
                 write, lazy = got.finish, self.pending
 
@@ -208,6 +213,7 @@ class SaveScheduler:
                 self.loop.taken(manifest.step, manifest.cursor, self.clock())
             else:
                 self._durable(reason, got, t0)
+        return False
 
     def _blocking(self) -> bool:
         """A job is in flight that a periodic save waits for (a pool written ahead is cancelled instead)."""
@@ -282,13 +288,12 @@ class SaveScheduler:
         if self.pending is not None:
             self.pending.wait()
 
-    def _save_sharded(self, reason: Reason, manifest: Manifest, t0: float, payload: Any) -> None:
+    def _save_sharded(self, reason: Reason, manifest: Manifest, t0: float, payload: Any, live: Any) -> None:
         """Every rank copies its files and its pieces of the sharded state into its buffers; then its writer runs
         the distributed commit (:func:`preempt.distributed.save_ranked`, DCP writing the staged pieces) with the
         other ranks' writers, on their own group. Not cancellable: a rank that left the commit's collectives alone
         would leave the others waiting; a stop waits for it instead."""
         staged = self.stager.stage(payload)  # no fallback here: every rank must take the same path
-        live = self.snapshot.shards()
         shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)), self._shard_views)
         writers, manager, rank = self.writers, self.manager, self.peers.rank
 
@@ -457,7 +462,8 @@ class SaveScheduler:
             return
         shards = None
         if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
-            payload, shards = self.snapshot.payload(), sharded.local_payload(self.snapshot.shards())
+            payload, live = self.snapshot.content()
+            shards = sharded.local_payload(live)
         nbytes = payload_nbytes(payload) + (0 if shards is None else payload_nbytes(shards))
         available = host_memory_available()
         if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any
 
 from . import codec, rng, sharded, state
@@ -50,12 +49,15 @@ class Snapshot:
             "lr_scale": self.lr_scale,
         }
 
-    def capture(self) -> state.Payload:
-        """Everything but what DCP writes (the tensors of sharded state), as the files of a checkpoint."""
+    def capture(self, split: tuple[dict[str, Any], Any] | None = None) -> state.Payload:
+        """Everything but what DCP writes (the tensors of sharded state), as the files of a checkpoint.
+
+        ``split``: the sharded state already read (:meth:`split`), so that one save reads it once.
+        """
         c = self.components
         if not self.sharded:
             return state.capture(c, self.run_state())
-        _, rest = sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
+        _, rest = split if split is not None else self.split()
         run_state = {**self.run_state(), "sharded": {"optimizer": rest}}
         return state.capture(state.Components(None, None, c.scheduler, c.scaler, c.tracked), run_state)
 
@@ -63,26 +65,29 @@ class Snapshot:
         """The components' tensors alone (to size the staging buffers)."""
         return state.capture(self.components, {})
 
-    def payload(self) -> state.Payload:
-        """What this process writes: everything on rank 0; under torch.distributed, only its RNG on the others."""
+    def split(self) -> tuple[dict[str, Any], Any]:
+        """The live tensors of the sharded model and optimizer as DCP writes them, and the optimizer's other state
+        (:func:`sharded.split_state`: FSDP2's ``state_dict()``, read once per save)."""
+        c = self.components
+        return sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
+
+    def content(self) -> tuple[state.Payload, dict[str, Any] | None]:
+        """What this process writes, and the live sharded tensors DCP writes for it (None: the state is not sharded).
+
+        The files: everything on rank 0; under torch.distributed, only its RNG on the others.
+        """
+        split = self.split() if self.sharded else None
+        shards = None if split is None else split[0]
         if self.rank == 0:
-            return self.capture()
+            return self.capture(split), shards
         run_state = self.run_state()
         own = state.capture(state.Components(), {"rng": run_state["rng"], "data": run_state["data"]})
         tensors, meta = own.tensor_files[state.STATE_FILE]
         tensor_file, json_file = state.rank_files(self.rank)
-        return state.Payload(
+        files = state.Payload(
             tensor_files={tensor_file: (tensors, meta)}, json_files={json_file: own.json_files[state.STATE_JSON]}
         )
-
-    def shards(self) -> dict[str, Any]:
-        """The live tensors of the sharded model and optimizer, as DCP writes them (:func:`sharded.split_state`)."""
-        c = self.components
-        return sharded.split_state(state.unwrap_model(c.model), c.optimizer)[0]  # type: ignore[arg-type]
-
-    def extra_files(self, directory: Path) -> list[str]:
-        """This rank's pieces of the sharded model and optimizer (a collective; DCP writes them)."""
-        return sharded.save(directory, self.shards(), self.rank)
+        return files, shards
 
     def manifest(self, reason: Reason, point: str, retention: RetentionPolicy | None = None) -> Manifest:
         """The manifest of a checkpoint taken now; ``retention``: the run's, recorded for ``preempt prune``."""
