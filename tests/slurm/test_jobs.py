@@ -13,8 +13,10 @@ second 10 and 40.
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -214,21 +216,33 @@ def test_walltime_keeper_without_any_signal(
     assert len(re.findall(r"the walltime keeper stopped the run .*; requeued it", log)) == restarts, log
 
 
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """What each rank of an uninterrupted 2-rank train_ddp.py run (DDP_ARGS) ends with."""
+    d = tmp_path_factory.mktemp("ddp_ref")
+    ref = torchrun(d / "ref", d / "ref.safetensors", DDP_ARGS)
+    assert ref.finish(timeout=180) == 0, ref.output
+    return ddp_finals(d / "ref.safetensors")
+
+
+def submit_torchrun(cluster: Cluster, d: Path, out: str = "job.out") -> Job:
+    """slurm/job_torchrun.sbatch on one node: srun -> torchrun -> 2 gloo ranks of train_ddp.py, each logging."""
+    args = [*DDP_ARGS, "--step_sleep", "0.3", "--save_dir", str(d / "run"), "--final_out", str(d / "final.safetensors")]
+    options = ["--nodes=1", "--cpus-per-task=2", "--gres=none", "--time=5"]
+    options.append(f"--export=ALL,GPUS_PER_NODE=2,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1")
+    return cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], d / out, options)
+
+
 def test_torchrun_template_two_ranks_requeued_by_the_scheduler(
     slurm_cluster: Cluster,  # noqa: F811
     time_limit_jobs: dict,
     tmp_path: Path,
+    ddp_reference: list[dict],
 ) -> None:
     """slurm/job_torchrun.sbatch on one node of the cluster (srun -> torchrun -> 2 gloo ranks), requeued mid-run:
     both ranks stop at one step, the job comes back, resumes, and each rank ends bit-exact."""
-    ref = torchrun(tmp_path / "ref", tmp_path / "ref.safetensors", DDP_ARGS)
-    assert ref.finish(timeout=180) == 0, ref.output
     final = tmp_path / "final.safetensors"
-    args = [*DDP_ARGS, "--step_sleep", "0.3", "--save_dir", str(tmp_path / "run"), "--final_out", str(final)]
-    options = ["--nodes=1", "--cpus-per-task=2", "--gres=none", "--time=5"]
-    # each rank logs where it stopped
-    options.append(f"--export=ALL,GPUS_PER_NODE=2,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1")
-    job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
+    job = submit_torchrun(slurm_cluster, tmp_path)
     job.wait_log(r"^rank 0 step 6 ", timeout=120)
     job.requeue()
     job.wait_running(timeout=60, restarts=1)
@@ -240,4 +254,47 @@ def test_torchrun_template_two_ranks_requeued_by_the_scheduler(
     assert len(stops) == 2 and stops[0] == stops[1], log
     assert len(re.findall(rf"restart 1 of job {job.id}: resumed from \S+: step {stops[0]}\b", log)) == 2, log
     assert "requeued it" not in log, log
-    assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
+    assert_equal_finals(ddp_reference, ddp_finals(final))
+
+
+def _rank_pid(save_dir: Path, rank: int) -> int | None:
+    """The pid of the train_ddp.py worker of ``rank`` that writes to ``save_dir`` (torchrun sets RANK)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            if str(TRAIN_DDP).encode() in cmd and str(save_dir).encode() in cmd:
+                if f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                    return int(proc.name)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def test_torchrun_template_a_rank_killed_fails_the_job_and_a_resubmission_resumes(
+    slurm_cluster: Cluster,  # noqa: F811
+    time_limit_jobs: dict,
+    tmp_path: Path,
+    ddp_reference: list[dict],
+) -> None:
+    """A rank dies (SIGKILL, as the OOM killer does) after a checkpoint: nothing hangs, the job ends FAILED (torchrun
+    turns its workers' end into exit 1; SLURM requeues by itself only for a node failure), the last checkpoint
+    stands, and submitting the same job again resumes from it and ends bit-exact on every rank."""
+    job = submit_torchrun(slurm_cluster, tmp_path)
+    job.wait_log(r"^rank 1 step 6 ", timeout=120)
+    manager = CheckpointManager(tmp_path / "run", owner=False)
+    job.wait("a durable checkpoint", lambda: manager.list(), timeout=30)
+    saved = max(c.step for c in manager.list())
+    pid = _rank_pid(tmp_path / "run", 1)
+    assert pid is not None, job.describe()
+    os.kill(pid, signal.SIGKILL)
+    info = job.wait_done(timeout=120)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", job.describe()
+    assert "run complete" not in job.log, job.describe()
+    newest = max(c.step for c in manager.list())
+    assert newest >= saved, job.describe()
+
+    again = submit_torchrun(slurm_cluster, tmp_path, out="again.out")
+    info = again.wait_done(timeout=180)
+    assert info["JobState"] == "COMPLETED", again.describe()
+    assert len(re.findall(rf"resumed from \S+: step {newest}\b", again.log)) == 2, again.describe()
+    assert_equal_finals(ddp_reference, ddp_finals(tmp_path / "final.safetensors"))
