@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a checkpoint costs a loop of real training steps: lazy snapshots against eager copies and DCP.
 
-    python bench/bench_lazy.py [--gib 1.5] [--steps 36] [--every 6] [--batch 16] [--rounds 1]
+    python bench/bench_lazy.py [--gib 1.5] [--steps 36] [--every 6] [--batch 16] [--rounds 1] [--reuse-memory]
 
 The state is an MLP of square ``Linear`` layers whose parameters and two AdamW moments come to ``--gib`` GiB;
 each step is a real forward and backward on a batch of ``--batch`` rows and ``optimizer.step()``, with torch on
@@ -20,6 +20,12 @@ after the last, and reports the loop's wall time (buffers and DCP's stager sized
 Cost per checkpoint = (loop time of the variant - mean loop time of the two ``none`` runs) / checkpoints, as a
 ratio to the copy floor: the state copied into buffers allocated and touched before, measured in each process.
 The shared 2-core machine is noisy: ``--rounds`` repeats every variant, interleaved, and the medians are reported.
+
+Each variant also reports the loop thread's time in the kernel and its minor page faults: with glibc's default
+malloc every tensor above 32 MiB is a fresh mmap, so each step faults in its gradients and the optimizer's
+temporaries anew (here about half of the loop's time), and the background write's page-cache work contends with
+those faults. ``--reuse-memory`` runs the children with ``GLIBC_TUNABLES`` that keep freed memory in the process
+(``mmap_max=0``, a high ``trim_threshold``): the loop then faults almost nothing.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 VARIANTS = ("none", "eager", "lazy", "dcp", "none2")
+REUSE_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 GIB = 1 << 30
 
 
@@ -76,6 +84,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         floors.append(time.perf_counter() - t0)
     del bufs
     work = Path(args.dir) / args.variant
+    tid = threading.get_native_id()
     last = args.steps + 1  # one step after the last checkpoint: its copies are paid inside the loop too
     taken = 0
     if args.variant == "dcp":
@@ -86,7 +95,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         warm = dcp.async_save(tensors, checkpoint_id=str(work / "warm"), async_stager=stager, no_dist=True)
         (warm.upload_completion if hasattr(warm, "upload_completion") else warm).result()  # the stager's buffers
         pending = None
-        t0 = time.perf_counter()
+        k0, t0 = kernel(tid), time.perf_counter()
         for i in range(2, last + 1):
             train_step()
             if i % args.every == 0 and i <= args.steps:
@@ -99,7 +108,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     pending = resp
                 taken += 1
-        loop_s = time.perf_counter() - t0
+        loop_s, k1 = time.perf_counter() - t0, kernel(tid)
         if pending is not None:
             pending.result()
     else:
@@ -118,17 +127,35 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 run.wait_for_checkpoint()
             run.step()  # step 1, trained above
             steps_seen: set[int] = set()
-            t0 = time.perf_counter()
+            k0, t0 = kernel(tid), time.perf_counter()
             for _ in range(2, last + 1):
                 train_step()
                 run.step()
                 if run.last_save is not None:
                     steps_seen.add(run.last_save.step)
-            loop_s = time.perf_counter() - t0
+            loop_s, k1 = time.perf_counter() - t0, kernel(tid)
             run.wait_for_checkpoint()
             taken = len(steps_seen)
     shutil.rmtree(work, ignore_errors=True)
-    return {"variant": args.variant, "loop_s": loop_s, "checkpoints": taken, "floor_s": min(floors), "bytes": nbytes}
+    return {
+        "variant": args.variant,
+        "loop_s": loop_s,
+        "checkpoints": taken,
+        "floor_s": min(floors),
+        "bytes": nbytes,
+        "kernel_s": k1[0] - k0[0],
+        "faults": k1[1] - k0[1],
+    }
+
+
+def kernel(tid: int) -> tuple[float, int]:
+    """(seconds in the kernel, minor page faults) of thread ``tid`` of this process so far (Linux)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[12]) / os.sysconf("SC_CLK_TCK"), int(fields[7])
+    except (OSError, ValueError, IndexError):
+        return float("nan"), 0
 
 
 def main() -> None:
@@ -138,6 +165,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=6)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--reuse-memory", action="store_true", help="children keep freed memory (GLIBC_TUNABLES)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one under bench/results)")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -156,6 +184,8 @@ def main() -> None:
                 cmd += ["--gib", str(args.gib), "--steps", str(args.steps), "--every", str(args.every)]
                 cmd += ["--batch", str(args.batch)]
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "PREEMPT_LOG_LEVEL": "WARNING"}
+                if args.reuse_memory:
+                    env["GLIBC_TUNABLES"] = REUSE_MEMORY
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
                 if out.returncode != 0:
                     sys.exit(f"bench_lazy: variant {v} failed:\n{out.stderr}")
@@ -168,13 +198,19 @@ def main() -> None:
     n = args.steps // args.every
     print(f"\n{nbytes / GIB:.2f} GiB state (params + 2 AdamW moments), {args.steps + 1} steps, a checkpoint every")
     print(f"{args.every} steps ({n} wanted per run), medians of {args.rounds} round(s);", end=" ")
-    print(f"copy floor {floor * 1e3:.0f} ms\n")
-    print("| variant | loop | checkpoints | per checkpoint | / copy floor |\n|---|---:|---:|---:|---:|")
+    malloc = "GLIBC_TUNABLES=" + REUSE_MEMORY if args.reuse_memory else "glibc's default malloc"
+    print(f"copy floor {floor * 1e3:.0f} ms; {malloc}")
+    print("\n| variant | loop | loop in the kernel | page faults | checkpoints | per checkpoint | / copy floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for v in VARIANTS:
         taken = statistics.median(x["checkpoints"] for x in results[v])
         cost = (med[v] - base) / taken if taken else None
         cells = ("", "") if cost is None else (f"{cost * 1e3:.0f} ms", f"{cost / floor:.2f}x")
-        print(f"| {v} | {med[v]:.2f} s | {taken:g} | {cells[0]} | {cells[1]} |")
+        ks = statistics.median(x["kernel_s"] for x in results[v])
+        faults = statistics.median(x["faults"] for x in results[v])
+        print(f"| {v} | {med[v]:.2f} s | {ks:.2f} s | {faults:,.0f} | {taken:g} | {cells[0]} | {cells[1]} |")
+    for v in VARIANTS:
+        print(f"{v}: loops of the rounds " + " / ".join(f"{x['loop_s']:.2f}" for x in results[v]) + " s")
     print(f"\nnoise floor (none vs none2): {abs(med['none'] - med['none2']) / n * 1e3:.0f} ms per checkpoint's worth")
 
 
