@@ -581,7 +581,7 @@ class PreemptibleRun:
             walltime_stop=decision.stop and decision.reason is Reason.WALLTIME,
         )
         if agreed.save:  # a signal that came during a write stops the run here, with that checkpoint
-            if not saves.save(_REASONS[agreed.save - 1], point) and not agreed.stop:  # (a mere copy: next time)
+            if not saves.save(_REASONS[agreed.save - 1], point) and not agreed.stop:  # (after a copy alone: the next)
                 agreed = self.peers.agree(stopper.flag.requested, 0)
         if agreed.stop:
             saves.before_stop()  # rank 0's write in flight: cancelled when the state moved past it, else awaited
