@@ -70,3 +70,31 @@ def test_split_state_does_not_step_a_fresh_optimizer():
     tensors, rest = sharded.split_state(model, opt)
     assert set(tensors) == {"model.weight", "model.bias"} and not opt.state
     assert rest["param_groups"][0]["params"] == ["weight", "bias"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_save_reads_the_sharded_state_once(rank):
+    """Snapshot.content() gives the files and the live tensors DCP writes from one state_dict() (FSDP2 builds
+    hundreds of DTensors per read); the files hold the optimizer's other state from that same read on rank 0."""
+    from preempt.components import Components
+    from preempt.data_cursor import DataCursor
+    from preempt.loop_state import LoopState
+    from preempt.snapshot import Snapshot
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    reads = []
+    model.register_state_dict_post_hook(lambda *_: reads.append(1))
+    data = DataCursor(())
+    data.seed = 1
+    snapshot = Snapshot(Components(model, opt), LoopState(), data, rank=rank)
+    snapshot.sharded = True  # what PreemptibleRun sets for a model of DTensors
+    files, live = snapshot.content()
+    assert len(reads) == 1
+    assert live is not None and torch.equal(live["model.weight"], model.weight)
+    assert live["optim.weight.exp_avg"] is opt.state[model.weight]["exp_avg"]
+    from preempt import state
+
+    assert (state.STATE_FILE if rank == 0 else state.rank_files(rank)[0]) in files.tensor_files
