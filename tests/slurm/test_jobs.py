@@ -225,9 +225,10 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return ddp_finals(d / "ref.safetensors")
 
 
-def submit_torchrun(cluster: Cluster, d: Path, out: str = "job.out") -> Job:
+def submit_torchrun(cluster: Cluster, d: Path, out: str = "job.out", step_sleep: str = "0.3") -> Job:
     """slurm/job_torchrun.sbatch on one node: srun -> torchrun -> 2 gloo ranks of train_ddp.py, each logging."""
-    args = [*DDP_ARGS, "--step_sleep", "0.3", "--save_dir", str(d / "run"), "--final_out", str(d / "final.safetensors")]
+    args = [*DDP_ARGS, "--step_sleep", step_sleep, "--save_dir", str(d / "run")]
+    args += ["--final_out", str(d / "final.safetensors")]
     options = ["--nodes=1", "--cpus-per-task=2", "--gres=none", "--time=5"]
     options.append(f"--export=ALL,GPUS_PER_NODE=2,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1")
     return cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], d / out, options)
@@ -293,7 +294,7 @@ def test_torchrun_template_a_rank_killed_fails_the_job_and_a_resubmission_resume
     newest = max(c.step for c in manager.list())
     assert newest >= saved, job.describe()
 
-    again = submit_torchrun(slurm_cluster, tmp_path, out="again.out")
+    again = submit_torchrun(slurm_cluster, tmp_path, out="again.out", step_sleep="0")
     info = again.wait_done(timeout=180)
     assert info["JobState"] == "COMPLETED", again.describe()
     assert len(re.findall(rf"resumed from \S+: step {newest}\b", again.log)) == 2, again.describe()
