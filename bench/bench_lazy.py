@@ -1,25 +1,31 @@
 #!/usr/bin/env python
 """What a checkpoint costs a loop of real training steps: lazy snapshots against eager copies and DCP.
 
-    python bench/bench_lazy.py [--gib 1.5] [--steps 36] [--every 6] [--batch 16] [--rounds 1] [--reuse-memory]
+    python bench/bench_lazy.py [--gib 1.5] [--cycles 12] [--every 6] [--batch 16] [--reuse-memory]
 
 The state is an MLP of square ``Linear`` layers whose parameters and two AdamW moments come to ``--gib`` GiB;
 each step is a real forward and backward on a batch of ``--batch`` rows and ``optimizer.step()``, with torch on
-one thread (the other core is the writer's). Every variant runs in a fresh process, ``--steps`` steps, a
-checkpoint every ``--every`` steps (each write has that many steps to end before the next), two steps more
-after the last, and reports the loop's wall time (buffers and DCP's stager sized before, outside it):
+one thread (the other core is the writer's). Every variant runs in its own process (buffers and DCP's stager
+sized before the timing) for ``--cycles`` cycles of 2 x ``--every`` steps, a checkpoint at the start of each:
 
-- ``none``: ``PreemptibleRun(async_save=False)`` without checkpoints (run twice, first and last: their gap is
-  the noise floor);
+- ``none``: ``PreemptibleRun(async_save=False)`` without checkpoints: what the estimate reads where nothing
+  happens (its spread is the noise of the method);
 - ``eager``: ``async_save=True, lazy_snapshot=False``: the state is copied at the step, then written;
 - ``lazy``: ``async_save=True, lazy_snapshot=True``: the parameters and moments are copied by the writer
   while the next forward and backward run; the next ``optimizer.step()`` waits for what is not copied yet;
 - ``dcp``: ``torch.distributed.checkpoint.async_save`` of the same tensors with a ``DefaultStager`` created once
   and reused (staging before it returns), the loop otherwise the same, no ``PreemptibleRun``.
 
-Cost per checkpoint = (loop time of the variant - mean loop time of the two ``none`` runs) / checkpoints, as a
-ratio to the copy floor: the state copied into buffers allocated and touched before, measured in each process.
-The shared 2-core machine is noisy: ``--rounds`` repeats every variant, interleaved, and the medians are reported.
+Cost of one checkpoint, measured per cycle in the same process: the time of the checkpoint call and the
+``--every`` steps after it (window A, where the copies and the write happen) minus the mean of the two quiet
+windows of ``--every`` steps around it, the one before and the one after. The step time of this shared machine
+drifts by 20% over tens of seconds; comparing adjacent windows cancels most of that drift (whole-run comparisons
+between processes did not: their noise was 100 to 200 ms per checkpoint), and ``none`` shows what is left. A
+cycle whose write still ran at the end of A would count part of its cost in the quiet window after it: such
+cycles are counted and reported. The mean over cycles, with its standard error, is reported as a ratio to the
+copy floor: the state copied into buffers allocated and touched before, measured in each process. "Loop waited"
+is the part of the cost that the saver itself counts, without noise: ``run.last_save.stall_s`` (the copy at
+the step, and for lazy snapshots the optimizer's wait for the copies), or the time in DCP's call.
 
 Each variant also reports the loop thread's time in the kernel and its minor page faults: with glibc's default
 malloc every tensor above 32 MiB is a fresh mmap, so each step faults in its gradients and the optimizer's
@@ -43,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("none", "eager", "lazy", "dcp", "none2")
+VARIANTS = ("none", "eager", "lazy", "dcp")
 REUSE_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 GIB = 1 << 30
 
@@ -85,8 +91,30 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     del bufs
     work = Path(args.dir) / args.variant
     tid = threading.get_native_id()
-    last = args.steps + 1  # one step after the last checkpoint: its copies are paid inside the loop too
-    taken = 0
+    period = 2 * args.every  # a checkpoint at every step that is a multiple of it, from step `period` on
+    last = (args.cycles + 1) * period  # its train step closes the last quiet window; no checkpoint there
+    trains: list[float] = []  # per loop iteration from step 2: the train step (forward, backward, optimizer)
+    calls: list[float] = []  # and the call after it (run.step(), or DCP's save at a checkpoint)
+    stalls: list[float] = []  # per checkpoint: what the loop waited for it, as the saver counts it (once known)
+    overlapped = 0  # cycles whose write still ran at the end of window A
+
+    def timed_loop(train: Any, save: Any, idle: Any) -> tuple[float, tuple[float, int], tuple[float, int]]:
+        nonlocal overlapped
+        k0, t0 = kernel(tid), time.perf_counter()
+        for i in range(2, last + 1):
+            a = time.perf_counter()
+            train()
+            b = time.perf_counter()
+            trains.append(b - a)
+            if i == last:
+                break
+            (save if i % period == 0 else idle)(i)
+            calls.append(time.perf_counter() - b)
+            if i % period == args.every and i > period:
+                if not ready():
+                    overlapped += 1
+        return time.perf_counter() - t0, k0, kernel(tid)
+
     if args.variant == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -94,53 +122,69 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         stager = DefaultStager(StagingOptions(False, False, False, False))
         warm = dcp.async_save(tensors, checkpoint_id=str(work / "warm"), async_stager=stager, no_dist=True)
         (warm.upload_completion if hasattr(warm, "upload_completion") else warm).result()  # the stager's buffers
-        pending = None
-        k0, t0 = kernel(tid), time.perf_counter()
-        for i in range(2, last + 1):
-            train_step()
-            if i % args.every == 0 and i <= args.steps:
-                if pending is not None:
-                    pending.result()  # one write in flight, as preempt
-                resp = dcp.async_save(tensors, checkpoint_id=str(work / f"c{i}"), async_stager=stager, no_dist=True)
-                if hasattr(resp, "staging_completion"):
-                    resp.staging_completion.result()
-                    pending = resp.upload_completion
-                else:
-                    pending = resp
-                taken += 1
-        loop_s, k1 = time.perf_counter() - t0, kernel(tid)
-        if pending is not None:
-            pending.result()
+        pending: list[Any] = []
+
+        def save(i: int) -> None:
+            if pending:
+                pending.pop().result()  # one write in flight, as preempt
+            resp = dcp.async_save(tensors, checkpoint_id=str(work / f"c{i}"), async_stager=stager, no_dist=True)
+            if hasattr(resp, "staging_completion"):
+                resp.staging_completion.result()
+                resp = resp.upload_completion
+            pending.append(resp)
+
+        def ready() -> bool:  # DCP's stall is its call (the staging), known whether the write ended or not
+            stalls.append(calls[-args.every - 1])
+            return pending[0].done()
+
+        loop_s, k0, k1 = timed_loop(train_step, save, lambda i: None)
+        for p in pending:
+            p.result()
     else:
         from preempt import PreemptibleRun
 
-        saving = not args.variant.startswith("none")
+        saving = args.variant != "none"
         # New files for every checkpoint, as DCP writes (no pool written ahead, nothing recycled)
         kw: dict[str, Any] = dict(checkpoint_interval=None, keep_last=1, log_file=False, progress_every_s=None)
-        kw.update(recycle_files=False)
-        kw.update(async_save=saving, lazy_snapshot=args.variant == "lazy")
+        kw.update(recycle_files=False, async_save=saving, lazy_snapshot=args.variant == "lazy")
         if saving:
-            kw.update(checkpoint_every_steps=args.every)
+            kw.update(checkpoint_every_steps=period)
         with PreemptibleRun(work, model=model, optimizer=opt, **kw) as run:
             while saving and run.staging_prepare_s is None:
                 time.sleep(0.05)  # the buffers are sized at the start (the moments exist), outside the timing
                 run.wait_for_checkpoint()
             run.step()  # step 1, trained above
-            steps_seen: set[int] = set()
-            k0, t0 = kernel(tid), time.perf_counter()
-            for _ in range(2, last + 1):
-                train_step()
-                run.step()
-                if run.last_save is not None:
-                    steps_seen.add(run.last_save.step)
-            loop_s, k1 = time.perf_counter() - t0, kernel(tid)
+
+            def ready() -> bool:  # preempt's stall is known once the write is collected
+                try:
+                    run.wait_for_checkpoint(timeout=0)
+                except TimeoutError:
+                    return False
+                if saving:
+                    stalls.append(run.last_save.stall_s)  # with lazy copies, the optimizer's wait too
+                return True
+
+            loop_s, k0, k1 = timed_loop(train_step, lambda i: run.step(), lambda i: run.step())
             run.wait_for_checkpoint()
-            taken = len(steps_seen)
     shutil.rmtree(work, ignore_errors=True)
+    # Per cycle c: window A (the checkpoint's call and the `every` iterations after it) minus the mean of the
+    # quiet windows around it (`every` train steps each, with the calls between them), which cancels a linear drift.
+    e = args.every
+
+    def quiet(j: int) -> float:  # the quiet window that ends with the train step of iteration j (a checkpoint's)
+        return sum(trains[j - e + 1 : j + 1]) + sum(calls[j - e + 1 : j])
+
+    costs = []
+    for c in range(args.cycles):
+        j = (c + 1) * period - 2  # the iteration of the checkpoint (the lists start at step 2)
+        window_a = calls[j] + sum(trains[j + 1 : j + 1 + e]) + sum(calls[j + 1 : j + 1 + e])
+        costs.append(window_a - (quiet(j) + quiet(j + period)) / 2)
     return {
         "variant": args.variant,
         "loop_s": loop_s,
-        "checkpoints": taken,
+        "costs": costs,
+        "overlapped": overlapped,
+        "stall_s": statistics.mean(stalls) if stalls else None,
         "floor_s": min(floors),
         "bytes": nbytes,
         "kernel_s": k1[0] - k0[0],
@@ -161,10 +205,10 @@ def kernel(tid: int) -> tuple[float, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=1.5)
-    p.add_argument("--steps", type=int, default=36)
+    p.add_argument("--cycles", type=int, default=12)
     p.add_argument("--every", type=int, default=6)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset of " + ",".join(VARIANTS))
     p.add_argument("--reuse-memory", action="store_true", help="children keep freed memory (GLIBC_TUNABLES)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one under bench/results)")
     p.add_argument("--variant", help=argparse.SUPPRESS)
@@ -172,46 +216,44 @@ def main() -> None:
     if args.variant:
         print(json.dumps(child(args)))
         return
-    if args.every < 2 or args.steps < 2 * args.every or args.steps % args.every or args.gib <= 0 or args.rounds < 1:
-        p.error("--every >= 2, --steps a multiple of --every and >= 2 x --every, --gib > 0, --rounds >= 1")
+    variants = args.variants.split(",")
+    if args.every < 2 or args.cycles < 2 or args.gib <= 0 or not set(variants) <= set(VARIANTS):
+        p.error(f"--every >= 2, --cycles >= 2, --gib > 0, --variants among {','.join(VARIANTS)}")
     root = Path(__file__).resolve().parent / "results"
     root.mkdir(exist_ok=True)
-    results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(dir=args.dir or root) as d:
-        for r in range(args.rounds):
-            for v in VARIANTS:
-                cmd = [sys.executable, __file__, "--variant", v, "--dir", d]
-                cmd += ["--gib", str(args.gib), "--steps", str(args.steps), "--every", str(args.every)]
-                cmd += ["--batch", str(args.batch)]
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "PREEMPT_LOG_LEVEL": "WARNING"}
-                if args.reuse_memory:
-                    env["GLIBC_TUNABLES"] = REUSE_MEMORY
-                out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-                if out.returncode != 0:
-                    sys.exit(f"bench_lazy: variant {v} failed:\n{out.stderr}")
-                results[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
-                print(f"round {r} {v:<6} loop {results[v][-1]['loop_s']:.2f} s", file=sys.stderr, flush=True)
-    med = {v: statistics.median(x["loop_s"] for x in results[v]) for v in VARIANTS}
-    floor = statistics.median(x["floor_s"] for v in VARIANTS for x in results[v])
-    base = (med["none"] + med["none2"]) / 2
-    nbytes = results["lazy"][0]["bytes"]
-    n = args.steps // args.every
-    print(f"\n{nbytes / GIB:.2f} GiB state (params + 2 AdamW moments), {args.steps + 1} steps, a checkpoint every")
-    print(f"{args.every} steps ({n} wanted per run), medians of {args.rounds} round(s);", end=" ")
+        for v in variants:
+            cmd = [sys.executable, __file__, "--variant", v, "--dir", d, "--gib", str(args.gib)]
+            cmd += ["--cycles", str(args.cycles), "--every", str(args.every), "--batch", str(args.batch)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PREEMPT_LOG_LEVEL": "WARNING"}
+            if args.reuse_memory:
+                env["GLIBC_TUNABLES"] = REUSE_MEMORY
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            if out.returncode != 0:
+                sys.exit(f"bench_lazy: variant {v} failed:\n{out.stderr}")
+            results[v] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"{v:<6} loop {results[v]['loop_s']:.2f} s", file=sys.stderr, flush=True)
+    floor = statistics.median(r["floor_s"] for r in results.values())
+    nbytes = next(iter(results.values()))["bytes"]
     malloc = "GLIBC_TUNABLES=" + REUSE_MEMORY if args.reuse_memory else "glibc's default malloc"
-    print(f"copy floor {floor * 1e3:.0f} ms; {malloc}")
-    print("\n| variant | loop | loop in the kernel | page faults | checkpoints | per checkpoint | / copy floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for v in VARIANTS:
-        taken = statistics.median(x["checkpoints"] for x in results[v])
-        cost = (med[v] - base) / taken if taken else None
-        cells = ("", "") if cost is None else (f"{cost * 1e3:.0f} ms", f"{cost / floor:.2f}x")
-        ks = statistics.median(x["kernel_s"] for x in results[v])
-        faults = statistics.median(x["faults"] for x in results[v])
-        print(f"| {v} | {med[v]:.2f} s | {ks:.2f} s | {faults:,.0f} | {taken:g} | {cells[0]} | {cells[1]} |")
-    for v in VARIANTS:
-        print(f"{v}: loops of the rounds " + " / ".join(f"{x['loop_s']:.2f}" for x in results[v]) + " s")
-    print(f"\nnoise floor (none vs none2): {abs(med['none'] - med['none2']) / n * 1e3:.0f} ms per checkpoint's worth")
+    print(f"\n{nbytes / GIB:.2f} GiB state (params + 2 AdamW moments), {args.cycles} cycles of {2 * args.every} steps,")
+    print(f"a checkpoint at the start of each; copy floor {floor * 1e3:.0f} ms; {malloc}")
+    print("\n| variant | per checkpoint (mean +- s.e.) | / copy floor | median | loop waited | writes past window A |"
+          " loop | loop in the kernel | page faults |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for v, r in results.items():
+        costs = r["costs"]
+        mean, se = statistics.mean(costs), statistics.stdev(costs) / len(costs) ** 0.5
+        cells = [f"{mean * 1e3:.0f} +- {se * 1e3:.0f} ms", f"{mean / floor:.2f}x"]
+        cells += [
+            f"{statistics.median(costs) * 1e3:.0f} ms",
+            "-" if r["stall_s"] is None else f"{r['stall_s'] * 1e3:.0f} ms",
+        ]
+        cells += [f"{r['overlapped']} of {len(costs)}", f"{r['loop_s']:.2f} s", f"{r['kernel_s']:.2f} s"]
+        print(f"| {v} | " + " | ".join(cells) + f" | {r['faults']:,} |")
+    for v, r in results.items():
+        print(f"{v}: per cycle " + " ".join(f"{c * 1e3:.0f}" for c in r["costs"]) + " ms")
 
 
 if __name__ == "__main__":

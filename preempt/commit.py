@@ -80,6 +80,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from . import direct_io
+
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"  # the model's state_dict
 STATE_FILE = "state.safetensors"  # every other tensor
@@ -193,7 +195,9 @@ def write_file(path: str | os.PathLike[str], pieces: Iterable[Any], *, recycle: 
     """Writes the pieces (bytes-like) to a new file, hashing them on the way, then fdatasyncs.
 
     Small pieces are gathered into one buffer so that a state of thousands of
-    small tensors does not cost one system call each.
+    small tensors does not cost one system call each. A large piece whose
+    memory is aligned as the file is (a staged snapshot's arena) bypasses the
+    page cache (:mod:`preempt.direct_io`).
 
     Args:
         path: The file; an existing one is an error (FileExistsError), unless ``recycle``.
@@ -207,11 +211,12 @@ def write_file(path: str | os.PathLike[str], pieces: Iterable[Any], *, recycle: 
     pending = bytearray()
     fd, recycled = _open_for_write(path) if recycle else (_create(path), False)
     try:
+        sink = direct_io.Sink(fd)
 
         def put(view: memoryview) -> None:
             while view:
                 check_cancelled()
-                n = os.write(fd, view[:WRITE_CHUNK])
+                n = sink.write(view[:WRITE_CHUNK])
                 view = view[n:]
 
         for piece in pieces:
@@ -235,6 +240,8 @@ def write_file(path: str | os.PathLike[str], pieces: Iterable[Any], *, recycle: 
         _fdatasync(fd)
     finally:
         os.close(fd)
+    if sink.direct_bytes:
+        logging.getLogger("preempt").debug("%s: %d of %d bytes bypassed the page cache", path, sink.direct_bytes, size)
     return FileDigest(size, digest.hexdigest())
 
 

@@ -91,10 +91,11 @@ OPTIONS_DOC = """\
             written, the run says so and copies at the step from then on.
             Tensors on a GPU are copied at the step. Off by default: a change
             through ``tensor.data`` is not seen. What it saves depends on the
-            loop (``bench/bench_lazy.py``, 1.5 GiB, 2-core CPU machine): 151 ms
-            per checkpoint against 469 ms eager where the loop keeps its memory,
-            762 against 1024 ms where glibc's malloc makes it page-fault anew
-            every step.
+            loop (``bench/bench_lazy.py``, 1.5 GiB, 2-core CPU machine, a loop
+            that keeps its memory): the loop waited 5 ms per checkpoint against
+            147 ms eager, and a checkpoint cost it 252 ms in all against 373 ms
+            eager (copy floor 135 ms): a copy made by another thread slows
+            the loop there by about as long as it takes.
         sync_every_steps: Under torch.distributed, the ranks agree on saving
             and stopping at every N-th ``run.step()`` (one small all-reduce on
             a gloo group; see :mod:`preempt.distributed`). Larger N costs less

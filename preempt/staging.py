@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import codec
+from . import codec, direct_io, tensorfile
 from .state import Payload
 
 
@@ -53,9 +53,12 @@ def host_memory_available(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> 
 class Stager:
     """Host buffers, one per tensor of a payload, reused from one snapshot to the next.
 
-    A buffer is (re)allocated only when a tensor appears or changes shape or
-    dtype (the optimizer's moments appear after the first step), and dropped
-    when its tensor is gone.
+    The buffers of one file are views into one page-aligned arena, laid out as
+    the file's data area (:func:`preempt.tensorfile.layout`): the writer sends
+    the whole arena to the disk without the page cache (:mod:`preempt.direct_io`).
+    A file's arena is (re)allocated only when one of its tensors appears,
+    vanishes or changes shape or dtype (the optimizer's moments appear after
+    the first step), and dropped when the file is gone.
 
     Args:
         pin_memory: Pin the buffers (for copies from a GPU). None: pin when
@@ -64,33 +67,30 @@ class Stager:
 
     def __init__(self, pin_memory: bool | None = None) -> None:
         self.pin_memory = pin_memory
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._files: dict[str, _Arena] = {}
 
     @property
     def nbytes(self) -> int:
         """Bytes held in buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(a.data.numel() for a in self._files.values())
 
     @property
     def pinned(self) -> bool:
         """Some buffer is in pinned (page-locked) host memory: copies from a GPU go straight into it."""
-        return any(b.is_pinned() for b in self._buffers.values())
+        return any(a.data.is_pinned() for a in self._files.values())
 
-    def _buffer(self, file: str, key: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
-        buf = self._buffers.get((file, key))
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            if buf.numel():
-                buf.view(-1).view(torch.uint8).fill_(0)  # touch every page now, not during a checkpoint
-            self._buffers[(file, key)] = buf
-        return buf
+    def _buffers(self, file: str, tensors: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+        signature = _Arena.signature_of(tensors)
+        arena = self._files.get(file)
+        if arena is None or arena.signature != signature or arena.data.is_pinned() != pin:
+            arena = self._files[file] = _Arena(tensors, signature, pin)
+        return arena.views
 
     def prepare(self, payload: Payload) -> None:
         """Allocates (and touches) the buffers for ``payload`` without copying: done when the run starts."""
         pin = self._pin(payload)
         for file, (tensors, _meta) in payload.tensor_files.items():
-            for key, t in tensors.items():
-                self._buffer(file, key, t, pin)
+            self._buffers(file, tensors, pin)
 
     def stage(self, payload: Payload) -> Payload:
         """A snapshot of ``payload`` in the buffers: tensors copied, JSON encoded.
@@ -105,17 +105,14 @@ class Stager:
         to the returned :class:`LazyCopy` (None when there are none), to be made before those tensors change."""
         pin = self._pin(payload)
         deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
-        seen: set[tuple[str, str]] = set()
         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
         on_gpu = False
         with torch.no_grad():
             for file, (tensors, meta) in payload.tensor_files.items():
-                staged = {}
+                staged = self._buffers(file, tensors, pin)
                 for key, t in tensors.items():
-                    buf = self._buffer(file, key, t, pin)
+                    buf = staged[key]
                     src = t.detach()
-                    staged[key] = buf
-                    seen.add((file, key))
                     if later and src.device.type == "cpu" and src.untyped_storage().data_ptr() in later:
                         deferred.append((f"{file}:{key}", src, buf, src._version))
                         continue
@@ -124,8 +121,8 @@ class Stager:
                 files[file] = (staged, dict(meta))
         if on_gpu:
             torch.cuda.synchronize()  # one wait for every non-blocking copy
-        for gone in self._buffers.keys() - seen:
-            del self._buffers[gone]
+        for gone in self._files.keys() - payload.tensor_files.keys():
+            del self._files[gone]
         docs = {name: codec.dumps(doc) for name, doc in payload.json_files.items()}
         return Payload(tensor_files=files, json_files=docs), LazyCopy(deferred) if deferred else None
 
@@ -135,6 +132,28 @@ class Stager:
         if not torch.cuda.is_available():
             return False
         return any(t.device.type == "cuda" for ts, _ in payload.tensor_files.values() for t in ts.values())
+
+
+class _Arena:
+    """One file's staging buffers: views into one page-aligned block, each at its place in the file's data area."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], signature: tuple[Any, ...], pin: bool) -> None:
+        places = tensorfile.layout(tensors)
+        total = places[-1][2] if places else 0
+        raw = torch.empty(total + direct_io.BLOCK, dtype=torch.uint8, pin_memory=pin)
+        start = -raw.data_ptr() % direct_io.BLOCK
+        self.signature = signature
+        self.data = raw[start : start + total]
+        if total:
+            self.data.fill_(0)  # touch every page now, not during a checkpoint
+        self.views = {
+            key: self.data[begin:end].view(tensors[key].dtype).view(tensors[key].shape) for key, begin, end in places
+        }
+
+    @staticmethod
+    def signature_of(tensors: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+        """What decides the layout: every tensor's name, shape and dtype."""
+        return tuple((key, tuple(t.shape), t.dtype) for key, t in tensors.items())
 
 
 class TornSnapshot(RuntimeError):

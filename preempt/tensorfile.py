@@ -87,32 +87,76 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
         raise TypeError(f"{key}: dtype {t.dtype} has no safetensors equivalent")
 
 
-def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> Iterator[Any]:
-    """Yields the header, then each tensor's bytes: a complete safetensors file.
+DATA_ALIGN = 4096  # a tensor file's data starts at a multiple of this: its bytes may be written O_DIRECT
 
-    Tensors are laid out by descending element size, then by name (what the
-    safetensors library does), so every tensor starts at an offset aligned to
-    its element size once the header is padded to a multiple of 8.
+
+def layout(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, int, int]]:
+    """Where each tensor's bytes lie in a file's data area: (key, begin, end), in the file's order.
+
+    By descending element size, then by name (what the safetensors library
+    does), so that every tensor starts at an offset aligned to its element size.
+    """
+    out, offset = [], 0
+    for key in sorted(tensors, key=lambda k: (-tensors[k].element_size(), k)):
+        t = tensors[key]
+        end = offset + t.numel() * t.element_size()
+        out.append((key, offset, end))
+        offset = end
+    return out
+
+
+def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> Iterator[Any]:
+    """Yields the header, then the tensors' bytes: a complete safetensors file (:func:`layout`).
+
+    The header is padded so that the data starts at a multiple of
+    :data:`DATA_ALIGN`. Tensors that lie in one buffer exactly as in the file
+    (a staged snapshot: :class:`preempt.staging.Stager`) are yielded as that
+    one buffer, which :func:`preempt.commit.write_file` can write without the
+    page cache; any others one by one, straight from their memory.
     """
     if sys.byteorder != "little":
         raise RuntimeError("preempt writes little-endian safetensors files; big-endian hosts are not supported")
     by_dtype = _dtypes()[1]
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    places = layout(tensors)
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for key in order:
+    for key, begin, end in places:
         t = tensors[key]
         check_tensor(key, t)
-        nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": by_dtype[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    yield len(head).to_bytes(8, "little") + head
-    for key in order:
+        header[key] = {"dtype": by_dtype[t.dtype], "shape": list(t.shape), "data_offsets": [begin, end]}
+    yield _header_bytes(header)
+    whole = _one_buffer(tensors, places)
+    if whole is not None:
+        yield whole
+        return
+    for key, _begin, _end in places:
         yield tensor_bytes(tensors[key])
+
+
+def _header_bytes(header: Mapping[str, Any]) -> bytes:
+    """The length and the JSON of a header, padded with spaces so that the data starts on :data:`DATA_ALIGN`."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % DATA_ALIGN)
+    return len(head).to_bytes(8, "little") + head
+
+
+def _one_buffer(tensors: Mapping[str, torch.Tensor], places: list[tuple[str, int, int]]) -> memoryview | None:
+    """The data area as one view, when every tensor is a dense CPU view at its place in one buffer; else None."""
+    import torch
+
+    full = [(tensors[key], begin) for key, begin, end in places if end > begin]
+    if not full:
+        return None
+    storage = full[0][0].untyped_storage()
+    base = full[0][0].data_ptr() - full[0][1]
+    for t, begin in full:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg() or t.data_ptr() != base + begin:
+            return None
+        if t.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+    area = torch.empty(0, dtype=torch.uint8).set_(storage, base - storage.data_ptr(), (places[-1][2],))
+    return memoryview(area.numpy())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,14 +210,12 @@ def restamped(buf: np.ndarray, header: Header, metadata: Mapping[str, str]) -> I
     """The safetensors file ``buf`` (validated as ``header``) with ``metadata`` instead of its own, as pieces.
 
     The entries keep their offsets, so the data area is yielded as it is (a view of ``buf``); the new header is
-    padded to a multiple of 8, which keeps every tensor at the alignment it had. No torch.
+    padded as :func:`pieces` pads it, which keeps every tensor at the alignment it had. No torch.
     """
     doc: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
     for e in header.entries:
         doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
-    head = json.dumps(doc, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    yield len(head).to_bytes(8, "little") + head
+    yield _header_bytes(doc)
     yield memoryview(buf[header.data_start :])
 
 

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 
-from conftest import Spawned, assert_same_final, train_cmd
+from conftest import Spawned, assert_same_final, direct_io_supported, train_cmd
 
 from preempt.checkpoint import CheckpointManager
 
-MODEL = ["--epochs", "3", "--samples", "256", "--dim", "256", "--width", "1024"]  # 48 steps, 3 MB per checkpoint
+MODEL = ["--epochs", "3", "--samples", "256", "--dim", "1024", "--width", "1024"]  # 48 steps, 12 MB per checkpoint
+BYPASSED = r"model\.safetensors: \d+ of \d+ bytes bypassed the page cache"  # a file of 4 MB, from the buffers
 
 
-def test_sigterm_while_a_write_is_in_flight_finishes_it_then_saves_the_current_state(tmp_path, reference):
-    """SIGTERM arrives from the writer thread, mid-commit of the second save: that write completes, then the stop
-    saves the current state."""
+def test_sigterm_during_a_write_in_flight_saves_the_current_state_all_checkpoints_whole(tmp_path, reference):
+    """SIGTERM arrives from the writer thread, mid-commit of the second save, just before its manifest. Two outcomes
+    are by design, and which one comes is a race between the writer's manifest and the loop's next safe point: the
+    write completes and the stop then saves the current state (the usual one here), or the stop comes first and
+    cancels the write (its files removed, issue 16: seen once in 5 suite runs on two xdist workers). Either way the
+    stop's checkpoint is the newest, every checkpoint is whole, and the rerun is exact and leaves no partial files."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     args = [*MODEL, "--every_steps", "8", "--step_sleep", "0.01", "--signal_at", "before_manifest:2:TERM"]
     first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
@@ -23,20 +28,23 @@ def test_sigterm_while_a_write_is_in_flight_finishes_it_then_saves_the_current_s
     assert "signal_at before_manifest 2 SIGTERM" in out, out
     held = int(re.findall(r"saving \S*step_(\d+) \(steps\)", out)[1])  # the save in flight when SIGTERM came
     in_flight = re.search(rf"checkpoint \S*step_0*{held} \(steps\) written in .* in the background", out)
+    cancelled = re.search(rf"the background write of step {held} \(steps\) was cancelled", out)
     stop = re.search(r"checkpoint \S*step_(\d+) \(preempt\) written", out)
-    assert in_flight and stop and in_flight.start() < stop.start(), out
+    assert stop and bool(in_flight) != bool(cancelled), out  # one outcome or the other
+    assert (in_flight or cancelled).start() < stop.start(), out
     stopped_at = int(stop.group(1))
     assert stopped_at >= held, out
     manager = CheckpointManager(save_dir, owner=False)
     infos = manager.list()
     steps = [c.step for c in infos]
-    assert steps[0] == stopped_at and held in steps, steps
+    assert steps[0] == stopped_at and (held in steps) == bool(in_flight), steps
     assert all(c.status == "valid" and not manager.verify(c) for c in infos)
 
     rerun = Spawned(train_cmd(save_dir, final, [*MODEL, "--every_steps", "8"]))
     assert rerun.finish() == 0, rerun.output
     assert re.search(rf"resumed from \S*step_0*{stopped_at}: step {stopped_at}\b", rerun.output), rerun.output
     assert_same_final(reference(MODEL), final)
+    assert not [e for e in os.listdir(save_dir) if e.startswith(".tmp-")], os.listdir(save_dir)
 
 
 def test_resume_from_a_checkpoint_the_background_writer_wrote_is_exact(tmp_path, reference):
@@ -48,6 +56,8 @@ def test_resume_from_a_checkpoint_the_background_writer_wrote_is_exact(tmp_path,
     first.signal(9)
     assert first.finish() == -9, first.output
     second = int(re.findall(r"step_(\d+) \(steps\) written in .* in the background", first.output)[1])
+    # the staged checkpoints went to the disk without the page cache where the filesystem allows it
+    assert bool(re.search(BYPASSED, first.output)) == direct_io_supported(tmp_path), first.output
     steps = [c.step for c in CheckpointManager(save_dir, owner=False).list()]
     assert steps and steps[0] >= second, steps
     newest = steps[0]
@@ -72,8 +82,9 @@ def test_sigterm_while_a_lazy_snapshot_is_copied_resumes_bit_exact(tmp_path, ref
     lazy = int(re.search(r"saving \S*step_0*(\d+) \(steps\)", out).group(1))
     stop = int(re.search(r"stopping on SIGTERM .* at step (\d+) ", out).group(1))
     manager = CheckpointManager(save_dir, owner=False)
-    if stop == lazy:  # the written snapshot is the stop's checkpoint
+    if stop == lazy:  # the written snapshot is the stop's checkpoint, its files sent from the buffers
         assert re.search(rf"step_0*{lazy} \(steps\) written in .* in the background", out), out
+        assert bool(re.search(BYPASSED, out)) == direct_io_supported(tmp_path), out
     else:
         assert stop == lazy + 1, out
         assert re.search(rf"background write of step {lazy} \(steps\) was cancelled", out), out

@@ -212,6 +212,7 @@ def test_wrapped_and_prefixed_models_load(tmp_path):
     m = CheckpointManager(tmp_path)
     m.prepare()
     m.save_state(step=1, model=torch.nn.DataParallel(model), optimizer=opt)
+    model.cpu()  # where a GPU is present, DataParallel moved the model to it
     info, loaded = m.load("latest")
     assert all(not k.startswith("module.") for k in loaded.model)
     # into a torch.compile wrapper (state_dict keys start with _orig_mod.)

@@ -295,7 +295,10 @@ def test_inspect_run_checkpoint(run_dir, capsys):
         assert got["torch_cpu"]["xxh3_64"] == xxhash.xxh3_64_hexdigest(rng[snap]["torch"].numpy().tobytes())
         assert got["python"]["xxh3_64"] == xxhash.xxh3_64_hexdigest(rng[snap]["python"]["state"].numpy().tobytes())
         assert got["numpy"]["xxh3_64"] == xxhash.xxh3_64_hexdigest(rng[snap]["numpy"]["key"].numpy().tobytes())
-        assert got["numpy"]["kind"] == "MT19937" and got["cuda"] == []
+        assert got["numpy"]["kind"] == "MT19937"
+        # one entry per CUDA device whose generator the run saved: none unless CUDA was in use in this process
+        cuda = [xxhash.xxh3_64_hexdigest(t.numpy().tobytes()) for t in rng[snap]["cuda"]]
+        assert [(c["device"], c["xxh3_64"]) for c in got["cuda"]] == list(enumerate(cuda))
     assert doc["rng"]["now"]["torch_cpu"] != doc["rng"]["epoch_start"]["torch_cpu"]  # dropout drew in between
 
     rc, out, _ = cli(capsys, "inspect", run_dir, str(raw["step"]))
