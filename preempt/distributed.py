@@ -88,6 +88,32 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+# How the backends word the loss of a peer in the errors they raise from a collective. gloo: the transport's own
+# messages (a connection closed or reset, a read or write error, a timeout) all come from its source tree's
+# transport/ folder, whose path starts the message. NCCL: the result codes of a remote peer's failure and the
+# watchdog's timeout. Other errors (a shape mismatch, NCCL's invalid usage) are bugs that a rerun would repeat.
+_LOST_PEER_WORDS = (
+    "gloo/transport/",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "ncclRemoteError",
+    "remote process exited",
+    "unexpected exit of a remote peer",
+    "Watchdog caught collective operation timeout",
+    "NCCL communicator was aborted",
+)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether an error raised outside preempt's collectives (DDP's gradient all-reduce in ``backward()``, the
+    loop's own collectives) is torch.distributed's report that another rank is gone."""
+    if isinstance(error, PeerLost) or not isinstance(error, RuntimeError):
+        return False
+    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+        return True  # the connection to a peer or to the rendezvous store (rank 0's) is gone
+    return any(word in str(error) for word in _LOST_PEER_WORDS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Agreement:
     """What every rank does at a safe point."""
@@ -175,9 +201,14 @@ class Coordinator:
         try:
             yield
         except RuntimeError as e:
-            lost = PeerLost(self.rank, self.world_size, during, e)
-            log.error("%s", lost)
-            raise lost from e
+            raise self.lost(during, e) from e
+
+    def lost(self, during: str, error: BaseException) -> PeerLost:
+        """The :class:`PeerLost` of a collective that failed with ``error`` (its ``__cause__``), logged at ERROR."""
+        lost = PeerLost(self.rank, self.world_size, during, error)
+        lost.__cause__ = error
+        log.error("%s", lost)
+        return lost
 
 
 # The work objects of this process's latest collectives (see the docstring). Several: gloo runs works on more than

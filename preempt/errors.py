@@ -35,9 +35,10 @@ Exit codes (documented in README.md too):
   memory; rerun with a smaller batch. ``preempt supervise`` does that
   (``--batch-size`` becomes ``int(batch_size / factor)``).
 * ``80``  :data:`PEER_LOST_EXIT_CODE`: under torch.distributed, a collective
-  of the run failed because another rank went away (it died, or its node
-  did). Nothing is saved then (a checkpoint needs every rank's files); the
-  last checkpoint stands and a rerun of all ranks continues from it.
+  of the run, or one of the loop's own (DDP's gradient all-reduce), failed
+  because another rank went away (it died, or its node did). Nothing is
+  saved then (a checkpoint needs every rank's files); the last checkpoint
+  stands and a rerun of all ranks continues from it.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ class PeerLost(SystemExit):
     """A collective of the run failed on this rank: another rank is gone. Exit code 80 (``PEER_LOST_EXIT_CODE``).
 
     A rank that dies closes its connections, so the others notice at their
-    next collective (their next ``run.step()``, within a second here); a rank
+    next collective (DDP's all-reduce in ``backward()`` or their next
+    ``run.step()``, within a second here); a rank
     whose node vanishes without closing them is noticed when the collective
     times out (``timeout=`` of ``init_process_group``). Raised from the
     error of the collective (``__cause__``); ``str()`` is the message.

@@ -23,6 +23,7 @@ from typing import Any
 from . import distributed
 from .checkpoint import CheckpointInfo, CheckpointManager
 from .distributed import Agreement
+from .errors import PeerLost
 from .manifest import Manifest
 from .state import Payload
 
@@ -57,6 +58,10 @@ class Alone:
 
     def barrier(self) -> None:
         pass
+
+    def lost(self, error: BaseException | None) -> PeerLost | None:
+        """The :class:`PeerLost` that ``error``, escaping the loop, stands for: one process has no peers to lose."""
+        return None
 
     def save(
         self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
@@ -94,6 +99,13 @@ class Ranks(Alone):
 
     def barrier(self) -> None:
         self.coord.barrier()
+
+    def lost(self, error: BaseException | None) -> PeerLost | None:
+        """A collective outside preempt's (DDP's gradient all-reduce in ``backward()``, the loop's own) failed
+        because another rank is gone: the run ends as when one of its own collectives does (exit code 80)."""
+        if error is None or not distributed.lost_peer(error):
+            return None
+        return self.coord.lost("a collective of the training loop (DDP's, or its own)", error)
 
     def save(
         self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool

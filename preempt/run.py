@@ -48,7 +48,7 @@ from .checkpoint import CheckpointManager
 from .data_cursor import SEED_MASK, DataCursor
 from .dataloading import shield_workers
 from .environment import Environment, provenance
-from .errors import PREEMPTED_EXIT_CODE, PreemptError, RunComplete
+from .errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
 from .health import Health, OomStep
 from .lock import DirLock, StepBeacon
 from .loop_state import LoopState
@@ -269,10 +269,8 @@ class PreemptibleRun:
         if done is not None and cfg.exit_if_complete and not cfg.starts_fresh and not starter.new_request():
             log.info(
                 "%s is complete (step %s, epoch %s); nothing to do. Pass exit_if_complete=False to train further.",
-                self.save_dir,
-                done.get("step"),
-                done.get("epoch"),
-            )
+                self.save_dir, done.get("step"), done.get("epoch"),
+            )  # fmt: skip
             raise RunComplete(str(self.save_dir))
         self.stopper.check_restarts()
         self.snapshot.provenance = provenance(self.env)
@@ -307,6 +305,9 @@ class PreemptibleRun:
     # ----------------------------------------------------------------- exit
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        lost = self.peers.lost(exc) if self._active else None
+        if lost is not None:  # another rank died during a collective of the loop's own: leave as in one of ours
+            exc_type, exc = PeerLost, lost
         try:
             if exc_type is None and self._active:
                 self._finish()
@@ -328,6 +329,8 @@ class PreemptibleRun:
                 self.loop.publish(None)
                 self._beacon.close()
                 self._lock.release()
+        if lost is not None:
+            raise lost  # its __cause__ is the loop's error
         return False
 
     def _finish(self) -> None:
@@ -344,14 +347,11 @@ class PreemptibleRun:
             saves.save(Reason.FINAL, "epoch")
         if not self.peers.leader:
             return
-        assert saves.last_info is not None
-        self.manager.mark_complete(saves.last_info)
-        log.info(
-            "run complete: step %d, epoch %d; final checkpoint %s",
-            self.loop.global_step,
-            self.loop.epoch,
-            saves.last_info.path,
-        )
+        final = saves.last_info
+        assert final is not None
+        self.manager.mark_complete(final)
+        loop = self.loop
+        log.info("run complete: step %d, epoch %d; final checkpoint %s", loop.global_step, loop.epoch, final.path)
 
     # ---------------------------------------------------------------- loop
 

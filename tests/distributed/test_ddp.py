@@ -192,18 +192,25 @@ def test_weights_only_loads_the_weights_on_every_rank(tmp_path, reference):
 
 @pytest.mark.parametrize("dies", [1, 0])
 def test_a_rank_that_dies_is_noticed_by_the_other_which_exits_80_and_the_rerun_resumes(tmp_path, reference, dies):
-    """Two ranks started by hand (no torchrun agent to kill the survivor, as across the nodes of a job); one is
-    SIGKILLed after step 6. The other leaves at its next collective with exit code 80 and says why (rank 1
-    too, which otherwise logs nothing); no checkpoint is added; a rerun of both resumes from step 4, bit-exact."""
+    """Two ranks started by hand (no torchrun agent to kill the survivor, as across the nodes of a job); one dies
+    after step 6. The other leaves at its next collective with exit code 80 and says why (rank 1 too, which
+    otherwise logs nothing); no checkpoint is added; a rerun of both resumes from step 4, bit-exact.
+
+    Rank 1 kills itself before step 7's forward, so rank 0's next collective is DDP's gradient all-reduce inside
+    ``loss.backward()``, outside preempt (it raised a RuntimeError, exit code 1, before the run turned such errors
+    into PeerLost). Rank 0 is killed from outside, at whatever point the signal lands."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    ranks = ranks_by_hand(save_dir, final, [*ARGS, "--step_sleep", "0.2"])
+    ranks = ranks_by_hand(save_dir, final, [*ARGS, "--step_sleep", "0.2", *(["--die_at", "1:7"] if dies else [])])
     assert ranks[dies].wait_for(rf"^rank {dies} step 6 ", timeout=120), ranks[dies].output
-    ranks[dies].signal(signal.SIGKILL)
+    if not dies:
+        ranks[dies].signal(signal.SIGKILL)
     assert ranks[dies].finish() == -signal.SIGKILL
     survivor = ranks[1 - dies]
     assert survivor.finish(timeout=120) == PEER_LOST_EXIT_CODE, survivor.output
     said = re.findall(r"rank (\d) of 2 lost the other ranks during (.+?) \(", survivor.output)
     assert said and said[0][0] == str(1 - dies), survivor.output
+    if dies:
+        assert said[0][1] == "a collective of the training loop", survivor.output
     assert "a rerun of all ranks continues from it (exit code 80)" in survivor.output, survivor.output
     assert "Traceback" not in survivor.output, survivor.output
     if dies == 1:  # rank 0 keeps the history: the run's end is the error, with the message

@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--every_steps", type=int, default=None)
     p.add_argument("--step_sleep", type=float, default=0.0)
     p.add_argument("--self_signal", default=None, help="RANK:STEP: that rank sends itself SIGTERM before that step")
+    p.add_argument("--die_at", default=None, help="RANK:STEP: that rank SIGKILLs itself before that step's forward")
     p.add_argument("--signal_at", default=None, help="STAGE:N:SIG, as in train.py (on every rank)")
     p.add_argument("--signal_rank", type=int, default=None, help="apply --signal_at on this rank only")
     p.add_argument("--sync_save", action="store_true", help="async_save=False")
@@ -97,6 +98,7 @@ def main() -> None:
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     signal_rank, signal_step = map(int, args.self_signal.split(":")) if args.self_signal else (-1, -1)
+    die_rank, die_step = map(int, args.die_at.split(":")) if args.die_at else (-1, -1)
     if args.fail_write is not None and rank == 0:
         fail_write(args.fail_write)
 
@@ -123,6 +125,8 @@ def main() -> None:
             for x, y, idx in run.batches(loader):
                 if rank == signal_rank and run.global_step + 1 == signal_step:
                     os.kill(os.getpid(), 15)
+                if rank == die_rank and run.global_step + 1 == die_step:
+                    os.kill(os.getpid(), 9)  # the others' next collective is DDP's all-reduce in backward()
                 loss = torch.nn.functional.cross_entropy(ddp(x), y) + torch.randn(()) * 1e-3
                 opt.zero_grad()
                 loss.backward()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch.distributed as dist
 
-from preempt.distributed import Coordinator
+from preempt.distributed import Coordinator, lost_peer
 from preempt.errors import PEER_LOST_EXIT_CODE, PeerLost
+from preempt.peers import Alone, Ranks
 
 GLOO = (
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5005. This is "
@@ -50,3 +52,65 @@ def test_other_errors_pass_through_unchanged():
     c = coordinator(1, 2)
     with pytest.raises(ValueError, match="not a collective's"), c._peers("a barrier"):
         raise ValueError("not a collective's")
+
+
+# What DDP's all-reduce inside loss.backward() raised on rank 0 when rank 1 was SIGKILLed (a CI run, torch 2.13).
+GLOO_RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:54492: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+)
+GLOO_TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv"
+NCCL_REMOTE = "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError(GLOO),
+        RuntimeError(GLOO_RESET),
+        RuntimeError(GLOO_TIMEOUT),
+        dist.DistBackendError(NCCL_REMOTE),
+        dist.DistBackendError("[PG 0 Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)"),
+        dist.DistNetworkError("Connection refused"),
+        dist.DistStoreError("Socket Timeout"),
+    ],
+)
+def test_the_backends_words_for_a_lost_peer_are_recognised(error):
+    assert lost_peer(error)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x16 and 32x2)"),
+        dist.DistBackendError("NCCL error: invalid usage (run with NCCL_DEBUG=WARN for details)"),
+        ValueError("Connection reset by peer"),  # not an error a collective raises
+        OSError("Connection reset by peer"),
+        PeerLost(0, 2, "a barrier", RuntimeError(GLOO)),  # already said
+    ],
+)
+def test_other_errors_are_not_a_lost_peer(error):
+    assert not lost_peer(error)
+
+
+def ranks(rank: int, world_size: int) -> Ranks:
+    """Ranks without a process group (its __init__ creates one)."""
+    r = Ranks.__new__(Ranks)
+    r.coord = coordinator(rank, world_size)
+    r.rank, r.world_size = rank, world_size
+    return r
+
+
+def test_an_error_of_the_loops_own_collective_becomes_peer_lost_from_it(caplog):
+    error = RuntimeError(GLOO_RESET)
+    with caplog.at_level(logging.ERROR, logger="preempt"):
+        lost = ranks(0, 2).lost(error)
+    assert isinstance(lost, PeerLost) and lost.code == PEER_LOST_EXIT_CODE and lost.__cause__ is error
+    assert str(lost).startswith("rank 0 of 2 lost the other ranks during a collective of the training loop")
+    assert [r.getMessage() for r in caplog.records] == [str(lost)]
+
+
+def test_no_peer_lost_for_other_errors_nor_alone():
+    assert ranks(1, 2).lost(RuntimeError("shapes cannot be multiplied")) is None
+    assert ranks(1, 2).lost(None) is None
+    assert Alone().lost(RuntimeError(GLOO_RESET)) is None
