@@ -6,7 +6,9 @@ The resume-equivalence check is written once here (``run_interrupted`` plus
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import re
 import signal
 import socket
@@ -199,10 +201,61 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Sequence[st
     return get
 
 
+def direct_io_supported(directory: Path) -> bool:
+    """Files in ``directory`` can be opened O_DIRECT (ext4, xfs; not every tmpfs): checkpoints there bypass the page
+    cache; elsewhere they are written through it (preempt.direct_io), and a test says which it expects."""
+    probe = directory / ".o_direct_probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except (AttributeError, OSError):  # no O_DIRECT on this OS, or refused here
+        return False
+    os.close(fd)
+    probe.unlink()
+    return True
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (where bind(0) and every outgoing connection draw theirs)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def port_slice(worker: str | None, workers: int, ephemeral_low: int, lowest: int = 20000) -> range:
+    """The ports below the ephemeral range that one xdist worker (``gw<N>``; None when not under xdist) hands out:
+    the range [lowest, ephemeral_low) cut into ``workers`` equal slices, so two workers never pick the same port.
+    Empty where the ephemeral range starts too low to leave room."""
+    index = int(worker[2:]) if worker and worker[2:].isdigit() else 0
+    workers = max(workers, index + 1)
+    size = max(ephemeral_low - lowest, 0) // workers
+    return range(lowest + index * size, lowest + (index + 1) * size)
+
+
+_ports = port_slice(
+    os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), _ephemeral_low()
+)
+_turns = itertools.count(random.randrange(len(_ports)) if len(_ports) else 0)  # a random start, then in turn
+
+
 def free_port() -> int:
-    """A TCP port free on this machine now: for a rendezvous or a MASTER_PORT that must not collide between the
-    jobs and processes of the suite (the default 29500 would)."""
-    with socket.socket() as s:
+    """A TCP port for a rendezvous or a MASTER_PORT that nothing else takes before the job binds it (the default
+    29500 would collide between the jobs and processes of the suite).
+
+    Not one the kernel hands out (bind to 0): that comes from the ephemeral range, where every outgoing connection
+    draws its local port too (gloo's, a TCPStore client's, the other xdist worker's processes), and between the pick
+    and torchrun's bind, seconds later in a SLURM job, one of them took it once in CI: torchrun's agent found the port
+    busy, turned client of a stranger's socket and hung. So the port comes from below that range, from this worker's
+    own slice (a random start, then in turn), and is checked to be bindable now."""
+    for _ in range(len(_ports)):
+        port = _ports[next(_turns) % len(_ports)]
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:  # in use, or in TIME_WAIT
+                continue
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range on this machine: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
