@@ -118,11 +118,14 @@ def train_cmd(save_dir: Path, final_out: Path | None, args: Sequence[str]) -> li
 
 @dataclass
 class Interrupt:
-    """Start the training, wait for ``after`` (a regex), wait ``delay`` s more, send ``sig``."""
+    """Start the training (with ``args`` added for this process only), wait for ``after`` (a regex), wait ``delay``
+    s more, send ``sig``. A test that needs the signal to land at a given point holds the process there
+    (``args=("--hold_at", POINT)``, ``after=r"^holding at POINT"``) instead of counting on a delay."""
 
     after: str = r"^start "
     delay: float = 0.0
     sig: int = signal.SIGTERM
+    args: Sequence[str] = ()
 
 
 @dataclass
@@ -152,7 +155,7 @@ def run_interrupted(
     """Runs the training, interrupting it as listed, then reruns it until it completes (exit 0)."""
     history = History()
     for i, it in enumerate(interrupts):
-        p = Spawned(train_cmd(save_dir, final_out, args), env)
+        p = Spawned(train_cmd(save_dir, final_out, [*args, *it.args]), env)
         if p.wait_for(it.after):
             if it.delay:
                 time.sleep(it.delay)

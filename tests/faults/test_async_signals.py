@@ -14,37 +14,59 @@ MODEL = ["--epochs", "3", "--samples", "256", "--dim", "1024", "--width", "1024"
 BYPASSED = r"model\.safetensors: \d+ of \d+ bytes bypassed the page cache"  # a file of 4 MB, from the buffers
 
 
-def test_sigterm_during_a_write_in_flight_saves_the_current_state_all_checkpoints_whole(tmp_path, reference):
-    """SIGTERM arrives from the writer thread, mid-commit of the second save, just before its manifest. Two outcomes
-    are by design, and which one comes is a race between the writer's manifest and the loop's next safe point: the
-    write completes and the stop then saves the current state (the usual one here), or the stop comes first and
-    cancels the write (its files removed, issue 16: seen once in 5 suite runs on two xdist workers). Either way the
-    stop's checkpoint is the newest, every checkpoint is whole, and the rerun is exact and leaves no partial files."""
+def stopped_with_a_write_in_flight(tmp_path, signal_at: str) -> tuple[str, int, int, CheckpointManager]:
+    """Runs until the writer of the second periodic save sends SIGTERM (``signal_at``); returns the output, the
+    step of the save in flight, the step of the stop's checkpoint and the manager of the save_dir."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    args = [*MODEL, "--every_steps", "8", "--step_sleep", "0.01", "--signal_at", "before_manifest:2:TERM"]
+    args = [*MODEL, "--every_steps", "8", "--signal_at", signal_at]
     first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert first.finish() == 75, first.output
     out = first.output
-    assert "signal_at before_manifest 2 SIGTERM" in out, out
     held = int(re.findall(r"saving \S*step_(\d+) \(steps\)", out)[1])  # the save in flight when SIGTERM came
-    in_flight = re.search(rf"checkpoint \S*step_0*{held} \(steps\) written in .* in the background", out)
-    cancelled = re.search(rf"the background write of step {held} \(steps\) was cancelled", out)
     stop = re.search(r"checkpoint \S*step_(\d+) \(preempt\) written", out)
-    assert stop and bool(in_flight) != bool(cancelled), out  # one outcome or the other
-    assert (in_flight or cancelled).start() < stop.start(), out
-    stopped_at = int(stop.group(1))
-    assert stopped_at >= held, out
-    manager = CheckpointManager(save_dir, owner=False)
-    infos = manager.list()
-    steps = [c.step for c in infos]
-    assert steps[0] == stopped_at and (held in steps) == bool(in_flight), steps
-    assert all(c.status == "valid" and not manager.verify(c) for c in infos)
+    assert stop, out
+    return out, held, int(stop.group(1)), CheckpointManager(save_dir, owner=False)
 
+
+def rerun_is_exact(tmp_path, reference, stopped_at: int) -> None:
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     rerun = Spawned(train_cmd(save_dir, final, [*MODEL, "--every_steps", "8"]))
     assert rerun.finish() == 0, rerun.output
     assert re.search(rf"resumed from \S*step_0*{stopped_at}: step {stopped_at}\b", rerun.output), rerun.output
     assert_same_final(reference(MODEL), final)
     assert not [e for e in os.listdir(save_dir) if e.startswith(".tmp-")], os.listdir(save_dir)
+
+
+def test_sigterm_before_a_writes_manifest_cancels_it_and_the_stop_saves_the_current_state(tmp_path, reference):
+    """SIGTERM from the writer thread just before the second save's manifest; the writer then waits there until
+    the run decides (``until_cancelled``). The loop has moved past that save's state, so its stop cancels the
+    write (its files removed, issue 16) and saves the current state; the cancelled step is not on disk."""
+    out, held, stopped_at, manager = stopped_with_a_write_in_flight(tmp_path, "before_manifest:2:TERM:until_cancelled")
+    assert "signal_at before_manifest 2 SIGTERM" in out, out
+    cancelled = re.search(rf"the background write of step {held} \(steps\) was cancelled", out)
+    stop = re.search(r"checkpoint \S*step_\d+ \(preempt\) written", out)
+    assert cancelled and cancelled.start() < stop.start(), out
+    assert stopped_at > held, out
+    infos = manager.list()
+    assert [c.step for c in infos] == [stopped_at, 8], [c.step for c in infos]
+    assert all(c.status == "valid" and not manager.verify(c) for c in infos)
+    rerun_is_exact(tmp_path, reference, stopped_at)
+
+
+def test_sigterm_after_a_writes_rename_finishes_it_then_saves_the_current_state(tmp_path, reference):
+    """SIGTERM from the writer thread after the second save's rename, before save_dir's fsync: that write can no
+    longer be cancelled, so the stop waits for it, then saves the current state; both checkpoints are whole."""
+    out, held, stopped_at, manager = stopped_with_a_write_in_flight(tmp_path, "before_dir_fsync:2:TERM")
+    assert "signal_at before_dir_fsync 2 SIGTERM" in out, out
+    in_flight = re.search(rf"checkpoint \S*step_0*{held} \(steps\) written in .* in the background", out)
+    stop = re.search(r"checkpoint \S*step_\d+ \(preempt\) written", out)
+    assert in_flight and in_flight.start() < stop.start(), out
+    assert "was cancelled" not in out, out
+    assert stopped_at > held, out
+    infos = manager.list()
+    assert [c.step for c in infos] == [stopped_at, held], [c.step for c in infos]
+    assert all(c.status == "valid" and not manager.verify(c) for c in infos)
+    rerun_is_exact(tmp_path, reference, stopped_at)
 
 
 def test_resume_from_a_checkpoint_the_background_writer_wrote_is_exact(tmp_path, reference):

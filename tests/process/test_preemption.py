@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -53,16 +52,13 @@ def test_sigterm_during_first_step_between_epochs_and_during_a_save(tmp_path, re
     """The awkward moments: the first step, the epoch boundary (end-of-epoch code), and a checkpoint write."""
     model_args = [*WORKERS0, "--dim", "256", "--width", "1024"]  # ~1 MB of weights: a save takes a while
     # Synchronous saves: "during a save" is then the whole write (tests/faults/test_async_signals.py has a signal
-    # during a background write). The first step of each process sleeps 0.5 s, so that a signal sent 0.05 s after
-    # the start line lands inside it even on a loaded machine, not before the epoch's first safe point.
-    # Each commit sleeps 0.3 s before its manifest, so that a signal sent when "saving" is logged lands inside the
-    # write even on a loaded machine (a 1 MB write alone takes ~10 ms).
-    args = [*model_args, "--every_steps", "3", "--epoch_end_sleep", "0.3", "--sync_save", "--first_step_sleep", "0.5"]
-    args += ["--slow_commit", "0.3"]
+    # during a background write). Each stopped process holds at its point until the signal has come: inside its
+    # first step, in its first end-of-epoch code, and before the manifest of its first save (a periodic one).
+    args = [*model_args, "--every_steps", "3", "--sync_save"]
     interrupts = [
-        Interrupt(after=r"^start step 0 ", delay=0.05),  # during the first step
-        Interrupt(after=r"^epoch_end 0"),  # between epochs
-        Interrupt(after=r"saving .*step_0+(1[5-9]|2\d)"),  # while a periodic checkpoint is written
+        Interrupt(after=r"^holding at step 1$", args=("--hold_at", "step:1")),
+        Interrupt(after=r"^holding at epoch_end 1$", args=("--hold_at", "epoch_end:1")),
+        Interrupt(after=r"^holding at before_manifest 1$", args=("--hold_at", "before_manifest:1")),
     ]
     h = run_interrupted(
         tmp_path / "run", tmp_path / "final.safetensors", args, interrupts, env={"PREEMPT_LOG_LEVEL": "DEBUG"}
@@ -81,33 +77,28 @@ def test_sigterm_during_first_step_between_epochs_and_during_a_save(tmp_path, re
 
 
 def test_timeout_signal_term(tmp_path, reference):
-    """`timeout --signal=TERM` (which signals the whole process group, DataLoader workers included)."""
-    probe = Spawned(train_cmd(tmp_path / "probe", None, [*WORKERS2, "--epochs", "1"]))
-    t0 = time.monotonic()
-    probe.wait_for(r"^step 1 ")
-    startup = time.monotonic() - t0
-    assert probe.finish() == 0
+    """`timeout --signal=TERM` (which signals its whole process group, DataLoader workers included). Its limit is
+    made to expire while the run holds inside a step, by the SIGALRM that timeout's own timer delivers: once in the
+    first process, once in the resumed one; the last rerun completes bit-exact."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    cmd = train_cmd(save_dir, final, [*WORKERS2, "--step_sleep", "0.06", "--every_steps", "4"])  # ~3 s of steps
-    # The start-up time varies with the load (another test's processes beside this one): a limit that fired before
-    # the run was entered (the default action, exit 124, nothing saved) is retried later, one inside moves on.
-    stopped, limit, tries = 0, startup + 0.6, []
-    while stopped < 2 and len(tries) < 8:
-        r = subprocess.run(["timeout", "--signal=TERM", f"{limit:.2f}", *cmd], capture_output=True, text=True)
-        assert r.returncode in (0, 124), r.stderr
-        assert "killed by signal" not in r.stderr, r.stderr  # the workers were shielded
-        inside = "stopping on SIGTERM" in r.stderr
-        tries.append((round(limit, 2), r.returncode, inside))
-        stopped += inside
-        if inside:
-            limit += 0.4  # another landing point
-        elif r.returncode == 0:
-            limit -= 1.0  # the run finished first
-        else:
-            limit += 1.0  # it fired before the run was entered
-    assert stopped >= 2, f"timeout never landed inside the run twice in {tries} (limit s, exit code, inside)"
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    args = [*WORKERS2, "--every_steps", "4"]
+    for hold in ("step 6", "step 3"):
+        p = Spawned(
+            [
+                "timeout",
+                "--signal=TERM",
+                "600",
+                *train_cmd(save_dir, final, [*args, "--hold_at", hold.replace(" ", ":")]),
+            ]
+        )
+        assert p.wait_for(rf"^holding at {hold}$"), p.output
+        p.signal(signal.SIGALRM)  # the limit expires now: timeout sends SIGTERM to its process group
+        assert p.finish() == 124, p.output  # timeout's exit code when its limit expired
+        assert "stopping on SIGTERM" in p.output, p.output
+        assert "killed by signal" not in p.output, p.output  # the workers were shielded
+    rerun = Spawned(train_cmd(save_dir, final, args))
+    assert rerun.finish() == 0, rerun.output
+    assert "resumed from" in rerun.output, rerun.output
     assert_same_final(reference(WORKERS2), final)
 
 
@@ -115,9 +106,9 @@ def test_worker_randomness_replays_from_an_epoch_boundary(tmp_path, reference):
     """Augmentation drawn inside two DataLoader workers: a stop at an epoch boundary resumes bit-exact.
     (Mid-epoch stops, persistent workers and other worker counts: tests/process/test_data_replay.py.)"""
     model_args = [*WORKERS2, "--augment"]
-    args = [*model_args, "--epoch_end_sleep", "0.3"]
-    interrupts = [Interrupt(after=r"^epoch_end 0"), Interrupt(after=r"^epoch_end 1")]
-    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
+    # each stopped process holds in its first end-of-epoch code until the signal has come
+    interrupts = [Interrupt(after=r"^holding at epoch_end 1$", args=("--hold_at", "epoch_end:1"))] * 2
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", model_args, interrupts)
     assert h.codes[:2] == [PREEMPTED] * 2, h.text
     assert h.count(r"stopping on SIGTERM .* \(epoch [12], batch 0\)") == 2, h.text
     assert_same_final(reference(model_args), tmp_path / "final.safetensors")
@@ -208,12 +199,9 @@ def test_signal_before_the_run_is_entered_keeps_default_behaviour(tmp_path):
 @pytest.mark.usefixtures("sigint_handled")
 def test_second_sigint_raises_keyboard_interrupt(tmp_path):
     """First Ctrl+C asks for a save at the next step; a second one, outside a save, ends the process at once."""
-    p = Spawned(train_cmd(tmp_path / "run", None, [*WORKERS0, "--step_sleep", "0.5"]))
-    p.wait_for(r"^step 1 ")
-    time.sleep(0.1)  # inside the next step's 0.5 s of work, far from a safe point
-    p.signal(signal.SIGINT)
-    time.sleep(0.2)  # two signals sent at once coalesce into one; a person's second press comes later
-    p.signal(signal.SIGINT)
+    # Two presses between step 1's safe point and step 2's: the process sends them to itself one after the other,
+    # and the first one's handler has run before the second is sent (signals sent at once would coalesce).
+    p = Spawned(train_cmd(tmp_path / "run", None, [*WORKERS0, "--kill_at_step", "1:INT,1:INT"]))
     rc = p.finish()
     # CPython ends an uncaught KeyboardInterrupt by dying of SIGINT, as shells expect
     assert rc == -signal.SIGINT and "KeyboardInterrupt" in p.output, p.output

@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -85,13 +86,13 @@ def flatten(prefix: str, tree, out: dict) -> None:
 
 
 def slow_commit(seconds: float):
-    """--slow_commit: a hook that makes each commit sleep before its manifest."""
+    """--slow_commit: each commit sleeps this long before its manifest."""
 
-    def hook(stage: str) -> None:
-        if stage == "before_manifest" and seconds:
+    def action(point: str, n: int) -> None:
+        if point == "before_manifest" and seconds:
             time.sleep(seconds)
 
-    return hook
+    return action
 
 
 def slow_lazy_copy(seconds: float) -> None:
@@ -108,33 +109,88 @@ def slow_lazy_copy(seconds: float) -> None:
     LazyCopy.run = slow
 
 
-def signal_at(spec: str, then=None) -> None:
-    """``STAGE:N:SIG[,...]``: send this process a real SIG the N-th time the commit reaches STAGE.
+# Named points of this process where a test acts (--signal_at, --hold_at, --slow_commit): the commit's stages
+# (preempt.commit.STAGES, on the writer's thread for a background save), "load" (a checkpoint file is about to be
+# read and verified), "discard" (a failed or cancelled write's temporary directory is about to be removed), and the
+# loop's own: "step" (inside a step's work, before run.step()) and "epoch_end" (in end-of-epoch code). Each is
+# counted from 1 in this process.
+LOOP_POINTS = ("step", "epoch_end")
+POINTS = (*commit.STAGES, "load", "discard", *LOOP_POINTS)
+HOLD_LIMIT_S = 120.0  # a hold that nothing releases ends here, and the test that set it fails on what follows
+_counts: dict[str, int] = {}
+_counts_lock = threading.Lock()
+_actions: list = []
+_runs: list[PreemptibleRun] = []  # the run, once entered: a hold waits for its stop flag
 
-    STAGE is one of ``preempt.commit.STAGES``, ``load`` (a checkpoint file is about to be read and
-    verified) or ``discard`` (a failed or cancelled write's temporary directory is about to be removed).
-    The signal is real (``os.kill``); SIGKILL ends the process right there.
+
+def reached(point: str) -> None:
+    """Counts ``point`` and does there what the options asked."""
+    with _counts_lock:
+        n = _counts[point] = _counts.get(point, 0) + 1
+    for action in _actions:
+        action(point, n)
+
+
+def _parse(option: str, item: str, fields: int) -> list[str]:
+    parts = item.split(":")
+    if len(parts) < fields or parts[0] not in POINTS:
+        raise SystemExit(
+            f"{option}: expected POINT:N{':SIG' * (fields == 3)}[...] with POINT in {POINTS}, got {item!r}"
+        )
+    return parts
+
+
+def signal_at(spec: str) -> None:
+    """``POINT:N:SIG[:until_cancelled][,...]``: send this process a real SIG the N-th time it reaches POINT.
+
+    The signal is real (``os.kill``); SIGKILL ends the process right there. ``until_cancelled`` (a commit stage
+    before the rename, in a background write): after the signal, the writer waits there until the run cancels its
+    write, so that the loop's decision, not the writer's speed, settles what happens to it.
     """
-    plan: dict[str, list[tuple[int, int]]] = {}
+    plan = []
     for item in spec.split(","):
-        stage, n, sig = item.split(":")
-        if stage not in (*commit.STAGES, "load", "discard"):
-            raise SystemExit(f"--signal_at: unknown stage {stage!r}")
-        plan.setdefault(stage, []).append((int(n), signal.Signals[f"SIG{sig}"]))
-    seen: dict[str, int] = {}
+        point, n, sig, *rest = _parse("--signal_at", item, 3)
+        plan.append((point, int(n), signal.Signals[f"SIG{sig}"], rest == ["until_cancelled"]))
 
-    def hook(stage: str) -> None:
-        seen[stage] = seen.get(stage, 0) + 1
-        for n, sig in plan.get(stage, []):
-            if n == seen[stage]:
-                print(f"signal_at {stage} {n} {sig.name}", flush=True)
+    def action(point: str, n: int) -> None:
+        for at, count, sig, until_cancelled in plan:
+            if (at, count) == (point, n):
+                print(f"signal_at {point} {n} {sig.name}", flush=True)
                 os.kill(os.getpid(), sig)
+                if until_cancelled:
+                    deadline = time.monotonic() + HOLD_LIMIT_S
+                    while time.monotonic() < deadline:
+                        commit.check_cancelled()  # raises WriteCancelled once the run cancelled this write
+                        time.sleep(0.005)
+                    print(f"signal_at {point} {n}: the write was never cancelled", flush=True)
 
-    commit.inject_fault(hook if then is None else lambda stage: (hook(stage), then(stage)))
+    _actions.append(action)
+
+
+def hold_at(spec: str) -> None:
+    """``POINT:N[,...]``: the N-th time this process reaches POINT, it prints ``holding at POINT N`` and waits
+    there until the run has been asked to stop (a signal from the test), however slow or fast the machine."""
+    plan = {(point, int(n)) for point, n, *_ in (_parse("--hold_at", item, 2) for item in spec.split(","))}
+
+    def action(point: str, n: int) -> None:
+        if (point, n) not in plan:
+            return
+        print(f"holding at {point} {n}", flush=True)
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while not (_runs and _runs[0].stop_requested) and time.monotonic() < deadline:
+            time.sleep(0.005)  # the signal's handler runs in the main thread between these
+        print(f"released at {point} {n}", flush=True)
+
+    _actions.append(action)
+
+
+def install_points() -> None:
+    """Routes the commit's stages and the loads of checkpoint files through :func:`reached`."""
+    commit.inject_fault(reached)
     original = preempt.checkpoint.read_verified
 
     def read_verified(path, expected):
-        hook("load")
+        reached("load")
         return original(path, expected)
 
     preempt.checkpoint.read_verified = read_verified
@@ -173,14 +229,17 @@ def main() -> None:
     p.add_argument("--epoch_end_sleep", type=float, default=0.0)
     p.add_argument("--no_auto_resume", action="store_true")
     p.add_argument("--slow_commit", type=float, default=0.0, help="sleep this long before each manifest is written")
-    p.add_argument("--signal_at", default=None, help="STAGE:N:SIG[,...], see signal_at()")
+    p.add_argument("--signal_at", default=None, help="POINT:N:SIG[:until_cancelled][,...], see signal_at()")
+    p.add_argument("--hold_at", default=None, help="POINT:N[,...]: wait there for a stop signal, see hold_at()")
     p.add_argument("--time_limit", default=None, help="PreemptibleRun(time_limit=): seconds or [D-]HH:MM:SS")
     p.add_argument("--max_restarts", type=int, default=None)
     p.add_argument("--sync_save", action="store_true", help="PreemptibleRun(async_save=False)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--nan_at", type=int, default=None, help="attempt 1 under preempt supervise: 'Loss is NaN', exit 1")
     p.add_argument(
-        "--kill_at_step", default=None, help="STEP:SIG: send this process a real SIG once run.step() made STEP"
+        "--kill_at_step",
+        default=None,
+        help="STEP:SIG[,...]: send this process a real SIG once run.step() made STEP (in the order given)",
     )
     p.add_argument("--metrics", action="store_true", help="run.step(metrics={'loss': ...})")
     p.add_argument("--progress_every_s", type=float, default=None)
@@ -190,9 +249,12 @@ def main() -> None:
     if args.slow_lazy_copy:
         slow_lazy_copy(args.slow_lazy_copy)
     if args.signal_at:
-        signal_at(args.signal_at, then=slow_commit(args.slow_commit))
-    elif args.slow_commit:
-        commit.inject_fault(slow_commit(args.slow_commit))
+        signal_at(args.signal_at)
+    if args.hold_at:
+        hold_at(args.hold_at)
+    if args.slow_commit:
+        _actions.append(slow_commit(args.slow_commit))
+    install_points()
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -226,9 +288,9 @@ def main() -> None:
         walltime["recycle_files"] = False
     if args.slow_lazy_copy:
         walltime["lazy_snapshot"] = True
-    kill_step, kill_sig = (
-        (int(args.kill_at_step.split(":")[0]), args.kill_at_step.split(":")[1]) if args.kill_at_step else (None, None)
-    )
+    kills = [
+        (int(step), sig) for step, sig in (item.split(":") for item in (args.kill_at_step or "").split(",") if item)
+    ]
     with PreemptibleRun(
         args.save_dir,
         model=model,
@@ -241,6 +303,7 @@ def main() -> None:
         auto_resume=not args.no_auto_resume,
         **walltime,
     ) as run:
+        _runs.append(run)
         run.user_state.setdefault("losses", [])
         workers = {"num_workers": args.num_workers, "persistent_workers": args.persistent_workers}
         if args.iterable:
@@ -277,14 +340,17 @@ def main() -> None:
                     time.sleep(args.step_sleep)
                 if args.first_step_sleep and run.global_step == started_at:
                     time.sleep(args.first_step_sleep)
+                reached("step")
                 print(f"step {run.global_step + 1} epoch {epoch} batch {run.batch}", flush=True)
                 run.step(metrics={"loss": loss.item()} if args.metrics else None)
-                if run.global_step == kill_step:
-                    print(f"kill_at_step {kill_step} {kill_sig}", flush=True)
-                    os.kill(os.getpid(), signal.Signals[f"SIG{kill_sig}"])
+                for kill_step, kill_sig in kills:  # each handler runs before the next kill is sent
+                    if run.global_step == kill_step:
+                        print(f"kill_at_step {kill_step} {kill_sig}", flush=True)
+                        os.kill(os.getpid(), signal.Signals[f"SIG{kill_sig}"])
             # end-of-epoch code that draws from the RNG, like a validation loader would
             run.user_state.setdefault("epoch_draws", []).append(float(torch.rand(())))
             print(f"epoch_end {epoch}", flush=True)
+            reached("epoch_end")
             if args.epoch_end_sleep:
                 time.sleep(args.epoch_end_sleep)
 
