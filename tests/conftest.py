@@ -128,6 +128,12 @@ class Interrupt:
     args: Sequence[str] = ()
 
 
+def in_step(k: int, sig: int = signal.SIGTERM) -> Interrupt:
+    """``sig`` while the process holds inside the work of its own k-th step (before that step's ``run.step()``):
+    a SIGTERM stops it at that step's safe point, however fast or slow the machine."""
+    return Interrupt(after=rf"^holding at step {k}$", sig=sig, args=("--hold_at", f"step:{k}"))
+
+
 @dataclass
 class History:
     """Return codes and outputs of every process of one interrupted run."""

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PREEMPTED, Interrupt, Spawned, assert_same_final, run_interrupted, train_cmd
+from conftest import PREEMPTED, Interrupt, Spawned, assert_same_final, in_step, run_interrupted, train_cmd
 
 # 512 samples, batches of 16, 4 micro-batches per optimizer step: 32 batches and 8 steps per epoch, 24 steps.
 QUICKSTART = [
@@ -43,8 +43,8 @@ def mid_epoch(batch: int) -> bool:
 
 def test_worker_augmentation_exact_after_three_mid_epoch_sigterms(tmp_path, reference):
     """The headline: augmentation inside 2 workers, 3 SIGTERMs inside epochs, final state bit-exact."""
-    interrupts = [Interrupt(after=rf"^step {n} ", delay=0.05) for n in (2, 10, 19)]
-    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", [*WORKERS2, *PACE], interrupts)
+    interrupts = [in_step(k) for k in (2, 8, 9)]  # at steps 2, 10 and 19 (each process counts from its resume)
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", WORKERS2, interrupts)
     assert h.codes[:3] == [PREEMPTED] * 3, h.text
     assert len(stops(h.text)) == 3 and all(mid_epoch(b) for _, b in stops(h.text)), stops(h.text)
     assert_same_final(reference(WORKERS2), tmp_path / "final.safetensors")
@@ -52,7 +52,9 @@ def test_worker_augmentation_exact_after_three_mid_epoch_sigterms(tmp_path, refe
 
 def test_worker_augmentation_exact_after_three_sigkills(tmp_path, reference):
     """SIGKILL (no handler runs) three times with a checkpoint every step; each rerun says what it recomputes."""
-    interrupts = [Interrupt(after=rf"^step {n} ", delay=0.05, sig=signal.SIGKILL) for n in (3, 11, 21)]
+    # killed inside each process's 3rd, 6th and 8th step; with a checkpoint every step (written in the background,
+    # 0.15 s per step) each resumes inside an epoch whether the newest write had ended or not
+    interrupts = [in_step(k, signal.SIGKILL) for k in (3, 6, 8)]
     args = [*WORKERS2, *PACE, "--every_steps", "1"]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes[:3] == [-signal.SIGKILL] * 3, h.text
@@ -67,8 +69,9 @@ def test_worker_augmentation_exact_after_three_sigkills(tmp_path, reference):
 
 def test_persistent_workers_exact_mid_epoch_and_at_an_epoch_boundary(tmp_path, reference):
     """persistent_workers=True, stopped inside an epoch and between epochs: equal to the run without them."""
-    args = [*WORKERS2, "--persistent_workers", *PACE, "--epoch_end_sleep", "0.5"]
-    interrupts = [Interrupt(after=r"^step 3 ", delay=0.05), Interrupt(after=r"^epoch_end 1")]
+    args = [*WORKERS2, "--persistent_workers"]
+    # inside step 3; then in the resumed process's second end-of-epoch code (epoch 1's)
+    interrupts = [in_step(3), Interrupt(after=r"^holding at epoch_end 2$", args=("--hold_at", "epoch_end:2"))]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes[:2] == [PREEMPTED] * 2, h.text
     assert [b for _, b in stops(h.text)][0] != 0 and stops(h.text)[1] == (2, 0), stops(h.text)
@@ -79,12 +82,13 @@ def test_changing_the_number_of_workers_between_runs_stays_exact(tmp_path, refer
     """2 workers, stopped; resumed with 0 workers, stopped; finished with 3: the same as 2 workers throughout."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     outputs = []
-    for workers, target in (("2", "^step 5 "), ("0", "^step 13 "), ("3", None)):
-        p = Spawned(train_cmd(save_dir, final, [*QUICKSTART, *PACE, "--num_workers", workers]))
-        if target is not None:
-            assert p.wait_for(target)
+    for workers, hold in (("2", "step:5"), ("0", "step:8"), ("3", None)):  # stopped at steps 5 and 13
+        held = ["--hold_at", hold] if hold else []
+        p = Spawned(train_cmd(save_dir, final, [*QUICKSTART, "--num_workers", workers, *held]))
+        if hold is not None:
+            assert p.wait_for(rf"^holding at {hold.replace(':', ' ')}$"), p.output
             p.signal(signal.SIGTERM)
-        assert p.finish() == (PREEMPTED if target else 0), p.output
+        assert p.finish() == (PREEMPTED if hold else 0), p.output
         outputs.append(p.output)
     assert all(mid_epoch(b) for b in resumes("\n".join(outputs))), outputs
     assert_same_final(reference(WORKERS2), final)
@@ -96,9 +100,7 @@ def test_per_sample_rng_off_is_not_exact_mid_epoch(tmp_path, reference):
     """The opt-out really turns it off: with run.sampler(per_sample_rng=False) the workers' draws restart
     from the epoch's seed, so a mid-epoch resume changes the training (the documented limitation)."""
     model_args = [*WORKERS2, "--no_per_sample_rng"]
-    h = run_interrupted(
-        tmp_path / "run", tmp_path / "final.safetensors", [*model_args, *PACE], [Interrupt(r"^step 3 ", 0.05)]
-    )
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", model_args, [in_step(3)])
     assert h.codes[0] == PREEMPTED and mid_epoch(stops(h.text)[0][1]), h.text
     with pytest.raises(AssertionError, match="tensors differ"):
         assert_same_final(reference(model_args), tmp_path / "final.safetensors")
@@ -112,8 +114,8 @@ STREAM = ["--epochs", "2", "--samples", "384", "--dropout", "0.3", "--augment", 
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_stateful_iterable_dataset_resumes_each_worker_where_it_stood(tmp_path, reference, workers):
     model_args = [*STREAM, "--iterable", "stateful", "--num_workers", workers]
-    interrupts = [Interrupt(after=r"^step 3 ", delay=0.05), Interrupt(after=r"^step 12 ", delay=0.05)]
-    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", [*model_args, *PACE], interrupts)
+    interrupts = [in_step(3), in_step(9)]  # at steps 3 and 12
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", model_args, interrupts)
     assert h.codes[:2] == [PREEMPTED] * 2, h.text
     assert h.count(r"IterableDataset's \d+ worker\(s\) continue where each stood") == 2, h.text
     assert "replaying" not in h.text, h.text
@@ -122,9 +124,7 @@ def test_stateful_iterable_dataset_resumes_each_worker_where_it_stood(tmp_path, 
 
 def test_iterable_dataset_without_state_dict_replays_and_says_so(tmp_path, reference):
     model_args = [*STREAM, "--iterable", "plain", "--num_workers", "2"]
-    h = run_interrupted(
-        tmp_path / "run", tmp_path / "final.safetensors", [*model_args, *PACE], [Interrupt(r"^step 3 ", 0.05)]
-    )
+    h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", model_args, [in_step(3)])
     assert h.codes[0] == PREEMPTED, h.text
     batch = stops(h.text)[0][1]
     assert re.search(rf"no state_dict\(\)/load_state_dict\(\): replaying {batch} batch\(es\)", h.text), h.text
