@@ -22,11 +22,11 @@ failed=0
 start_burners() {
     [ "$burners" -gt 0 ] || return 0
     if command -v stress-ng >/dev/null; then
-        stress-ng --cpu "$burners" --quiet &
+        stress-ng --cpu "$burners" --quiet >/dev/null 2>&1 &  # not on $(...)'s pipe, which it would hold open
         echo $!
     else
         for _ in $(seq "$burners"); do
-            python3 -c 'while True: pass' &
+            python3 -c 'while True: pass' >/dev/null 2>&1 &
             echo $!
         done
     fi
