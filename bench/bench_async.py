@@ -501,13 +501,16 @@ def phase_e2e(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """A training child for the parent to SIGTERM: says "ready" (and "inflight" after a staged save) on stdout."""
-    from preempt import PreemptibleRun
+    from preempt import PreemptibleRun, save_plan
 
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     model, opt = build_state(args.gib)
     work_step = make_workload()
-    inflight = args.variant == "inflight"
+    variant, _, how = args.variant.partition("+")
+    if how == "live":  # the stop's save writes the live tensors through the page cache (before issue 27)
+        save_plan.STAGE_SYNCHRONOUS = False
+    inflight = variant == "inflight"
     save_dir = Path(args.save_dir or work / f"sigterm_{os.getpid()}")
     run = PreemptibleRun(
         save_dir,
@@ -529,9 +532,9 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 run.step()
                 # "reserved": ready once the pool the writer writes ahead is complete (renamed to .recycle-*)
                 prepared = run.staging_prepare_s is not None
-                if args.variant == "reserved":
+                if variant == "reserved":
                     prepared = prepared and any(save_dir.glob(".recycle-*"))
-                if not ready and (prepared or time.time() - t_enter > (120 if args.variant == "reserved" else 30)):
+                if not ready and (prepared or time.time() - t_enter > (120 if variant == "reserved" else 30)):
                     ready = True
                     res["staging_prepare_s"] = run.staging_prepare_s
                     res["ready_step"] = run.global_step
@@ -677,7 +680,7 @@ def sigterm_trial(
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     try:
         assert p.stdout is not None
-        wanted = "inflight" if variant == "inflight" else "ready"
+        wanted = "inflight" if variant.startswith("inflight") else "ready"
         while True:
             line = p.stdout.readline()
             if not line:
@@ -714,9 +717,9 @@ def sigterm_trial(
     res["background_write_s"] = float(m.group(1)) if m else None
     # A stop cancels a periodic write in flight (issue 16): it never reports "written", it says "was cancelled".
     res["write_cancelled"] = bool(re.search(r"the background write of step \d+ \(\w+\) was cancelled", log))
-    if variant == "inflight" and res["write_cancelled"]:
+    if variant.startswith("inflight") and res["write_cancelled"]:
         res["write_in_flight_at_kill"] = True
-    elif variant == "inflight" and res["background_write_s"] is not None:
+    elif variant.startswith("inflight") and res["background_write_s"] is not None:
         started = res["staged_wall"] - res["staged_stall_s"]
         res["write_in_flight_at_kill"] = t_kill < started + res["background_write_s"]
     res["log_tail"] = log.strip().splitlines()[-4:]
@@ -729,6 +732,12 @@ SIGTERM_VARIANTS = (
     ("inflight", "a periodic write in flight (cancelled by the stop)"),
     ("resumed", "nothing in flight, a requeued job resumed from that save_dir"),
 )
+# Each variant also with "+live": the stop's save writes the live tensors through the page cache instead of copying
+# them into the staging buffers and writing those without it (issue 27); the trials of both alternate.
+SIGTERM_VARIANTS = tuple((f"{v}{how}", f"{label}{note}") for v, label in SIGTERM_VARIANTS for how, note in (
+    ("", "; the stop copies into the staging buffers, written O_DIRECT"),
+    ("+live", "; the stop writes the live tensors through the page cache"),
+))  # fmt: skip
 
 
 def run_sigterm(args: argparse.Namespace, work: Path, gib: float, step_s: float, write_s: float) -> dict[str, Any]:
@@ -743,16 +752,17 @@ def run_sigterm(args: argparse.Namespace, work: Path, gib: float, step_s: float,
     out: dict[str, Any] = {"gib": gib, "inflight_every_steps": every, **{v: [] for v, _ in SIGTERM_VARIANTS}}
     t0 = perf()
     for i in range(args.repeats):
-        fresh, job = work / f"sigterm_{gib:g}_fresh_{i}", work / f"sigterm_{gib:g}_job_{i}"
-        out["idle"].append(sigterm_trial(args, work, gib, "idle", 0, lambda: rng.uniform(0.2, 1.0), fresh))
-        shutil.rmtree(fresh)
-        out["reserved"].append(sigterm_trial(args, work, gib, "reserved", 0, lambda: rng.uniform(0.2, 1.0), fresh))
-        shutil.rmtree(fresh)
-        out["inflight"].append(
-            sigterm_trial(args, work, gib, "inflight", every, lambda: rng.uniform(0.0, 0.5) * write_s, job)
-        )
-        out["resumed"].append(sigterm_trial(args, work, gib, "resumed", 0, lambda: rng.uniform(0.2, 1.0), job))
-        shutil.rmtree(job)
+        for how in ("", "+live"):
+            fresh, job = work / f"sigterm_{gib:g}_fresh_{i}", work / f"sigterm_{gib:g}_job_{i}"
+            for v, steps, delay, d in (
+                ("idle", 0, lambda: rng.uniform(0.2, 1.0), fresh),
+                ("reserved", 0, lambda: rng.uniform(0.2, 1.0), fresh),
+                ("inflight", every, lambda: rng.uniform(0.0, 0.5) * write_s, job),
+                ("resumed", 0, lambda: rng.uniform(0.2, 1.0), job),
+            ):
+                out[v + how].append(sigterm_trial(args, work, gib, v + how, steps, delay, d))
+                if v in ("idle", "reserved", "resumed"):
+                    shutil.rmtree(d)
     print(f"  {gib:g} GiB {'SIGTERM trials':<22} done in {perf() - t0:5.1f} s", file=sys.stderr, flush=True)
     return out
 
@@ -951,7 +961,7 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
             k2e = [t["kill_to_exit_s"] for t in ts]
             save = [t["stop_save_s"] for t in ts if t["stop_save_s"] is not None]
             extra = ""
-            if v == "inflight":
+            if v.startswith("inflight"):
                 inf = [t.get("write_in_flight_at_kill") for t in ts]
                 cancelled = sum(bool(t.get("write_cancelled")) for t in ts)
                 extra = f"; in flight at kill: {sum(bool(x) for x in inf)}/{len(inf)}, cancelled {cancelled}"
@@ -962,7 +972,7 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
                     " (dd, fdatasync) of the bytes right after the trial"
                 )
             w(
-                f"   {v:<9} kill->durable median {fmt_s(median(k2d))} ({median(k2d) / ref:.2f}x the reference;"
+                f"   {v:<14} kill->durable median {fmt_s(median(k2d))} ({median(k2d) / ref:.2f}x the reference;"
                 f" trials {', '.join(fmt_s(x) for x in k2d)}); kill->exit {fmt_s(median(k2e))};"
                 f" the stop's save {fmt_s(median(save) if save else None)}{extra}{yard(median(k2d))}"
             )

@@ -85,11 +85,19 @@ def pick(
     return reason, postponed
 
 
+# A synchronous save (the stop's, the final one) while staging buffers exist copies the state into them and writes
+# them itself: page-aligned memory laid out as the files goes to the disk without the page cache
+# (preempt.direct_io). False: it writes the live tensors through the page cache (what bench_async.py's row 6
+# compares; bench/README.md has the figures).
+STAGE_SYNCHRONOUS = True
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     settle: bool  # wait for the job in flight first
     background: bool  # stage the state and let the writer write it
     cancel: bool = False  # stop the write in flight instead of waiting for it: this save supersedes it
+    stage: bool = False  # written at once, from the staging buffers (STAGE_SYNCHRONOUS)
 
 
 def plan(reason: Reason, *, job: str | None, staging: bool, writing: Reason | None = None) -> Plan:
@@ -101,14 +109,17 @@ def plan(reason: Reason, *, job: str | None, staging: bool, writing: Reason | No
     A stop's save does not wait for a periodic write in flight: that snapshot is older than the state the stop
     saves, so it is cancelled (its partial files removed) and the stop's durable time is that of one write. A
     best or milestone write in flight is waited for: it is kept for its own sake. A pool being written ahead
-    is cancelled by any save, which writes over what it holds.
+    is cancelled by any save, which writes over what it holds. A synchronous save copies the state into the
+    staging buffers, when there are any, and writes from them (:data:`STAGE_SYNCHRONOUS`): nothing is in flight
+    then to use them.
     """
     background = staging and reason not in SYNCHRONOUS
+    stage = staging and not background and STAGE_SYNCHRONOUS  # the job in flight is settled or cancelled first
     if job == "reserve":
-        return Plan(settle=False, background=background, cancel=True)
+        return Plan(settle=False, background=background, cancel=True, stage=stage)
     if job == "save" and reason in STOPS and writing in POSTPONABLE:
-        return Plan(settle=False, background=background, cancel=True)
-    return Plan(settle=job is not None, background=background)
+        return Plan(settle=False, background=background, cancel=True, stage=stage)
+    return Plan(settle=job is not None, background=background, stage=stage)
 
 
 def wake(

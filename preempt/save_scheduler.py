@@ -192,6 +192,8 @@ class SaveScheduler:
                 self._save_sharded(reason, manifest, t0, payload, live)
                 return True
             staged = self._copy(payload) if background else None
+            if how.stage and live is None and self.stager is not None:
+                payload = self._staged_now(payload)
             extra = None if live is None else functools.partial(sharded.save, tensors=live, rank=self.peers.rank)
             try:
                 got = self.peers.save(self.manager, payload, manifest, extra, staged is not None)
@@ -269,6 +271,15 @@ class SaveScheduler:
             log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
             self.stager = None
             return None
+
+    def _staged_now(self, payload: Any) -> Any:
+        """For a synchronous save: ``payload`` copied into the staging buffers, whose files are then written without
+        the page cache (see :data:`~preempt.save_plan.STAGE_SYNCHRONOUS`); the live payload where that fails."""
+        try:
+            return self.stager.stage(payload)
+        except (MemoryError, RuntimeError) as e:
+            log.warning("could not copy the state into the staging buffers (%s); writing it from the tensors", e)
+            return payload
 
     def _lazy_sources(self) -> set[int]:
         """The storages of the tensors that only ``optimizer.step()`` changes: the parameters and its state."""

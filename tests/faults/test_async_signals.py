@@ -47,6 +47,8 @@ def test_sigterm_before_a_writes_manifest_cancels_it_and_the_stop_saves_the_curr
     stop = re.search(r"checkpoint \S*step_\d+ \(preempt\) written", out)
     assert cancelled and cancelled.start() < stop.start(), out
     assert stopped_at > held, out
+    # the stop's save copied the state into the staging buffers and wrote them without the page cache
+    assert bool(re.search(rf"step_0*{stopped_at}-\S*/{BYPASSED}", out)) == direct_io_supported(tmp_path), out
     infos = manager.list()
     assert [c.step for c in infos] == [stopped_at, 8], [c.step for c in infos]
     assert all(c.status == "valid" and not manager.verify(c) for c in infos)

@@ -164,7 +164,7 @@ def signal_at(spec: str) -> None:
                         time.sleep(0.005)
                     print(f"signal_at {point} {n}: the write was never cancelled", flush=True)
 
-    _actions.append(action)
+    act(action)
 
 
 def hold_at(spec: str) -> None:
@@ -181,11 +181,15 @@ def hold_at(spec: str) -> None:
             time.sleep(0.005)  # the signal's handler runs in the main thread between these
         print(f"released at {point} {n}", flush=True)
 
+    act(action)
+
+
+def act(action) -> None:
+    """Adds ``action(point, n)`` to what :func:`reached` does; the first one routes the commit's stages and the
+    loads of checkpoint files through it (any script that imports this module: train_ddp.py too)."""
     _actions.append(action)
-
-
-def install_points() -> None:
-    """Routes the commit's stages and the loads of checkpoint files through :func:`reached`."""
+    if len(_actions) > 1:
+        return
     commit.inject_fault(reached)
     original = preempt.checkpoint.read_verified
 
@@ -253,8 +257,7 @@ def main() -> None:
     if args.hold_at:
         hold_at(args.hold_at)
     if args.slow_commit:
-        _actions.append(slow_commit(args.slow_commit))
-    install_points()
+        act(slow_commit(args.slow_commit))
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

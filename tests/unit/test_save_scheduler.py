@@ -57,6 +57,8 @@ def test_stop_final_branch_and_emergency_saves_are_synchronous(reason):
     assert plan(reason, job=None, staging=True).background is not sync
     assert plan(reason, job=None, staging=False).background is False
     assert plan(reason, job="save", staging=True).settle and not plan(reason, job=None, staging=True).settle
+    # a synchronous save writes from the staging buffers where there are any
+    assert plan(reason, job=None, staging=True).stage is sync and plan(reason, job=None, staging=False).stage is False
 
 
 def test_wake_waits_for_the_write_then_takes_the_postponed_save_at_the_next_step():
