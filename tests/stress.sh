@@ -53,4 +53,6 @@ for i in $(seq "$runs"); do
     [ "$rc" -eq 0 ] || failed=$((failed + 1))
     rm -rf "$work"
 done
+# .ci/run's `pip install -e .` pointed the editable install at the clone, now gone: point it back at this checkout
+pip install -q --no-deps -e "$repo" >/dev/null 2>&1 || echo "could not reinstall $repo in editable mode" >&2
 exit "$failed"
