@@ -35,7 +35,12 @@ PACE = ["--step_sleep", "0.03"]
 AUGMENT0 = [*WORKERS0, "--augment"]
 
 
-@pytest.mark.parametrize("model_args", [WORKERS0, WORKERS2, AUGMENT0], ids=["workers0", "workers2", "augment0"])
+# workers0 (no workers, no augmentation) is the plainest of the three: a repetition, under -m slow
+@pytest.mark.parametrize(
+    "model_args",
+    [pytest.param(WORKERS0, marks=pytest.mark.slow), WORKERS2, AUGMENT0],
+    ids=["workers0", "workers2", "augment0"],
+)
 def test_three_sigterms_at_random_points(tmp_path, reference, model_args):
     """Three SIGTERMs at random moments; each run saves and exits 75; the last rerun completes bit-exact."""
     rnd = random.Random(sum(map(ord, "".join(model_args))))
