@@ -541,8 +541,10 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     proto.write(f"ready {time.time()!r}\n")
                     proto.flush()
                 rec = run.last_save
-                if run.last_checkpoint is not None:  # not rec.durable: a write that ends at a step where a postponed
-                    durable.add(run.last_checkpoint)  # save is taken at once is never seen durable (3 GiB, 2.4 s writes)
+                # Not rec.durable: a write that ends at a step where a postponed save is taken at once is never seen
+                # durable (3 GiB, 2.4 s writes).
+                if run.last_checkpoint is not None:
+                    durable.add(run.last_checkpoint)
                 if inflight and ready and not announced and len(durable) >= 2 and rec is not None and not rec.durable:
                     announced = True
                     res["staged_wall"] = time.time()
