@@ -195,22 +195,23 @@ def test_sigkill_at_random_moments_many(tmp_path, reference):
 def test_sigkill_while_a_cancelled_write_is_cleaned_up(tmp_path, reference):
     """A stop cancels the background write in flight (issue 16); killed while its files are being removed.
 
-    The writer's second save (step 16) sends SIGTERM before its manifest and waits there until the run cancels
-    it (the stop, at the next step), and the process is killed as the cancelled write starts removing its
-    temporary directory. The rerun cleans it and resumes from the last whole checkpoint, bit-exact.
+    The writer's second save sends SIGTERM before its manifest and waits there until the run cancels it (the stop,
+    at the next step; the loop holds right after taking that save until the signal has come, so that it does not
+    reach the run's end first), and the process is killed as the cancelled write starts removing its temporary
+    directory. The rerun cleans it and resumes from the last whole checkpoint, bit-exact.
     """
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     kill = "before_manifest:2:TERM:until_cancelled,discard:1:KILL"
-    args = [*MODEL, "--every_steps", "8", "--signal_at", kill]
+    args = [*MODEL, "--every_steps", "6", "--signal_at", kill, "--hold_at", "saved:2"]  # saves at 6 and 12
     first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert first.finish() == KILLED, first.output
     assert "signal_at before_manifest 2 SIGTERM" in first.output and "signal_at discard 1 SIGKILL" in first.output
     written = [int(s) for s in re.findall(r"checkpoint \S*step_(\d+) \(\w+\) written", first.output)]
-    assert written == [8], first.output  # the second periodic save never committed
-    assert whole_checkpoints(save_dir) == [8] and leftovers(save_dir), os.listdir(save_dir)
+    assert written == [6], first.output  # the second periodic save never committed
+    assert whole_checkpoints(save_dir) == [6] and leftovers(save_dir), os.listdir(save_dir)
 
     rerun = Spawned(train_cmd(save_dir, final, [*MODEL, "--every_steps", "8"]))
     assert rerun.finish() == 0, rerun.output
-    assert resumed_step(rerun.output) == 8, rerun.output
+    assert resumed_step(rerun.output) == 6, rerun.output
     assert leftovers(save_dir) == [], "the rerun did not clean the cancelled write's files"
     assert_same_final(reference(MODEL), final)

@@ -112,9 +112,10 @@ def slow_lazy_copy(seconds: float) -> None:
 # Named points of this process where a test acts (--signal_at, --hold_at, --slow_commit): the commit's stages
 # (preempt.commit.STAGES, on the writer's thread for a background save), "load" (a checkpoint file is about to be
 # read and verified), "discard" (a failed or cancelled write's temporary directory is about to be removed), and the
-# loop's own: "step" (inside a step's work, before run.step()) and "epoch_end" (in end-of-epoch code). Each is
+# loop's own: "step" (inside a step's work, before run.step()), "saved" (right after a run.step() that took a
+# checkpoint: staged, for a background save) and "epoch_end" (in end-of-epoch code). Each is
 # counted from 1 in this process.
-LOOP_POINTS = ("step", "epoch_end")
+LOOP_POINTS = ("step", "saved", "epoch_end")
 POINTS = (*commit.STAGES, "load", "discard", *LOOP_POINTS)
 HOLD_LIMIT_S = 120.0  # a hold that nothing releases ends here, and the test that set it fails on what follows
 _counts: dict[str, int] = {}
@@ -319,6 +320,7 @@ def main() -> None:
         print(f"start step {run.global_step} epoch {run.epoch} batch {run.batch} lr {lr!r}", flush=True)
         first_attempt = os.environ.get("PREEMPT_SUPERVISE_ATTEMPT") == "1"
         started_at = run.global_step
+        saved_at = -1  # the step of the last checkpoint taken by this process
         for epoch in run.epochs(args.epochs):
             micro = 0
             for x, y in run.batches(loader):
@@ -346,6 +348,9 @@ def main() -> None:
                 reached("step")
                 print(f"step {run.global_step + 1} epoch {epoch} batch {run.batch}", flush=True)
                 run.step(metrics={"loss": loss.item()} if args.metrics else None)
+                if run.last_save is not None and run.last_save.step == run.global_step != saved_at:
+                    saved_at = run.global_step
+                    reached("saved")
                 for kill_step, kill_sig in kills:  # each handler runs before the next kill is sent
                     if run.global_step == kill_step:
                         print(f"kill_at_step {kill_step} {kill_sig}", flush=True)
