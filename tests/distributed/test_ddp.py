@@ -41,7 +41,8 @@ def stopped_steps(output: str) -> dict[int, int]:
     return dict(zip((int(r) for r in ranks), (int(s) for s in found), strict=False))
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+# sync under -m slow: the ranks' synchronous saves run by default in the tests that stop at step 10 (stop_at_step_10)
+@pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=pytest.mark.slow)])
 def test_sigterm_to_the_agent_twice_resumes_bit_exact(tmp_path, reference, mode):
     rnd = random.Random()
     seed = rnd.randrange(1 << 30)
