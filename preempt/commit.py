@@ -150,8 +150,13 @@ def cancellable(event: threading.Event) -> Iterator[None]:
         _cancel.event = None
 
 
+def cancel_event() -> threading.Event | None:
+    """The event that cancels this thread's write (None outside :func:`cancellable`): a test can wait on it."""
+    return getattr(_cancel, "event", None)
+
+
 def check_cancelled() -> None:
-    event = getattr(_cancel, "event", None)
+    event = cancel_event()
     if event is not None and event.is_set():
         raise WriteCancelled("the write was cancelled")
 

@@ -159,10 +159,9 @@ def signal_at(spec: str) -> None:
                 print(f"signal_at {point} {n} {sig.name}", flush=True)
                 os.kill(os.getpid(), sig)
                 if until_cancelled:
-                    deadline = time.monotonic() + HOLD_LIMIT_S
-                    while time.monotonic() < deadline:
-                        commit.check_cancelled()  # raises WriteCancelled once the run cancelled this write
-                        time.sleep(0.005)
+                    event = commit.cancel_event()
+                    if event is not None and event.wait(HOLD_LIMIT_S):
+                        commit.check_cancelled()  # raises WriteCancelled: the run cancelled this write
                     print(f"signal_at {point} {n}: the write was never cancelled", flush=True)
 
     act(action)
