@@ -19,15 +19,18 @@ def stopped_with_a_write_in_flight(tmp_path, signal_at: str) -> tuple[str, int, 
     step of the save in flight, the step of the stop's checkpoint and the manager of the save_dir.
 
     The loop holds right after it took that save until the signal has come: a fast loop would otherwise reach the
-    run's end, whose final save waits for the write, before the writer sends it."""
+    run's end, whose final save waits for the write, before the writer sends it. After the first save it waits
+    until that write is durable: on a busy machine the write of step 6 outlasted steps 7-16, the save due at 12 was
+    postponed to step 16, the epoch's last, and the stop's safe point became the epoch's end at that same step."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     # checkpoints at steps 6 and 12, inside epoch 0: the stop's safe point is step 13's (at step 16, the last of the
     # epoch, it would be the epoch's end, where the state of the save in flight would be the stop's)
-    args = [*MODEL, "--every_steps", "6", "--signal_at", signal_at, "--hold_at", "saved:2"]
+    args = [*MODEL, "--every_steps", "6", "--signal_at", signal_at, "--settle_at", "saved:1", "--hold_at", "saved:2"]
     first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert first.finish() == 75, first.output
     out = first.output
     held = int(re.findall(r"saving \S*step_(\d+) \(steps\)", out)[1])  # the save in flight when SIGTERM came
+    assert held == 12 and "settled at saved 1: step_000000006 durable" in out, out
     stop = re.search(r"checkpoint \S*step_(\d+) \(preempt\) written", out)
     assert stop, out
     return out, held, int(stop.group(1)), CheckpointManager(save_dir, owner=False)

@@ -202,7 +202,8 @@ def test_sigkill_while_a_cancelled_write_is_cleaned_up(tmp_path, reference):
     """
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     kill = "before_manifest:2:TERM:until_cancelled,discard:1:KILL"
-    args = [*MODEL, "--every_steps", "6", "--signal_at", kill, "--hold_at", "saved:2"]  # saves at 6 and 12
+    # saves at 6 and 12 (the loop waits for the first write to be durable, so that the second is not postponed)
+    args = [*MODEL, "--every_steps", "6", "--signal_at", kill, "--settle_at", "saved:1", "--hold_at", "saved:2"]
     first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert first.finish() == KILLED, first.output
     assert "signal_at before_manifest 2 SIGTERM" in first.output and "signal_at discard 1 SIGKILL" in first.output

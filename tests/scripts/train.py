@@ -109,8 +109,8 @@ def slow_lazy_copy(seconds: float) -> None:
     LazyCopy.run = slow
 
 
-# Named points of this process where a test acts (--signal_at, --hold_at, --slow_commit): the commit's stages
-# (preempt.commit.STAGES, on the writer's thread for a background save), "load" (a checkpoint file is about to be
+# Named points of this process where a test acts (--signal_at, --hold_at, --settle_at, --slow_commit): the commit's
+# stages (preempt.commit.STAGES, on the writer's thread for a background save), "load" (a checkpoint file is about to be
 # read and verified), "discard" (a failed or cancelled write's temporary directory is about to be removed), and the
 # loop's own: "step" (inside a step's work, before run.step()), "saved" (right after a run.step() that took a
 # checkpoint: staged, for a background save) and "epoch_end" (in end-of-epoch code). Each is
@@ -184,6 +184,22 @@ def hold_at(spec: str) -> None:
     act(action)
 
 
+def settle_at(spec: str) -> None:
+    """``POINT:N[,...]``: the N-th time this process reaches POINT (a loop point), the loop waits there until the
+    background write in flight is durable (``run.wait_for_checkpoint()``), so that the next save is taken when it
+    is due instead of being postponed behind a write that a busy machine made slow."""
+    plan = {(point, int(n)) for point, n, *_ in (_parse("--settle_at", item, 2) for item in spec.split(","))}
+
+    def action(point: str, n: int) -> None:
+        if (point, n) in plan:
+            if point not in LOOP_POINTS:
+                raise SystemExit(f"--settle_at {point}:{n}: the loop waits only at a loop point {LOOP_POINTS}")
+            path = _runs[0].wait_for_checkpoint(HOLD_LIMIT_S)
+            print(f"settled at {point} {n}: {path.name if path else None} durable", flush=True)
+
+    act(action)
+
+
 def act(action) -> None:
     """Adds ``action(point, n)`` to what :func:`reached` does; the first one routes the commit's stages and the
     loads of checkpoint files through it (any script that imports this module: train_ddp.py too)."""
@@ -234,6 +250,7 @@ def main() -> None:
     p.add_argument("--no_auto_resume", action="store_true")
     p.add_argument("--slow_commit", type=float, default=0.0, help="sleep this long before each manifest is written")
     p.add_argument("--signal_at", default=None, help="POINT:N:SIG[:until_cancelled][,...], see signal_at()")
+    p.add_argument("--settle_at", default=None, help="POINT:N[,...]: wait there for the write in flight")
     p.add_argument("--hold_at", default=None, help="POINT:N[,...]: wait there for a stop signal, see hold_at()")
     p.add_argument("--time_limit", default=None, help="PreemptibleRun(time_limit=): seconds or [D-]HH:MM:SS")
     p.add_argument("--max_restarts", type=int, default=None)
@@ -256,6 +273,8 @@ def main() -> None:
         signal_at(args.signal_at)
     if args.hold_at:
         hold_at(args.hold_at)
+    if args.settle_at:
+        settle_at(args.settle_at)
     if args.slow_commit:
         act(slow_commit(args.slow_commit))
 
