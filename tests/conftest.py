@@ -35,6 +35,20 @@ PREEMPTED = 75
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
+# The order in which pytest-xdist hands out the test files (.ci/run: one file per worker at a time, in collection
+# order with --no-loadscope-reorder): the tiers whose files run longest first, the many short unit files last, so
+# that the workers end together. xdist's own order (files with the most tests first) left a two-to-three-minute file
+# with one or two trials (the two-node SLURM job, the README's demo) to the very end, run by one worker alone.
+TIERS_LONGEST_FIRST = ("slurm", "distributed", "process", "faults", "gpu", "unit")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def tier(item: pytest.Item) -> int:
+        parts = item.path.relative_to(ROOT / "tests").parts
+        return TIERS_LONGEST_FIRST.index(parts[0]) if parts[0] in TIERS_LONGEST_FIRST else len(TIERS_LONGEST_FIRST)
+
+    items.sort(key=tier)  # stable: the files of a tier, and the tests of a file, keep their order
+
 class Spawned:
     """A child process whose merged stdout/stderr is collected line by line by a thread."""
 

@@ -17,9 +17,9 @@ from conftest import PREEMPTED, ROOT, TRAIN
 
 # Each optimizer step sleeps this long: a floor for the productive time.
 STEP_SLEEP = 0.2
-ARGS = ["--epochs", "6", "--samples", "512", "--every_steps", "10", "--metrics", "--progress_every_s", "0.5"]
-ARGS += ["--step_sleep", str(STEP_SLEEP)]  # 32 steps per epoch, 192 in all
-TOTAL_STEPS = 192
+ARGS = ["--epochs", "3", "--samples", "512", "--every_steps", "10", "--metrics", "--progress_every_s", "0.5"]
+ARGS += ["--step_sleep", str(STEP_SLEEP)]  # 32 steps per epoch, 96 in all
+TOTAL_STEPS = 96
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

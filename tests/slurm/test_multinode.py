@@ -1,11 +1,11 @@
 """slurm/job_torchrun.sbatch across two nodes of the local cluster: one torchrun per node under srun, one gloo
 rank on each, the rendezvous across the nodes.
 
-The nodes n1 and n2 are slurmds of their own on this machine (slurm/cluster.sh): SLURM allocates them to the job
-as two nodes, srun starts a task on each through that node's daemon, and a requeue tears down and restarts the
-job on both. The job is requeued twice with ``scontrol requeue`` and then meets its time limit: a one-minute job
-with no warning signal, which only rank 0's walltime keeper sees coming; the ranks agree on that stop at one
-step, and rank 0 requeues the job. The final state of each rank must equal, tensor for tensor, that of an
+The nodes n1 and n2 are slurmds of their own on this machine (slurm/cluster.sh): SLURM allocates them to the job as
+two nodes, srun starts a task on each through that node's daemon, and a requeue tears down and restarts the job on
+both. The job is requeued with ``scontrol requeue`` (once; twice under -m slow) and then meets its time limit: a
+one-minute job with no warning signal, which only rank 0's walltime keeper sees coming; the ranks agree on that stop
+at one step, and rank 0 requeues the job. The final state of each rank must equal, tensor for tensor, that of an
 uninterrupted torchrun of the same training.
 """
 
@@ -21,8 +21,8 @@ from slurmjobs import Cluster, Job, slurm_cluster  # noqa: F401
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
 # 1600 samples, 8 per rank per step on 2 ranks: 100 steps per epoch, 200 in all; at --step_sleep 0.3 that is
-# more than a minute of training, so the third run (up to ~45 s of steps before its keeper stops it) cannot
-# finish it, and the fourth does.
+# more than a minute of training, so the run that the walltime keeper stops (up to ~45 s of steps) cannot finish it,
+# and the next one does.
 ARGS = ["--epochs", "2", "--samples", "1600", "--every_steps", "10"]
 STOP = r"^\[preempt\] stopping on (?:SIGTERM|a stop signal received by rank \d|walltime|rank 0's walltime keeper)"
 
@@ -40,9 +40,11 @@ def requeue_after_steps(job: Job, restarts: int, steps: int) -> None:
     job.wait_running(timeout=60, restarts=restarts + 1)
 
 
-def test_two_nodes_requeued_twice_then_stopped_by_the_walltime_keeper(
+@pytest.mark.parametrize("requeues", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_two_nodes_requeued_then_stopped_by_the_walltime_keeper(
     slurm_cluster: Cluster,  # noqa: F811
     tmp_path: Path,
+    requeues: int,
 ) -> None:
     nodes = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N").split()
     if len(set(nodes)) < 2:
@@ -55,27 +57,28 @@ def test_two_nodes_requeued_twice_then_stopped_by_the_walltime_keeper(
     options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=none", "--time=1", "--signal=TERM@0"]
     options.append(f"--export=ALL,GPUS_PER_NODE=1,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1")
     job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
-    requeue_after_steps(job, restarts=0, steps=4)
-    requeue_after_steps(job, restarts=1, steps=4)
+    for restarts in range(requeues):
+        requeue_after_steps(job, restarts=restarts, steps=4)
     info = job.wait_done(timeout=300)
     log = job.log
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "3", job.describe()
+    runs = requeues + 2  # each requeue's run, the one the walltime keeper stops, and the one that finishes
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == str(runs - 1), job.describe()
     assert info["NumNodes"] == "2" and info["NodeList"] == "n[1-2]", info
 
-    # Each of the four runs had rank 0 and rank 1 on different nodes.
+    # Each run had rank 0 and rank 1 on different nodes.
     starts = re.findall(r"^rank ([01]) start step (\d+) .* node (n\d)$", log, re.M)
-    assert len(starts) == 8, log
-    for run in range(4):
+    assert len(starts) == 2 * runs, log
+    for run in range(runs):
         (r0, s0, n0), (r1, s1, n1) = sorted(starts[2 * run : 2 * run + 2])
         assert (r0, r1) == ("0", "1") and s0 == s1 and n0 != n1, (run, starts)
 
-    # Three stops, each at one step on both ranks; each restart resumed from the stop's step on both ranks.
+    # A stop before each restart, each at one step on both ranks; each restart resumed from the stop's step on both.
     stops = re.findall(STOP + r".* at step (\d+) ", log, re.M)
-    assert len(stops) == 6 and all(stops[i] == stops[i + 1] for i in (0, 2, 4)), log
+    assert len(stops) == 2 * (runs - 1) and all(stops[i] == stops[i + 1] for i in range(0, len(stops), 2)), log
     for restart, step in enumerate(stops[::2], start=1):
         resumed = rf"restart {restart} of job {job.id}: resumed from \S+: step {step}\b"
         assert len(re.findall(resumed, log)) == 2, (restart, step, log)
-    # The first two by the scheduler's SIGTERM, the third by the walltime keeper, which requeued the job once.
+    # The first ones by the scheduler's SIGTERM, the last by the walltime keeper, which requeued the job once.
     assert len(re.findall(r"^\[preempt\] stopping on (?:walltime|rank 0's walltime keeper)", log, re.M)) == 2, log
     assert len(re.findall(r"the walltime keeper stopped the run .*; requeued it", log)) == 1, log
     assert "DUE TO TIME LIMIT" not in log, log
