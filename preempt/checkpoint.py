@@ -32,7 +32,7 @@ from .checkpoint_files import FileCheck, check_file, discard_tmp, parse_tensors,
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
 from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from .manifest import Cursor, Manifest
-from .policy import Kept, RetentionPolicy, select_kept
+from .retention import Kept, RetentionPolicy, select_kept
 
 if TYPE_CHECKING:  # torch: imported by the methods that read or write tensors, not by ls or verify
     import torch

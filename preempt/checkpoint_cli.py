@@ -34,7 +34,7 @@ from .cli_output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandF
 from .commit import FileDigest
 from .errors import CorruptCheckpointError
 from .lock import DirLock, LockedError
-from .policy import Kept, RetentionPolicy, select_kept
+from .retention import Kept, RetentionPolicy, select_kept
 
 # ----------------------------------------------------------------------- ls
 

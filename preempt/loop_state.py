@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .manifest import Cursor
-from .policy import RetentionPolicy, SaveFacts
+from .policy import SaveFacts
+from .retention import RetentionPolicy
 
 
 @dataclasses.dataclass(slots=True)

@@ -31,7 +31,7 @@ from . import safe_io
 from .commit import MANIFEST, FileDigest, dumps_json
 
 if TYPE_CHECKING:
-    from .policy import RetentionPolicy
+    from .retention import RetentionPolicy
 
 FORMAT = "preempt-checkpoint"
 FORMAT_VERSION = 1

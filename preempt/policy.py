@@ -1,4 +1,4 @@
-"""Pure decisions: when to save, when to stop, which checkpoints to keep.
+"""Pure decisions: when the run saves.
 
 No clock, no disk, no torch: the run gathers the facts and asks. The tests
 drive these functions with made-up facts.
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable
 
 
 class Reason(str, enum.Enum):
@@ -86,7 +85,7 @@ class SaveFacts:
         best_improved: The tracked metric improved since the last save.
         dirty: The state changed since the last save or load.
         stop_at: Monotonic time from which the walltime keeper stops the run
-            (see :class:`Walltime`); infinity without a time limit.
+            (see :class:`~preempt.stopping.Walltime`); infinity without a time limit.
     """
 
     now: float
@@ -180,172 +179,6 @@ def next_due(policy: SavePolicy, facts: SaveFacts) -> Due:
     if policy.interval_s is not None:
         when = min(when, facts.last_save_time + policy.interval_s)
     return Due(step, batch, when)
-
-
-PRIOR_SAVE_BYTES_PER_S = 100e6
-"""Write speed assumed for the first checkpoint before one has been timed: a slow shared filesystem."""
-
-
-class Walltime:
-    """When to stop so that the stop's checkpoint is durable before a deadline.
-
-    Pure: the run passes the clock's values in. The run stops at the first
-    safe point at or after :meth:`stop_at`, which is the deadline minus a
-    margin of ``1.5 * (step + gap + save) + SLACK_S``: from a safe point just
-    before ``stop_at`` the loop may run one more step (or an epoch's end and
-    the next epoch's start) before it notices, then saves.
-
-    * ``save`` is the longest checkpoint this process has timed; before the
-      first one, a prior of 0.5 s plus the state's bytes at
-      :data:`PRIOR_SAVE_BYTES_PER_S`.
-    * ``step`` is the longest average step time over the windows between the
-      run's reviews (saves excluded, epoch-end code included). Reviews are
-      scheduled at half the time left before ``stop_at`` (at least
-      :attr:`MIN_REVIEW_S` apart), so there are about log2(T / 1 s) of them in
-      a job of T seconds and the windows near the end are short.
-    * ``gap`` is the longest stretch between safe points that is not a step:
-      the code after an epoch's last batch (validation), and the start of an
-      epoch's loader up to its first batch (worker start-up). The run times
-      both, twice per epoch.
-
-    The per-step cost is nil: the run folds :meth:`review_at` into the clock
-    threshold that ``run.step()`` already compares with. A single step much
-    longer than the average (an evaluation inside the loop every N steps) is
-    not foreseen; move it to an epoch's end, or leave room with a shorter
-    ``time_limit``.
-
-    Args:
-        deadline: Monotonic time by which the stop's checkpoint must be durable.
-        prior_save_s: Estimated seconds of one checkpoint until one is timed.
-        now: Monotonic time now (the start of the first window).
-        step: The global step now.
-    """
-
-    SLACK_S = 2.0
-    MIN_REVIEW_S = 1.0
-
-    def __init__(self, deadline: float, prior_save_s: float, now: float, step: int) -> None:
-        self.deadline = deadline
-        self.save_s = prior_save_s
-        self.save_measured = False
-        self.step_s = 0.0
-        self.gap_s = 0.0
-        self._base_time = now
-        self._base_step = step
-
-    @staticmethod
-    def prior_save_s(state_bytes: int) -> float:
-        return 0.5 + state_bytes / PRIOR_SAVE_BYTES_PER_S
-
-    def margin(self) -> float:
-        return 1.5 * (self.step_s + self.gap_s + self.save_s) + self.SLACK_S
-
-    def stop_at(self) -> float:
-        return self.deadline - self.margin()
-
-    def observe(self, now: float, step: int) -> None:
-        """At a safe point: the steps since the window started took ``now - start``."""
-        if step > self._base_step:
-            self.step_s = max(self.step_s, (now - self._base_time) / (step - self._base_step))
-            self._base_time, self._base_step = now, step
-
-    def gap(self, seconds: float) -> None:
-        """A stretch between safe points that is not a step (epoch end, loader start) took ``seconds``."""
-        self.gap_s = max(self.gap_s, seconds)
-
-    def saved(self, seconds: float, now: float, step: int) -> None:
-        """A checkpoint took ``seconds``; the next window starts after it."""
-        self.save_s = max(self.save_s, seconds) if self.save_measured else seconds
-        self.save_measured = True
-        self._base_time, self._base_step = now, step
-
-    def review_at(self, now: float) -> float:
-        """When the run should next call :meth:`observe` (never after :meth:`stop_at`)."""
-        stop = self.stop_at()
-        left = stop - now
-        if left <= self.MIN_REVIEW_S:
-            return stop
-        return now + max(left / 2, self.MIN_REVIEW_S)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RetentionPolicy:
-    """Which valid checkpoints survive pruning.
-
-    Args:
-        keep_last: The newest N valid checkpoints; None keeps all.
-        keep_best: The N best by ``metric`` among checkpoints written because
-            the metric improved.
-        keep_every_steps: Checkpoints at multiples of this step, kept forever.
-        metric: Name of the metric passed to ``run.step(metrics=...)`` or
-            ``run.report(...)`` that decides "best".
-        mode: ``"min"`` or ``"max"``.
-        recycle: Keep the files of one pruned checkpoint for the next save to
-            write over in place rather than delete them (see
-            :mod:`preempt.commit`, "Recycling").
-    """
-
-    keep_last: int | None = 2
-    keep_best: int = 0
-    keep_every_steps: int | None = None
-    metric: str | None = None
-    mode: str = "min"
-    recycle: bool = True
-
-    def __post_init__(self) -> None:
-        _check_positive_int_or_none("keep_last", self.keep_last)
-        _check_positive_int_or_none("keep_every_steps", self.keep_every_steps)
-        if not isinstance(self.keep_best, int) or isinstance(self.keep_best, bool) or self.keep_best < 0:
-            raise ValueError(f"keep_best: expected an integer >= 0, got {self.keep_best!r}")
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"best_mode: expected 'min' or 'max', got {self.mode!r}")
-        if self.metric is not None and (not isinstance(self.metric, str) or not self.metric):
-            raise ValueError(f"best_metric: expected a metric name, got {self.metric!r}")
-        if not isinstance(self.recycle, bool):
-            raise ValueError(f"recycle_files: expected True or False, got {self.recycle!r}")
-        if self.keep_best and self.metric is None:
-            raise ValueError(f"keep_best={self.keep_best} needs best_metric= (the name of the metric to rank by)")
-
-    def better(self, new: float, old: float | None) -> bool:
-        """Whether ``new`` improves on ``old`` (NaN never does)."""
-        if math.isnan(new):
-            return False
-        if old is None or math.isnan(old):
-            return True
-        return new < old if self.mode == "min" else new > old
-
-
-@dataclasses.dataclass(frozen=True)
-class Kept:
-    """One checkpoint as retention sees it."""
-
-    step: int
-    best_value: float | None = None  # set on checkpoints written because the metric improved
-
-
-def select_kept(policy: RetentionPolicy, checkpoints: Iterable[Kept]) -> set[int]:
-    """Steps of the valid checkpoints to keep; every other valid one may go.
-
-    Only valid checkpoints are passed in: corrupt or incomplete ones never count
-    toward ``keep_last`` (they are moved aside by the manager, never pruned), so
-    newer broken checkpoints cannot push out the last good one. The newest valid
-    checkpoint is always kept.
-    """
-    items = sorted(checkpoints, key=lambda c: c.step, reverse=True)
-    if not items:
-        return set()
-    kept = {items[0].step}
-    if policy.keep_last is None:
-        kept.update(c.step for c in items)
-    else:
-        kept.update(c.step for c in items[: policy.keep_last])
-    if policy.keep_best:
-        ranked = [c for c in items if c.best_value is not None and not math.isnan(c.best_value)]
-        ranked.sort(key=lambda c: c.best_value, reverse=policy.mode == "max")  # type: ignore[arg-type,return-value]
-        kept.update(c.step for c in ranked[: policy.keep_best])
-    if policy.keep_every_steps:
-        kept.update(c.step for c in items if c.step % policy.keep_every_steps == 0)
-    return kept
 
 
 def _check_positive_int_or_none(name: str, value: object) -> None:

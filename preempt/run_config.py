@@ -2,7 +2,7 @@
 
 Every keyword argument of the run (but the objects it saves and the clock)
 lands here, is checked once, and is read by the part of the run it concerns.
-The retention options become one :class:`~preempt.policy.RetentionPolicy`,
+The retention options become one :class:`~preempt.retention.RetentionPolicy`,
 which the run's :class:`~preempt.checkpoint.CheckpointManager` is given as it
 is. No torch, no disk.
 """
@@ -15,7 +15,8 @@ import os
 
 from . import slurm
 from .errors import PREEMPTED_EXIT_CODE
-from .policy import RetentionPolicy, SavePolicy
+from .policy import SavePolicy
+from .retention import RetentionPolicy
 from .signals import DEFAULT_SIGNALS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

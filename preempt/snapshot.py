@@ -19,7 +19,8 @@ from . import codec, rng, sharded, state
 from .data_cursor import DataCursor
 from .loop_state import LoopState
 from .manifest import Manifest, retention_record
-from .policy import Reason, RetentionPolicy
+from .policy import Reason
+from .retention import RetentionPolicy
 
 
 class Snapshot:

@@ -1,7 +1,7 @@
 """Why and how the run stops: signals, the walltime keeper, SLURM's requeue and restart limits.
 
 :class:`Stopper` holds the stop flag (:class:`~preempt.signals.StopFlag`), the
-walltime keeper (:class:`~preempt.policy.Walltime`) and what SLURM says about
+walltime keeper (:class:`Walltime`) and what SLURM says about
 the job (its end time, KillWait, whether ``scontrol`` works). At a stop it
 names the cause, requeues the job when the stop is its time limit (the rule is
 :func:`preempt.slurm.decide_requeue`), and raises
@@ -11,7 +11,7 @@ what happened.
 **Walltime.** With a deadline (the SLURM job's end time, or ``time_limit``)
 the run also stops by itself, with no signal, early enough for the stop's
 checkpoint to be durable before the deadline; the margin comes from the
-measured step and save times (:class:`~preempt.policy.Walltime`). Under
+measured step and save times (:class:`Walltime`). Under
 SLURM, a stop at the time limit then requeues the job (rule and limits in
 :mod:`preempt.slurm`); other stops only save and exit.
 """
@@ -27,11 +27,97 @@ from . import _log, slurm
 from .environment import Environment
 from .errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
 from .loop_state import LoopState
-from .policy import Decision, Reason, Walltime
+from .policy import Decision, Reason
 from .run_config import RunConfig
 from .signals import StopFlag, signal_name
 
 log = _log.log
+
+
+PRIOR_SAVE_BYTES_PER_S = 100e6
+"""Write speed assumed for the first checkpoint before one has been timed: a slow shared filesystem."""
+
+
+class Walltime:
+    """When to stop so that the stop's checkpoint is durable before a deadline.
+
+    Pure: the run passes the clock's values in. The run stops at the first
+    safe point at or after :meth:`stop_at`, which is the deadline minus a
+    margin of ``1.5 * (step + gap + save) + SLACK_S``: from a safe point just
+    before ``stop_at`` the loop may run one more step (or an epoch's end and
+    the next epoch's start) before it notices, then saves.
+
+    * ``save`` is the longest checkpoint this process has timed; before the
+      first one, a prior of 0.5 s plus the state's bytes at
+      :data:`PRIOR_SAVE_BYTES_PER_S`.
+    * ``step`` is the longest average step time over the windows between the
+      run's reviews (saves excluded, epoch-end code included). Reviews are
+      scheduled at half the time left before ``stop_at`` (at least
+      :attr:`MIN_REVIEW_S` apart), so there are about log2(T / 1 s) of them in
+      a job of T seconds and the windows near the end are short.
+    * ``gap`` is the longest stretch between safe points that is not a step:
+      the code after an epoch's last batch (validation), and the start of an
+      epoch's loader up to its first batch (worker start-up). The run times
+      both, twice per epoch.
+
+    The per-step cost is nil: the run folds :meth:`review_at` into the clock
+    threshold that ``run.step()`` already compares with. A single step much
+    longer than the average (an evaluation inside the loop every N steps) is
+    not foreseen; move it to an epoch's end, or leave room with a shorter
+    ``time_limit``.
+
+    Args:
+        deadline: Monotonic time by which the stop's checkpoint must be durable.
+        prior_save_s: Estimated seconds of one checkpoint until one is timed.
+        now: Monotonic time now (the start of the first window).
+        step: The global step now.
+    """
+
+    SLACK_S = 2.0
+    MIN_REVIEW_S = 1.0
+
+    def __init__(self, deadline: float, prior_save_s: float, now: float, step: int) -> None:
+        self.deadline = deadline
+        self.save_s = prior_save_s
+        self.save_measured = False
+        self.step_s = 0.0
+        self.gap_s = 0.0
+        self._base_time = now
+        self._base_step = step
+
+    @staticmethod
+    def prior_save_s(state_bytes: int) -> float:
+        return 0.5 + state_bytes / PRIOR_SAVE_BYTES_PER_S
+
+    def margin(self) -> float:
+        return 1.5 * (self.step_s + self.gap_s + self.save_s) + self.SLACK_S
+
+    def stop_at(self) -> float:
+        return self.deadline - self.margin()
+
+    def observe(self, now: float, step: int) -> None:
+        """At a safe point: the steps since the window started took ``now - start``."""
+        if step > self._base_step:
+            self.step_s = max(self.step_s, (now - self._base_time) / (step - self._base_step))
+            self._base_time, self._base_step = now, step
+
+    def gap(self, seconds: float) -> None:
+        """A stretch between safe points that is not a step (epoch end, loader start) took ``seconds``."""
+        self.gap_s = max(self.gap_s, seconds)
+
+    def saved(self, seconds: float, now: float, step: int) -> None:
+        """A checkpoint took ``seconds``; the next window starts after it."""
+        self.save_s = max(self.save_s, seconds) if self.save_measured else seconds
+        self.save_measured = True
+        self._base_time, self._base_step = now, step
+
+    def review_at(self, now: float) -> float:
+        """When the run should next call :meth:`observe` (never after :meth:`stop_at`)."""
+        stop = self.stop_at()
+        left = stop - now
+        if left <= self.MIN_REVIEW_S:
+            return stop
+        return now + max(left / 2, self.MIN_REVIEW_S)
 
 
 class Stopper:

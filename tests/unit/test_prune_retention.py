@@ -25,7 +25,7 @@ import xxhash
 from preempt import PreemptibleRun
 from preempt.commit import dumps_json
 from preempt.manifest import Cursor, Manifest, retention_record
-from preempt.policy import RetentionPolicy
+from preempt.retention import RetentionPolicy
 from preempt.safe_io import MAX_DEPTH
 
 ROOT = Path(__file__).resolve().parents[2]
