@@ -9,11 +9,10 @@ no torch (``preempt supervise``, ``preempt --help``, :mod:`preempt.errors`,
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__ as __version__
 from .errors import (
     NONFINITE_EXIT_CODE,
     OOM_EXIT_CODE,
