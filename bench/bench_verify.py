@@ -112,7 +112,8 @@ def read_1mib(path: Path) -> str:
 
 def methods(ckpt: Path, files: list[Path]) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], Any]]]:
     """The in-process group and the process-start group (timed in separate rounds)."""
-    from preempt import cli, commit
+    from preempt import cli
+    from preempt.checkpoint import commit
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 

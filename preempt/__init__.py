@@ -36,7 +36,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointManager
+    from .checkpoint.manager import CheckpointManager
     from .run import PreemptibleRun
     from .sampler import ResumableSampler
 
@@ -65,7 +65,7 @@ __all__ = [
     "UnsupportedStateError",
 ]
 
-_LAZY = {"CheckpointManager": "checkpoint", "PreemptibleRun": "run", "ResumableSampler": "sampler"}
+_LAZY = {"CheckpointManager": "checkpoint.manager", "PreemptibleRun": "run", "ResumableSampler": "sampler"}
 
 
 def __getattr__(name: str) -> Any:

@@ -26,15 +26,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from . import _log, commit
-from .checkpoint import CheckpointInfo, CheckpointManager, rank_best
-from .checkpoint_files import read_verified
+from . import _log
+from .checkpoint import commit
+from .checkpoint.commit import FileDigest
+from .checkpoint.files import read_verified
+from .checkpoint.lock import DirLock, LockedError
+from .checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
+from .checkpoint.retention import Kept, RetentionPolicy, select_kept
 from .checkpoint_views import checkpoint_size, completion, fmt_table, fmt_utc, fmt_when, moved_aside, recycled, resolve
 from .cli_output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
-from .commit import FileDigest
 from .errors import CorruptCheckpointError
-from .lock import DirLock, LockedError
-from .retention import Kept, RetentionPolicy, select_kept
 
 # ----------------------------------------------------------------------- ls
 
@@ -398,8 +399,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     info = resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
     if info.manifest is None or info.status != "valid":
         raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; cannot export from it")
-    from . import tensorfile
-    from .commit import MODEL_FILE
+    from .checkpoint import tensorfile
+    from .checkpoint.commit import MODEL_FILE
 
     expected = info.manifest.files.get(MODEL_FILE)
     src = info.path / MODEL_FILE

@@ -10,11 +10,11 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointInfo, CheckpointManager, rank_best
+from .checkpoint.commit import QUARANTINE, SUPERSEDED
+from .checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
+from .checkpoint.recycle import file_bytes, pools
 from .cli_output import EXIT_DAMAGED, EXIT_USAGE, CommandFailed
-from .commit import QUARANTINE, SUPERSEDED
 from .errors import CorruptCheckpointError
-from .recycle import file_bytes, pools
 
 
 def fmt_when(ts: float | None) -> str:

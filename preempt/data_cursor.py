@@ -30,12 +30,12 @@ from typing import Any
 import torch
 
 from . import _log, rng
-from .checkpoint import CheckpointInfo
-from .commit import MANIFEST
+from .checkpoint.commit import MANIFEST
+from .checkpoint.manager import CheckpointInfo
+from .checkpoint.manifest import Cursor
 from .data_replay import LoaderFeed
 from .dataloading import find_sampler, length, shield_workers
 from .errors import IncompatibleStateError
-from .manifest import Cursor
 from .sampler import ResumableSampler
 
 log = _log.log

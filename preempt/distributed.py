@@ -41,7 +41,7 @@ ranks share) and the ranks agree, at every safe point, on what to do:
   rank), the last checkpoint intact for the rerun of all ranks.
 
 Objects crossing ranks here (directory names, digests, outcomes) travel as
-JSON (:mod:`preempt.codec`), never pickled: a rank opens nothing another
+JSON (:mod:`preempt.checkpoint.codec`), never pickled: a rank opens nothing another
 process could turn into code.
 
 * **Works destroyed in the main thread.** The latest collectives' work
@@ -73,14 +73,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import codec, commit
 from ._log import log
-from .checkpoint import CheckpointInfo, CheckpointManager, write_payload
-from .checkpoint_files import read_manifest
-from .commit import MANIFEST
+from .checkpoint import codec, commit
+from .checkpoint.commit import MANIFEST
+from .checkpoint.files import read_manifest
+from .checkpoint.manager import CheckpointInfo, CheckpointManager, write_payload
+from .checkpoint.manifest import Manifest
+from .checkpoint.state import Payload
 from .errors import CheckpointWriteError, PeerLost
-from .manifest import Manifest
-from .state import Payload
 
 
 def active() -> bool:

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from . import _log, guards, state
-from .checkpoint import CheckpointManager
+from . import _log, guards
+from .checkpoint import state
+from .checkpoint.manager import CheckpointManager
 from .loop_state import LoopState
 from .policy import Reason
 from .run_config import RunConfig

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from .manifest import Cursor
+from .checkpoint.manifest import Cursor
+from .checkpoint.retention import RetentionPolicy
 from .policy import SaveFacts
-from .retention import RetentionPolicy
 
 
 @dataclasses.dataclass(slots=True)

@@ -23,7 +23,7 @@ Files in ``out_dir`` (both survive restarts of the job):
   sample ``{"t": <unix seconds>, "gpu": <NVML index>, <field>: <value>, ...}``.
   A field the GPU does not support (power on some boards) or that failed in
   that round is ``null``.
-* ``gpu_stats.json``: written atomically (:func:`preempt.commit.write_atomic`)
+* ``gpu_stats.json``: written atomically (:func:`preempt.checkpoint.commit.write_atomic`)
   when the monitor stops. ``{"format": 1, "sessions": [...]}``, one session
   per monitored process (a preempted job that is requeued adds one), each
   with per GPU ``samples``, ``first``/``last`` (unix seconds), and ``mean``
@@ -55,8 +55,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _log, commit, safe_io
+from . import _log
 from ._log import duration, log
+from .checkpoint import commit, safe_io
 
 SAMPLES = "gpu_stats.jsonl"
 SUMMARY = "gpu_stats.json"
@@ -310,7 +311,7 @@ class GPUMonitor:
         if not self.available or self._thread is not None:
             return self
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        # closed by stop(); never through a symlink planted in save_dir, never into a FIFO (preempt.safe_io)
+        # closed by stop(); never through a symlink planted in save_dir, never into a FIFO (preempt.checkpoint.safe_io)
         self._file = os.fdopen(safe_io.open_fd(self.samples_path, os.O_RDWR | os.O_APPEND | os.O_CREAT), "a+b")
         try:
             self._file.seek(0, os.SEEK_END)

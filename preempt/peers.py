@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from . import distributed
-from .checkpoint import CheckpointInfo, CheckpointManager
+from .checkpoint.manager import CheckpointInfo, CheckpointManager
+from .checkpoint.manifest import Manifest
+from .checkpoint.state import Payload
 from .distributed import Agreement
 from .errors import PeerLost
-from .manifest import Manifest
-from .state import Payload
 
 ExtraFiles = Callable[[Path], list[str]]  # a collective writer of more files into the checkpoint (DCP's shards)
 

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import run_report, safe_io
+from . import run_report
+from .checkpoint import safe_io
 from .cli_output import EXIT_OK, EXIT_USAGE, CommandFailed, emit
 from .history import HISTORY_FILE, read_history
 

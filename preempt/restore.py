@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _log, rng, sharded, state
-from .checkpoint import CheckpointInfo, CheckpointManager
+from . import _log, rng, sharded
+from .checkpoint import state
+from .checkpoint.manager import CheckpointInfo, CheckpointManager
 from .data_cursor import SEED_MASK, DataCursor, Resume
 from .environment import Environment
 from .errors import IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete

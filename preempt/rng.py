@@ -64,7 +64,7 @@ def restore(state: RngState) -> None:
 
 
 def to_tree(state: RngState) -> dict[str, Any]:
-    """A tree of tensors and JSON for :mod:`preempt.codec`."""
+    """A tree of tensors and JSON for :mod:`preempt.checkpoint.codec`."""
     version, internal, gauss = state.python
     kind, key, pos, has_gauss, cached = state.numpy
     return {

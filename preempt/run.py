@@ -43,14 +43,16 @@ from typing import Any
 
 import torch
 
-from . import _log, distributed, rng, sharded, state
-from .checkpoint import CheckpointManager
+from . import _log, distributed, rng, sharded
+from .checkpoint import state
+from .checkpoint.lock import DirLock, StepBeacon
+from .checkpoint.manager import CheckpointManager
+from .checkpoint.staging import payload_nbytes
 from .data_cursor import SEED_MASK, DataCursor
 from .dataloading import shield_workers
 from .environment import Environment, provenance
 from .errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
 from .health import Health, OomStep
-from .lock import DirLock, StepBeacon
 from .loop_state import LoopState
 from .peers import Alone, join
 from .policy import Reason, SaveFacts, decide, next_due
@@ -62,7 +64,6 @@ from .save_plan import SaveRecord
 from .save_scheduler import SaveScheduler
 from .signals import DEFAULT_SIGNALS
 from .snapshot import Snapshot
-from .staging import payload_nbytes
 from .stopping import Stopper
 
 __all__ = ["PreemptibleRun", "RunConfig", "SaveRecord"]

@@ -2,8 +2,8 @@
 
 Every keyword argument of the run (but the objects it saves and the clock)
 lands here, is checked once, and is read by the part of the run it concerns.
-The retention options become one :class:`~preempt.retention.RetentionPolicy`,
-which the run's :class:`~preempt.checkpoint.CheckpointManager` is given as it
+The retention options become one :class:`~preempt.checkpoint.retention.RetentionPolicy`,
+which the run's :class:`~preempt.checkpoint.manager.CheckpointManager` is given as it
 is. No torch, no disk.
 """
 
@@ -14,9 +14,9 @@ import math
 import os
 
 from . import slurm
+from .checkpoint.retention import RetentionPolicy
 from .errors import PREEMPTED_EXIT_CODE
 from .policy import SavePolicy
-from .retention import RetentionPolicy
 from .signals import DEFAULT_SIGNALS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -34,11 +34,11 @@ OPTIONS_DOC = """\
             ``.recycle-*``) and write the next checkpoint over them in place,
             instead of deleting them and writing into new disk blocks, which
             on thin-provisioned and cloud disks is several times slower
-            (11x on our VM; see :mod:`preempt.commit`). Costs the space of one
+            (11x on our VM; see :mod:`preempt.checkpoint.commit`). Costs the space of one
             checkpoint between saves, nothing more at the peak. Needs
             ``keep_last`` or ``keep_best`` to prune something. With
             ``async_save``, a new job's writer writes such a pool ahead once
-            the state is complete (:mod:`preempt.recycle`).
+            the state is complete (:mod:`preempt.checkpoint.recycle`).
         auto_resume: Restore the newest valid checkpoint on entering (default).
             False starts fresh and moves existing checkpoints to ``superseded/``.
         resume: Where to start when this run's own checkpoints do not say:
@@ -51,13 +51,13 @@ OPTIONS_DOC = """\
         strict: False loads the model tensors whose key and shape match and
             skips (and logs) model keys the checkpoint lacks and checkpoint keys
             the model lacks; a key of another shape is an error either way (see
-            :func:`preempt.state.load_model`). Meant for weights_only=True.
+            :func:`preempt.checkpoint.state.load_model`). Meant for weights_only=True.
         signals: The signals that ask for a stop.
         exit_code: The code of the SystemExit raised on a stop (default 75).
         exit_if_complete: On entering a completed run, raise RunComplete (exit 0).
             False continues training past the completed state instead.
         lock_timeout: Seconds to wait when another process holds ``save_dir``
-            (see :mod:`preempt.lock`) before failing with LockedError; 0 fails at once.
+            (see :mod:`preempt.checkpoint.lock`) before failing with LockedError; 0 fails at once.
         time_limit: Walltime of this process, counted from entering the run:
             seconds, or SLURM's ``[D-]HH:MM:SS``. The run stops and saves
             before it ends, as on a signal. Under SLURM the job's end time

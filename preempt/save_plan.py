@@ -59,7 +59,7 @@ class Job:
     kind: str  # "prepare", "save" or "reserve"
     record: SaveRecord | None = None
     started: float = 0.0  # clock at the start of the save
-    cancel: threading.Event | None = None  # set: the write stops before its rename (preempt.commit.cancellable)
+    cancel: threading.Event | None = None  # set: the write stops before its rename (commit.cancellable)
 
 
 # ---------------------------------------------------------------------------- the pure decisions
@@ -87,7 +87,7 @@ def pick(
 
 # A synchronous save (the stop's, the final one) while staging buffers exist copies the state into them and writes
 # them itself: page-aligned memory laid out as the files goes to the disk without the page cache
-# (preempt.direct_io). False: it writes the live tensors through the page cache (what bench_async.py's row 6
+# (preempt.checkpoint.direct_io). False: it writes the live tensors through the page cache (what bench_async.py's row 6
 # compares; bench/README.md has the figures).
 STAGE_SYNCHRONOUS = True
 

@@ -1,9 +1,9 @@
 """When and how a checkpoint is written: now, in the background, or postponed; and what came of it.
 
-:class:`SaveScheduler` owns the staging buffers (:class:`~preempt.staging.Stager`),
+:class:`SaveScheduler` owns the staging buffers (:class:`~preempt.checkpoint.staging.Stager`),
 the background writer, the one job it may have in flight (sizing the buffers,
 writing a staged snapshot, or writing a pool of files ahead for the saves to
-write over: :func:`preempt.recycle.reserve`), a periodic save postponed behind
+write over: :func:`preempt.checkpoint.recycle.reserve`), a periodic save postponed behind
 that job, the newest durable checkpoint, and what a failed write means. Its choices are
 the pure functions of :mod:`preempt.save_plan` (pick, plan, wake), unit-tested with made-up facts.
 
@@ -26,17 +26,18 @@ from typing import Any
 
 import torch
 
-from . import _log, commit, recycle, sharded
-from .checkpoint import CheckpointInfo, CheckpointManager
+from . import _log, sharded
+from .checkpoint import commit, recycle
+from .checkpoint.manager import CheckpointInfo, CheckpointManager
+from .checkpoint.manifest import Manifest
+from .checkpoint.staging import BackgroundWriter, LazyCopy, Stager, TornSnapshot, host_memory_available, payload_nbytes
 from .errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .loop_state import LoopState
-from .manifest import Manifest
 from .peers import Alone, Deferred
 from .policy import Due, Reason
 from .save_plan import POSTPONABLE, Job, SaveRecord, pick, plan, wake
 from .signals import StopFlag
 from .snapshot import Snapshot
-from .staging import BackgroundWriter, LazyCopy, Stager, TornSnapshot, host_memory_available, payload_nbytes
 
 log = _log.log
 _ROUTINE = frozenset({Reason.INTERVAL.value, Reason.STEPS.value, Reason.PER_EPOCH.value})
@@ -105,7 +106,7 @@ class SaveScheduler:
 
         ``lazy``: the copies of the parameters and the optimizer's state (on the CPU) are made by the writer
         while the loop runs its next forward and backward, and the optimizer's pre-step hook waits for them
-        (:class:`~preempt.staging.LazyCopy`); not with sharded state.
+        (:class:`~preempt.checkpoint.staging.LazyCopy`); not with sharded state.
 
         Under torch.distributed rank 0 writes the replicated state in the background; the other ranks' files
         (their random generators) are small and written at the step, before rank 0's. Sharded state: every rank
@@ -503,7 +504,7 @@ class SaveScheduler:
         """At the end of a safe point: starts writing a pool ahead when one is due and the writer is free.
 
         Not earlier in the safe point: a save taken there would cancel it at once. The pool is written when
-        ``save_dir`` has none (:func:`preempt.recycle.reserve`).
+        ``save_dir`` has none (:func:`preempt.checkpoint.recycle.reserve`).
         """
         manager, sizes = self.manager, self.sizes
         if not self.reserve_due or self.job is not None:

@@ -7,7 +7,7 @@ planner writes each rank's pieces (``__<rank>_0.distcp``) and, on loading,
 reads whatever pieces the current sharding needs, on any number of ranks,
 one process included. Everything else (scheduler, scaler, tracked objects,
 the optimizer's param groups, RNG, cursor) goes the usual way (JSON and
-safetensors, :mod:`preempt.state`).
+safetensors, :mod:`preempt.checkpoint.state`).
 
 DCP's own index of the pieces is a pickle (``.metadata``), and this project
 opens no pickle: :class:`_Writer` and :class:`_Reader` keep DCP's data files
@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from . import codec
-from .checkpoint import SHARDED_INDEX
-from .state import Payload
+from .checkpoint import codec
+from .checkpoint.manager import SHARDED_INDEX
+from .checkpoint.state import Payload
 
 METADATA = SHARDED_INDEX
 _FORMAT = "preempt-dcp-1"

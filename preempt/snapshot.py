@@ -1,7 +1,7 @@
 """What a checkpoint of the run holds: the payload of every file, and its manifest.
 
 :class:`Snapshot` turns the run's parts into a checkpoint's content: the
-components' tensors and JSON (:func:`preempt.state.capture`), the run's own
+components' tensors and JSON (:func:`preempt.checkpoint.state.capture`), the run's own
 state (every random generator now and at the epoch's start, where the data
 stands, the user's state, the learning-rate scale), and the manifest with the
 cursor, metrics, best, lineage and the run's retention. Under torch.distributed
@@ -15,12 +15,13 @@ import dataclasses
 import time
 from typing import Any
 
-from . import codec, rng, sharded, state
+from . import rng, sharded
+from .checkpoint import codec, state
+from .checkpoint.manifest import Manifest, retention_record
+from .checkpoint.retention import RetentionPolicy
 from .data_cursor import DataCursor
 from .loop_state import LoopState
-from .manifest import Manifest, retention_record
 from .policy import Reason
-from .retention import RetentionPolicy
 
 
 class Snapshot:

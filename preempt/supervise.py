@@ -159,7 +159,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from . import safe_io
+from .checkpoint import safe_io
 from .errors import (
     NONFINITE_EXIT_CODE,
     OOM_EXIT_CODE,
@@ -280,10 +280,10 @@ def log_path(args: argparse.Namespace) -> Path | None:
 
 
 def open_log(path: Path, in_save_dir: bool) -> IO[str]:
-    """Opens the log for appending; inside a save_dir as the run opens its files there (:mod:`preempt.safe_io`).
+    """Opens the log for appending; inside a save_dir as the run opens its files there (safe_io).
 
     Raises:
-        OSError: It cannot be created or appended to (an :class:`~preempt.safe_io.UnsafeFileError` for a
+        OSError: It cannot be created or appended to (an :class:`~preempt.checkpoint.safe_io.UnsafeFileError` for a
             symlink, a FIFO or a device standing in its place inside the save_dir).
     """
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -212,7 +212,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Sequence[st
 
 def direct_io_supported(directory: Path) -> bool:
     """Files in ``directory`` can be opened O_DIRECT (ext4, xfs; not every tmpfs): checkpoints there bypass the page
-    cache; elsewhere they are written through it (preempt.direct_io), and a test says which it expects."""
+    cache; elsewhere they are written through it (preempt.checkpoint.direct_io), and a test says which it expects."""
     probe = directory / ".o_direct_probe"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)

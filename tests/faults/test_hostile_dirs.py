@@ -21,7 +21,8 @@ import test_bad_input
 import torch
 from test_bad_input import STEP1, STEP2, build, forbidden, resign
 
-from preempt import PreemptibleRun, cli, lock, safe_io
+from preempt import PreemptibleRun, cli
+from preempt.checkpoint import lock, safe_io
 from preempt.errors import CheckpointError
 
 PREEMPT = [sys.executable, "-m", "preempt"]

@@ -18,8 +18,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import CheckpointManager, CheckpointWriteError, Preempted, PreemptibleRun, commit
-from preempt.staging import Stager
+from preempt import CheckpointManager, CheckpointWriteError, Preempted, PreemptibleRun
+from preempt.checkpoint import commit
+from preempt.checkpoint.staging import Stager
 
 WRITER = "preempt-writer"
 
@@ -54,7 +55,7 @@ def loaded(path: Path) -> dict[str, torch.Tensor]:
     model, opt, _ = build()
     manager = CheckpointManager(path.parent, owner=False)
     info = next(c for c in manager.list() if c.path == path)
-    from preempt import state
+    from preempt.checkpoint import state
 
     state.apply(state.Components(model, opt), manager.read(info))
     return snapshot(model, opt)

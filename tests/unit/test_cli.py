@@ -16,9 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import CheckpointManager, PreemptibleRun, state
+from preempt import CheckpointManager, PreemptibleRun
+from preempt.checkpoint import state
+from preempt.checkpoint.manifest import Cursor, Manifest
 from preempt.cli import main
-from preempt.manifest import Cursor, Manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -405,7 +406,7 @@ def test_prune_keep_best_uses_the_manifests_mode(tmp_path, capsys):
 def test_prune_refuses_while_a_run_holds_the_directory(tmp_path, capsys):
     saved(tmp_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from preempt.lock import DirLock\n"
+        [sys.executable, "-c", "import sys; from preempt.checkpoint.lock import DirLock\n"
          "with DirLock(sys.argv[1], purpose='training'):\n print('held', flush=True); sys.stdin.read()", str(tmp_path)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -508,7 +509,7 @@ def test_dir_may_name_one_checkpoint(tmp_path, capsys):
 
 
 def test_verify_a_checkpoint_pruned_meanwhile_is_not_damage(tmp_path, capsys, monkeypatch):
-    from preempt import commit
+    from preempt.checkpoint import commit
 
     saved(tmp_path)
     read_file = commit.read_file

@@ -151,7 +151,7 @@ def test_log_level_on_the_run_and_the_environment_variable_wins(tmp_path, monkey
 
 
 def test_metrics_keep_the_loops_order_after_a_resume():
-    from preempt.manifest import Cursor
+    from preempt.checkpoint.manifest import Cursor
 
     cfg = RunConfig()
     loop = LoopState()

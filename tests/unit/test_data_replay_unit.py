@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from preempt import PreemptibleRun
+from preempt.checkpoint.lock import StepBeacon
 from preempt.data_replay import LoaderFeed, ResumePlan, reseed, sample_seed, stream_seed
-from preempt.lock import StepBeacon
 from preempt.sampler import ResumableSampler
 
 

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from preempt.checkpoint.retention import Kept, RetentionPolicy, select_kept
 from preempt.policy import NOTHING, Decision, Due, Reason, SaveFacts, SavePolicy, decide, next_due
-from preempt.retention import Kept, RetentionPolicy, select_kept
 
 
 def facts(**kw) -> SaveFacts:

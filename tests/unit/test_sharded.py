@@ -76,7 +76,7 @@ def test_split_state_does_not_step_a_fresh_optimizer():
 def test_a_save_reads_the_sharded_state_once(rank):
     """Snapshot.content() gives the files and the live tensors DCP writes from one state_dict() (FSDP2 builds
     hundreds of DTensors per read); the files hold the optimizer's other state from that same read on rank 0."""
-    from preempt.components import Components
+    from preempt.checkpoint.components import Components
     from preempt.data_cursor import DataCursor
     from preempt.loop_state import LoopState
     from preempt.snapshot import Snapshot
@@ -95,6 +95,6 @@ def test_a_save_reads_the_sharded_state_once(rank):
     assert len(reads) == 1
     assert live is not None and torch.equal(live["model.weight"], model.weight)
     assert live["optim.weight.exp_avg"] is opt.state[model.weight]["exp_avg"]
-    from preempt import state
+    from preempt.checkpoint import state
 
     assert (state.STATE_FILE if rank == 0 else state.rank_files(rank)[0]) in files.tensor_files

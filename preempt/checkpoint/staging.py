@@ -2,9 +2,9 @@
 
 The loop pays for a memory copy; the disk write, the hashing and the commit
 happen in a named daemon thread with the same protocol as a synchronous save
-(:mod:`preempt.commit`). Two pieces, each usable alone:
+(:mod:`preempt.checkpoint.commit`). Two pieces, each usable alone:
 
-* :class:`Stager` copies a :class:`~preempt.state.Payload`'s tensors into host
+* :class:`Stager` copies a :class:`~preempt.checkpoint.state.Payload`'s tensors into host
   buffers that are allocated once, touched once when allocated (so the first
   checkpoint does not pay a page fault per 4 KiB, ~1.5 s/GiB here), and reused
   by every later snapshot. Tensors on a GPU are copied into pinned memory with
@@ -54,8 +54,8 @@ class Stager:
     """Host buffers, one per tensor of a payload, reused from one snapshot to the next.
 
     The buffers of one file are views into one page-aligned arena, laid out as
-    the file's data area (:func:`preempt.tensorfile.layout`): the writer sends
-    the whole arena to the disk without the page cache (:mod:`preempt.direct_io`).
+    the file's data area (:func:`preempt.checkpoint.tensorfile.layout`): the writer sends
+    the whole arena to the disk without the page cache (:mod:`preempt.checkpoint.direct_io`).
     A file's arena is (re)allocated only when one of its tensors appears,
     vanishes or changes shape or dtype (the optimizer's moments appear after
     the first step), and dropped when the file is gone.

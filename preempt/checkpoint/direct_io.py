@@ -13,9 +13,9 @@ within the noise of that machine (``bench/bench_interference.py``,
 Linux asks three things of an ``O_DIRECT`` write: the buffer's address, the
 file offset and the length are multiples of the device's logical block size.
 :data:`BLOCK` (4096) is a multiple of every common one. A tensor file's data
-starts on such a boundary (:func:`preempt.tensorfile.pieces` pads its header)
+starts on such a boundary (:func:`preempt.checkpoint.tensorfile.pieces` pads its header)
 and the staging buffers of a file are one page-aligned arena laid out as the
-file (:class:`preempt.staging.Stager`), so nearly all of a staged checkpoint
+file (:class:`preempt.checkpoint.staging.Stager`), so nearly all of a staged checkpoint
 goes direct; the header, the last partial block and any memory that is not
 aligned so (a synchronous save of live tensors) go through the page cache as
 before. The switch is made per write with ``fcntl(F_SETFL)`` on one

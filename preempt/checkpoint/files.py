@@ -2,7 +2,7 @@
 the format.
 
 Nothing is followed or opened before ``lstat`` says it is a regular file (a symlink could point out of the
-checkpoint; opening a FIFO blocks forever). Used by :mod:`preempt.checkpoint` (load, verify, list) and the
+checkpoint; opening a FIFO blocks forever). Used by :mod:`preempt.checkpoint.manager` (load, verify, list) and the
 checkpoint commands.
 """
 
@@ -15,9 +15,9 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import CorruptCheckpointError
 from . import commit, safe_io
 from .commit import MANIFEST, FileDigest
-from .errors import CorruptCheckpointError
 from .manifest import MAX_MANIFEST_BYTES, Manifest
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ Usable on its own, without :class:`preempt.PreemptibleRun`::
     info = manager.save_state(step=100, model=model, optimizer=opt)
     info, loaded = manager.load("latest")
 
-The commit protocol is in :mod:`preempt.commit`; the file layout of one
-checkpoint in :mod:`preempt.state`. Deleting is slow (about 0.17 s per GiB on
+The commit protocol is in :mod:`preempt.checkpoint.commit`; the file layout of one
+checkpoint in :mod:`preempt.checkpoint.state`. Deleting is slow (about 0.17 s per GiB on
 our machines), so pruned and replaced checkpoints are first renamed out of
 sight (fast, atomic) and then deleted by a background thread.
 """
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from . import checkpoint_files, commit, recycle, safe_io
-from .checkpoint_files import FileCheck, check_file, discard_tmp, parse_tensors, read_manifest, read_verified
+from ..errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from . import commit, recycle, safe_io
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
-from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_manifest, read_verified
 from .manifest import Cursor, Manifest
 from .retention import Kept, RetentionPolicy, select_kept
 
@@ -85,7 +85,7 @@ class CheckpointManager:
         recycle_files: Keep the files of one pruned checkpoint as
             ``.recycle-*`` for the next save to write over in place (on many
             disks far faster than writing into new blocks; see
-            :mod:`preempt.commit`), instead of deleting them.
+            :mod:`preempt.checkpoint.commit`), instead of deleting them.
     """
 
     def __init__(
@@ -190,7 +190,7 @@ class CheckpointManager:
     def check_files(self, info: CheckpointInfo, files: Iterable[str] | None = None) -> list[FileCheck]:
         """Re-hashes and parses the checkpoint's files: one :class:`FileCheck` per file the manifest lists.
 
-        Each file is hashed in its memory mapping (:func:`preempt.commit.read_file`):
+        Each file is hashed in its memory mapping (:func:`preempt.checkpoint.commit.read_file`):
         as fast as ``cat`` reads it cold and faster warm, where ``readinto`` a 64 MiB
         buffer was 3-10x slower (``python bench/bench_verify.py``). The same
         mapping is then parsed, so a re-signed file of another kind (a pickle)
@@ -317,7 +317,7 @@ class CheckpointManager:
         if manifest is None:
             raise CorruptCheckpointError(info.problem or f"{info.path}: no manifest")
         for name, expected in manifest.files.items():  # valid = every listed file there, as listed (as verify)
-            problem = checkpoint_files.present(info.path / name, expected)
+            problem = present(info.path / name, expected)
             if problem is not None:
                 raise CorruptCheckpointError(problem)
         sharded = SHARDED_INDEX in manifest.files

@@ -46,8 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..errors import PreemptError
 from . import safe_io
-from .errors import PreemptError
 
 log = logging.getLogger("preempt")
 
@@ -101,7 +101,7 @@ def describe(holder: dict[str, Any]) -> str:
     since = safe_io.plausible_time(holder.get("since"))  # what a lock file says is not trusted
     when = ""
     if since is not None:
-        from ._log import duration
+        from .._log import duration
 
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
         when = f" since {stamp} ({duration(max(0.0, time.time() - since))} ago)"

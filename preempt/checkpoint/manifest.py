@@ -10,7 +10,7 @@ detected like one in a tensor file.
 
 Fields added after format version 1 was first written are optional: a
 manifest without ``retention`` (written by an older preempt, or by
-:meth:`~preempt.checkpoint.CheckpointManager.save_state`) loads, its retention
+:meth:`~preempt.checkpoint.manager.CheckpointManager.save_state`) loads, its retention
 unknown; an older preempt ignores the field (the checksum covers every key).
 
 Parsing is strict: a manifest from an untrusted source cannot name files

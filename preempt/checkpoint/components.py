@@ -2,7 +2,7 @@
 
 :class:`Components` holds the model, optimizer, scheduler, scaler and any
 further object with ``state_dict()``/``load_state_dict()`` by name;
-:mod:`preempt.state` captures and applies their state.
+:mod:`preempt.checkpoint.state` captures and applies their state.
 """
 
 from __future__ import annotations

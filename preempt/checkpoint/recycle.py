@@ -8,9 +8,9 @@ SIGTERM and SIGKILL, is the write that must not pay it. So the manager keeps
 the files of one pruned checkpoint (or of a write a stop cancelled) as
 ``save_dir/.recycle-<tag>/`` instead of deleting them, and the next save
 renames that directory to its temporary name (step 1 of the commit protocol,
-:mod:`preempt.commit`) and writes over the files in place.
+:mod:`preempt.checkpoint.commit`) and writes over the files in place.
 
-Nothing trusts a recycled file's content or kind: :func:`preempt.commit.write_file`
+Nothing trusts a recycled file's content or kind: :func:`preempt.checkpoint.commit.write_file`
 opens each one without following links and writes into it only when it is a
 regular file of ours with one link (else it is removed and a new file made),
 and truncates it to what was written; :func:`drop_extra` removes what the new
@@ -109,8 +109,8 @@ def give(save_dir: Path, path: Path) -> Path:
 def reserve(save_dir: Path, sizes: Mapping[str, int]) -> Path:
     """Writes a pool ahead: ``sizes`` (file name -> bytes) as files of zeros, fdatasynced; returns the pool.
 
-    Cancellable (:func:`preempt.commit.cancellable`): what was written by then
-    becomes the pool, and :class:`~preempt.commit.WriteCancelled` propagates.
+    Cancellable (:func:`preempt.checkpoint.commit.cancellable`): what was written by then
+    becomes the pool, and :class:`~preempt.checkpoint.commit.WriteCancelled` propagates.
     Any other failure (a full disk) removes what was written.
     """
     tmp = commit.new_tmp_dir(save_dir, "reserve")

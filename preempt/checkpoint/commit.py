@@ -19,7 +19,7 @@ Layout of ``save_dir``::
 The commit protocol, in this exact order (:func:`write_checkpoint`):
 
 1. ``mkdir save_dir/.tmp-step_N-<tag>``, or rename a ``.recycle-`` directory to that name
-   (:mod:`preempt.recycle`).
+   (:mod:`preempt.checkpoint.recycle`).
 2. Each data file: write, hash with xxh3-128 while writing, ``fdatasync``
    (a recycled file of the same name is written over, then truncated to its new size).
 3. ``manifest.json`` (sizes and digests of every data file, and a checksum of
@@ -41,7 +41,7 @@ What a reader concludes from each leftover (:func:`recover`, run at start):
 * ``.replaced-step_N-*`` and ``step_N`` absent: the process died between
   steps 5 and 6. The old copy is renamed back to ``step_N``: it was valid.
 * ``.trash-*``: pruning was interrupted. Deleted.
-* ``.recycle-*``: files kept for the next save (:mod:`preempt.recycle`); never
+* ``.recycle-*``: files kept for the next save (:mod:`preempt.checkpoint.recycle`); never
   read; tidied by the manager.
 * ``step_N`` without ``manifest.json``, or whose files do not match the
   manifest: not made by a completed commit (or damaged since). The manager
@@ -52,7 +52,7 @@ Rename within one filesystem is atomic on POSIX; a crash leaves either the old
 name or the new one, never a mix.
 
 Recycling (``.recycle-*``, step 1 with a recycled directory, writing over a
-file in place) is :mod:`preempt.recycle`.
+file in place) is :mod:`preempt.checkpoint.recycle`.
 """
 
 from __future__ import annotations
@@ -202,14 +202,14 @@ def write_file(path: str | os.PathLike[str], pieces: Iterable[Any], *, recycle: 
     Small pieces are gathered into one buffer so that a state of thousands of
     small tensors does not cost one system call each. A large piece whose
     memory is aligned as the file is (a staged snapshot's arena) bypasses the
-    page cache (:mod:`preempt.direct_io`).
+    page cache (:mod:`preempt.checkpoint.direct_io`).
 
     Args:
         path: The file; an existing one is an error (FileExistsError), unless ``recycle``.
         pieces: The content.
         recycle: ``path`` is in a checkpoint's temporary directory, which may be
             a recycled one: a plain file of ours already there is written over in
-            place, anything else there is replaced (:mod:`preempt.recycle`).
+            place, anything else there is replaced (:mod:`preempt.checkpoint.recycle`).
     """
     digest = xxhash.xxh3_128()
     size = 0

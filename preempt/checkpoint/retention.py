@@ -25,7 +25,7 @@ class RetentionPolicy:
         mode: ``"min"`` or ``"max"``.
         recycle: Keep the files of one pruned checkpoint for the next save to
             write over in place rather than delete them (see
-            :mod:`preempt.commit`, "Recycling").
+            :mod:`preempt.checkpoint.commit`, "Recycling").
     """
 
     keep_last: int | None = 2

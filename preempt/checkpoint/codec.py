@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import UnsupportedStateError
 from . import safe_io
-from .errors import UnsupportedStateError
 from .tensorfile import foreign_format
 
 if TYPE_CHECKING:  # imported where tensors are met: loads() needs no torch (preempt verify never imports it)

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
+from ..errors import IncompatibleStateError, UnsupportedStateError
 from . import codec
 from .commit import MODEL_FILE, STATE_FILE, STATE_JSON  # noqa: F401  (the names of a checkpoint's files)
 from .components import Components, Stateful
-from .errors import IncompatibleStateError, UnsupportedStateError
 from .tensorfile import check_tensor
 
 RANK_FILE = "rank_{rank:05d}.safetensors"  # rank r's own state in a distributed checkpoint (its RNG)
