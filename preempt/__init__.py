@@ -37,8 +37,8 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .checkpoint.manager import CheckpointManager
+    from .data.sampler import ResumableSampler
     from .run import PreemptibleRun
-    from .sampler import ResumableSampler
 
 __all__ = [
     "NONFINITE_EXIT_CODE",
@@ -65,7 +65,7 @@ __all__ = [
     "UnsupportedStateError",
 ]
 
-_LAZY = {"CheckpointManager": "checkpoint.manager", "PreemptibleRun": "run", "ResumableSampler": "sampler"}
+_LAZY = {"CheckpointManager": "checkpoint.manager", "PreemptibleRun": "run", "ResumableSampler": "data.sampler"}
 
 
 def __getattr__(name: str) -> Any:

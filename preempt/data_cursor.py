@@ -3,7 +3,7 @@
 :class:`DataCursor` owns what the run knows about the loaders of
 ``run.batches()``: their samplers, the samples a batch holds, the random state
 from just before the epoch's iterator was made, each loader's
-:class:`~preempt.data_replay.LoaderFeed`, and the resume point that a loaded
+:class:`~preempt.data.replay.LoaderFeed`, and the resume point that a loaded
 checkpoint left (:class:`Resume`) until the loop is back at its program point.
 It writes no loop counter: it says where the epoch's iterator starts, and the
 run's :class:`~preempt.loop_state.LoopState` takes it.
@@ -17,7 +17,7 @@ the snapshot, creates the iterator (the same worker seeds are drawn), starts
 the sampler at the saved sample, and then restores the current state, so the
 loop's own draws (dropout, noise) continue exactly. Draws inside the loader
 (augmentation in workers) are seeded per sample, and an iterable dataset's
-workers continue from their saved positions: :mod:`preempt.data_replay`.
+workers continue from their saved positions: :mod:`preempt.data.replay`.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ from typing import Any
 
 import torch
 
-from . import _log, rng
+from . import _log
 from .checkpoint.commit import MANIFEST
 from .checkpoint.manager import CheckpointInfo
 from .checkpoint.manifest import Cursor
-from .data_replay import LoaderFeed
-from .dataloading import find_sampler, length, shield_workers
+from .data import rng
+from .data.loaders import find_sampler, length, shield_workers
+from .data.replay import LoaderFeed
+from .data.sampler import ResumableSampler
 from .errors import IncompatibleStateError
-from .sampler import ResumableSampler
 
 log = _log.log
 SEED_MASK = (1 << 53) - 1  # the run's seed, kept exact by any JSON reader
@@ -51,7 +52,7 @@ class Resume:
     rng_now: rng.RngState
     rng_epoch_start: rng.RngState | None
     sampler: dict[str, Any] | None
-    loader: Any = None  # where an iterable dataset's workers stood (preempt.data_replay.LoaderFeed.state)
+    loader: Any = None  # where an iterable dataset's workers stood (preempt.data.replay.LoaderFeed.state)
 
 
 class DataCursor:

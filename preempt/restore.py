@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _log, rng, sharded
+from . import _log, sharded
 from .checkpoint import state
 from .checkpoint.manager import CheckpointInfo, CheckpointManager
+from .data import rng
 from .data_cursor import SEED_MASK, DataCursor, Resume
 from .environment import Environment
 from .errors import IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete

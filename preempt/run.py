@@ -20,7 +20,7 @@
 * at an epoch boundary inside ``run.epochs()``, after the epoch body's own
   end-of-epoch code, when every batch handed out was followed by ``run.step()``.
 
-**Exact resume** of the data: :mod:`preempt.data_cursor` and :mod:`preempt.data_replay`.
+**Exact resume** of the data: :mod:`preempt.data_cursor` and :mod:`preempt.data.replay`.
 
 **Signals.** SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (configurable) are caught
 only between ``__enter__`` and ``__exit__``; before and after, the process's
@@ -43,13 +43,15 @@ from typing import Any
 
 import torch
 
-from . import _log, distributed, rng, sharded
+from . import _log, distributed, sharded
 from .checkpoint import state
 from .checkpoint.lock import DirLock, StepBeacon
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.staging import payload_nbytes
+from .data import rng
+from .data.loaders import shield_workers
+from .data.sampler import ResumableSampler
 from .data_cursor import SEED_MASK, DataCursor
-from .dataloading import shield_workers
 from .environment import Environment, provenance
 from .errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
 from .health import Health, OomStep
@@ -59,7 +61,6 @@ from .policy import Reason, SaveFacts, decide, next_due
 from .reporting import Reporter
 from .restore import Starter
 from .run_config import OPTIONS_DOC, RunConfig
-from .sampler import ResumableSampler
 from .save_plan import SaveRecord
 from .save_scheduler import SaveScheduler
 from .signals import DEFAULT_SIGNALS
@@ -458,20 +459,14 @@ class PreemptibleRun:
     # ----------------------------------------------------------- extras
 
     def sampler(
-        self,
-        dataset: Any,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        per_sample_rng: bool = True,
+        self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False, per_sample_rng: bool = True
     ) -> ResumableSampler:
         """A ResumableSampler for ``dataset`` whose epoch the run keeps in step.
 
         With ``per_sample_rng`` (the default) a DataLoader drawing from it seeds
         the random generators of whichever process fetches a sample from
         (seed, epoch, index) first, so random augmentation inside the dataset
-        replays exactly, with any number of workers (:mod:`preempt.data_replay`).
+        replays exactly, with any number of workers (:mod:`preempt.data.replay`).
         """
         return self.data.make_sampler(
             dataset,

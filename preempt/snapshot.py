@@ -15,10 +15,11 @@ import dataclasses
 import time
 from typing import Any
 
-from . import rng, sharded
+from . import sharded
 from .checkpoint import codec, state
 from .checkpoint.manifest import Manifest, retention_record
 from .checkpoint.retention import RetentionPolicy
+from .data import rng
 from .data_cursor import DataCursor
 from .loop_state import LoopState
 from .policy import Reason

@@ -304,7 +304,7 @@ def _check_retention(raw: dict[str, Any] | None, where: str) -> dict[str, Any] |
 def _check_cursor_in_epoch(cursor: Cursor, sampler: dict[str, Any] | None, where: str) -> None:
     """A cursor past the end of its epoch would make a resume skip the rest of that epoch silently.
 
-    The sampler's state (:meth:`preempt.sampler.ResumableSampler.state_dict`)
+    The sampler's state (:meth:`preempt.data.sampler.ResumableSampler.state_dict`)
     says how many global positions an epoch has; a manifest without one, or
     with one of another shape, is not checked here.
     """

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from preempt import PreemptibleRun
 from preempt.checkpoint.lock import StepBeacon
-from preempt.data_replay import LoaderFeed, ResumePlan, reseed, sample_seed, stream_seed
-from preempt.sampler import ResumableSampler
+from preempt.data.replay import LoaderFeed, ResumePlan, reseed, sample_seed, stream_seed
+from preempt.data.sampler import ResumableSampler
 
 
 class Draws(Dataset):

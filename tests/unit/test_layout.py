@@ -79,7 +79,7 @@ def test_modules_are_short():
 def test_the_circle_check_sees_every_kind_of_import(tmp_path):
     source = tmp_path / "m.py"
     source.write_text(
-        "from . import peers, nothing_here\nfrom .policy import decide\nimport preempt.signals\n"
-        "from preempt import rng\nfrom preempt.sampler import mix\n\ndef f():\n    from . import cli\n"
+        "from . import peers, nothing_here\nfrom .policy import decide\nimport preempt.snapshot\n"
+        "from preempt import restore\nfrom preempt.stopping import Stopper\n\ndef f():\n    from . import reporting\n"
     )
-    assert imports(source) == {"peers", "policy", "signals", "rng", "sampler", "cli"}
+    assert imports(source) == {"peers", "policy", "snapshot", "restore", "stopping", "reporting"}

@@ -8,7 +8,7 @@ lives only in the worker. This module removes both dependencies on the
 worker, without any change to the user's loop:
 
 * **Map-style datasets** whose loader samples from a
-  :class:`~preempt.sampler.ResumableSampler` (``per_sample_rng=True``, the
+  :class:`~preempt.data.sampler.ResumableSampler` (``per_sample_rng=True``, the
   default): just before sample ``i`` of epoch ``e`` is fetched, the global
   generators of the process that fetches it (Python's ``random``, NumPy's
   global ``np.random``, torch's CPU generator) are seeded from
@@ -59,8 +59,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils import worker as _torch_worker
 
-from . import _log
-from .dataloading import index_sampler, shutdown_workers
+from .. import _log
+from .loaders import index_sampler, shutdown_workers
 from .sampler import mix
 
 log = _log.log
@@ -324,7 +324,7 @@ class LoaderFeed:
     def stop_workers(self, loader: Any) -> None:
         """Stops the workers of the latest iterator and the persistent ones.
 
-        Workers ignore stop signals (:func:`preempt.dataloading.shield_workers`),
+        Workers ignore stop signals (:func:`preempt.data.loaders.shield_workers`),
         and at interpreter exit multiprocessing stops its daemon children with
         SIGTERM and then waits for them: an iterator still referenced then (by
         the traceback of an exception that ended the loop, or a loader made at

@@ -2,7 +2,7 @@
 
 Two things:
 
-* Find the :class:`~preempt.sampler.ResumableSampler` inside a loader, so a
+* Find the :class:`~preempt.data.sampler.ResumableSampler` inside a loader, so a
   resumed epoch can start at the right sample without loading anything.
 * Keep stop signals away from DataLoader workers. ``timeout`` signals the
   whole process group and SLURM signals every process of the job, so workers

@@ -51,7 +51,7 @@ class ResumableSampler(Sampler[int]):
             random generators of the process that fetches each sample from
             (seed, epoch, index) just before it is fetched, so that random
             augmentation inside the dataset replays exactly after a resume,
-            with any number of workers (see :mod:`preempt.data_replay`).
+            with any number of workers (see :mod:`preempt.data.replay`).
             False leaves the workers' generators as torch seeds them.
     """
 
