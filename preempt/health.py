@@ -19,12 +19,12 @@ import torch
 from . import _log, guards
 from .checkpoint import state
 from .checkpoint.manager import CheckpointManager
+from .cluster.supervised import Supervised
 from .loop_state import LoopState
 from .policy import Reason
 from .run_config import RunConfig
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
-from .supervised import Supervised
 
 log = _log.log
 

@@ -9,8 +9,8 @@ and how a checkpoint's files are committed:
 * :class:`Ranks` -- under torch.distributed. Rank 0 leads (it holds the lock,
   chooses the checkpoint, writes the replicated state and commits); every rank
   meets the others at every ``sync_every``-th step in one all-reduce
-  (:class:`~preempt.distributed.Coordinator`), and a checkpoint is the
-  distributed commit of :func:`~preempt.distributed.save_ranked`.
+  (:class:`~preempt.cluster.distributed.Coordinator`), and a checkpoint is the
+  distributed commit of :func:`~preempt.cluster.distributed.save_ranked`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import distributed
 from .checkpoint.manager import CheckpointInfo, CheckpointManager
 from .checkpoint.manifest import Manifest
 from .checkpoint.state import Payload
-from .distributed import Agreement
+from .cluster import distributed
+from .cluster.distributed import Agreement
 from .errors import PeerLost
 
 ExtraFiles = Callable[[Path], list[str]]  # a collective writer of more files into the checkpoint (DCP's shards)

@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _log, sharded
+from . import _log
 from .checkpoint import state
 from .checkpoint.manager import CheckpointInfo, CheckpointManager
+from .cluster import sharded
+from .cluster.environment import Environment
 from .data import rng
 from .data_cursor import SEED_MASK, DataCursor, Resume
-from .environment import Environment
 from .errors import IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
 from .loop_state import LoopState
 from .peers import Alone

@@ -43,16 +43,18 @@ from typing import Any
 
 import torch
 
-from . import _log, distributed, sharded
+from . import _log
 from .checkpoint import state
 from .checkpoint.lock import DirLock, StepBeacon
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.staging import payload_nbytes
+from .cluster import distributed, sharded
+from .cluster.environment import Environment, provenance
+from .cluster.signals import DEFAULT_SIGNALS
 from .data import rng
 from .data.loaders import shield_workers
 from .data.sampler import ResumableSampler
 from .data_cursor import SEED_MASK, DataCursor
-from .environment import Environment, provenance
 from .errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
 from .health import Health, OomStep
 from .loop_state import LoopState
@@ -63,7 +65,6 @@ from .restore import Starter
 from .run_config import OPTIONS_DOC, RunConfig
 from .save_plan import SaveRecord
 from .save_scheduler import SaveScheduler
-from .signals import DEFAULT_SIGNALS
 from .snapshot import Snapshot
 from .stopping import Stopper
 

@@ -13,11 +13,11 @@ import dataclasses
 import math
 import os
 
-from . import slurm
 from .checkpoint.retention import RetentionPolicy
+from .cluster import slurm
+from .cluster.signals import DEFAULT_SIGNALS
 from .errors import PREEMPTED_EXIT_CODE
 from .policy import SavePolicy
-from .signals import DEFAULT_SIGNALS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -63,7 +63,7 @@ OPTIONS_DOC = """\
             before it ends, as on a signal. Under SLURM the job's end time
             applies anyway (the earlier of the two wins).
         requeue: Under SLURM, requeue the job after the checkpoint of a stop at
-            its time limit (see :mod:`preempt.slurm`). False only saves and exits.
+            its time limit (see :mod:`preempt.cluster.slurm`). False only saves and exits.
         max_restarts: Under SLURM, refuse to start when ``SLURM_RESTART_COUNT``
             exceeds this, and do not requeue once it is reached (exit code 77):
             stops a job that keeps coming back without finishing. None: no limit.
@@ -99,7 +99,7 @@ OPTIONS_DOC = """\
             the loop there by about as long as it takes.
         sync_every_steps: Under torch.distributed, the ranks agree on saving
             and stopping at every N-th ``run.step()`` (one small all-reduce on
-            a gloo group; see :mod:`preempt.distributed`). Larger N costs less
+            a gloo group; see :mod:`preempt.cluster.distributed`). Larger N costs less
             per step and delays a stop and a periodic save by up to N-1 steps.
         log_file: Also write the run's log to ``save_dir/train.log`` (rank 0; the
             other ranks log only errors unless ``PREEMPT_LOG_ALL_RANKS=1``, then to

@@ -26,17 +26,18 @@ from typing import Any
 
 import torch
 
-from . import _log, sharded
+from . import _log
 from .checkpoint import commit, recycle
 from .checkpoint.manager import CheckpointInfo, CheckpointManager
 from .checkpoint.manifest import Manifest
 from .checkpoint.staging import BackgroundWriter, LazyCopy, Stager, TornSnapshot, host_memory_available, payload_nbytes
+from .cluster import sharded
+from .cluster.signals import StopFlag
 from .errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .loop_state import LoopState
 from .peers import Alone, Deferred
 from .policy import Due, Reason
 from .save_plan import POSTPONABLE, Job, SaveRecord, pick, plan, wake
-from .signals import StopFlag
 from .snapshot import Snapshot
 
 log = _log.log
@@ -302,7 +303,7 @@ class SaveScheduler:
 
     def _save_sharded(self, reason: Reason, manifest: Manifest, t0: float, payload: Any, live: Any) -> None:
         """Every rank copies its files and its pieces of the sharded state into its buffers; then its writer runs
-        the distributed commit (:func:`preempt.distributed.save_ranked`, DCP writing the staged pieces) with the
+        the distributed commit (:func:`preempt.cluster.distributed.save_ranked`, DCP writing the staged pieces) with the
         other ranks' writers, on their own group. Not cancellable: a rank that left the commit's collectives alone
         would leave the others waiting; a stop waits for it instead."""
         staged = self.stager.stage(payload)  # no fallback here: every rank must take the same path

@@ -6,7 +6,7 @@ state (every random generator now and at the epoch's start, where the data
 stands, the user's state, the learning-rate scale), and the manifest with the
 cursor, metrics, best, lineage and the run's retention. Under torch.distributed
 each rank other than 0 writes only its own random state; sharded (DTensor)
-tensors are written by DCP (:mod:`preempt.sharded`).
+tensors are written by DCP (:mod:`preempt.cluster.sharded`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import dataclasses
 import time
 from typing import Any
 
-from . import sharded
 from .checkpoint import codec, state
 from .checkpoint.manifest import Manifest, retention_record
 from .checkpoint.retention import RetentionPolicy
+from .cluster import sharded
 from .data import rng
 from .data_cursor import DataCursor
 from .loop_state import LoopState

@@ -1,10 +1,10 @@
 """Why and how the run stops: signals, the walltime keeper, SLURM's requeue and restart limits.
 
-:class:`Stopper` holds the stop flag (:class:`~preempt.signals.StopFlag`), the
+:class:`Stopper` holds the stop flag (:class:`~preempt.cluster.signals.StopFlag`), the
 walltime keeper (:class:`Walltime`) and what SLURM says about
 the job (its end time, KillWait, whether ``scontrol`` works). At a stop it
 names the cause, requeues the job when the stop is its time limit (the rule is
-:func:`preempt.slurm.decide_requeue`), and raises
+:func:`preempt.cluster.slurm.decide_requeue`), and raises
 :class:`~preempt.errors.Preempted` with the exit code that tells the caller
 what happened.
 
@@ -13,7 +13,7 @@ the run also stops by itself, with no signal, early enough for the stop's
 checkpoint to be durable before the deadline; the margin comes from the
 measured step and save times (:class:`Walltime`). Under
 SLURM, a stop at the time limit then requeues the job (rule and limits in
-:mod:`preempt.slurm`); other stops only save and exit.
+:mod:`preempt.cluster.slurm`); other stops only save and exit.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import _log, slurm
-from .environment import Environment
+from . import _log
+from .cluster import slurm
+from .cluster.environment import Environment
+from .cluster.signals import StopFlag, signal_name
 from .errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
 from .loop_state import LoopState
 from .policy import Decision, Reason
 from .run_config import RunConfig
-from .signals import StopFlag, signal_name
 
 log = _log.log
 

@@ -85,7 +85,7 @@ supervisor's plus:
 The supervisor removes inherited values of the ``PREEMPT_LR*`` and
 ``PREEMPT_BATCH_SIZE`` variables it does not set. Values are written with 6
 significant digits (``0.000666667``); ``{lr}`` and ``PREEMPT_LR`` are the same
-text. :meth:`preempt.supervised.Supervised.from_env` reads them back (the runtime's side).
+text. :meth:`preempt.cluster.supervised.Supervised.from_env` reads them back (the runtime's side).
 
 Output. The child's stdout and stderr are two pipes, copied to the
 supervisor's stdout and stderr with ``os.read``/``os.write`` of whatever

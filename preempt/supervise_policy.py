@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
+from .cluster.supervised import ENV_ATTEMPT, ENV_BATCH_SIZE, ENV_CAUSE, ENV_LR, ENV_LR_SCALE
 from .errors import (
     NONFINITE_EXIT_CODE,
     OOM_EXIT_CODE,
@@ -20,7 +21,6 @@ from .errors import (
     RESTART_LIMIT_EXIT_CODE,
     SAVE_FAILED_EXIT_CODE,
 )
-from .supervised import ENV_ATTEMPT, ENV_BATCH_SIZE, ENV_CAUSE, ENV_LR, ENV_LR_SCALE
 
 # Causes of an attempt's end.
 COMPLETE, PREEMPTED, NONFINITE, OOM, FAILED = "complete", "preempted", "nonfinite", "oom", "failed"

@@ -20,12 +20,12 @@ from collections.abc import Callable, Mapping
 from typing import IO
 
 from ._log import duration
+from .cluster.signals import DEFAULT_SIGNALS, signal_name
 from .errors import (
     NONFINITE_EXIT_CODE,
     OOM_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
 )
-from .signals import DEFAULT_SIGNALS, signal_name
 from .supervise_policy import (
     FAILED,
     NONFINITE,
@@ -196,7 +196,7 @@ class Supervisor:
     # ------------------------------------------------------------- signals
 
     def _on_stop(self, signum: int, frame: object) -> None:
-        # Only records (preempt.signals' rule); the loop forwards at once, woken by the wakeup fd.
+        # Only records (preempt.cluster.signals' rule); the loop forwards at once, woken by the wakeup fd.
         self._pending.append(signum)
         if self.stop_signal is None:
             self.stop_signal = signum

@@ -101,7 +101,7 @@ def sigint_handled():
     """SIGINT with Python's KeyboardInterrupt handler for this test and the processes it starts.
 
     A background job of a non-interactive shell (``pytest &`` in a script) inherits SIGINT ignored, and the
-    library rightly keeps an ignored SIGINT ignored (preempt.signals). Tests of what Ctrl+C does need it
+    library rightly keeps an ignored SIGINT ignored (preempt.cluster.signals). Tests of what Ctrl+C does need it
     handled, as in a terminal; children started meanwhile get it at its default (exec resets a handler).
     """
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

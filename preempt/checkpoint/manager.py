@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # torch: imported by the methods that read or write tensors, 
 
     from . import state
 
-SHARDED_INDEX = "dcp_metadata.json"  # preempt.sharded.METADATA: the checkpoint holds DCP-written sharded state
+SHARDED_INDEX = "dcp_metadata.json"  # preempt.cluster.sharded.METADATA: the checkpoint holds DCP-written sharded state
 
 log = logging.getLogger("preempt")
 

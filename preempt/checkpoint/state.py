@@ -133,7 +133,7 @@ class Loaded:
     model: dict[str, torch.Tensor]
     tree: dict[str, Any]  # decoded state.json (empty for a weights-only read)
     mapped: tuple[tuple[int, int], ...] = ()  # (address, bytes) of file mappings the tensors may view
-    sharded: bool = False  # model and optimizer tensors are DCP pieces in the checkpoint (preempt.sharded)
+    sharded: bool = False  # model and optimizer tensors are DCP pieces in the checkpoint (preempt.cluster.sharded)
 
 
 def own_small_state(tree: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch.distributed as dist
 
-from preempt.distributed import Coordinator, lost_peer
+from preempt.cluster.distributed import Coordinator, lost_peer
 from preempt.errors import PEER_LOST_EXIT_CODE, PeerLost
 from preempt.peers import Alone, Ranks
 

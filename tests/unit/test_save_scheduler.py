@@ -10,12 +10,12 @@ import torch
 
 from preempt import CheckpointManager, CheckpointWriteError
 from preempt.checkpoint.components import Components
+from preempt.cluster.signals import StopFlag
 from preempt.data_cursor import DataCursor
 from preempt.loop_state import LoopState
 from preempt.policy import Due, Reason
 from preempt.save_plan import pick, plan, wake
 from preempt.save_scheduler import SaveScheduler
-from preempt.signals import StopFlag
 from preempt.snapshot import Snapshot
 
 R = Reason

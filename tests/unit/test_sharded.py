@@ -1,4 +1,4 @@
-"""preempt.sharded in one process: DCP's pieces with a JSON index instead of its pickle, and that index's checks."""
+"""preempt.cluster.sharded in one process: DCP's pieces with a JSON index instead of its pickle, and its checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from preempt import sharded
+from preempt.cluster import sharded
 
 
 def written(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from preempt import cli
+from preempt.cluster.supervised import Supervised
 from preempt.errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE, PREEMPTED_EXIT_CODE
 from preempt.supervise_policy import (
     COMPLETE,
@@ -28,7 +29,6 @@ from preempt.supervise_policy import (
     substitute,
 )
 from preempt.supervise_process import exit_code
-from preempt.supervised import Supervised
 
 ROOT = Path(__file__).resolve().parents[2]
 

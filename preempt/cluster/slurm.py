@@ -54,7 +54,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
-from .errors import SlurmError
+from ..errors import SlurmError
 
 WARNING_WINDOW_S = 900.0
 """A signal this close to the end time, with the job still running, is the time-limit warning.

@@ -73,14 +73,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._log import log
-from .checkpoint import codec, commit
-from .checkpoint.commit import MANIFEST
-from .checkpoint.files import read_manifest
-from .checkpoint.manager import CheckpointInfo, CheckpointManager, write_payload
-from .checkpoint.manifest import Manifest
-from .checkpoint.state import Payload
-from .errors import CheckpointWriteError, PeerLost
+from .._log import log
+from ..checkpoint import codec, commit
+from ..checkpoint.commit import MANIFEST
+from ..checkpoint.files import read_manifest
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, write_payload
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.state import Payload
+from ..errors import CheckpointWriteError, PeerLost
 
 
 def active() -> bool:

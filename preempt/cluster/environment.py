@@ -121,7 +121,7 @@ def provenance(env: Environment) -> dict[str, Any]:
     import safetensors
     import torch
 
-    from ._version import __version__
+    from .._version import __version__
 
     return {
         "preempt": __version__,

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import codec
-from .checkpoint.manager import SHARDED_INDEX
-from .checkpoint.state import Payload
+from ..checkpoint import codec
+from ..checkpoint.manager import SHARDED_INDEX
+from ..checkpoint.state import Payload
 
 METADATA = SHARDED_INDEX
 _FORMAT = "preempt-dcp-1"
