@@ -38,7 +38,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .checkpoint.manager import CheckpointManager
     from .data.sampler import ResumableSampler
-    from .run import PreemptibleRun
+    from .run.preemptible import PreemptibleRun
 
 __all__ = [
     "NONFINITE_EXIT_CODE",
@@ -65,7 +65,11 @@ __all__ = [
     "UnsupportedStateError",
 ]
 
-_LAZY = {"CheckpointManager": "checkpoint.manager", "PreemptibleRun": "run", "ResumableSampler": "data.sampler"}
+_LAZY = {
+    "CheckpointManager": "checkpoint.manager",
+    "PreemptibleRun": "run.preemptible",
+    "ResumableSampler": "data.sampler",
+}
 
 
 def __getattr__(name: str) -> Any:

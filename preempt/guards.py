@@ -1,6 +1,6 @@
 """Runtime guards: skip a step whose loss is NaN/inf or that ran out of memory; give up after a streak.
 
-Pure logic: nothing here knows about :class:`~preempt.run.PreemptibleRun`,
+Pure logic: nothing here knows about :class:`~preempt.run.preemptible.PreemptibleRun`,
 checkpoints or signals. The run (or a user's loop) calls them.
 
 :class:`NonFiniteGuard` checks a loss and counts non-finite ones in a row::

@@ -24,12 +24,12 @@ as its ERROR line when it leaves with an exit code (a lost peer, 80).
     {"t":1748774160.003,"event":"stop","step":171,"cause":"SIGTERM","code":75,"requeued":false}
     {"t":1748774160.120,"event":"exit","pid":4242}
 
-The run's markers (:mod:`preempt.reporting`) are what ``preempt report``
+The run's markers (:mod:`preempt.run.reporting`) are what ``preempt report``
 reads (:mod:`preempt.run_report`): ``start``/``resume`` with the process's
 start time and, after a crash, how far the dead process got (``crashed``);
 ``checkpoint``; ``rollback``; ``stop`` (its cause), ``complete`` or
 ``error``; and ``exit`` when the process exits normally
-(:func:`preempt.reporting.exit_line_at_exit`).
+(:func:`preempt.run.reporting.exit_line_at_exit`).
 
 A record has ``t`` (unix seconds), ``step``, ``epoch``, ``metrics`` and, when
 given, ``lr`` (a number, or a list with one number per parameter group),

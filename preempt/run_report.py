@@ -7,7 +7,7 @@ no torch, no disk, no clock. What each process left there:
 * ``start`` / ``resume`` (``step``, ``pid``, ``proc_start``: when the process
   started, ``crashed``: the previous process died holding the lock, and the
   step it had reached, ``died_at``);
-* metric points (``step``, ``metrics``; see :func:`preempt.reporting.point_interval`);
+* metric points (``step``, ``metrics``; see :func:`preempt.run.reporting.point_interval`);
 * ``checkpoint`` (``step``, ``reason``, ``stall_s``, ``write_s``, ``bytes``,
   ``at``: when its state was taken);
 * ``rollback`` (``step`` rolled back to, ``from_step``);

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from preempt import PreemptibleRun
-from preempt.loop_state import LoopState
-from preempt.reporting import Reporter, point_interval, start_line, total_steps
-from preempt.run_config import RunConfig
+from preempt.run.config import RunConfig
+from preempt.run.loop_state import LoopState
+from preempt.run.reporting import Reporter, point_interval, start_line, total_steps
 
 
 def test_the_total_counts_optimizer_steps_under_gradient_accumulation():

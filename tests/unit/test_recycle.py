@@ -159,7 +159,7 @@ def test_never_more_than_one_checkpoint_of_extra_space(tmp_path, monkeypatch):
 
 def test_the_options_are_checked():
     from preempt.checkpoint.retention import RetentionPolicy
-    from preempt.run_config import RunConfig
+    from preempt.run.config import RunConfig
 
     with pytest.raises(ValueError, match="recycle_files: expected True or False"):
         RetentionPolicy(recycle="yes")  # type: ignore[arg-type]

@@ -11,12 +11,12 @@ import torch
 from preempt import CheckpointManager, CheckpointWriteError
 from preempt.checkpoint.components import Components
 from preempt.cluster.signals import StopFlag
-from preempt.data_cursor import DataCursor
-from preempt.loop_state import LoopState
-from preempt.policy import Due, Reason
-from preempt.save_plan import pick, plan, wake
-from preempt.save_scheduler import SaveScheduler
-from preempt.snapshot import Snapshot
+from preempt.run.data_cursor import DataCursor
+from preempt.run.loop_state import LoopState
+from preempt.run.save_plan import pick, plan, wake
+from preempt.run.save_policy import Due, Reason
+from preempt.run.save_scheduler import SaveScheduler
+from preempt.run.snapshot import Snapshot
 
 R = Reason
 

@@ -77,9 +77,9 @@ def test_a_save_reads_the_sharded_state_once(rank):
     """Snapshot.content() gives the files and the live tensors DCP writes from one state_dict() (FSDP2 builds
     hundreds of DTensors per read); the files hold the optimizer's other state from that same read on rank 0."""
     from preempt.checkpoint.components import Components
-    from preempt.data_cursor import DataCursor
-    from preempt.loop_state import LoopState
-    from preempt.snapshot import Snapshot
+    from preempt.run.data_cursor import DataCursor
+    from preempt.run.loop_state import LoopState
+    from preempt.run.snapshot import Snapshot
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())

@@ -15,14 +15,14 @@ import dataclasses
 import time
 from typing import Any
 
-from .checkpoint import codec, state
-from .checkpoint.manifest import Manifest, retention_record
-from .checkpoint.retention import RetentionPolicy
-from .cluster import sharded
-from .data import rng
+from ..checkpoint import codec, state
+from ..checkpoint.manifest import Manifest, retention_record
+from ..checkpoint.retention import RetentionPolicy
+from ..cluster import sharded
+from ..data import rng
 from .data_cursor import DataCursor
 from .loop_state import LoopState
-from .policy import Reason
+from .save_policy import Reason
 
 
 class Snapshot:

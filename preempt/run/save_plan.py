@@ -4,7 +4,7 @@
 * :func:`plan` -- for a save: wait for the job in flight first, cancel it? in the background?
 * :func:`wake` -- the step and time at which ``run.step()`` must look again.
 
-:class:`~preempt.save_scheduler.SaveScheduler` acts on them; they are unit-tested
+:class:`~preempt.run.save_scheduler.SaveScheduler` acts on them; they are unit-tested
 without threads (``tests/unit/test_save_scheduler.py``).
 """
 
@@ -15,7 +15,7 @@ import math
 import threading
 from pathlib import Path
 
-from .policy import Due, Reason
+from .save_policy import Due, Reason
 
 POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
 SYNCHRONOUS = frozenset({Reason.PREEMPT, Reason.WALLTIME, Reason.FINAL, Reason.BRANCH, Reason.EMERGENCY})

@@ -5,7 +5,7 @@ the background writer, the one job it may have in flight (sizing the buffers,
 writing a staged snapshot, or writing a pool of files ahead for the saves to
 write over: :func:`preempt.checkpoint.recycle.reserve`), a periodic save postponed behind
 that job, the newest durable checkpoint, and what a failed write means. Its choices are
-the pure functions of :mod:`preempt.save_plan` (pick, plan, wake), unit-tested with made-up facts.
+the pure functions of :mod:`preempt.run.save_plan` (pick, plan, wake), unit-tested with made-up facts.
 
 Periodic saves that come due while a write is in flight are postponed until
 it ends; best and milestone saves wait for it (they are of their own step);
@@ -26,18 +26,18 @@ from typing import Any
 
 import torch
 
-from . import _log
-from .checkpoint import commit, recycle
-from .checkpoint.manager import CheckpointInfo, CheckpointManager
-from .checkpoint.manifest import Manifest
-from .checkpoint.staging import BackgroundWriter, LazyCopy, Stager, TornSnapshot, host_memory_available, payload_nbytes
-from .cluster import sharded
-from .cluster.signals import StopFlag
-from .errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
+from .. import _log
+from ..checkpoint import commit, recycle
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.staging import BackgroundWriter, LazyCopy, Stager, TornSnapshot, host_memory_available, payload_nbytes
+from ..cluster import sharded
+from ..cluster.signals import StopFlag
+from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .loop_state import LoopState
 from .peers import Alone, Deferred
-from .policy import Due, Reason
 from .save_plan import POSTPONABLE, Job, SaveRecord, pick, plan, wake
+from .save_policy import Due, Reason
 from .snapshot import Snapshot
 
 log = _log.log
@@ -276,7 +276,7 @@ class SaveScheduler:
 
     def _staged_now(self, payload: Any) -> Any:
         """For a synchronous save: ``payload`` copied into the staging buffers, whose files are then written without
-        the page cache (see :data:`~preempt.save_plan.STAGE_SYNCHRONOUS`); the live payload where that fails."""
+        the page cache (see :data:`~preempt.run.save_plan.STAGE_SYNCHRONOUS`); the live payload where that fails."""
         try:
             return self.stager.stage(payload)
         except (MemoryError, RuntimeError) as e:

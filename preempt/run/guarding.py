@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from . import _log, guards
-from .checkpoint import state
-from .checkpoint.manager import CheckpointManager
-from .cluster.supervised import Supervised
+from .. import _log, guards
+from ..checkpoint import state
+from ..checkpoint.manager import CheckpointManager
+from ..cluster.supervised import Supervised
+from .config import RunConfig
 from .loop_state import LoopState
-from .policy import Reason
-from .run_config import RunConfig
+from .save_policy import Reason
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
 

@@ -1,4 +1,4 @@
-"""The options of a :class:`~preempt.run.PreemptibleRun`, grouped and validated in one place.
+"""The options of a :class:`~preempt.run.preemptible.PreemptibleRun`, grouped and validated in one place.
 
 Every keyword argument of the run (but the objects it saves and the clock)
 lands here, is checked once, and is read by the part of the run it concerns.
@@ -13,11 +13,11 @@ import dataclasses
 import math
 import os
 
-from .checkpoint.retention import RetentionPolicy
-from .cluster import slurm
-from .cluster.signals import DEFAULT_SIGNALS
-from .errors import PREEMPTED_EXIT_CODE
-from .policy import SavePolicy
+from ..checkpoint.retention import RetentionPolicy
+from ..cluster import slurm
+from ..cluster.signals import DEFAULT_SIGNALS
+from ..errors import PREEMPTED_EXIT_CODE
+from .save_policy import SavePolicy
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -108,7 +108,7 @@ OPTIONS_DOC = """\
             keep ``save_dir/history.jsonl``: metric points (step, epoch, the
             metrics given to ``run.step``, learning rates, step time, GPU
             memory; each second at first, see
-            :func:`preempt.reporting.point_interval`) and a marker at each
+            :func:`preempt.run.reporting.point_interval`) and a marker at each
             start, resume, checkpoint, rollback and stop (:mod:`preempt.history`).
         progress_every_s: Seconds between progress lines (step, epoch, the
             metrics given to ``run.step``, steps/s, ETA) in the log; None

@@ -20,7 +20,7 @@
 * at an epoch boundary inside ``run.epochs()``, after the epoch body's own
   end-of-epoch code, when every batch handed out was followed by ``run.step()``.
 
-**Exact resume** of the data: :mod:`preempt.data_cursor` and :mod:`preempt.data.replay`.
+**Exact resume** of the data: :mod:`preempt.run.data_cursor` and :mod:`preempt.data.replay`.
 
 **Signals.** SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (configurable) are caught
 only between ``__enter__`` and ``__exit__``; before and after, the process's
@@ -28,7 +28,7 @@ previous handlers apply. A caught signal is recorded; the next safe point
 saves (when anything changed since the last save) and raises
 :class:`~preempt.errors.Preempted`, a ``SystemExit`` with code 75.
 
-**Walltime** keeping and SLURM's requeue: :mod:`preempt.stopping`.
+**Walltime** keeping and SLURM's requeue: :mod:`preempt.run.stopping`.
 """
 
 from __future__ import annotations
@@ -43,27 +43,27 @@ from typing import Any
 
 import torch
 
-from . import _log
-from .checkpoint import state
-from .checkpoint.lock import DirLock, StepBeacon
-from .checkpoint.manager import CheckpointManager
-from .checkpoint.staging import payload_nbytes
-from .cluster import distributed, sharded
-from .cluster.environment import Environment, provenance
-from .cluster.signals import DEFAULT_SIGNALS
-from .data import rng
-from .data.loaders import shield_workers
-from .data.sampler import ResumableSampler
+from .. import _log
+from ..checkpoint import state
+from ..checkpoint.lock import DirLock, StepBeacon
+from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.staging import payload_nbytes
+from ..cluster import distributed, sharded
+from ..cluster.environment import Environment, provenance
+from ..cluster.signals import DEFAULT_SIGNALS
+from ..data import rng
+from ..data.loaders import shield_workers
+from ..data.sampler import ResumableSampler
+from ..errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
+from .config import OPTIONS_DOC, RunConfig
 from .data_cursor import SEED_MASK, DataCursor
-from .errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
-from .health import Health, OomStep
+from .guarding import Health, OomStep
 from .loop_state import LoopState
 from .peers import Alone, join
-from .policy import Reason, SaveFacts, decide, next_due
 from .reporting import Reporter
 from .restore import Starter
-from .run_config import OPTIONS_DOC, RunConfig
 from .save_plan import SaveRecord
+from .save_policy import Reason, SaveFacts, decide, next_due
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
 from .stopping import Stopper
@@ -85,12 +85,12 @@ class PreemptibleRun:
     """Makes a training loop stop cleanly on a signal and resume exactly.
 
     The run composes parts of one concern each: :class:`RunConfig` (the options),
-    :class:`~preempt.loop_state.LoopState` (the counters), :mod:`~preempt.peers`
-    (one process, or the ranks of torch.distributed), :mod:`~preempt.restore`
-    (where it starts), :class:`~preempt.data_cursor.DataCursor` (where the data
-    stands), :class:`~preempt.save_scheduler.SaveScheduler` (writing checkpoints),
-    :class:`~preempt.stopping.Stopper`, :class:`~preempt.health.Health` and
-    :class:`~preempt.reporting.Reporter`.
+    :class:`~preempt.run.loop_state.LoopState` (the counters), :mod:`~preempt.run.peers`
+    (one process, or the ranks of torch.distributed), :mod:`~preempt.run.restore`
+    (where it starts), :class:`~preempt.run.data_cursor.DataCursor` (where the data
+    stands), :class:`~preempt.run.save_scheduler.SaveScheduler` (writing checkpoints),
+    :class:`~preempt.run.stopping.Stopper`, :class:`~preempt.run.guarding.Health` and
+    :class:`~preempt.run.reporting.Reporter`.
 
     Args:
         save_dir: Directory of this run's checkpoints (created if missing).
@@ -523,7 +523,7 @@ class PreemptibleRun:
         """True when ``loss`` is finite. Otherwise skip the step: zero the gradients, no backward, no run.step().
 
         After ``max_nonfinite`` in a row the run rolls back to its last checkpoint with lower learning rates
-        (:meth:`preempt.health.Health.check_loss`); it cannot roll back: exit code 78.
+        (:meth:`preempt.run.guarding.Health.check_loss`); it cannot roll back: exit code 78.
         """
         return self.health.check_loss(
             loss,

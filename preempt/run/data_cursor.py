@@ -6,7 +6,7 @@ from just before the epoch's iterator was made, each loader's
 :class:`~preempt.data.replay.LoaderFeed`, and the resume point that a loaded
 checkpoint left (:class:`Resume`) until the loop is back at its program point.
 It writes no loop counter: it says where the epoch's iterator starts, and the
-run's :class:`~preempt.loop_state.LoopState` takes it.
+run's :class:`~preempt.run.loop_state.LoopState` takes it.
 
 **Exact resume.** The batch order comes from the sampler, a pure function of
 (seed, epoch). Creating a DataLoader iterator draws from the global torch RNG
@@ -29,15 +29,15 @@ from typing import Any
 
 import torch
 
-from . import _log
-from .checkpoint.commit import MANIFEST
-from .checkpoint.manager import CheckpointInfo
-from .checkpoint.manifest import Cursor
-from .data import rng
-from .data.loaders import find_sampler, length, shield_workers
-from .data.replay import LoaderFeed
-from .data.sampler import ResumableSampler
-from .errors import IncompatibleStateError
+from .. import _log
+from ..checkpoint.commit import MANIFEST
+from ..checkpoint.manager import CheckpointInfo
+from ..checkpoint.manifest import Cursor
+from ..data import rng
+from ..data.loaders import find_sampler, length, shield_workers
+from ..data.replay import LoaderFeed
+from ..data.sampler import ResumableSampler
+from ..errors import IncompatibleStateError
 
 log = _log.log
 SEED_MASK = (1 << 53) - 1  # the run's seed, kept exact by any JSON reader
@@ -127,7 +127,7 @@ class DataCursor:
     def _resume_iterator(
         self, loader: Iterable[Any], r: Resume, sampler: ResumableSampler | None, feed: LoaderFeed, epoch: int
     ) -> tuple[Iterator[Any] | None, int]:
-        """Recreates the epoch's iterator as it was at the checkpoint (see :mod:`preempt.run`)."""
+        """Recreates the epoch's iterator as it was at the checkpoint (see :mod:`preempt.run.preemptible`)."""
         c = r.cursor
         self._check_sampler(r, sampler)
         self._epoch_rng = r.rng_epoch_start

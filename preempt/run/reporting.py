@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from . import _log
-from .errors import Preempted
-from .history import History, Progress, RunLog
+from .. import _log
+from ..errors import Preempted
+from ..history import History, Progress, RunLog
+from ..monitor import GPUMonitor
+from .config import RunConfig
 from .loop_state import LoopState
-from .monitor import GPUMonitor
-from .run_config import RunConfig
 from .save_plan import SaveRecord
 
 log = _log.log

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint.manifest import Cursor
-from .checkpoint.retention import RetentionPolicy
-from .policy import SaveFacts
+from ..checkpoint.manifest import Cursor
+from ..checkpoint.retention import RetentionPolicy
+from .save_policy import SaveFacts
 
 
 @dataclasses.dataclass(slots=True)
@@ -194,7 +194,7 @@ class LoopState:
         stop_requested: bool,
         stop_at: float = math.inf,
     ) -> SaveFacts:
-        """What :func:`preempt.policy.decide` needs to know about the loop."""
+        """What :func:`preempt.run.save_policy.decide` needs to know about the loop."""
         return SaveFacts(
             now=now,
             step=self.global_step,

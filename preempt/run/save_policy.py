@@ -85,7 +85,7 @@ class SaveFacts:
         best_improved: The tracked metric improved since the last save.
         dirty: The state changed since the last save or load.
         stop_at: Monotonic time from which the walltime keeper stops the run
-            (see :class:`~preempt.stopping.Walltime`); infinity without a time limit.
+            (see :class:`~preempt.run.stopping.Walltime`); infinity without a time limit.
     """
 
     now: float

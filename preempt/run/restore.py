@@ -1,4 +1,4 @@
-"""Starting a run: carrying out the start plan (:mod:`preempt.resume_plan`) and restoring a checkpoint.
+"""Starting a run: carrying out the start plan (:mod:`preempt.run.resume_plan`) and restoring a checkpoint.
 
 :class:`Starter` runs on every rank. The leader (the process alone, or rank 0)
 plans the start from the save_dir, loads, and tells the other ranks which
@@ -14,19 +14,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import _log
-from .checkpoint import state
-from .checkpoint.manager import CheckpointInfo, CheckpointManager
-from .cluster import sharded
-from .cluster.environment import Environment
-from .data import rng
+from .. import _log
+from ..checkpoint import state
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..cluster import sharded
+from ..cluster.environment import Environment
+from ..data import rng
+from ..errors import IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
+from .config import RunConfig
 from .data_cursor import SEED_MASK, DataCursor, Resume
-from .errors import IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
 from .loop_state import LoopState
 from .peers import Alone
-from .policy import Reason
 from .resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
-from .run_config import RunConfig
+from .save_policy import Reason
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
 

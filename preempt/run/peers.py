@@ -20,12 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.manager import CheckpointInfo, CheckpointManager
-from .checkpoint.manifest import Manifest
-from .checkpoint.state import Payload
-from .cluster import distributed
-from .cluster.distributed import Agreement
-from .errors import PeerLost
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.state import Payload
+from ..cluster import distributed
+from ..cluster.distributed import Agreement
+from ..errors import PeerLost
 
 ExtraFiles = Callable[[Path], list[str]]  # a collective writer of more files into the checkpoint (DCP's shards)
 

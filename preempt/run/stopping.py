@@ -23,14 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import _log
-from .cluster import slurm
-from .cluster.environment import Environment
-from .cluster.signals import StopFlag, signal_name
-from .errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
+from .. import _log
+from ..cluster import slurm
+from ..cluster.environment import Environment
+from ..cluster.signals import StopFlag, signal_name
+from ..errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
+from .config import RunConfig
 from .loop_state import LoopState
-from .policy import Decision, Reason
-from .run_config import RunConfig
+from .save_policy import Decision, Reason
 
 log = _log.log
 
