@@ -1,6 +1,6 @@
 """``preempt report DIR``: the run's timeline across its processes, its goodput, and a picture of it.
 
-Reads ``DIR/history.jsonl`` (:mod:`preempt.history`; every line, through the
+Reads ``DIR/history.jsonl`` (:mod:`preempt.health.history`; every line, through the
 same safe reader as the other commands) and computes with
 :mod:`preempt.run_report`. ``--plot FILE.png`` draws a metric against the
 global step and against wall time, each process in its own colour, with its
@@ -18,7 +18,7 @@ from typing import Any
 from . import run_report
 from .checkpoint import safe_io
 from .cli_output import EXIT_OK, EXIT_USAGE, CommandFailed, emit
-from .history import HISTORY_FILE, read_history
+from .health.history import HISTORY_FILE, read_history
 
 
 def cmd_report(args: argparse.Namespace) -> int:

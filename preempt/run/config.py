@@ -109,7 +109,7 @@ OPTIONS_DOC = """\
             metrics given to ``run.step``, learning rates, step time, GPU
             memory; each second at first, see
             :func:`preempt.run.reporting.point_interval`) and a marker at each
-            start, resume, checkpoint, rollback and stop (:mod:`preempt.history`).
+            start, resume, checkpoint, rollback and stop (:mod:`preempt.health.history`).
         progress_every_s: Seconds between progress lines (step, epoch, the
             metrics given to ``run.step``, steps/s, ETA) in the log; None
             turns them and the metric points of ``history.jsonl`` off. The first line comes after
@@ -124,7 +124,7 @@ OPTIONS_DOC = """\
             editing it). None: INFO, or what your logging setup says.
         monitor_gpu: Sample every GPU through NVML every this many seconds (True:
             every 10 s) into ``save_dir/gpu_stats.jsonl``, summarised in
-            ``gpu_stats.json`` at the end (:class:`~preempt.monitor.GPUMonitor`);
+            ``gpu_stats.json`` at the end (:class:`~preempt.health.monitor.GPUMonitor`);
             None or False: off. Without NVML or a GPU it says so once and does nothing.
         max_nonfinite: ``run.check_loss`` skips a non-finite loss; after this many
             in a row the run rolls back to its last checkpoint and divides the

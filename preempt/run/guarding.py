@@ -1,6 +1,6 @@
 """The run's health: non-finite losses, out-of-memory batches, rollbacks, emergency checkpoints, learning-rate scale.
 
-:class:`Health` applies the guards of :mod:`preempt.guards` (pure counting)
+:class:`Health` applies the guards of :mod:`preempt.health.guards` (pure counting)
 to the run: a streak of non-finite losses rolls the model and optimizer back
 to the last checkpoint with lower learning rates; a batch that runs out of
 memory is skipped; an exception that escapes the loop at a step boundary gets
@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from .. import _log, guards
+from .. import _log
 from ..checkpoint import state
 from ..checkpoint.manager import CheckpointManager
 from ..cluster.supervised import Supervised
+from ..health import guards
 from .config import RunConfig
 from .loop_state import LoopState
 from .save_policy import Reason
@@ -87,7 +88,7 @@ class Health:
         divides the learning rates by ``nonfinite_lr_factor``; the data goes on
         from the current batch, so the batches that diverged are not replayed.
         With no checkpoint, under torch.distributed, or after ``max_rollbacks``,
-        it raises :class:`~preempt.guards.NonFiniteStreak` (exit code 78). One
+        it raises :class:`~preempt.health.guards.NonFiniteStreak` (exit code 78). One
         synchronisation with the GPU per call (the finiteness test).
         """
         g = self.nonfinite

@@ -535,7 +535,7 @@ class PreemptibleRun:
     def oom_guard(self) -> OomStep:
         """``with run.oom_guard() as s:`` around forward, backward and the optimizer step: an out-of-memory
         error inside is caught, memory is freed, and ``s.skipped`` is True (zero the gradients and skip
-        ``run.step()``). ``max_oom`` in a row raise :class:`~preempt.guards.OutOfMemoryStreak` (exit code 79).
+        ``run.step()``). ``max_oom`` in a row raise :class:`~preempt.health.guards.OutOfMemoryStreak` (exit code 79).
         Under torch.distributed the first one does: one rank cannot skip a step alone.
         """
         return self.health.oom_step(alone=self.peers.alone)

@@ -1,7 +1,7 @@
 """What the run tells: ``train.log``, ``history.jsonl``, progress lines, epoch summaries, the GPU monitor.
 
 :class:`Reporter` starts and stops the run's log file and history
-(:mod:`preempt.history`) and the GPU monitor (:mod:`preempt.monitor`), writes
+(:mod:`preempt.health.history`) and the GPU monitor (:mod:`preempt.health.monitor`), writes
 progress lines (5 s, 10 s, 20 s, ... then every ``progress_every_s``), metric
 points into history.jsonl (:func:`point_interval`) and a summary at each epoch
 end.
@@ -21,8 +21,8 @@ import torch
 
 from .. import _log
 from ..errors import Preempted
-from ..history import History, Progress, RunLog
-from ..monitor import GPUMonitor
+from ..health.history import History, Progress, RunLog
+from ..health.monitor import GPUMonitor
 from .config import RunConfig
 from .loop_state import LoopState
 from .save_plan import SaveRecord

@@ -276,7 +276,7 @@ def test_deep_json_in_the_lock_and_in_history_is_ignored(save_dir):
         f.write(deep(5000) + b"\n")
     run = resume(save_dir)
     assert run.resumed_from == save_dir / STEP2
-    from preempt.history import read_history
+    from preempt.health.history import read_history
 
     records = read_history(save_dir)
     assert records and all(isinstance(r, dict) for r in records)

@@ -55,9 +55,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _log
-from ._log import duration, log
-from .checkpoint import commit, safe_io
+from .. import _log
+from .._log import duration, log
+from ..checkpoint import commit, safe_io
 
 SAMPLES = "gpu_stats.jsonl"
 SUMMARY = "gpu_stats.json"

@@ -77,9 +77,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import _log
-from ._log import duration, size
-from .checkpoint import safe_io
+from .. import _log
+from .._log import duration, size
+from ..checkpoint import safe_io
 
 LOG_FILE = "train.log"
 HISTORY_FILE = "history.jsonl"

@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-from ._log import log
-from .errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE
+from .._log import log
+from ..errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE
 
 # ----------------------------------------------------------------------------------------- exit exceptions
 
