@@ -200,7 +200,7 @@ def build_parser(
 
     Args:
         prog: The name in its usage and error messages.
-        commands: The sub-commands of the ``preempt`` parser (:func:`preempt.cli.build_parser`): the parser is
+        commands: The sub-commands of the ``preempt`` parser (:func:`preempt.cli.main.build_parser`): the parser is
             added there as ``supervise``, so that ``preempt --help`` lists it with :data:`SUMMARY`. None: a
             parser of its own, the one :func:`main` parses with.
     """

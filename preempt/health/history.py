@@ -25,7 +25,7 @@ as its ERROR line when it leaves with an exit code (a lost peer, 80).
     {"t":1748774160.120,"event":"exit","pid":4242}
 
 The run's markers (:mod:`preempt.run.reporting`) are what ``preempt report``
-reads (:mod:`preempt.run_report`): ``start``/``resume`` with the process's
+reads (:mod:`preempt.cli.timeline`): ``start``/``resume`` with the process's
 start time and, after a crash, how far the dead process got (``crashed``);
 ``checkpoint``; ``rollback``; ``stop`` (its cause), ``complete`` or
 ``error``; and ``exit`` when the process exits normally

@@ -21,8 +21,9 @@ import test_bad_input
 import torch
 from test_bad_input import STEP1, STEP2, build, forbidden, resign
 
-from preempt import PreemptibleRun, cli
+from preempt import PreemptibleRun
 from preempt.checkpoint import lock, safe_io
+from preempt.cli import main as cli
 from preempt.errors import CheckpointError
 
 PREEMPT = [sys.executable, "-m", "preempt"]

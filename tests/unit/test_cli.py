@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from preempt import CheckpointManager, PreemptibleRun
 from preempt.checkpoint import state
 from preempt.checkpoint.manifest import Cursor, Manifest
-from preempt.cli import main
+from preempt.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -564,8 +564,8 @@ def test_the_checkpoint_commands_never_import_torch(tmp_path, args):
     """Reading headers and JSON needs no torch: these commands start in a fraction of a second (issue 16)."""
     model, _ = saved(tmp_path / "run")
     script = (
-        "import sys\nfrom preempt import cli\n"
-        "code = cli.main(sys.argv[1:])\n"
+        "import sys\nfrom preempt.cli.main import main\n"
+        "code = main(sys.argv[1:])\n"
         "sys.stderr.write(f'\\ntorch imported: {\"torch\" in sys.modules}\\n')\nsys.exit(code)\n"
     )
     r = subprocess.run(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from preempt import cli
+from preempt.cli import main as cli
 from preempt.cluster.supervised import Supervised
 from preempt.errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE, PREEMPTED_EXIT_CODE
 from preempt.supervise_policy import (
@@ -253,6 +253,6 @@ def test_where_the_log_goes(options, where):
 
 
 def test_supervise_imports_no_torch():
-    code = "import sys, preempt.cli, preempt.supervise; sys.exit('torch' in sys.modules)"
+    code = "import sys, preempt.cli.main, preempt.supervise; sys.exit('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0

@@ -1,10 +1,10 @@
 """The checkpoint commands of the ``preempt`` command line: ls, verify, inspect, prune, export.
 
-The parser and ``main`` are in :mod:`preempt.cli`, which imports this module
+The parser and ``main`` are in :mod:`preempt.cli.main`, which imports this module
 (and with it torch) only when one of these commands runs, so that ``preempt
 supervise`` and ``--help`` start fast; the exit codes, the failure and the JSON
-output both share are in :mod:`preempt.cli_output`. ``inspect`` is in
-:mod:`preempt.checkpoint_inspect`.
+output both share are in :mod:`preempt.cli.output`. ``inspect`` is in
+:mod:`preempt.cli.inspection`.
 
 ``ls``, ``verify`` and ``inspect`` only read; ``prune --yes`` deletes (under the
 save_dir's lock, so never beside a running training); ``export`` writes only
@@ -26,16 +26,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from . import _log
-from .checkpoint import commit
-from .checkpoint.commit import FileDigest
-from .checkpoint.files import read_verified
-from .checkpoint.lock import DirLock, LockedError
-from .checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
-from .checkpoint.retention import Kept, RetentionPolicy, select_kept
-from .checkpoint_views import checkpoint_size, completion, fmt_table, fmt_utc, fmt_when, moved_aside, recycled, resolve
-from .cli_output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
-from .errors import CorruptCheckpointError
+from .. import _log
+from ..checkpoint import commit
+from ..checkpoint.commit import FileDigest
+from ..checkpoint.files import read_verified
+from ..checkpoint.lock import DirLock, LockedError
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
+from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
+from ..errors import CorruptCheckpointError
+from .output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
+from .views import checkpoint_size, completion, fmt_table, fmt_utc, fmt_when, moved_aside, recycled, resolve
 
 # ----------------------------------------------------------------------- ls
 
@@ -399,8 +399,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     info = resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
     if info.manifest is None or info.status != "valid":
         raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; cannot export from it")
-    from .checkpoint import tensorfile
-    from .checkpoint.commit import MODEL_FILE
+    from ..checkpoint import tensorfile
+    from ..checkpoint.commit import MODEL_FILE
 
     expected = info.manifest.files.get(MODEL_FILE)
     src = info.path / MODEL_FILE
@@ -476,7 +476,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .checkpoint_inspect import cmd_inspect  # the largest of the commands: loaded when asked for
+    from .inspection import cmd_inspect  # the largest of the commands: loaded when asked for
 
     return cmd_inspect(args)
 

@@ -2,7 +2,7 @@
 
 Reads ``DIR/history.jsonl`` (:mod:`preempt.health.history`; every line, through the
 same safe reader as the other commands) and computes with
-:mod:`preempt.run_report`. ``--plot FILE.png`` draws a metric against the
+:mod:`preempt.cli.timeline`. ``--plot FILE.png`` draws a metric against the
 global step and against wall time, each process in its own colour, with its
 stops and restarts marked; it needs matplotlib (``pip install
 'preempt[plot]'``), and says so when it is missing. No torch.
@@ -15,10 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import run_report
-from .checkpoint import safe_io
-from .cli_output import EXIT_OK, EXIT_USAGE, CommandFailed, emit
-from .health.history import HISTORY_FILE, read_history
+from ..checkpoint import safe_io
+from ..health.history import HISTORY_FILE, read_history
+from . import timeline
+from .output import EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -34,7 +34,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         ) from None
     except (OSError, ValueError) as e:
         raise CommandFailed(EXIT_USAGE, f"{path}: cannot be read ({safe_io.describe_error(e)})") from None
-    report = run_report.build(lines)
+    report = timeline.build(lines)
     drawn = None
     if args.plot is not None:
         drawn = plot(report, args.plot, args.metric, title=str(save_dir))
@@ -44,7 +44,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             doc["plot"] = drawn
         emit(doc)
         return EXIT_OK
-    for line in run_report.render(report, str(save_dir)):
+    for line in timeline.render(report, str(save_dir)):
         print(line)
     if drawn is not None:
         print(
@@ -54,7 +54,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _pick_metric(report: run_report.Report, wanted: str | None) -> str:
+def _pick_metric(report: timeline.Report, wanted: str | None) -> str:
     if wanted is not None:
         if wanted not in report.metrics:
             have = ", ".join(sorted(report.metrics)) or "none"
@@ -84,7 +84,7 @@ def _mark(ax: Any, x: float, text: str, colour: str, style: str, height: float) 
     )
 
 
-def plot(report: run_report.Report, out: Path, wanted: str | None, *, title: str) -> dict[str, Any]:
+def plot(report: timeline.Report, out: Path, wanted: str | None, *, title: str) -> dict[str, Any]:
     """Writes the picture to ``out``; returns what it drew (metric, points, the steps of restarts and stops)."""
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise CommandFailed(EXIT_USAGE, f"--plot {out}: expected a .png, .svg or .pdf file name")

@@ -1,6 +1,6 @@
 """What every ``preempt`` checkpoint command shares: its exit codes, its failure, its JSON output.
 
-Imported by :mod:`preempt.cli` (the parser and the dispatch) and :mod:`preempt.checkpoint_cli` (the commands),
+Imported by :mod:`preempt.cli.main` (the parser and the dispatch) and :mod:`preempt.cli.checkpoints` (the commands),
 so that neither imports the other's private names. No torch here.
 """
 

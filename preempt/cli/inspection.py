@@ -16,16 +16,16 @@ from typing import Any
 
 import xxhash
 
-from . import _log
-from .checkpoint import commit, safe_io, tensorfile
-from .checkpoint.commit import MODEL_FILE, STATE_FILE, STATE_JSON
-from .checkpoint.files import read_verified, regular_file
-from .checkpoint.manager import CheckpointInfo, CheckpointManager
-from .checkpoint.manifest import Manifest
-from .checkpoint.tensorfile import Entry, Header
-from .checkpoint_views import fmt_table, fmt_utc, fmt_when, resolve
-from .cli_output import EXIT_DAMAGED, EXIT_OK, CommandFailed, emit
-from .errors import CorruptCheckpointError
+from .. import _log
+from ..checkpoint import commit, safe_io, tensorfile
+from ..checkpoint.commit import MODEL_FILE, STATE_FILE, STATE_JSON
+from ..checkpoint.files import read_verified, regular_file
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.tensorfile import Entry, Header
+from ..errors import CorruptCheckpointError
+from .output import EXIT_DAMAGED, EXIT_OK, CommandFailed, emit
+from .views import fmt_table, fmt_utc, fmt_when, resolve
 
 _MAX_STATE_JSON = 1 << 30  # state.json larger than this is not summarised by inspect
 _MAX_RNG_TENSOR = 1 << 20  # an RNG state is a few KiB; anything larger is not one

@@ -1,14 +1,14 @@
 """The ``preempt`` command line: ``supervise`` a training command; list, verify, inspect, prune and export
-checkpoints; ``report`` a run's timeline and goodput (:mod:`preempt.report_cli`).
+checkpoints; ``report`` a run's timeline and goodput (:mod:`preempt.cli.report`).
 
 ``preempt supervise [OPTIONS] -- CMD...`` reruns CMD after preemption, non-finite losses and out-of-memory
 errors (:mod:`preempt.supervise`, which has its own options and exit codes).
 
 What each checkpoint command reads, writes and refuses (nothing is ever
-unpickled) is said in :mod:`preempt.checkpoint_cli`.
+unpickled) is said in :mod:`preempt.cli.checkpoints`.
 
 This module imports no torch: ``supervise`` and every ``--help`` start in well
-under a second. The checkpoint commands are in :mod:`preempt.checkpoint_cli`,
+under a second. The checkpoint commands are in :mod:`preempt.cli.checkpoints`,
 imported when one of them runs.
 """
 
@@ -20,9 +20,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import report_cli, supervise
-from .checkpoint import safe_io  # no torch
-from .cli_output import EXIT_CODES, EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
+from .. import supervise
+from ..checkpoint import safe_io  # no torch
+from . import report
+from .output import EXIT_CODES, EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
 __all__ = ["EXIT_CODES", "EXIT_DAMAGED", "EXIT_LOCKED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", type=_selector, nargs="?", metavar="STEP", help=f"{step_help}; default latest")
     p.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    report_cli.add_parser(add)
+    report.add_parser(add)
     return parser
 
 
@@ -169,11 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return supervise.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "report":
-        command = report_cli.cmd_report
+        command = report.cmd_report
     else:
-        from . import checkpoint_cli  # no torch: headers and JSON are read without it
+        from . import checkpoints  # no torch: headers and JSON are read without it
 
-        command = checkpoint_cli.run
+        command = checkpoints.run
 
     # What a save_dir holds is printed through escaping streams: a planted name or reason cannot drive the terminal.
     out, err = sys.stdout, sys.stderr

@@ -1,6 +1,6 @@
 """How the checkpoint commands choose and show checkpoints: the STEP selector, times, sizes, tables.
 
-Shared by :mod:`preempt.checkpoint_cli` (ls, verify, prune, export) and :mod:`preempt.checkpoint_inspect`.
+Shared by :mod:`preempt.cli.checkpoints` (ls, verify, prune, export) and :mod:`preempt.cli.inspection`.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.commit import QUARANTINE, SUPERSEDED
-from .checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
-from .checkpoint.recycle import file_bytes, pools
-from .cli_output import EXIT_DAMAGED, EXIT_USAGE, CommandFailed
-from .errors import CorruptCheckpointError
+from ..checkpoint.commit import QUARANTINE, SUPERSEDED
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
+from ..checkpoint.recycle import file_bytes, pools
+from ..errors import CorruptCheckpointError
+from .output import EXIT_DAMAGED, EXIT_USAGE, CommandFailed
 
 
 def fmt_when(ts: float | None) -> str:

@@ -305,7 +305,7 @@ def _clock(t: float) -> str:
 
 def render(report: Report, where: str) -> list[str]:
     """The report for people: one row per process, then the goodput and where the rest went."""
-    from ._log import duration, size
+    from .._log import duration, size
 
     ps = report.processes
     if not ps:
