@@ -2,7 +2,7 @@
 checkpoints; ``report`` a run's timeline and goodput (:mod:`preempt.cli.report`).
 
 ``preempt supervise [OPTIONS] -- CMD...`` reruns CMD after preemption, non-finite losses and out-of-memory
-errors (:mod:`preempt.supervise`, which has its own options and exit codes).
+errors (:mod:`preempt.supervise.command`, which has its own options and exit codes).
 
 What each checkpoint command reads, writes and refuses (nothing is ever
 unpickled) is said in :mod:`preempt.cli.checkpoints`.
@@ -20,8 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import supervise
 from ..checkpoint import safe_io  # no torch
+from ..supervise import command as supervise
 from . import report
 from .output import EXIT_CODES, EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     step_help = "a step number, 'latest' (newest valid) or 'best' (best by the metric the manifests record)"
 
-    # Defined once, in preempt.supervise, and only listed here: main() hands `supervise ...` to supervise.main
+    # Defined once, in preempt.supervise.command, and only listed here: main() hands `supervise ...` to supervise.main
     # before this parser runs, since supervise splits its arguments at "--" itself (CMD's options are not ours).
     supervise.build_parser(commands=sub)
 

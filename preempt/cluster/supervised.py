@@ -1,6 +1,6 @@
 """The contract between ``preempt supervise`` and the process it runs: the environment variables it sets.
 
-The supervisor (:mod:`preempt.supervise`) writes them; the training process reads them through
+The supervisor (:mod:`preempt.supervise.command`) writes them; the training process reads them through
 :meth:`Supervised.from_env` (the run applies ``PREEMPT_LR_SCALE`` to the learning rates it restores). A module of
 its own, so that the run does not import the supervisor's command-line tool. No torch here.
 """

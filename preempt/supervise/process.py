@@ -1,6 +1,6 @@
 """The process side of ``preempt supervise``: one attempt of CMD in its own process group, its output streamed
 and scanned live, stop signals forwarded with a grace period, leftovers of the group killed, and the attempts
-run one after another as :mod:`preempt.supervise_policy` decides.
+run one after another as :mod:`preempt.supervise.policy` decides.
 """
 
 from __future__ import annotations
@@ -19,14 +19,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO
 
-from ._log import duration
-from .cluster.signals import DEFAULT_SIGNALS, signal_name
-from .errors import (
-    NONFINITE_EXIT_CODE,
-    OOM_EXIT_CODE,
-    PREEMPTED_EXIT_CODE,
-)
-from .supervise_policy import (
+from .._log import duration
+from ..cluster.signals import DEFAULT_SIGNALS, signal_name
+from ..errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE, PREEMPTED_EXIT_CODE
+from .policy import (
     FAILED,
     NONFINITE,
     OOM,

@@ -1,7 +1,7 @@
 """What ``preempt supervise`` decides, with no process in sight: the output patterns that name a failure's
 cause, the cause of an attempt's end, the next attempt's learning rate and batch size, the configuration, and
 the command line and environment of the next attempt. Pure functions, unit-tested without a child process.
-(The pattern table and the rules are documented in :mod:`preempt.supervise`.)
+(The pattern table and the rules are documented in :mod:`preempt.supervise.command`.)
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from .cluster.supervised import ENV_ATTEMPT, ENV_BATCH_SIZE, ENV_CAUSE, ENV_LR, ENV_LR_SCALE
-from .errors import (
+from ..cluster.supervised import ENV_ATTEMPT, ENV_BATCH_SIZE, ENV_CAUSE, ENV_LR, ENV_LR_SCALE
+from ..errors import (
     NONFINITE_EXIT_CODE,
     OOM_EXIT_CODE,
     PREEMPTED_EXIT_CODE,

@@ -159,14 +159,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from .checkpoint import safe_io
-from .errors import (
-    NONFINITE_EXIT_CODE,
-    OOM_EXIT_CODE,
-    PREEMPTED_EXIT_CODE,
-)
-from .supervise_policy import SuperviseConfig
-from .supervise_process import Supervisor, become_subreaper
+from ..checkpoint import safe_io
+from ..errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE, PREEMPTED_EXIT_CODE
+from .policy import SuperviseConfig
+from .process import Supervisor, become_subreaper
 
 EXIT_USAGE = 2
 LOG_NAME = "supervise.log"  # inside --save-dir
@@ -216,7 +212,7 @@ def build_parser(
             "PREEMPT_LR, PREEMPT_LR_SCALE (lr / the first --lr), PREEMPT_BATCH_SIZE.\n"
             "SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 are forwarded to CMD's process group; after --grace seconds the\n"
             "group is SIGKILLed; then the supervisor exits with CMD's code and restarts nothing. Output is copied\n"
-            "byte for byte (stdout to stdout, stderr to stderr). Details: pydoc preempt.supervise"
+            "byte for byte (stdout to stdout, stderr to stderr). Details: pydoc preempt.supervise.command"
         ),
         epilog=EXIT_CODES
         + "\n\nexample:\n  preempt supervise --lr 3e-4 --batch-size 64 -- python train.py --lr {lr} --bs {batch_size}",
