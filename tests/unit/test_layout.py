@@ -8,9 +8,15 @@ what the top level holds.
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "preempt"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "preempt"
 MAX_LINES = 600
 # The top level: the face (__init__), `python -m preempt`, and the leaves every part may import.
 TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "_log.py", "_version.py"}
@@ -104,3 +110,46 @@ def test_the_circle_check_sees_every_kind_of_import(tmp_path):
         "preempt.run",
     }  # fmt: skip
     assert imports(source, known, root=tmp_path / "preempt") == known
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` over the package under ``root`` with that tree's pyproject.toml."""
+    tool = shutil.which("lint-imports")
+    if tool is None:
+        pytest.skip("lint-imports is not installed (pip install -e '.[test]' installs import-linter)")
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the package under root, whatever is installed
+    return subprocess.run(
+        [tool, "--no-cache", "--config", str(root / "pyproject.toml")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_contracts_hold():
+    r = lint_imports(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "contract", "chain"),
+    [
+        # a building block importing a part of the run
+        ("checkpoint/commit.py", "from ..run import config", "The parts' layers", "preempt.checkpoint.commit ->"),
+        # a run part importing a later one
+        ("run/loop_state.py", "from . import stopping", "The run's parts", "preempt.run.loop_state ->"),
+        # the CLI reaching torch through a module-level import
+        ("cli/views.py", "import torch", "never import torch", "preempt.cli.views -> torch"),
+    ],
+    ids=["upward", "run-parts", "torch"],
+)
+def test_a_broken_contract_fails_lint_imports(tmp_path, module, line, contract, chain):
+    shutil.copytree(PACKAGE, tmp_path / "preempt", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    broken = tmp_path / "preempt" / module
+    broken.write_text(broken.read_text() + f"\n{line}  # the import a contract forbids\n")
+    r = lint_imports(tmp_path)
+    assert r.returncode != 0, r.stdout
+    assert contract in r.stdout and "BROKEN" in r.stdout and chain in r.stdout, r.stdout
