@@ -110,7 +110,7 @@ def main() -> None:
         save_file(final, args.final_out)
     say(f"rank {rank} done")
     # The last barrier's work is kept until the process ends, so that the main thread destroys it (and the works it
-    # waited for) with the GIL: preempt/distributed.py, "Works destroyed in the main thread".
+    # waited for) with the GIL: preempt/cluster/distributed.py, "Works destroyed in the main thread".
     _LAST_WORK.append(dist.barrier(async_op=True))
     _LAST_WORK[-1].wait()
     dist.destroy_process_group()

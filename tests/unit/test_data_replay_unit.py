@@ -1,4 +1,4 @@
-"""preempt/data_replay.py and the step beacon: pure seeds, the wrappers, the feed's plans, in one process."""
+"""preempt/data/replay.py and the step beacon: pure seeds, the wrappers, the feed's plans, in one process."""
 
 from __future__ import annotations
 
