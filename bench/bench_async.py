@@ -501,7 +501,8 @@ def phase_e2e(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """A training child for the parent to SIGTERM: says "ready" (and "inflight" after a staged save) on stdout."""
-    from preempt import PreemptibleRun, save_plan
+    from preempt import PreemptibleRun
+    from preempt.run import save_plan
 
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = HERE / "results" / "tmp"
 GB = 1e9  # throughputs are in decimal GB/s, like dd prints them
 GIB = 1 << 30
-CHUNK = 64 << 20  # write/read chunk of the raw reference loops (the same as preempt.commit)
+CHUNK = 64 << 20  # write/read chunk of the raw reference loops (the same as preempt.checkpoint.commit)
 
 N_LAYERS = 12
 CONTEXT = 1024

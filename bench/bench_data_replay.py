@@ -58,8 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from preempt.data_replay import LoaderFeed, _capture, _restore, reseed, sample_seed
-from preempt.sampler import ResumableSampler
+from preempt.data.replay import LoaderFeed, _capture, _restore, reseed, sample_seed
+from preempt.data.sampler import ResumableSampler
 
 EMPTY = "empty call (the loop's overhead)"
 RESEED = "`reseed(sample_seed(...))`"

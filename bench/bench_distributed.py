@@ -101,7 +101,7 @@ def sharded_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_checkpoint import build_model
 
-    from preempt import sharded
+    from preempt.cluster import sharded
 
     torch.manual_seed(0)
     model = build_model(gib)

@@ -118,7 +118,7 @@ def main() -> None:
 
     import torch
 
-    from preempt.monitor import GPUMonitor
+    from preempt.health.monitor import GPUMonitor
 
     step, what = make_step()
     with tempfile.TemporaryDirectory() as d:

@@ -12,7 +12,7 @@ state.safetensors ~2/3), then times, in interleaved rounds (every method once
 per round, the order rotating, so that drift on a shared disk hits all alike):
 
 * ``cat``: ``cat FILES > /dev/null``, the reading reference;
-* ``verify (in-process)``: ``preempt.cli.main(["verify", DIR])``, output discarded;
+* ``verify (in-process)``: ``preempt.cli.main.main(["verify", DIR])``, output discarded;
 * the ways a verify can hash the same files: ``commit.read_file`` (the file's
   private mmap, hashed in place: what verify uses), ``readinto`` a 1 MiB buffer,
   and ``commit.hash_file`` (``readinto`` a 64 MiB buffer);
@@ -112,7 +112,8 @@ def read_1mib(path: Path) -> str:
 
 def methods(ckpt: Path, files: list[Path]) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], Any]]]:
     """The in-process group and the process-start group (timed in separate rounds)."""
-    from preempt import cli, commit
+    from preempt.checkpoint import commit
+    from preempt.cli import main as cli
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 

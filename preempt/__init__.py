@@ -3,17 +3,16 @@
 ``CheckpointManager``, ``PreemptibleRun`` and ``ResumableSampler`` import torch,
 so they are loaded on first use (PEP 562 ``__getattr__``): the parts that need
 no torch (``preempt supervise``, ``preempt --help``, :mod:`preempt.errors`,
-:mod:`preempt.signals`) start in milliseconds instead of the ~1.5 s torch takes.
+:mod:`preempt.cluster.signals`) start in milliseconds instead of the ~1.5 s torch takes.
 ``from preempt import PreemptibleRun`` works as before.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__ as __version__
 from .errors import (
     NONFINITE_EXIT_CODE,
     OOM_EXIT_CODE,
@@ -37,9 +36,9 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointManager
-    from .run import PreemptibleRun
-    from .sampler import ResumableSampler
+    from .checkpoint.manager import CheckpointManager
+    from .data.sampler import ResumableSampler
+    from .run.preemptible import PreemptibleRun
 
 __all__ = [
     "NONFINITE_EXIT_CODE",
@@ -66,7 +65,11 @@ __all__ = [
     "UnsupportedStateError",
 ]
 
-_LAZY = {"CheckpointManager": "checkpoint", "PreemptibleRun": "run", "ResumableSampler": "sampler"}
+_LAZY = {
+    "CheckpointManager": "checkpoint.manager",
+    "PreemptibleRun": "run.preemptible",
+    "ResumableSampler": "data.sampler",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -22,7 +22,7 @@ Exit codes (documented in README.md too):
 * ``76``  :data:`REQUEUE_FAILED_EXIT_CODE`: the run stopped at its SLURM time
   limit with the state saved, but the job could not requeue itself
   (``scontrol`` missing, or SLURM refused: ``--no-requeue``, an interactive
-  job); requeue or resubmit it to continue (see :mod:`preempt.slurm`).
+  job); requeue or resubmit it to continue (see :mod:`preempt.cluster.slurm`).
 * ``77``  :data:`RESTART_LIMIT_EXIT_CODE`: ``SLURM_RESTART_COUNT`` passed
   ``max_restarts`` (the run refuses to start; nothing changed), or a stop at
   the time limit found the limit reached or no step made since the restart

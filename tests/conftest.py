@@ -115,7 +115,7 @@ def sigint_handled():
     """SIGINT with Python's KeyboardInterrupt handler for this test and the processes it starts.
 
     A background job of a non-interactive shell (``pytest &`` in a script) inherits SIGINT ignored, and the
-    library rightly keeps an ignored SIGINT ignored (preempt.signals). Tests of what Ctrl+C does need it
+    library rightly keeps an ignored SIGINT ignored (preempt.cluster.signals). Tests of what Ctrl+C does need it
     handled, as in a terminal; children started meanwhile get it at its default (exec resets a handler).
     """
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -226,7 +226,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Sequence[st
 
 def direct_io_supported(directory: Path) -> bool:
     """Files in ``directory`` can be opened O_DIRECT (ext4, xfs; not every tmpfs): checkpoints there bypass the page
-    cache; elsewhere they are written through it (preempt.direct_io), and a test says which it expects."""
+    cache; elsewhere they are written through it (preempt.checkpoint.direct_io), and a test says which it expects."""
     probe = directory / ".o_direct_probe"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)

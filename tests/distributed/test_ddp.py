@@ -17,7 +17,7 @@ import torch
 from conftest import DDP_ARGS as ARGS
 from conftest import assert_equal_finals, ddp_finals, ranks_by_hand, torchrun
 
-from preempt.checkpoint import CheckpointManager
+from preempt.checkpoint.manager import CheckpointManager
 from preempt.errors import PEER_LOST_EXIT_CODE
 
 pytestmark = pytest.mark.distributed

@@ -11,7 +11,7 @@ from conftest import Spawned
 from conftest import torchrun as _torchrun
 from safetensors.torch import load_file
 
-from preempt.checkpoint import CheckpointManager
+from preempt.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.distributed
 

@@ -8,7 +8,7 @@ import signal
 
 from conftest import Spawned, assert_same_final, direct_io_supported, train_cmd
 
-from preempt.checkpoint import CheckpointManager
+from preempt.checkpoint.manager import CheckpointManager
 
 MODEL = ["--epochs", "3", "--samples", "256", "--dim", "1024", "--width", "1024"]  # 48 steps, 12 MB per checkpoint
 BYPASSED = r"model\.safetensors: \d+ of \d+ bytes bypassed the page cache"  # a file of 4 MB, from the buffers

@@ -17,7 +17,7 @@ import torch
 from conftest import PREEMPTED, Spawned, assert_same_final, train_cmd
 
 from preempt import Preempted, PreemptibleRun
-from preempt.checkpoint import CheckpointManager
+from preempt.checkpoint.manager import CheckpointManager
 
 MODEL = ["--epochs", "3", "--samples", "256", "--dropout", "0.3"]  # 48 steps
 

@@ -47,9 +47,9 @@ from preempt import (
     Preempted,
     PreemptibleRun,
     ResumableSampler,
-    cli,
 )
-from preempt.commit import dumps_json, hash_file
+from preempt.checkpoint.commit import dumps_json, hash_file
+from preempt.cli import main as cli
 
 N, BATCH = 40, 8  # 5 batches per epoch
 STEP1, STEP2 = "step_000000001", "step_000000002"

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import Spawned, assert_same_final, train_cmd
 
-from preempt.checkpoint import CheckpointManager
+from preempt.checkpoint.manager import CheckpointManager
 
 # ~3 MB per checkpoint; 48 steps of ~0.1 s, a checkpoint every 0.3 s.
 MODEL = ["--epochs", "3", "--samples", "256", "--dim", "256", "--width", "1024"]

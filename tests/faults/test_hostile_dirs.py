@@ -21,7 +21,9 @@ import test_bad_input
 import torch
 from test_bad_input import STEP1, STEP2, build, forbidden, resign
 
-from preempt import PreemptibleRun, cli, lock, safe_io
+from preempt import PreemptibleRun
+from preempt.checkpoint import lock, safe_io
+from preempt.cli import main as cli
 from preempt.errors import CheckpointError
 
 PREEMPT = [sys.executable, "-m", "preempt"]
@@ -275,7 +277,7 @@ def test_deep_json_in_the_lock_and_in_history_is_ignored(save_dir):
         f.write(deep(5000) + b"\n")
     run = resume(save_dir)
     assert run.resumed_from == save_dir / STEP2
-    from preempt.history import read_history
+    from preempt.health.history import read_history
 
     records = read_history(save_dir)
     assert records and all(isinstance(r, dict) for r in records)

@@ -22,8 +22,8 @@ import torch
 from conftest import Spawned, assert_same_final, train_cmd
 from safetensors.torch import load_file
 
-from preempt import commit
-from preempt.checkpoint import CheckpointManager
+from preempt.checkpoint import commit
+from preempt.checkpoint.manager import CheckpointManager
 
 # ~1 MB of weights (3 MB per checkpoint with the AdamW moments): each save takes a while.
 MODEL = ["--epochs", "3", "--samples", "256", "--dim", "256", "--width", "1024"]  # 48 steps

@@ -17,7 +17,7 @@ import torch
 from conftest import PREEMPTED, Spawned, train_cmd
 
 from preempt import PreemptibleRun
-from preempt.lock import LOCK, STALE_AFTER_S, DirLock, LockedError
+from preempt.checkpoint.lock import LOCK, STALE_AFTER_S, DirLock, LockedError
 
 SLOW = ["--epochs", "3", "--samples", "128", "--step_sleep", "0.2"]  # 24 steps, ~5 s: outlasts a second start
 
@@ -84,7 +84,7 @@ def test_lock_timeout_waits_for_the_holder(tmp_path):
 
 def test_lock_held_by_another_process_seen_from_here(tmp_path):
     code = (
-        "import sys, time; from preempt.lock import DirLock; "
+        "import sys, time; from preempt.checkpoint.lock import DirLock; "
         f"l = DirLock({str(tmp_path)!r}, purpose='other job'); l.acquire(); print('held', flush=True); time.sleep(30)"
     )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -20,14 +20,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import (
-    SAVE_FAILED_EXIT_CODE,
-    CheckpointManager,
-    CheckpointWriteError,
-    PreemptibleRun,
-    SaveFailed,
-    commit,
-)
+from preempt import SAVE_FAILED_EXIT_CODE, CheckpointManager, CheckpointWriteError, PreemptibleRun, SaveFailed
+from preempt.checkpoint import commit
 
 
 def objects():

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import Preempted, PreemptibleRun, state
+from preempt import Preempted, PreemptibleRun
+from preempt.checkpoint import state
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,7 +83,7 @@ def test_cuda_run_resumes_bit_exact(tmp_path):
 
 
 def test_stager_copies_gpu_tensors_into_pinned_buffers_once_synchronised(tmp_path):
-    from preempt.staging import Stager
+    from preempt.checkpoint.staging import Stager
 
     model = torch.nn.Linear(256, 256).cuda()
     opt = torch.optim.AdamW(model.parameters())

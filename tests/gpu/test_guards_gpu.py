@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from preempt.errors import OOM_EXIT_CODE
-from preempt.guards import NonFiniteGuard, OOMGuard, OutOfMemoryStreak, scale_lr
+from preempt.health.guards import NonFiniteGuard, OOMGuard, OutOfMemoryStreak, scale_lr
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from preempt.monitor import SAMPLES, SUMMARY, THREAD_NAME, GPUMonitor
+from preempt.health.monitor import SAMPLES, SUMMARY, THREAD_NAME, GPUMonitor
 
 pytestmark = [
     pytest.mark.gpu,

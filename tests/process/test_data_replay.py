@@ -1,5 +1,5 @@
 """Exact resume where users load data: augmentation inside DataLoader workers, persistent workers, other
-worker counts, iterable datasets (preempt/data_replay.py).
+worker counts, iterable datasets (preempt/data/replay.py).
 
 The training is tests/scripts/train.py, the Quick start loop: run.sampler + DataLoader + run.epochs + run.batches
 + run.step, with augmentation drawn inside the dataset from torch, NumPy and Python's random, dropout, AdamW,

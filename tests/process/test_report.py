@@ -132,7 +132,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(three_processes, tmp_path):
     save_dir, _ = three_processes
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"  # what an environment without it looks like to import
-        "from preempt.cli import main; sys.exit(main(sys.argv[1:]))"
+        "from preempt.cli.main import main; sys.exit(main(sys.argv[1:]))"
     )
     png = tmp_path / "x.png"
     out = subprocess.run(

@@ -21,8 +21,9 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-import preempt.checkpoint
-from preempt import PreemptibleRun, commit
+import preempt.checkpoint.manager
+from preempt import PreemptibleRun
+from preempt.checkpoint import commit
 
 
 class Synthetic(Dataset):
@@ -97,7 +98,7 @@ def slow_commit(seconds: float):
 
 def slow_lazy_copy(seconds: float) -> None:
     """--slow_lazy_copy: the writer makes the lazy copies of a snapshot this much later; says when it starts."""
-    from preempt.staging import LazyCopy
+    from preempt.checkpoint.staging import LazyCopy
 
     run = LazyCopy.run
 
@@ -110,11 +111,11 @@ def slow_lazy_copy(seconds: float) -> None:
 
 
 # Named points of this process where a test acts (--signal_at, --hold_at, --settle_at, --slow_commit): the commit's
-# stages (preempt.commit.STAGES, on the writer's thread for a background save), "load" (a checkpoint file is about to be
-# read and verified), "discard" (a failed or cancelled write's temporary directory is about to be removed), and the
-# loop's own: "step" (inside a step's work, before run.step()), "saved" (right after a run.step() that took a
-# checkpoint: staged, for a background save) and "epoch_end" (in end-of-epoch code). Each is
-# counted from 1 in this process.
+# stages (preempt.checkpoint.commit.STAGES, on the writer's thread for a background save), "load" (a checkpoint file
+# is about to be read and verified), "discard" (a failed or cancelled write's temporary directory is about to be
+# removed), and the loop's own: "step" (inside a step's work, before run.step()), "saved" (right after a run.step()
+# that took a checkpoint: staged, for a background save) and "epoch_end" (in end-of-epoch code). Each is counted
+# from 1 in this process.
 LOOP_POINTS = ("step", "saved", "epoch_end")
 POINTS = (*commit.STAGES, "load", "discard", *LOOP_POINTS)
 HOLD_LIMIT_S = 120.0  # a hold that nothing releases ends here, and the test that set it fails on what follows
@@ -207,13 +208,13 @@ def act(action) -> None:
     if len(_actions) > 1:
         return
     commit.inject_fault(reached)
-    original = preempt.checkpoint.read_verified
+    original = preempt.checkpoint.manager.read_verified
 
     def read_verified(path, expected):
         reached("load")
         return original(path, expected)
 
-    preempt.checkpoint.read_verified = read_verified
+    preempt.checkpoint.manager.read_verified = read_verified
 
 
 def _number_or_text(value: str) -> float | str:

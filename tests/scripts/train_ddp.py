@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import Synthetic, flatten, signal_at  # noqa: E402
 
-import preempt.checkpoint  # noqa: E402
+import preempt.checkpoint.manager  # noqa: E402
 from preempt import PreemptibleRun  # noqa: E402
 
 
@@ -46,10 +46,10 @@ def say(line: str) -> None:
 def fail_write(n: int) -> None:
     """Rank 0's n-th background write of its files fails as on a full disk; prints the checkpoint's step.
 
-    Replaces ``preempt.checkpoint.write_payload``, which ``CheckpointManager.save_into`` calls (the background
+    Replaces ``preempt.checkpoint.manager.write_payload``, which ``CheckpointManager.save_into`` calls (the background
     writer's path; the synchronous distributed commit imports its own reference and is not affected).
     """
-    write_payload = preempt.checkpoint.write_payload
+    write_payload = preempt.checkpoint.manager.write_payload
     calls = [0]
 
     def failing(directory, payload):
@@ -60,7 +60,7 @@ def fail_write(n: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
         return write_payload(directory, payload)
 
-    preempt.checkpoint.write_payload = failing
+    preempt.checkpoint.manager.write_payload = failing
 
 
 _LAST_WORK: list[dist.Work] = []
@@ -151,7 +151,7 @@ def main() -> None:
         save_file(out, str(final.with_suffix(f".rank{rank}{final.suffix}")))
     say(f"rank {rank} done")
     # The last barrier's work is kept until the process ends, so that the main thread destroys it (and the works it
-    # waited for) with the GIL: preempt/distributed.py, "Works destroyed in the main thread".
+    # waited for) with the GIL: preempt/cluster/distributed.py, "Works destroyed in the main thread".
     _LAST_WORK.append(dist.barrier(async_op=True))
     _LAST_WORK[-1].wait()
     dist.destroy_process_group()

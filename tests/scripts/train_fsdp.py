@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import Synthetic  # noqa: E402
 
-import preempt.sharded  # noqa: E402
+import preempt.cluster.sharded  # noqa: E402
 from preempt import PreemptibleRun  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def full_state(model, opt) -> dict[str, torch.Tensor]:
 
 def slow_write(seconds: float) -> None:
     """Each background write of the shards starts ``seconds`` late (the loop goes on meanwhile); prints its step."""
-    save = preempt.sharded.save
+    save = preempt.cluster.sharded.save
 
     def slow(directory, tensors, rank, group=None):
         if threading.current_thread().name == "preempt-writer":
@@ -53,7 +53,7 @@ def slow_write(seconds: float) -> None:
             time.sleep(seconds)
         return save(directory, tensors, rank, group)
 
-    preempt.sharded.save = slow
+    preempt.cluster.sharded.save = slow
 
 
 _LAST_WORK: list[dist.Work] = []
@@ -110,7 +110,7 @@ def main() -> None:
         save_file(final, args.final_out)
     say(f"rank {rank} done")
     # The last barrier's work is kept until the process ends, so that the main thread destroys it (and the works it
-    # waited for) with the GIL: preempt/distributed.py, "Works destroyed in the main thread".
+    # waited for) with the GIL: preempt/cluster/distributed.py, "Works destroyed in the main thread".
     _LAST_WORK.append(dist.barrier(async_op=True))
     _LAST_WORK[-1].wait()
     dist.destroy_process_group()

@@ -26,7 +26,7 @@ import pytest
 from conftest import DDP_ARGS, TRAIN_DDP, assert_equal_finals, assert_same_final, ddp_finals, free_port, torchrun
 from slurmjobs import TERMINAL, Cluster, Job, slurm_cluster, train_command, without_sleep  # noqa: F401
 
-from preempt.checkpoint import CheckpointManager
+from preempt.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.slurm
 

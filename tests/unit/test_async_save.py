@@ -18,8 +18,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import CheckpointManager, CheckpointWriteError, Preempted, PreemptibleRun, commit
-from preempt.staging import Stager
+from preempt import CheckpointManager, CheckpointWriteError, Preempted, PreemptibleRun
+from preempt.checkpoint import commit
+from preempt.checkpoint.staging import Stager
 
 WRITER = "preempt-writer"
 
@@ -54,7 +55,7 @@ def loaded(path: Path) -> dict[str, torch.Tensor]:
     model, opt, _ = build()
     manager = CheckpointManager(path.parent, owner=False)
     info = next(c for c in manager.list() if c.path == path)
-    from preempt import state
+    from preempt.checkpoint import state
 
     state.apply(state.Components(model, opt), manager.read(info))
     return snapshot(model, opt)
@@ -309,7 +310,7 @@ def test_wait_for_checkpoint_times_out_while_the_writer_is_held(tmp_path):
 
 
 def test_too_little_host_memory_falls_back_to_synchronous_saves(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr("preempt.save_scheduler.host_memory_available", lambda: 1000)
+    monkeypatch.setattr("preempt.run.save_scheduler.host_memory_available", lambda: 1000)
     model, opt, data = build()
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2) as run:
         next(run.epochs(1))

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from preempt import CheckpointManager, CorruptCheckpointError, IncompatibleStateError, NoCheckpointError, commit, state
+from preempt import CheckpointManager, CorruptCheckpointError, IncompatibleStateError, NoCheckpointError
+from preempt.checkpoint import commit, state
 from preempt.errors import CheckpointError
 
 
@@ -238,7 +239,7 @@ def test_missing_component_state_is_an_error(tmp_path):
 
 
 def test_load_by_step_and_best(tmp_path):
-    from preempt.manifest import Cursor, Manifest
+    from preempt.checkpoint.manifest import Cursor, Manifest
 
     model, opt, *_ = objects()
     m = CheckpointManager(tmp_path, keep_last=None, best_metric="loss", keep_best=1)
@@ -274,7 +275,7 @@ def test_best_follows_the_mode_the_manifests_record(tmp_path):
 
 
 def test_best_mode_falls_back_to_the_managers_and_refuses_a_bad_one(tmp_path):
-    from preempt.manifest import Cursor, Manifest
+    from preempt.checkpoint.manifest import Cursor, Manifest
 
     model, opt, *_ = objects()
     m = CheckpointManager(tmp_path, keep_last=None)
@@ -318,7 +319,7 @@ def test_a_restored_run_keeps_no_mapping_of_the_checkpoint_files(tmp_path):
     """Loading maps the files (no copy); once restored, nothing the run keeps may pin them."""
     import gc
 
-    from preempt import state
+    from preempt.checkpoint import state
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)

@@ -16,9 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import CheckpointManager, PreemptibleRun, state
-from preempt.cli import main
-from preempt.manifest import Cursor, Manifest
+from preempt import CheckpointManager, PreemptibleRun
+from preempt.checkpoint import state
+from preempt.checkpoint.manifest import Cursor, Manifest
+from preempt.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -405,7 +406,7 @@ def test_prune_keep_best_uses_the_manifests_mode(tmp_path, capsys):
 def test_prune_refuses_while_a_run_holds_the_directory(tmp_path, capsys):
     saved(tmp_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from preempt.lock import DirLock\n"
+        [sys.executable, "-c", "import sys; from preempt.checkpoint.lock import DirLock\n"
          "with DirLock(sys.argv[1], purpose='training'):\n print('held', flush=True); sys.stdin.read()", str(tmp_path)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -508,7 +509,7 @@ def test_dir_may_name_one_checkpoint(tmp_path, capsys):
 
 
 def test_verify_a_checkpoint_pruned_meanwhile_is_not_damage(tmp_path, capsys, monkeypatch):
-    from preempt import commit
+    from preempt.checkpoint import commit
 
     saved(tmp_path)
     read_file = commit.read_file
@@ -563,8 +564,8 @@ def test_the_checkpoint_commands_never_import_torch(tmp_path, args):
     """Reading headers and JSON needs no torch: these commands start in a fraction of a second (issue 16)."""
     model, _ = saved(tmp_path / "run")
     script = (
-        "import sys\nfrom preempt import cli\n"
-        "code = cli.main(sys.argv[1:])\n"
+        "import sys\nfrom preempt.cli.main import main\n"
+        "code = main(sys.argv[1:])\n"
         "sys.stderr.write(f'\\ntorch imported: {\"torch\" in sys.modules}\\n')\nsys.exit(code)\n"
     )
     r = subprocess.run(

@@ -1,4 +1,4 @@
-"""Unit tests for preempt.codec: nested state <-> (JSON, tensors), without pickle."""
+"""Unit tests for preempt.checkpoint.codec: nested state <-> (JSON, tensors), without pickle."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from preempt import codec
+from preempt.checkpoint import codec
 from preempt.errors import PreemptError, UnsupportedStateError
 
 

@@ -1,4 +1,4 @@
-"""Unit tests for preempt.commit: hashed file I/O, names, and the atomic directory commit."""
+"""Unit tests for preempt.checkpoint.commit: hashed file I/O, names, and the atomic directory commit."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from preempt import commit
-from preempt.commit import FileDigest
+from preempt.checkpoint import commit
+from preempt.checkpoint.commit import FileDigest
 
 
 def _bytes(n: int, seed: int = 0) -> bytes:

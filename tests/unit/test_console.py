@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from preempt import PreemptibleRun
-from preempt.loop_state import LoopState
-from preempt.reporting import Reporter, point_interval, start_line, total_steps
-from preempt.run_config import RunConfig
+from preempt.run.config import RunConfig
+from preempt.run.loop_state import LoopState
+from preempt.run.reporting import Reporter, point_interval, start_line, total_steps
 
 
 def test_the_total_counts_optimizer_steps_under_gradient_accumulation():
@@ -151,7 +151,7 @@ def test_log_level_on_the_run_and_the_environment_variable_wins(tmp_path, monkey
 
 
 def test_metrics_keep_the_loops_order_after_a_resume():
-    from preempt.manifest import Cursor
+    from preempt.checkpoint.manifest import Cursor
 
     cfg = RunConfig()
     loop = LoopState()

@@ -1,4 +1,4 @@
-"""preempt/data_replay.py and the step beacon: pure seeds, the wrappers, the feed's plans, in one process."""
+"""preempt/data/replay.py and the step beacon: pure seeds, the wrappers, the feed's plans, in one process."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from preempt import PreemptibleRun
-from preempt.data_replay import LoaderFeed, ResumePlan, reseed, sample_seed, stream_seed
-from preempt.lock import StepBeacon
-from preempt.sampler import ResumableSampler
+from preempt.checkpoint.lock import StepBeacon
+from preempt.data.replay import LoaderFeed, ResumePlan, reseed, sample_seed, stream_seed
+from preempt.data.sampler import ResumableSampler
 
 
 class Draws(Dataset):

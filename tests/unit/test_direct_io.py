@@ -1,4 +1,4 @@
-"""Writes that bypass the page cache (preempt.direct_io): the pure choice of each write, then real files."""
+"""Writes that bypass the page cache (preempt.checkpoint.direct_io): the pure choice of each write, then real files."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import direct_io_supported
 
-from preempt import commit, direct_io, state, tensorfile
-from preempt.checkpoint import write_payload
-from preempt.staging import Stager
+from preempt.checkpoint import commit, direct_io, state, tensorfile
+from preempt.checkpoint.manager import write_payload
+from preempt.checkpoint.staging import Stager
 
 KB = 1024
 MB = 1 << 20

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as S
 
-from preempt import guards
 from preempt.errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE
-from preempt.guards import NonFiniteGuard, NonFiniteStreak, OOMGuard, OutOfMemoryStreak, is_oom, scale_lr
+from preempt.health import guards
+from preempt.health.guards import NonFiniteGuard, NonFiniteStreak, OOMGuard, OutOfMemoryStreak, is_oom, scale_lr
 
 # ------------------------------------------------------------------------------------------------ non-finite
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from preempt import CheckpointManager, PreemptibleRun
 from preempt.errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE
-from preempt.guards import NonFiniteStreak, OutOfMemoryStreak
+from preempt.health.guards import NonFiniteStreak, OutOfMemoryStreak
 
 
 def build():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from preempt import _log
-from preempt.history import (
+from preempt.health.history import (
     ETA_CAP_S,
     HISTORY_FILE,
     LOG_FILE,

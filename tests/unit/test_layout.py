@@ -1,36 +1,60 @@
-"""The package's shape (issue 14): modules of one concern, no import circles among them."""
+"""The package's shape (issues 14 and 28): subpackages by part, modules of one concern, no import circles.
+
+Which part may import which is written down as import-linter contracts in pyproject.toml (``lint-imports``, run by
+.ci/run); the tests here check what those contracts do not: circles between modules, the length of each module, and
+what the top level holds.
+"""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "preempt"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "preempt"
 MAX_LINES = 600
-# Modules over the limit, each to be split. Empty since PreemptibleRun became a face over its parts (issue 14).
-TOO_LONG_FOR_NOW: set[str] = set()
+# The top level: the face (__init__), `python -m preempt`, and the leaves every part may import.
+TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "_log.py", "_version.py"}
+PARTS = {"checkpoint", "data", "cluster", "health", "run", "cli", "supervise"}
 
 
-def imports(path: Path) -> set[str]:
-    """The package modules ``path`` imports, at module level or inside functions."""
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(path: Path, known: set[str], root: Path = PACKAGE) -> set[str]:
+    """The package modules ``path`` imports, at module level or inside functions (as import-linter counts them)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                out.add(node.module.split(".")[0])
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
             else:
-                out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module == "preempt":
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("preempt."):
-            out.add(node.module.split(".")[1])
+                target = node.module or ""
+            out.add(target)
+            out.update(f"{target}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
-            out.update(alias.name.split(".")[1] for alias in node.names if alias.name.startswith("preempt."))
-    return {m for m in out if (PACKAGE / f"{m}.py").exists()}
+            out.update(alias.name for alias in node.names)
+    return {m for m in out if m in known and m != name}
 
 
 def test_no_import_circle():
-    graph = {p.stem: imports(p) - {p.stem} for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    known = set(modules())
+    # The subpackages' __init__ hold only a docstring; the face's lazy names (preempt/__init__) are not imports.
+    graph = {m: imports(p, known) - {"preempt"} for m, p in modules().items() if p.name != "__init__.py"}
     state: dict[str, int] = {}
     cycles = []
 
@@ -49,37 +73,83 @@ def test_no_import_circle():
     assert not cycles, [" -> ".join(c) for c in cycles]
 
 
-# The run's parts (preempt/README.md): each imports only parts before it.
-PARTS = [
-    "run_config", "loop_state", "data_cursor", "snapshot", "peers", "save_scheduler", "stopping", "reporting",
-    "health", "resume_plan", "restore", "run",
-]  # fmt: skip
-
-
-def test_the_runs_parts_import_only_the_parts_before_them():
-    wrong = {}
-    for i, part in enumerate(PARTS):
-        later = imports(PACKAGE / f"{part}.py") & set(PARTS[i + 1 :])
-        if later:
-            wrong[part] = sorted(later)
-    assert not wrong, wrong
-
-
-def test_the_building_blocks_do_not_import_the_run():
-    blocks = [p for p in PACKAGE.glob("*.py") if p.stem not in PARTS and p.stem != "__init__"]
-    wrong = {p.stem: sorted(imports(p) & set(PARTS) - {"run_config"}) for p in blocks}
-    assert not {k: v for k, v in wrong.items() if v}, wrong
-
-
 def test_modules_are_short():
-    long = {p.name: n for p in PACKAGE.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert set(long) <= TOO_LONG_FOR_NOW, {k: v for k, v in long.items() if k not in TOO_LONG_FOR_NOW}
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines, to be split by concern: {long}"
+
+
+def test_the_top_level_holds_the_face_the_leaves_and_the_parts():
+    files = {p.name for p in PACKAGE.glob("*.py")}
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert files == TOP_LEVEL, f"a new module belongs in the part it serves, not at the top: {files - TOP_LEVEL}"
+    assert folders == PARTS
+
+
+def test_each_part_says_what_it_owns_and_what_it_may_import():
+    for part in sorted(PARTS):
+        init = PACKAGE / part / "__init__.py"
+        tree = ast.parse(init.read_text())
+        doc = ast.get_docstring(tree)
+        assert doc and "May import" in doc, f"{init}: a docstring saying what the part owns and what it may import"
+        # Only the docstring: importing preempt.cluster.signals must not load the rest of cluster (torch).
+        assert len(tree.body) == 1, f"{init}: holds only its docstring"
 
 
 def test_the_circle_check_sees_every_kind_of_import(tmp_path):
-    source = tmp_path / "m.py"
+    pkg = tmp_path / "preempt" / "run"
+    pkg.mkdir(parents=True)
+    source = pkg / "m.py"
     source.write_text(
-        "from . import commit, nothing_here\nfrom .policy import decide\nimport preempt.signals\n"
-        "from preempt import rng\nfrom preempt.state import MODEL_FILE\n\ndef f():\n    from . import cli\n"
+        "from . import peers, nothing_here\nfrom .save_policy import decide\nimport preempt.cluster.signals\n"
+        "from preempt.data import rng\nfrom ..checkpoint.state import MODEL_FILE\n\n"
+        "def f():\n    from ..cli import main\n"
     )
-    assert imports(source) == {"commit", "policy", "signals", "rng", "state", "cli"}
+    known = {
+        "preempt.run.peers", "preempt.run.save_policy", "preempt.cluster.signals", "preempt.data", "preempt.data.rng",
+        "preempt.checkpoint.state", "preempt.cli", "preempt.cli.main",
+        "preempt.run",
+    }  # fmt: skip
+    assert imports(source, known, root=tmp_path / "preempt") == known
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` over the package under ``root`` with that tree's pyproject.toml."""
+    tool = shutil.which("lint-imports")
+    if tool is None:
+        pytest.skip("lint-imports is not installed (pip install -e '.[test]' installs import-linter)")
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the package under root, whatever is installed
+    return subprocess.run(
+        [tool, "--no-cache", "--config", str(root / "pyproject.toml")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_contracts_hold():
+    r = lint_imports(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "contract", "chain"),
+    [
+        # a building block importing a part of the run
+        ("checkpoint/commit.py", "from ..run import config", "The parts' layers", "preempt.checkpoint.commit ->"),
+        # a run part importing a later one
+        ("run/loop_state.py", "from . import stopping", "The run's parts", "preempt.run.loop_state ->"),
+        # the CLI reaching torch through a module-level import
+        ("cli/views.py", "import torch", "never import torch", "preempt.cli.views -> torch"),
+    ],
+    ids=["upward", "run-parts", "torch"],
+)
+def test_a_broken_contract_fails_lint_imports(tmp_path, module, line, contract, chain):
+    shutil.copytree(PACKAGE, tmp_path / "preempt", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    broken = tmp_path / "preempt" / module
+    broken.write_text(broken.read_text() + f"\n{line}  # the import a contract forbids\n")
+    r = lint_imports(tmp_path)
+    assert r.returncode != 0, r.stdout
+    assert contract in r.stdout and "BROKEN" in r.stdout and chain in r.stdout, r.stdout

@@ -15,8 +15,8 @@ import torch
 from test_async_save import build, loaded, snapshot, stepper
 
 from preempt import Preempted, PreemptibleRun
-from preempt.save_scheduler import SaveScheduler
-from preempt.staging import LazyCopy
+from preempt.checkpoint.staging import LazyCopy
+from preempt.run.save_scheduler import SaveScheduler
 
 DELAY = 0.3
 LAZY = dict(checkpoint_every_steps=2, keep_last=None, lazy_snapshot=True)

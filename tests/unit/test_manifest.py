@@ -1,4 +1,4 @@
-"""Unit tests for preempt.manifest: the checksummed, strictly parsed manifest.json."""
+"""Unit tests for preempt.checkpoint.manifest: the checksummed, strictly parsed manifest.json."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import xxhash
 
-from preempt import manifest as mf
-from preempt.commit import FileDigest, dumps_json
-from preempt.manifest import Cursor, Manifest
+from preempt.checkpoint import manifest as mf
+from preempt.checkpoint.commit import FileDigest, dumps_json
+from preempt.checkpoint.manifest import Cursor, Manifest
 
 WHERE = "runs/x/step_000000120/manifest.json"
 

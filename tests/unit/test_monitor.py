@@ -17,7 +17,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from preempt.monitor import FIELDS, SAMPLES, SUMMARY, THREAD_NAME, GPUMonitor
+from preempt.health.monitor import FIELDS, SAMPLES, SUMMARY, THREAD_NAME, GPUMonitor
 
 GiB = 1 << 30
 # Per sampling round n (cycled): what the fake GPUs report.
@@ -273,9 +273,9 @@ def test_an_unreadable_summary_is_replaced_with_a_warning(tmp_path, info_logs):
 
 
 def test_pynvml_is_imported_only_when_a_monitor_is_made():
-    import preempt.monitor
+    import preempt.health.monitor
 
-    assert "pynvml" not in vars(preempt.monitor), "no top-level `import pynvml` in preempt.monitor"
+    assert "pynvml" not in vars(preempt.health.monitor), "no top-level `import pynvml` in preempt.health.monitor"
 
 
 def _no_module(monkeypatch: pytest.MonkeyPatch) -> None:

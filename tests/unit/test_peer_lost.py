@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch.distributed as dist
 
-from preempt.distributed import Coordinator, lost_peer
+from preempt.cluster.distributed import Coordinator, lost_peer
 from preempt.errors import PEER_LOST_EXIT_CODE, PeerLost
-from preempt.peers import Alone, Ranks
+from preempt.run.peers import Alone, Ranks
 
 GLOO = (
     "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5005. This is "

@@ -23,10 +23,10 @@ import torch
 import xxhash
 
 from preempt import PreemptibleRun
-from preempt.commit import dumps_json
-from preempt.manifest import Cursor, Manifest, retention_record
-from preempt.policy import RetentionPolicy
-from preempt.safe_io import MAX_DEPTH
+from preempt.checkpoint.commit import dumps_json
+from preempt.checkpoint.manifest import Cursor, Manifest, retention_record
+from preempt.checkpoint.retention import RetentionPolicy
+from preempt.checkpoint.safe_io import MAX_DEPTH
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree, whatever the installed copy points at

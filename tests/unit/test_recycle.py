@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_checkpoint import objects
 
-from preempt import commit, recycle
-from preempt.checkpoint import CheckpointManager
+from preempt.checkpoint import commit, recycle
+from preempt.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.timeout(60)  # a FIFO opened the wrong way blocks forever: fail instead
 
@@ -158,8 +158,8 @@ def test_never_more_than_one_checkpoint_of_extra_space(tmp_path, monkeypatch):
 
 
 def test_the_options_are_checked():
-    from preempt.policy import RetentionPolicy
-    from preempt.run_config import RunConfig
+    from preempt.checkpoint.retention import RetentionPolicy
+    from preempt.run.config import RunConfig
 
     with pytest.raises(ValueError, match="recycle_files: expected True or False"):
         RetentionPolicy(recycle="yes")  # type: ignore[arg-type]

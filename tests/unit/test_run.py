@@ -485,7 +485,7 @@ def test_every_checkpoint_corrupt_starts_fresh_loudly(tmp_path, uninterrupted, c
 
 def test_a_signal_during_a_checkpoint_write_stops_at_that_checkpoint(tmp_path):
     """The stop is decided again after a save: the signal that came during it needs no further step or save."""
-    from preempt import commit
+    from preempt.checkpoint import commit
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

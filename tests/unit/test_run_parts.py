@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from preempt import PreemptibleRun
+from preempt.checkpoint.manifest import Cursor
+from preempt.checkpoint.retention import RetentionPolicy
 from preempt.errors import NoCheckpointError
-from preempt.loop_state import LoopState
-from preempt.manifest import Cursor
-from preempt.peers import Alone
-from preempt.policy import RetentionPolicy
-from preempt.resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
-from preempt.run_config import RunConfig
+from preempt.run.config import RunConfig
+from preempt.run.loop_state import LoopState
+from preempt.run.peers import Alone
+from preempt.run.resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
 
 # ---------------------------------------------------------------------------- LoopState
 

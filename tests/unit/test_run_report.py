@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from preempt.run_report import build, render
+from preempt.cli.timeline import build, render
 
 
 def lines_of_three_processes() -> list[dict]:

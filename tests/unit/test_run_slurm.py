@@ -21,10 +21,10 @@ from preempt import (
     Preempted,
     PreemptibleRun,
     RestartLimitReached,
-    slurm,
 )
+from preempt.cluster import slurm
+from preempt.cluster.slurm import JobInfo
 from preempt.errors import SlurmError
-from preempt.slurm import JobInfo
 
 
 class FakeClock:
@@ -38,7 +38,7 @@ class FakeClock:
 
 
 class FakeScontrol:
-    """Replaces preempt.slurm's scontrol calls; records requeues."""
+    """Replaces preempt.cluster.slurm's scontrol calls; records requeues."""
 
     def __init__(
         self,

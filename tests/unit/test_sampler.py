@@ -1,4 +1,4 @@
-"""Unit tests for preempt.sampler.ResumableSampler: order fixed by (seed, epoch), O(1) mid-epoch resume."""
+"""Unit tests for preempt.data.sampler.ResumableSampler: order fixed by (seed, epoch), O(1) mid-epoch resume."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from preempt.sampler import ResumableSampler
+from preempt.data.sampler import ResumableSampler
 
 
 def test_order_depends_only_on_seed_epoch_and_length():

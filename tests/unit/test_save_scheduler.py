@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from preempt import CheckpointManager, CheckpointWriteError
-from preempt.components import Components
-from preempt.data_cursor import DataCursor
-from preempt.loop_state import LoopState
-from preempt.policy import Due, Reason
-from preempt.save_plan import pick, plan, wake
-from preempt.save_scheduler import SaveScheduler
-from preempt.signals import StopFlag
-from preempt.snapshot import Snapshot
+from preempt.checkpoint.components import Components
+from preempt.cluster.signals import StopFlag
+from preempt.run.data_cursor import DataCursor
+from preempt.run.loop_state import LoopState
+from preempt.run.save_plan import pick, plan, wake
+from preempt.run.save_policy import Due, Reason
+from preempt.run.save_scheduler import SaveScheduler
+from preempt.run.snapshot import Snapshot
 
 R = Reason
 
@@ -340,7 +340,7 @@ def test_a_pool_that_cannot_be_written_is_a_warning_and_leaves_nothing(tmp_path,
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("preempt.commit.write_file", full)
+    monkeypatch.setattr("preempt.checkpoint.commit.write_file", full)
     writer.finish()
     saves.tend()
     assert saves.job is None and list(tmp_path.glob(".*")) == []

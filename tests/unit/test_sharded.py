@@ -1,4 +1,4 @@
-"""preempt.sharded in one process: DCP's pieces with a JSON index instead of its pickle, and that index's checks."""
+"""preempt.cluster.sharded in one process: DCP's pieces with a JSON index instead of its pickle, and its checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from preempt import sharded
+from preempt.cluster import sharded
 
 
 def written(tmp_path):
@@ -76,10 +76,10 @@ def test_split_state_does_not_step_a_fresh_optimizer():
 def test_a_save_reads_the_sharded_state_once(rank):
     """Snapshot.content() gives the files and the live tensors DCP writes from one state_dict() (FSDP2 builds
     hundreds of DTensors per read); the files hold the optimizer's other state from that same read on rank 0."""
-    from preempt.components import Components
-    from preempt.data_cursor import DataCursor
-    from preempt.loop_state import LoopState
-    from preempt.snapshot import Snapshot
+    from preempt.checkpoint.components import Components
+    from preempt.run.data_cursor import DataCursor
+    from preempt.run.loop_state import LoopState
+    from preempt.run.snapshot import Snapshot
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
@@ -95,6 +95,6 @@ def test_a_save_reads_the_sharded_state_once(rank):
     assert len(reads) == 1
     assert live is not None and torch.equal(live["model.weight"], model.weight)
     assert live["optim.weight.exp_avg"] is opt.state[model.weight]["exp_avg"]
-    from preempt import state
+    from preempt.checkpoint import state
 
     assert (state.STATE_FILE if rank == 0 else state.rank_files(rank)[0]) in files.tensor_files

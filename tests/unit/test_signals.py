@@ -1,4 +1,4 @@
-"""Unit tests for preempt.signals.StopFlag: handlers only record; install/restore are exact.
+"""Unit tests for preempt.cluster.signals.StopFlag: handlers only record; install/restore are exact.
 
 Every test runs under a fixture that puts back the handlers of all the signals
 touched here, so a failing test cannot leave the pytest process with odd handlers.
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from preempt.signals import DEFAULT_SIGNALS, StopFlag, signal_name
+from preempt.cluster.signals import DEFAULT_SIGNALS, StopFlag, signal_name
 
 TOUCHED = (*DEFAULT_SIGNALS, signal.SIGHUP)
 

@@ -1,4 +1,4 @@
-"""preempt.slurm without a cluster: parsing scontrol, the requeue rule, scontrol failures."""
+"""preempt.cluster.slurm without a cluster: parsing scontrol, the requeue rule, scontrol failures."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from preempt.errors import SlurmError
-from preempt.slurm import (
+from preempt.cluster.slurm import (
     WARNING_WINDOW_S,
     Action,
     Cause,
@@ -24,6 +23,7 @@ from preempt.slurm import (
     run_shielded,
     show_job,
 )
+from preempt.errors import SlurmError
 
 # `scontrol show job 7` on Slurm 22.05 while the job handled its time-limit warning
 SHOW_JOB = """JobId=7 JobName=sigtest2.sh

@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from preempt import CheckpointManager, state
-from preempt.staging import BackgroundWriter, Stager
+from preempt import CheckpointManager
+from preempt.checkpoint import state
+from preempt.checkpoint.staging import BackgroundWriter, Stager
 
 
 def payload(model, opt):
@@ -56,7 +57,7 @@ def test_snapshot_is_independent_of_the_live_state_and_buffers_are_reused(tmp_pa
 
 
 def _manifest(step):
-    from preempt.manifest import Cursor, Manifest
+    from preempt.checkpoint.manifest import Cursor, Manifest
 
     return Manifest(step=step, cursor=Cursor(), reason="manual", created=0.0, files={})
 

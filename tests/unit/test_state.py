@@ -1,4 +1,4 @@
-"""Unit tests for preempt.state: matching saved state to live objects, strict and not, and all-or-nothing apply."""
+"""Unit tests for preempt.checkpoint.state: matching saved state to live objects, strict or not, all or nothing."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from preempt import IncompatibleStateError, codec, state
-from preempt.state import Components, Loaded
+from preempt import IncompatibleStateError
+from preempt.checkpoint import codec, state
+from preempt.checkpoint.state import Components, Loaded
 
 WHERE = "runs/x/step_000000007"
 

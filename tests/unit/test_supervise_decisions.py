@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from preempt import cli
+from preempt.cli import main as cli
+from preempt.cluster.supervised import Supervised
 from preempt.errors import NONFINITE_EXIT_CODE, OOM_EXIT_CODE, PREEMPTED_EXIT_CODE
-from preempt.supervise_policy import (
+from preempt.supervise.policy import (
     COMPLETE,
     FAILED,
     NONFINITE,
@@ -27,8 +28,7 @@ from preempt.supervise_policy import (
     plan_next,
     substitute,
 )
-from preempt.supervise_process import exit_code
-from preempt.supervised import Supervised
+from preempt.supervise.process import exit_code
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_every_documented_example_matches_its_pattern(pattern):
 
 
 def test_the_module_docstring_lists_every_pattern():
-    from preempt import supervise
+    from preempt.supervise import command as supervise
 
     for p in PATTERNS:
         shown = re.escape(p.regex.pattern.decode().replace("(?:", "("))
@@ -224,7 +224,7 @@ def test_help_lists_supervise_and_its_exit_codes(capsys):
 
 
 def test_preempt_lists_supervise_with_the_parser_supervise_parses_with(capsys):
-    from preempt import supervise
+    from preempt.supervise import command as supervise
 
     with pytest.raises(SystemExit):
         cli.main(["--help"])
@@ -246,13 +246,13 @@ def test_preempt_lists_supervise_with_the_parser_supervise_parses_with(capsys):
     ],
 )
 def test_where_the_log_goes(options, where):
-    from preempt import supervise
+    from preempt.supervise import command as supervise
 
     path = supervise.log_path(supervise.build_parser().parse_args(options))
     assert path == (None if where is None else Path(where))
 
 
 def test_supervise_imports_no_torch():
-    code = "import sys, preempt.cli, preempt.supervise; sys.exit('torch' in sys.modules)"
+    code = "import sys, preempt.cli.main, preempt.supervise.command; sys.exit('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0

@@ -1,4 +1,4 @@
-"""Unit tests for preempt.tensorfile: streaming safetensors writer and strict in-memory reader."""
+"""Unit tests for preempt.checkpoint.tensorfile: streaming safetensors writer and strict in-memory reader."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch as st
 import torch
 
-from preempt import commit, tensorfile
+from preempt.checkpoint import commit, tensorfile
 
 DTYPES = sorted(tensorfile._dtypes()[0].items())  # every dtype of the table that this torch has
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

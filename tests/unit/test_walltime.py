@@ -1,4 +1,4 @@
-"""The walltime keeper's arithmetic (preempt.policy.Walltime) and its place in decide(), without a clock."""
+"""The walltime keeper's arithmetic (preempt.run.stopping.Walltime) and its place in decide(), without a clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from preempt.policy import Decision, Reason, SaveFacts, SavePolicy, Walltime, decide, next_due
+from preempt.run.save_policy import Decision, Reason, SaveFacts, SavePolicy, decide, next_due
+from preempt.run.stopping import Walltime
 
 
 def facts(**kw) -> SaveFacts:

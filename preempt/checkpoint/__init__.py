@@ -1,0 +1,14 @@
+"""The checkpoint: what is on disk and how it gets there, with no notion of a training loop.
+
+Owns the manager (``manager``: choose, load, verify, prune), one file checked against its manifest entry
+(``files``), the manifest, the atomic commit protocol (``commit``, written down in its docstring), writes that bypass
+the page cache (``direct_io``), the pruned checkpoint's files written over (``recycle``), which checkpoints are
+kept (``retention``, pure), what is in the files (``state``, ``codec``, ``tensorfile``, ``components``; no pickle),
+the staging buffers and the background writer (``staging``), the directory's lock and step beacon (``lock``), and
+the one rule for every file opened inside a save_dir (``safe_io``).
+
+May import: :mod:`preempt.errors`, :mod:`preempt._log`. Never the run, the data, the cluster, health, the CLI or the
+supervisor (import-linter contracts in pyproject.toml). ``ls``/``verify``/``inspect``/``prune``/``export`` use the
+torch-free half: ``manager``, ``files``, ``manifest``, ``commit``, ``tensorfile`` headers and ``codec.loads`` import
+torch only inside the functions that meet tensors.
+"""

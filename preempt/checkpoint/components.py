@@ -1,0 +1,68 @@
+"""The objects a run saves and restores, checked once when the user hands them over.
+
+:class:`Components` holds the model, optimizer, scheduler, scaler and any
+further object with ``state_dict()``/``load_state_dict()`` by name;
+:mod:`preempt.checkpoint.state` captures and applies their state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+@dataclasses.dataclass
+class Components:
+    """The objects a run saves and restores."""
+
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Stateful | None = None
+    scaler: Stateful | None = None
+    tracked: dict[str, Stateful] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def checked(
+        cls, model: Any, optimizer: Any, scheduler: Any, scaler: Any, tracked: Mapping[str, Any] | None
+    ) -> Components:
+        """The components a user passed, each of the expected kind.
+
+        Raises:
+            TypeError: One is not (the message names it); ValueError: a bad name for a tracked object.
+        """
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
+            check_stateful(name, obj)
+        out = cls(model, optimizer, scheduler, scaler)
+        for name, obj in (tracked or {}).items():
+            out.track(name, obj)
+        return out
+
+    def track(self, name: str, obj: Any) -> None:
+        """Adds ``obj`` to the tracked objects under ``name``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"track: expected a non-empty name, got {name!r}")
+        if name in self.tracked:
+            raise ValueError(f"track: the name {name!r} is already tracked")
+        check_stateful(f"track[{name!r}]", obj)
+        self.tracked[name] = obj
+
+
+def check_stateful(name: str, obj: Any) -> None:
+    """``obj`` is None or has state_dict() and load_state_dict(); else a TypeError naming it."""
+    if obj is None:
+        return
+    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        raise TypeError(f"{name}: expected an object with state_dict() and load_state_dict(), got {type(obj).__name__}")

@@ -1,0 +1,353 @@
+"""One writer per save_dir: the lock a run holds for as long as it is entered.
+
+Two processes writing one ``save_dir`` (a requeued job overlapping its
+predecessor, two people starting the same command) would prune each other's
+checkpoints and clean up each other's half-written ones. So a run holds
+``save_dir/lock`` from ``__enter__`` to ``__exit__``, and so does
+``preempt prune``.
+
+How:
+
+* The lock is a POSIX record lock (``fcntl.lockf``) on ``save_dir/lock``. The
+  kernel drops it when the holding process dies, however it dies (SIGKILL, a
+  node's OOM killer), so a lock left by a dead process is simply free: there
+  is no stale lock to judge. POSIX locks also work on NFS, and they are not
+  inherited by forked children, so DataLoader workers that outlive a killed
+  parent for a few seconds do not keep the directory locked.
+* The file's content (pid, host, since, purpose) is only there to name the
+  holder in the error the second process gets. It is written after the lock
+  is taken and emptied before it is released, so a non-empty file found by a
+  new holder means the previous one died holding it: the run says so.
+* POSIX locks belong to a process, not to a file descriptor: a second lock of
+  the same file from the same process would succeed silently, and closing any
+  descriptor of the file would drop the lock. So locks held by this process
+  are kept in a registry and a second attempt fails at once without opening
+  the file again.
+* Where the filesystem refuses record locks (Lustre mounted without
+  ``flock``/``localflock``, some FUSE filesystems), the lock falls back to
+  its content: a holder on this host whose process still runs (same pid and
+  start time) or a holder elsewhere whose heartbeat (the file's mtime,
+  refreshed every ``HEARTBEAT_S``) is younger than ``STALE_AFTER_S`` keeps it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import mmap
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import PreemptError
+from . import safe_io
+
+log = logging.getLogger("preempt")
+
+LOCK = "lock"
+BEACON = "lock.step"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 300.0
+_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_HELD: dict[tuple[int, int], DirLock] = {}  # (st_dev, st_ino) of lock files this process holds
+_HELD_GUARD = threading.Lock()
+
+
+class LockedError(PreemptError):
+    """Another process (or another run in this process) holds the save_dir.
+
+    Attributes:
+        holder: What the lock file says about the holder (pid, host, since,
+            purpose); empty when it could not be read.
+    """
+
+    def __init__(self, message: str, holder: dict[str, Any]):
+        super().__init__(message)
+        self.holder = holder
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    return start is None or _start_time(pid) in (None, start)
+
+
+def describe(holder: dict[str, Any]) -> str:
+    """``pid 123 on host n1 since 2026-11-22 13:01:02 (4m13s ago), training``."""
+    if not holder:
+        return "a process that left no details"
+    since = safe_io.plausible_time(holder.get("since"))  # what a lock file says is not trusted
+    when = ""
+    if since is not None:
+        from .._log import duration
+
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
+        when = f" since {stamp} ({duration(max(0.0, time.time() - since))} ago)"
+    text = safe_io.printable
+    purpose = f", {text(holder['purpose'])}" if holder.get("purpose") else ""
+    return f"pid {text(holder.get('pid', '?'))} on host {text(holder.get('host', '?'))}{when}{purpose}"
+
+
+class DirLock:
+    """The lock of one save_dir; a context manager.
+
+    Args:
+        save_dir: The directory (must exist).
+        purpose: Said to a second process that finds the lock held.
+        timeout: Seconds to wait for a holder to let go before giving up
+            (0: fail at once).
+        use_record_locks: False forces the content-based fallback (for tests
+            of filesystems without record locks).
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        *,
+        purpose: str = "training",
+        timeout: float = 0.0,
+        use_record_locks: bool = True,
+    ) -> None:
+        if timeout < 0:
+            raise ValueError(f"lock_timeout: expected seconds >= 0, got {timeout!r}")
+        self.path = Path(save_dir) / LOCK
+        self.purpose = purpose
+        self.timeout = timeout
+        self.use_record_locks = use_record_locks
+        self.previous: dict[str, Any] = {}  # what a dead holder left, when we took over from one
+        self._fd: int | None = None
+        self._key: tuple[int, int] | None = None
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._extra_fds: list[int] = []
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Takes the lock or raises :class:`LockedError` naming the holder.
+
+        Raises:
+            LockedError: Held by a live process for longer than ``timeout``.
+            OSError: The lock file cannot be created (the directory is not writable).
+        """
+        if self._fd is not None:
+            raise PreemptError(f"{self.path}: already held by this DirLock")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            holder = self._try()
+            if holder is None:
+                return
+            if time.monotonic() >= deadline:
+                raise LockedError(
+                    f"{self.path.parent} is in use by {describe(holder)} (lock file {self.path}). Two processes"
+                    " writing one save_dir would delete each other's checkpoints. Wait for that process to end,"
+                    " or give this run another save_dir.",
+                    holder,
+                )
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _try(self) -> dict[str, Any] | None:
+        """One attempt: None when taken, else what is known of the holder."""
+        fd = safe_io.open_fd(self.path, os.O_RDWR | os.O_CREAT)  # never a symlink's target, never a FIFO
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with _HELD_GUARD:
+            other = _HELD.get(key)
+            if other is not None:
+                # Closing this descriptor would drop the other DirLock's POSIX lock: keep it open inside
+                # the holder's registry entry instead (it is closed when that holder releases).
+                other._extra_fds.append(fd)
+                return {**_read(other._fd), "purpose": f"{other.purpose} (in this same process)"}
+            try:
+                locked = self._lock(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if not locked:
+                holder = _read(fd)
+                os.close(fd)  # no lock of ours on this file in this process: closing drops nothing
+                return holder or {"pid": "?", "host": "?"}
+            _HELD[key] = self
+        self._fd, self._key, self._extra_fds = fd, key, []
+        self.previous = _read(fd)
+        if self.previous:
+            log.warning(
+                "%s: took over the lock left by %s (that process is gone)", self.path.parent, describe(self.previous)
+            )
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "purpose": self.purpose}
+        try:
+            _write(fd, {**me, "start": _start_time(os.getpid())})
+        except OSError as e:
+            self.release()
+            raise OSError(e.errno, f"cannot write the lock file: {e.strerror or e}", str(self.path)) from None
+        if not self.use_record_locks:
+            self._stop.clear()
+            self._heartbeat = threading.Thread(target=self._beat, name="preempt-lock-heartbeat", daemon=True)
+            self._heartbeat.start()
+        return None
+
+    def _lock(self, fd: int) -> bool:
+        """Record lock when the filesystem has them, else the content-based check; True when taken."""
+        if self.use_record_locks:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    return False
+                if e.errno not in _UNSUPPORTED:
+                    raise
+                log.warning(
+                    "%s: this filesystem refuses file locks (%s); judging the lock by its content instead",
+                    self.path,
+                    os.strerror(e.errno),
+                )
+                self.use_record_locks = False
+        holder = _read(fd)
+        if not holder:
+            return True
+        if holder.get("host") == socket.gethostname():
+            pid = holder.get("pid")
+            return not (isinstance(pid, int) and _alive(pid, holder.get("start")))
+        return time.time() - os.fstat(fd).st_mtime > STALE_AFTER_S
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError as e:
+                log.warning("%s: could not refresh the lock's heartbeat: %s", self.path, e)
+
+    def release(self) -> None:
+        """Empties the lock file and lets go (a no-op when not held)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+        with _HELD_GUARD:
+            _HELD.pop(self._key, None)  # type: ignore[arg-type]
+            try:
+                os.ftruncate(fd, 0)  # an empty file after a clean exit: nobody died holding it
+            except OSError as e:
+                log.warning("%s: could not empty the lock file: %s", self.path, e)
+            for extra in self._extra_fds:
+                os.close(extra)
+            os.close(fd)  # drops the record lock
+
+    def __enter__(self) -> DirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class StepBeacon:
+    """The holder's latest step, in an 8-byte memory-mapped file beside the lock (``save_dir/lock.step``).
+
+    When a holder dies without stopping (SIGKILL, the OOM killer), its lock
+    file is left non-empty (:attr:`DirLock.previous`), and this file says how
+    far it had got, so the next holder can say how many steps since the
+    checkpoint it resumes from are recomputed. Writing the step is a store into
+    shared memory (no system call): the kernel keeps the page when the process
+    dies. A clean exit writes -1. The file is opened without following
+    symlinks and only when it is a regular file; it is information only, so any
+    trouble with it is logged and the beacon is off.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(save_dir) / BEACON
+        self._mm: mmap.mmap | None = None
+        self.view: Any = [0]  # view[0] = step; a list while off, so that writers need no test
+
+    def read(self) -> int | None:
+        """The step the last holder wrote, or None (a clean exit, no file, not a regular 8-byte file)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != 8:
+                return None
+            (step,) = struct.unpack("=q", os.pread(fd, 8, 0))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return step if step >= 0 else None
+
+    def open(self, step: int) -> None:
+        """Maps the file (created when missing) and writes ``step``."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            log.warning("%s: cannot open the step beacon (%s); a crash will not say how far it got", self.path, e)
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                log.warning("%s: not a regular file; the step beacon is off", self.path)
+                return
+            os.ftruncate(fd, 8)
+            self._mm = mmap.mmap(fd, 8)
+        except OSError as e:
+            log.warning("%s: cannot map the step beacon (%s); a crash will not say how far it got", self.path, e)
+            return
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._mm).cast("q")
+        self.view[0] = step
+
+    def close(self) -> None:
+        """Writes -1 (a clean exit) and unmaps; writers holding the old view must have dropped it."""
+        if self._mm is None:
+            return
+        view, self.view = self.view, [0]
+        view[0] = -1
+        view.release()
+        self._mm.close()
+        self._mm = None
+
+
+def _read(fd: int | None) -> dict[str, Any]:
+    if fd is None:
+        return {}
+    try:
+        data = os.pread(fd, 4096, 0)
+        return safe_io.load_json(data, "lock") if data.strip() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(fd: int, doc: dict[str, Any]) -> None:
+    data = json.dumps(doc).encode() + b"\n"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)

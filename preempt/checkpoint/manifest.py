@@ -1,0 +1,331 @@
+"""The manifest: the last file of every checkpoint, and its only index.
+
+``manifest.json`` holds the format version, where the run stood (global step,
+epoch, batch and sample cursor, the sampler's state), why the checkpoint was
+written, the size and xxh3-128 digest of every other file, and provenance
+(library versions, the code's git commit, the SLURM job), and the run's
+retention (which checkpoints it keeps, so that ``preempt prune`` keeps them
+too). It carries a checksum of itself, so a flipped byte in the manifest is
+detected like one in a tensor file.
+
+Fields added after format version 1 was first written are optional: a
+manifest without ``retention`` (written by an older preempt, or by
+:meth:`~preempt.checkpoint.manager.CheckpointManager.save_state`) loads, its retention
+unknown; an older preempt ignores the field (the checksum covers every key).
+
+Parsing is strict: a manifest from an untrusted source cannot name files
+outside its directory, claim absurd sizes, or smuggle in anything but JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from . import safe_io
+from .commit import MANIFEST, FileDigest, dumps_json
+
+if TYPE_CHECKING:
+    from .retention import RetentionPolicy
+
+FORMAT = "preempt-checkpoint"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_FILES = 1 << 16  # files a manifest may list: every rank's and every DCP shard's, with room to spare
+MAX_FILE_BYTES = 1 << 50  # 1 PiB: larger claims are corruption, not data
+_FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # used with fullmatch
+_HEX32_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
+MAX_CREATED = 1e11  # seconds since 1970: the year 5138; the largest time ``datetime`` can show is below 2.6e11
+POINTS = ("step", "epoch")
+MODES = ("min", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """Where the loop stood when the checkpoint was taken.
+
+    Attributes:
+        epoch: The epoch the loop is in.
+        batch: Batches of that epoch consumed by completed steps.
+        sample: Samples of that epoch consumed (counted across all ranks),
+            or -1 when the loader's batch size is unknown.
+        point: ``"step"``: taken in ``run.step()``, inside the batch loop;
+            ``"epoch"``: taken at an epoch boundary, before the epoch's first batch.
+        batches_per_epoch: len(loader) when known, else -1.
+    """
+
+    epoch: int = 0
+    batch: int = 0
+    sample: int = 0
+    point: str = "epoch"
+    batches_per_epoch: int = -1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The parsed content of ``manifest.json``."""
+
+    step: int
+    cursor: Cursor
+    reason: str
+    created: float  # unix seconds
+    files: dict[str, FileDigest]
+    sampler: dict[str, Any] | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    best: dict[str, Any] | None = None  # the run's best so far: metric, mode, value, step
+    is_best: bool = False  # this checkpoint holds the state that set ``best``
+    lineage: dict[str, Any] = dataclasses.field(default_factory=dict)
+    provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What the writing run keeps (:func:`retention_record`); None: unknown (an older manifest, or no run).
+    retention: dict[str, Any] | None = None
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def best_value(self) -> float | None:
+        """The metric value when this checkpoint is a "best" one, else None."""
+        if self.is_best and self.best is not None:
+            return float(self.best["value"])
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        body = {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "step": self.step,
+            "cursor": dataclasses.asdict(self.cursor),
+            "reason": self.reason,
+            "created": self.created,
+            "files": {name: d.to_json() for name, d in sorted(self.files.items())},
+            "sampler": self.sampler,
+            "metrics": self.metrics,
+            "best": self.best,
+            "is_best": self.is_best,
+            "lineage": self.lineage,
+            "provenance": self.provenance,
+        }
+        if self.retention is not None:  # absent rather than null: a manifest without it reads as before
+            body["retention"] = self.retention
+        body["checksum"] = xxhash.xxh3_128_hexdigest(dumps_json(body))
+        return body
+
+    def to_json(self) -> bytes:
+        """Pretty JSON for people, with a checksum over the canonical form."""
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True, allow_nan=True).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Parses and validates a manifest.
+
+        Args:
+            data: The bytes of ``manifest.json``.
+            where: The manifest's path, for messages.
+
+        Raises:
+            ValueError: Anything off, with a message naming ``where``, what
+                was expected and what was found.
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{where}: {len(data)} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
+        # Nesting is checked before parsing (a deep document would break the checksum's re-encoding too).
+        raw = safe_io.load_json(data, where)
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"{where}: expected format {FORMAT!r}, found {_short(raw.get('format'))}")
+        version = raw.get("format_version")
+        if type(version) is not int or version != FORMAT_VERSION:
+            newer = isinstance(version, int) and version > FORMAT_VERSION
+            hint = " (written by a newer preempt; upgrade to read it)" if newer else ""
+            raise ValueError(
+                f"{where}: format_version {_short(version)} is not supported, expected {FORMAT_VERSION}{hint}"
+            )
+        checksum = raw.pop("checksum", None)
+        actual = xxhash.xxh3_128_hexdigest(dumps_json(raw))
+        if checksum != actual:
+            raise ValueError(f"{where}: manifest checksum mismatch (recorded {checksum}, computed {actual})")
+        r = _Reader(raw, where)
+        files = {}
+        listed = r.dict("files")
+        if len(listed) > MAX_FILES:
+            raise ValueError(f"{where}: lists {len(listed)} files; a checkpoint holds at most {MAX_FILES}")
+        for name, entry in listed.items():
+            if not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or name == MANIFEST or ".." in name:
+                raise ValueError(f"{where}: file name {_short(name)} is not a plain file name inside the checkpoint")
+            e = _Reader(entry, f"{where}: files[{name!r}]")
+            size = e.int("size", hi=MAX_FILE_BYTES)
+            digest = e.str("xxh3_128")
+            if not _HEX32_RE.fullmatch(digest):
+                raise ValueError(f"{where}: files[{name!r}].xxh3_128: expected 32 hex digits, found {_short(digest)}")
+            files[name] = FileDigest(size, digest)
+        c = _Reader(r.dict("cursor"), f"{where}: cursor")
+        point = c.str("point")
+        if point not in POINTS:
+            raise ValueError(f"{where}: cursor.point: expected one of {POINTS}, found {_short(point)}")
+        cursor = Cursor(
+            epoch=c.int("epoch"),
+            batch=c.int("batch"),
+            sample=c.int("sample", lo=-1),
+            point=point,
+            batches_per_epoch=c.int("batches_per_epoch", lo=-1),
+        )
+        best = r.optional_dict("best")
+        if best is not None:
+            b = _Reader(best, f"{where}: best")
+            b.str("metric")
+            b.float("value")
+        created = r.float("created", lo=0.0, hi=MAX_CREATED, finite=True)
+        metrics = r.dict("metrics")
+        m = _Reader(metrics, f"{where}: metrics")
+        for key in metrics:
+            m.float(key)  # NaN and infinities are legitimate metric values (and an infinite "best")
+        sampler = r.optional_dict("sampler")
+        _check_cursor_in_epoch(cursor, sampler, where)
+        retention = _check_retention(r.optional_dict("retention"), where) if "retention" in raw else None
+        return cls(
+            step=r.int("step"),
+            cursor=cursor,
+            reason=r.str("reason"),
+            created=created,
+            files=files,
+            sampler=sampler,
+            metrics=metrics,
+            best=best,
+            is_best=r.bool("is_best"),
+            lineage=r.dict("lineage"),
+            provenance=r.dict("provenance"),
+            retention=retention,
+            format_version=version,
+        )
+
+
+class _Reader:
+    """Typed field access with messages that name the field."""
+
+    def __init__(self, raw: Any, where: str):
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+        self.raw = raw
+        self.where = where
+
+    def _get(self, key: str) -> Any:
+        if key not in self.raw:
+            raise ValueError(f"{self.where}: missing field {key!r}")
+        return self.raw[key]
+
+    def int(self, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
+        v = self._get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ValueError(f"{self.where}: field {key!r}: expected an integer in [{lo}, {hi}], found {_short(v)}")
+        return v
+
+    def float(self, key: str, lo: float = -math.inf, hi: float = math.inf, finite: bool = False) -> float:
+        v = self._get(key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        try:
+            f = float(v) if ok else math.nan
+        except OverflowError:  # an integer beyond the float range
+            ok, f = False, math.nan
+        if not ok or (finite and not math.isfinite(f)) or (math.isfinite(f) and not lo <= f <= hi):
+            if lo > -math.inf or hi < math.inf:
+                want = f"a number in [{lo:g}, {hi:g}]"
+            else:
+                want = "a finite number" if finite else "a number"
+            raise ValueError(f"{self.where}: field {key!r}: expected {want}, found {_short(v)}")
+        return f
+
+    def str(self, key: str) -> str:
+        v = self._get(key)
+        if not isinstance(v, str):
+            raise ValueError(f"{self.where}: field {key!r}: expected a string, found {_short(v)}")
+        return v
+
+    def bool(self, key: str) -> bool:
+        v = self._get(key)
+        if not isinstance(v, bool):
+            raise ValueError(f"{self.where}: field {key!r}: expected true or false, found {_short(v)}")
+        return v
+
+    def dict(self, key: str) -> dict[str, Any]:
+        v = self._get(key)
+        if not isinstance(v, dict):
+            raise ValueError(f"{self.where}: field {key!r}: expected an object, found {type(v).__name__}")
+        return v
+
+    def optional_dict(self, key: str) -> dict[str, Any] | None:
+        return None if self._get(key) is None else self.dict(key)
+
+    def optional_int(self, key: str, lo: int = 0, hi: int = 1 << 62) -> int | None:
+        return None if self._get(key) is None else self.int(key, lo, hi)
+
+    def optional_str(self, key: str) -> str | None:
+        return None if self._get(key) is None else self.str(key)
+
+
+def retention_record(policy: RetentionPolicy) -> dict[str, Any]:
+    """What a run records of its retention in each manifest: what ``preempt prune`` keeps by default.
+
+    ``recycle`` is left out: it says how the run deletes, not what it keeps.
+    """
+    return {
+        "keep_last": policy.keep_last,
+        "keep_best": policy.keep_best,
+        "keep_every_steps": policy.keep_every_steps,
+        "metric": policy.metric,
+        "mode": policy.mode,
+    }
+
+
+def _check_retention(raw: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """The ``retention`` object, each field type- and range-checked; unknown keys are left out (a newer writer's)."""
+    if raw is None:
+        return None
+    r = _Reader(raw, f"{where}: retention")
+    keep_best = r.int("keep_best")
+    metric = r.optional_str("metric")
+    mode = r.str("mode")
+    if mode not in MODES:
+        raise ValueError(f"{where}: retention.mode: expected one of {MODES}, found {_short(mode)}")
+    if metric == "":
+        raise ValueError(f"{where}: retention.metric: expected a metric name or null, found ''")
+    if keep_best and metric is None:
+        raise ValueError(f"{where}: retention.keep_best: {keep_best} needs a metric to rank by, found metric null")
+    return {
+        "keep_last": r.optional_int("keep_last", lo=1),
+        "keep_best": keep_best,
+        "keep_every_steps": r.optional_int("keep_every_steps", lo=1),
+        "metric": metric,
+        "mode": mode,
+    }
+
+
+def _check_cursor_in_epoch(cursor: Cursor, sampler: dict[str, Any] | None, where: str) -> None:
+    """A cursor past the end of its epoch would make a resume skip the rest of that epoch silently.
+
+    The sampler's state (:meth:`preempt.data.sampler.ResumableSampler.state_dict`)
+    says how many global positions an epoch has; a manifest without one, or
+    with one of another shape, is not checked here.
+    """
+    if sampler is None or cursor.sample <= 0:
+        return
+    n, w, drop = sampler.get("dataset_len"), sampler.get("num_replicas", 1), sampler.get("drop_last", False)
+    if not (_is_int(n) and n >= 0 and _is_int(w) and w >= 1 and isinstance(drop, bool)):
+        return
+    total = (n // w) * w if drop else -(-n // w) * w
+    if cursor.sample > total:
+        raise ValueError(
+            f"{where}: cursor.sample {cursor.sample} is past the end of the epoch"
+            f" ({total} samples: dataset_len {n}, num_replicas {w}, drop_last {drop})"
+        )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v: Any) -> str:
+    """``repr(v)`` cut to 200 characters: a hostile manifest can hold a 60 MB string."""
+    text = repr(v)
+    return text if len(text) <= 200 else f"{text[:160]}... ({len(text)} characters)"

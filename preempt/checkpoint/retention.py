@@ -1,0 +1,98 @@
+"""Pure decisions: which valid checkpoints survive pruning.
+
+No clock, no disk, no torch: the checkpoint manager (``prune``) and ``preempt
+prune`` list the valid checkpoints and ask :func:`select_kept`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """Which valid checkpoints survive pruning.
+
+    Args:
+        keep_last: The newest N valid checkpoints; None keeps all.
+        keep_best: The N best by ``metric`` among checkpoints written because
+            the metric improved.
+        keep_every_steps: Checkpoints at multiples of this step, kept forever.
+        metric: Name of the metric passed to ``run.step(metrics=...)`` or
+            ``run.report(...)`` that decides "best".
+        mode: ``"min"`` or ``"max"``.
+        recycle: Keep the files of one pruned checkpoint for the next save to
+            write over in place rather than delete them (see
+            :mod:`preempt.checkpoint.commit`, "Recycling").
+    """
+
+    keep_last: int | None = 2
+    keep_best: int = 0
+    keep_every_steps: int | None = None
+    metric: str | None = None
+    mode: str = "min"
+    recycle: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive_int_or_none("keep_last", self.keep_last)
+        _check_positive_int_or_none("keep_every_steps", self.keep_every_steps)
+        if not isinstance(self.keep_best, int) or isinstance(self.keep_best, bool) or self.keep_best < 0:
+            raise ValueError(f"keep_best: expected an integer >= 0, got {self.keep_best!r}")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"best_mode: expected 'min' or 'max', got {self.mode!r}")
+        if self.metric is not None and (not isinstance(self.metric, str) or not self.metric):
+            raise ValueError(f"best_metric: expected a metric name, got {self.metric!r}")
+        if not isinstance(self.recycle, bool):
+            raise ValueError(f"recycle_files: expected True or False, got {self.recycle!r}")
+        if self.keep_best and self.metric is None:
+            raise ValueError(f"keep_best={self.keep_best} needs best_metric= (the name of the metric to rank by)")
+
+    def better(self, new: float, old: float | None) -> bool:
+        """Whether ``new`` improves on ``old`` (NaN never does)."""
+        if math.isnan(new):
+            return False
+        if old is None or math.isnan(old):
+            return True
+        return new < old if self.mode == "min" else new > old
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """One checkpoint as retention sees it."""
+
+    step: int
+    best_value: float | None = None  # set on checkpoints written because the metric improved
+
+
+def select_kept(policy: RetentionPolicy, checkpoints: Iterable[Kept]) -> set[int]:
+    """Steps of the valid checkpoints to keep; every other valid one may go.
+
+    Only valid checkpoints are passed in: corrupt or incomplete ones never count
+    toward ``keep_last`` (they are moved aside by the manager, never pruned), so
+    newer broken checkpoints cannot push out the last good one. The newest valid
+    checkpoint is always kept.
+    """
+    items = sorted(checkpoints, key=lambda c: c.step, reverse=True)
+    if not items:
+        return set()
+    kept = {items[0].step}
+    if policy.keep_last is None:
+        kept.update(c.step for c in items)
+    else:
+        kept.update(c.step for c in items[: policy.keep_last])
+    if policy.keep_best:
+        ranked = [c for c in items if c.best_value is not None and not math.isnan(c.best_value)]
+        ranked.sort(key=lambda c: c.best_value, reverse=policy.mode == "max")  # type: ignore[arg-type,return-value]
+        kept.update(c.step for c in ranked[: policy.keep_best])
+    if policy.keep_every_steps:
+        kept.update(c.step for c in items if c.step % policy.keep_every_steps == 0)
+    return kept
+
+
+def _check_positive_int_or_none(name: str, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer or None, got {value!r}")

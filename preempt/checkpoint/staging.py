@@ -1,0 +1,285 @@
+"""Asynchronous checkpoints: a snapshot into reused host buffers, written by a background thread.
+
+The loop pays for a memory copy; the disk write, the hashing and the commit
+happen in a named daemon thread with the same protocol as a synchronous save
+(:mod:`preempt.checkpoint.commit`). Two pieces, each usable alone:
+
+* :class:`Stager` copies a :class:`~preempt.checkpoint.state.Payload`'s tensors into host
+  buffers that are allocated once, touched once when allocated (so the first
+  checkpoint does not pay a page fault per 4 KiB, ~1.5 s/GiB here), and reused
+  by every later snapshot. Tensors on a GPU are copied into pinned memory with
+  ``non_blocking=True`` and one synchronisation. JSON documents are encoded
+  at snapshot time, so the loop may go on mutating the objects they came from.
+* :class:`BackgroundWriter` runs one job at a time in a thread and keeps its
+  outcome. A failure is never lost: :meth:`BackgroundWriter.result` re-raises
+  it, and the run calls that at its next step.
+
+The extra memory is one copy of the state. While a write is in flight its
+buffers must not change, so at most one snapshot exists: the run waits for
+the writer before it stages again (see ``PreemptibleRun(async_save=...)``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+import torch
+
+from . import codec, direct_io, tensorfile
+from .state import Payload
+
+
+def payload_nbytes(payload: Payload) -> int:
+    """Bytes of the tensors of ``payload``."""
+    return sum(t.numel() * t.element_size() for ts, _ in payload.tensor_files.values() for t in ts.values())
+
+
+def host_memory_available(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available to new allocations (MemAvailable), bytes; None where unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class Stager:
+    """Host buffers, one per tensor of a payload, reused from one snapshot to the next.
+
+    The buffers of one file are views into one page-aligned arena, laid out as
+    the file's data area (:func:`preempt.checkpoint.tensorfile.layout`): the writer sends
+    the whole arena to the disk without the page cache (:mod:`preempt.checkpoint.direct_io`).
+    A file's arena is (re)allocated only when one of its tensors appears,
+    vanishes or changes shape or dtype (the optimizer's moments appear after
+    the first step), and dropped when the file is gone.
+
+    Args:
+        pin_memory: Pin the buffers (for copies from a GPU). None: pin when
+            CUDA is available and some tensor lives on it.
+    """
+
+    def __init__(self, pin_memory: bool | None = None) -> None:
+        self.pin_memory = pin_memory
+        self._files: dict[str, _Arena] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in buffers."""
+        return sum(a.data.numel() for a in self._files.values())
+
+    @property
+    def pinned(self) -> bool:
+        """Some buffer is in pinned (page-locked) host memory: copies from a GPU go straight into it."""
+        return any(a.data.is_pinned() for a in self._files.values())
+
+    def _buffers(self, file: str, tensors: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+        signature = _Arena.signature_of(tensors)
+        arena = self._files.get(file)
+        if arena is None or arena.signature != signature or arena.data.is_pinned() != pin:
+            arena = self._files[file] = _Arena(tensors, signature, pin)
+        return arena.views
+
+    def prepare(self, payload: Payload) -> None:
+        """Allocates (and touches) the buffers for ``payload`` without copying: done when the run starts."""
+        pin = self._pin(payload)
+        for file, (tensors, _meta) in payload.tensor_files.items():
+            self._buffers(file, tensors, pin)
+
+    def stage(self, payload: Payload) -> Payload:
+        """A snapshot of ``payload`` in the buffers: tensors copied, JSON encoded.
+
+        The returned payload refers only to the buffers and to bytes; the live
+        objects may change as soon as this returns.
+        """
+        return self.stage_lazily(payload, frozenset())[0]
+
+    def stage_lazily(self, payload: Payload, later: Collection[int]) -> tuple[Payload, LazyCopy | None]:
+        """:meth:`stage`, except for the CPU tensors whose storage address is in ``later``: their copies are left
+        to the returned :class:`LazyCopy` (None when there are none), to be made before those tensors change."""
+        pin = self._pin(payload)
+        deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
+        files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
+        on_gpu = False
+        with torch.no_grad():
+            for file, (tensors, meta) in payload.tensor_files.items():
+                staged = self._buffers(file, tensors, pin)
+                for key, t in tensors.items():
+                    buf = staged[key]
+                    src = t.detach()
+                    if later and src.device.type == "cpu" and src.untyped_storage().data_ptr() in later:
+                        deferred.append((f"{file}:{key}", src, buf, src._version))
+                        continue
+                    on_gpu |= src.device.type == "cuda"
+                    buf.copy_(src, non_blocking=src.device.type == "cuda" and buf.is_pinned())
+                files[file] = (staged, dict(meta))
+        if on_gpu:
+            torch.cuda.synchronize()  # one wait for every non-blocking copy
+        for gone in self._files.keys() - payload.tensor_files.keys():
+            del self._files[gone]
+        docs = {name: codec.dumps(doc) for name, doc in payload.json_files.items()}
+        return Payload(tensor_files=files, json_files=docs), LazyCopy(deferred) if deferred else None
+
+    def _pin(self, payload: Payload) -> bool:
+        if self.pin_memory is not None:
+            return self.pin_memory
+        if not torch.cuda.is_available():
+            return False
+        return any(t.device.type == "cuda" for ts, _ in payload.tensor_files.values() for t in ts.values())
+
+
+class _Arena:
+    """One file's staging buffers: views into one page-aligned block, each at its place in the file's data area."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], signature: tuple[Any, ...], pin: bool) -> None:
+        places = tensorfile.layout(tensors)
+        total = places[-1][2] if places else 0
+        raw = torch.empty(total + direct_io.BLOCK, dtype=torch.uint8, pin_memory=pin)
+        start = -raw.data_ptr() % direct_io.BLOCK
+        self.signature = signature
+        self.data = raw[start : start + total]
+        if total:
+            self.data.fill_(0)  # touch every page now, not during a checkpoint
+        self.views = {
+            key: self.data[begin:end].view(tensors[key].dtype).view(tensors[key].shape) for key, begin, end in places
+        }
+
+    @staticmethod
+    def signature_of(tensors: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+        """What decides the layout: every tensor's name, shape and dtype."""
+        return tuple((key, tuple(t.shape), t.dtype) for key, t in tensors.items())
+
+
+class TornSnapshot(RuntimeError):
+    """A tensor of a lazy snapshot changed before its copy was made: the snapshot would mix two steps."""
+
+
+class LazyCopy:
+    """The copies of a snapshot that are made after the loop has moved on (a lazy snapshot).
+
+    Between one ``optimizer.step()`` and the next, the forward and backward
+    passes only read the parameters and the optimizer's state, so their copies
+    can be made meanwhile: the writer thread calls :meth:`run` and the
+    optimizer's pre-step hook calls :meth:`wait`, which returns once every copy
+    is made. Anything else that writes into one of these tensors in place
+    before its copy is made bumps its version counter; :meth:`run` compares
+    each tensor's counter with the one read when the snapshot was taken, after
+    every copy, and raises :class:`TornSnapshot` naming the first that moved.
+    (A write through ``tensor.data`` bumps no counter and is not seen.)
+    """
+
+    def __init__(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor, int]]) -> None:
+        self.pairs = pairs  # (name, source, buffer, the source's version when the snapshot was taken)
+        self.done = threading.Event()
+        self.waited = 0.0  # seconds the loop waited for the copies (the optimizer's hook)
+
+    def run(self) -> None:
+        """Makes the copies (the writer thread), then checks that no source changed meanwhile."""
+        try:
+            with torch.no_grad():
+                for _name, src, buf, _version in self.pairs:
+                    buf.copy_(src)
+            for name, src, _buf, version in self.pairs:
+                if src._version != version:
+                    raise TornSnapshot(f"{name} was changed in place before its copy was made")
+        finally:
+            self.done.set()
+
+    def wait(self) -> None:
+        """Returns once every copy is made (before anything may change the sources)."""
+        if not self.done.is_set():
+            t0 = time.perf_counter()
+            self.done.wait()
+            self.waited += time.perf_counter() - t0
+
+
+def _lower_priority(niceness: int) -> None:
+    """Lowers the calling thread's CPU priority by ``niceness`` where the OS allows it per thread (Linux).
+
+    Hashing and copying a checkpoint in the background competes with the
+    training loop for the cores; the loop should win. Best effort: elsewhere
+    (or when refused) nothing changes.
+    """
+    if niceness <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+    except OSError:
+        pass
+
+
+class BackgroundWriter:
+    """Runs one job at a time in a named daemon thread and keeps its result or its exception."""
+
+    def __init__(self, name: str = "preempt-writer", niceness: int = 10) -> None:
+        self.name = name
+        self.niceness = niceness  # the thread yields the CPU to the training loop (Linux: per-thread nice)
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._done.set()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._collected = True
+
+    @property
+    def busy(self) -> bool:
+        """A job is running."""
+        return not self._done.is_set()
+
+    @property
+    def pending(self) -> bool:
+        """A job was submitted whose outcome :meth:`result` has not returned yet (running or finished)."""
+        return not self._collected
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        """Starts ``job`` in the thread.
+
+        Raises:
+            RuntimeError: The previous job's outcome was not collected with :meth:`result`.
+        """
+        if not self._collected:
+            raise RuntimeError("BackgroundWriter: collect the previous job's result before submitting another")
+        self._collected = False
+        self._result, self._error = None, None
+        self._done.clear()
+        self._thread = threading.Thread(target=self._run, args=(job,), name=self.name, daemon=True)
+        self._thread.start()
+
+    def _run(self, job: Callable[[], Any]) -> None:
+        _lower_priority(self.niceness)
+        try:
+            self._result = job()
+        except BaseException as e:  # kept for the loop; a thread's exception would otherwise only be printed
+            self._error = e
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for the running job (up to ``timeout``) without collecting it; False if it still runs."""
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Waits for the job (up to ``timeout``) and returns its result, or raises its exception.
+
+        Raises:
+            TimeoutError: Still running after ``timeout`` seconds.
+        """
+        if self._collected:
+            return None
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.name}: the write is still running after {timeout} s")
+        self._collected = True
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._result

@@ -1,0 +1,495 @@
+"""The checkpoint commands of the ``preempt`` command line: ls, verify, inspect, prune, export.
+
+The parser and ``main`` are in :mod:`preempt.cli.main`, which imports this module
+(and with it torch) only when one of these commands runs, so that ``preempt
+supervise`` and ``--help`` start fast; the exit codes, the failure and the JSON
+output both share are in :mod:`preempt.cli.output`. ``inspect`` is in
+:mod:`preempt.cli.inspection`.
+
+``ls``, ``verify`` and ``inspect`` only read; ``prune --yes`` deletes (under the
+save_dir's lock, so never beside a running training); ``export`` writes only
+its ``--out`` file. Every command takes ``--json``; errors go to stderr and
+name the path, what was expected and what was found.
+
+Nothing here unpickles or executes anything from the checkpoint: manifests and
+``state.json`` are JSON, and tensor files are read through their safetensors
+header, a length-prefixed JSON document validated against the file's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from .. import _log
+from ..checkpoint import commit
+from ..checkpoint.commit import FileDigest
+from ..checkpoint.files import read_verified
+from ..checkpoint.lock import DirLock, LockedError
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
+from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
+from ..errors import CorruptCheckpointError
+from .output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
+from .views import checkpoint_size, completion, fmt_table, fmt_utc, fmt_when, moved_aside, recycled, resolve
+
+# ----------------------------------------------------------------------- ls
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    save_dir: Path = args.dir
+    manager = CheckpointManager(save_dir, owner=False)
+    infos = manager.list()
+    latest = next((c.step for c in infos if c.status == "valid"), None)
+    best = rank_best(infos)
+    best_step = best.ranked[0].step if best.ranked else None
+    done = manager.completion()
+    done_problem = manager.completion_problem
+    done_name = done.get("checkpoint") if done else None
+    rows = []
+    for c in infos:
+        m = c.manifest
+        rows.append(
+            {
+                "name": c.name,
+                "path": str(c.path),
+                "step": c.step,
+                "epoch": m.cursor.epoch if m else None,
+                "batch": m.cursor.batch if m else None,
+                "created": m.created if m else None,
+                "created_utc": fmt_utc(m.created) if m else None,
+                "reason": m.reason if m else None,
+                "bytes": checkpoint_size(c),
+                "status": c.status,
+                "latest": c.step == latest,
+                "best": c.step == best_step,
+                "complete": c.name == done_name,
+                "problem": c.problem,
+            }
+        )
+    aside = moved_aside(save_dir)
+    pool = recycled(save_dir)
+    if args.json:
+        emit(
+            {
+                "dir": str(save_dir),
+                "complete": done is not None,
+                "complete_checkpoint": done_name,
+                "complete_problem": done_problem,
+                "best_metric": best.metric,
+                "best_mode": best.mode,
+                "moved_aside": aside,
+                "recycled": pool,
+                "checkpoints": rows,
+            }
+        )
+        return EXIT_OK
+    if not rows:
+        print(f"{save_dir}: no checkpoints")
+    else:
+        table = [["checkpoint", "step", "epoch", "batch", "saved (local time)", "size", "reason", "status"]]
+        for r in rows:
+            marks = [m for m in ("latest", "best") if r[m]]  # the complete one is named below the table
+            table.append(
+                [
+                    r["name"],
+                    str(r["step"]),
+                    "-" if r["epoch"] is None else str(r["epoch"]),
+                    "-" if r["batch"] is None else str(r["batch"]),
+                    fmt_when(r["created"]),
+                    _log.size(r["bytes"]),
+                    r["reason"] or "-",
+                    r["status"] + (f" ({', '.join(marks)})" if marks else ""),
+                ]
+            )
+        lines = fmt_table(table, right={1, 2, 3, 5})
+        print(lines[0])
+        for line, r in zip(lines[1:], rows, strict=True):
+            print(line)
+            if r["problem"]:
+                print(f"    {r['problem']}")
+    if best.metric:
+        print(f"best: {best.metric} ({best.mode})" if best.mode else f"best: {best.problem}")
+    for where, n in aside.items():
+        if n:
+            print(f"{where}/: {n} checkpoint(s) moved aside")
+    for p in pool:
+        print(f"{p['name']}/: {_log.size(p['bytes'])} of a pruned checkpoint's files, for the next save to write over")
+    if done is not None:
+        print(f"run complete: {done_name or '?'}")
+    if done_problem:
+        print(f"warning: {done_problem}", file=sys.stderr)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------- verify
+
+
+def _verify_one(manager: CheckpointManager, info: CheckpointInfo) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": info.name, "path": str(info.path), "step": info.step, "status": info.status}
+    if info.manifest is None:
+        return {**doc, "ok": False, "bytes": 0, "files": [], "problems": [info.problem or f"{info.path}: no manifest"]}
+    checks = manager.check_files(info)
+    # A checkpoint that list() found broken (its manifest names another step) is never ok, whatever its files.
+    broken = [info.problem or f"{info.path}: {info.status}"] if info.status != "valid" else []
+    files = [
+        {
+            "name": c.name,
+            "path": str(c.path),
+            "expected": c.expected.to_json(),
+            "status": c.status,
+            "found": None if c.found is None else {"size": c.found.size, "xxh3_128": c.found.xxh3_128 or None},
+            "message": c.message,
+        }
+        for c in checks
+    ]
+    problems = broken + [c.message for c in checks if c.message is not None]
+    nbytes = sum(c.found.size for c in checks if c.found is not None and c.found.xxh3_128)
+    if problems and not os.path.lexists(info.path):
+        # Pruned or moved aside by a running training while this was reading it: not damage.
+        gone = f"{info.path}: deleted or moved aside while being verified (by a running training?)"
+        return {**doc, "status": "gone", "ok": None, "bytes": nbytes, "files": files, "problems": [gone]}
+    return {**doc, "ok": not problems, "bytes": nbytes, "files": files, "problems": problems}
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    save_dir: Path = args.dir
+    manager = CheckpointManager(save_dir, owner=False)
+    infos = manager.list()
+    if args.step is not None:
+        infos = [resolve(save_dir, infos, args.step)]
+    if not infos:
+        raise CommandFailed(EXIT_USAGE, f"{save_dir}: no checkpoints (expected step_* directories)")
+    t0 = time.perf_counter()
+    results = [_verify_one(manager, c) for c in infos]
+    seconds = time.perf_counter() - t0
+    nbytes = sum(r["bytes"] for r in results)
+    damaged = [r for r in results if r["ok"] is False]
+    if args.json:
+        emit(
+            {
+                "dir": str(save_dir),
+                "ok": not damaged,
+                "bytes": nbytes,
+                "seconds": seconds,
+                "checkpoints": results,
+            }
+        )
+    else:
+        for r in results:
+            if r["ok"]:
+                print(f"{r['name']}: ok ({len(r['files'])} files, {_log.size(r['bytes'])})")
+            elif r["ok"] is None:
+                print(f"{r['name']}: gone")
+            else:
+                print(f"{r['name']}: {'DAMAGED' if r['status'] == 'valid' else r['status'].upper()}")
+            for p in r["problems"]:
+                print(f"    {p}")
+        rate = f" ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 and nbytes else ""
+        verdict = f"{len(damaged)} of {len(results)} damaged" if damaged else "all ok"
+        print(f"{len(results)} checkpoint(s), {_log.size(nbytes)} hashed in {seconds:.2f} s{rate}: {verdict}")
+    return EXIT_DAMAGED if damaged else EXIT_OK
+
+
+# -------------------------------------------------------------------- prune
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    save_dir: Path = args.dir
+    if not args.yes:
+        plan = _plan_prune(save_dir, args)
+        return _report_prune(save_dir, plan, args, deleted=[], leftovers=[])
+    try:
+        with DirLock(save_dir, purpose="preempt prune"):
+            plan = _plan_prune(save_dir, args)
+            manager = CheckpointManager(save_dir, owner=False)
+            for c in plan["keep"] if plan["delete"] else []:
+                problems = manager.verify(c)
+                if problems:
+                    raise CommandFailed(
+                        EXIT_DAMAGED,
+                        f"{c.path}: would be kept but is damaged ({'; '.join(problems)}); nothing deleted."
+                        " Move it aside or delete it by hand, then prune again",
+                    )
+            deleted, leftovers = [], []
+            for p in plan["recycled"]:  # no checkpoint: the next save would have written over them
+                try:
+                    commit.remove_tree(commit.trash(save_dir, Path(p["path"])))
+                except OSError as e:
+                    leftovers.append(f"{p['path']}: {e}")
+            for c in plan["delete"]:
+                try:
+                    trashed = commit.trash(save_dir, c.path)
+                except OSError as e:
+                    done = ", ".join(d.name for d in deleted) or "none"
+                    msg = f"{c.path}: cannot be moved aside to delete it ({e}); deleted: {done}"
+                    raise CommandFailed(EXIT_USAGE, msg) from None
+                deleted.append(c)
+                try:
+                    commit.remove_tree(trashed)
+                except OSError as e:  # out of sight already; the next run start deletes it
+                    leftovers.append(f"{trashed}: {e}")
+            if deleted or plan["recycled"]:
+                commit.fsync_dir(save_dir)
+    except LockedError as e:
+        raise CommandFailed(EXIT_LOCKED, f"{e} Nothing deleted.") from None
+    except OSError as e:
+        raise CommandFailed(EXIT_USAGE, f"{save_dir}: cannot prune ({e}); expected a writable save_dir") from None
+    return _report_prune(save_dir, plan, args, deleted=deleted, leftovers=leftovers)
+
+
+def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Which valid checkpoints retention keeps and deletes; the others are skipped (never touched).
+
+    Kept: the newest ``--keep-last``, the one complete.json names, and what the run itself keeps as the newest
+    valid manifest records it (its ``keep_best`` best, its ``keep_every_steps`` milestones), unless
+    ``--keep-best``/``--keep-every-steps`` say otherwise. A manifest that records no retention (an older
+    preempt's) adds nothing.
+    """
+    manager = CheckpointManager(save_dir, owner=False)
+    infos = manager.list()
+    done = completion(manager)
+    valid = [c for c in infos if c.status == "valid"]
+    recorded = valid[0].manifest.retention if valid else None  # type: ignore[union-attr]
+    recorded_in = str(valid[0].path / commit.MANIFEST) if recorded is not None else None
+    run = recorded or {}
+    keep_best = run.get("keep_best", 0) if args.keep_best is None else args.keep_best
+    every = run.get("keep_every_steps") if args.keep_every_steps is None else args.keep_every_steps
+    every = every or None  # 0: none
+    best_why = "" if args.keep_best is not None else f", the run's keep_best={keep_best}"
+    every_why = (
+        f"--keep-every-steps {every}" if args.keep_every_steps is not None else f"the run's keep_every_steps={every}"
+    )
+    best = rank_best(infos)
+    if keep_best and best.problem:
+        hint = "" if args.keep_best is not None else f" (the run's keep_best={keep_best}; --keep-best 0 prunes them)"
+        raise CommandFailed(EXIT_DAMAGED, f"{best.problem}{hint}")
+    rank = {c.step: i for i, c in enumerate(best.ranked)}
+    policy = RetentionPolicy(
+        keep_last=args.keep_last,
+        keep_best=keep_best if best.metric else 0,
+        keep_every_steps=every,
+        metric=best.metric,
+        mode=best.mode or "min",
+    )
+    kept = select_kept(
+        policy,
+        [Kept(c.step, c.manifest.best_value if c.step in rank else None) for c in valid],  # type: ignore[union-attr]
+    )
+    why: dict[int, list[str]] = {}
+    for i, c in enumerate(valid):
+        reasons = why.setdefault(c.step, [])
+        if i == 0:
+            reasons.append("latest")
+        elif i < args.keep_last:
+            reasons.append(f"last {args.keep_last}")
+        if c.step in rank and rank[c.step] < policy.keep_best:
+            reasons.append(f"best #{rank[c.step] + 1} by {best.metric} ({best.mode}){best_why}")
+        if every and c.step % every == 0:
+            reasons.append(f"milestone ({every_why})")
+        if done and c.name == done.get("checkpoint"):
+            reasons.append("complete.json")
+            kept.add(c.step)
+    return {
+        "keep": [c for c in valid if c.step in kept],
+        "delete": [c for c in valid if c.step not in kept],
+        "skip": [c for c in infos if c.status != "valid"],
+        "recycled": recycled(save_dir),
+        "why": why,
+        "best_metric": best.metric,
+        "retention": {
+            "keep_last": args.keep_last,
+            "keep_best": keep_best,
+            "keep_best_from": "run" if args.keep_best is None else "option",
+            "keep_every_steps": every,
+            "keep_every_steps_from": "run" if args.keep_every_steps is None else "option",
+            "recorded": recorded,
+            "recorded_in": recorded_in,
+        },
+    }
+
+
+def _report_prune(
+    save_dir: Path, plan: dict[str, Any], args: argparse.Namespace, deleted: list[CheckpointInfo], leftovers: list[str]
+) -> int:
+    def row(c: CheckpointInfo) -> dict[str, Any]:
+        return {
+            "name": c.name,
+            "step": c.step,
+            "status": c.status,
+            "bytes": checkpoint_size(c),
+            "why": plan["why"].get(c.step, []),
+        }
+
+    freed = sum(checkpoint_size(c) for c in plan["delete"]) + sum(p["bytes"] for p in plan["recycled"])
+    if args.json:
+        emit(
+            {
+                "dir": str(save_dir),
+                "dry_run": not args.yes,
+                "keep": [row(c) for c in plan["keep"]],
+                "delete": [row(c) for c in plan["delete"]],
+                "skipped": [row(c) for c in plan["skip"]],
+                "deleted": [c.name for c in deleted],
+                "recycled": plan["recycled"],
+                "bytes": freed,
+                "leftovers": leftovers,
+                "retention": plan["retention"],
+            }
+        )
+    else:
+        verb = "deleted" if args.yes else "delete"
+        table = [["keep", c.name, _log.size(checkpoint_size(c)), ", ".join(plan["why"][c.step])] for c in plan["keep"]]
+        table += [[verb, c.name, _log.size(checkpoint_size(c)), ""] for c in plan["delete"]]
+        reuse = "files kept for the next save to reuse"
+        table += [[verb, p["name"], _log.size(p["bytes"]), reuse] for p in plan["recycled"]]
+        table += [
+            ["skip", c.name, _log.size(checkpoint_size(c)), f"{c.status}, never touched by prune"] for c in plan["skip"]
+        ]
+        for line in fmt_table(table, right={2}) if table else [f"{save_dir}: no checkpoints"]:
+            print(line)
+        kept = plan["retention"]
+        if kept["recorded_in"] is not None:
+            run = kept["recorded"]
+            best = f"keep_best={run['keep_best']}" + (f" by {run['metric']} ({run['mode']})" if run["metric"] else "")
+            options = [f"--keep-best {kept['keep_best']}"] if kept["keep_best_from"] == "option" else []
+            if kept["keep_every_steps_from"] == "option":
+                options.append(f"--keep-every-steps {kept['keep_every_steps'] or 0}")
+            instead = f"; replaced by {', '.join(options)}" if options else ""
+            print(
+                f"the run's retention ({kept['recorded_in']}): {best}, keep_every_steps={run['keep_every_steps']}"
+                f"{instead}"
+            )
+        elif plan["keep"] or plan["delete"]:
+            print(
+                "the run's retention: not recorded in the newest valid manifest (written by an older preempt or"
+                " without a run); only the options apply"
+            )
+        by = "--keep-best" if kept["keep_best_from"] == "option" else f"the run's keep_best={kept['keep_best']}"
+        if kept["keep_best"] and not plan["best_metric"]:
+            print(f"note: no checkpoint is marked best; {by} keeps nothing extra")
+        n = len(plan["delete"])
+        kept_files = f" and {len(plan['recycled'])} recycling directory" if plan["recycled"] else ""
+        if args.yes:
+            print(f"deleted {len(deleted)} checkpoint(s){kept_files}, {_log.size(freed)}")
+        else:
+            print(f"dry run: would delete {n} checkpoint(s){kept_files}, {_log.size(freed)}; pass --yes to delete")
+        for left in leftovers:
+            print(f"warning: could not finish deleting {left} (deleted at the next run start)", file=sys.stderr)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    save_dir: Path = args.dir
+    out: Path = args.out
+    if out.is_dir():
+        raise CommandFailed(EXIT_USAGE, f"{out}: is a directory; expected the path of a .safetensors file to write")
+    if not out.parent.is_dir():
+        raise CommandFailed(EXIT_USAGE, f"{out.parent}: no such directory (for --out {out})")
+    if (out.exists() or out.is_symlink()) and not args.force:
+        raise CommandFailed(EXIT_USAGE, f"{out}: exists; pass --force to overwrite it")
+    manager = CheckpointManager(save_dir, owner=False)
+    info = resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
+    if info.manifest is None or info.status != "valid":
+        raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; cannot export from it")
+    from ..checkpoint import tensorfile
+    from ..checkpoint.commit import MODEL_FILE
+
+    expected = info.manifest.files.get(MODEL_FILE)
+    src = info.path / MODEL_FILE
+    if expected is None:
+        raise CommandFailed(EXIT_DAMAGED, f"{info.path / commit.MANIFEST}: lists no {MODEL_FILE}")
+    try:
+        buf = read_verified(src, expected)  # a regular file, size and xxh3 as the manifest says; a private mapping
+        header = tensorfile.validate(buf, str(src))
+    except (CorruptCheckpointError, ValueError) as e:
+        raise CommandFailed(EXIT_DAMAGED, f"{e}; nothing written") from None
+    tensors, metadata = header.entries, header.metadata
+    if not tensors:
+        raise CommandFailed(EXIT_USAGE, f"{src}: holds no model weights (saved without a model); nothing written")
+    metadata = {
+        **metadata,
+        "format": "pt",
+        "preempt.source": str(info.path.resolve()),
+        "preempt.step": str(info.step),
+        "preempt.source_xxh3_128": expected.xxh3_128,
+    }
+    # The data area is written straight from the verified mapping, its layout (and alignment) unchanged: no torch.
+    digest = _write_new(out, tensorfile.restamped(buf, header, metadata), args.force)
+    doc = {
+        "source": str(info.path),
+        "step": info.step,
+        "out": str(out),
+        "tensors": len(tensors),
+        "bytes": digest.size,
+        "xxh3_128": digest.xxh3_128,
+    }
+    if args.json:
+        emit(doc)
+    else:
+        size = _log.size(digest.size)
+        print(f"wrote {out} ({len(tensors)} tensors, {size}, xxh3 {digest.xxh3_128}) from {info.path}")
+    return EXIT_OK
+
+
+def _write_new(out: Path, pieces: Iterable[Any], force: bool) -> FileDigest:
+    """Writes ``out`` atomically; without ``force`` an existing file (even one created meanwhile) is kept."""
+    try:
+        return commit.write_atomic(out, pieces, replace=force)
+    except FileExistsError:
+        raise CommandFailed(EXIT_USAGE, f"{out}: exists; pass --force to overwrite it") from None
+    except OSError as e:
+        raise CommandFailed(EXIT_USAGE, f"{out}: cannot be written ({e})") from None
+
+
+def _checkpoint_as_dir(args: argparse.Namespace) -> None:
+    """Lets DIR name one checkpoint directory (``runs/x/step_000000120``): its parent and its step.
+
+    Raises:
+        CommandFailed: For ``ls`` and ``prune``, which work on a whole save_dir, or when
+            STEP names another checkpoint than DIR.
+    """
+    step = commit.parse_checkpoint_name(args.dir.name)
+    if step is None or any(commit.parse_checkpoint_name(p) is not None for p in os.listdir(args.dir)):
+        return
+    if not hasattr(args, "step"):
+        raise CommandFailed(EXIT_USAGE, f"{args.dir}: is one checkpoint; expected its save_dir ({args.dir.parent})")
+    if args.step is not None and args.step != step:
+        raise CommandFailed(EXIT_USAGE, f"{args.dir}: is the checkpoint of step {step}, but STEP says {args.step}")
+    args.dir, args.step = args.dir.parent, step
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "ls": cmd_ls,
+    "verify": cmd_verify,
+    "inspect": lambda args: _inspect(args),
+    "prune": cmd_prune,
+    "export": cmd_export,
+}
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspection import cmd_inspect  # the largest of the commands: loaded when asked for
+
+    return cmd_inspect(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the parsed command on its save_dir.
+
+    Raises:
+        CommandFailed: With the exit code and the message for stderr.
+    """
+    if not args.dir.exists():
+        raise CommandFailed(EXIT_USAGE, f"{args.dir}: no such directory; expected a preempt save_dir")
+    if not args.dir.is_dir():
+        raise CommandFailed(EXIT_USAGE, f"{args.dir}: is a file; expected a preempt save_dir (a directory)")
+    _checkpoint_as_dir(args)
+    return COMMANDS[args.command](args)

@@ -1,0 +1,356 @@
+"""A run's story across its processes, and its goodput: what ``preempt report`` shows.
+
+Pure: :func:`build` reads the lines of ``history.jsonl`` (parsed, every line as
+written: ``read_history(..., timeline=False)``) and returns a :class:`Report`;
+no torch, no disk, no clock. What each process left there:
+
+* ``start`` / ``resume`` (``step``, ``pid``, ``proc_start``: when the process
+  started, ``crashed``: the previous process died holding the lock, and the
+  step it had reached, ``died_at``);
+* metric points (``step``, ``metrics``; see :func:`preempt.run.reporting.point_interval`);
+* ``checkpoint`` (``step``, ``reason``, ``stall_s``, ``write_s``, ``bytes``,
+  ``at``: when its state was taken);
+* ``rollback`` (``step`` rolled back to, ``from_step``);
+* at the end ``stop`` (``cause``: a signal's name, ``walltime``, ``request``),
+  ``complete`` or ``error``; nothing when it was killed.
+
+The accounting, per process (its wall time runs from ``proc_start``, or its
+first line when that is unknown, to its last line):
+
+* start-up and restore: from the process's start to the run's ``start`` /
+  ``resume`` line (imports, building the model, the lock, the restore);
+* checkpoint stalls: the loop's wait for each checkpoint (the copy of a
+  background save; the whole of a synchronous one, the stop's included);
+* recomputed: the steps after the checkpoint the next process resumed from
+  (a crash), or after the one a NaN rollback went back to, and the time they
+  took (from the moment that checkpoint's state was taken to the process's
+  last line, or to the rollback);
+* productive: the rest. Goodput is productive time over the processes' wall
+  time. The time between one process's end and the next one's start (queue
+  wait, a node reboot) is shown apart: it is nobody's compute.
+
+A killed process leaves no end line: its end is its last line (a progress
+record or a checkpoint), so a few seconds after it may be missing; the text
+says so. Old history files (before these fields) still give a timeline, with
+less in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+STARTS = ("start", "resume")
+ENDS = ("stop", "complete", "error")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    step: int
+    t: float
+    at: float  # when its state was taken
+    reason: str
+    stall_s: float
+    write_s: float
+    nbytes: int
+
+
+@dataclasses.dataclass
+class Process:
+    """One process of the run, from its ``start``/``resume`` line to its end."""
+
+    index: int
+    resumed: bool
+    start_step: int
+    entered: float  # the t of its start/resume line
+    started: float  # when the process started (proc_start), else ``entered``
+    pid: int | None = None
+    end: float = 0.0  # its last line
+    end_step: int = 0  # the furthest step it is known to have reached
+    how: str = "killed"  # "stop", "complete", "error", or "killed" (no end line)
+    cause: str | None = None  # of a stop: "SIGTERM", "walltime", ...; of an error: its message, else its repr
+    checkpoints: list[Checkpoint] = dataclasses.field(default_factory=list)
+    steps_seen: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (t, step) of its lines
+    lost_steps: int = 0
+    lost_s: float = 0.0
+    rollbacks: int = 0
+    end_estimated: bool = False  # a killed process's end, from the step it reached and its pace
+
+    @property
+    def wall_s(self) -> float:
+        return max(0.0, self.end - self.started)
+
+    @property
+    def startup_s(self) -> float:
+        return max(0.0, self.entered - self.started)
+
+    @property
+    def stall_s(self) -> float:
+        return sum(c.stall_s for c in self.checkpoints)
+
+    @property
+    def productive_s(self) -> float:
+        return max(0.0, self.wall_s - self.startup_s - self.stall_s - self.lost_s)
+
+    def reached_at(self, step: int) -> float:
+        """When this process had the state of ``step`` (the moment a checkpoint of it was taken), or its entry."""
+        for c in self.checkpoints:
+            if c.step == step:
+                return c.at
+        if step == self.start_step:
+            return self.entered
+        before = [t for t, s in self.steps_seen if s <= step]
+        return max(before) if before else self.entered
+
+    def extrapolate_end(self, step: int) -> None:
+        """A killed process reached ``step`` after its last line (the next process read it from the lock's beacon):
+        its end is estimated at its own pace, not left at its last line."""
+        seen = sorted(self.steps_seen)
+        if len(seen) >= 2 and seen[-1][1] > seen[0][1]:
+            (t0, s0), (t1, s1) = seen[0], seen[-1]
+            self.end = max(self.end, t1 + (step - s1) * (t1 - t0) / (s1 - s0))
+            self.end_estimated = True
+        self.end_step = step
+
+    def spent_since(self, step: int, until: float) -> float:
+        """Seconds of training from having the state of ``step`` to ``until``, its checkpoint stalls left out."""
+        since = self.reached_at(step)
+        stalls = sum(c.stall_s for c in self.checkpoints if since < c.at <= until)
+        return max(0.0, until - since - stalls)
+
+    def stop_text(self) -> str:
+        if self.how == "stop":
+            return f"stopped: {self.cause or 'signal'}"
+        if self.how == "error":
+            return f"error: {self.cause or '?'}"
+        if self.how == "complete":
+            return "complete"
+        return "killed (no clean stop: SIGKILL, out of memory, node failure)"
+
+
+@dataclasses.dataclass
+class Report:
+    processes: list[Process]
+    gaps_s: list[float]  # between process i's end and process i+1's start
+    metrics: dict[str, list[tuple[float, int, float, int]]]  # name -> (t, step, value, process index)
+
+    @property
+    def wall_s(self) -> float:
+        return sum(p.wall_s for p in self.processes)
+
+    @property
+    def productive_s(self) -> float:
+        return sum(p.productive_s for p in self.processes)
+
+    @property
+    def goodput(self) -> float | None:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        ps = self.processes
+        return {
+            "goodput": self.goodput,
+            "wall_s": self.wall_s,
+            "productive_s": self.productive_s,
+            "startup_s": sum(p.startup_s for p in ps),
+            "checkpoint_stall_s": sum(p.stall_s for p in ps),
+            "lost_s": sum(p.lost_s for p in ps),
+            "lost_steps": sum(p.lost_steps for p in ps),
+            "between_processes_s": sum(self.gaps_s),
+            "span_s": (ps[-1].end - ps[0].started) if ps else 0.0,
+            "processes": len(ps),
+            "restarts": max(0, len(ps) - 1),
+            "rollbacks": sum(p.rollbacks for p in ps),
+            "checkpoints": sum(len(p.checkpoints) for p in ps),
+            "checkpoint_bytes": sum(c.nbytes for p in ps for c in p.checkpoints),
+            "final_step": ps[-1].end_step if ps else None,
+            "complete": bool(ps) and ps[-1].how == "complete",
+            "stops": [
+                {
+                    "process": p.index,
+                    "cause": p.cause if p.how in ("stop", "error") else p.how,
+                    "how": p.how,
+                    "t": p.end,
+                    "step": p.end_step,
+                }
+                for p in ps
+                if p.how != "complete"
+            ],
+            "timeline": [
+                {
+                    "process": p.index,
+                    "pid": p.pid,
+                    "resumed": p.resumed,
+                    "started": p.started,
+                    "entered": p.entered,
+                    "ended": p.end,
+                    "start_step": p.start_step,
+                    "end_step": p.end_step,
+                    "end": p.how,
+                    "end_estimated": p.end_estimated,
+                    "cause": p.cause,
+                    "wall_s": p.wall_s,
+                    "startup_s": p.startup_s,
+                    "checkpoint_stall_s": p.stall_s,
+                    "lost_steps": p.lost_steps,
+                    "lost_s": p.lost_s,
+                    "productive_s": p.productive_s,
+                    "checkpoints": [dataclasses.asdict(c) for c in p.checkpoints],
+                }
+                for p in ps
+            ],
+        }
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def build(lines: Iterable[Mapping[str, Any]]) -> Report:
+    """The report of a run from its history lines (every line, in file order; see the module docstring).
+
+    Lines of the wrong shape (a hand-edited or hostile file) are skipped, never a traceback.
+    """
+    procs: list[Process] = []
+    metrics: dict[str, list[tuple[float, int, float, int]]] = {}
+    crashes: dict[int, int | None] = {}  # process index -> the step its predecessor died at
+    for doc in lines:
+        if not isinstance(doc, Mapping):
+            continue
+        t = _num(doc.get("t"))
+        if t is None:
+            continue
+        event, step = doc.get("event"), _int(doc.get("step"))
+        if event in STARTS:
+            started = _num(doc.get("proc_start"))
+            p = Process(
+                index=len(procs) + 1,
+                resumed=event == "resume",
+                start_step=step or 0,
+                entered=t,
+                started=started if started is not None and started <= t else t,
+                pid=_int(doc.get("pid")),
+                end=t,
+                end_step=step or 0,
+                steps_seen=[(t, step or 0)],
+            )
+            crashed = doc.get("crashed")
+            if isinstance(crashed, Mapping):
+                crashes[p.index] = _int(crashed.get("died_at"))
+            procs.append(p)
+            continue
+        if not procs:  # lines before any start line (an old file, a torn head): no process to give them to
+            continue
+        p = procs[-1]
+        p.end = max(p.end, t)
+        if step is not None:
+            p.end_step = max(p.end_step, step) if event != "rollback" else p.end_step
+            p.steps_seen.append((t, step))
+        if event is None and step is not None and isinstance(doc.get("metrics"), Mapping):
+            for name, v in doc["metrics"].items():
+                if isinstance(name, str) and (x := _num(v)) is not None:
+                    metrics.setdefault(name, []).append((t, step, x, p.index))
+        elif event == "checkpoint" and step is not None:
+            stall, write = _num(doc.get("stall_s")) or 0.0, _num(doc.get("write_s")) or 0.0
+            at = _num(doc.get("at"))
+            p.checkpoints.append(
+                Checkpoint(
+                    step,
+                    t,
+                    at if at is not None else t - write,
+                    str(doc.get("reason"))[:40],
+                    stall,
+                    write,
+                    _int(doc.get("bytes")) or 0,
+                )
+            )
+        elif event == "rollback" and step is not None:
+            reached = _int(doc.get("from_step"))
+            p.rollbacks += 1
+            if reached is not None and reached > step:
+                p.lost_steps += reached - step
+                p.lost_s += p.spent_since(step, t)
+        elif event == "exit":  # the process's exit, after the code that follows its run
+            pass
+        elif event in ENDS:
+            p.how = event
+            cause = doc.get("cause") if event == "stop" else doc.get("error")
+            p.cause = str(cause)[:200] if cause is not None else None
+    # What a crash cost: the steps the next process did again, and the time the dead one spent on them.
+    for prev, nxt in itertools.pairwise(procs):
+        died_at = crashes.get(nxt.index)
+        if died_at is not None and died_at > prev.end_step:
+            prev.extrapolate_end(died_at)
+        if prev.end_step > nxt.start_step:  # a clean stop saves where it stops: only a crash or an error gets here
+            prev.lost_steps += prev.end_step - nxt.start_step
+            prev.lost_s += prev.spent_since(nxt.start_step, prev.end)
+    gaps = [max(0.0, nxt.started - prev.end) for prev, nxt in itertools.pairwise(procs)]
+    return Report(procs, gaps, metrics)
+
+
+def _clock(t: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def render(report: Report, where: str) -> list[str]:
+    """The report for people: one row per process, then the goodput and where the rest went."""
+    from .._log import duration, size
+
+    ps = report.processes
+    if not ps:
+        return [f"{where}: no process of this run wrote a history (history.jsonl has no start line)"]
+    doc = report.to_json()
+    out = [
+        f"{where}: {len(ps)} process(es), {doc['restarts']} restart(s), steps {ps[0].start_step} -> {ps[-1].end_step}"
+        + (", complete" if doc["complete"] else "")
+    ]
+    rows = [["#", "started", "wall", "steps", "start-up", "ckpt stall", "recomputed", "ended"]]
+    for p in ps:
+        lost = f"{p.lost_steps} ({duration(p.lost_s)})" if p.lost_steps else "-"
+        rows.append(
+            [
+                str(p.index),
+                _clock(p.started),
+                duration(p.wall_s),
+                f"{p.start_step} -> {p.end_step}",
+                duration(p.startup_s),
+                f"{duration(p.stall_s)} ({len(p.checkpoints)})",
+                lost,
+                p.stop_text(),
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    g = doc["goodput"]
+    out.append(
+        f"goodput {'-' if g is None else f'{g:.1%}'}: productive {duration(doc['productive_s'])} of"
+        f" {duration(doc['wall_s'])} of process wall time"
+    )
+    out.append(
+        f"  lost: start-up and restore {duration(doc['startup_s'])}, checkpoint stalls"
+        f" {duration(doc['checkpoint_stall_s'])} ({doc['checkpoints']} checkpoints, {size(doc['checkpoint_bytes'])}),"
+        f" recomputed {duration(doc['lost_s'])} ({doc['lost_steps']} steps)"
+    )
+    if report.gaps_s:
+        out.append(f"  between processes (not in the wall time): {duration(sum(report.gaps_s))}")
+    killed = [p for p in ps if p.how == "killed" and p is not ps[-1]]
+    if killed:
+        out.append(
+            f"  note: process(es) {', '.join(str(p.index) for p in killed)} ended without a line; each is counted"
+            " to the step it reached at its own pace when the next process knew that step, else to its last line"
+        )
+    if ps[-1].how == "killed":
+        out.append("  note: the last process has no end line: still running, or killed")
+    return out

@@ -1,0 +1,102 @@
+"""How the checkpoint commands choose and show checkpoints: the STEP selector, times, sizes, tables.
+
+Shared by :mod:`preempt.cli.checkpoints` (ls, verify, prune, export) and :mod:`preempt.cli.inspection`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.commit import QUARANTINE, SUPERSEDED
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
+from ..checkpoint.recycle import file_bytes, pools
+from ..errors import CorruptCheckpointError
+from .output import EXIT_DAMAGED, EXIT_USAGE, CommandFailed
+
+
+def fmt_when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def fmt_utc(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def fmt_table(rows: list[list[str]], right: Collection[int] = ()) -> list[str]:
+    """Rows of cells as aligned lines; the columns in ``right`` are right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def checkpoint_size(info: CheckpointInfo) -> int:
+    if info.manifest is None:
+        if not info.path.is_dir() or info.path.is_symlink():
+            return 0
+        return sum(p.stat().st_size for p in info.path.iterdir() if p.is_file() and not p.is_symlink())
+    return sum(d.size for d in info.manifest.files.values())
+
+
+def resolve(save_dir: Path, infos: list[CheckpointInfo], selector: int | str) -> CheckpointInfo:
+    """The checkpoint STEP names: a step (whatever its status), the newest valid one, or the best one.
+
+    Raises:
+        CommandFailed: EXIT_USAGE when there is none, saying what there is.
+    """
+    if isinstance(selector, int):
+        for c in infos:
+            if c.step == selector:
+                return c
+        have = ", ".join(str(c.step) for c in infos[:20]) + (", ..." if len(infos) > 20 else "")
+        raise CommandFailed(EXIT_USAGE, f"{save_dir}: no checkpoint at step {selector} (steps here: {have or 'none'})")
+    if selector == "latest":
+        valid = [c for c in infos if c.status == "valid"]
+        if valid:
+            return valid[0]
+        broken = f" ({len(infos)} checkpoint(s), none with a valid manifest)" if infos else ""
+        raise CommandFailed(EXIT_USAGE, f"{save_dir}: no valid checkpoint{broken}")
+    best = rank_best(infos)
+    if best.problem:
+        raise CommandFailed(EXIT_DAMAGED, best.problem)
+    if not best.ranked:
+        raise CommandFailed(
+            EXIT_USAGE,
+            f"{save_dir}: no valid checkpoint is marked best (a run marks one when its best_metric improves)",
+        )
+    return best.ranked[0]
+
+
+def completion(manager: CheckpointManager) -> dict[str, Any] | None:
+    try:
+        return manager.completion()
+    except CorruptCheckpointError as e:
+        raise CommandFailed(EXIT_DAMAGED, f"{e}; expected the JSON written when the run completed") from None
+
+
+def moved_aside(save_dir: Path) -> dict[str, int]:
+    out = {}
+    for where in (QUARANTINE, SUPERSEDED):
+        d = save_dir / where
+        out[where] = sum(1 for _ in d.iterdir()) if d.is_dir() and not d.is_symlink() else 0
+    return out
+
+
+def recycled(save_dir: Path) -> list[dict[str, Any]]:
+    """The ``.recycle-`` directories (a pruned checkpoint's files, for the next save to write over), with sizes."""
+    out = []
+    for d in pools(save_dir):
+        try:
+            out.append({"name": d.name, "path": str(d), "bytes": file_bytes(d)})
+        except OSError:  # taken by a save meanwhile
+            continue
+    return out

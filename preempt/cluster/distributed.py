@@ -1,0 +1,336 @@
+"""Ranks that stop together and commit one checkpoint: the agreement behind ``PreemptibleRun`` under torchrun.
+
+When ``torch.distributed`` is initialised before the run is entered, every
+rank enters ``PreemptibleRun`` with the same ``save_dir`` (on a filesystem all
+ranks share) and the ranks agree, at every safe point, on what to do:
+
+* **One collective per safe point.** Each rank contributes whether it saw a stop
+  signal; rank 0 contributes its save decision (the policy's clock is rank 0's).
+  An all-reduce (MAX) of those few integers gives every rank the same answer,
+  so all save at the same step and all stop together even when only one rank
+  received the signal. The signal handler itself never calls a collective: it
+  sets a flag that the next safe point reads. The collective runs on a gloo
+  group of its own (a CPU tensor, no device synchronisation), created when
+  the run starts; it costs a round trip between the ranks per step
+  (``sync_every_steps`` spaces it out).
+* **One commit.** Rank 0 creates the temporary directory and names it to the
+  others; every rank writes and fsyncs its own files into it and sends rank 0
+  their digests (that gather is the barrier: every file is durable before it
+  returns); rank 0 writes the manifest listing every rank's files, renames the
+  directory into place and tells every rank the outcome. A checkpoint missing
+  any rank's file does not verify and is never chosen. Deferred: when rank 0
+  saves in the background, the exchange is the same but rank 0 writes none of
+  its files in it; its background writer later writes them into the same
+  directory and commits (:class:`Deferred`), with no collective off the main
+  thread. Sharded state in the background: the whole exchange runs in every
+  rank's writer thread, on a :class:`Coordinator` of its own group
+  (``own_group=True``), so the writers' collectives and the loop's never share
+  a group.
+* **What each rank writes.** The replicated state (DDP: the model, the
+  optimizer, scheduler, scaler, tracked objects, ``run.user_state``) is written
+  once, by rank 0, with rank 0's random generators. Every other rank writes its
+  own random generators (``rank_<r>.safetensors`` and ``rank_<r>.json``). The
+  cursor counts global samples, so a resume on another world size continues at
+  the right sample.
+
+* **A lost rank.** A rank that dies closes its connections, so the others'
+  next collective fails (within about a second here); a rank whose node
+  vanishes is noticed when the group's timeout passes. Every collective here
+  turns that failure into :class:`~preempt.errors.PeerLost`: one ERROR line
+  and exit code 80 on each survivor, nothing saved (a checkpoint needs every
+  rank), the last checkpoint intact for the rerun of all ranks.
+
+Objects crossing ranks here (directory names, digests, outcomes) travel as
+JSON (:mod:`preempt.checkpoint.codec`), never pickled: a rank opens nothing another
+process could turn into code.
+
+* **Works destroyed in the main thread.** The latest collectives' work
+  objects are kept until the process ends (:func:`_wait`), so that a
+  process can end normally (no ``os._exit``). With gloo, a ``barrier()``
+  (the usual last line of a script) holds weak references to the works still
+  in progress when it starts; a work's destructor runs when its last
+  reference goes, and that may be the barrier's, released by a gloo thread
+  after the main thread has moved on, even during the interpreter's
+  finalization. The destructor releases the work's tensors, which takes the
+  GIL (torch keeps the Python object of a tensor that C++ shares); a thread
+  that takes the GIL during finalization is made to exit inside a
+  ``noexcept`` destructor and the process aborts ("terminate called without
+  an active exception", SIGABRT; seen in 4 of at least 112 two-rank runs under load,
+  and in 8 of 25 runs of a script that ends with a barrier behind 2,000
+  broadcasts, against 0 of 40 when the barrier's work is kept). A work kept
+  here is destroyed by the main thread, with the GIL, when the process ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._log import log
+from ..checkpoint import codec, commit
+from ..checkpoint.commit import MANIFEST
+from ..checkpoint.files import read_manifest
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, write_payload
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.state import Payload
+from ..errors import CheckpointWriteError, PeerLost
+
+
+def active() -> bool:
+    """torch.distributed is initialised with more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+# How the backends word the loss of a peer in the errors they raise from a collective. gloo: the transport's own
+# messages (a connection closed or reset, a read or write error, a timeout) all come from its source tree's
+# transport/ folder, whose path starts the message. NCCL: the result codes of a remote peer's failure and the
+# watchdog's timeout. Other errors (a shape mismatch, NCCL's invalid usage) are bugs that a rerun would repeat.
+_LOST_PEER_WORDS = (
+    "gloo/transport/",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "ncclRemoteError",
+    "remote process exited",
+    "unexpected exit of a remote peer",
+    "Watchdog caught collective operation timeout",
+    "NCCL communicator was aborted",
+)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether an error raised outside preempt's collectives (DDP's gradient all-reduce in ``backward()``, the
+    loop's own collectives) is torch.distributed's report that another rank is gone."""
+    if isinstance(error, PeerLost) or not isinstance(error, RuntimeError):
+        return False
+    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+        return True  # the connection to a peer or to the rendezvous store (rank 0's) is gone
+    return any(word in str(error) for word in _LOST_PEER_WORDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What every rank does at a safe point."""
+
+    stop: bool  # some rank saw a stop signal (or rank 0's walltime keeper says stop)
+    save: int  # rank 0's save decision: 0 none, else an index into the run's reasons
+    signal_rank: int  # the lowest rank that saw a signal, or -1
+
+
+class Coordinator:
+    """The collectives of one run: agreement at safe points and the commit's exchanges.
+
+    Every method is a collective: every rank calls it, in the same order.
+    """
+
+    def __init__(self, *, own_group: bool = False) -> None:
+        """``own_group``: on a gloo group of its own (created now, a collective), for the ranks' background writers."""
+        if not active():
+            raise RuntimeError("Coordinator: torch.distributed is not initialised with more than one rank")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        # A CPU group for the per-step agreement: with NCCL the default group would need a device tensor
+        # and a synchronisation of the stream every step.
+        self.group = None if self.backend == "gloo" and not own_group else dist.new_group(backend="gloo")
+        self._buf = torch.zeros(3, dtype=torch.int64)
+
+    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
+        """Combines every rank's stop flag with rank 0's save decision."""
+        buf = self._buf
+        big = self.world_size + 1
+        buf[0] = 1 if stop or walltime_stop else 0
+        buf[1] = save if self.rank == 0 else 0
+        buf[2] = (big - self.rank) if stop else 0  # MAX picks the lowest signalled rank
+        with self._peers("the agreement at a safe point"):
+            _wait(dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        first = int(buf[2])
+        return Agreement(bool(buf[0]), int(buf[1]), big - first if first else -1)
+
+    def all(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on every rank."""
+        buf = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        with self._peers("an agreement on how to save"):
+            _wait(dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
+        return bool(buf[0])
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` (JSON: tuples arrive as lists), on every rank."""
+        with self._peers("a broadcast from rank 0"):
+            mine = _tensor_of(codec.dumps(obj)) if self.rank == 0 else None
+            size = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64)
+            _wait(dist.broadcast(size, src=0, group=self.group, async_op=True))
+            data = torch.empty(int(size[0]), dtype=torch.uint8) if mine is None else mine
+            _wait(dist.broadcast(data, src=0, group=self.group, async_op=True))
+        return obj if self.rank == 0 else codec.loads(data.numpy().tobytes(), "a broadcast from rank 0")
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (JSON), in rank order, on rank 0 (None elsewhere)."""
+        mine = codec.dumps(obj)
+        with self._peers("a gather to rank 0"):
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            size = torch.tensor([len(mine)], dtype=torch.int64)
+            _wait(dist.all_gather(sizes, size, group=self.group, async_op=True))
+            longest = max(int(s[0]) for s in sizes)  # gloo gathers equal sizes
+            data = torch.zeros(longest, dtype=torch.uint8)
+            data[: len(mine)] = _tensor_of(mine)
+            pieces = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size if self.rank == 0 else 0)]
+            _wait(dist.gather(data, pieces or None, dst=0, group=self.group, async_op=True))
+        if self.rank != 0:
+            return None
+        return [codec.loads(p[: int(s[0])].numpy().tobytes(), f"rank {r}'s part of a gather") for r, (p, s) in
+                enumerate(zip(pieces, sizes, strict=True))]  # fmt: skip
+
+    def barrier(self) -> None:
+        with self._peers("a barrier"):
+            _wait(dist.barrier(group=self.group, async_op=True))
+
+    @contextlib.contextmanager
+    def _peers(self, during: str) -> Iterator[None]:
+        """Turns the failure of a collective (another rank is gone) into :class:`PeerLost`, exit code 80.
+
+        gloo and NCCL report a lost peer as a ``RuntimeError`` (``DistBackendError`` derives from it): a
+        closed connection, or the collective's timeout.
+        """
+        try:
+            yield
+        except RuntimeError as e:
+            raise self.lost(during, e) from e
+
+    def lost(self, during: str, error: BaseException) -> PeerLost:
+        """The :class:`PeerLost` of a collective that failed with ``error`` (its ``__cause__``), logged at ERROR."""
+        lost = PeerLost(self.rank, self.world_size, during, error)
+        lost.__cause__ = error
+        log.error("%s", lost)
+        return lost
+
+
+# The work objects of this process's latest collectives (see the docstring). Several: gloo runs works on more than
+# one thread, so a barrier may still hold a work issued a few collectives before it.
+_KEPT: collections.deque[dist.Work] = collections.deque(maxlen=64)
+
+
+def _wait(work: dist.Work | None) -> None:
+    """Waits for a collective started with ``async_op=True`` and keeps its work until the process ends."""
+    assert work is not None
+    _KEPT.append(work)
+    work.wait()
+
+
+def _describe(error: BaseException, rank: int) -> tuple[int | None, str]:
+    """An error as (errno or None, text), to send to the other ranks."""
+    if isinstance(error, OSError):
+        return error.errno, f"rank {rank}: {error.strerror or error}"
+    return None, f"rank {rank}: {type(error).__name__}: {error}"
+
+
+def _rebuild(described: tuple[int | None, str]) -> Exception:
+    number, text = described
+    if number is not None:
+        return OSError(number, text)
+    return CheckpointWriteError(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A distributed checkpoint whose rank-0 files are still to be written: every other rank's are durable.
+
+    Rank 0's background writer calls :meth:`finish` with the staged snapshot: it
+    writes rank 0's files into ``tmp`` and commits the checkpoint.
+    """
+
+    tmp: Path
+    files: dict[str, Any]  # the other ranks' files (name -> digest), durable in tmp
+
+    def finish(self, manager: CheckpointManager, payload: Payload, manifest: Manifest) -> CheckpointInfo:
+        return manager.save_into(self.tmp, payload, manifest, self.files)
+
+
+def _tensor_of(data: bytes) -> torch.Tensor:
+    """``data`` as a uint8 tensor of its own memory."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def save_ranked(
+    manager: CheckpointManager,
+    coord: Coordinator,
+    payload: Payload,
+    manifest: Manifest,
+    extra: Callable[[Path], list[str]] | None = None,
+    *,
+    defer: bool = False,
+) -> CheckpointInfo | Deferred | None:
+    """The distributed commit (see the module docstring); every rank calls it with its own payload.
+
+    Args:
+        extra: Called on every rank with the temporary directory before its
+            payload is written (a collective writer: DCP's pieces of sharded
+            state); returns the names of the files this rank wrote there, which
+            are hashed and listed like the payload's.
+        defer: Rank 0's wish (the other ranks' value is ignored; they learn
+            it): rank 0 does not write its payload here; it gets a
+            :class:`Deferred` to finish in the background, once every other
+            rank's files are durable.
+
+    Returns:
+        The checkpoint's CheckpointInfo, on every rank; when deferred, the
+        Deferred on rank 0 and None on the others.
+
+    Raises:
+        OSError: Some rank could not write (disk full, I/O error): on every rank,
+            naming that rank; the partial directory is gone.
+        CheckpointWriteError: Any other failure of some rank.
+    """
+    tmp, error = None, None
+    if coord.rank == 0:
+        try:
+            tmp = manager.new_tmp_dir(manifest.step, reuse=extra is None)  # DCP writes its own files
+        except OSError as e:
+            error = _describe(e, 0)
+    where, error, defer = coord.broadcast((None if tmp is None else str(tmp), error, defer))
+    if where is None:
+        raise _rebuild(error)
+    tmp = Path(where)
+    files, error = None, None
+    try:
+        extra_names = extra(tmp) if extra is not None else []
+        files = {} if defer and coord.rank == 0 else write_payload(tmp, payload)
+        for fname in extra_names:
+            files[fname] = commit.read_file(tmp / fname)[1]
+    except Exception as e:
+        error = _describe(e, coord.rank)
+    sent = None if files is None else {name: d.to_json() for name, d in files.items()}
+    got = coord.gather((sent, error))  # returns on rank 0 once every rank's files are durable
+    outcome: Any = None
+    result: CheckpointInfo | Deferred | None = None
+    if coord.rank == 0:
+        assert got is not None
+        errors = [e for _, e in got if e is not None]
+        listed: dict[str, Any] = {}
+        for rank_files_ in got:
+            listed.update({name: commit.FileDigest(**d) for name, d in (rank_files_[0] or {}).items()})
+        if errors:
+            manager.discard(tmp)
+            outcome = ("error", errors[0])
+        elif defer:
+            result = Deferred(tmp, listed)
+            outcome = ("deferred", str(tmp))
+        else:
+            try:
+                result = manager.commit(tmp, manifest, listed)
+                outcome = ("ok", str(result.path))
+            except Exception as e:
+                outcome = ("error", _describe(e, 0))
+    outcome = coord.broadcast(outcome)
+    if outcome[0] == "error":
+        raise _rebuild(outcome[1])
+    if coord.rank == 0 or outcome[0] == "deferred":
+        return result
+    path = Path(outcome[1])
+    return CheckpointInfo(path, manifest.step, "valid", read_manifest(path / MANIFEST))

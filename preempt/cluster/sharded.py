@@ -1,0 +1,334 @@
+"""Sharded state (FSDP2, DTensor): written and resharded by torch.distributed.checkpoint, inside our commit.
+
+A model whose state dict holds DTensors (``fully_shard``, tensor parallelism)
+cannot be written by one rank: each rank holds a piece. Its model and
+optimizer tensors go through torch.distributed.checkpoint (DCP), whose
+planner writes each rank's pieces (``__<rank>_0.distcp``) and, on loading,
+reads whatever pieces the current sharding needs, on any number of ranks,
+one process included. Everything else (scheduler, scaler, tracked objects,
+the optimizer's param groups, RNG, cursor) goes the usual way (JSON and
+safetensors, :mod:`preempt.checkpoint.state`).
+
+DCP's own index of the pieces is a pickle (``.metadata``), and this project
+opens no pickle: :class:`_Writer` and :class:`_Reader` keep DCP's data files
+and write the index as JSON instead (``dcp_metadata.json``), parsed strictly
+(only tensor entries, known dtypes, plain layout, no transforms). Only tensors
+are handed to DCP, so its data files hold raw tensor bytes only. Every file
+is listed with its digest in the manifest and verified before DCP reads it.
+
+The optimizer's state is keyed by parameter name, so the same checkpoint
+loads into an unsharded model and optimizer on one process.
+
+In the background (``async_save``, under torch.distributed): each rank copies
+the local pieces into host buffers (:func:`local_payload`), DCP is handed
+DTensors rebuilt around those copies (:func:`staged`), and the ranks' writers
+run DCP's collectives on a group of their own (``save(group=...)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import codec
+from ..checkpoint.manager import SHARDED_INDEX
+from ..checkpoint.state import Payload
+
+METADATA = SHARDED_INDEX
+_FORMAT = "preempt-dcp-1"
+_DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+_MODEL, _OPTIM = "model.", "optim."
+
+
+def is_sharded(model: torch.nn.Module | None) -> bool:
+    """The model's state dict holds DTensors (or ShardedTensors): one rank cannot write it alone."""
+    if model is None:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - older torch
+        ShardedTensor = DTensor  # noqa: N806
+
+    return any(isinstance(v, (DTensor, ShardedTensor)) for v in model.state_dict().values())
+
+
+def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
+    """(the tensors DCP writes; the rest of the optimizer's state, as JSON).
+
+    Tensors are keyed ``model.<fqn>`` and ``optim.<fqn>.<key>`` by parameter
+    name, so that any sharding (or none) of the same model finds them. They
+    are the live tensors, not copies: loading writes into them in place.
+    Nothing here steps or otherwise changes the optimizer.
+    """
+    tensors: dict[str, Any] = {f"{_MODEL}{k}": v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    rest: dict[str, Any] = {"param_groups": [], "state": {}}
+    if optimizer is None:
+        return tensors, rest
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, per_param in optimizer.state.items():
+        fqn = names.get(id(param))
+        if fqn is None:
+            raise ValueError("sharded state: the optimizer holds a parameter that is not the model's")
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{_OPTIM}{fqn}.{key}"] = value
+            else:
+                rest["state"].setdefault(fqn, {})[key] = value
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        rest["param_groups"].append({**hyper, "params": [names.get(id(p), "?") for p in group["params"]]})
+    return tensors, rest
+
+
+def local_payload(tensors: dict[str, Any]) -> Payload:
+    """This rank's own pieces of ``tensors`` (a DTensor's local shard) as a payload, to stage in host buffers."""
+    return Payload(tensor_files={"shards": ({k: _local(v) for k, v in tensors.items()}, {})}, json_files={})
+
+
+def staged(tensors: dict[str, Any], copy: Payload, cache: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``tensors`` rebuilt over their staged local pieces (``copy``, from :func:`local_payload`): DCP writes these.
+
+    A DTensor keeps its mesh, placements, global shape and stride around its
+    copied local shard, so that DCP plans the same pieces as from the live state.
+    ``cache`` keeps the rebuilt DTensors from one snapshot to the next while
+    their buffers and layout stay the same (building hundreds costs tens of ms).
+    """
+    from torch.distributed.tensor import DTensor
+
+    pieces = copy.tensor_files["shards"][0]
+    out: dict[str, Any] = {}
+    for key, v in tensors.items():
+        buf = pieces[key]
+        if not isinstance(v, DTensor):
+            out[key] = buf
+            continue
+        layout = (v.device_mesh, v.placements, v.shape, v.stride())
+        hit = None if cache is None else cache.get(key)
+        if hit is not None and hit[0] is buf and hit[1] == layout:
+            out[key] = hit[2]
+            continue
+        out[key] = DTensor.from_local(buf, *layout[:2], run_check=False, shape=v.shape, stride=v.stride())
+        if cache is not None:
+            cache[key] = (buf, layout, out[key])
+    return out
+
+
+def _local(v: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(v, DTensor):
+        return v
+    local = getattr(v, "_local_tensor", None)  # what to_local() returns, without its autograd function
+    return local if isinstance(local, torch.Tensor) else v.to_local()
+
+
+def save(directory: Path, tensors: dict[str, Any], rank: int, group: Any = None) -> list[str]:
+    """Writes this rank's pieces (a collective under torch.distributed, on ``group``); returns its files' names."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_quiet():
+        dcp.save(tensors, storage_writer=_writer(directory), no_dist=not _distributed(), process_group=group)
+    mine = [f"__{rank}_0.distcp"]
+    if rank == 0:
+        mine.append(METADATA)
+    return [n for n in mine if (directory / n).exists()]
+
+
+def load_into(
+    directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, rest: Any, where: str
+) -> None:
+    """Loads a sharded checkpoint into ``model`` and ``optimizer`` as they are sharded now (any world size).
+
+    Raises:
+        ValueError: The optimizer's saved groups do not match this one's.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if optimizer is not None:
+        if not isinstance(rest, dict) or not isinstance(rest.get("param_groups"), list):
+            raise ValueError(f"{where}: sharded optimizer state: expected param_groups")
+        _materialize(optimizer)
+    tensors, now = split_state(model, optimizer)
+    with _single_process_quiet():
+        dcp.load(tensors, storage_reader=_reader(directory), no_dist=not _distributed())  # in place
+    if optimizer is None:
+        return
+    saved = rest["param_groups"]
+    if [g.get("params") for g in saved] != [g["params"] for g in now["param_groups"]]:
+        raise ValueError(f"{where}: the optimizer's parameter groups differ from the checkpoint's")
+    for group, hyper in zip(optimizer.param_groups, saved, strict=True):
+        group.update({k: v for k, v in hyper.items() if k != "params"})
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, per_param in optimizer.state.items():
+        per_param.update((rest.get("state") or {}).get(names[id(param)], {}))
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes a single process, which is what no_dist asks for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _materialize(optimizer: torch.optim.Optimizer) -> None:
+    """Makes a fresh optimizer create its state tensors (DCP loads into existing ones) without changing anything.
+
+    One step with zero gradients and a learning rate of 0: the moments come
+    into being (zeros, overwritten by the load) and the parameters stay as they are.
+    """
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+        optimizer.step()
+    finally:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+
+
+# -------------------------------------------------------- DCP, without pickle
+
+
+def _writer(directory: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class _Writer(FileSystemWriter):
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            storage = {}
+            for wr_list in results:
+                storage.update({wr.index: wr.storage_data for wr in wr_list})
+            metadata.storage_data = storage
+            data = codec.dumps(_metadata_to_json(metadata))
+            path = Path(self.path) / METADATA
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+
+    return _Writer(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
+
+
+def _reader(directory: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = Path(self.path) / METADATA
+            return _metadata_from_json(codec.loads(path.read_bytes(), str(path)), str(path))
+
+    return _Reader(str(directory))
+
+
+def _metadata_to_json(md: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = {}
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            raise TypeError(f"sharded state {fqn!r}: only tensors are written through DCP, found {type(meta).__name__}")
+        p = meta.properties
+        entries[fqn] = {
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "size": list(meta.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in meta.chunks],
+        }
+    storage = []
+    for index, info in md.storage_data.items():
+        if getattr(info, "transform_descriptors", None):
+            raise TypeError(f"sharded state {index.fqn!r}: DCP transforms are not supported")
+        storage.append(
+            {
+                "fqn": index.fqn,
+                "offset": None if index.offset is None else list(index.offset),
+                "index": index.index,
+                "file": info.relative_path,
+                "begin": info.offset,
+                "length": info.length,
+            }
+        )
+    return {"format": _FORMAT, "version": md.version, "tensors": entries, "storage": storage}
+
+
+def _metadata_from_json(doc: Any, where: str) -> Any:
+    """DCP's Metadata from our JSON index; anything unexpected is a ValueError naming ``where``."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def ints(x: Any, what: str) -> list[int]:
+        if not isinstance(x, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x):
+            raise ValueError(f"{where}: {what}: expected a list of integers >= 0, found {json.dumps(x)[:80]}")
+        return x
+
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+        raise ValueError(f"{where}: not a sharded-state index (format {_FORMAT!r} expected)")
+    entries = {}
+    for fqn, e in (doc.get("tensors") or {}).items():
+        if not isinstance(e, dict) or e.get("dtype") not in _DTYPES:
+            raise ValueError(
+                f"{where}: tensors[{fqn!r}]: unknown dtype {e.get('dtype') if isinstance(e, dict) else e!r}"
+            )
+        chunks = []
+        for c in e.get("chunks") or []:
+            if not isinstance(c, dict):
+                raise ValueError(f"{where}: tensors[{fqn!r}]: a chunk is not an object")
+            offsets, sizes = ints(c.get("offsets"), f"{fqn} offsets"), ints(c.get("sizes"), f"{fqn} sizes")
+            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+        entries[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=_DTYPES[e["dtype"]]), torch.Size(ints(e.get("size"), f"{fqn} size")), chunks
+        )
+    storage = {}
+    for s in doc.get("storage") or []:
+        if not isinstance(s, dict) or not isinstance(s.get("fqn"), str) or s["fqn"] not in entries:
+            raise ValueError(f"{where}: storage entry for an unknown tensor: {json.dumps(s)[:80]}")
+        name = s.get("file")
+        if not isinstance(name, str) or "/" in name or name.startswith(".") or not name.endswith(".distcp"):
+            raise ValueError(f"{where}: storage file {name!r} is not a .distcp file of this checkpoint")
+        offset = None if s.get("offset") is None else torch.Size(ints(s["offset"], "offset"))
+        begin, length = ints([s.get("begin"), s.get("length")], "begin/length")
+        index = MetadataIndex(s["fqn"], offset, s.get("index") if isinstance(s.get("index"), int) else None)
+        storage[index] = _StorageInfo(name, begin, length)
+    return Metadata(state_dict_metadata=entries, storage_data=storage, version=doc.get("version"))

@@ -1,0 +1,14 @@
+"""The run: PreemptibleRun, the face a user holds, and the parts it composes, one concern each.
+
+``preemptible`` (the face) builds its parts and calls them at the loop's points (enter, epochs, batches, step,
+exit). The parts, each importing only those before it (a layers contract in pyproject.toml): ``save_policy`` (when to
+save, pure), ``save_plan`` (the scheduler's decisions, pure), ``config`` (every option, checked once),
+``loop_state`` (the counters: their only writer), ``data_cursor`` (where the data stands), ``snapshot`` (what a
+checkpoint holds), ``peers`` (one process or the ranks), ``save_scheduler`` (when and how a checkpoint is written),
+``stopping`` (signals, walltime, requeue, the exit code), ``reporting`` (logs and progress), ``guarding`` (NaN
+rollbacks, OOM skips, emergency saves), ``resume_plan`` (where a run starts, pure) and ``restore`` (carrying it out).
+preempt/README.md draws them.
+
+May import: :mod:`preempt.checkpoint`, :mod:`preempt.data`, :mod:`preempt.cluster`, :mod:`preempt.health` and the
+leaves. Never the CLI or the supervisor; nothing below imports the run (import-linter contracts in pyproject.toml).
+"""

@@ -1,0 +1,242 @@
+"""Where the loop stands in its data, and how an epoch's iterator is rebuilt there on resume.
+
+:class:`DataCursor` owns what the run knows about the loaders of
+``run.batches()``: their samplers, the samples a batch holds, the random state
+from just before the epoch's iterator was made, each loader's
+:class:`~preempt.data.replay.LoaderFeed`, and the resume point that a loaded
+checkpoint left (:class:`Resume`) until the loop is back at its program point.
+It writes no loop counter: it says where the epoch's iterator starts, and the
+run's :class:`~preempt.run.loop_state.LoopState` takes it.
+
+**Exact resume.** The batch order comes from the sampler, a pure function of
+(seed, epoch). Creating a DataLoader iterator draws from the global torch RNG
+(that draw seeds the workers), so the run snapshots every global RNG just
+before it creates the epoch's iterator. A checkpoint inside the batch loop
+stores that snapshot and the current RNG state; on resume the run restores
+the snapshot, creates the iterator (the same worker seeds are drawn), starts
+the sampler at the saved sample, and then restores the current state, so the
+loop's own draws (dropout, noise) continue exactly. Draws inside the loader
+(augmentation in workers) are seeded per sample, and an iterable dataset's
+workers continue from their saved positions: :mod:`preempt.data.replay`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .. import _log
+from ..checkpoint.commit import MANIFEST
+from ..checkpoint.manager import CheckpointInfo
+from ..checkpoint.manifest import Cursor
+from ..data import rng
+from ..data.loaders import find_sampler, length, shield_workers
+from ..data.replay import LoaderFeed
+from ..data.sampler import ResumableSampler
+from ..errors import IncompatibleStateError
+
+log = _log.log
+SEED_MASK = (1 << 53) - 1  # the run's seed, kept exact by any JSON reader
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """What a loaded checkpoint asks the loop to restore at its program point."""
+
+    info: CheckpointInfo
+    cursor: Cursor
+    rng_now: rng.RngState
+    rng_epoch_start: rng.RngState | None
+    sampler: dict[str, Any] | None
+    loader: Any = None  # where an iterable dataset's workers stood (preempt.data.replay.LoaderFeed.state)
+
+
+class DataCursor:
+    """The run's view of its data loaders (one per run)."""
+
+    def __init__(self, signals: Iterable[int]) -> None:
+        self.signals = tuple(signals)
+        self.resume: Resume | None = None  # a loaded checkpoint's position, until the loop is back there
+        self.seed: int | None = None  # seeds iterable datasets' per-sample streams (torch's seed at the start)
+        self.batches_per_epoch: int | None = None
+        self.samplers: list[ResumableSampler] = []
+        self._sampler: ResumableSampler | None = None  # the current epoch's
+        self._samples_per_batch: int | None = None  # global samples per batch, when known
+        self._sample_offset = 0  # samples of the epoch done minus batch * samples per batch (after a resize)
+        self._epoch_rng: rng.RngState | None = None
+        # Loaders seen by open(), each with what replaying it exactly needs; their persistent workers stop at exit.
+        self._feeds: weakref.WeakKeyDictionary[Any, LoaderFeed] = weakref.WeakKeyDictionary()
+        self._feed: LoaderFeed | None = None  # the current epoch's
+
+    def make_sampler(self, dataset: Any, *, epoch: int, **options: Any) -> ResumableSampler:
+        """A ResumableSampler (one replica per rank under torch.distributed) whose epoch follows the loop's."""
+        replicas, rank = 1, 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, **options)
+        sampler.set_epoch(epoch)
+        self.samplers.append(sampler)
+        return sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        for s in self.samplers:
+            s.set_epoch(epoch)
+
+    def resume_at_epoch(self, epoch: int) -> rng.RngState | None:
+        """At an epoch boundary: the random state to restore when a checkpoint was taken at this one."""
+        r = self.resume
+        if r is not None and r.cursor.point == "epoch" and r.cursor.epoch == epoch:
+            self.resume = None
+            return r.rng_now
+        return None
+
+    def open(self, loader: Iterable[Any], epoch: int) -> tuple[Iterator[Any] | None, int]:
+        """The epoch's iterator and the batch it starts at; None when a resumed epoch had no batch left."""
+        shield_workers(loader, self.signals)
+        feed = self._feed = self._feed_for(loader)
+        found = find_sampler(loader)
+        sampler, per_batch = found if found else (None, None)
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        self._sampler = sampler
+        self._samples_per_batch = per_batch * sampler.num_replicas if sampler and per_batch else None
+        self.batches_per_epoch = length(loader)
+        r = self.resume
+        if r is not None and r.cursor.point == "step" and r.cursor.epoch == epoch:
+            self.resume = None
+            return self._resume_iterator(loader, r, sampler, feed, epoch)
+        self._epoch_rng = rng.capture()
+        self._sample_offset = 0
+        return feed.iterate(loader, epoch), 0
+
+    def _feed_for(self, loader: Iterable[Any]) -> LoaderFeed:
+        """The loader's LoaderFeed, made at its first epoch (a list or another plain iterable gets a passing one)."""
+        assert self.seed is not None
+        try:
+            feed = self._feeds.get(loader)
+        except TypeError:  # not weakly referable: nothing to keep between epochs
+            return LoaderFeed(loader, self.seed)
+        if feed is None:
+            feed = self._feeds[loader] = LoaderFeed(loader, self.seed)
+        return feed
+
+    def _resume_iterator(
+        self, loader: Iterable[Any], r: Resume, sampler: ResumableSampler | None, feed: LoaderFeed, epoch: int
+    ) -> tuple[Iterator[Any] | None, int]:
+        """Recreates the epoch's iterator as it was at the checkpoint (see :mod:`preempt.run.preemptible`)."""
+        c = r.cursor
+        self._check_sampler(r, sampler)
+        self._epoch_rng = r.rng_epoch_start
+        total = self.batches_per_epoch
+        start = c.batch
+        self._sample_offset = 0
+        spb = self._samples_per_batch
+        finished = total is not None and start >= total
+        if sampler is not None and spb and c.sample >= 0:
+            finished = c.sample >= sampler.total  # in samples: ceil(sample / new batch) can reach len(loader) early
+            if c.batch and c.sample != c.batch * spb:
+                old = c.sample // c.batch
+                start = -(-c.sample // spb)
+                self._sample_offset = c.sample - start * spb
+                log.warning(
+                    "the batch size changed (%d -> %d samples per step): continuing at sample %d of the epoch,"
+                    " batch %d",
+                    old,
+                    spb,
+                    c.sample,
+                    start,
+                )
+        if finished:
+            rng.restore(r.rng_now)  # the epoch was finished; nothing to iterate
+            return None, start
+        if r.rng_epoch_start is not None:
+            rng.restore(r.rng_epoch_start)
+        why_not = feed.can_seek(r.loader, epoch)
+        if sampler is not None and spb and c.sample >= 0:
+            sampler.start_at(c.sample)
+            it = feed.iterate(loader, epoch)
+        elif why_not is None:
+            it = feed.iterate(loader, epoch, r.loader)
+            log.info(
+                "the IterableDataset's %d worker(s) continue where each stood at batch %d (no batch replayed)",
+                max(feed.num_workers, 1),
+                start,
+            )
+        else:
+            it = feed.iterate(loader, epoch)
+            if start and feed.kind == "iterable":
+                log.warning("%s: replaying %d batch(es) to reach the resume point", why_not, start)
+            elif start:
+                log.warning(
+                    "the loader has no ResumableSampler (use run.sampler()); replaying %d batch(es) to reach the"
+                    " resume point",
+                    start,
+                )
+            for _ in range(start):
+                next(it)
+        rng.restore(r.rng_now)
+        return it, start
+
+    def _check_sampler(self, r: Resume, sampler: ResumableSampler | None) -> None:
+        saved = r.sampler
+        if sampler is None or not saved:
+            return
+        now = sampler.state_dict()
+        for key in ("dataset_len", "shuffle", "seed"):
+            if key in saved and saved[key] != now[key]:
+                raise IncompatibleStateError(
+                    f"{r.info.path}/{MANIFEST}: sampler {key} was {saved[key]!r}, now {now[key]!r};"
+                    " the data order cannot continue where it stopped"
+                )
+        if saved.get("per_sample_rng", now["per_sample_rng"]) != now["per_sample_rng"]:
+            log.warning(
+                "sampler per_sample_rng was %s, now %s: random draws inside the DataLoader will not replay those of"
+                " the run so far",
+                saved["per_sample_rng"],
+                now["per_sample_rng"],
+            )
+
+    # ------------------------------------------------------------ what a checkpoint records
+
+    def cursor(self, step: int, epoch: int, batch: int) -> tuple[Cursor, dict[str, Any] | None]:
+        """Where the loop stands, and the sampler's state."""
+        r = self.resume
+        if r is not None and r.info.step == step and r.cursor.epoch == epoch:
+            # Not yet back at the checkpoint's program point: its cursor still describes the loop.
+            return r.cursor, r.sampler
+        spb = self._samples_per_batch
+        sample = -1 if spb is None else batch * spb + self._sample_offset
+        sampler = None
+        if self._sampler is not None:
+            sampler = self._sampler.state_dict()
+            if sample >= 0:
+                sample = min(sample, self._sampler.total)
+        cursor = Cursor(
+            epoch=epoch,
+            batch=batch,
+            sample=0 if batch == 0 else sample,
+            point="epoch",
+            batches_per_epoch=-1 if self.batches_per_epoch is None else self.batches_per_epoch,
+        )
+        return cursor, sampler
+
+    def state(self) -> tuple[rng.RngState | None, dict[str, Any]]:
+        """The random state at the epoch's start, and the checkpoint's ``data`` entry (seed, workers' positions)."""
+        r = self.resume  # not yet back at its program point: its epoch start and loader position still hold
+        epoch_rng = self._epoch_rng
+        if epoch_rng is None and r is not None:
+            epoch_rng = r.rng_epoch_start
+        loader = r.loader if r is not None else (self._feed.state() if self._feed is not None else None)
+        return epoch_rng, {"seed": self.seed, "loader": loader}
+
+    def stop_workers(self) -> None:
+        """Stops the persistent workers of every loader seen (at the end of the run)."""
+        for loader, feed in list(self._feeds.items()):
+            try:
+                feed.stop_workers(loader)
+            except Exception as e:  # never mask how the run ended
+                log.warning("could not stop the DataLoader's persistent workers: %s", e)

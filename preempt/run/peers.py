@@ -1,0 +1,122 @@
+"""The processes of one run, and what they agree on: one process is the case of a single peer.
+
+The run has ONE safe-point path and ONE enter path; what differs between a
+plain process and the ranks of torchrun is only how decisions are combined
+and how a checkpoint's files are committed:
+
+* :class:`Alone` -- one process. Agreement is its own decision, a broadcast
+  returns what it was given, a checkpoint is one :meth:`CheckpointManager.save`.
+* :class:`Ranks` -- under torch.distributed. Rank 0 leads (it holds the lock,
+  chooses the checkpoint, writes the replicated state and commits); every rank
+  meets the others at every ``sync_every``-th step in one all-reduce
+  (:class:`~preempt.cluster.distributed.Coordinator`), and a checkpoint is the
+  distributed commit of :func:`~preempt.cluster.distributed.save_ranked`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.state import Payload
+from ..cluster import distributed
+from ..cluster.distributed import Agreement
+from ..errors import PeerLost
+
+ExtraFiles = Callable[[Path], list[str]]  # a collective writer of more files into the checkpoint (DCP's shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A checkpoint whose leader's files are still to be written by the background writer."""
+
+    finish: Callable[[CheckpointManager, Payload, Manifest], CheckpointInfo]
+
+
+class Alone:
+    """One process: the degenerate case of agreement."""
+
+    rank = 0
+    world_size = 1
+    leader = True
+    alone = True
+    every = 0  # run.step() goes through the safe point when something may be due (Ranks: at fixed steps)
+
+    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
+        return Agreement(stop or walltime_stop, save, 0 if stop else -1)
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def all(self, flag: bool) -> bool:
+        """``flag`` is True on every peer."""
+        return flag
+
+    def barrier(self) -> None:
+        pass
+
+    def lost(self, error: BaseException | None) -> PeerLost | None:
+        """The :class:`PeerLost` that ``error``, escaping the loop, stands for: one process has no peers to lose."""
+        return None
+
+    def save(
+        self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
+    ) -> CheckpointInfo | Deferred | None:
+        """Commits a checkpoint; when ``defer``, returns what the background writer finishes with the staged copy."""
+        if defer:
+            return Deferred(lambda manager, staged, manifest: manager.save(staged, manifest))
+        return manager.save(payload, manifest)
+
+
+class Ranks(Alone):
+    """The ranks of torch.distributed (created collectively, on every rank)."""
+
+    alone = False
+
+    def __init__(self, sync_every: int, *, own_group: bool = False) -> None:
+        self.coord = distributed.Coordinator(own_group=own_group)
+        self.rank, self.world_size = self.coord.rank, self.coord.world_size
+        self.leader = self.rank == 0
+        self.every = sync_every  # every rank must take the same path: the ranks meet at every N-th step
+
+    def writers(self) -> Ranks:
+        """The ranks' background writers: the same ranks on a gloo group of their own (created now, on every rank),
+        so that their collectives never interleave with the loop's."""
+        return Ranks(self.every, own_group=True)
+
+    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
+        return self.coord.agree(stop, save, walltime_stop=walltime_stop)
+
+    def broadcast(self, obj: Any) -> Any:
+        return self.coord.broadcast(obj)
+
+    def all(self, flag: bool) -> bool:
+        return self.coord.all(flag)
+
+    def barrier(self) -> None:
+        self.coord.barrier()
+
+    def lost(self, error: BaseException | None) -> PeerLost | None:
+        """A collective outside preempt's (DDP's gradient all-reduce in ``backward()``, the loop's own) failed
+        because another rank is gone: the run ends as when one of its own collectives does (exit code 80)."""
+        if error is None or not distributed.lost_peer(error):
+            return None
+        return self.coord.lost("a collective of the training loop (DDP's, or its own)", error)
+
+    def save(
+        self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
+    ) -> CheckpointInfo | Deferred | None:
+        """The distributed commit; None on the ranks other than 0 when rank 0 finishes it in the background."""
+        got = distributed.save_ranked(manager, self.coord, payload, manifest, extra, defer=defer)
+        if isinstance(got, distributed.Deferred):
+            return Deferred(got.finish)
+        return got
+
+
+def join(sync_every: int) -> Alone:
+    """The peers of this process: the ranks when torch.distributed has more than one, else the process alone."""
+    return Ranks(sync_every) if distributed.active() else Alone()

@@ -1,0 +1,596 @@
+"""PreemptibleRun: the context manager around a training loop.
+
+::
+
+    with PreemptibleRun("runs/exp1", model=model, optimizer=opt) as run:
+        sampler = run.sampler(train_set, shuffle=True, seed=0)
+        loader = DataLoader(train_set, batch_size=64, sampler=sampler)
+        for epoch in run.epochs(10):
+            for batch in run.batches(loader):
+                train_step(batch)          # forward, backward, optimizer.step(), scheduler.step()
+                run.step()                 # the safe point: the last statement of the iteration
+
+**Safe points.** A checkpoint is only ever taken where the state is whole:
+
+* in ``run.step()``, which must come after ``optimizer.step()`` (and any
+  per-step scheduler step), as the last statement of the loop body. With
+  gradient accumulation, call it only after the optimizer step: micro-batches
+  in between are never a checkpoint. A resumed run continues with the batch
+  after the one whose ``run.step()`` saved;
+* at an epoch boundary inside ``run.epochs()``, after the epoch body's own
+  end-of-epoch code, when every batch handed out was followed by ``run.step()``.
+
+**Exact resume** of the data: :mod:`preempt.run.data_cursor` and :mod:`preempt.data.replay`.
+
+**Signals.** SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (configurable) are caught
+only between ``__enter__`` and ``__exit__``; before and after, the process's
+previous handlers apply. A caught signal is recorded; the next safe point
+saves (when anything changed since the last save) and raises
+:class:`~preempt.errors.Preempted`, a ``SystemExit`` with code 75.
+
+**Walltime** keeping and SLURM's requeue: :mod:`preempt.run.stopping`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _log
+from ..checkpoint import state
+from ..checkpoint.lock import DirLock, StepBeacon
+from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.staging import payload_nbytes
+from ..cluster import distributed, sharded
+from ..cluster.environment import Environment, provenance
+from ..cluster.signals import DEFAULT_SIGNALS
+from ..data import rng
+from ..data.loaders import shield_workers
+from ..data.sampler import ResumableSampler
+from ..errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
+from .config import OPTIONS_DOC, RunConfig
+from .data_cursor import SEED_MASK, DataCursor
+from .guarding import Health, OomStep
+from .loop_state import LoopState
+from .peers import Alone, join
+from .reporting import Reporter
+from .restore import Starter
+from .save_plan import SaveRecord
+from .save_policy import Reason, SaveFacts, decide, next_due
+from .save_scheduler import SaveScheduler
+from .snapshot import Snapshot
+from .stopping import Stopper
+
+__all__ = ["PreemptibleRun", "RunConfig", "SaveRecord"]
+
+log = _log.log
+_END = object()
+_REASONS = list(Reason)  # save reasons travel between ranks as index + 1
+_OPTIONS = frozenset(f.name for f in dataclasses.fields(RunConfig))
+
+
+def _view(part: str, name: str, doc: str) -> property:
+    """A read-only attribute of the run that is ``name`` of one of its parts."""
+    return property(lambda run: getattr(getattr(run, part), name), doc=doc)
+
+
+class PreemptibleRun:
+    """Makes a training loop stop cleanly on a signal and resume exactly.
+
+    The run composes parts of one concern each: :class:`RunConfig` (the options),
+    :class:`~preempt.run.loop_state.LoopState` (the counters), :mod:`~preempt.run.peers`
+    (one process, or the ranks of torch.distributed), :mod:`~preempt.run.restore`
+    (where it starts), :class:`~preempt.run.data_cursor.DataCursor` (where the data
+    stands), :class:`~preempt.run.save_scheduler.SaveScheduler` (writing checkpoints),
+    :class:`~preempt.run.stopping.Stopper`, :class:`~preempt.run.guarding.Health` and
+    :class:`~preempt.run.reporting.Reporter`.
+
+    Args:
+        save_dir: Directory of this run's checkpoints (created if missing).
+        model: The model (DDP and ``torch.compile`` wrappers are seen through).
+        optimizer: Its optimizer.
+        scheduler: An LR scheduler (anything with state_dict/load_state_dict).
+        scaler: A ``torch.amp.GradScaler``.
+        track: Further objects with state_dict()/load_state_dict(), by name.
+        clock: Monotonic clock (for tests).
+
+        **options: The options of :class:`RunConfig`, checked there:
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: state.Stateful | None = None,
+        scaler: state.Stateful | None = None,
+        checkpoint_interval: float | None = 300.0,
+        checkpoint_every_steps: int | None = None,
+        checkpoints_per_epoch: int | None = None,
+        keep_last: int | None = 2,
+        keep_best: int = 0,
+        keep_every_steps: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        recycle_files: bool = True,
+        auto_resume: bool = True,
+        resume: str | int | os.PathLike[str] | None = "latest",
+        weights_only: bool = False,
+        strict: bool = True,
+        track: Mapping[str, state.Stateful] | None = None,
+        signals: Iterable[int] = DEFAULT_SIGNALS,
+        exit_code: int = PREEMPTED_EXIT_CODE,
+        exit_if_complete: bool = True,
+        lock_timeout: float = 0.0,
+        time_limit: float | str | None = None,
+        requeue: bool = True,
+        max_restarts: int | None = None,
+        async_save: bool = True,
+        lazy_snapshot: bool = False,
+        sync_every_steps: int = 1,
+        log_file: bool = True,
+        progress_every_s: float | None = 60.0,
+        log_level: str | None = None,
+        monitor_gpu: bool | float | None = None,
+        max_nonfinite: int = 5,
+        nonfinite_lr_factor: float = 1.5,
+        max_rollbacks: int = 3,
+        max_oom: int = 3,
+        emergency_save: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
+            raise ValueError(f"save_dir: expected a directory path, got {save_dir!r}")
+        self.components = state.Components.checked(model, optimizer, scheduler, scaler, track)
+        options = {name: value for name, value in locals().items() if name in _OPTIONS}
+        cfg = self.config = RunConfig(**options)  # checks them all
+        self.save_dir = Path(save_dir)
+        self.policy = cfg.save_policy()
+        self.manager = CheckpointManager(save_dir, retention=cfg.retention())
+        self.env = Environment.from_env()
+        self._clock = clock  # below: the parts, each of one concern; the run composes them
+        self.loop = LoopState()
+        self.stopper = Stopper(cfg, self.env, self.save_dir, clock)
+        self.data = DataCursor(self.stopper.flag.signals)
+        self.snapshot = Snapshot(self.components, self.loop, self.data)
+        self.saves = SaveScheduler(self.manager, self.loop, self.snapshot, self.stopper.flag, clock=clock)
+        self.saves.on_durable = self.stopper.saved
+        self.health = Health(cfg, self.components, self.loop, self.snapshot)
+        self.reporter = Reporter(cfg, self.save_dir, self.loop, clock)
+        self.saves.on_saved = self.reporter.checkpoint
+        self.peers: Alone = Alone()
+        self._every = 0  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
+        self._flag = self.stopper.flag
+        self.resumed_from: Path | None = None
+        job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
+        self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=lock_timeout)
+        self._beacon = StepBeacon(self.save_dir)  # the lock holder's latest step, for whoever finds it dead
+        self._starter: Starter | None = None
+        self._entered = self._active = False
+        self._batches_epoch = -1  # the epoch whose batches() has started
+        self._due_time = math.inf  # before this, run.step() does not look (the loop holds the step and batch ones)
+        self._step_hook: Any = None
+
+    # ---------------------------------------------------------------- what a user reads
+
+    global_step = _view("loop", "global_step", "Optimizer steps counted by run.step(), in all.")
+    epoch = _view("loop", "epoch", "The current epoch.")
+    batch = _view("loop", "batch", "Batches of the current epoch the loop received.")
+    metrics = _view("loop", "metrics", "The latest value of each metric given to the run.")
+    last_checkpoint = _view("saves", "last_checkpoint", "The newest durable checkpoint known.")
+    last_save = _view("saves", "last_save", "The latest checkpoint taken (a SaveRecord).")
+    failed_saves = _view("saves", "failed", "Periodic checkpoints that could not be written.")
+    staging_prepare_s = _view("saves", "prepare_s", "Seconds spent sizing the staging buffers.")
+    rank = _view("peers", "rank", "This process's rank (0 alone).")
+    world_size = _view("peers", "world_size", "The number of ranks (1 alone).")
+    nonfinite = _view("health", "nonfinite", "The non-finite loss guard (counts).")
+    oom = _view("health", "oom", "The out-of-memory guard (counts).")
+    rollbacks = _view("health", "rollbacks", "Rollbacks after non-finite losses so far.")
+
+    @property
+    def user_state(self) -> dict[str, Any]:
+        """Your own JSON-serialisable state, saved in every checkpoint and restored on resume."""
+        return self.snapshot.user_state
+
+    @user_state.setter
+    def user_state(self, value: dict[str, Any]) -> None:
+        self.snapshot.user_state = value
+
+    # ---------------------------------------------------------------- enter
+
+    def __enter__(self) -> PreemptibleRun:
+        if self._entered:
+            raise PreemptError("this PreemptibleRun was already entered; create a new one for another run")
+        self._entered = True
+        _log.setup(self.env.log_level or self.config.log_level)
+        self._join()
+        if not self.stopper.flag.install():
+            log.warning(
+                "PreemptibleRun entered outside the main thread: stop signals cannot be caught here"
+                " (CPython installs handlers only from the main thread)"
+            )
+        starter = self._starter = Starter(
+            self.config, self.manager, self.components, (self.loop, self.data, self.snapshot, self.saves),
+            self.peers, self.env,
+        )  # fmt: skip
+        try:
+            if self.peers.leader:
+                payload = self._lead(starter)
+            else:
+                starter.follow()
+                self.snapshot.provenance = provenance(self.env)
+                payload = self.snapshot.capture()  # unsupported state fails now
+            starter.finish_branch()
+        except BaseException as e:
+            if self.peers.leader:
+                starter.refuse(e)
+            self.stopper.flag.restore()
+            # A completed run has time to delete the leftovers it found; a failed start does not wait.
+            self.manager.close(timeout=None if isinstance(e, RunComplete) else 0.0)
+            self._lock.release()
+            raise
+        self._begin(payload)
+        return self
+
+    def _join(self) -> None:
+        """The run's peers: this process alone, or the ranks of torch.distributed (a collective)."""
+        cfg = self.config
+        self.snapshot.sharded = sharded.is_sharded(self.components.model)
+        if self.snapshot.sharded and not distributed.active():
+            raise PreemptError("the model's state is sharded (DTensor/FSDP) but torch.distributed has one rank")
+        if self.snapshot.sharded and cfg.weights_only and not cfg.starts_fresh:
+            raise PreemptError(
+                f"resume={cfg.resume!r}, weights_only=True: loading only the weights into a sharded model is not"
+                " supported yet; load them before entering the run, or resume the whole state"
+            )
+        peers = self.peers = join(cfg.sync_every_steps)
+        self._every = peers.every
+        self.snapshot.rank = self.reporter.rank = peers.rank
+        self.reporter.world_size = peers.world_size
+        self.saves.peers = peers
+        if not peers.leader:
+            self.manager.owner = False  # rank 0 cleans, quarantines and prunes
+
+    def _lead(self, starter: Starter) -> state.Payload:
+        """The process alone, or rank 0: takes the lock, chooses the starting state, tells the other ranks."""
+        cfg = self.config
+        self.manager.check_dir()  # a bad save_dir is said now, not at the first checkpoint hours later
+        self._lock.acquire()
+        if self._lock.previous:  # the previous holder died holding the lock
+            starter.predecessor_died, starter.died_at = True, self._beacon.read()
+            self.reporter.predecessor_died(starter.died_at, self._lock.previous.get("pid"))
+        self.manager.recover()  # only the lock holder may clean up leftovers
+        done = self.manager.completion()
+        if done is not None and cfg.exit_if_complete and not cfg.starts_fresh and not starter.new_request():
+            log.info(
+                "%s is complete (step %s, epoch %s); nothing to do. Pass exit_if_complete=False to train further.",
+                self.save_dir, done.get("step"), done.get("epoch"),
+            )  # fmt: skip
+            raise RunComplete(str(self.save_dir))
+        self.stopper.check_restarts()
+        self.snapshot.provenance = provenance(self.env)
+        payload = self.snapshot.capture()  # unsupported state fails now
+        self.stopper.read_slurm_job(self.snapshot.provenance)
+        starter.lead()
+        if done is not None:
+            self.manager.clear_complete()
+        self.stopper.arm_walltime(payload_nbytes(payload), self.loop.global_step)
+        return payload
+
+    def _begin(self, payload: state.Payload) -> None:
+        """The run is on: clocks, the staging buffers, logs and monitors, the first due points."""
+        self._active = True
+        assert self._starter is not None
+        self.resumed_from = self._starter.resumed_from
+        if self.data.seed is None:
+            self.data.seed = torch.initial_seed() & SEED_MASK
+        if self._lock.held:
+            self._beacon.open(self.loop.global_step)
+            self.loop.publish(self._beacon.view)
+        self.loop.started(self._clock())
+        self.health.apply_lr_scale(resumed=self.resumed_from is not None)
+        opt = self.components.optimizer
+        if opt is not None:
+            self._step_hook = opt.register_step_pre_hook(self.loop.optimizer_stepping)
+        self.reporter.start(self.resumed_from)
+        if self.config.async_save:
+            self.saves.start(payload, optimizer_state_later=opt is not None, lazy=self.config.lazy_snapshot)
+        self._recompute_due()
+
+    # ----------------------------------------------------------------- exit
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        lost = self.peers.lost(exc) if self._active else None
+        if lost is not None:  # another rank died during a collective of the loop's own: leave as in one of ours
+            exc_type, exc = PeerLost, lost
+        try:
+            if exc_type is None and self._active:
+                self._finish()
+            elif self._active and exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                self.health.emergency(exc, self.saves, alone=self.peers.alone)
+        finally:
+            self._active = False
+            self.stopper.flag.restore()
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
+            self.reporter.ended(exc_type is None, exc)
+            try:
+                self.saves.close()  # a write in flight is a consistent state: let it become durable
+                self.data.stop_workers()
+                # After a stop the process must exit within its grace period; the next start redoes deletions.
+                self.manager.close(timeout=None if exc_type is None else 0.0)
+            finally:
+                self.loop.publish(None)
+                self._beacon.close()
+                self._lock.release()
+        if lost is not None:
+            raise lost  # its __cause__ is the loop's error
+        return False
+
+    def _finish(self) -> None:
+        """Final checkpoint (when anything changed) and the completion marker."""
+        saves = self.saves
+        saves.settle()
+        needed = self.loop.dirty or saves.last_info is None  # rank 0 decides: it knows if its last write is durable
+        last = None if saves.last_checkpoint is None else str(saves.last_checkpoint)
+        needed, last = self.peers.broadcast((needed, last))
+        if not needed and not self.peers.leader:
+            saves.last_checkpoint = None if last is None else Path(last)
+            return
+        if needed:
+            saves.save(Reason.FINAL, "epoch")
+        if not self.peers.leader:
+            return
+        final = saves.last_info
+        assert final is not None
+        self.manager.mark_complete(final)
+        loop = self.loop
+        log.info("run complete: step %d, epoch %d; final checkpoint %s", loop.global_step, loop.epoch, final.path)
+
+    # ---------------------------------------------------------------- loop
+
+    def epochs(self, n: int) -> Iterator[int]:
+        """Yields epoch numbers from the resumed epoch up to ``n - 1``.
+
+        Each boundary (before every epoch, and after the last) is a safe point.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"epochs: expected an integer >= 0, got {n!r}")
+        self._check_active("epochs")
+        self.reporter.epochs_total = n
+        loop = self.loop
+        while True:
+            rng_now = self.data.resume_at_epoch(loop.epoch)
+            if rng_now is not None:
+                rng.restore(rng_now)  # the program point where that checkpoint was taken
+            if loop.at_epoch_start:
+                self._safe_point("epoch")
+            elif self.stopper.flag.requested and not loop.dirty and self.peers.alone:
+                self._stop()  # a stop between run.step() and the epoch's end, with nothing to save
+            if loop.epoch >= n:
+                return
+            self.data.set_epoch(loop.epoch)
+            self._recompute_due()
+            self.reporter.epoch_started()
+            yield loop.epoch
+            self.reporter.epoch_summary()
+            self.stopper.epoch_done()
+            if loop.batches_since_step:
+                log.debug(
+                    "epoch %d ended with %d batch(es) not followed by run.step()", loop.epoch, loop.batches_since_step
+                )
+            loop.epoch_ended()
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Yields the loader's batches for the current epoch, from the resumed batch on.
+
+        Call once per epoch. The cursor counts batches the loop received, not
+        those the workers prefetched.
+        """
+        self._check_active("batches")
+        loop, stopper = self.loop, self.stopper
+        if self._batches_epoch == loop.epoch:
+            raise PreemptError(
+                f"run.batches() was already used in epoch {loop.epoch}; iterate epochs with run.epochs(n)"
+            )
+        self._batches_epoch = loop.epoch
+        it, start = self.data.open(loader, loop.epoch)
+        if it is None:
+            return
+        loop.at_batch(start)
+        self._recompute_due()
+        if stopper.walltime is not None:
+            # time the loader's start (worker start-up, first batch) once per epoch, outside the per-batch loop
+            t0 = self._clock()
+            first = next(it, _END)
+            if first is _END:
+                return
+            stopper.loader_gap(self._clock() - t0)
+            loop.took_batch()
+            yield first
+        for item in it:
+            loop.took_batch()
+            yield item
+        stopper.loader_done()
+
+    def step(self, metrics: Mapping[str, Any] | None = None) -> None:
+        """Counts one optimizer step; the safe point where checkpoints happen.
+
+        Call it as the last statement of the loop body, after ``optimizer.step()``.
+        May write a checkpoint; after a stop signal, saves and raises Preempted.
+
+        Args:
+            metrics: Numbers to record at this step; the one named ``best_metric``
+                decides "best" checkpoints.
+        """
+        loop = self.loop
+        look = loop.stepped()
+        step = loop.global_step
+        if metrics is not None:
+            loop.record(metrics, self.manager.retention)
+            look = look or loop.best_pending
+        # The ranks meet at every sync_every_steps-th step, all together; alone, only when something may be due.
+        if self._every:
+            if step % self._every == 0:
+                self._safe_point("step")
+        elif (
+            look
+            or self._flag.requested
+            or self._clock() >= self._due_time
+            or (self.saves.job is not None and self.saves.finished())
+        ):
+            self._safe_point("step")
+
+    def report(self, metrics: Mapping[str, Any]) -> None:
+        """Records metrics without counting a step (e.g. validation at the end of an epoch).
+
+        When ``best_metric`` improves, the next safe point saves a "best" checkpoint.
+        """
+        self.loop.record(metrics, self.manager.retention)
+
+    # ----------------------------------------------------------- extras
+
+    def sampler(
+        self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False, per_sample_rng: bool = True
+    ) -> ResumableSampler:
+        """A ResumableSampler for ``dataset`` whose epoch the run keeps in step.
+
+        With ``per_sample_rng`` (the default) a DataLoader drawing from it seeds
+        the random generators of whichever process fetches a sample from
+        (seed, epoch, index) first, so random augmentation inside the dataset
+        replays exactly, with any number of workers (:mod:`preempt.data.replay`).
+        """
+        return self.data.make_sampler(
+            dataset,
+            epoch=self.loop.epoch,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            per_sample_rng=per_sample_rng,
+        )
+
+    def track(self, name: str, obj: state.Stateful) -> None:
+        """Saves and restores ``obj`` (anything with state_dict/load_state_dict) under ``name``.
+
+        When the run resumed, the object's saved state is loaded at once.
+        """
+        self.components.track(name, obj)
+        saved = self._starter.saved_tracked if self._starter is not None else {}
+        if self._active and not state.load_tracked(name, obj, saved, str(self.resumed_from)):
+            if self.resumed_from is not None:
+                log.warning("tracked object %r has no state in %s; left as it is", name, self.resumed_from)
+
+    def protect(self, loader: Any) -> Any:
+        """Makes a DataLoader's workers ignore stop signals (done for you by run.batches)."""
+        return shield_workers(loader, self.stopper.flag.signals)
+
+    def request_stop(self) -> None:
+        """Asks the run to save and stop at the next safe point, as a signal would."""
+        self.stopper.flag.request(None)
+
+    @property
+    def stop_requested(self) -> bool:
+        """A stop signal (or request_stop) is pending."""
+        return self.stopper.flag.requested
+
+    def wait_for_checkpoint(self, timeout: float | None = None) -> Path | None:
+        """Waits for the background write in flight, if any; returns the newest durable checkpoint.
+
+        Under torch.distributed the background writes are rank 0's: on the
+        other ranks this returns at once, with the newest checkpoint they saw
+        committed synchronously (rank 0 knows of the later ones).
+
+        Raises:
+            TimeoutError: The write still runs after ``timeout`` seconds.
+            CheckpointWriteError: The write failed other than for want of disk
+                (a failed periodic write is logged and counted in ``failed_saves``).
+        """
+        path = self.saves.wait(timeout)
+        if self._active:
+            self._recompute_due()  # a save postponed behind that write is due now
+        return path
+
+    def check_loss(self, loss: torch.Tensor | float) -> bool:
+        """True when ``loss`` is finite. Otherwise skip the step: zero the gradients, no backward, no run.step().
+
+        After ``max_nonfinite`` in a row the run rolls back to its last checkpoint with lower learning rates
+        (:meth:`preempt.run.guarding.Health.check_loss`); it cannot roll back: exit code 78.
+        """
+        return self.health.check_loss(
+            loss,
+            lambda: self.health.roll_back(
+                self.saves, self.manager, alone=self.peers.alone, marker=self.reporter.marker
+            ),
+        )
+
+    def oom_guard(self) -> OomStep:
+        """``with run.oom_guard() as s:`` around forward, backward and the optimizer step: an out-of-memory
+        error inside is caught, memory is freed, and ``s.skipped`` is True (zero the gradients and skip
+        ``run.step()``). ``max_oom`` in a row raise :class:`~preempt.health.guards.OutOfMemoryStreak` (exit code 79).
+        Under torch.distributed the first one does: one rank cannot skip a step alone.
+        """
+        return self.health.oom_step(alone=self.peers.alone)
+
+    # ------------------------------------------------------------ internals
+
+    def _check_active(self, what: str) -> None:
+        if not self._active:
+            raise PreemptError(f"run.{what}() is only available inside 'with PreemptibleRun(...) as run:'")
+
+    def _facts(self, now: float) -> SaveFacts:
+        return self.loop.facts(
+            now,
+            batches_per_epoch=self.data.batches_per_epoch,
+            stop_requested=self.stopper.flag.requested,
+            stop_at=self.stopper.stop_at(),
+        )
+
+    def _recompute_due(self) -> None:
+        """The thresholds below which run.step() does not go through the safe point: each part's earliest."""
+        self.saves.idle()  # after the safe point's saves: a pool may be written ahead now
+        now = self._clock()
+        due = self.saves.wake(next_due(self.policy, self._facts(now)), self.policy.milestone_steps)
+        self.loop.wake_at(due.step, due.batch)
+        self._due_time = min(due.time, self.reporter.next_at, self.stopper.review_at(now))
+
+    def _safe_point(self, point: str) -> None:
+        """Where a checkpoint may be taken: the peers agree on saving and stopping (alone: trivially)."""
+        loop, saves, stopper = self.loop, self.saves, self.stopper
+        saves.tend()
+        if self._clock() >= self.reporter.next_at:
+            self.reporter.report(self.data.batches_per_epoch, self.components.optimizer)
+        stopper.observe(loop.global_step)
+        decision = decide(self.policy, self._facts(self._clock()))  # rank 0's counts; the others add a signal
+        stopper.decided(decision)
+        reason = saves.pick(decision.reason if decision.save else None)
+        agreed = self.peers.agree(
+            stopper.flag.requested,
+            _REASONS.index(reason) + 1 if reason is not None else 0,
+            walltime_stop=decision.stop and decision.reason is Reason.WALLTIME,
+        )
+        if agreed.save:  # a signal that came during a write stops the run here, with that checkpoint
+            if not saves.save(_REASONS[agreed.save - 1], point) and not agreed.stop:  # (after a copy alone: the next)
+                agreed = self.peers.agree(stopper.flag.requested, 0)
+        if agreed.stop:
+            saves.before_stop()  # rank 0's write in flight: cancelled when the state moved past it, else awaited
+            if self.peers.broadcast(loop.dirty):  # rank 0's view: a signal during that save, or its write failed
+                saves.save(Reason.PREEMPT, point)
+            self._stop(peer=agreed.signal_rank)
+        self._recompute_due()
+
+    def _stop(self, peer: int = -1) -> None:
+        self.stopper.stop(self.loop, checkpoint=self.saves.last_checkpoint, peer=peer)
+
+
+for _name in sorted(_OPTIONS - set(vars(PreemptibleRun))):  # the options read as attributes: run.time_limit, ...
+    setattr(PreemptibleRun, _name, _view("config", _name, f"The {_name} option (see RunConfig)."))
+PreemptibleRun.__doc__ = (PreemptibleRun.__doc__ or "").rstrip() + "\n" + OPTIONS_DOC  # help() shows every option

@@ -1,0 +1,289 @@
+"""What the run tells: ``train.log``, ``history.jsonl``, progress lines, epoch summaries, the GPU monitor.
+
+:class:`Reporter` starts and stops the run's log file and history
+(:mod:`preempt.health.history`) and the GPU monitor (:mod:`preempt.health.monitor`), writes
+progress lines (5 s, 10 s, 20 s, ... then every ``progress_every_s``), metric
+points into history.jsonl (:func:`point_interval`) and a summary at each epoch
+end.
+It reads the loop's counters and changes none.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _log
+from ..errors import Preempted
+from ..health.history import History, Progress, RunLog
+from ..health.monitor import GPUMonitor
+from .config import RunConfig
+from .loop_state import LoopState
+from .save_plan import SaveRecord
+
+log = _log.log
+FIRST_PROGRESS_S = 5.0  # the first progress line comes this soon (or at progress_every_s if sooner), then doubles
+
+
+def point_interval(age_s: float, every_s: float) -> float:
+    """The wait before the next metric point in history.jsonl, ``age_s`` seconds into the process.
+
+    Every second for the first 100 s, then a hundredth of the age (about 230 points per tenfold of it), never
+    sparser than the progress lines: a short run still draws a curve in ``preempt report --plot``, and a process
+    of a day writes about 500 points more than its progress lines alone.
+    """
+    return min(every_s, max(1.0, age_s / 100.0))
+
+
+class Reporter:
+    """The run's log, history and monitor (see the module docstring)."""
+
+    def __init__(
+        self, config: RunConfig, save_dir: Path, loop: LoopState, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.save_dir = save_dir
+        self.loop = loop
+        self.clock = clock
+        self.rank, self.world_size = 0, 1
+        self.next_at = float("inf")  # when report() has something to do: a progress line or a metric point
+        self.epochs_total: int | None = None
+        self._runlog: RunLog | None = None
+        self._history: History | None = None
+        self._progress: Progress | None = None
+        self._monitor: GPUMonitor | None = None
+        self._epoch_started = 0.0
+        self._from = (0.0, 0)  # (clock, step) of the previous record
+        self.crash: dict[str, Any] | None = None  # the previous process died holding the lock: how far it got
+        self._base = (0, 0, 0)  # (step, epoch, batch) at the start of this process: the optimizer steps per batch
+        self._interval = 0.0  # the wait before the next progress line: short at first, up to progress_every_s
+        self._started = 0.0  # clock at start()
+        self._line_at = float("inf")  # when the next progress line is due
+        self._point_at = float("inf")  # when the next metric point of history.jsonl is due
+
+    def start(self, resumed_from: Path | None) -> None:
+        """train.log, history.jsonl, the progress line and the GPU monitor, as configured."""
+        cfg, step = self.config, self.loop.global_step
+        self._base = (step, self.loop.epoch, self.loop.batch)
+        if self.rank == 0:
+            log.info("%s", start_line(cfg, self.save_dir, resumed_from, step))
+        if cfg.log_file:
+            every_rank = os.environ.get("PREEMPT_LOG_ALL_RANKS", "") not in ("", "0")
+            self._runlog = RunLog(self.save_dir, rank=self.rank, world_size=self.world_size, log_all_ranks=every_rank)
+            self._runlog.start(resumed_from, step)
+            self._history = History(self.save_dir, rank=self.rank)
+            if self._history.active:
+                exit_line_at_exit(self.save_dir)
+            facts: dict[str, Any] = {"pid": os.getpid(), "proc_start": process_start()}
+            if self.crash is not None:
+                facts["crashed"] = self.crash
+            if resumed_from is None:
+                self._history.marker("start", step=step, **facts)
+            else:
+                self._history.marker("resume", step=step, from_=str(resumed_from), **facts)
+        self._progress = Progress(None, every_s=cfg.progress_every_s or 60.0, clock=self.clock)
+        if cfg.progress_every_s is not None:
+            now = self.clock()
+            self._interval = min(cfg.progress_every_s, FIRST_PROGRESS_S)
+            self._progress.every_s = self._interval
+            self._started, self._from = now, (now, step)
+            self._line_at = now + self._interval
+            if self._history is not None and self._history.active:
+                self._point_at = now + point_interval(0.0, cfg.progress_every_s)
+            self.next_at = min(self._line_at, self._point_at)
+        if cfg.monitor_gpu is not None and self.rank == 0:
+            monitor = GPUMonitor(self.save_dir, cfg.monitor_gpu)
+            if monitor.available:
+                self._monitor = monitor.start()
+
+    def report(self, batches_per_epoch: int | None, optimizer: torch.optim.Optimizer | None) -> None:
+        """A progress line in the log and a metric point in history.jsonl, each when it is due (see ``next_at``)."""
+        now, loop, every = self.clock(), self.loop, self.config.progress_every_s
+        assert every is not None and self._progress is not None
+        if now >= self._line_at:
+            self._interval = min(every, self._interval * 2)  # 5 s, 10 s, 20 s, ... up to progress_every_s
+            self._line_at = now + self._interval
+            bpe, n = batches_per_epoch, self.epochs_total
+            if bpe and n is not None:
+                self._progress.total_steps = total_steps(self._base, loop, bpe, n)
+            line = self._progress.update(loop.global_step, loop.epoch, loop.batch, bpe, loop.metrics)
+            self._progress.every_s = self._interval
+            if line and self.rank == 0:
+                log.info("%s", line)
+        if now >= self._point_at and self._history is not None:
+            self._point_at = now + point_interval(now - self._started, every)
+            t0, step0 = self._from
+            self._from = (now, loop.global_step)
+            steps = loop.global_step - step0
+            self._history.record(
+                loop.global_step,
+                loop.epoch,
+                loop.metrics,
+                lr=[float(g["lr"]) for g in optimizer.param_groups] if optimizer is not None else None,
+                step_time_s=(now - t0) / steps if steps > 0 else None,
+                gpu_mem=self._gpu_memory(),
+            )
+        self.next_at = min(self._line_at, self._point_at)
+
+    def epoch_started(self) -> None:
+        self._epoch_started = self.clock()
+
+    def epoch_summary(self) -> None:
+        if self._progress is None or self.rank != 0:
+            return
+        peak = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        loop = self.loop
+        took = self.clock() - self._epoch_started
+        means = loop.epoch_means()  # the epoch's mean of each metric, not its last step's
+        log.info("%s", self._progress.epoch_summary(loop.epoch, means, took, loop.best, peak))
+
+    def predecessor_died(self, step: int | None, pid: Any) -> None:
+        """The previous process died holding the lock, at ``step`` (its beacon): said in the resume marker."""
+        self.crash = {"died_at": step, "pid": pid if isinstance(pid, int) and not isinstance(pid, bool) else None}
+
+    def checkpoint(self, record: SaveRecord, nbytes: int) -> None:
+        """A ``checkpoint`` marker: its step, why, what it cost the loop, and ``at``, when its state was taken."""
+        if self._history is None or record.write_s is None:
+            return
+        at = time.time() - record.write_s - (record.stall_s if record.background else 0.0)
+        self._history.marker(
+            "checkpoint",
+            step=record.step,
+            reason=record.reason,
+            stall_s=round(record.stall_s, 4),
+            write_s=round(record.write_s, 4),
+            background=record.background,
+            bytes=nbytes,
+            at=round(at, 3),
+        )
+
+    def marker(self, event: str, **fields: Any) -> None:
+        """A marker record in history.jsonl (rollback, ...)."""
+        if self._history is not None:
+            self._history.marker(event, **fields)
+
+    def ended(self, completed: bool, exc: BaseException | None) -> None:
+        """The run's end: a marker (``complete``, ``stop`` or ``error``) and the files closed."""
+        if isinstance(exc, Preempted):
+            self.stop("stop", cause=exc.cause or None, code=exc.code, requeued=exc.requeued)
+        elif completed:
+            self.stop("complete")
+        else:
+            # The exits with a code of their own (a lost peer, a NaN or OOM streak) carry their message.
+            message = getattr(exc, "message", None)
+            self.stop("error", error=(message if isinstance(message, str) else repr(exc))[:200])
+
+    def stop(self, event: str | None = None, **fields: Any) -> None:
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
+        if self._history is not None:
+            if event is not None:
+                self._history.marker(event, step=self.loop.global_step, **fields)
+            self._history.close()
+            self._history = None
+        if self._runlog is not None:
+            self._runlog.close()
+            self._runlog = None
+
+    def _gpu_memory(self) -> dict[str, Any] | None:
+        """GPU memory for a history record: the monitor's NVML reading, else torch's own counters."""
+        if self._monitor is not None:
+            return {str(k): v for k, v in self._monitor.read_memory().items()} or None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+        return None
+
+
+def process_start() -> float | None:
+    """When this process started (unix seconds), from ``/proc`` (Linux); None elsewhere.
+
+    ``preempt report`` counts the time before the run was entered (imports,
+    building the model, restoring) as start-up.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot (fields[0] is field 3)
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])  # 10 ms resolution (btime in /proc/stat has whole seconds)
+        return round(time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK")), 3)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def total_steps(base: tuple[int, int, int], loop: LoopState, batches_per_epoch: int, epochs: int) -> int | None:
+    """The run's last global step, from the optimizer steps per batch measured since ``base`` (step, epoch, batch).
+
+    Under gradient accumulation a step takes several batches: counting one
+    step per batch would put the end, and the ETA, several times too far.
+    None until a batch was seen.
+    """
+    step0, epoch0, batch0 = base
+    batches = (loop.epoch - epoch0) * batches_per_epoch + loop.batch - batch0
+    if batches <= 0:
+        return None
+    per_batch = (loop.global_step - step0) / batches
+    left = (epochs - loop.epoch) * batches_per_epoch - loop.batch
+    return loop.global_step + max(0, round(per_batch * left))
+
+
+def start_line(cfg: RunConfig, save_dir: Path, resumed_from: Path | None, step: int) -> str:
+    """What a user wants to see first: fresh or resumed, where, what is saved when, and what is kept."""
+    how = "fresh start" if resumed_from is None else f"resumed at step {step}"
+    saves = []
+    if cfg.checkpoint_interval is not None:
+        saves.append(f"every {_log.duration(cfg.checkpoint_interval)}")
+    if cfg.checkpoint_every_steps is not None:
+        saves.append(f"every {cfg.checkpoint_every_steps} steps")
+    if cfg.checkpoints_per_epoch is not None:
+        saves.append(f"{cfg.checkpoints_per_epoch} per epoch")
+    if cfg.keep_every_steps is not None:
+        saves.append(f"at multiples of step {cfg.keep_every_steps}")
+    if cfg.best_metric is not None:
+        saves.append(f"when {cfg.best_metric} improves")
+    saves.append("at a stop and at the end")
+    keeps = [f"the last {cfg.keep_last}" if cfg.keep_last is not None else "all"]
+    if cfg.keep_best:
+        keeps.append(f"the best {cfg.keep_best} by {cfg.best_metric} ({cfg.best_mode})")
+    mode = "in the background" if cfg.async_save else "synchronously"
+    return f"{save_dir}: {how}; checkpoints {', '.join(saves)} ({mode}); keeping {', '.join(keeps)}"
+
+
+_AT_EXIT: dict[Path, int] = {}  # save_dir -> pid: the history files that get an "exit" line when the process exits
+
+
+def exit_line_at_exit(save_dir: str | os.PathLike[str]) -> None:
+    """Appends ``{"event": "exit"}`` to ``save_dir/history.jsonl`` when this process exits normally.
+
+    The run's own last line (``complete``, ``stop``) comes before the code
+    after its ``with`` block (an export, an evaluation) and the interpreter's
+    exit: ``preempt report`` counts a process's wall time to this line. Not
+    written when the process is killed; written once per save_dir.
+    """
+    if not _AT_EXIT:
+        atexit.register(_write_exit_lines)
+    _AT_EXIT[Path(save_dir)] = os.getpid()
+
+
+def _write_exit_lines() -> None:
+    for save_dir, pid in list(_AT_EXIT.items()):
+        if pid != os.getpid():  # a forked child (a DataLoader worker) inherits the registry, not the run
+            continue
+        try:
+            hist = History(save_dir) if save_dir.is_dir() else None
+        except OSError:
+            continue
+        if hist is not None:
+            hist.marker("exit", pid=pid)
+            hist.close()
+    _AT_EXIT.clear()

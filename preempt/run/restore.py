@@ -1,0 +1,299 @@
+"""Starting a run: carrying out the start plan (:mod:`preempt.run.resume_plan`) and restoring a checkpoint.
+
+:class:`Starter` runs on every rank. The leader (the process alone, or rank 0)
+plans the start from the save_dir, loads, and tells the other ranks which
+checkpoint to load (``announce``); a follower loads what it is told. Restoring
+puts a verified checkpoint's state into the components and into the run's
+parts: the loop's counters, the data cursor's resume point, the snapshot's
+lineage and user state, the scheduler's newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import _log
+from ..checkpoint import state
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..cluster import sharded
+from ..cluster.environment import Environment
+from ..data import rng
+from ..errors import IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
+from .config import RunConfig
+from .data_cursor import SEED_MASK, DataCursor, Resume
+from .loop_state import LoopState
+from .peers import Alone
+from .resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
+from .save_policy import Reason
+from .save_scheduler import SaveScheduler
+from .snapshot import Snapshot
+
+log = _log.log
+
+
+class Starter:
+    """Chooses and loads the starting state of one run (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        manager: CheckpointManager,
+        components: state.Components,
+        parts: tuple[LoopState, DataCursor, Snapshot, SaveScheduler],
+        peers: Alone,
+        env: Environment,
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self.save_dir = manager.save_dir
+        self.components = components
+        self.loop, self.data, self.snapshot, self.saves = parts
+        self.peers = peers
+        self.env = env
+        self.resumed_from: Path | None = None
+        self.saved_tracked: dict[str, Any] = {}  # a restored checkpoint's tracked objects, for run.track() later
+        self.predecessor_died = False
+        self.died_at: int | None = None  # the step a previous holder reached before it died (None: unknown)
+        self._announced = False
+        self._branching = False
+        self._branch: tuple[dict[str, Any], CheckpointInfo, bool] | None = None  # the leader's new timeline
+        self._branch_due = False  # a new timeline needs its first checkpoint
+
+    # ---------------------------------------------------------------- the leader
+
+    def _latest_request(self) -> Any:
+        latest = next((c for c in self.manager.list() if c.status == "valid"), None)
+        return NO_CHECKPOINT if latest is None else latest.manifest.lineage.get("request")
+
+    def _request(self) -> dict[str, Any] | None:
+        return request_of(self.config.resume, self.config.weights_only)
+
+    def new_request(self) -> bool:
+        """A resume request (other than "latest") that the newest checkpoint does not record yet."""
+        if self.config.starts_fresh:
+            return False
+        return is_new_request(self._request(), self._latest_request())
+
+    def lead(self) -> None:
+        """Chooses the starting state, loads it, and tells the other ranks (which then load it too)."""
+        cfg = self.config
+        p = plan_start(fresh=cfg.starts_fresh, request=None if cfg.starts_fresh else self._request(),
+                       latest_request=NO_CHECKPOINT if cfg.starts_fresh else self._latest_request())  # fmt: skip
+        if p.kind == "fresh":
+            self._start_fresh({"request": None}, supersede=True)
+        elif p.kind == "latest" and self._continue(p.request):
+            pass
+        else:
+            self._start_branch(p.request)  # type: ignore[arg-type]
+        if not self._announced:
+            self.announce(None if self.resumed_from is None else str(self.resumed_from))
+
+    def _continue(self, request: dict[str, Any] | None) -> bool:
+        """Loads the newest valid checkpoint; False when the request's timeline must be branched after all."""
+        try:
+            info, loaded = self.manager.load("latest")
+        except NoCheckpointError as e:
+            if e.corrupt:
+                log.warning("%s; starting fresh (the broken checkpoints are in %s/quarantine)", e, self.save_dir)
+            if request is None:
+                self._start_fresh({"request": None}, supersede=False)
+                return True
+            return False
+        if request is not None and info.manifest.lineage.get("request") != request:
+            return False
+        self.restore(info, loaded)
+        return True
+
+    def announce(self, path: str | None) -> None:
+        """Rank 0 tells the others which checkpoint to load, and whether a resume request is being applied."""
+        self.peers.broadcast(("start", path, self._branching))
+        self._announced = True
+
+    def refuse(self, error: BaseException) -> None:
+        """The leader could not start: the other ranks learn it instead of waiting."""
+        if not self._announced:
+            self.peers.broadcast(("complete" if isinstance(error, RunComplete) else "fail", repr(error), False))
+
+    def _start_branch(self, request: dict[str, Any]) -> None:
+        """Applies a resume request once: loads its checkpoint and starts a new timeline from it."""
+        source_dir, selector = request_source(self.config.resume, self.save_dir)
+        own = source_dir == self.save_dir.resolve()
+        if own and not any(c.status == "valid" for c in self.manager.list()):
+            log.info("%s has no checkpoint yet; starting fresh", self.save_dir)
+            self._start_fresh({"request": request}, supersede=False)
+            return
+        source = self.manager if own else CheckpointManager(source_dir, owner=False)
+        self._branching = True
+        weights_only = self.config.weights_only
+        info, loaded = source.load(selector, weights_only=weights_only)
+        if weights_only:
+            if self.components.model is not None:
+                state.load_model(self.components.model, loaded, strict=self.config.strict)
+            self.resumed_from = info.path
+            log.info(
+                "loaded the weights of %s (step %d); optimizer, scheduler and counters start fresh",
+                info.path,
+                info.step,
+            )
+        else:
+            self.restore(info, loaded)
+        self._branch = (request, info, own)
+        self._branch_due = True
+
+    def finish_branch(self) -> None:
+        """The new timeline of a resume request: the old one moved aside, and a first checkpoint at once.
+
+        Under torch.distributed, after every rank has loaded the source (a barrier); the save is a collective.
+        """
+        if not self._branch_due:
+            return
+        self.peers.barrier()
+        if self._branch is not None:
+            request, info, own = self._branch
+            # Checkpoints that would shadow the new timeline are moved aside, not deleted.
+            shadowing = [
+                c
+                for c in self.manager.list()
+                if c.status == "valid" and (self.config.weights_only or not own or c.step > info.step)
+            ]
+            moved = self.manager.supersede(shadowing)
+            if moved:
+                log.warning(
+                    "moved %d checkpoint(s) of the previous timeline to %s/superseded", len(moved), self.save_dir
+                )
+            self.snapshot.lineage = {"request": request, "source": str(info.path), "started": time.time()}
+        self._branch, self._branch_due = None, False
+        # The new timeline gets its first checkpoint at once, so that a rerun continues it.
+        self.loop.changed()
+        r = self.data.resume
+        self.saves.save(Reason.BRANCH, "epoch" if r is None else r.cursor.point)
+
+    def _start_fresh(self, lineage: dict[str, Any], *, supersede: bool) -> None:
+        self._say_predecessor_died(0)
+        existing = [c for c in self.manager.list() if c.status == "valid"]
+        if existing and supersede:
+            moved = self.manager.supersede(existing)
+            log.warning(
+                "starting fresh (auto_resume=False or resume=None): moved %d existing checkpoint(s) to %s/superseded",
+                len(moved),
+                self.save_dir,
+            )
+        self.snapshot.lineage = {**lineage, "started": time.time()}
+
+    # ---------------------------------------------------------------- a follower
+
+    def follow(self) -> None:
+        """A rank other than 0: loads the checkpoint rank 0 chose (in this save_dir or, for a request, another)."""
+        kind, detail, branch = self.peers.broadcast(None)
+        if kind == "complete":
+            raise RunComplete(str(self.save_dir))
+        if kind == "fail":
+            raise PreemptError(f"rank 0 could not start the run in {self.save_dir}: {detail}")
+        if detail is None:
+            self.snapshot.lineage = {"request": None, "started": time.time()}
+        else:
+            self._load_chosen(Path(detail), weights_only=branch and self.config.weights_only)
+        self._branch_due = bool(branch)  # rank 0 moves the old timeline aside
+
+    def _load_chosen(self, path: Path, *, weights_only: bool) -> None:
+        here = path.parent.resolve() == self.save_dir.resolve()
+        source = self.manager if here else CheckpointManager(path.parent, owner=False)
+        info = next((c for c in source.list() if c.path.resolve() == path.resolve()), None)
+        rank = self.peers.rank
+        if info is None or info.status != "valid":
+            raise NoCheckpointError(f"rank {rank}: {path}, chosen by rank 0, is not a valid checkpoint")
+        if weights_only:
+            if self.components.model is not None:
+                state.load_model(self.components.model, source.read(info, weights_only=True), strict=self.config.strict)
+            self.resumed_from = info.path
+            return
+        if state.rank_files(rank)[1] not in info.manifest.files:
+            log.warning(
+                "rank %d: %s was written by fewer ranks; this rank starts from rank 0's random state", rank, path
+            )
+        self.restore(info, source.read(info, rank=rank))
+
+    # ---------------------------------------------------------------- restoring
+
+    def restore(self, info: CheckpointInfo, loaded: state.Loaded) -> None:
+        """Puts a verified checkpoint's state into the components and the run's parts."""
+        m = info.manifest
+        assert m is not None
+        tree = loaded.tree
+        where = f"{info.path}/{state.STATE_JSON}"
+        try:
+            rngs = tree["rng"]
+            rng_now = rng.from_tree(rngs["now"], where)
+            rng_epoch = rng.from_tree(rngs["epoch_start"], where) if rngs.get("epoch_start") else None
+        except (KeyError, TypeError) as e:
+            raise IncompatibleStateError(f"{where}: no RNG state ({e}); was it written by PreemptibleRun?") from None
+        if not isinstance(tree.get("user", {}), dict):
+            raise IncompatibleStateError(f"{where}: user: expected an object, found {type(tree['user']).__name__}")
+        data = tree.get("data") or {}  # absent in checkpoints of earlier versions
+        if not isinstance(data, dict):
+            raise IncompatibleStateError(f"{where}: data: expected an object, found {type(data).__name__}")
+        seed = data.get("seed")
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            self.data.seed = seed & SEED_MASK
+        self._apply(info, loaded)
+        self.saved_tracked = tree.get("tracked", {})
+        snap = self.snapshot
+        snap.user_state = dict(tree.get("user") or {})
+        scale = tree.get("lr_scale", 1.0)
+        snap.lr_scale = float(scale) if isinstance(scale, (int, float)) and scale > 0 else 1.0
+        snap.lineage = dict(m.lineage)
+        rng.restore(rng_now)
+        c = m.cursor
+        self.loop.restored(m.step, c, m.metrics, m.best)
+        self.data.resume = Resume(info, c, rng_now, rng_epoch, m.sampler, data.get("loader"))
+        self.saves.loaded(info)
+        self.resumed_from = info.path
+        age = _log.duration(max(0.0, time.time() - m.created))
+        of = f"/{c.batches_per_epoch}" if c.batches_per_epoch >= 0 else ""
+        env, job = self.env, ""
+        if env.slurm_job_id:
+            array = f" (array {env.slurm_array_job_id}_{env.slurm_array_task_id})" if env.slurm_array_job_id else ""
+            job = f"restart {env.slurm_restart_count or 0} of job {env.slurm_job_id}{array}: "
+        log.info(
+            "%sresumed from %s: step %d, epoch %d, batch %d%s, saved %s ago", job, info.path, m.step, c.epoch, c.batch,
+            of, age,
+        )  # fmt: skip
+        self._say_predecessor_died(m.step)
+
+    def _apply(self, info: CheckpointInfo, loaded: state.Loaded) -> None:
+        """The components' state; sharded tensors through DCP (a collective the other ranks are told of first)."""
+        c, strict = self.components, self.config.strict
+        if not loaded.sharded:
+            state.apply(c, loaded, strict=strict)
+            return
+        state.apply(state.Components(None, None, c.scheduler, c.scaler, c.tracked), loaded, strict=strict)
+        if self.peers.leader and not self.peers.alone:
+            self.announce(str(info.path))  # loading sharded state is a collective: the others must learn it first
+        if c.model is None:
+            raise IncompatibleStateError(f"{info.path}: holds a sharded model but the run has no model")
+        try:
+            rest = (loaded.tree.get("sharded") or {}).get("optimizer")
+            sharded.load_into(
+                info.path, state.unwrap_model(c.model), c.optimizer, rest, f"{info.path}/{state.STATE_JSON}"
+            )
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise IncompatibleStateError(f"{info.path}: sharded state does not load: {e}") from e
+
+    def _say_predecessor_died(self, resumed_step: int) -> None:
+        """After a crash (no clean stop), how far the dead process got and what is recomputed."""
+        if not self.predecessor_died:
+            return
+        self.predecessor_died = False
+        what = "without stopping (killed: SIGKILL, out of memory, or its node failed)"
+        if self.died_at is None or self.died_at < resumed_step:
+            log.warning("the previous process died %s; how far it got is not known", what)
+            return
+        log.warning(
+            "the previous process died %s at step %d: the %d step(s) since step %d will be recomputed",
+            what,
+            self.died_at,
+            self.died_at - resumed_step,
+            resumed_step,
+        )

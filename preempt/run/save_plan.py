@@ -1,0 +1,136 @@
+"""What the save scheduler decides, as pure functions of made-up-able facts; the records it keeps.
+
+* :func:`pick` -- at a safe point: which save to take now, and which waits;
+* :func:`plan` -- for a save: wait for the job in flight first, cancel it? in the background?
+* :func:`wake` -- the step and time at which ``run.step()`` must look again.
+
+:class:`~preempt.run.save_scheduler.SaveScheduler` acts on them; they are unit-tested
+without threads (``tests/unit/test_save_scheduler.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from pathlib import Path
+
+from .save_policy import Due, Reason
+
+POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
+SYNCHRONOUS = frozenset({Reason.PREEMPT, Reason.WALLTIME, Reason.FINAL, Reason.BRANCH, Reason.EMERGENCY})
+STOPS = frozenset({Reason.PREEMPT, Reason.WALLTIME})  # saves racing the grace period: they never wait for stale work
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRecord:
+    """The latest checkpoint the run took (``run.last_save``).
+
+    Attributes:
+        step: Its global step.
+        reason: Why it was taken (``"interval"``, ``"preempt"``, ...).
+        stall_s: Seconds the training loop spent in it: the whole save when
+            synchronous, the copy into the staging buffers when asynchronous.
+        write_s: Seconds from the start of the save to its checkpoint being
+            durable; None while a background write is in flight.
+        path: The checkpoint directory once durable, else None. Under
+            torch.distributed a checkpoint that rank 0 writes in the
+            background stays None on the other ranks.
+        background: Written by the background writer.
+    """
+
+    step: int
+    reason: str
+    stall_s: float
+    write_s: float | None = None
+    path: Path | None = None
+    background: bool = False
+
+    @property
+    def durable(self) -> bool:
+        """The checkpoint is on disk with all its files and manifest fsynced."""
+        return self.path is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What the background writer is doing: preparing buffers, or writing a staged snapshot."""
+
+    kind: str  # "prepare", "save" or "reserve"
+    record: SaveRecord | None = None
+    started: float = 0.0  # clock at the start of the save
+    cancel: threading.Event | None = None  # set: the write stops before its rename (commit.cancellable)
+
+
+# ---------------------------------------------------------------------------- the pure decisions
+
+
+def pick(
+    reason: Reason | None, *, job: str | None, staging: bool, postponed: Reason | None, dirty: bool
+) -> tuple[Reason | None, Reason | None]:
+    """At a safe point: the save to take now (None: none) and the periodic save that stays postponed.
+
+    Args:
+        reason: What the save policy says is due (None: nothing).
+        job: The kind of the background job in flight, if any (``"save"``, ``"prepare"``, ``"reserve"``).
+        staging: Background saves are possible.
+        postponed: A periodic save postponed earlier.
+        dirty: The state changed since the last checkpoint.
+    """
+    writing = job == "save"
+    if reason in POSTPONABLE and writing and staging:
+        return None, reason
+    if reason is None and postponed is not None and not writing and dirty:
+        return postponed, postponed  # the write that postponed it has ended
+    return reason, postponed
+
+
+# A synchronous save (the stop's, the final one) while staging buffers exist copies the state into them and writes
+# them itself: page-aligned memory laid out as the files goes to the disk without the page cache
+# (preempt.checkpoint.direct_io). False: it writes the live tensors through the page cache (what bench_async.py's row 6
+# compares; bench/README.md has the figures).
+STAGE_SYNCHRONOUS = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    settle: bool  # wait for the job in flight first
+    background: bool  # stage the state and let the writer write it
+    cancel: bool = False  # stop the write in flight instead of waiting for it: this save supersedes it
+    stage: bool = False  # written at once, from the staging buffers (STAGE_SYNCHRONOUS)
+
+
+def plan(reason: Reason, *, job: str | None, staging: bool, writing: Reason | None = None) -> Plan:
+    """How to write a save that is taken now.
+
+    Args:
+        writing: The reason of the snapshot the writer is writing (when ``job`` is ``"save"``).
+
+    A stop's save does not wait for a periodic write in flight: that snapshot is older than the state the stop
+    saves, so it is cancelled (its partial files removed) and the stop's durable time is that of one write. A
+    best or milestone write in flight is waited for: it is kept for its own sake. A pool being written ahead
+    is cancelled by any save, which writes over what it holds. A synchronous save copies the state into the
+    staging buffers, when there are any, and writes from them (:data:`STAGE_SYNCHRONOUS`): nothing is in flight
+    then to use them.
+    """
+    background = staging and reason not in SYNCHRONOUS
+    stage = staging and not background and STAGE_SYNCHRONOUS  # the job in flight is settled or cancelled first
+    if job == "reserve":
+        return Plan(settle=False, background=background, cancel=True, stage=stage)
+    if job == "save" and reason in STOPS and writing in POSTPONABLE:
+        return Plan(settle=False, background=background, cancel=True, stage=stage)
+    return Plan(settle=job is not None, background=background, stage=stage)
+
+
+def wake(
+    due: Due, *, step: int, milestone_steps: int | None, postponed: Reason | None, job: bool, prepare_at: int | None
+) -> Due:
+    """The policy's thresholds, adjusted for the scheduler: a postponed save, a buffer sizing to start."""
+    if postponed is not None:
+        if job:  # periodic saves wait for the write in flight (run.step() sees it end); milestones stay due
+            m = milestone_steps
+            return Due((step // m + 1) * m if m else math.inf, math.inf, math.inf)
+        return Due(step + 1, math.inf, math.inf)  # its write ended: the next step takes it
+    if prepare_at is not None and not job:
+        return Due(min(due.step, prepare_at), due.batch, due.time)
+    return due

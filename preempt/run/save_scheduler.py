@@ -1,0 +1,554 @@
+"""When and how a checkpoint is written: now, in the background, or postponed; and what came of it.
+
+:class:`SaveScheduler` owns the staging buffers (:class:`~preempt.checkpoint.staging.Stager`),
+the background writer, the one job it may have in flight (sizing the buffers,
+writing a staged snapshot, or writing a pool of files ahead for the saves to
+write over: :func:`preempt.checkpoint.recycle.reserve`), a periodic save postponed behind
+that job, the newest durable checkpoint, and what a failed write means. Its choices are
+the pure functions of :mod:`preempt.run.save_plan` (pick, plan, wake), unit-tested with made-up facts.
+
+Periodic saves that come due while a write is in flight are postponed until
+it ends; best and milestone saves wait for it (they are of their own step);
+the stop's, the final, a branch's and an emergency save are synchronous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _log
+from ..checkpoint import commit, recycle
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..checkpoint.manifest import Manifest
+from ..checkpoint.staging import BackgroundWriter, LazyCopy, Stager, TornSnapshot, host_memory_available, payload_nbytes
+from ..cluster import sharded
+from ..cluster.signals import StopFlag
+from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
+from .loop_state import LoopState
+from .peers import Alone, Deferred
+from .save_plan import POSTPONABLE, Job, SaveRecord, pick, plan, wake
+from .save_policy import Due, Reason
+from .snapshot import Snapshot
+
+log = _log.log
+_ROUTINE = frozenset({Reason.INTERVAL.value, Reason.STEPS.value, Reason.PER_EPOCH.value})
+
+MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
+
+
+# ---------------------------------------------------------------------------- the scheduler
+
+
+class SaveScheduler:
+    """Writes the run's checkpoints (see the module docstring)."""
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        loop: LoopState,
+        snapshot: Snapshot,
+        flag: StopFlag,
+        *,
+        peers: Alone | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_durable: Callable[[float, float, int], None] | None = None,
+        writer: Callable[[], Any] = BackgroundWriter,
+        stager: Callable[[], Any] = Stager,
+    ) -> None:
+        self.manager = manager
+        self.loop = loop
+        self.snapshot = snapshot
+        self.flag = flag
+        self.peers = peers or Alone()
+        self.clock = clock
+        self.on_durable = on_durable  # (seconds, now, step) of each durable save
+        self.on_saved: Callable[[SaveRecord, int], None] | None = None  # (record, bytes) of each durable save
+        self._new_writer, self._new_stager = writer, stager
+        self.stager: Any = None  # Stager, while background saves are possible
+        self.writer: Any = None  # BackgroundWriter
+        self.job: Job | None = None  # the writer's current job, until collected
+        self.postponed: Reason | None = None
+        self.prepare_at: int | None = None  # the step after which the buffers are sized for the optimizer
+        self.last_save: SaveRecord | None = None
+        self.last_info: CheckpointInfo | None = None  # the newest durable checkpoint this process wrote or loaded
+        self.last_checkpoint: Path | None = None  # its path (under torch.distributed: rank 0's, when told)
+        self.failed = 0  # periodic checkpoints that could not be written
+        self.prepare_s: float | None = None  # seconds spent allocating the staging buffers (background)
+        self.sizes: dict[str, int] = {}  # the state's tensor bytes per file, as the buffers were last sized
+        self.reserve_due = False  # a pool is to be written ahead once the writer is free (see idle)
+        self.writers: Any = None  # sharded state under torch.distributed: the ranks' writers, on their own group
+        self.shard_stager: Any = None  # the buffers of this rank's pieces of sharded state
+        self._shard_views: dict[str, Any] = {}  # the DTensors around those buffers (sharded.staged)
+        self.lazy = False  # snapshots are lazy: see start()
+        self.pending: LazyCopy | None = None  # the lazy copies of the snapshot in flight
+        self._hook: Any = None  # the optimizer's pre-step hook that waits for them
+
+    @property
+    def pinned(self) -> bool:
+        """The staging buffers are in pinned (page-locked) host memory."""
+        return self.stager is not None and self.stager.pinned
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return 0 if self.stager is None else self.stager.nbytes
+
+    def start(self, payload: Any, *, optimizer_state_later: bool, lazy: bool = False) -> None:
+        """Background saves from now: the buffers are sized for ``payload`` in the background.
+
+        ``lazy``: the copies of the parameters and the optimizer's state (on the CPU) are made by the writer
+        while the loop runs its next forward and backward, and the optimizer's pre-step hook waits for them
+        (:class:`~preempt.checkpoint.staging.LazyCopy`); not with sharded state.
+
+        Under torch.distributed rank 0 writes the replicated state in the background; the other ranks' files
+        (their random generators) are small and written at the step, before rank 0's. Sharded state: every rank
+        copies its pieces and its files, and every rank's writer runs the whole distributed commit, DCP's
+        collectives included, on a gloo group of the writers' own (see :meth:`_save_sharded`).
+        """
+        if self.snapshot.sharded:
+            if self.peers.alone:
+                log.info("async_save: sharded state in one process is saved synchronously (through DCP)")
+                return
+            self.writers = self.peers.writers()  # a collective: every rank creates the writers' group now
+            self.shard_stager = self._new_stager()
+        elif not self.peers.leader:
+            return
+        self.stager, self.writer = self._new_stager(), self._new_writer()
+        optimizer = self.snapshot.components.optimizer
+        if lazy and optimizer is not None and self.writers is None:
+            self.lazy = True
+            self._hook = optimizer.register_step_pre_hook(self._optimizer_stepping)
+        self._prepare(payload)
+        if optimizer_state_later:
+            self.prepare_at = self.loop.global_step + 1  # its moments appear at the first optimizer step
+
+    def wake(self, due: Due, milestone_steps: int | None) -> Due:
+        step = self.loop.global_step
+        return wake(
+            due, step=step, milestone_steps=milestone_steps, postponed=self.postponed, job=self._blocking(),
+            prepare_at=self.prepare_at,
+        )  # fmt: skip
+
+    def finished(self) -> bool:
+        """The job in flight has ended and its outcome waits to be taken."""
+        return self.job is not None and not self.writer.busy
+
+    def tend(self) -> None:
+        """Takes the outcome of a finished job; sizes the buffers for the optimizer once it has state."""
+        if self.finished():
+            self.collect()
+        if self.prepare_at is not None and self.loop.global_step >= self.prepare_at and self.job is None:
+            if self.postponed is None:  # the postponed save goes first; its staging sizes the buffers anyway
+                self.prepare_at = None
+                self._prepare(self.snapshot.tensors())
+
+    def pick(self, reason: Reason | None) -> Reason | None:
+        """At a safe point, after :meth:`tend`: the save to take now (see :func:`pick`)."""
+        now, self.postponed = pick(
+            reason,
+            job=None if self.job is None else self.job.kind,
+            staging=self.stager is not None,
+            postponed=self.postponed,
+            dirty=self.loop.dirty,
+        )
+        if self.postponed is not None and now is None and reason is not None:
+            log.debug("a %s checkpoint is due while a write is in flight: postponed", reason.value)
+        return now
+
+    def save(self, reason: Reason, point: str) -> bool:
+        """Writes a checkpoint of the current state, in the background when it may.
+
+        A periodic save that fails for want of disk (any OSError) is logged and
+        training goes on; the next one is tried when it is next due. A save that
+        cannot be skipped (the stop's, the final one, a branch's) raises.
+
+        Returns True when every rank, by agreement, only copied the state (sharded
+        state saved in the background): no rank waited for a write, so the ranks
+        need not agree again before the loop goes on.
+        """
+        how = plan(reason, job=None if self.job is None else self.job.kind, staging=self.stager is not None,
+                   writing=self._writing())  # fmt: skip
+        if how.cancel:
+            self.cancel()
+        elif how.settle:
+            self.settle()
+        background = how.background and self.stager is not None  # settling may have turned staging off
+        if self.writers is not None and how.background:  # sharded: every rank must take the same path
+            background = self.peers.all(background)
+        self.postponed = None
+        with self.flag.critical():
+            t0 = self.clock()
+            manifest = self.snapshot.manifest(reason, point, self.manager.retention)
+            log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
+            payload, live = self.snapshot.content()
+            if background and self.writers is not None:
+                self._save_sharded(reason, manifest, t0, payload, live)
+                return True
+            staged = self._copy(payload) if background else None
+            if how.stage and live is None and self.stager is not None:
+                payload = self._staged_now(payload)
+            extra = None if live is None else functools.partial(sharded.save, tensors=live, rank=self.peers.rank)
+            try:
+                got = self.peers.save(self.manager, payload, manifest, extra, staged is not None)
+            except OSError as e:
+                self.pending = None  # never made: no optimizer step may wait for it
+                self._failed(reason, e)
+                return False
+            if isinstance(got, Deferred):
+                write, lazy = got.finish, self.pending
+
+                def copy_then_write() -> CheckpointInfo:
+                    if lazy is not None:
+                        lazy.run()
+                    return write(self.manager, staged, manifest)
+
+                self._submit(reason, manifest, t0, copy_then_write)
+            elif got is None:  # another rank's files are durable; rank 0 writes its own and commits in the background
+                self.last_save = SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True)
+                self.loop.taken(manifest.step, manifest.cursor, self.clock())
+            else:
+                self._durable(reason, got, t0)
+        return False
+
+    def _blocking(self) -> bool:
+        """A job is in flight that a periodic save waits for (a pool written ahead is cancelled instead)."""
+        return self.job is not None and self.job.kind != "reserve"
+
+    def _writing(self) -> Reason | None:
+        job = self.job
+        return Reason(job.record.reason) if job is not None and job.record is not None else None
+
+    def before_stop(self) -> None:
+        """At a stop: a periodic write of a state the loop has moved past is cancelled; any other job is waited for."""
+        job = self.job
+        if job is not None and (job.kind == "reserve" or (self.loop.dirty and self._writing() in POSTPONABLE)):
+            self.cancel()
+        else:
+            self.settle()
+
+    def cancel(self) -> None:
+        """Stops the write in flight before its rename (its temporary directory is removed) and takes the outcome."""
+        if self.job is not None and self.job.cancel is not None:
+            self.job.cancel.set()
+        self.settle()
+
+    def loaded(self, info: CheckpointInfo) -> None:
+        """The run restored ``info``: the newest durable checkpoint, and nothing to save until the loop moves."""
+        assert info.manifest is not None
+        self.last_info, self.last_checkpoint = info, info.path
+        self.loop.taken(info.manifest.step, info.manifest.cursor, self.clock())
+
+    def _durable(self, reason: Reason, info: CheckpointInfo, t0: float) -> None:
+        """A synchronous save is durable."""
+        self.loaded(info)
+        t1 = self.clock()
+        self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
+        log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
+        self._said(info)
+        if self.on_durable is not None:
+            self.on_durable(t1 - t0, t1, self.loop.global_step)
+
+    def _said(self, info: CheckpointInfo) -> None:
+        if self.on_saved is not None and self.last_save is not None:
+            files = info.manifest.files if info.manifest is not None else {}
+            self.on_saved(self.last_save, sum(d.size for d in files.values()))
+
+    def _copy(self, payload: Any) -> Any:
+        """The state copied into the staging buffers (lazily: see start()); None: save synchronously (from now on)."""
+        try:
+            if self.lazy:
+                staged, self.pending = self.stager.stage_lazily(payload, self._lazy_sources())
+                return staged
+            return self.stager.stage(payload)
+        except (MemoryError, RuntimeError) as e:  # e.g. pinned memory refused
+            log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
+            self.stager = None
+            return None
+
+    def _staged_now(self, payload: Any) -> Any:
+        """For a synchronous save: ``payload`` copied into the staging buffers, whose files are then written without
+        the page cache (see :data:`~preempt.run.save_plan.STAGE_SYNCHRONOUS`); the live payload where that fails."""
+        try:
+            return self.stager.stage(payload)
+        except (MemoryError, RuntimeError) as e:
+            log.warning("could not copy the state into the staging buffers (%s); writing it from the tensors", e)
+            return payload
+
+    def _lazy_sources(self) -> set[int]:
+        """The storages of the tensors that only ``optimizer.step()`` changes: the parameters and its state."""
+        c = self.snapshot.components
+        found: set[int] = set()
+        for group in c.optimizer.param_groups:  # type: ignore[union-attr]
+            for p in group["params"]:
+                found.add(p.untyped_storage().data_ptr())
+        for per_param in c.optimizer.state.values():  # type: ignore[union-attr]
+            for v in per_param.values():
+                if isinstance(v, torch.Tensor):
+                    found.add(v.untyped_storage().data_ptr())
+        return found
+
+    def _optimizer_stepping(self, *_: Any) -> None:
+        """The optimizer's pre-step hook: the lazy copies of the snapshot in flight are made first."""
+        if self.pending is not None:
+            self.pending.wait()
+
+    def _save_sharded(self, reason: Reason, manifest: Manifest, t0: float, payload: Any, live: Any) -> None:
+        """Every rank copies its files and its pieces of the sharded state into its buffers; then its writer runs
+        the distributed commit (:func:`preempt.cluster.distributed.save_ranked`, DCP writing the staged pieces) with the
+        other ranks' writers, on their own group. Not cancellable: a rank that left the commit's collectives alone
+        would leave the others waiting; a stop waits for it instead."""
+        staged = self.stager.stage(payload)  # no fallback here: every rank must take the same path
+        shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)), self._shard_views)
+        writers, manager, rank = self.writers, self.manager, self.peers.rank
+
+        def extra(tmp: Path) -> list[str]:
+            return sharded.save(tmp, shards, rank, writers.coord.group)
+
+        self._submit(reason, manifest, t0, lambda: writers.save(manager, staged, manifest, extra, False), cancel=False)
+
+    def _submit(
+        self, reason: Reason, manifest: Manifest, t0: float, write: Callable[[], CheckpointInfo], cancel: bool = True
+    ) -> None:
+        """Hands a staged snapshot's write to the background writer (``cancel``: a stop may cancel it)."""
+        t1 = self.clock()
+        record = SaveRecord(manifest.step, reason.value, t1 - t0, background=True)
+        self.last_save = record
+        self.loop.taken(manifest.step, manifest.cursor, t1)
+        event = threading.Event() if cancel else None
+        self.job = Job("save", record, t0, event)
+
+        def job() -> CheckpointInfo:
+            if event is None:
+                return write()
+            with commit.cancellable(event):
+                return write()
+
+        self.writer.submit(job)
+        log.debug("step %d staged in %s; writing in the background", manifest.step, _log.duration(t1 - t0))
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Waits for the job in flight and takes its outcome; returns the newest durable checkpoint.
+
+        Raises:
+            TimeoutError: The write still runs after ``timeout`` seconds.
+            CheckpointWriteError: The write failed other than for want of disk.
+        """
+        if self.job is not None and self.job.kind != "reserve":  # a pool written ahead is nobody's checkpoint
+            if not self.writer.wait(timeout):
+                raise TimeoutError(f"the background write of a checkpoint still runs after {timeout} s")
+            self.collect()
+        return self.last_checkpoint
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Waits for the job in flight to end without taking its outcome (the next safe point takes it)."""
+        return self.writer is None or self.writer.wait(timeout)
+
+    def collect(self) -> None:
+        """Waits for the background job and takes its outcome.
+
+        Raises:
+            CheckpointWriteError: A background write failed other than with an OSError.
+        """
+        job = self.job
+        if job is None:
+            return
+        self.job = None
+        lazy = None
+        if job.kind == "save":
+            lazy, self.pending = self.pending, None
+        try:
+            result = self.writer.result()
+        except Exception as e:
+            if isinstance(e, TornSnapshot):
+                self._torn(job, e)
+                return
+            if job.kind == "reserve":
+                if not isinstance(e, commit.WriteCancelled):
+                    log.warning("%s: could not write a pool ahead for the saves: %r", self.manager.save_dir, e)
+                return
+            if job.kind == "prepare":
+                log.warning("async_save: could not allocate the staging buffers (%r); saving synchronously", e)
+                self.stager = None
+                return
+            assert job.record is not None
+            self.loop.changed()  # that state is not on disk: a stop or the end must save again
+            self.postponed = None  # a failed periodic write is retried when the next save is due
+            if isinstance(e, commit.WriteCancelled):
+                log.info(
+                    "the background write of step %d (%s) was cancelled after %s: the stop saves the current state",
+                    job.record.step,
+                    job.record.reason,
+                    _log.duration(self.clock() - job.started),
+                )
+                return
+            if isinstance(e, OSError):
+                self._failed(Reason(job.record.reason), e, step=job.record.step)
+                return
+            last = self.last_checkpoint
+            raise CheckpointWriteError(
+                f"the background write of checkpoint step_{job.record.step:09d} in {self.manager.save_dir} failed:"
+                f" {e!r}; the last good checkpoint is {last or '(none)'}",
+                None if last is None else str(last),
+            ) from e
+        if job.kind == "prepare":
+            self.prepare_s = (self.prepare_s or 0.0) + result
+            self.reserve_due = self.prepare_at is None  # sized for the whole state: its files' sizes are known
+            return
+        if job.kind == "reserve":
+            log.debug(
+                "%s written ahead in %s, for the next save to write over",
+                result,
+                _log.duration(self.clock() - job.started),
+            )
+            return
+        info: CheckpointInfo = result
+        assert job.record is not None
+        now = self.clock()
+        stall = job.record.stall_s + (lazy.waited if lazy is not None else 0.0)  # and the optimizer's wait, if lazy
+        self.last_save = dataclasses.replace(job.record, stall_s=stall, write_s=now - job.started, path=info.path)
+        self.last_info, self.last_checkpoint = info, info.path
+        # Routine checkpoints written in the background say so at DEBUG: a run would print little else.
+        routine = job.record.reason in _ROUTINE
+        log.log(
+            logging.DEBUG if routine else logging.INFO,
+            "checkpoint %s (%s) written in %s in the background; the loop waited %s",
+            info.path,
+            job.record.reason,
+            _log.duration(now - job.started),
+            _log.duration(job.record.stall_s),
+        )
+        self._said(info)
+        if self.on_durable is not None:
+            self.on_durable(now - job.started, now, info.step)
+
+    def _torn(self, job: Job, error: TornSnapshot) -> None:
+        """A lazy snapshot was changed before its copy was made: it is not written; copies are made at the step
+        from now on, and the state is due again."""
+        self.lazy = False
+        self.loop.changed()
+        self.postponed = None
+        assert job.record is not None
+        log.warning(
+            "the checkpoint of step %d is not written: %s (something other than optimizer.step() changes it"
+            " between steps); checkpoints copy the state at the step from now on",
+            job.record.step,
+            error,
+        )
+
+    def settle(self) -> None:
+        """Lets the job in flight finish before a save that cannot be skipped; a failed write is logged."""
+        if self.job is None:
+            return
+        try:
+            self.collect()
+        except CheckpointWriteError as e:
+            log.error("%s", e)
+
+    def close(self) -> None:
+        """At the end of the run: a write in flight is a consistent state, so it may become durable."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.job is None:
+            return
+        if self.job.kind == "reserve":
+            self.cancel()
+            return
+        try:
+            self.collect()
+        except BaseException as e:  # the way the run ended is what propagates; a second Ctrl-C stops the wait
+            log.error("the background checkpoint write did not complete: %r", e)
+
+    def _prepare(self, payload: Any) -> None:
+        """Sizes the staging buffers for the state in the background (allocated and touched once)."""
+        stager, writer, shard_stager = self.stager, self.writer, self.shard_stager
+        if stager is None or writer is None or self.job is not None:
+            return
+        shards = None
+        if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
+            payload, live = self.snapshot.content()
+            shards = sharded.local_payload(live)
+        nbytes = payload_nbytes(payload) + (0 if shards is None else payload_nbytes(shards))
+        available = host_memory_available()
+        if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:
+            log.warning(
+                "async_save: a copy of the state (%s) would take more than %d%% of the host memory available (%s);"
+                " checkpoints are written synchronously",
+                _log.size(nbytes),
+                int(MEMORY_SHARE * 100),
+                _log.size(available),
+            )
+            self.stager = None
+            return
+
+        def job() -> float:
+            t0 = time.perf_counter()
+            stager.prepare(payload)
+            if shards is not None:
+                shard_stager.prepare(shards)
+            return time.perf_counter() - t0
+
+        self.sizes = {name: sum(t.nbytes for t in ts.values()) for name, (ts, _) in payload.tensor_files.items()}
+        self.job = Job("prepare")
+        writer.submit(job)
+
+    def idle(self) -> None:
+        """At the end of a safe point: starts writing a pool ahead when one is due and the writer is free.
+
+        Not earlier in the safe point: a save taken there would cancel it at once. The pool is written when
+        ``save_dir`` has none (:func:`preempt.checkpoint.recycle.reserve`).
+        """
+        manager, sizes = self.manager, self.sizes
+        if not self.reserve_due or self.job is not None:
+            return
+        self.reserve_due = False
+        if self.writers is not None or not (manager.owner and manager.retention.recycle and any(sizes.values())):
+            return
+        if recycle.pools(manager.save_dir):
+            return
+        cancel = threading.Event()
+
+        def job() -> Path:
+            with commit.cancellable(cancel):
+                return recycle.reserve(manager.save_dir, sizes)
+
+        self.job = Job("reserve", started=self.clock(), cancel=cancel)
+        self.writer.submit(job)
+
+    def _failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
+        loop = self.loop
+        self.failed += 1
+        code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+        step = loop.global_step if step is None else step
+        what = (
+            f"could not write checkpoint step_{step:09d} ({reason.value}) in {self.manager.save_dir}:"
+            f" {error.strerror or error}{code}"
+        )
+        info = self.last_info
+        if info is None or info.manifest is None:
+            last, last_good = "there is no earlier checkpoint", None
+        else:
+            ago = _log.duration(max(0.0, time.time() - info.manifest.created))
+            last = f"the last good checkpoint is {info.path} (step {info.step}, saved {ago} ago)"
+            last_good = str(info.path)
+        if reason == Reason.PREEMPT:
+            lost = loop.global_step - (info.step if info is not None else 0)
+            log.error(
+                "%s; %s; the %d step(s) since are lost; exiting with code %d", what, last, lost, SAVE_FAILED_EXIT_CODE
+            )
+            raise SaveFailed(SAVE_FAILED_EXIT_CODE, self.flag.signum, last_good, error) from error
+        if reason in (Reason.FINAL, Reason.BRANCH):
+            raise CheckpointWriteError(f"{what}; {last}", last_good) from error
+        # A periodic checkpoint: its partial files are gone, older checkpoints untouched (nothing is deleted to
+        # make room). Training goes on; the next try comes when the next checkpoint is due, not at every step.
+        log.error("%s; %s; training goes on and tries again at the next checkpoint", what, last)
+        loop.save_skipped(self.clock())

@@ -1,0 +1,112 @@
+"""What a checkpoint of the run holds: the payload of every file, and its manifest.
+
+:class:`Snapshot` turns the run's parts into a checkpoint's content: the
+components' tensors and JSON (:func:`preempt.checkpoint.state.capture`), the run's own
+state (every random generator now and at the epoch's start, where the data
+stands, the user's state, the learning-rate scale), and the manifest with the
+cursor, metrics, best, lineage and the run's retention. Under torch.distributed
+each rank other than 0 writes only its own random state; sharded (DTensor)
+tensors are written by DCP (:mod:`preempt.cluster.sharded`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from ..checkpoint import codec, state
+from ..checkpoint.manifest import Manifest, retention_record
+from ..checkpoint.retention import RetentionPolicy
+from ..cluster import sharded
+from ..data import rng
+from .data_cursor import DataCursor
+from .loop_state import LoopState
+from .save_policy import Reason
+
+
+class Snapshot:
+    """Builds the content of the run's checkpoints."""
+
+    def __init__(self, components: state.Components, loop: LoopState, data: DataCursor, *, rank: int = 0) -> None:
+        self.components = components
+        self.loop = loop
+        self.data = data
+        self.rank = rank
+        self.sharded = False  # the model's state is DTensors: its tensors go through DCP
+        self.user_state: dict[str, Any] = {}
+        self.lr_scale = 1.0  # learning rates relative to the run's own (rollbacks, the supervisor)
+        self.lineage: dict[str, Any] = {}  # the timeline: the resume request it follows, its source, its start
+        self.provenance: dict[str, Any] = {}  # host, versions, SLURM job
+
+    def run_state(self) -> dict[str, Any]:
+        codec.check_json(self.user_state, "run.user_state")
+        epoch_rng, data = self.data.state()
+        return {
+            "rng": {
+                "now": rng.to_tree(rng.capture()),
+                "epoch_start": rng.to_tree(epoch_rng) if epoch_rng is not None else None,
+            },
+            "data": data,
+            "user": self.user_state,
+            "lr_scale": self.lr_scale,
+        }
+
+    def capture(self, split: tuple[dict[str, Any], Any] | None = None) -> state.Payload:
+        """Everything but what DCP writes (the tensors of sharded state), as the files of a checkpoint.
+
+        ``split``: the sharded state already read (:meth:`split`), so that one save reads it once.
+        """
+        c = self.components
+        if not self.sharded:
+            return state.capture(c, self.run_state())
+        _, rest = split if split is not None else self.split()
+        run_state = {**self.run_state(), "sharded": {"optimizer": rest}}
+        return state.capture(state.Components(None, None, c.scheduler, c.scaler, c.tracked), run_state)
+
+    def tensors(self) -> state.Payload:
+        """The components' tensors alone (to size the staging buffers)."""
+        return state.capture(self.components, {})
+
+    def split(self) -> tuple[dict[str, Any], Any]:
+        """The live tensors of the sharded model and optimizer as DCP writes them, and the optimizer's other state
+        (:func:`sharded.split_state`: FSDP2's ``state_dict()``, read once per save)."""
+        c = self.components
+        return sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
+
+    def content(self) -> tuple[state.Payload, dict[str, Any] | None]:
+        """What this process writes, and the live sharded tensors DCP writes for it (None: the state is not sharded).
+
+        The files: everything on rank 0; under torch.distributed, only its RNG on the others.
+        """
+        split = self.split() if self.sharded else None
+        shards = None if split is None else split[0]
+        if self.rank == 0:
+            return self.capture(split), shards
+        run_state = self.run_state()
+        own = state.capture(state.Components(), {"rng": run_state["rng"], "data": run_state["data"]})
+        tensors, meta = own.tensor_files[state.STATE_FILE]
+        tensor_file, json_file = state.rank_files(self.rank)
+        files = state.Payload(
+            tensor_files={tensor_file: (tensors, meta)}, json_files={json_file: own.json_files[state.STATE_JSON]}
+        )
+        return files, shards
+
+    def manifest(self, reason: Reason, point: str, retention: RetentionPolicy | None = None) -> Manifest:
+        """The manifest of a checkpoint taken now; ``retention``: the run's, recorded for ``preempt prune``."""
+        loop = self.loop
+        cursor, sampler = self.data.cursor(loop.global_step, loop.epoch, loop.batch)
+        return Manifest(
+            step=loop.global_step,
+            cursor=dataclasses.replace(cursor, point=point),
+            reason=reason.value,
+            created=time.time(),
+            files={},
+            sampler=sampler,
+            metrics=dict(loop.metrics),
+            best=loop.best,
+            is_best=loop.holds_best,
+            lineage=self.lineage,
+            provenance=self.provenance,
+            retention=None if retention is None else retention_record(retention),
+        )

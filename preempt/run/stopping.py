@@ -1,0 +1,374 @@
+"""Why and how the run stops: signals, the walltime keeper, SLURM's requeue and restart limits.
+
+:class:`Stopper` holds the stop flag (:class:`~preempt.cluster.signals.StopFlag`), the
+walltime keeper (:class:`Walltime`) and what SLURM says about
+the job (its end time, KillWait, whether ``scontrol`` works). At a stop it
+names the cause, requeues the job when the stop is its time limit (the rule is
+:func:`preempt.cluster.slurm.decide_requeue`), and raises
+:class:`~preempt.errors.Preempted` with the exit code that tells the caller
+what happened.
+
+**Walltime.** With a deadline (the SLURM job's end time, or ``time_limit``)
+the run also stops by itself, with no signal, early enough for the stop's
+checkpoint to be durable before the deadline; the margin comes from the
+measured step and save times (:class:`Walltime`). Under
+SLURM, a stop at the time limit then requeues the job (rule and limits in
+:mod:`preempt.cluster.slurm`); other stops only save and exit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .. import _log
+from ..cluster import slurm
+from ..cluster.environment import Environment
+from ..cluster.signals import StopFlag, signal_name
+from ..errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
+from .config import RunConfig
+from .loop_state import LoopState
+from .save_policy import Decision, Reason
+
+log = _log.log
+
+
+PRIOR_SAVE_BYTES_PER_S = 100e6
+"""Write speed assumed for the first checkpoint before one has been timed: a slow shared filesystem."""
+
+
+class Walltime:
+    """When to stop so that the stop's checkpoint is durable before a deadline.
+
+    Pure: the run passes the clock's values in. The run stops at the first
+    safe point at or after :meth:`stop_at`, which is the deadline minus a
+    margin of ``1.5 * (step + gap + save) + SLACK_S``: from a safe point just
+    before ``stop_at`` the loop may run one more step (or an epoch's end and
+    the next epoch's start) before it notices, then saves.
+
+    * ``save`` is the longest checkpoint this process has timed; before the
+      first one, a prior of 0.5 s plus the state's bytes at
+      :data:`PRIOR_SAVE_BYTES_PER_S`.
+    * ``step`` is the longest average step time over the windows between the
+      run's reviews (saves excluded, epoch-end code included). Reviews are
+      scheduled at half the time left before ``stop_at`` (at least
+      :attr:`MIN_REVIEW_S` apart), so there are about log2(T / 1 s) of them in
+      a job of T seconds and the windows near the end are short.
+    * ``gap`` is the longest stretch between safe points that is not a step:
+      the code after an epoch's last batch (validation), and the start of an
+      epoch's loader up to its first batch (worker start-up). The run times
+      both, twice per epoch.
+
+    The per-step cost is nil: the run folds :meth:`review_at` into the clock
+    threshold that ``run.step()`` already compares with. A single step much
+    longer than the average (an evaluation inside the loop every N steps) is
+    not foreseen; move it to an epoch's end, or leave room with a shorter
+    ``time_limit``.
+
+    Args:
+        deadline: Monotonic time by which the stop's checkpoint must be durable.
+        prior_save_s: Estimated seconds of one checkpoint until one is timed.
+        now: Monotonic time now (the start of the first window).
+        step: The global step now.
+    """
+
+    SLACK_S = 2.0
+    MIN_REVIEW_S = 1.0
+
+    def __init__(self, deadline: float, prior_save_s: float, now: float, step: int) -> None:
+        self.deadline = deadline
+        self.save_s = prior_save_s
+        self.save_measured = False
+        self.step_s = 0.0
+        self.gap_s = 0.0
+        self._base_time = now
+        self._base_step = step
+
+    @staticmethod
+    def prior_save_s(state_bytes: int) -> float:
+        return 0.5 + state_bytes / PRIOR_SAVE_BYTES_PER_S
+
+    def margin(self) -> float:
+        return 1.5 * (self.step_s + self.gap_s + self.save_s) + self.SLACK_S
+
+    def stop_at(self) -> float:
+        return self.deadline - self.margin()
+
+    def observe(self, now: float, step: int) -> None:
+        """At a safe point: the steps since the window started took ``now - start``."""
+        if step > self._base_step:
+            self.step_s = max(self.step_s, (now - self._base_time) / (step - self._base_step))
+            self._base_time, self._base_step = now, step
+
+    def gap(self, seconds: float) -> None:
+        """A stretch between safe points that is not a step (epoch end, loader start) took ``seconds``."""
+        self.gap_s = max(self.gap_s, seconds)
+
+    def saved(self, seconds: float, now: float, step: int) -> None:
+        """A checkpoint took ``seconds``; the next window starts after it."""
+        self.save_s = max(self.save_s, seconds) if self.save_measured else seconds
+        self.save_measured = True
+        self._base_time, self._base_step = now, step
+
+    def review_at(self, now: float) -> float:
+        """When the run should next call :meth:`observe` (never after :meth:`stop_at`)."""
+        stop = self.stop_at()
+        left = stop - now
+        if left <= self.MIN_REVIEW_S:
+            return stop
+        return now + max(left / 2, self.MIN_REVIEW_S)
+
+
+class Stopper:
+    """The run's stop: when (signal, request, walltime) and what follows it (requeue, exit code)."""
+
+    def __init__(
+        self, config: RunConfig, env: Environment, save_dir: Path, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.env = env
+        self.save_dir = save_dir
+        self.clock = clock
+        self.flag = StopFlag(config.signals, clock)
+        self.walltime: Walltime | None = None
+        self.end_time: float | None = None  # the SLURM job's end time, unix seconds
+        self.kill_wait: float | None = None  # SLURM's KillWait, seconds
+        self._scontrol_missing = False
+        self._grace_warned = False
+        self._margin = 0.0  # the walltime keeper's margin when it decided to stop
+        self._loader_done: float | None = None  # when the epoch's loader ran out (walltime keeping only)
+
+    # ---------------------------------------------------------------- at the start
+
+    def check_restarts(self) -> None:
+        """Under SLURM: refuses to train past ``max_restarts``.
+
+        Raises:
+            RestartLimitReached: The job's restart count exceeds it (exit code 77).
+        """
+        count = self.env.slurm_restart_count or 0
+        limit = self.config.max_restarts
+        if self.env.slurm_job_id and limit is not None and count > limit:
+            log.error(
+                "SLURM job %s is at restart %d but max_restarts=%d: not training (exit code %d); resubmit the"
+                " job to continue from %s",
+                self.env.slurm_job_id,
+                count,
+                limit,
+                RESTART_LIMIT_EXIT_CODE,
+                self.save_dir,
+            )
+            raise RestartLimitReached(count, limit)
+
+    def read_slurm_job(self, provenance: dict[str, Any]) -> None:
+        """Under SLURM: the job's end time, KillWait, and whether scontrol is there (one call each)."""
+        env = self.env
+        end_time: float | None = env.slurm_job_end_time
+        if not env.slurm_job_id:
+            return
+        try:
+            job = slurm.show_job(env.slurm_job_id)
+        except SlurmError as e:
+            self._scontrol_missing = e.missing
+            log.warning(
+                "SLURM job %s: %s. This job cannot requeue itself: a stop at its time limit will exit with"
+                " code %d for a wrapper script to requeue or resubmit it.%s",
+                env.slurm_job_id,
+                e,
+                REQUEUE_FAILED_EXIT_CODE,
+                ""
+                if end_time
+                else " Its end time is unknown too (no SLURM_JOB_END_TIME): walltime keeping needs time_limit=",
+            )
+        else:
+            end_time = end_time or job.end_time
+            self.kill_wait = slurm.kill_wait()
+            if self.config.requeue and job.requeue is False:
+                log.warning(
+                    "SLURM job %s has Requeue=0 (--no-requeue): a stop at its time limit cannot requeue it"
+                    " and will exit with code %d",
+                    env.slurm_job_id,
+                    REQUEUE_FAILED_EXIT_CODE,
+                )
+        self.end_time = end_time
+        if isinstance(provenance.get("slurm"), dict):
+            provenance["slurm"] = {**provenance["slurm"], "end_time": end_time}
+
+    def arm_walltime(self, state_nbytes: int, step: int) -> None:
+        """Starts the walltime keeper when there is a deadline: the job's end time or time_limit."""
+        now, wall = self.clock(), time.time()
+        limits = []  # (seconds left, what)
+        if self.end_time is not None:
+            limits.append((self.end_time - wall, f"SLURM job {self.env.slurm_job_id}"))
+        if self.config.time_limit is not None:
+            limits.append((self.config.time_limit, f"time_limit={self.config.time_limit:g} s"))
+        if not limits:
+            return
+        left, what = min(limits)
+        self.walltime = Walltime(now + left, Walltime.prior_save_s(state_nbytes), now, step)
+        log.info(
+            "walltime: %s ends in %s (at %s); the run stops and saves before then",
+            what,
+            _log.duration(max(0.0, left)),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall + left)),
+        )
+
+    # ---------------------------------------------------------------- in the loop
+
+    def stop_at(self) -> float:
+        return float("inf") if self.walltime is None else self.walltime.stop_at()
+
+    def review_at(self, now: float) -> float:
+        return float("inf") if self.walltime is None else self.walltime.review_at(now)
+
+    def observe(self, step: int) -> None:
+        """A safe point: the walltime keeper learns the step time."""
+        if self.walltime is not None:
+            self.walltime.observe(self.clock(), step)
+
+    def decided(self, decision: Decision) -> None:
+        if decision.reason is Reason.WALLTIME and self.walltime is not None:
+            self._margin = self.walltime.margin()  # for the log line: the save updates the estimate
+
+    def loader_gap(self, seconds: float) -> None:
+        """Time outside the steps: a loader's start-up, an epoch's end-of-epoch code."""
+        if self.walltime is not None:
+            self.walltime.gap(seconds)
+
+    def loader_done(self) -> None:
+        if self.walltime is not None:
+            self._loader_done = self.clock()
+
+    def epoch_done(self) -> None:
+        """The epoch's body returned: the time since its loader ran out was its end-of-epoch code."""
+        if self.walltime is not None and self._loader_done is not None:
+            self.walltime.gap(self.clock() - self._loader_done)
+            self._loader_done = None
+
+    def saved(self, seconds: float, now: float, step: int) -> None:
+        """A checkpoint became durable in ``seconds``."""
+        if self.walltime is not None:
+            self.walltime.saved(seconds, now, step)
+        self._check_grace(seconds)
+
+    def _check_grace(self, seconds: float) -> None:
+        """Warns once when a stop could not be saved within SLURM's KillWait."""
+        if self.kill_wait is None or self._grace_warned:
+            return
+        step = self.walltime.step_s if self.walltime is not None else 0.0
+        if seconds + step <= self.kill_wait:
+            return
+        self._grace_warned = True
+        log.warning(
+            "a checkpoint took %s (plus %s to reach the next step) but SLURM kills %s after SIGTERM (KillWait):"
+            " a scancel, scontrol requeue or preemption will lose the steps since the last checkpoint. The time"
+            " limit is covered by the walltime keeper; for the rest checkpoint more often or ask for a longer"
+            " KillWait or GraceTime",
+            _log.duration(seconds),
+            _log.duration(step),
+            _log.duration(self.kill_wait),
+        )
+
+    # ---------------------------------------------------------------- the stop
+
+    def stop(self, loop: LoopState, *, checkpoint: Path | None, peer: int = -1) -> NoReturn:
+        """Leaves the run: requeues the job when due, logs why, and raises Preempted."""
+        step, epoch, batch, start_step = loop.global_step, loop.epoch, loop.batch, loop.start_step
+        f = self.flag
+        now = self.clock()
+        if not f.requested and self.walltime is None:
+            # Under torch.distributed: another rank received the signal, or rank 0's walltime keeper stopped.
+            cause = slurm.Cause.SIGNAL if peer >= 0 else slurm.Cause.WALLTIME
+            what = f"a stop signal received by rank {peer}" if peer >= 0 else "rank 0's walltime keeper"
+        elif f.requested:
+            cause = slurm.Cause.SIGNAL if f.signum is not None else slurm.Cause.REQUEST
+            what = signal_name(f.signum) if f.signum is not None else "request"
+            if f.received_at is not None:
+                what += f" {_log.duration(now - f.received_at)} after it arrived"
+        else:
+            cause = slurm.Cause.WALLTIME
+            wt = self.walltime
+            assert wt is not None
+            what = (
+                f"walltime ({_log.duration(max(0.0, wt.deadline - now))} before the deadline; margin"
+                f" {_log.duration(self._margin)} for steps of {_log.duration(wt.step_s)}, epoch ends of"
+                f" {_log.duration(wt.gap_s)} and saves of {_log.duration(wt.save_s)})"
+            )
+        signal_time = None if f.received_at is None else time.time() - (now - f.received_at)
+        code, requeued = self._after_stop(cause, signal_time, progressed=step > start_step, step=step)
+        log.info(
+            "stopping on %s at step %d (epoch %d, batch %d); state in %s; exit code %d",
+            what,
+            step,
+            epoch,
+            batch,
+            checkpoint or "(no checkpoint: nothing had changed)",
+            code,
+        )
+        said = signal_name(f.signum) if f.signum is not None else cause.value
+        raise Preempted(code, f.signum, None if checkpoint is None else str(checkpoint), requeued=requeued, cause=said)
+
+    def _after_stop(
+        self, cause: slurm.Cause, signal_time: float | None, *, progressed: bool, step: int
+    ) -> tuple[int, bool]:
+        """Requeues the SLURM job when the stop is its time limit; returns the exit code and whether it did."""
+        env, exit_code = self.env, self.config.exit_code
+        if not env.slurm_job_id or not self.config.requeue or (env.rank or 0) != 0:
+            return exit_code, False
+        job = None
+        if cause is slurm.Cause.SIGNAL and not self._scontrol_missing:
+            try:
+                job = slurm.show_job(env.slurm_job_id, timeout=5.0)
+            except SlurmError as e:
+                log.warning("SLURM job %s: %s", env.slurm_job_id, e)
+        decision = slurm.decide_requeue(
+            cause=cause,
+            signal_time=signal_time,
+            end_time=self.end_time,
+            job=job,
+            restart_count=env.slurm_restart_count or 0,
+            max_restarts=self.config.max_restarts,
+            progressed=progressed,
+        )
+        name = f"SLURM job {env.slurm_job_id}"
+        if decision.action is slurm.Action.NONE:
+            log.info("%s: not requeued: %s", name, decision.why)
+            return exit_code, False
+        if decision.action is slurm.Action.REFUSE:
+            log.error(
+                "%s: not requeued: %s (exit code %d); resubmit the job to continue from %s",
+                name,
+                decision.why,
+                RESTART_LIMIT_EXIT_CODE,
+                self.save_dir,
+            )
+            return RESTART_LIMIT_EXIT_CODE, False
+        target = slurm.requeue_target(env.slurm_job_id, env.slurm_array_job_id, env.slurm_array_task_id)
+        signals = self.flag.count  # SLURM's SIGTERM for the requeue may come before scontrol returns
+        try:
+            slurm.requeue(target)
+        except SlurmError as e:
+            log.error(
+                "%s: %s; could not requeue it: %s. The state is saved: requeue or resubmit the job (exit code %d)",
+                name,
+                decision.why,
+                e,
+                REQUEUE_FAILED_EXIT_CODE,
+            )
+            return REQUEUE_FAILED_EXIT_CODE, False
+        log.info(
+            "%s: %s; requeued it (scontrol requeue %s): restart %d continues from step %d",
+            name,
+            decision.why,
+            target,
+            (env.slurm_restart_count or 0) + 1,
+            step,
+        )
+        # SLURM now ends the job with SIGTERM to all its processes. Receive it here, while the handlers are
+        # still in place, so that the process exits with the documented code instead of dying of it.
+        until = time.monotonic() + 2.0
+        while self.flag.count == signals and self.flag.installed and time.monotonic() < until:
+            time.sleep(0.01)
+        return exit_code, True
