@@ -2,6 +2,7 @@
 
     python bench/bench_step.py                         # against the revision before issue 14's redesign
     python bench/bench_step.py --against HEAD~3 --calls 500000 --rounds 7
+    python bench/bench_step.py --against HEAD --time_limit 86400   # a far deadline: the same hot path?
 
 Each round times ``--calls`` calls of ``run.step()`` (``checkpoint_interval=None``, a small model and AdamW,
 no optimizer step: the call alone) in a fresh process per revision, the two revisions alternating so that
@@ -31,10 +32,12 @@ from preempt import PreemptibleRun
 assert preempt.__file__.startswith(sys.argv[1]), preempt.__file__
 logging.getLogger("preempt").setLevel(logging.WARNING)
 n = int(sys.argv[2])
+limit = json.loads(sys.argv[3])  # time_limit: None, or seconds (a deadline far away)
 model = torch.nn.Linear(8, 8)
 opt = torch.optim.AdamW(model.parameters())
 with tempfile.TemporaryDirectory() as d:
-    with PreemptibleRun(d, model=model, optimizer=opt, checkpoint_interval=None, log_file=False) as run:
+    with PreemptibleRun(d, model=model, optimizer=opt, checkpoint_interval=None, log_file=False,
+                        time_limit=limit) as run:
         for _ in range(1000):
             run.step()
         t0 = time.perf_counter()
@@ -50,9 +53,13 @@ print(json.dumps({"ns_per_call": (t1 - t0) / n * 1e9}))
 """
 
 
-def measure(tree: Path, calls: int) -> float:
+def measure(tree: Path, calls: int, time_limit: float | None = None) -> float:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tree), str(calls)], check=True, capture_output=True, text=True, cwd=tree
+        [sys.executable, "-c", CHILD, str(tree), str(calls), json.dumps(time_limit)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tree,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["ns_per_call"]
 
@@ -63,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=300_000, help="run.step() calls per timing (default 300000)")
     ap.add_argument("--rounds", type=int, default=5, help="timings per revision, alternated (default 5)")
     ap.add_argument("--json", help="also write every timing to this file")
+    ap.add_argument(
+        "--time_limit", type=float, default=None, help="PreemptibleRun(time_limit=...) in both: a deadline far away"
+    )
     args = ap.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:
         ap.error("--calls and --rounds must be >= 1")
@@ -77,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             here, there = [], []
             for i in range(args.rounds):
-                here.append(measure(ROOT, args.calls))
-                there.append(measure(other, args.calls))
+                here.append(measure(ROOT, args.calls, args.time_limit))
+                there.append(measure(other, args.calls, args.time_limit))
                 print(f"round {i + 1}: this tree {here[-1]:.0f} ns, {rev} {there[-1]:.0f} ns", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(other)], capture_output=True, cwd=ROOT)

@@ -49,6 +49,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=tier)  # stable: the files of a tier, and the tests of a file, keep their order
 
+
 class Spawned:
     """A child process whose merged stdout/stderr is collected line by line by a thread."""
 

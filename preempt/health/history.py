@@ -46,10 +46,10 @@ writer's line. It is not fsynced: a machine crash can lose the last lines,
 which is fine for a history. A killed process can still leave a torn last
 line (a write cut by a full disk); the next :class:`History` starts on a fresh
 line, and :func:`read_history` skips lines that do not parse. Cost: about
-10-13 µs per :meth:`History.record` on our 2-core machines (measured by
-``tests/unit/test_history.py::test_record_cost``): ``json.dumps`` ~7 µs, the
-``write(2)`` ~2 µs. Buffering in user space would save only those ~2 µs and
-lose the last lines on a kill. A record with a NaN takes a slower path
+10-13 µs per :meth:`History.record` on our 2-core machines, idle
+(``bench/bench_history.py``): ``json.dumps`` ~7 µs, the ``write(2)`` ~2 µs.
+Buffering in user space would save only those ~2 µs and lose the last lines
+on a kill. A record with a NaN takes a slower path
 (tens of µs).
 
 Timelines: a run killed after its checkpoint at step 120 and resumed from it

@@ -201,7 +201,8 @@ def test_stop_is_prompt_and_idempotent(tmp_path):
     nv.wait_rounds(1)  # the first round is taken at once, not after 60 s
     t0 = time.monotonic()
     mon.stop()
-    assert time.monotonic() - t0 < 1.0, "stop() must wake the thread, not wait out the interval"
+    # stop() wakes the thread: it does not wait out the 60 s interval (a bound far from any machine's speed)
+    assert time.monotonic() - t0 < 30.0, "stop() waited out the interval instead of waking the thread"
     assert not monitor_threads()
     mon.stop()
     mon.close()
