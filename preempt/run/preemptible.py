@@ -572,23 +572,25 @@ class PreemptibleRun:
         decision = decide(self.policy, self._facts(self._clock()))  # rank 0's counts; the others add a signal
         stopper.decided(decision)
         reason = saves.pick(decision.reason if decision.save else None)
+        requested = stopper.flag.requested  # what this rank told the peers: the stop's cause is what they agreed on
         agreed = self.peers.agree(
-            stopper.flag.requested,
+            requested,
             _REASONS.index(reason) + 1 if reason is not None else 0,
             walltime_stop=decision.stop and decision.reason is Reason.WALLTIME,
         )
         if agreed.save:  # a signal that came during a write stops the run here, with that checkpoint
             if not saves.save(_REASONS[agreed.save - 1], point) and not agreed.stop:  # (after a copy alone: the next)
-                agreed = self.peers.agree(stopper.flag.requested, 0)
+                requested = stopper.flag.requested
+                agreed = self.peers.agree(requested, 0)
         if agreed.stop:
             saves.before_stop()  # rank 0's write in flight: cancelled when the state moved past it, else awaited
             if self.peers.broadcast(loop.dirty):  # rank 0's view: a signal during that save, or its write failed
                 saves.save(Reason.PREEMPT, point)
-            self._stop(peer=agreed.signal_rank)
+            self._stop(peer=agreed.signal_rank, requested=requested)
         self._recompute_due()
 
-    def _stop(self, peer: int = -1) -> None:
-        self.stopper.stop(self.loop, checkpoint=self.saves.last_checkpoint, peer=peer)
+    def _stop(self, peer: int = -1, requested: bool | None = None) -> None:
+        self.stopper.stop(self.loop, checkpoint=self.saves.last_checkpoint, peer=peer, requested=requested)
 
 
 for _name in sorted(_OPTIONS - set(vars(PreemptibleRun))):  # the options read as attributes: run.time_limit, ...

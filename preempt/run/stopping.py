@@ -273,16 +273,25 @@ class Stopper:
 
     # ---------------------------------------------------------------- the stop
 
-    def stop(self, loop: LoopState, *, checkpoint: Path | None, peer: int = -1) -> NoReturn:
-        """Leaves the run: requeues the job when due, logs why, and raises Preempted."""
+    def stop(
+        self, loop: LoopState, *, checkpoint: Path | None, peer: int = -1, requested: bool | None = None
+    ) -> NoReturn:
+        """Leaves the run: requeues the job when due, logs why, and raises Preempted.
+
+        ``requested``: whether this process's stop flag was up when the stop was decided (what it told the peers);
+        None: read the flag now. A signal that arrives after the decision (the scheduler's SIGTERM for the requeue
+        that rank 0's walltime keeper asked for, while another rank is still saving) does not change the cause.
+        """
         step, epoch, batch, start_step = loop.global_step, loop.epoch, loop.batch, loop.start_step
         f = self.flag
         now = self.clock()
-        if not f.requested and self.walltime is None:
+        if requested is None:
+            requested = f.requested
+        if not requested and self.walltime is None:
             # Under torch.distributed: another rank received the signal, or rank 0's walltime keeper stopped.
             cause = slurm.Cause.SIGNAL if peer >= 0 else slurm.Cause.WALLTIME
             what = f"a stop signal received by rank {peer}" if peer >= 0 else "rank 0's walltime keeper"
-        elif f.requested:
+        elif requested:
             cause = slurm.Cause.SIGNAL if f.signum is not None else slurm.Cause.REQUEST
             what = signal_name(f.signum) if f.signum is not None else "request"
             if f.received_at is not None:
@@ -296,7 +305,7 @@ class Stopper:
                 f" {_log.duration(self._margin)} for steps of {_log.duration(wt.step_s)}, epoch ends of"
                 f" {_log.duration(wt.gap_s)} and saves of {_log.duration(wt.save_s)})"
             )
-        signal_time = None if f.received_at is None else time.time() - (now - f.received_at)
+        signal_time = None if f.received_at is None or not requested else time.time() - (now - f.received_at)
         code, requeued = self._after_stop(cause, signal_time, progressed=step > start_step, step=step)
         log.info(
             "stopping on %s at step %d (epoch %d, batch %d); state in %s; exit code %d",
@@ -307,7 +316,7 @@ class Stopper:
             checkpoint or "(no checkpoint: nothing had changed)",
             code,
         )
-        said = signal_name(f.signum) if f.signum is not None else cause.value
+        said = signal_name(f.signum) if requested and f.signum is not None else cause.value
         raise Preempted(code, f.signum, None if checkpoint is None else str(checkpoint), requeued=requeued, cause=said)
 
     def _after_stop(

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import signal
 
 import pytest
 import torch
 
-from preempt import PreemptibleRun
+from preempt import Preempted, PreemptibleRun
 from preempt.checkpoint.manifest import Cursor
 from preempt.checkpoint.retention import RetentionPolicy
+from preempt.cluster.environment import Environment
 from preempt.errors import NoCheckpointError
 from preempt.run.config import RunConfig
 from preempt.run.loop_state import LoopState
 from preempt.run.peers import Alone
 from preempt.run.resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
+from preempt.run.stopping import Stopper
 
 # ---------------------------------------------------------------------------- LoopState
 
@@ -164,3 +168,26 @@ def test_the_config_normalises_and_hands_the_retention_to_the_manager(tmp_path):
     run = PreemptibleRun(tmp_path, keep_best=2, best_metric="loss", best_mode="max", keep_last=3)
     assert run.manager.retention == RetentionPolicy(keep_last=3, keep_best=2, metric="loss", mode="max")
     assert "checkpoint_interval" in (PreemptibleRun.__doc__ or "") and "emergency_save" in (RunConfig.__doc__ or "")
+
+
+# ---------------------------------------------------------------------------- the stop's cause
+
+
+def test_a_signal_after_the_agreed_stop_does_not_change_its_cause(tmp_path, caplog):
+    """A rank without a walltime keeper stops because rank 0's keeper did (it told the peers no signal); the
+    scheduler's SIGTERM for the requeue that rank 0 asked for arrives while it is still saving. Its log and its
+    Preempted say the keeper, as the other ranks' do (seen in the two-node SLURM trial on a loaded machine)."""
+    env = Environment.from_env({"RANK": "1", "WORLD_SIZE": "2"})
+    stopper = Stopper(RunConfig(log_file=False), env, tmp_path, clock=lambda: 100.0)
+    stopper.flag.request(signal.SIGTERM)  # after the agreement
+    caplog.set_level(logging.INFO, logger="preempt")
+    with pytest.raises(Preempted) as e:
+        stopper.stop(LoopState(global_step=141), checkpoint=tmp_path / "step_000000141", requested=False)
+    assert "stopping on rank 0's walltime keeper at step 141" in caplog.text, caplog.text
+    assert e.value.cause == "walltime"
+    # read now (no agreement: a stop between run.step() and the epoch's end), the same flag is the cause
+    caplog.clear()
+    with pytest.raises(Preempted) as e:
+        stopper.stop(LoopState(global_step=141), checkpoint=tmp_path / "step_000000141")
+    assert "stopping on SIGTERM 0.00 s after it arrived at step 141" in caplog.text, caplog.text
+    assert e.value.cause == "SIGTERM"
