@@ -190,6 +190,7 @@ class SaveScheduler:
             manifest = self.snapshot.manifest(reason, point, self.manager.retention)
             log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
             payload, live = self.snapshot.content()
+            payload = self.manager.plan(payload, manifest.step)  # unchanged files are carried, not staged or written
             if background and self.writers is not None:
                 self._save_sharded(reason, manifest, t0, payload, live)
                 return True
