@@ -318,6 +318,8 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         if done and c.name == done.get("checkpoint"):
             reasons.append("complete.json")
             kept.add(c.step)
+        if c.step in kept and not reasons:
+            reasons.append("shares no file with the latest (its files are carried)")
     return {
         "keep": [c for c in valid if c.step in kept],
         "delete": [c for c in valid if c.step not in kept],

@@ -183,6 +183,8 @@ def test_ls_rows_statuses_and_marks(run_dir, tmp_path, capsys):
         "(local",
         "time)",
         "size",
+        "written",  # what the checkpoint wrote, and what it hard-linked from an earlier one (preempt.checkpoint.carry)
+        "carried",
         "reason",
         "status",
     ]
