@@ -124,18 +124,26 @@ def slow_commit(seconds: float):
     return action
 
 
-def slow_lazy_copy(seconds: float) -> None:
-    """--slow_lazy_copy: the writer makes the lazy copies of a snapshot this much later; says when it starts."""
+def lazy_copy_at_stop() -> None:
+    """--lazy_copy_at_stop: the writer makes a lazy snapshot's copies only after the loop has left the run.step()
+    that took it (the "saved" point) and a SIGTERM it sends the process then has reached the run; meanwhile the
+    loop's next optimizer.step() waits for those copies. Says when it sends the signal."""
     from preempt.checkpoint.staging import LazyCopy
 
     run = LazyCopy.run
+    left_the_step = threading.Event()
 
-    def slow(self) -> None:
-        print(f"lazy_copy_waits {seconds}", flush=True)
-        time.sleep(seconds)
+    def at_stop(self) -> None:
+        left_the_step.wait(HOLD_LIMIT_S)
+        print("lazy_copy_signals SIGTERM", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while not (_runs and _runs[0].stop_requested) and time.monotonic() < deadline:
+            time.sleep(0.005)
         run(self)
 
-    LazyCopy.run = slow
+    LazyCopy.run = at_stop
+    act(lambda point, n: left_the_step.set() if point == "saved" else None)
 
 
 # Named points of this process where a test acts (--signal_at, --hold_at, --settle_at, --slow_commit): the commit's
@@ -294,13 +302,13 @@ def main() -> None:
     p.add_argument("--metrics", action="store_true", help="run.step(metrics={'loss': ...})")
     p.add_argument("--progress_every_s", type=float, default=None)
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
-    p.add_argument("--slow_lazy_copy", type=float, default=0.0, help="lazy_snapshot=True, its copies this late")
+    p.add_argument("--lazy_copy_at_stop", action="store_true", help="lazy_snapshot=True, see lazy_copy_at_stop()")
     p.add_argument("--lora", action="store_true", help="a frozen base with adapters inside it (lora_model)")
     p.add_argument("--carry_limit", type=int, default=None, help="PreemptibleRun(carry_unchanged=CarryOptions(...))")
     p.add_argument("--no_carry", action="store_true", help="PreemptibleRun(carry_unchanged=False)")
     args = p.parse_args()
-    if args.slow_lazy_copy:
-        slow_lazy_copy(args.slow_lazy_copy)
+    if args.lazy_copy_at_stop:
+        lazy_copy_at_stop()
     if args.signal_at:
         signal_at(args.signal_at)
     if args.hold_at:
@@ -344,7 +352,7 @@ def main() -> None:
         walltime["progress_every_s"] = args.progress_every_s
     if args.no_recycle:
         walltime["recycle_files"] = False
-    if args.slow_lazy_copy:
+    if args.lazy_copy_at_stop:
         walltime["lazy_snapshot"] = True
     if args.carry_limit is not None:
         from preempt.checkpoint.carry import CarryOptions
