@@ -21,7 +21,11 @@ The commit protocol, in this exact order (:func:`write_checkpoint`):
 1. ``mkdir save_dir/.tmp-step_N-<tag>``, or rename a ``.recycle-`` directory to that name
    (:mod:`preempt.checkpoint.recycle`).
 2. Each data file: write, hash with xxh3-128 while writing, ``fdatasync``
-   (a recycled file of the same name is written over, then truncated to its new size).
+   (a recycled file of the same name is written over, then truncated to its new size);
+   or, for a file carried unchanged from the previous checkpoint (:mod:`preempt.checkpoint.carry`),
+   ``link`` the previous checkpoint's durable file under the new name (:func:`link_file`): its
+   bytes are durable already, the new entry becomes durable with step 4. A recycled file with
+   another name (``st_nlink > 1``: a carried file of a kept checkpoint) is never written into.
 3. ``manifest.json`` (sizes and digests of every data file, and a checksum of
    itself): write, ``fsync``. The manifest is always the last file written.
 4. ``fsync`` the temporary directory, so the entries of its files are durable.
@@ -83,7 +87,8 @@ import xxhash
 from . import direct_io
 
 MANIFEST = "manifest.json"
-MODEL_FILE = "model.safetensors"  # the model's state_dict
+MODEL_FILE = "model.safetensors"  # the model's state_dict (without BASE_FILE's tensors)
+BASE_FILE = "base.safetensors"  # the model's frozen parameters that no optimizer holds (likely unchanged: carried)
 STATE_FILE = "state.safetensors"  # every other tensor
 STATE_JSON = "state.json"  # everything else (no pickle)
 COMPLETE = "complete.json"
@@ -174,13 +179,22 @@ def parse_checkpoint_name(name: str) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class FileDigest:
-    """Size in bytes and xxh3-128 hex digest of one file."""
+    """Size in bytes and xxh3-128 hex digest of one file.
+
+    ``carried_from``: the step whose save wrote these bytes, when this checkpoint's file is a hard link to them
+    (carried unchanged, :mod:`preempt.checkpoint.carry`); None for a file this checkpoint wrote. Not compared:
+    the same bytes are the same file to every check.
+    """
 
     size: int
     xxh3_128: str
+    carried_from: int | None = dataclasses.field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "xxh3_128": self.xxh3_128}
+        doc: dict[str, Any] = {"size": self.size, "xxh3_128": self.xxh3_128}
+        if self.carried_from is not None:  # absent rather than null: an older reader sees the entry it knows
+            doc["carried_from"] = self.carried_from
+        return doc
 
 
 def _fdatasync(fd: int) -> None:
@@ -274,6 +288,25 @@ def _open_for_write(path: str | os.PathLike[str]) -> tuple[int, bool]:
         os.close(fd)
     remove_tree(Path(path))
     return _create(path), False
+
+
+def link_file(source: str | os.PathLike[str], path: str | os.PathLike[str], expected_size: int) -> None:
+    """Step 2 for a carried file: ``path`` becomes another name of ``source`` (a hard link), no byte copied.
+
+    Whatever a recycled directory holds at ``path`` is removed first (never written into: it may be another
+    checkpoint's inode). ``source`` must be a regular file of ``expected_size`` bytes (a stat, no hashing: its
+    digest was checked when it was written or loaded). The link is durable with the directory's fsync (step 4).
+
+    Raises:
+        OSError: The link cannot be made (EXDEV, EPERM, ENOTSUP, EMLINK, ENOENT: the source was pruned) or the
+            source is not what it should be (ESTALE); the caller writes the file instead.
+    """
+    st = os.stat(source, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != expected_size:
+        raise OSError(errno.ESTALE, f"not a regular file of {expected_size} bytes", str(source))
+    remove_tree(Path(path))
+    check_cancelled()
+    os.link(source, path, follow_symlinks=False)
 
 
 def _create(path: str | os.PathLike[str]) -> int:

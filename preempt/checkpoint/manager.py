@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -29,10 +28,12 @@ import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from . import commit, recycle, safe_io
+from .carry import Carrier, CarryOptions
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
 from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_manifest, read_verified
 from .manifest import Cursor, Manifest
-from .retention import Kept, RetentionPolicy, select_kept
+from .retention import BestRanking, Kept, RetentionPolicy, rank_best, select_kept  # noqa: F401  (rank_best: here too)
+from .write import write_payload  # noqa: F401  (called by name: a test replaces it here)
 
 if TYPE_CHECKING:  # torch: imported by the methods that read or write tensors, not by ls or verify
     import torch
@@ -86,6 +87,10 @@ class CheckpointManager:
             ``.recycle-*`` for the next save to write over in place (on many
             disks far faster than writing into new blocks; see
             :mod:`preempt.checkpoint.commit`), instead of deleting them.
+        carry_unchanged: A checkpoint hard-links the tensor files that have not changed since the previous
+            one instead of writing them (True, or :class:`~preempt.checkpoint.carry.CarryOptions`); the
+            model's frozen parameters go to a file of their own (:mod:`preempt.checkpoint.carry`). Applies to
+            :meth:`save_state` and to payloads passed through :meth:`plan`; False writes every file.
     """
 
     def __init__(
@@ -100,8 +105,10 @@ class CheckpointManager:
         owner: bool = True,
         retention: RetentionPolicy | None = None,
         recycle_files: bool = True,
+        carry_unchanged: bool | CarryOptions = True,
     ) -> None:
         self.save_dir = Path(save_dir)
+        self.carrier = Carrier(CarryOptions.of(carry_unchanged))
         self.retention = retention or RetentionPolicy(
             keep_last=keep_last,
             keep_best=keep_best,
@@ -165,9 +172,7 @@ class CheckpointManager:
                 found.append(self._inspect(self.save_dir / entry, step))
         found.sort(key=lambda c: c.step, reverse=True)
         if self.owner:
-            self._index = {
-                c.step: Kept(c.step, c.manifest.best_value) for c in found if c.status == "valid" and c.manifest
-            }
+            self._index = {c.step: _kept(c.manifest) for c in found if c.status == "valid" and c.manifest}
             self._indexed = True
         return found
 
@@ -331,12 +336,22 @@ class CheckpointManager:
             wanted = [state.STATE_FILE, state.STATE_JSON]
             for fname in sorted(f for f in manifest.files if f == SHARDED_INDEX or f.endswith(".distcp")):
                 read_verified(info.path / fname, manifest.files[fname])
-        bufs = {}
+        bufs: dict[str, Any] = {}
         for name in wanted:
             if name not in manifest.files:
                 raise CorruptCheckpointError(f"{info.path / MANIFEST}: lists no {name}")
             bufs[name] = read_verified(info.path / name, manifest.files[name])
+        if state.BASE_FILE in manifest.files and not sharded:  # the frozen base, apart (preempt.checkpoint.carry)
+            wanted.append(state.BASE_FILE)
+            bufs[state.BASE_FILE] = read_verified(info.path / state.BASE_FILE, manifest.files[state.BASE_FILE])
         model = {} if sharded else parse_tensors(bufs[state.MODEL_FILE], info.path / state.MODEL_FILE)[0]
+        if state.BASE_FILE in bufs:
+            base = parse_tensors(bufs[state.BASE_FILE], info.path / state.BASE_FILE)[0]
+            twice = sorted(model.keys() & base.keys())
+            if twice:
+                where = info.path / state.BASE_FILE
+                raise CorruptCheckpointError(f"{where}: holds {twice[0]!r}, as {state.MODEL_FILE} does")
+            model.update(base)
         tree: dict[str, Any] = {}
         if not weights_only:
             tensors, _ = parse_tensors(bufs[state.STATE_FILE], info.path / state.STATE_FILE)
@@ -441,11 +456,12 @@ class CheckpointManager:
         except BaseException as e:
             self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))
             raise
+        self.carrier.durable(final, manifest.step, manifest.files)
         if replaced is not None:
             self._deleter.submit([replaced])
         if not self._indexed:
             self.list()
-        self._index[manifest.step] = Kept(manifest.step, manifest.best_value)
+        self._index[manifest.step] = _kept(manifest)
         self.prune()
         return CheckpointInfo(final, manifest.step, "valid", manifest)
 
@@ -468,7 +484,22 @@ class CheckpointManager:
         run_state = {"user": dict(user_state or {})}
         codec.check_json(run_state["user"], "user_state")
         manifest = Manifest(step=step, cursor=Cursor(), reason=reason, created=time.time(), files={})
-        return self.save(state.capture(components, run_state), manifest)
+        payload = state.capture(components, run_state, group_frozen=self.carrier.enabled)
+        return self.save(self.plan(payload, step), manifest)
+
+    def plan(self, payload: state.Payload, step: int) -> state.Payload:
+        """``payload`` with its unchanged tensor files to be carried (:meth:`Carrier.plan`), at the step, before
+        any staging copy; the checkpoint of ``step`` then records what it was made from when committed."""
+        return self.carrier.plan(payload, step)
+
+    def loaded(self, info: CheckpointInfo, live: state.Payload) -> list[str]:
+        """After a resume from ``info``: its tensor files that the live tensors (``live``, captured right after the
+        load) match become what the next checkpoint may carry. Only checkpoints of this save_dir (a hard link into
+        another run's directory would tie the two together). Returns the file names."""
+        if info.manifest is None or info.path.parent.resolve() != self.save_dir.resolve():
+            self.carrier.loaded(info.path, {}, live, info.step)
+            return []
+        return self.carrier.loaded(info.path, info.manifest.files, live, info.step)
 
     # ----------------------------------------------------------------- prune
 
@@ -544,56 +575,5 @@ class CheckpointManager:
             commit.fsync_dir(self.save_dir)
 
 
-@dataclasses.dataclass(frozen=True)
-class BestRanking:
-    """The checkpoints that hold a "best" state, best first, and the metric and mode that rank them."""
-
-    ranked: list[CheckpointInfo]
-    metric: str | None
-    mode: str | None
-    problem: str | None = None  # the newest best manifest records a mode that is neither min nor max
-
-
-def rank_best(infos: Iterable[CheckpointInfo], default_mode: str = "min") -> BestRanking:
-    """Ranks the valid checkpoints marked ``is_best`` by ``best.value``, with the mode their manifests record.
-
-    The newest such manifest says the metric and the mode (``default_mode``
-    when it records none); a checkpoint that records another metric or mode is
-    a different ranking and is left out. The mode comes from the manifests, not
-    from the caller's configuration, so that a tool or a run reading another
-    run's directory ranks a "max" metric as its writer did.
-    """
-    marked = [
-        c
-        for c in infos
-        if c.status == "valid" and c.manifest and (v := c.manifest.best_value) is not None and not math.isnan(v)
-    ]
-    marked.sort(key=lambda c: c.step, reverse=True)
-    if not marked:
-        return BestRanking([], None, None)
-
-    def ranking(c: CheckpointInfo) -> tuple[Any, Any]:
-        best = c.manifest.best or {}  # type: ignore[union-attr]
-        return best.get("metric"), best.get("mode", default_mode)
-
-    metric, mode = ranking(marked[0])
-    if mode not in ("min", "max"):
-        problem = f"{marked[0].path / MANIFEST}: best.mode: expected 'min' or 'max', found {mode!r:.80}"
-        return BestRanking([], metric, None, problem)
-    same = [c for c in marked if ranking(c) == (metric, mode)]
-    same.sort(key=lambda c: c.manifest.best_value, reverse=mode == "max")  # type: ignore[union-attr,return-value,arg-type]
-    return BestRanking(same, metric, mode)
-
-
-def write_payload(directory: Path, payload: state.Payload) -> dict[str, FileDigest]:
-    """Writes a payload's files into ``directory``, each one fsynced; returns their digests."""
-    from . import codec, tensorfile
-
-    files: dict[str, FileDigest] = {}
-    for fname, (tensors, meta) in payload.tensor_files.items():
-        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta), recycle=True)
-    commit.stage("after_tensor_files")
-    for fname, doc in payload.json_files.items():
-        data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
-        files[fname] = commit.write_file(directory / fname, [data], recycle=True)
-    return files
+def _kept(manifest: Manifest) -> Kept:
+    return Kept(manifest.step, manifest.best_value, manifest.origins())

@@ -9,6 +9,8 @@ too). It carries a checksum of itself, so a flipped byte in the manifest is
 detected like one in a tensor file.
 
 Fields added after format version 1 was first written are optional: a
+file entry's ``carried_from`` (the step whose save wrote a file this checkpoint
+hard-links, :mod:`preempt.checkpoint.carry`) is absent for a written file; a
 manifest without ``retention`` (written by an older preempt, or by
 :meth:`~preempt.checkpoint.manager.CheckpointManager.save_state`) loads, its retention
 unknown; an older preempt ignores the field (the checksum covers every key).
@@ -85,6 +87,16 @@ class Manifest:
     retention: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
 
+    def origins(self) -> frozenset[tuple[str, int]]:
+        """``(file, step that wrote its bytes)`` for every file: two checkpoints share an inode when they share a pair
+        (a carried file is a hard link to the bytes its ``carried_from`` step wrote)."""
+        return frozenset((n, self.step if d.carried_from is None else d.carried_from) for n, d in self.files.items())
+
+    @property
+    def carried(self) -> dict[str, FileDigest]:
+        """The files this checkpoint carried unchanged (hard links) rather than wrote."""
+        return {n: d for n, d in self.files.items() if d.carried_from is not None}
+
     @property
     def best_value(self) -> float | None:
         """The metric value when this checkpoint is a "best" one, else None."""
@@ -159,7 +171,8 @@ class Manifest:
             digest = e.str("xxh3_128")
             if not _HEX32_RE.fullmatch(digest):
                 raise ValueError(f"{where}: files[{name!r}].xxh3_128: expected 32 hex digits, found {_short(digest)}")
-            files[name] = FileDigest(size, digest)
+            origin = e.optional_int("carried_from") if "carried_from" in entry else None
+            files[name] = FileDigest(size, digest, origin)
         c = _Reader(r.dict("cursor"), f"{where}: cursor")
         point = c.str("point")
         if point not in POINTS:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
+from typing import Any
+
+from .commit import MANIFEST
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,6 +67,14 @@ class Kept:
 
     step: int
     best_value: float | None = None  # set on checkpoints written because the metric improved
+    # (file, the step that wrote its bytes) of each file: checkpoints sharing a pair share an inode (hard links,
+    # preempt.checkpoint.carry); empty when unknown
+    origins: frozenset[tuple[str, int]] = frozenset()
+
+    @property
+    def carries(self) -> bool:
+        """Some file of it is a hard link to bytes an earlier checkpoint wrote."""
+        return any(origin != self.step for _, origin in self.origins)
 
 
 def select_kept(policy: RetentionPolicy, checkpoints: Iterable[Kept]) -> set[int]:
@@ -73,6 +84,11 @@ def select_kept(policy: RetentionPolicy, checkpoints: Iterable[Kept]) -> set[int
     toward ``keep_last`` (they are moved aside by the manager, never pruned), so
     newer broken checkpoints cannot push out the last good one. The newest valid
     checkpoint is always kept.
+
+    Shared files (:mod:`preempt.checkpoint.carry`): when the newest checkpoint
+    carries a file and every other checkpoint kept shares a file with it (one
+    inode: a flipped bit there damages them all), the newest older checkpoint
+    that shares none is kept too, so that there is always one to fall back to.
     """
     items = sorted(checkpoints, key=lambda c: c.step, reverse=True)
     if not items:
@@ -88,6 +104,11 @@ def select_kept(policy: RetentionPolicy, checkpoints: Iterable[Kept]) -> set[int
         kept.update(c.step for c in ranked[: policy.keep_best])
     if policy.keep_every_steps:
         kept.update(c.step for c in items if c.step % policy.keep_every_steps == 0)
+    newest = items[0]
+    if newest.carries and all(c.origins & newest.origins for c in items if c.step in kept):
+        apart = next((c for c in items[1:] if not c.origins & newest.origins), None)
+        if apart is not None:
+            kept.add(apart.step)
     return kept
 
 
@@ -96,3 +117,44 @@ def _check_positive_int_or_none(name: str, value: object) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}: expected a positive integer or None, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BestRanking:
+    """The checkpoints that hold a "best" state, best first, and the metric and mode that rank them."""
+
+    ranked: list[Any]
+    metric: str | None
+    mode: str | None
+    problem: str | None = None  # the newest best manifest records a mode that is neither min nor max
+
+
+def rank_best(infos: Iterable[Any], default_mode: str = "min") -> BestRanking:
+    """Ranks the valid checkpoints marked ``is_best`` by ``best.value``, with the mode their manifests record.
+
+    The newest such manifest says the metric and the mode (``default_mode``
+    when it records none); a checkpoint that records another metric or mode is
+    a different ranking and is left out. The mode comes from the manifests, not
+    from the caller's configuration, so that a tool or a run reading another
+    run's directory ranks a "max" metric as its writer did.
+    """
+    marked = [
+        c
+        for c in infos
+        if c.status == "valid" and c.manifest and (v := c.manifest.best_value) is not None and not math.isnan(v)
+    ]
+    marked.sort(key=lambda c: c.step, reverse=True)
+    if not marked:
+        return BestRanking([], None, None)
+
+    def ranking(c: Any) -> tuple[Any, Any]:
+        best = c.manifest.best or {}  # type: ignore[union-attr]
+        return best.get("metric"), best.get("mode", default_mode)
+
+    metric, mode = ranking(marked[0])
+    if mode not in ("min", "max"):
+        problem = f"{marked[0].path / MANIFEST}: best.mode: expected 'min' or 'max', found {mode!r:.80}"
+        return BestRanking([], metric, None, problem)
+    same = [c for c in marked if ranking(c) == (metric, mode)]
+    same.sort(key=lambda c: c.manifest.best_value, reverse=mode == "max")  # type: ignore[union-attr,return-value,arg-type]
+    return BestRanking(same, metric, mode)

@@ -124,7 +124,8 @@ class Stager:
         for gone in self._files.keys() - payload.tensor_files.keys():
             del self._files[gone]
         docs = {name: codec.dumps(doc) for name, doc in payload.json_files.items()}
-        return Payload(tensor_files=files, json_files=docs), LazyCopy(deferred) if deferred else None
+        staged = Payload(tensor_files=files, json_files=docs, carried=payload.carried)  # carried: linked, never copied
+        return staged, LazyCopy(deferred) if deferred else None
 
     def _pin(self, payload: Payload) -> bool:
         if self.pin_memory is not None:

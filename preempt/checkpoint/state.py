@@ -1,10 +1,19 @@
 """What a checkpoint holds, taken from live objects and put back into them.
 
-A checkpoint is three files besides its manifest:
+A checkpoint is three or four files besides its manifest:
 
 * ``model.safetensors``: the model's ``state_dict()`` as is, without the
   ``module.`` (DDP) or ``_orig_mod.`` (``torch.compile``) prefixes, so other
   tools can load it as plain weights;
+* ``base.safetensors`` (when carrying unchanged files, :mod:`preempt.checkpoint.carry`):
+  the model's parameters with ``requires_grad=False`` that no optimizer param
+  group holds, taken out of ``model.safetensors``: the frozen base of a
+  fine-tuning run, likely unchanged from one checkpoint to the next. Every
+  buffer, trainable parameter and frozen parameter an optimizer holds stays
+  in ``model.safetensors``. The split only groups; whether a file is carried
+  is decided from its tensors, so a wrong guess costs bytes, never
+  correctness. Absent when nothing is frozen. The model's weights are both
+  files together (``preempt export`` merges them);
 * ``state.safetensors``: every other tensor (optimizer moments, RNG states,
   tensors of tracked objects);
 * ``state.json``: everything else (param groups, scheduler counters, GradScaler
@@ -32,7 +41,7 @@ import torch
 
 from ..errors import IncompatibleStateError, UnsupportedStateError
 from . import codec
-from .commit import MODEL_FILE, STATE_FILE, STATE_JSON  # noqa: F401  (the names of a checkpoint's files)
+from .commit import BASE_FILE, MODEL_FILE, STATE_FILE, STATE_JSON  # noqa: F401  (the names of a checkpoint's files)
 from .components import Components, Stateful
 from .tensorfile import check_tensor
 
@@ -84,20 +93,42 @@ class Payload:
 
     tensor_files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]
     json_files: dict[str, Any]
+    # Files linked from the previous checkpoint instead of written: name -> preempt.checkpoint.carry.Carry
+    carried: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def capture(components: Components, run_state: Mapping[str, Any]) -> Payload:
+def frozen_keys(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> set[str]:
+    """The state_dict keys of the model's parameters with ``requires_grad=False`` that no optimizer group holds."""
+    held = set()
+    if optimizer is not None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {
+        name
+        for name, p in unwrap_model(model).named_parameters(remove_duplicate=False)
+        if not p.requires_grad and id(p) not in held
+    }
+
+
+def capture(components: Components, run_state: Mapping[str, Any], *, group_frozen: bool = False) -> Payload:
     """Takes the state of every component, plus ``run_state`` (RNG and user dict), without copying.
+
+    Args:
+        components: The live objects.
+        run_state: The run's own state.
+        group_frozen: Put the model's frozen parameters that no optimizer holds in ``base.safetensors``
+            (:func:`frozen_keys`; no such file when there are none).
 
     Raises:
         UnsupportedStateError: Some state is neither tensor nor JSON; the message names it.
     """
     model_tensors: dict[str, torch.Tensor] = {}
+    base_tensors: dict[str, torch.Tensor] = {}
     tree: dict[str, Any] = {"model_extra": {}}
     if components.model is not None:
+        frozen = frozen_keys(components.model, components.optimizer) if group_frozen else set()
         for key, value in unwrap_model(components.model).state_dict().items():
             if isinstance(value, torch.Tensor):
-                model_tensors[key] = value
+                (base_tensors if key in frozen else model_tensors)[key] = value
             else:
                 tree["model_extra"][key] = value
     if components.optimizer is not None:
@@ -114,15 +145,16 @@ def capture(components: Components, run_state: Mapping[str, Any]) -> Payload:
     skeleton = {}
     for name, sub in tree.items():
         skeleton[name] = codec.encode(sub, name, tensors)
-    for key, t in [*model_tensors.items(), *tensors.items()]:
+    for key, t in [*model_tensors.items(), *base_tensors.items(), *tensors.items()]:
         try:
             check_tensor(key, t)
         except TypeError as e:
             raise UnsupportedStateError(str(e)) from None
-    return Payload(
-        tensor_files={MODEL_FILE: (model_tensors, {"format": "pt"}), STATE_FILE: (tensors, {})},
-        json_files={STATE_JSON: skeleton},
-    )
+    files = {MODEL_FILE: (model_tensors, {"format": "pt"})}
+    if base_tensors:
+        files[BASE_FILE] = (base_tensors, {"format": "pt"})
+    files[STATE_FILE] = (tensors, {})
+    return Payload(tensor_files=files, json_files={STATE_JSON: skeleton})
 
 
 @dataclasses.dataclass

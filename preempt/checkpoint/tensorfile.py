@@ -219,6 +219,35 @@ def restamped(buf: np.ndarray, header: Header, metadata: Mapping[str, str]) -> I
     yield memoryview(buf[header.data_start :])
 
 
+def merged(parts: list[tuple[np.ndarray, Header]], metadata: Mapping[str, str]) -> Iterator[Any]:
+    """One safetensors file holding every tensor of ``parts`` (validated files in memory), as pieces. No torch.
+
+    Laid out as :func:`layout` lays out a file (by descending element size, then name), so every tensor starts
+    at an offset aligned to its element size; each tensor's bytes are yielded as a view of its source.
+
+    Raises:
+        ValueError: Two parts hold a tensor of the same name.
+    """
+    found: dict[str, tuple[np.ndarray, Header, Entry]] = {}
+    for buf, header in parts:
+        for e in header.entries:
+            if e.name in found:
+                raise ValueError(f"tensor {_short(e.name)} is in two of the files to merge")
+            found[e.name] = (buf, header, e)
+    doc: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
+    order = sorted(found, key=lambda k: (-_ITEMSIZE[found[k][2].dtype], k))
+    offset = 0
+    for name in order:
+        e = found[name][2]
+        doc[name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.end - e.begin]}
+        offset += e.end - e.begin
+    yield _header_bytes(doc)
+    for name in order:
+        buf, header, e = found[name]
+        if e.end > e.begin:
+            yield memoryview(buf[header.data_start + e.begin : header.data_start + e.end])
+
+
 def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors (views into ``buf``) and metadata of a safetensors file held in memory.
 

@@ -35,7 +35,17 @@ from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
 from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
 from ..errors import CorruptCheckpointError
 from .output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
-from .views import checkpoint_size, completion, fmt_table, fmt_utc, fmt_when, moved_aside, recycled, resolve
+from .views import (
+    carried_bytes,
+    checkpoint_size,
+    completion,
+    fmt_table,
+    fmt_utc,
+    fmt_when,
+    moved_aside,
+    recycled,
+    resolve,
+)
 
 # ----------------------------------------------------------------------- ls
 
@@ -53,6 +63,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = []
     for c in infos:
         m = c.manifest
+        carried, origins = carried_bytes(c)
         rows.append(
             {
                 "name": c.name,
@@ -64,6 +75,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "created_utc": fmt_utc(m.created) if m else None,
                 "reason": m.reason if m else None,
                 "bytes": checkpoint_size(c),
+                "written_bytes": checkpoint_size(c) - carried,
+                "carried_bytes": carried,
+                "carried_from": origins,
                 "status": c.status,
                 "latest": c.step == latest,
                 "best": c.step == best_step,
@@ -91,7 +105,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"{save_dir}: no checkpoints")
     else:
-        table = [["checkpoint", "step", "epoch", "batch", "saved (local time)", "size", "reason", "status"]]
+        head = ["checkpoint", "step", "epoch", "batch", "saved (local time)", "size", "written", "carried", "reason"]
+        table = [[*head, "status"]]
         for r in rows:
             marks = [m for m in ("latest", "best") if r[m]]  # the complete one is named below the table
             table.append(
@@ -102,11 +117,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "-" if r["batch"] is None else str(r["batch"]),
                     fmt_when(r["created"]),
                     _log.size(r["bytes"]),
+                    _log.size(r["written_bytes"]),
+                    _carried_cell(r["carried_bytes"], r["carried_from"]),
                     r["reason"] or "-",
                     r["status"] + (f" ({', '.join(marks)})" if marks else ""),
                 ]
             )
-        lines = fmt_table(table, right={1, 2, 3, 5})
+        lines = fmt_table(table, right={1, 2, 3, 5, 6})
         print(lines[0])
         for line, r in zip(lines[1:], rows, strict=True):
             print(line)
@@ -124,6 +141,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if done_problem:
         print(f"warning: {done_problem}", file=sys.stderr)
     return EXIT_OK
+
+
+def _carried_cell(nbytes: int, origins: list[int]) -> str:
+    """``-``, or the bytes carried and the steps whose saves wrote them: ``4.0 MiB from 12``."""
+    if not nbytes and not origins:
+        return "-"
+    return f"{_log.size(nbytes)} from {','.join(map(str, origins))}"
 
 
 # ------------------------------------------------------------------- verify
@@ -278,7 +302,7 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     )
     kept = select_kept(
         policy,
-        [Kept(c.step, c.manifest.best_value if c.step in rank else None) for c in valid],  # type: ignore[union-attr]
+        [Kept(c.step, c.manifest.best_value if c.step in rank else None, c.manifest.origins()) for c in valid],  # type: ignore[union-attr]
     )
     why: dict[int, list[str]] = {}
     for i, c in enumerate(valid):
@@ -294,6 +318,8 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         if done and c.name == done.get("checkpoint"):
             reasons.append("complete.json")
             kept.add(c.step)
+        if c.step in kept and not reasons:
+            reasons.append("shares no file with the latest (its files are carried)")
     return {
         "keep": [c for c in valid if c.step in kept],
         "delete": [c for c in valid if c.step not in kept],
@@ -400,29 +426,36 @@ def cmd_export(args: argparse.Namespace) -> int:
     if info.manifest is None or info.status != "valid":
         raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; cannot export from it")
     from ..checkpoint import tensorfile
-    from ..checkpoint.commit import MODEL_FILE
+    from ..checkpoint.commit import BASE_FILE, MODEL_FILE
 
     expected = info.manifest.files.get(MODEL_FILE)
     src = info.path / MODEL_FILE
     if expected is None:
         raise CommandFailed(EXIT_DAMAGED, f"{info.path / commit.MANIFEST}: lists no {MODEL_FILE}")
+    # The model's weights: model.safetensors, and the frozen base beside it when the run kept it apart
+    # (preempt.checkpoint.carry); the file written holds them all (standalone, whatever was carried).
+    parts = []
     try:
-        buf = read_verified(src, expected)  # a regular file, size and xxh3 as the manifest says; a private mapping
-        header = tensorfile.validate(buf, str(src))
+        for name in (MODEL_FILE, BASE_FILE):
+            if name in info.manifest.files:
+                path = info.path / name
+                buf = read_verified(path, info.manifest.files[name])  # regular file, size and xxh3 as listed; mapped
+                parts.append((buf, tensorfile.validate(buf, str(path))))
+        buf, header = parts[0]
+        tensors = [e for _, h in parts for e in h.entries]
+        pieces = (
+            tensorfile.restamped(buf, header, _export_metadata(header.metadata, info, expected))
+            if len(parts) == 1
+            else tensorfile.merged(parts, _export_metadata(header.metadata, info, expected))
+        )
+        if len(parts) > 1:
+            pieces = iter(list(pieces))  # two tensors of one name raise here, before anything is written
     except (CorruptCheckpointError, ValueError) as e:
         raise CommandFailed(EXIT_DAMAGED, f"{e}; nothing written") from None
-    tensors, metadata = header.entries, header.metadata
     if not tensors:
         raise CommandFailed(EXIT_USAGE, f"{src}: holds no model weights (saved without a model); nothing written")
-    metadata = {
-        **metadata,
-        "format": "pt",
-        "preempt.source": str(info.path.resolve()),
-        "preempt.step": str(info.step),
-        "preempt.source_xxh3_128": expected.xxh3_128,
-    }
-    # The data area is written straight from the verified mapping, its layout (and alignment) unchanged: no torch.
-    digest = _write_new(out, tensorfile.restamped(buf, header, metadata), args.force)
+    # The data is written straight from the verified mappings (one file: its layout and alignment unchanged): no torch.
+    digest = _write_new(out, pieces, args.force)
     doc = {
         "source": str(info.path),
         "step": info.step,
@@ -437,6 +470,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         size = _log.size(digest.size)
         print(f"wrote {out} ({len(tensors)} tensors, {size}, xxh3 {digest.xxh3_128}) from {info.path}")
     return EXIT_OK
+
+
+def _export_metadata(metadata: dict[str, str], info: CheckpointInfo, expected: FileDigest) -> dict[str, str]:
+    return {
+        **metadata,
+        "format": "pt",
+        "preempt.source": str(info.path.resolve()),
+        "preempt.step": str(info.step),
+        "preempt.source_xxh3_128": expected.xxh3_128,
+    }
 
 
 def _write_new(out: Path, pieces: Iterable[Any], force: bool) -> FileDigest:

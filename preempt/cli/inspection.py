@@ -18,7 +18,7 @@ import xxhash
 
 from .. import _log
 from ..checkpoint import commit, safe_io, tensorfile
-from ..checkpoint.commit import MODEL_FILE, STATE_FILE, STATE_JSON
+from ..checkpoint.commit import BASE_FILE, MODEL_FILE, STATE_FILE, STATE_JSON
 from ..checkpoint.files import read_verified, regular_file
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
@@ -205,6 +205,8 @@ def _manifest_doc(m: Manifest) -> dict[str, Any]:
         "created_utc": fmt_utc(m.created),
         "format_version": m.format_version,
         "files": {name: d.to_json() for name, d in sorted(m.files.items())},
+        "written_bytes": sum(d.size for d in m.files.values() if d.carried_from is None),
+        "carried_bytes": sum(d.size for d in m.carried.values()),
         "metrics": m.metrics,
         "best": m.best,
         "is_best": m.is_best,
@@ -227,7 +229,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     problems: list[str] = []
     tensors: dict[str, Any] = {}
     headers: dict[str, Header] = {}
-    for name in (MODEL_FILE, STATE_FILE):
+    for name in (MODEL_FILE, BASE_FILE, STATE_FILE):
         path = info.path / name
         if name not in m.files:
             continue
@@ -280,10 +282,13 @@ def _print_inspect(
         print(f"  lineage: request {m.lineage.get('request')}, source {m.lineage.get('source', '-')}, started {when}")
     if m.sampler:
         print(f"  sampler: {_kv(m.sampler)}")
-    print("files (not re-hashed here; `preempt verify` does)")
-    for line in fmt_table(
-        [[n, str(d.size), _log.size(d.size), d.xxh3_128] for n, d in sorted(m.files.items())], right={1, 2}
-    ):
+    carried = sum(d.size for d in m.carried.values())
+    written = sum(d.size for d in m.files.values()) - carried
+    sizes = f"{_log.size(written)} written, {_log.size(carried)} carried"
+    print(f"files (not re-hashed here; `preempt verify` does): {sizes}")
+    how = {n: "written" if d.carried_from is None else f"carried from {d.carried_from}" for n, d in m.files.items()}
+    rows = [[n, str(d.size), _log.size(d.size), d.xxh3_128, how[n]] for n, d in sorted(m.files.items())]
+    for line in fmt_table(rows, right={1, 2}):
         print(f"  {line}")
     for name, t in tensors.items():
         dtypes = ", ".join(f"{k} x{v}" for k, v in sorted(t["dtypes"].items()))

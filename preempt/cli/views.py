@@ -47,6 +47,14 @@ def checkpoint_size(info: CheckpointInfo) -> int:
     return sum(d.size for d in info.manifest.files.values())
 
 
+def carried_bytes(info: CheckpointInfo) -> tuple[int, list[int]]:
+    """The bytes a checkpoint carried (hard links to files an earlier save wrote) and the steps that wrote them."""
+    if info.manifest is None:
+        return 0, []
+    carried = info.manifest.carried
+    return sum(d.size for d in carried.values()), sorted({d.carried_from for d in carried.values()})  # type: ignore[misc]
+
+
 def resolve(save_dir: Path, infos: list[CheckpointInfo], selector: int | str) -> CheckpointInfo:
     """The checkpoint STEP names: a step (whatever its status), the newest valid one, or the best one.
 

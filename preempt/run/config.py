@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 
+from ..checkpoint.carry import CarryOptions
 from ..checkpoint.retention import RetentionPolicy
 from ..cluster import slurm
 from ..cluster.signals import DEFAULT_SIGNALS
@@ -39,6 +40,18 @@ OPTIONS_DOC = """\
             ``keep_last`` or ``keep_best`` to prune something. With
             ``async_save``, a new job's writer writes such a pool ahead once
             the state is complete (:mod:`preempt.checkpoint.recycle`).
+        carry_unchanged: A checkpoint hard-links each tensor file that has not
+            changed since the previous checkpoint instead of writing it, and
+            the model's frozen parameters that no optimizer holds go to a file
+            of their own (``base.safetensors``): fine-tuning writes what it
+            trains, not the frozen base. Change is seen through each tensor's
+            version counter, address, shape, stride, dtype and device; what
+            those cannot see (writes through ``.data``, NumPy views, custom
+            kernels) is caught by hashing the live tensors before the first
+            carried checkpoint of each process and every 10th after. Every
+            checkpoint stays complete (see :mod:`preempt.checkpoint.carry`).
+            True (default), False (every file written, as before), or
+            :class:`~preempt.checkpoint.carry.CarryOptions` for the cadences.
         auto_resume: Restore the newest valid checkpoint on entering (default).
             False starts fresh and moves existing checkpoints to ``superseded/``.
         resume: Where to start when this run's own checkpoints do not say:
@@ -158,6 +171,7 @@ class RunConfig:
     best_metric: str | None = None
     best_mode: str = "min"
     recycle_files: bool = True
+    carry_unchanged: bool | CarryOptions = True
     async_save: bool = True
     lazy_snapshot: bool = False
     # where a run starts
@@ -193,6 +207,7 @@ class RunConfig:
         flags += ("exit_if_complete", "requeue")
         for name in (*flags, "log_file", "emergency_save"):
             set_(self, name, bool(getattr(self, name)))
+        set_(self, "carry_unchanged", CarryOptions.of(self.carry_unchanged))
         if not _is_int(self.exit_code) or not 0 <= self.exit_code <= 255:
             raise ValueError(f"exit_code: expected an integer in [0, 255], got {self.exit_code!r}")
         r = self.resume
@@ -240,6 +255,11 @@ class RunConfig:
             mode=self.best_mode,
             recycle=self.recycle_files,
         )
+
+    @property
+    def carry(self) -> CarryOptions:
+        """``carry_unchanged`` as options (checked and normalised when the config was made)."""
+        return self.carry_unchanged  # type: ignore[return-value]
 
     @property
     def starts_fresh(self) -> bool:

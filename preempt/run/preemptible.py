@@ -45,6 +45,7 @@ import torch
 
 from .. import _log
 from ..checkpoint import state
+from ..checkpoint.carry import CarryOptions
 from ..checkpoint.lock import DirLock, StepBeacon
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.staging import payload_nbytes
@@ -121,6 +122,7 @@ class PreemptibleRun:
         best_metric: str | None = None,
         best_mode: str = "min",
         recycle_files: bool = True,
+        carry_unchanged: bool | CarryOptions = True,
         auto_resume: bool = True,
         resume: str | int | os.PathLike[str] | None = "latest",
         weights_only: bool = False,
@@ -154,13 +156,13 @@ class PreemptibleRun:
         cfg = self.config = RunConfig(**options)  # checks them all
         self.save_dir = Path(save_dir)
         self.policy = cfg.save_policy()
-        self.manager = CheckpointManager(save_dir, retention=cfg.retention())
+        self.manager = CheckpointManager(save_dir, retention=cfg.retention(), carry_unchanged=cfg.carry)
         self.env = Environment.from_env()
         self._clock = clock  # below: the parts, each of one concern; the run composes them
         self.loop = LoopState()
         self.stopper = Stopper(cfg, self.env, self.save_dir, clock)
         self.data = DataCursor(self.stopper.flag.signals)
-        self.snapshot = Snapshot(self.components, self.loop, self.data)
+        self.snapshot = Snapshot(self.components, self.loop, self.data, group_frozen=cfg.carry.enabled)
         self.saves = SaveScheduler(self.manager, self.loop, self.snapshot, self.stopper.flag, clock=clock)
         self.saves.on_durable = self.stopper.saved
         self.health = Health(cfg, self.components, self.loop, self.snapshot)

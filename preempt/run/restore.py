@@ -249,6 +249,8 @@ class Starter:
         self.loop.restored(m.step, c, m.metrics, m.best)
         self.data.resume = Resume(info, c, rng_now, rng_epoch, m.sampler, data.get("loader"))
         self.saves.loaded(info)
+        if not loaded.sharded:  # the files the live tensors now match may be carried by the next checkpoint
+            self.manager.loaded(info, self.snapshot.tensors())
         self.resumed_from = info.path
         age = _log.duration(max(0.0, time.time() - m.created))
         of = f"/{c.batches_per_epoch}" if c.batches_per_epoch >= 0 else ""

@@ -190,6 +190,7 @@ class SaveScheduler:
             manifest = self.snapshot.manifest(reason, point, self.manager.retention)
             log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
             payload, live = self.snapshot.content()
+            payload = self.manager.plan(payload, manifest.step)  # unchanged files are carried, not staged or written
             if background and self.writers is not None:
                 self._save_sharded(reason, manifest, t0, payload, live)
                 return True
@@ -252,7 +253,7 @@ class SaveScheduler:
         self.loaded(info)
         t1 = self.clock()
         self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
-        log.info("checkpoint %s (%s) written in %s", info.path, reason.value, _log.duration(t1 - t0))
+        log.info("checkpoint %s (%s) written in %s%s", info.path, reason.value, _log.duration(t1 - t0), _carried(info))
         self._said(info)
         if self.on_durable is not None:
             self.on_durable(t1 - t0, t1, self.loop.global_step)
@@ -420,10 +421,11 @@ class SaveScheduler:
         routine = job.record.reason in _ROUTINE
         log.log(
             logging.DEBUG if routine else logging.INFO,
-            "checkpoint %s (%s) written in %s in the background; the loop waited %s",
+            "checkpoint %s (%s) written in %s in the background%s; the loop waited %s",
             info.path,
             job.record.reason,
             _log.duration(now - job.started),
+            _carried(info),
             _log.duration(job.record.stall_s),
         )
         self._said(info)
@@ -552,3 +554,15 @@ class SaveScheduler:
         # make room). Training goes on; the next try comes when the next checkpoint is due, not at every step.
         log.error("%s; %s; training goes on and tries again at the next checkpoint", what, last)
         loop.save_skipped(self.clock())
+
+
+def _carried(info: CheckpointInfo) -> str:
+    """What a checkpoint carried rather than wrote: ``" (12.0 MiB written, 1.2 GiB carried from step 40)"``, or ""."""
+    files = info.manifest.files if info.manifest is not None else {}
+    carried = {n: d for n, d in files.items() if d.carried_from is not None}
+    if not carried:
+        return ""
+    nbytes = sum(d.size for d in carried.values())
+    steps = ", ".join(str(s) for s in sorted({d.carried_from for d in carried.values()}))  # type: ignore[misc]
+    written = sum(d.size for d in files.values()) - nbytes
+    return f" ({_log.size(written)} written, {_log.size(nbytes)} carried from step {steps})"

@@ -28,8 +28,12 @@ from .save_policy import Reason
 class Snapshot:
     """Builds the content of the run's checkpoints."""
 
-    def __init__(self, components: state.Components, loop: LoopState, data: DataCursor, *, rank: int = 0) -> None:
+    def __init__(
+        self, components: state.Components, loop: LoopState, data: DataCursor, *, rank: int = 0,
+        group_frozen: bool = False,
+    ) -> None:  # fmt: skip
         self.components = components
+        self.group_frozen = group_frozen  # the frozen base in a file of its own (preempt.checkpoint.carry)
         self.loop = loop
         self.data = data
         self.rank = rank
@@ -59,14 +63,14 @@ class Snapshot:
         """
         c = self.components
         if not self.sharded:
-            return state.capture(c, self.run_state())
+            return state.capture(c, self.run_state(), group_frozen=self.group_frozen)
         _, rest = split if split is not None else self.split()
         run_state = {**self.run_state(), "sharded": {"optimizer": rest}}
         return state.capture(state.Components(None, None, c.scheduler, c.scaler, c.tracked), run_state)
 
     def tensors(self) -> state.Payload:
         """The components' tensors alone (to size the staging buffers)."""
-        return state.capture(self.components, {})
+        return state.capture(self.components, {}, group_frozen=self.group_frozen and not self.sharded)
 
     def split(self) -> tuple[dict[str, Any], Any]:
         """The live tensors of the sharded model and optimizer as DCP writes them, and the optimizer's other state

@@ -73,6 +73,34 @@ class StatefulStream(Stream):
         self._start = int(state["pos"])
 
 
+class Adapted(torch.nn.Linear):
+    """A frozen linear layer with a LoRA adapter injected by hand inside it (not a PeftModel): the adapter's two
+    matrices are parameters of the base module itself, so the model is passed whole, frozen and trained tensors
+    side by side in one state_dict."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 4) -> None:
+        super().__init__(n_in, n_out)
+        self.requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, n_in) * 0.01)
+        self.lora_b = torch.nn.Parameter(torch.zeros(n_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def lora_model(dim: int, width: int) -> torch.nn.Module:
+    """--lora: a frozen base of ~4 MiB (width 1024) with adapters inside it, a BatchNorm whose running statistics
+    change at every step, and a trained head."""
+    return torch.nn.Sequential(
+        Adapted(dim, width),
+        torch.nn.BatchNorm1d(width),
+        torch.nn.ReLU(),
+        Adapted(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 2),
+    )
+
+
 def flatten(prefix: str, tree, out: dict) -> None:
     if isinstance(tree, torch.Tensor):
         out[prefix] = tree.detach().clone().contiguous()
@@ -275,6 +303,9 @@ def main() -> None:
     p.add_argument("--progress_every_s", type=float, default=None)
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
     p.add_argument("--lazy_copy_at_stop", action="store_true", help="lazy_snapshot=True, see lazy_copy_at_stop()")
+    p.add_argument("--lora", action="store_true", help="a frozen base with adapters inside it (lora_model)")
+    p.add_argument("--carry_limit", type=int, default=None, help="PreemptibleRun(carry_unchanged=CarryOptions(...))")
+    p.add_argument("--no_carry", action="store_true", help="PreemptibleRun(carry_unchanged=False)")
     args = p.parse_args()
     if args.lazy_copy_at_stop:
         lazy_copy_at_stop()
@@ -292,13 +323,17 @@ def main() -> None:
     random.seed(0)
     np.random.seed(0)
     data = Synthetic(args.samples, args.dim, args.augment)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(args.dim, args.width),
-        torch.nn.ReLU(),
-        torch.nn.Dropout(args.dropout),
-        torch.nn.Linear(args.width, 2),
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if args.lora:
+        model = lora_model(args.dim, args.width)
+    else:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(args.dim, args.width),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(args.dropout),
+            torch.nn.Linear(args.width, 2),
+        )
+    trained = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.01)
     if args.onecycle:
         per_epoch = -(-args.samples // args.batch_size) // args.accum
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.epochs * per_epoch + 1)
@@ -319,6 +354,12 @@ def main() -> None:
         walltime["recycle_files"] = False
     if args.lazy_copy_at_stop:
         walltime["lazy_snapshot"] = True
+    if args.carry_limit is not None:
+        from preempt.checkpoint.carry import CarryOptions
+
+        walltime["carry_unchanged"] = CarryOptions(carry_limit=args.carry_limit)
+    if args.no_carry:
+        walltime["carry_unchanged"] = False
     kills = [
         (int(step), sig) for step, sig in (item.split(":") for item in (args.kill_at_step or "").split(",") if item)
     ]
@@ -362,7 +403,7 @@ def main() -> None:
                     continue
                 if args.clip is not None:
                     scaler.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                    torch.nn.utils.clip_grad_norm_(trained, args.clip)
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)

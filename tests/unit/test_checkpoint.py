@@ -121,7 +121,7 @@ def test_corrupt_newest_is_quarantined_and_never_counts_toward_keep_last(tmp_pat
 
 def test_read_only_manager_changes_nothing(tmp_path):
     model, opt, *_ = objects()
-    m = CheckpointManager(tmp_path)
+    m = CheckpointManager(tmp_path, carry_unchanged=False)  # two copies: the same state, carried, would be one file
     m.prepare()
     m.save_state(step=1, model=model, optimizer=opt)
     m.save_state(step=2, model=model, optimizer=opt)
@@ -140,7 +140,7 @@ def test_read_only_manager_changes_nothing(tmp_path):
 @pytest.mark.parametrize("fail_on", ["state.safetensors", "state.json", "manifest.json", "rename"])
 def test_failed_write_leaves_previous_checkpoint_and_no_partial(tmp_path, monkeypatch, fail_on, recycle):
     model, opt, *_ = objects()
-    m = CheckpointManager(tmp_path, recycle_files=recycle)
+    m = CheckpointManager(tmp_path, recycle_files=recycle, carry_unchanged=False)  # every file written, to fail
     m.prepare()
     m.save_state(step=1, model=model, optimizer=opt)
     real_write, real_commit = commit.write_file, commit.commit_dir

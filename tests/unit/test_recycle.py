@@ -34,14 +34,15 @@ def pool_of(d: Path) -> Path:
 
 def test_the_next_save_writes_over_the_pruned_files_in_place(tmp_path):
     model, opt, *_ = objects()
-    m = CheckpointManager(tmp_path, keep_last=1)
+    m = CheckpointManager(tmp_path, keep_last=1, carry_unchanged=False)  # step 2 would carry step 1's files
     m.prepare()
     m.save_state(step=1, model=model, optimizer=opt)
     inodes = {f: os.stat(tmp_path / "step_000000001" / f).st_ino for f in ("model.safetensors", "state.safetensors")}
     m.save_state(step=2, model=model, optimizer=opt)  # prunes step 1: its files become the pool
     pool = pool_of(tmp_path)
     assert {f: os.stat(pool / f).st_ino for f in inodes} == inodes
-    model[0].weight.data.add_(1.0)  # a different state, same sizes
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # a different state, same sizes (not through .data: carrying would not see it)
     info = m.save_state(step=3, model=model, optimizer=opt)
     # the same inodes (the same disk blocks) now hold step 3; the pool is step 2's files
     assert {f: os.stat(info.path / f).st_ino for f in inodes} == inodes
@@ -193,7 +194,7 @@ def test_a_cancelled_write_is_kept_for_the_next_save_and_a_failed_one_is_not(tmp
     import threading
 
     model, opt, *_ = objects()
-    m = CheckpointManager(tmp_path, keep_last=2)
+    m = CheckpointManager(tmp_path, keep_last=2, carry_unchanged=False)  # the same state, written each time
     m.prepare()
     m.save_state(step=1, model=model, optimizer=opt)
     stop = threading.Event()
@@ -223,7 +224,7 @@ def test_a_cancelled_write_gives_back_what_it_took_and_one_pool_stays(tmp_path):
     import threading
 
     model, opt, *_ = objects()
-    m = CheckpointManager(tmp_path, keep_last=1)
+    m = CheckpointManager(tmp_path, keep_last=1, carry_unchanged=False)  # the same state, written each time
     m.prepare()
     m.save_state(step=1, model=model, optimizer=opt)
     m.save_state(step=2, model=model, optimizer=opt)  # step 1's files become the pool

@@ -1,0 +1,49 @@
+"""Step 2 of the commit protocol for a payload: its files into a checkpoint's temporary directory.
+
+Each tensor file is written (:func:`preempt.checkpoint.commit.write_file`, hashed on the way, fdatasynced), or,
+when carried unchanged (:mod:`preempt.checkpoint.carry`), hard-linked from the previous checkpoint
+(:func:`preempt.checkpoint.commit.link_file`): its manifest entry is the source's size and digest with
+``carried_from``. A link that cannot be made (another filesystem, no hard links, too many links, the source
+pruned meanwhile) falls back to writing the file from the tensors the plan kept, with one debug line. Then the
+JSON files. No torch at import (the checkpoint commands import the manager, which imports this).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import commit
+from .commit import FileDigest
+
+if TYPE_CHECKING:
+    from .state import Payload
+
+log = logging.getLogger("preempt")
+
+
+def write_payload(directory: Path, payload: Payload) -> dict[str, FileDigest]:
+    """Writes (or links) a payload's files into ``directory``, each one durable; returns their manifest entries."""
+    from . import codec, tensorfile
+
+    files: dict[str, FileDigest] = {}
+    for fname, carry in payload.carried.items():
+        try:
+            commit.link_file(carry.source, directory / fname, carry.digest.size)
+            files[fname] = carry.digest
+            continue
+        except commit.WriteCancelled:
+            raise
+        except OSError as e:
+            code = errno.errorcode.get(e.errno or 0, "")
+            log.debug("%s: cannot link %s (%s %s); writing it", directory / fname, carry.source, code, e.strerror or e)
+        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(carry.tensors, carry.meta), recycle=True)
+    for fname, (tensors, meta) in payload.tensor_files.items():
+        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta), recycle=True)
+    commit.stage("after_tensor_files")
+    for fname, doc in payload.json_files.items():
+        data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
+        files[fname] = commit.write_file(directory / fname, [data], recycle=True)
+    return files

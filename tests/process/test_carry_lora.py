@@ -1,0 +1,81 @@
+"""A fine-tuning run passed whole (a frozen base with adapters inside it, a BatchNorm): its checkpoints write what
+training changed, not the base, and two SIGTERMs and a SIGKILL still end bit for bit as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import torch
+from conftest import PREEMPTED, assert_same_final, in_step, run_interrupted
+from safetensors.torch import load_file
+
+LORA = [
+    "--lora",
+    "--width",
+    "1024",
+    "--epochs",
+    "3",
+    "--samples",
+    "256",
+]  # 48 steps; a base of ~4.3 MiB, ~0.3 MiB trained
+MiB = 1 << 20
+
+
+def tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name in ("model.safetensors", "base.safetensors", "state.safetensors"):
+        if (ckpt / name).exists():
+            out.update({f"{name}:{k}": v for k, v in load_file(str(ckpt / name)).items()})
+    return out
+
+
+def changed_bytes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> int:
+    """The bytes of the tensors that differ between two checkpoints (or are new)."""
+    return sum(
+        v.numel() * v.element_size() for k, v in after.items() if k not in before or not torch.equal(before[k], v)
+    )
+
+
+def test_lora_checkpoints_write_what_changed_and_resume_bit_exact(tmp_path, reference):
+    save_dir = tmp_path / "run"
+    # every checkpoint kept, to measure each; the base's fresh copy never comes in 48 steps (carry_limit 1000);
+    # synchronous saves: a checkpoint at every 4th step exactly (a background write in flight postpones the next)
+    args = [*LORA, "--every_steps", "4", "--keep_last", "1000", "--carry_limit", "1000", "--sync_save"]
+    interrupts = [in_step(10), in_step(9, signal.SIGKILL), in_step(12)]  # at global steps 10, 19, 28
+    h = run_interrupted(save_dir, tmp_path / "final.safetensors", args, interrupts)
+    assert h.codes[:3] == [PREEMPTED, -signal.SIGKILL, PREEMPTED], h.text
+    assert h.count(r"resumed from .*step_\d+") == 3, h.text
+    assert_same_final(reference(LORA), tmp_path / "final.safetensors")
+
+    ckpts = sorted(save_dir.glob("step_*"))
+    assert [int(c.name[5:]) for c in ckpts] == sorted([*range(4, 49, 4), 10])  # every 4th, and the first stop's
+    base_size = os.stat(ckpts[0] / "base.safetensors").st_size
+    assert base_size > 4 * MiB
+    seen: set[int] = set()
+    previous: dict[str, torch.Tensor] | None = None
+    report = []
+    for ckpt in ckpts:
+        written = 0
+        for f in ckpt.iterdir():
+            st = os.stat(f)
+            if st.st_ino not in seen:
+                written += st.st_size
+                seen.add(st.st_ino)
+        now = tensors(ckpt)
+        files = json.loads((ckpt / "manifest.json").read_text())["files"]
+        if previous is not None:
+            changed = changed_bytes(previous, now)
+            report.append((ckpt.name, written, changed))
+            assert files["base.safetensors"].get("carried_from") is not None, ckpt
+            assert written <= 2 * changed + MiB, (ckpt.name, written, changed, report)
+        previous = now
+    print("checkpoint, bytes written, bytes changed:", report, "base", base_size)
+    # every checkpoint is whole on its own: preempt verify re-hashes every file of every one
+    from preempt.cli.main import main
+
+    assert main(["verify", str(save_dir)]) == 0
+    assert re.search(r"step_000000028 \(preempt\) written in .* carried from step \d+\)", h.text), h.text

@@ -1,0 +1,330 @@
+"""Carrying unchanged files (issue 29): what is decided, linked, guarded, loaded, pruned, recycled and shown."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from preempt.checkpoint import carry, commit, recycle
+from preempt.checkpoint.carry import CarryOptions, decide, fingerprint
+from preempt.checkpoint.manager import CheckpointManager
+from preempt.checkpoint.manifest import Cursor, Manifest
+from preempt.checkpoint.retention import Kept, RetentionPolicy, select_kept
+from preempt.cli.main import main
+
+BASE, MODEL = "base.safetensors", "model.safetensors"
+
+
+def lora(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A frozen base (64 KiB) with a trained head and a BatchNorm between them."""
+    torch.manual_seed(seed)
+    base = torch.nn.Linear(128, 128)
+    base.requires_grad_(False)
+    model = torch.nn.Sequential(base, torch.nn.BatchNorm1d(128), torch.nn.Linear(128, 2))
+    return model, torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 1) -> None:
+    for _ in range(steps):
+        loss = model(torch.randn(8, 128)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def flip(path: Path) -> None:
+    """A bit flipped in place: every name of the inode sees it."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    with open(path, "r+b") as f:
+        f.write(bytes(data))
+
+
+def same_inode(a: Path, b: Path) -> bool:
+    return os.stat(a).st_ino == os.stat(b).st_ino
+
+
+def step_dir(d: Path, step: int) -> Path:
+    return d / commit.checkpoint_name(step)
+
+
+# ----------------------------------------------------------------------------- the pure decisions
+
+
+def test_fingerprint_moves_with_every_change_autograd_sees():
+    t = torch.zeros(4, 4)
+    before = fingerprint(t)
+    assert fingerprint(t) == before and fingerprint(t.detach()) == before  # a detached alias: the same
+    t.add_(1)
+    assert fingerprint(t) != before  # in place: the version counter
+    assert fingerprint(t.t()) != fingerprint(t)  # stride
+    assert fingerprint(t[1:]) != fingerprint(t)  # offset and shape
+    assert fingerprint(t.view(16)) != fingerprint(t)
+    with torch.inference_mode():
+        assert fingerprint(torch.zeros(2)) is None  # no version counter: never carried
+
+
+def test_decide():
+    fp = {"w": (1, 0, 3, (2,), (1,), "torch.float32", "cpu")}
+    args = dict(source_present=True, shared=1, carry_limit=10)
+    assert decide(fp, dict(fp), **args) == ("carry", "unchanged")
+    assert decide(fp, {"w": (1, 0, 4, (2,), (1,), "torch.float32", "cpu")}, **args)[0] == "write"
+    assert decide(fp, {**fp, "b": fp["w"]}, **args)[0] == "write"  # a tensor more or less
+    assert decide(None, fp, **args)[0] == "write"
+    assert decide(fp, None, **args)[0] == "write"
+    assert decide(fp, fp, source_present=False, shared=1, carry_limit=10) == ("write", "its durable copy is gone")
+    assert decide(fp, fp, source_present=True, shared=10, carry_limit=10)[0] == "write"  # a fresh copy
+    assert [carry.check_due(n, 3) for n in range(7)] == [True, False, False, True, False, False, True]
+
+
+def test_options_are_checked():
+    assert CarryOptions.of(True).enabled and not CarryOptions.of(False).enabled
+    with pytest.raises(ValueError, match="carry_unchanged: expected True, False or CarryOptions, got 'yes'"):
+        CarryOptions.of("yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="carry_limit: expected an integer >= 1, got 0"):
+        CarryOptions(carry_limit=0)
+    from preempt import PreemptibleRun
+
+    with pytest.raises(ValueError, match="carry_unchanged"):
+        PreemptibleRun("x", carry_unchanged=1)  # type: ignore[arg-type]
+
+
+def test_retention_keeps_a_checkpoint_that_shares_nothing_with_the_newest():
+    def k(step: int, base_from: int) -> Kept:
+        return Kept(step, None, frozenset({(MODEL, step), (BASE, base_from)}))
+
+    policy = RetentionPolicy(keep_last=2)
+    assert select_kept(policy, [k(1, 1), k(2, 1), k(3, 3), k(4, 3)]) == {4, 3, 2}  # 3 and 4 share one base
+    assert select_kept(policy, [k(1, 1), k(2, 2), k(3, 3)]) == {3, 2}  # nothing shared
+    assert select_kept(policy, [k(1, 1), k(2, 1), k(3, 1)]) == {3, 2}  # none shares nothing: nothing more
+    assert select_kept(policy, [k(2, 2), k(3, 2), k(4, 4)]) == {4, 3}  # the newest wrote its own
+
+
+# ----------------------------------------------------------------------------- grouping, linking, loading
+
+
+def test_the_frozen_base_is_written_once_then_linked_and_every_checkpoint_loads_whole(tmp_path):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=None)
+    m.prepare()
+    m.save_state(step=1, model=model, optimizer=opt)
+    train(model, opt)
+    info = m.save_state(step=2, model=model, optimizer=opt)
+    one, two = step_dir(tmp_path, 1), step_dir(tmp_path, 2)
+    assert same_inode(one / BASE, two / BASE) and not same_inode(one / MODEL, two / MODEL)
+    assert set(load_file(str(two / BASE))) == {"0.weight", "0.bias"}  # buffers and the head stay in the model file
+    assert "1.running_mean" in load_file(str(two / MODEL))
+    doc = json.loads((two / "manifest.json").read_text())["files"]
+    assert doc[BASE]["carried_from"] == 1 and "carried_from" not in doc[MODEL]
+    assert info.manifest.files[BASE].carried_from == 1
+    assert m.verify(info) == []
+    _, loaded = CheckpointManager(tmp_path, owner=False).load("latest")
+    live = model.state_dict()
+    assert loaded.model.keys() == live.keys() and all(torch.equal(loaded.model[k], v) for k, v in live.items())
+    _, weights = CheckpointManager(tmp_path, owner=False).load(1, weights_only=True)
+    assert set(weights.model) == set(live)
+
+
+def test_nothing_frozen_or_carrying_off_writes_what_it_wrote_before(tmp_path):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path / "off", carry_unchanged=False)
+    m.save_state(step=1, model=model, optimizer=opt)
+    m.save_state(step=2, model=model, optimizer=opt)
+    assert sorted(os.listdir(step_dir(tmp_path / "off", 2))) == [
+        "manifest.json",
+        MODEL,
+        "state.json",
+        "state.safetensors",
+    ]
+    assert not same_inode(step_dir(tmp_path / "off", 1) / MODEL, step_dir(tmp_path / "off", 2) / MODEL)
+    full = torch.nn.Linear(4, 4)
+    m = CheckpointManager(tmp_path / "full")
+    m.save_state(step=1, model=full, optimizer=torch.optim.SGD(full.parameters(), lr=0.1))
+    assert BASE not in os.listdir(step_dir(tmp_path / "full", 1))
+
+
+def test_a_link_that_fails_writes_the_file(tmp_path, monkeypatch, caplog):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=None)
+    m.save_state(step=1, model=model, optimizer=opt)
+
+    def no_links(*a, **k):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(commit.os, "link", no_links)
+    caplog.set_level(logging.DEBUG, logger="preempt")
+    info = m.save_state(step=2, model=model, optimizer=opt)
+    assert not same_inode(step_dir(tmp_path, 1) / BASE, info.path / BASE)
+    assert info.manifest.files[BASE].carried_from is None
+    assert info.manifest.files[BASE] == CheckpointManager(tmp_path).list()[1].manifest.files[BASE]  # same bytes
+    assert "cannot link" in caplog.text and "EXDEV" in caplog.text
+    assert m.verify(info) == []
+
+
+def test_a_source_pruned_between_plan_and_write_is_written(tmp_path):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=None)
+    m.save_state(step=1, model=model, optimizer=opt)
+    from preempt.checkpoint import state
+
+    payload = m.plan(state.capture(state.Components(model, opt), {}, group_frozen=True), 2)
+    assert BASE in payload.carried
+    commit.remove_tree(step_dir(tmp_path, 1))  # gone meanwhile (ENOENT at the link)
+    manifest = Manifest(step=2, cursor=Cursor(), reason="manual", created=1.0, files={})
+    info = m.save(payload, manifest)
+    assert info.manifest.files[BASE].carried_from is None and m.verify(info) == []
+    assert m.save_state(step=3, model=model, optimizer=opt).manifest.files[BASE].carried_from == 2
+
+
+def test_pruning_the_source_leaves_the_later_checkpoint_whole(tmp_path):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=1, recycle_files=False)
+    m.save_state(step=1, model=model, optimizer=opt)
+    train(model, opt)
+    info = m.save_state(step=2, model=model, optimizer=opt)  # carries step 1's base, then prunes step 1
+    assert m.wait(10)
+    assert not step_dir(tmp_path, 1).exists() and info.manifest.files[BASE].carried_from == 1
+    assert os.stat(info.path / BASE).st_nlink == 1
+    assert CheckpointManager(tmp_path).verify(info) == []
+    _, loaded = CheckpointManager(tmp_path, owner=False).load("latest")
+    assert torch.equal(loaded.model["0.weight"], model[0].weight)
+
+
+def test_recycling_never_writes_into_a_file_a_kept_checkpoint_links(tmp_path):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=1)
+    m.save_state(step=1, model=model, optimizer=opt)
+    train(model, opt)
+    two = m.save_state(step=2, model=model, optimizer=opt)  # step 1 pruned into the pool; its base is step 2's too
+    (pool,) = recycle.pools(tmp_path)
+    assert same_inode(pool / BASE, two.path / BASE) and os.stat(pool / BASE).st_nlink == 2
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # the base changes: step 3 writes it, taking the pool
+    train(model, opt)
+    three = m.save_state(step=3, model=model, optimizer=opt)
+    assert three.manifest.files[BASE].carried_from is None
+    # step 2 was pruned into the pool meanwhile; its base (once shared) still holds step 1-2's bytes
+    digest = two.manifest.files[BASE]
+    (pool,) = recycle.pools(tmp_path)
+    assert commit.hash_file(pool / BASE) == digest
+    assert CheckpointManager(tmp_path).verify(three) == []
+
+
+def test_a_flipped_bit_in_the_newest_shared_file_leaves_an_older_checkpoint(tmp_path, caplog):
+    """carry_limit 2: the base is written at steps 1, 3, 5...; retention keeps a checkpoint of the previous one."""
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=2, carry_unchanged=CarryOptions(carry_limit=2))
+    for step in range(1, 5):
+        train(model, opt)
+        m.save_state(step=step, model=model, optimizer=opt)
+    assert m.wait(10)
+    origins = {c.step: c.manifest.files[BASE].carried_from for c in m.list()}
+    assert origins == {4: 3, 3: None, 2: 1}  # 3 and 4 share one inode; 2 shares nothing with them: kept
+    flip(step_dir(tmp_path, 4) / BASE)  # damages 3 as well
+    info, loaded = CheckpointManager(tmp_path).load("latest")
+    assert info.step == 2
+    assert sorted(p.name for p in (tmp_path / "quarantine").iterdir()) == [commit.checkpoint_name(s) for s in (3, 4)]
+    assert CheckpointManager(tmp_path).verify(info) == []
+
+
+def test_quarantine_moves_only_the_damaged_checkpoint(tmp_path):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=None)
+    for step in (1, 2):
+        train(model, opt)
+        m.save_state(step=step, model=model, optimizer=opt)
+    flip(step_dir(tmp_path, 2) / MODEL)  # its own file, not the shared base
+    info, _ = CheckpointManager(tmp_path).load("latest")
+    assert info.step == 1 and (tmp_path / "quarantine" / commit.checkpoint_name(2) / BASE).is_file()
+    assert CheckpointManager(tmp_path).verify(info) == []  # its base, one inode with the quarantined one, is whole
+
+
+# ----------------------------------------------------------------------------- the guard
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_a_change_the_version_counter_misses_is_caught_by_the_guard(tmp_path, caplog, how):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=None)
+    m.save_state(step=1, model=model, optimizer=opt)
+    if how == "data":
+        model[0].weight.data.add_(1.0)  # .data: a version counter of its own
+    else:
+        model[0].weight.numpy()[0, 0] += 1.0  # through NumPy: no counter at all
+    version = model[0].weight._version
+    info = m.save_state(step=2, model=model, optimizer=opt)
+    assert model[0].weight._version == version  # unseen by the counters...
+    assert info.manifest.files[BASE].carried_from is None  # ...but the guard (first carried save) hashed it
+    assert "base.safetensors: unchanged by its tensors' version counters, but its content differs" in caplog.text
+    _, loaded = CheckpointManager(tmp_path, owner=False).load("latest")
+    assert torch.equal(loaded.model["0.weight"], model[0].weight)
+
+
+def test_between_guards_such_a_change_is_missed_as_documented(tmp_path):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=None, carry_unchanged=CarryOptions(check_every=3, carry_limit=100))
+    m.save_state(step=1, model=model, optimizer=opt)
+    assert m.save_state(step=2, model=model, optimizer=opt).manifest.files[BASE].carried_from == 1  # checked
+    model[0].weight.data.add_(1.0)
+    assert m.save_state(step=3, model=model, optimizer=opt).manifest.files[BASE].carried_from == 1  # missed
+    assert m.save_state(step=4, model=model, optimizer=opt).manifest.files[BASE].carried_from == 1  # missed
+    assert m.save_state(step=5, model=model, optimizer=opt).manifest.files[BASE].carried_from is None  # checked
+
+
+def test_a_buffer_replaced_at_the_same_address_is_not_taken_for_unchanged():
+    """The recorded tensors are held: a new tensor cannot take a recorded one's memory with a fresh counter."""
+    carrier = carry.Carrier()
+    from preempt.checkpoint import state
+
+    t = torch.zeros(1024)
+    payload = state.Payload({"x.safetensors": ({"t": t}, {})}, {})
+    carrier.plan(payload, 1)
+    carrier.durable(Path("/nowhere"), 1, {"x.safetensors": commit.FileDigest(1, "0" * 32)})
+    ptr = t.data_ptr()
+    del t, payload
+    fresh = torch.ones(1024)
+    assert fresh.data_ptr() != ptr
+
+
+# ----------------------------------------------------------------------------- manifest, export, ls, inspect
+
+
+def test_manifest_round_trip_keeps_carried_from():
+    files = {MODEL: commit.FileDigest(10, "a" * 32), BASE: commit.FileDigest(20, "b" * 32, 3)}
+    m = Manifest(step=5, cursor=Cursor(), reason="steps", created=1.0, files=files)
+    back = Manifest.from_json(m.to_json(), "manifest.json")
+    assert back.files[BASE].carried_from == 3 and back.files[MODEL].carried_from is None
+    assert back.origins() == {(MODEL, 5), (BASE, 3)} and set(back.carried) == {BASE}
+    assert "carried_from" not in json.loads(m.to_json())["files"][MODEL]
+
+
+def test_export_writes_one_standalone_file_and_ls_inspect_show_what_was_carried(tmp_path, capsys):
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=None)
+    m.save_state(step=1, model=model, optimizer=opt)
+    train(model, opt)
+    m.save_state(step=2, model=model, optimizer=opt)
+    out = tmp_path.parent / f"{tmp_path.name}-export.safetensors"
+    assert main(["export", str(tmp_path), "--out", str(out)]) == 0
+    got = load_file(str(out))
+    live = model.state_dict()
+    assert got.keys() == live.keys() and all(torch.equal(got[k], v) for k, v in live.items())
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    base_size = m.list()[0].manifest.files[BASE].size
+    assert rows[2]["carried_bytes"] == base_size and rows[2]["carried_from"] == [1]
+    assert rows[1]["carried_bytes"] == 0 and rows[1]["written_bytes"] == rows[1]["bytes"]
+    assert main(["ls", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "written" in text.splitlines()[0] and "carried" in text.splitlines()[0] and " from 1 " in text
+    assert main(["inspect", str(tmp_path), "2"]) == 0
+    text = capsys.readouterr().out
+    assert "carried from 1" in text and "base.safetensors: 2 tensors" in text
