@@ -137,9 +137,7 @@ def lazy_copy_at_stop() -> None:
         left_the_step.wait(HOLD_LIMIT_S)
         print("lazy_copy_signals SIGTERM", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + HOLD_LIMIT_S
-        while not (_runs and _runs[0].stop_requested) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_for_stop()
         run(self)
 
     LazyCopy.run = at_stop
@@ -167,6 +165,14 @@ def reached(point: str) -> None:
         n = _counts[point] = _counts.get(point, 0) + 1
     for action in _actions:
         action(point, n)
+
+
+def wait_for_stop() -> None:
+    """Waits until the run has been asked to stop (the test's signal, or one this process sent itself), at most
+    HOLD_LIMIT_S: the state is reached by the signal, the short polls only let its handler run in the main thread."""
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not (_runs and _runs[0].stop_requested) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _parse(option: str, item: str, fields: int) -> list[str]:
@@ -213,9 +219,7 @@ def hold_at(spec: str) -> None:
         if (point, n) not in plan:
             return
         print(f"holding at {point} {n}", flush=True)
-        deadline = time.monotonic() + HOLD_LIMIT_S
-        while not (_runs and _runs[0].stop_requested) and time.monotonic() < deadline:
-            time.sleep(0.005)  # the signal's handler runs in the main thread between these
+        wait_for_stop()
         print(f"released at {point} {n}", flush=True)
 
     act(action)
