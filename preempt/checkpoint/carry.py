@@ -18,11 +18,14 @@ a fresh version counter (a buffer reassigned every step would otherwise look unc
 
 **What is not seen**, and guarded: a write through ``tensor.data`` (a tensor with a version counter of its own),
 through a NumPy view (``tensor.numpy()``), DLPack, or a raw pointer (a custom kernel, ``ctypes``) changes the
-bytes without a trace. So before the first carried checkpoint of each process, and then at every
+bytes without a trace. So at the first carried checkpoint of each process, and then at every
 ``check_every``-th carried checkpoint, each file about to be carried is serialised from the live tensors into the
 xxh3 hasher (nothing written) and compared with the digest of the copy on disk; on a mismatch the file is
-written and a warning names it and the likely cause (:meth:`Carrier.plan`). Between two checks such a change is
-missed: do not change a frozen tensor behind autograd's back, or turn carrying off (``carry_unchanged=False``).
+written and a warning names it and the likely cause (:func:`confirm`). The writer does it, in the background for
+a checkpoint written there, so the loop does not wait for it; a stop's save never does it (it races the grace
+period: hashing a 14 GiB base would cost seconds of it), and the check falls to the next carried checkpoint.
+Between two checks such a change is missed: do not change a frozen tensor behind autograd's back, or turn
+carrying off (``carry_unchanged=False``).
 
 **Damage.** Checkpoints that carry a file share one inode: a bit flipped in it damages all of them. So a file
 shared by ``carry_limit`` checkpoints is written afresh at the next one (a new inode), and retention keeps one
@@ -184,12 +187,34 @@ def exists(path: Path) -> bool:
 @dataclasses.dataclass
 class Carry:
     """A file of a checkpoint to be linked from ``source`` (``digest`` as its manifest lists it, ``carried_from``
-    set); ``tensors`` and ``meta`` write it instead when the link cannot be made."""
+    set); ``tensors`` and ``meta`` write it instead when the link cannot be made, or when ``check`` (the guard) finds
+    that their content differs from the source's (:func:`confirm`)."""
 
     source: Path
     digest: FileDigest
     tensors: dict[str, torch.Tensor]
     meta: dict[str, str]
+    check: bool = False
+
+
+def confirm(name: str, carry: Carry) -> bool:
+    """The guard: whether the live tensors of a file about to be carried still serialise to its source's bytes.
+
+    Hashes them (nothing written); False, with a warning naming the file and the likely cause, when they do not.
+    """
+    got = digest_of(carry.tensors, carry.meta)
+    if got.xxh3_128 == carry.digest.xxh3_128 and got.size == carry.digest.size:
+        return True
+    log.warning(
+        "%s: unchanged by its tensors' version counters, but its content differs from %s (xxh3 %s, expected %s):"
+        " something changed it behind autograd (a write through .data, a .numpy() view or a custom kernel);"
+        " written, not carried",
+        name,
+        carry.source,
+        got.xxh3_128,
+        carry.digest.xxh3_128,
+    )
+    return False
 
 
 @dataclasses.dataclass
@@ -220,10 +245,13 @@ class Carrier:
     def enabled(self) -> bool:
         return self.options.enabled
 
-    def plan(self, payload: Payload, step: int) -> Payload:
+    def plan(self, payload: Payload, step: int, *, urgent: bool = False) -> Payload:
         """``payload`` with each unchanged tensor file moved from ``tensor_files`` to ``carried``.
 
         Fingerprints are taken now, for :meth:`durable` to record once the checkpoint of ``step`` is committed.
+        When the guard is due, the carried files are marked for it (``Carry.check``): the writer hashes them
+        (:func:`confirm`), in the background for a checkpoint written there. ``urgent`` (a stop's save, racing a
+        grace period) never waits for the guard: it falls to the next checkpoint.
         """
         if not self.enabled:
             return payload
@@ -247,22 +275,10 @@ class Carrier:
                 carried[name] = Carry(src.path, src.digest, dict(tensors), dict(meta))
             elif src is not None:
                 log.debug("%s: written (%s)", name, why)
-        if carried and check_due(self.carried, opts.check_every):
-            for name in list(carried):
-                c = carried[name]
-                got = digest_of(c.tensors, c.meta)
-                if got.xxh3_128 != c.digest.xxh3_128 or got.size != c.digest.size:
-                    log.warning(
-                        "%s: unchanged by its tensors' version counters, but its content differs from %s"
-                        " (xxh3 %s, expected %s): something changed it behind autograd (a write through .data,"
-                        " a .numpy() view or a custom kernel); written, not carried",
-                        name,
-                        c.source,
-                        got.xxh3_128,
-                        c.digest.xxh3_128,
-                    )
-                    del carried[name]
-        if carried:
+        if carried and not urgent:
+            if check_due(self.carried, opts.check_every):
+                for c in carried.values():
+                    c.check = True
             self.carried += 1
         self._pending = (step, pending)
         files = {n: v for n, v in payload.tensor_files.items() if n not in carried}

@@ -487,10 +487,11 @@ class CheckpointManager:
         payload = state.capture(components, run_state, group_frozen=self.carrier.enabled)
         return self.save(self.plan(payload, step), manifest)
 
-    def plan(self, payload: state.Payload, step: int) -> state.Payload:
+    def plan(self, payload: state.Payload, step: int, *, urgent: bool = False) -> state.Payload:
         """``payload`` with its unchanged tensor files to be carried (:meth:`Carrier.plan`), at the step, before
-        any staging copy; the checkpoint of ``step`` then records what it was made from when committed."""
-        return self.carrier.plan(payload, step)
+        any staging copy; the checkpoint of ``step`` then records what it was made from when committed. ``urgent``:
+        a stop's save, which leaves the guard's hashing to the next checkpoint."""
+        return self.carrier.plan(payload, step, urgent=urgent)
 
     def loaded(self, info: CheckpointInfo, live: state.Payload) -> list[str]:
         """After a resume from ``info``: its tensor files that the live tensors (``live``, captured right after the

@@ -14,9 +14,17 @@ happen in a named daemon thread with the same protocol as a synchronous save
   outcome. A failure is never lost: :meth:`BackgroundWriter.result` re-raises
   it, and the run calls that at its next step.
 
-The extra memory is one copy of the state. While a write is in flight its
+The extra memory is one copy of what changes. While a write is in flight its
 buffers must not change, so at most one snapshot exists: the run waits for
 the writer before it stages again (see ``PreemptibleRun(async_save=...)``).
+The files named in :attr:`Stager.live` (the frozen base of a fine-tuning run,
+``base.safetensors``) get no buffers: nothing but a write the version counter
+sees changes them, so the writer reads them where they live and checks
+afterwards that no tensor it read moved or was changed (:class:`LiveTensors`);
+the tensors of files carried from the previous checkpoint
+(:mod:`preempt.checkpoint.carry`), which the writer may hash or write, are
+checked the same way. A fine-tuning run's staging memory is then the size of
+its adapters and their optimizer state, not of the model.
 """
 
 from __future__ import annotations
@@ -33,9 +41,14 @@ from . import codec, direct_io, tensorfile
 from .state import Payload
 
 
-def payload_nbytes(payload: Payload) -> int:
-    """Bytes of the tensors of ``payload``."""
-    return sum(t.numel() * t.element_size() for ts, _ in payload.tensor_files.values() for t in ts.values())
+def payload_nbytes(payload: Payload, skip: Collection[str] = ()) -> int:
+    """Bytes of the tensors of ``payload``, but for those of the files named in ``skip``."""
+    return sum(
+        t.numel() * t.element_size()
+        for name, (ts, _) in payload.tensor_files.items()
+        if name not in skip
+        for t in ts.values()
+    )
 
 
 def host_memory_available(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
@@ -63,10 +76,13 @@ class Stager:
     Args:
         pin_memory: Pin the buffers (for copies from a GPU). None: pin when
             CUDA is available and some tensor lives on it.
+        live: Files that get no buffers: the writer reads their tensors where
+            they live (see the module docstring).
     """
 
-    def __init__(self, pin_memory: bool | None = None) -> None:
+    def __init__(self, pin_memory: bool | None = None, live: Collection[str] = ()) -> None:
         self.pin_memory = pin_memory
+        self.live = frozenset(live)
         self._files: dict[str, _Arena] = {}
 
     @property
@@ -90,7 +106,8 @@ class Stager:
         """Allocates (and touches) the buffers for ``payload`` without copying: done when the run starts."""
         pin = self._pin(payload)
         for file, (tensors, _meta) in payload.tensor_files.items():
-            self._buffers(file, tensors, pin)
+            if file not in self.live:
+                self._buffers(file, tensors, pin)
 
     def stage(self, payload: Payload) -> Payload:
         """A snapshot of ``payload`` in the buffers: tensors copied, JSON encoded.
@@ -102,14 +119,27 @@ class Stager:
 
     def stage_lazily(self, payload: Payload, later: Collection[int]) -> tuple[Payload, LazyCopy | None]:
         """:meth:`stage`, except for the CPU tensors whose storage address is in ``later``: their copies are left
-        to the returned :class:`LazyCopy` (None when there are none), to be made before those tensors change."""
+        to the returned :class:`LazyCopy` (None when there are none), to be made before those tensors change.
+
+        The files of :attr:`live` (when every tensor of one keeps a version counter) and the tensors of the carried
+        files are not copied: the returned payload refers to them where they live, with the check its writer makes
+        once it has read them (``payload.live``: :class:`LiveTensors`)."""
         pin = self._pin(payload)
         deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
+        read_live = [
+            (f"{file}:{key}", t.detach()) for file, carry in payload.carried.items() for key, t in carry.tensors.items()
+        ]
+        copied: set[str] = set()  # the files staged into buffers: the others' buffers are dropped
         on_gpu = False
         with torch.no_grad():
             for file, (tensors, meta) in payload.tensor_files.items():
+                if file in self.live and all(_versioned(t) for t in tensors.values()):
+                    files[file] = ({key: t.detach() for key, t in tensors.items()}, dict(meta))
+                    read_live += [(f"{file}:{key}", t) for key, t in files[file][0].items()]
+                    continue
                 staged = self._buffers(file, tensors, pin)
+                copied.add(file)
                 for key, t in tensors.items():
                     buf = staged[key]
                     src = t.detach()
@@ -121,10 +151,11 @@ class Stager:
                 files[file] = (staged, dict(meta))
         if on_gpu:
             torch.cuda.synchronize()  # one wait for every non-blocking copy
-        for gone in self._files.keys() - payload.tensor_files.keys():
+        for gone in self._files.keys() - copied:
             del self._files[gone]
         docs = {name: codec.dumps(doc) for name, doc in payload.json_files.items()}
-        staged = Payload(tensor_files=files, json_files=docs, carried=payload.carried)  # carried: linked, never copied
+        live = LiveTensors(read_live) if read_live else None
+        staged = Payload(tensor_files=files, json_files=docs, carried=payload.carried, live=live)  # carried: linked
         return staged, LazyCopy(deferred) if deferred else None
 
     def _pin(self, payload: Payload) -> bool:
@@ -159,6 +190,38 @@ class _Arena:
 
 class TornSnapshot(RuntimeError):
     """A tensor of a lazy snapshot changed before its copy was made: the snapshot would mix two steps."""
+
+
+def _versioned(t: torch.Tensor) -> bool:
+    """The tensor keeps a version counter (not one made under ``torch.inference_mode``): changes to it are seen."""
+    try:
+        t._version  # noqa: B018  (reading it is the test)
+    except RuntimeError:
+        return False
+    return True
+
+
+class ChangedWhileWritten(TornSnapshot):
+    """A tensor the writer read where it lives (not from a copy) moved or was changed before it was done."""
+
+
+class LiveTensors:
+    """The tensors of a snapshot that the writer reads where they live, and what each was when the snapshot was
+    taken: where its data lies and its version counter.
+
+    :meth:`check`, once the writer has read them (every tensor file written, before the commit), raises
+    :class:`ChangedWhileWritten` naming the first tensor that was changed in place or replaced meanwhile: the file
+    written from it could mix two steps, so the checkpoint is not committed. (A write through ``tensor.data``
+    bumps no counter and is not seen, as for every carried file: see :mod:`preempt.checkpoint.carry`.)
+    """
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.seen = [(name, t, t.data_ptr(), t._version) for name, t in tensors]
+
+    def check(self) -> None:
+        for name, t, ptr, version in self.seen:
+            if t._version != version or t.data_ptr() != ptr:
+                raise ChangedWhileWritten(f"{name} was changed in place while the writer read it")
 
 
 class LazyCopy:

@@ -95,6 +95,9 @@ class Payload:
     json_files: dict[str, Any]
     # Files linked from the previous checkpoint instead of written: name -> preempt.checkpoint.carry.Carry
     carried: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A staged payload's tensors that were not copied but are read where they live, by the writer, and what must
+    # still hold once it has read them: preempt.checkpoint.staging.LiveTensors (None: every tensor is a copy)
+    live: Any = None
 
 
 def frozen_keys(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> set[str]:

@@ -4,8 +4,10 @@ Each tensor file is written (:func:`preempt.checkpoint.commit.write_file`, hashe
 when carried unchanged (:mod:`preempt.checkpoint.carry`), hard-linked from the previous checkpoint
 (:func:`preempt.checkpoint.commit.link_file`): its manifest entry is the source's size and digest with
 ``carried_from``. A link that cannot be made (another filesystem, no hard links, too many links, the source
-pruned meanwhile) falls back to writing the file from the tensors the plan kept, with one debug line. Then the
-JSON files. No torch at import (the checkpoint commands import the manager, which imports this).
+pruned meanwhile), or one whose content the guard finds changed (:func:`preempt.checkpoint.carry.confirm`), is
+written from the tensors the plan kept. The tensors of a staged payload that were read where they live are then
+checked (``payload.live``: :class:`preempt.checkpoint.staging.LiveTensors`) before the JSON files. No torch at
+import (the checkpoint commands import the manager, which imports this).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import commit
+from .carry import confirm
 from .commit import FileDigest
 
 if TYPE_CHECKING:
@@ -30,19 +33,22 @@ def write_payload(directory: Path, payload: Payload) -> dict[str, FileDigest]:
 
     files: dict[str, FileDigest] = {}
     for fname, carry in payload.carried.items():
-        try:
-            commit.link_file(carry.source, directory / fname, carry.digest.size)
-            files[fname] = carry.digest
-            continue
-        except commit.WriteCancelled:
-            raise
-        except OSError as e:
-            code = errno.errorcode.get(e.errno or 0, "")
-            log.debug("%s: cannot link %s (%s %s); writing it", directory / fname, carry.source, code, e.strerror or e)
+        if not carry.check or confirm(str(directory / fname), carry):
+            try:
+                commit.link_file(carry.source, directory / fname, carry.digest.size)
+                files[fname] = carry.digest
+                continue
+            except commit.WriteCancelled:
+                raise
+            except OSError as e:
+                code = errno.errorcode.get(e.errno or 0, "")
+                log.debug("%s: cannot link %s (%s %s); writing it", directory / fname, carry.source, code, e.strerror)
         files[fname] = commit.write_file(directory / fname, tensorfile.pieces(carry.tensors, carry.meta), recycle=True)
     for fname, (tensors, meta) in payload.tensor_files.items():
         files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta), recycle=True)
     commit.stage("after_tensor_files")
+    if payload.live is not None:
+        payload.live.check()  # the tensors read where they live are as when the snapshot was taken
     for fname, doc in payload.json_files.items():
         data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
         files[fname] = commit.write_file(directory / fname, [data], recycle=True)

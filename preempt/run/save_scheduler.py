@@ -27,16 +27,24 @@ from typing import Any
 import torch
 
 from .. import _log
-from ..checkpoint import commit, recycle
+from ..checkpoint import commit, recycle, state
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
-from ..checkpoint.staging import BackgroundWriter, LazyCopy, Stager, TornSnapshot, host_memory_available, payload_nbytes
+from ..checkpoint.staging import (
+    BackgroundWriter,
+    ChangedWhileWritten,
+    LazyCopy,
+    Stager,
+    TornSnapshot,
+    host_memory_available,
+    payload_nbytes,
+)
 from ..cluster import sharded
 from ..cluster.signals import StopFlag
 from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .loop_state import LoopState
 from .peers import Alone, Deferred
-from .save_plan import POSTPONABLE, Job, SaveRecord, pick, plan, wake
+from .save_plan import POSTPONABLE, STOPS, Job, SaveRecord, pick, plan, wake
 from .save_policy import Due, Reason
 from .snapshot import Snapshot
 
@@ -123,6 +131,8 @@ class SaveScheduler:
         elif not self.peers.leader:
             return
         self.stager, self.writer = self._new_stager(), self._new_writer()
+        if self.snapshot.group_frozen and hasattr(self.stager, "live"):
+            self.stager.live = frozenset({state.BASE_FILE})  # the frozen base is read where it lives, never copied
         optimizer = self.snapshot.components.optimizer
         if lazy and optimizer is not None and self.writers is None:
             self.lazy = True
@@ -190,7 +200,8 @@ class SaveScheduler:
             manifest = self.snapshot.manifest(reason, point, self.manager.retention)
             log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
             payload, live = self.snapshot.content()
-            payload = self.manager.plan(payload, manifest.step)  # unchanged files are carried, not staged or written
+            # unchanged files are carried, not staged or written; a stop leaves the guard to the next checkpoint
+            payload = self.manager.plan(payload, manifest.step, urgent=reason in STOPS)
             if background and self.writers is not None:
                 self._save_sharded(reason, manifest, t0, payload, live)
                 return True
@@ -369,6 +380,9 @@ class SaveScheduler:
         try:
             result = self.writer.result()
         except Exception as e:
+            if isinstance(e, ChangedWhileWritten):
+                self._changed(job, e)
+                return
             if isinstance(e, TornSnapshot):
                 self._torn(job, e)
                 return
@@ -446,6 +460,21 @@ class SaveScheduler:
             error,
         )
 
+    def _changed(self, job: Job, error: ChangedWhileWritten) -> None:
+        """A tensor the writer read where it lives was changed meanwhile: that checkpoint is not committed; the
+        frozen base is copied at the step from now on, and the state is due again."""
+        self.loop.changed()
+        self.postponed = None
+        assert job.record is not None
+        if self.stager is not None and self.stager.live:
+            self.stager.live = frozenset()
+        log.warning(
+            "the checkpoint of step %d is not written: %s (the frozen parameters were changed between steps);"
+            " checkpoints copy them at the step from now on",
+            job.record.step,
+            error,
+        )
+
     def settle(self) -> None:
         """Lets the job in flight finish before a save that cannot be skipped; a failed write is logged."""
         if self.job is None:
@@ -479,7 +508,7 @@ class SaveScheduler:
         if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
             payload, live = self.snapshot.content()
             shards = sharded.local_payload(live)
-        nbytes = payload_nbytes(payload) + (0 if shards is None else payload_nbytes(shards))
+        nbytes = payload_nbytes(payload, stager.live) + (0 if shards is None else payload_nbytes(shards))
         available = host_memory_available()
         if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:
             log.warning(

@@ -328,3 +328,125 @@ def test_export_writes_one_standalone_file_and_ls_inspect_show_what_was_carried(
     assert main(["inspect", str(tmp_path), "2"]) == 0
     text = capsys.readouterr().out
     assert "carried from 1" in text and "base.safetensors: 2 tensors" in text
+
+
+# ----------------------------------------------------------------------------- staging sized for what changes
+
+
+def test_the_guard_is_left_to_the_writer_and_a_stop_never_waits_for_it():
+    """Carrier.plan only marks the carried files for the guard (the writer hashes them, in the background for an
+    async save); an urgent save (a stop) leaves the guard to the next carried checkpoint."""
+    from preempt.checkpoint import state
+
+    carrier = carry.Carrier(CarryOptions(check_every=2))
+    t = torch.zeros(16)
+    payload = state.Payload({BASE: ({"w": t}, {})}, {})
+    carrier.plan(payload, 1)
+    carrier.durable(Path("/nowhere"), 1, {BASE: commit.FileDigest(1, "0" * 32)})
+
+    def plan(step: int, urgent: bool = False) -> bool:
+        planned = carrier.plan(payload, step, urgent=urgent)
+        assert BASE in planned.carried and not planned.tensor_files
+        carrier.durable(Path("/nowhere"), step, {BASE: commit.FileDigest(1, "0" * 32, 1)})
+        return planned.carried[BASE].check
+
+    assert carry.exists  # (the source's presence is faked below)
+    carrier_exists, carry.exists = carry.exists, lambda _path: True
+    try:
+        assert plan(2, urgent=True) is False  # a stop: no hashing, and the guard is still owed
+        assert plan(3) is True  # the first carried checkpoint that may wait for it
+        assert plan(4) is False and plan(5) is True  # then every check_every-th
+    finally:
+        carry.exists = carrier_exists
+
+
+def lora_run(tmp_path: Path, **kw):
+    from preempt import PreemptibleRun
+
+    model, opt = lora()
+    kw = {"async_save": True, "checkpoint_every_steps": 2, "keep_last": None, "checkpoint_interval": None} | kw
+    return model, opt, PreemptibleRun(tmp_path, model=model, optimizer=opt, **kw)
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for pid, s in opt.state_dict()["state"].items():
+        out.update({f"opt.{pid}.{k}": v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def loaded_state(path: Path) -> dict[str, torch.Tensor]:
+    from preempt.checkpoint import state
+
+    model, opt = lora(seed=1)  # other values: everything must come from the checkpoint
+    manager = CheckpointManager(path.parent, owner=False)
+    info = next(c for c in manager.list() if c.path == path)
+    state.apply(state.Components(model, opt), manager.read(info))
+    return state_of(model, opt)
+
+
+def test_the_frozen_base_gets_no_staging_buffer_and_each_checkpoint_is_its_steps_state(tmp_path):
+    """Would fail if the base were staged (buffers the size of the model) or if reading it where it lives let
+    a later step's bytes into a checkpoint."""
+    model, opt, run = lora_run(tmp_path)
+    base_bytes = sum(p.nbytes for p in model[0].parameters())
+    expected = {}
+    with run:
+        for step in range(1, 7):
+            train(model, opt)
+            run.step()
+            if step % 2 == 0:
+                expected[step] = state_of(model, opt)
+            run.wait_for_checkpoint(timeout=60)
+            assert run.saves.buffer_nbytes < base_bytes  # the head, BatchNorm and momentum only
+    assert run.saves.buffer_nbytes > 0
+    for step, want in expected.items():
+        got = loaded_state(step_dir(tmp_path, step))
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), step
+    files = json.loads((step_dir(tmp_path, 4) / "manifest.json").read_text())["files"]
+    assert files[BASE]["carried_from"] == 2
+
+
+def test_a_base_changed_while_the_writer_reads_it_is_not_committed_and_is_copied_from_then_on(tmp_path, caplog):
+    """The writer is held after the tensor files (a fault point), the loop changes a frozen weight in place:
+    that checkpoint would mix two states, so it is dropped with a warning, and the next one stages the base."""
+    import threading
+
+    reached, release = threading.Event(), threading.Event()
+
+    def gate(stage: str) -> None:
+        if stage == "after_tensor_files" and threading.current_thread().name == "preempt-writer":
+            if not reached.is_set():
+                reached.set()
+                assert release.wait(30)
+
+    model, opt, run = lora_run(tmp_path, keep_last=None)
+    commit.inject_fault(gate)
+    try:
+        with run:
+            train(model, opt)
+            run.step()
+            train(model, opt)
+            run.step()  # step 2: staged, its base read where it lives; the writer is held
+            assert reached.wait(30)
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # e.g. an EMA update of a frozen module between steps
+            release.set()
+            run.wait_for_checkpoint(timeout=60)
+            assert not step_dir(tmp_path, 2).exists()
+            assert "the checkpoint of step 2 is not written: base.safetensors:0.weight was changed in place" in (
+                caplog.text
+            )
+            train(model, opt)
+            run.step()  # step 3: the state is due again (the loop moved since its last durable checkpoint)
+            train(model, opt)
+            run.step()  # step 4
+            want = state_of(model, opt)
+            run.wait_for_checkpoint(timeout=60)
+            assert run.saves.buffer_nbytes >= sum(p.nbytes for p in model[0].parameters())  # the base is copied now
+    finally:
+        commit.inject_fault(None)
+        release.set()
+    got = loaded_state(step_dir(tmp_path, 4))
+    assert all(torch.equal(got[k], want[k]) for k in want)
