@@ -528,7 +528,13 @@ class SaveScheduler:
                 shard_stager.prepare(shards)
             return time.perf_counter() - t0
 
-        self.sizes = {name: sum(t.nbytes for t in ts.values()) for name, (ts, _) in payload.tensor_files.items()}
+        # the pool written ahead: not for the frozen base, which is mostly carried (a pool of its size would be
+        # written at every start of the job for the rare checkpoint that writes the base afresh)
+        self.sizes = {
+            name: sum(t.nbytes for t in ts.values())
+            for name, (ts, _) in payload.tensor_files.items()
+            if name not in stager.live
+        }
         self.job = Job("prepare")
         writer.submit(job)
 

@@ -400,6 +400,7 @@ def test_the_frozen_base_gets_no_staging_buffer_and_each_checkpoint_is_its_steps
             run.wait_for_checkpoint(timeout=60)
             assert run.saves.buffer_nbytes < base_bytes  # the head, BatchNorm and momentum only
     assert run.saves.buffer_nbytes > 0
+    assert BASE not in run.saves.sizes and MODEL in run.saves.sizes  # no pool written ahead for the base either
     for step, want in expected.items():
         got = loaded_state(step_dir(tmp_path, step))
         assert got.keys() == want.keys()
