@@ -1,22 +1,24 @@
 """``preempt report DIR``: the run's timeline across its processes, its goodput, and a picture of it.
 
 Reads ``DIR/history.jsonl`` (:mod:`preempt.health.history`; every line, through the
-same safe reader as the other commands) and computes with
-:mod:`preempt.cli.timeline`. ``--plot FILE.png`` draws a metric against the
-global step and against wall time, each process in its own colour, with its
-stops and restarts marked; it needs matplotlib (``pip install
-'preempt[plot]'``), and says so when it is missing. No torch.
+same safe reader as the other commands, in bounded memory: a line over 1 MiB is
+skipped with a note on stderr) and computes with :mod:`preempt.cli.timeline`.
+``--plot FILE.png`` draws a metric against the global step and against wall
+time, each process in its own colour, with its stops and restarts marked; it
+needs matplotlib (``pip install 'preempt[plot]'``), and says so when it is
+missing. No torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import safe_io
-from ..health.history import HISTORY_FILE, read_history
+from ..health.history import HISTORY_FILE, iter_history
 from . import timeline
 from .output import EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
@@ -26,20 +28,24 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.metric is not None and args.plot is None:
         raise CommandFailed(EXIT_USAGE, f"--metric {args.metric}: it chooses what --plot draws; give --plot FILE.png")
     path = save_dir / HISTORY_FILE
+    notes: list[str] = []  # lines of the file skipped for their length: said on stderr, and kept in --json
     try:
-        lines = read_history(path, timeline=False)
+        report = timeline.build(iter_history(path, note=notes.append))
     except FileNotFoundError:
         raise CommandFailed(
             EXIT_USAGE, f"{path}: no such file; expected the history a run keeps (PreemptibleRun(log_file=True))"
         ) from None
-    except (OSError, ValueError) as e:
-        raise CommandFailed(EXIT_USAGE, f"{path}: cannot be read ({safe_io.describe_error(e)})") from None
-    report = timeline.build(lines)
+    except OSError as e:  # no permission, a directory or a FIFO in its place, a read error
+        why = f"expected {e.expected}, found {e.found}" if isinstance(e, safe_io.UnsafeFileError) else e.strerror or e
+        raise CommandFailed(EXIT_USAGE, f"{safe_io.path_text(path)}: cannot be read: {why}") from None
+    for note in notes:
+        print(f"preempt report: note: {note}", file=sys.stderr)
     drawn = None
     if args.plot is not None:
         drawn = plot(report, args.plot, args.metric, title=str(save_dir))
     if args.json:
         doc = {"dir": str(save_dir), **report.to_json()}
+        doc["notes"] = notes
         if drawn is not None:
             doc["plot"] = drawn
         emit(doc)

@@ -1,0 +1,165 @@
+"""Hostile surroundings, round 2 (issue #30): what ``preempt report`` reads, what the run reads from its environment,
+and what a resume says before its train.log is open.
+
+* ``preempt report`` gives a report of every history it can read, whatever its lines hold: a line over the cap of a
+  history line (a 200 MB one) is skipped with a note naming the file and the line, in bounded memory (the command
+  runs under a 1 GiB address-space limit); non-finite metrics are shown as such; absurd or non-finite times and
+  counts are set aside with a note naming the value; ``--json`` is strict JSON (no NaN/Infinity tokens); ``--plot``
+  draws. A history it cannot open is one line naming it, exit 2.
+* An environment variable the run reads, holding a value it cannot use, is one warning naming the variable, the
+  value and what was expected, and the run goes on with the default: a bad ``SLURM_JOB_END_TIME`` is no deadline.
+* The warnings of a resume that quarantines a checkpoint and falls back reach train.log and history.jsonl, not only
+  stderr.
+
+Every ``preempt`` command runs in its own process and imports the same preempt as this test (so that a crash, a
+memory blow-up or a hang is seen, not suffered); none may print a traceback, and pytest-timeout bounds each test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import preempt
+
+pytestmark = pytest.mark.timeout(120)
+
+# The preempt this test imported: the commands it starts import the same one (not the checkout that conftest puts on
+# PYTHONPATH), so that running this file against another tree (PYTHONSAFEPATH=1 PYTHONPATH=/that/tree) tests it.
+CODE = str(Path(preempt.__file__).resolve().parents[1])
+T0 = 1_750_000_000.0  # June 2025
+GiB = 1 << 30
+
+
+def preempt_cmd(*args: str, cwd: Path, address_space: int | None = None, prefix: tuple[str, ...] = ()) -> Any:
+    """``python -m preempt ARGS`` in its own process; ``address_space`` caps its memory (RLIMIT_AS)."""
+
+    def limit() -> None:
+        if address_space is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    r = subprocess.run(
+        [*prefix, sys.executable, "-m", "preempt", *args],
+        capture_output=True,
+        text=True,
+        errors="backslashreplace",
+        timeout=90,
+        cwd=cwd,  # not the checkout: `-m` puts the working directory first on sys.path
+        env={**os.environ, "PYTHONPATH": CODE, "MPLBACKEND": "Agg"},
+        preexec_fn=limit,
+    )
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def strict_json(text: str) -> Any:
+    """Parses ``text`` as RFC 8259 JSON: Python's NaN, Infinity and -Infinity tokens are refused."""
+
+    def refuse(token: str) -> Any:
+        raise AssertionError(f"not JSON: the token {token} in {text[:2000]}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def write_history(d: Path, *lines: dict[str, Any] | str) -> Path:
+    """``d/history.jsonl`` with one line per item: a dict as Python's json writes it (NaN allowed), a str as is."""
+    d.mkdir(parents=True, exist_ok=True)
+    text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+    (d / "history.jsonl").write_text(text)
+    return d
+
+
+def start(t: float = T0, **extra: Any) -> dict[str, Any]:
+    return {"t": t, "event": "start", "step": 0, "pid": 1, "proc_start": t - 10.0, **extra}
+
+
+def point(t: float, step: int, loss: Any) -> dict[str, Any]:
+    return {"t": t, "step": step, "epoch": 0, "metrics": {"loss": loss}}
+
+
+def every_form(d: Path, tmp_path: Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The text report, the --json one (parsed strictly) and --plot's; each must succeed."""
+    text = preempt_cmd("report", str(d), cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    js = preempt_cmd("report", str(d), "--json", cwd=tmp_path)
+    assert js.returncode == 0, js.stderr
+    png = tmp_path / "plot.png"
+    drawn = preempt_cmd("report", str(d), "--json", "--plot", str(png), cwd=tmp_path)
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.stat().st_size > 0
+    return text, strict_json(js.stdout), strict_json(drawn.stdout)
+
+
+# ---------------------------------------------------------------- report: a line too long to read
+
+
+def test_a_200_mb_history_line_is_skipped_with_a_note_and_memory_stays_bounded(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    with open(d / "history.jsonl", "wb") as f:
+        f.write(json.dumps(start()).encode() + b"\n")
+        f.write(b'{"t":%.1f,"step":5,"epoch":0,"metrics":{"loss":[' % (T0 + 5))
+        chunk = b"0," * (1 << 20)  # 2 MiB
+        for _ in range(100):
+            f.write(chunk)
+        f.write(b"0]}}\n")
+        f.write(json.dumps(point(T0 + 6, 6, 0.5)).encode() + b"\n")
+        f.write(json.dumps({"t": T0 + 7, "event": "stop", "step": 12, "cause": "SIGTERM"}).encode() + b"\n")
+    assert (d / "history.jsonl").stat().st_size > 200_000_000
+    where = f"{d / 'history.jsonl'} line 2"
+    text = preempt_cmd("report", str(d), cwd=tmp_path, address_space=GiB)
+    assert text.returncode == 0, text.stderr
+    assert text.stderr.count(where) == 1 and "skipped" in text.stderr, text.stderr
+    assert "1 process(es)" in text.stdout and "steps 0 -> 12" in text.stdout, text.stdout
+    js = preempt_cmd("report", str(d), "--json", cwd=tmp_path, address_space=GiB)
+    assert js.returncode == 0, js.stderr
+    doc = strict_json(js.stdout)
+    assert doc["final_step"] == 12 and doc["stops"][0]["cause"] == "SIGTERM"
+    assert [n for n in doc["notes"] if where in n and "skipped" in n], doc["notes"]
+
+
+# ---------------------------------------------------------------- report: a history it cannot open
+
+SETPRIV = ("setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search")
+
+
+def unreadable_as_root(path: Path) -> bool:
+    """``path`` cannot be read by a process started through SETPRIV (root without the capabilities that bypass file
+    permissions: the tests run as root; an unprivileged user could not run this python, which lives under /root)."""
+    if shutil.which("setpriv") is None:
+        return False
+    probe = subprocess.run([*SETPRIV, sys.executable, "-c", f"open({str(path)!r}).close()"], capture_output=True)
+    return probe.returncode != 0 and b"PermissionError" in probe.stderr
+
+
+@pytest.mark.parametrize("kind", ["mode_000", "a_directory", "a_fifo"])
+def test_a_history_that_cannot_be_opened_is_one_line_naming_it(tmp_path, kind):
+    d = tmp_path / "run"
+    d.mkdir()
+    path = d / "history.jsonl"
+    prefix: tuple[str, ...] = ()
+    if kind == "mode_000":
+        write_history(d, start(), point(T0 + 1, 1, 1.0))
+        path.chmod(0)
+        if not unreadable_as_root(path):
+            pytest.skip("setpriv cannot drop CAP_DAC_OVERRIDE here: a mode-000 file stays readable")
+        prefix, why = SETPRIV, "Permission denied"
+    elif kind == "a_directory":
+        path.mkdir()
+        why = "expected a regular file, found a directory"
+    else:
+        os.mkfifo(path)
+        why = "expected a regular file, found a FIFO"
+    r = preempt_cmd("report", str(d), cwd=tmp_path, prefix=prefix)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.strip().splitlines() == [f"preempt report: {path}: cannot be read: {why}"], r.stderr
+    r = preempt_cmd("report", str(d), "--json", cwd=tmp_path, prefix=prefix)
+    assert r.returncode == 2 and strict_json(r.stdout)["exit_code"] == 2, r
