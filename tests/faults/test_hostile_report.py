@@ -126,6 +126,65 @@ def test_a_200_mb_history_line_is_skipped_with_a_note_and_memory_stays_bounded(t
     assert [n for n in doc["notes"] if where in n and "skipped" in n], doc["notes"]
 
 
+# ---------------------------------------------------------------- report: non-finite and absurd values
+
+
+def test_non_finite_metrics_are_shown_as_such(tmp_path):
+    d = write_history(
+        tmp_path / "run",
+        start(),
+        point(T0 + 1, 1, 1.0),
+        point(T0 + 2, 2, float("nan")),  # a bare NaN token, as Python's json writes it
+        point(T0 + 3, 3, "inf"),  # as History writes a non-finite number
+        point(T0 + 4, 4, "-inf"),
+        point(T0 + 5, 5, float("inf")),
+        point(T0 + 6, 6, 0.5),
+        {"t": T0 + 7, "event": "stop", "step": 6, "cause": "SIGTERM"},
+    )
+    text, doc, drawn = every_form(d, tmp_path)
+    shown = [line for line in text.stdout.splitlines() if "non-finite" in line]
+    assert shown and "loss" in shown[0] and "nan" in shown[0] and "inf" in shown[0], text.stdout
+    assert doc["nonfinite_metrics"]["loss"]["count"] == 4, doc
+    assert doc["nonfinite_metrics"]["loss"]["steps"] == [2, 3, 4, 5], doc
+    assert drawn["plot"]["points"] == 2 and drawn["plot"]["off_scale"] == 4, drawn["plot"]
+
+
+ABSURD = {
+    # the value each history holds, and the text of it the report's note shows
+    "proc_start_of_-1e308": ([start(proc_start=-1e308), point(T0 + 1, 1, 1.0)], "-1e+308"),
+    "t_beyond_time_t": ([start(), point(T0 + 1, 1, 1.0), {"t": 1e18, "event": "resume", "step": 1}], "1e+18"),
+    "t_of_1e308": ([start(), point(T0 + 1, 1, 1.0), point(1e308, 2, 2.0)], "1e+308"),
+    "stalls_adding_up_to_infinity": (
+        [start(), point(T0 + 1, 1, 1.0)]
+        + [{"t": T0 + 2, "event": "checkpoint", "step": 1, "stall_s": 1e308, "write_s": 1e308} for _ in range(2)],
+        "1e+308",
+    ),
+    "a_crash_at_step_10**400": (
+        [
+            start(),
+            point(T0 + 1, 1, 1.0),
+            point(T0 + 2, 2, 1.0),
+            {"t": T0 + 9, "event": "resume", "step": 1, "crashed": {"died_at": 10**400}},
+        ],
+        "401 digits",
+    ),
+    "a_loss_of_1e308": ([start(), point(T0 + 1, 1, 1.0), point(T0 + 2, 2, 1e308), point(T0 + 3, 3, -1e308)], None),
+}
+
+
+@pytest.mark.parametrize("case", ABSURD, ids=list(ABSURD))
+def test_absurd_times_counts_and_metrics_give_a_report_in_strict_json_and_a_plot(tmp_path, case):
+    lines, shown = ABSURD[case]
+    d = write_history(tmp_path / "run", *lines)
+    text, doc, drawn = every_form(d, tmp_path)
+    assert doc["processes"] >= 1 and doc["final_step"] >= 1, doc
+    if shown is not None:  # the value set aside is named, as it is, in a note
+        assert [n for n in doc["notes"] if shown in n], doc["notes"]
+        assert shown in text.stdout, text.stdout
+    else:  # a finite value too large to draw is marked at the edge of the plot
+        assert drawn["plot"]["points"] == 1 and drawn["plot"]["off_scale"] == 2, drawn["plot"]
+
+
 # ---------------------------------------------------------------- report: a history it cannot open
 
 SETPRIV = ("setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search")
