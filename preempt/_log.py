@@ -14,6 +14,7 @@ import math
 import sys
 
 log = logging.getLogger("preempt")
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # what PREEMPT_LOG_LEVEL and log_level= accept
 
 
 class _Format(logging.Formatter):

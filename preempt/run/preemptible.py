@@ -167,6 +167,7 @@ class PreemptibleRun:
         self.saves.on_durable = self.stopper.saved
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
         self.reporter = Reporter(cfg, self.save_dir, self.loop, clock)
+        self.reporter.log_all_ranks = self.env.log_all_ranks
         self.saves.on_saved = self.reporter.checkpoint
         self.peers: Alone = Alone()
         self._every = 0  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
@@ -213,6 +214,8 @@ class PreemptibleRun:
             raise PreemptError("this PreemptibleRun was already entered; create a new one for another run")
         self._entered = True
         _log.setup(self.env.log_level or self.config.log_level)
+        for problem in self.env.problems:  # a variable set to a value the run cannot use: ignored, said
+            log.warning("%s", problem)
         self._join()
         if not self.stopper.flag.install():
             log.warning(

@@ -52,6 +52,7 @@ class Reporter:
         self.loop = loop
         self.clock = clock
         self.rank, self.world_size = 0, 1
+        self.log_all_ranks = False  # PREEMPT_LOG_ALL_RANKS (preempt.cluster.environment): ranks > 0 log too
         self.next_at = float("inf")  # when report() has something to do: a progress line or a metric point
         self.epochs_total: int | None = None
         self._runlog: RunLog | None = None
@@ -74,8 +75,9 @@ class Reporter:
         if self.rank == 0:
             log.info("%s", start_line(cfg, self.save_dir, resumed_from, step))
         if cfg.log_file:
-            every_rank = os.environ.get("PREEMPT_LOG_ALL_RANKS", "") not in ("", "0")
-            self._runlog = RunLog(self.save_dir, rank=self.rank, world_size=self.world_size, log_all_ranks=every_rank)
+            self._runlog = RunLog(
+                self.save_dir, rank=self.rank, world_size=self.world_size, log_all_ranks=self.log_all_ranks
+            )
             self._runlog.start(resumed_from, step)
             self._history = History(self.save_dir, rank=self.rank)
             if self._history.active:

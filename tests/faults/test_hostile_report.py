@@ -17,7 +17,9 @@ memory blow-up or a hang is seen, not suffered); none may print a traceback, and
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import resource
 import shutil
@@ -27,8 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_bad_input import train
 
 import preempt
+from preempt.cluster import slurm
+from preempt.cluster.environment import Environment
+from preempt.errors import SlurmError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -222,3 +228,65 @@ def test_a_history_that_cannot_be_opened_is_one_line_naming_it(tmp_path, kind):
     assert r.stderr.strip().splitlines() == [f"preempt report: {path}: cannot be read: {why}"], r.stderr
     r = preempt_cmd("report", str(d), "--json", cwd=tmp_path, prefix=prefix)
     assert r.returncode == 2 and strict_json(r.stdout)["exit_code"] == 2, r
+
+
+# ---------------------------------------------------------------- the environment
+
+
+@pytest.fixture
+def no_scontrol(monkeypatch):
+    """A SLURM job without a reachable scontrol (the real one is never called)."""
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise SlurmError("scontrol: not found on PATH (test)", missing=True)
+
+    for name in ("show_job", "requeue"):
+        monkeypatch.setattr(slurm, name, missing)
+    monkeypatch.setattr(slurm, "kill_wait", lambda **kw: None)
+    for key in list(os.environ):
+        if key.startswith("SLURM_") or key in ("RANK", "PREEMPT_LOG_LEVEL", "PREEMPT_LOG_ALL_RANKS"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+
+
+def warnings_about(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
+    """The warnings that begin ``NAME=``: what the run says of a variable's value."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.getMessage().startswith(name)]
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "1e400", "99999999999999999999"])
+def test_a_bad_slurm_job_end_time_is_one_warning_and_no_deadline(tmp_path, no_scontrol, monkeypatch, caplog, value):
+    monkeypatch.setenv("SLURM_JOB_END_TIME", value)
+    caplog.set_level(logging.INFO, logger="preempt")
+    train(tmp_path / "run")  # one epoch of 5 steps; a deadline in the past would stop it at the first step
+    said = warnings_about(caplog, "SLURM_JOB_END_TIME=")
+    assert len(said) == 1 and repr(value) in said[0] and "expected" in said[0], said
+    assert "walltime:" not in caplog.text, caplog.text
+    assert json.loads((tmp_path / "run" / "history.jsonl").read_text().splitlines()[-1])["event"] == "complete"
+
+
+def test_a_bad_preempt_log_level_is_one_warning_and_the_run_goes_on(tmp_path, no_scontrol, monkeypatch, caplog):
+    monkeypatch.setenv("PREEMPT_LOG_LEVEL", "loud")
+    caplog.set_level(logging.INFO, logger="preempt")
+    train(tmp_path / "run")
+    said = warnings_about(caplog, "PREEMPT_LOG_LEVEL=")
+    assert len(said) == 1 and "'loud'" in said[0] and "DEBUG" in said[0], said
+    assert logging.getLogger("preempt").getEffectiveLevel() == logging.INFO
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("RANK", "zero"),
+        ("SLURM_PROCID", "-1"),
+        ("SLURM_RESTART_COUNT", "many"),
+        ("PREEMPT_LOG_ALL_RANKS", "maybe"),
+        ("SLURM_JOB_ID", "12 34"),
+        ("SLURM_ARRAY_TASK_ID", "x"),
+    ],
+)
+def test_every_variable_the_run_reads_is_checked_in_one_place(name, value):
+    env = Environment.from_env({"SLURM_JOB_ID": "4242", name: value})
+    assert len(env.problems) == 1 and env.problems[0].startswith(f"{name}={value!r}: expected "), env.problems
+    ignored = Environment.from_env({"SLURM_JOB_ID": "4242"} if name != "SLURM_JOB_ID" else {})
+    assert env == dataclasses.replace(ignored, problems=env.problems)  # the value is ignored: the default holds
