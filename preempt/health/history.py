@@ -227,6 +227,16 @@ class RunLog:
         record = _log.log.makeRecord(_log.log.name, logging.INFO, __file__, 0, msg, None, None)
         self._handler.handle(record)
 
+    def replay(self, held: EarlyRecords) -> None:
+        """Writes the records ``held`` kept before this file was open (after the start line), to the file only."""
+        if self._handler is None:
+            return
+        for record in held.records:
+            self._handler.handle(record)
+        if held.dropped:
+            msg = f"... and {held.dropped} more records from before this file was open, not kept"
+            self._handler.handle(_log.log.makeRecord(_log.log.name, logging.WARNING, __file__, 0, msg, None, None))
+
     def close(self) -> None:
         """Detaches and closes the file handler (or lifts the silence of a quiet rank). Idempotent."""
         if self._filter is not None:
@@ -246,6 +256,44 @@ class RunLog:
 
 
 _LOCK = threading.Lock()  # around the check-then-add of handlers on the shared logger
+
+
+class EarlyRecords(logging.Handler):
+    """Keeps what the ``preempt`` logger says before the run's train.log can be opened.
+
+    The run chooses its checkpoint before it opens train.log and history.jsonl
+    (the "==== start (resumed from ...)" line needs the choice), and that is
+    when a damaged checkpoint is quarantined and the run falls back to an older
+    one. Those records reach the console at once, as always; held here as
+    well, they go to the file (:meth:`RunLog.replay`) and, the warnings, into
+    history.jsonl once it is open. At most ``limit`` records are kept; the
+    rest are counted.
+    """
+
+    def __init__(self, limit: int = 1000) -> None:
+        super().__init__(logging.NOTSET)
+        self.limit = limit
+        self.records: list[logging.LogRecord] = []
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < self.limit:
+            self.records.append(record)
+        else:
+            self.dropped += 1
+
+    def hold(self) -> EarlyRecords:
+        """Starts keeping the ``preempt`` logger's records."""
+        with _LOCK:
+            _log.log.addHandler(self)
+        return self
+
+    def done(self) -> EarlyRecords:
+        """Stops keeping them (idempotent); the records kept stay in :attr:`records`. (Not ``release``: that is
+        the lock of every logging.Handler.)"""
+        with _LOCK:
+            _log.log.removeHandler(self)
+        return self
 
 
 def _end_torn_line(path: Path) -> None:
@@ -646,6 +694,7 @@ __all__ = [
     "HISTORY_FILE",
     "LOG_FILE",
     "MAX_LINE",
+    "EarlyRecords",
     "History",
     "Progress",
     "RunLog",

@@ -214,9 +214,10 @@ class PreemptibleRun:
             raise PreemptError("this PreemptibleRun was already entered; create a new one for another run")
         self._entered = True
         _log.setup(self.env.log_level or self.config.log_level)
+        self._join()
+        self.reporter.hold()  # until train.log is open: what the start says goes there too
         for problem in self.env.problems:  # a variable set to a value the run cannot use: ignored, said
             log.warning("%s", problem)
-        self._join()
         if not self.stopper.flag.install():
             log.warning(
                 "PreemptibleRun entered outside the main thread: stop signals cannot be caught here"
@@ -238,6 +239,7 @@ class PreemptibleRun:
             if self.peers.leader:
                 starter.refuse(e)
             self.stopper.flag.restore()
+            self.reporter.stop()
             # A completed run has time to delete the leftovers it found; a failed start does not wait.
             self.manager.close(timeout=None if isinstance(e, RunComplete) else 0.0)
             self._lock.release()

@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_bad_input import train
+import test_bad_input
+from test_bad_input import STEP1, STEP2, build, train
 
 import preempt
+from preempt import PreemptibleRun
 from preempt.cluster import slurm
 from preempt.cluster.environment import Environment
 from preempt.errors import SlurmError
@@ -290,3 +292,41 @@ def test_every_variable_the_run_reads_is_checked_in_one_place(name, value):
     assert len(env.problems) == 1 and env.problems[0].startswith(f"{name}={value!r}: expected "), env.problems
     ignored = Environment.from_env({"SLURM_JOB_ID": "4242"} if name != "SLURM_JOB_ID" else {})
     assert env == dataclasses.replace(ignored, problems=env.problems)  # the value is ignored: the default holds
+
+
+# ---------------------------------------------------------------- a resume's warnings, in train.log and history
+
+template, save_dir = test_bad_input.template, test_bad_input.save_dir
+
+
+def damage(step_dir: Path) -> None:
+    """Flips the last byte of the model's weights: the manifest's digest no longer matches."""
+    f = step_dir / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damaged", [[STEP2], [STEP1, STEP2]], ids=["the_newest", "every_checkpoint"])
+def test_a_resume_that_quarantines_says_so_in_train_log_and_history(save_dir, damaged, caplog):
+    for name in damaged:
+        damage(save_dir / name)
+    model, opt, sched, _ = build(seed=7)
+    with PreemptibleRun(save_dir, model=model, optimizer=opt, scheduler=sched, checkpoint_interval=None) as run:
+        pass
+    assert run.resumed_from == (None if STEP1 in damaged else save_dir / STEP1)
+    assert all((save_dir / "quarantine" / name).is_dir() for name in damaged)
+    # train.log: after this process's start line, each quarantine, as the console said it
+    log = (save_dir / "train.log").read_text()
+    this = log.rsplit("==== start", 1)[1]
+    for name in damaged:
+        said = [line for line in this.splitlines() if "WARNING" in line and f"{name}/model.safetensors" in line]
+        assert said and "quarantine" in said[0], this
+    if STEP1 in damaged:
+        assert "starting fresh" in this, this
+    # history.jsonl: a warning event per quarantine, after this process's start marker
+    events = [json.loads(line) for line in (save_dir / "history.jsonl").read_text().splitlines()]
+    begun = max(i for i, e in enumerate(events) if e.get("event") in ("start", "resume"))
+    warned = [e["message"] for e in events[begun:] if e.get("event") == "warning"]
+    for name in damaged:
+        assert [m for m in warned if f"{name}/model.safetensors" in m and "quarantine" in m], warned
