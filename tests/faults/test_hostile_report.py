@@ -337,3 +337,36 @@ def test_a_resume_that_quarantines_says_so_in_train_log_and_history(save_dir, da
     warned = [e["message"] for e in events[begun:] if e.get("event") == "warning"]
     for name in damaged:
         assert [m for m in warned if f"{name}/model.safetensors" in m and "quarantine" in m], warned
+
+
+# ---------------------------------------------------------------- every command, on a save_dir with such a history
+
+EVERY_COMMAND = (
+    ("ls",),
+    ("verify",),
+    ("inspect",),
+    ("export", "--out", "{tmp}/model.safetensors"),
+    ("prune", "--keep-last", "1"),
+    ("report",),
+    ("report", "--json"),
+)
+
+
+@pytest.mark.parametrize("history", ["hostile_lines", "a_fifo"])
+def test_every_command_on_a_save_dir_with_a_hostile_history(save_dir, tmp_path, history):
+    """Real checkpoints beside a history that holds a bit of every case above (or a FIFO in its place)."""
+    path = save_dir / "history.jsonl"
+    path.unlink()
+    if history == "a_fifo":
+        os.mkfifo(path)
+    else:
+        lines = [line for case in ABSURD.values() for line in case[0]]
+        write_history(save_dir, *lines, point(T0 + 2, 2, float("nan")), "x" * (2 << 20))  # a 2 MiB line
+    for command in EVERY_COMMAND:
+        args = [a.format(tmp=tmp_path) for a in command[1:]]
+        r = preempt_cmd(command[0], str(save_dir), *args, cwd=tmp_path)
+        ok = (0, 2) if command[0] == "report" and history == "a_fifo" else (0,)
+        assert r.returncode in ok, (command, r.returncode, r.stderr)
+        if "--json" in command:
+            strict_json(r.stdout)
+    assert (save_dir / STEP2).is_dir() and (tmp_path / "model.safetensors").is_file()  # prune without --yes
