@@ -10,9 +10,11 @@ full control.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 log = logging.getLogger("preempt")
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # what PREEMPT_LOG_LEVEL and log_level= accept
 
 
 class _Format(logging.Formatter):
@@ -36,7 +38,9 @@ def setup(level: str | None = None) -> logging.Logger:
 
 
 def duration(seconds: float) -> str:
-    """``253.4`` -> ``"4m13s"``; ``0.12`` -> ``"0.12 s"``."""
+    """``253.4`` -> ``"4m13s"``; ``0.12`` -> ``"0.12 s"``; ``inf`` -> ``"inf s"``."""
+    if not math.isfinite(seconds):
+        return f"{seconds} s"
     if seconds < 60:
         return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.0f} s"
     m, s = divmod(int(seconds), 60)

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Look inside a preempt save_dir: list, verify, inspect, prune and export checkpoints;\n"
         "or supervise a training command: rerun it after preemption, NaN losses and out-of-memory errors.",
         epilog=EXIT_CODES + '\n\nEvery command takes --json: one JSON document on stdout, {"error", "exit_code"} on'
-        " failure;\nmessages go to stderr. DIR may also name one checkpoint (DIR/step_000000120).\n"
+        ' failure;\nstrict JSON: a non-finite number is the string "nan", "inf" or "-inf". Messages go to stderr.\n'
+        "DIR may also name one checkpoint (DIR/step_000000120).\n"
         "preempt supervise has its own options and exit codes: preempt supervise --help",
         formatter_class=fmt,
     )

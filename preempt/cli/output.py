@@ -7,6 +7,7 @@ so that neither imports the other's private names. No torch here.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
@@ -28,5 +29,17 @@ class CommandFailed(Exception):
 
 
 def emit(doc: Any) -> None:
-    """One JSON document on stdout (``--json``)."""
-    print(json.dumps(doc, indent=1, allow_nan=True))
+    """One JSON document on stdout (``--json``), strict JSON (RFC 8259): a non-finite number (a NaN metric in a
+    manifest or a history) is written as the string ``"nan"``, ``"inf"`` or ``"-inf"``, as history.jsonl writes it,
+    since the bare ``NaN`` and ``Infinity`` tokens that Python's json allows are refused by most other readers."""
+    print(json.dumps(_strict(doc), indent=1, allow_nan=False))
+
+
+def _strict(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x

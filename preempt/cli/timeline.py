@@ -33,6 +33,16 @@ A killed process leaves no end line: its end is its last line (a progress
 record or a checkpoint), so a few seconds after it may be missing; the text
 says so. Old history files (before these fields) still give a timeline, with
 less in it.
+
+A hand-edited or hostile history still gives a report, and what it sets aside
+is said, value included (:attr:`Report.notes`, at most :data:`MAX_NOTES`): a
+time that is not a date between 1970 and 2200 (the line is left out), a
+duration that is negative, not finite or over :data:`MAX_DURATION_S` (counted
+as 0), a step or byte count that is negative or over :data:`MAX_COUNT`. So
+every sum stays finite. A metric's non-finite values (``"nan"``, ``"inf"``,
+``"-inf"`` as :class:`preempt.health.history.History` writes them, or bare
+``NaN``/``Infinity``) are kept apart (:attr:`Report.nonfinite`) and shown as
+such.
 """
 
 from __future__ import annotations
@@ -43,8 +53,14 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..checkpoint.safe_io import plausible_time, printable
+
 STARTS = ("start", "resume")
 ENDS = ("stop", "complete", "error")
+MAX_COUNT = 2**63 - 1  # a step or a byte count past int64 is no count a run writes
+MAX_DURATION_S = 1e9  # about 31 years: a longer stall or write is no duration a run measures
+MAX_NOTES = 20  # notes kept; the rest are counted
+NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # how History writes a non-finite number
 
 
 @dataclasses.dataclass
@@ -105,13 +121,15 @@ class Process:
         before = [t for t, s in self.steps_seen if s <= step]
         return max(before) if before else self.entered
 
-    def extrapolate_end(self, step: int) -> None:
+    def extrapolate_end(self, step: int, before: float) -> None:
         """A killed process reached ``step`` after its last line (the next process read it from the lock's beacon):
-        its end is estimated at its own pace, not left at its last line."""
+        its end is estimated at its own pace, not left at its last line, and not after ``before`` (when the next
+        process started: the lock was free by then)."""
         seen = sorted(self.steps_seen)
         if len(seen) >= 2 and seen[-1][1] > seen[0][1]:
             (t0, s0), (t1, s1) = seen[0], seen[-1]
-            self.end = max(self.end, t1 + (step - s1) * (t1 - t0) / (s1 - s0))
+            pace = (t1 - t0) / (s1 - s0)  # seconds per step; steps are below MAX_COUNT: every product is finite
+            self.end = max(self.end, min(t1 + (step - s1) * pace, max(before, self.end)))
             self.end_estimated = True
         self.end_step = step
 
@@ -136,6 +154,8 @@ class Report:
     processes: list[Process]
     gaps_s: list[float]  # between process i's end and process i+1's start
     metrics: dict[str, list[tuple[float, int, float, int]]]  # name -> (t, step, value, process index)
+    nonfinite: dict[str, list[tuple[float, int, str, int]]] = dataclasses.field(default_factory=dict)  # "nan", ...
+    notes: list[str] = dataclasses.field(default_factory=list)  # what was set aside, and why
 
     @property
     def wall_s(self) -> float:
@@ -168,6 +188,15 @@ class Report:
             "checkpoint_bytes": sum(c.nbytes for p in ps for c in p.checkpoints),
             "final_step": ps[-1].end_step if ps else None,
             "complete": bool(ps) and ps[-1].how == "complete",
+            "nonfinite_metrics": {
+                name: {
+                    "count": len(bad),
+                    "steps": [step for _, step, _, _ in bad[:MAX_NOTES]],
+                    "values": sorted({text for *_, text, _ in bad}),
+                }
+                for name, bad in self.nonfinite.items()
+            },
+            "notes": list(self.notes),
             "stops": [
                 {
                     "process": p.index,
@@ -212,26 +241,96 @@ def _num(v: Any) -> float | None:
 
 
 def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT else None
+
+
+def _shown(v: Any) -> str:
+    """A value from the file as a note shows it: ``1e+308``, ``inf``, ``1000000000000... (401 digits)``."""
+    if isinstance(v, float):
+        return f"{v:g}"
+    text = printable(repr(v) if isinstance(v, str) else v)
+    if isinstance(v, int) and len(text) > 24:
+        return f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+class _Facts:
+    """Reads the fields of one line; what it cannot use is noted (with the value) and comes back as None."""
+
+    def __init__(self, notes: _Notes, doc: Mapping[str, Any]) -> None:
+        self._notes, self._doc = notes, doc
+        event, step = doc.get("event"), _int(doc.get("step"))
+        self.what = f"a {printable(event[:40])} line" if isinstance(event, str) else "a metric line"
+        if step is not None:
+            self.what += f" (step {step})"
+
+    def _bad(self, name: str, v: Any, expected: str, then: str) -> None:
+        self._notes.add(f"{self.what}: {name}={_shown(v)} is not {expected}; {then}")
+
+    def time(self, name: str, then: str, doc: Mapping[str, Any] | None = None) -> float | None:
+        v = (self._doc if doc is None else doc).get(name)
+        t = plausible_time(v)
+        if t is None and v is not None and (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            self._bad(name, v, "a time between 1970 and 2200", then)
+        return t
+
+    def duration(self, name: str) -> float | None:
+        v = self._doc.get(name)
+        d = _num(v)
+        if d is not None and 0.0 <= d <= MAX_DURATION_S:
+            return d
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            self._bad(name, v, f"a duration between 0 and {MAX_DURATION_S:g} s", "counted as 0")
+        return None
+
+    def count(self, name: str, doc: Mapping[str, Any] | None = None) -> int | None:
+        v = (self._doc if doc is None else doc).get(name)
+        if not isinstance(v, int) or isinstance(v, bool):
+            return None
+        if 0 <= v <= MAX_COUNT:
+            return v
+        self._bad(name, v, "a count between 0 and 2**63-1", "taken as unknown")
+        return None
+
+
+class _Notes:
+    """The notes of a report: the first :data:`MAX_NOTES`, then a count of the rest."""
+
+    def __init__(self) -> None:
+        self.kept: list[str] = []
+        self.more = 0
+
+    def add(self, text: str) -> None:
+        if len(self.kept) < MAX_NOTES:
+            self.kept.append(text)
+        else:
+            self.more += 1
+
+    def done(self) -> list[str]:
+        return self.kept + ([f"... and {self.more} more values set aside"] if self.more else [])
 
 
 def build(lines: Iterable[Mapping[str, Any]]) -> Report:
     """The report of a run from its history lines (every line, in file order; see the module docstring).
 
-    Lines of the wrong shape (a hand-edited or hostile file) are skipped, never a traceback.
+    Lines of the wrong shape (a hand-edited or hostile file) are skipped, never a traceback; absurd values are
+    set aside and noted (see the module docstring).
     """
     procs: list[Process] = []
     metrics: dict[str, list[tuple[float, int, float, int]]] = {}
+    nonfinite: dict[str, list[tuple[float, int, str, int]]] = {}
+    notes = _Notes()
     crashes: dict[int, int | None] = {}  # process index -> the step its predecessor died at
     for doc in lines:
         if not isinstance(doc, Mapping):
             continue
-        t = _num(doc.get("t"))
+        facts = _Facts(notes, doc)
+        t = facts.time("t", "line left out")
         if t is None:
             continue
-        event, step = doc.get("event"), _int(doc.get("step"))
+        event, step = doc.get("event"), facts.count("step")
         if event in STARTS:
-            started = _num(doc.get("proc_start"))
+            started = facts.time("proc_start", "its start taken as this line's time")
             p = Process(
                 index=len(procs) + 1,
                 resumed=event == "resume",
@@ -245,7 +344,7 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
             )
             crashed = doc.get("crashed")
             if isinstance(crashed, Mapping):
-                crashes[p.index] = _int(crashed.get("died_at"))
+                crashes[p.index] = facts.count("died_at", crashed)
             procs.append(p)
             continue
         if not procs:  # lines before any start line (an old file, a torn head): no process to give them to
@@ -257,11 +356,16 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
             p.steps_seen.append((t, step))
         if event is None and step is not None and isinstance(doc.get("metrics"), Mapping):
             for name, v in doc["metrics"].items():
-                if isinstance(name, str) and (x := _num(v)) is not None:
+                if not isinstance(name, str):
+                    continue
+                if (x := _num(v)) is not None:
                     metrics.setdefault(name, []).append((t, step, x, p.index))
+                elif isinstance(v, float) or (isinstance(v, str) and v in NONFINITE):  # NaN, Infinity, "nan", ...
+                    text = v if isinstance(v, str) else ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
+                    nonfinite.setdefault(name, []).append((t, step, text, p.index))
         elif event == "checkpoint" and step is not None:
-            stall, write = _num(doc.get("stall_s")) or 0.0, _num(doc.get("write_s")) or 0.0
-            at = _num(doc.get("at"))
+            stall, write = facts.duration("stall_s") or 0.0, facts.duration("write_s") or 0.0
+            at = facts.time("at", "taken as the line's time less the write")
             p.checkpoints.append(
                 Checkpoint(
                     step,
@@ -270,11 +374,11 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
                     str(doc.get("reason"))[:40],
                     stall,
                     write,
-                    _int(doc.get("bytes")) or 0,
+                    facts.count("bytes") or 0,
                 )
             )
         elif event == "rollback" and step is not None:
-            reached = _int(doc.get("from_step"))
+            reached = facts.count("from_step")
             p.rollbacks += 1
             if reached is not None and reached > step:
                 p.lost_steps += reached - step
@@ -289,12 +393,12 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
     for prev, nxt in itertools.pairwise(procs):
         died_at = crashes.get(nxt.index)
         if died_at is not None and died_at > prev.end_step:
-            prev.extrapolate_end(died_at)
+            prev.extrapolate_end(died_at, before=nxt.started)
         if prev.end_step > nxt.start_step:  # a clean stop saves where it stops: only a crash or an error gets here
             prev.lost_steps += prev.end_step - nxt.start_step
             prev.lost_s += prev.spent_since(nxt.start_step, prev.end)
     gaps = [max(0.0, nxt.started - prev.end) for prev, nxt in itertools.pairwise(procs)]
-    return Report(procs, gaps, metrics)
+    return Report(procs, gaps, metrics, nonfinite, notes.done())
 
 
 def _clock(t: float) -> str:
@@ -309,7 +413,9 @@ def render(report: Report, where: str) -> list[str]:
 
     ps = report.processes
     if not ps:
-        return [f"{where}: no process of this run wrote a history (history.jsonl has no start line)"]
+        return [f"{where}: no process of this run wrote a history (history.jsonl has no start line)"] + [
+            f"  note: {n}" for n in report.notes
+        ]
     doc = report.to_json()
     out = [
         f"{where}: {len(ps)} process(es), {doc['restarts']} restart(s), steps {ps[0].start_step} -> {ps[-1].end_step}"
@@ -353,4 +459,8 @@ def render(report: Report, where: str) -> list[str]:
         )
     if ps[-1].how == "killed":
         out.append("  note: the last process has no end line: still running, or killed")
+    for name, bad in report.nonfinite.items():
+        first = ", ".join(f"{text} at step {step}" for _, step, text, _ in bad[:3])
+        out.append(f"  non-finite values of {name}: {len(bad)} ({first}{', ...' if len(bad) > 3 else ''})")
+    out.extend(f"  note: {n}" for n in report.notes)
     return out

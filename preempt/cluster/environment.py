@@ -1,13 +1,14 @@
 """Facts about the process's surroundings, read in one place.
 
-Environment variables are read only here (:meth:`Environment.from_env`), and
-never written. Provenance (versions, the code's git commit) is gathered once
+Environment variables are read only here (:meth:`Environment.from_env`), each
+checked, and never written. Provenance (versions, the code's git commit) is gathered once
 per run, because ``git status`` can take a while in a large repository.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import socket
@@ -17,28 +18,94 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import _log
 
-def _int(environ: Mapping[str, str], key: str) -> int | None:
-    value = environ.get(key, "").strip()
-    try:
-        return int(value)
-    except ValueError:
+END_TIMES = (1_000_000_000, 7_258_118_400)  # unix seconds, 2001-09-09 to 2200-01-01: a SLURM job's end lies between
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+_MOST = 2**63 - 1
+
+
+class _Reader:
+    """Reads and checks variables; a value it cannot use is one line in ``problems`` and reads as unset."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = environ
+        self.problems: list[str] = []
+
+    def _bad(self, name: str, expected: str, then: str) -> None:
+        self.problems.append(f"{name}={self.environ[name]!r}: expected {expected}; {then}")
+
+    def text(self, name: str) -> str | None:
+        return self.environ.get(name, "").strip() or None
+
+    def integer(self, name: str, then: str = "ignored") -> int | None:
+        """A whole number >= 0 (a rank, a restart count)."""
+        text = self.text(name)
+        if text is None:
+            return None
+        if text.isdecimal() and text.isascii() and int(text) <= _MOST:
+            return int(text)
+        self._bad(name, "a whole number >= 0", then)
         return None
+
+    def job_id(self, name: str) -> str | None:
+        """A SLURM job or array task number: digits, as SLURM writes it (it goes on scontrol's command line)."""
+        text = self.text(name)
+        if text is None or (text.isdecimal() and text.isascii() and len(text) <= 20):
+            return text
+        self._bad(name, "a SLURM job number (digits)", "ignored")
+        return None
+
+    def end_time(self, name: str) -> int | None:
+        """Unix seconds in :data:`END_TIMES`: a negative, past-2200 or non-finite value is no deadline."""
+        text = self.text(name)
+        if text is None:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        lo, hi = END_TIMES
+        if lo <= value <= hi:  # False for NaN and inf
+            return int(value)
+        self._bad(name, f"the job's end in unix seconds, between {lo} (2001) and {hi} (2200)", "no deadline from it")
+        return None
+
+    def level(self, name: str) -> str | None:
+        text = self.text(name)
+        if text is None or text.upper() in _log.LEVELS:
+            return None if text is None else text.upper()
+        self._bad(name, f"one of {', '.join(_log.LEVELS)}", "ignored (the level stays as configured)")
+        return None
+
+    def flag(self, name: str) -> bool:
+        text = (self.text(name) or "").lower()
+        if text in _ON or text in _OFF:
+            return text in _ON
+        self._bad(name, "1 or 0 (true/false, yes/no, on/off)", "taken as 0")
+        return False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Environment:
     """What the process learns from its environment variables.
 
+    Every variable the library reads is read here, in :meth:`from_env`, and
+    checked: a value it cannot use reads as unset (the default holds) and is
+    one line in ``problems``, which the run logs as warnings.
+
     Attributes:
-        slurm_job_id: ``SLURM_JOB_ID``.
-        slurm_array_job_id: ``SLURM_ARRAY_JOB_ID``.
-        slurm_array_task_id: ``SLURM_ARRAY_TASK_ID``.
+        slurm_job_id: ``SLURM_JOB_ID`` (digits).
+        slurm_array_job_id: ``SLURM_ARRAY_JOB_ID`` (digits).
+        slurm_array_task_id: ``SLURM_ARRAY_TASK_ID`` (digits).
         slurm_restart_count: ``SLURM_RESTART_COUNT`` (unset on a job's first run).
-        slurm_job_end_time: ``SLURM_JOB_END_TIME`` (unix seconds), set by some clusters.
+        slurm_job_end_time: ``SLURM_JOB_END_TIME`` (unix seconds), set by some clusters; a value outside
+            :data:`END_TIMES` (negative, past 2200, not a number) is no deadline.
         rank: This process's global rank: ``RANK`` (torchrun), else ``SLURM_PROCID``
             (srun), else None. Only rank 0 (or None) requeues a SLURM job.
-        log_level: ``PREEMPT_LOG_LEVEL``, e.g. ``DEBUG``.
+        log_level: ``PREEMPT_LOG_LEVEL``, e.g. ``DEBUG``; upper case.
+        log_all_ranks: ``PREEMPT_LOG_ALL_RANKS`` (1/0): ranks other than 0 log too.
+        problems: One line per variable whose value was not used, naming it, its value and what was expected.
     """
 
     slurm_job_id: str | None = None
@@ -48,19 +115,25 @@ class Environment:
     slurm_job_end_time: int | None = None
     rank: int | None = None
     log_level: str | None = None
+    log_all_ranks: bool = False
+    problems: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Environment:
-        env = os.environ if environ is None else environ
-        rank = _int(env, "RANK")
+        """Reads and checks the variables of ``environ`` (default ``os.environ``); pure: it logs nothing."""
+        read = _Reader(os.environ if environ is None else environ)
+        rank = read.integer("RANK")
+        procid = read.integer("SLURM_PROCID")
         return cls(
-            slurm_job_id=env.get("SLURM_JOB_ID") or None,
-            slurm_array_job_id=env.get("SLURM_ARRAY_JOB_ID") or None,
-            slurm_array_task_id=env.get("SLURM_ARRAY_TASK_ID") or None,
-            slurm_restart_count=_int(env, "SLURM_RESTART_COUNT"),
-            slurm_job_end_time=_int(env, "SLURM_JOB_END_TIME"),
-            rank=rank if rank is not None else _int(env, "SLURM_PROCID"),
-            log_level=env.get("PREEMPT_LOG_LEVEL") or None,
+            slurm_job_id=read.job_id("SLURM_JOB_ID"),
+            slurm_array_job_id=read.job_id("SLURM_ARRAY_JOB_ID"),
+            slurm_array_task_id=read.job_id("SLURM_ARRAY_TASK_ID"),
+            slurm_restart_count=read.integer("SLURM_RESTART_COUNT", then="taken as 0"),
+            slurm_job_end_time=read.end_time("SLURM_JOB_END_TIME"),
+            rank=rank if rank is not None else procid,
+            log_level=read.level("PREEMPT_LOG_LEVEL"),
+            log_all_ranks=read.flag("PREEMPT_LOG_ALL_RANKS"),
+            problems=tuple(read.problems),
         )
 
     def slurm(self) -> dict[str, Any] | None:

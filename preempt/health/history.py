@@ -52,6 +52,11 @@ Buffering in user space would save only those ~2 µs and lose the last lines
 on a kill. A record with a NaN takes a slower path
 (tens of µs).
 
+Reading (:func:`iter_history`, :func:`read_history`) holds at most one line
+of :data:`MAX_LINE` bytes (1 MiB) and a 64 KiB read: a longer line (someone
+else's 200 MB line) is counted, not kept, and skipped with a note naming the
+file and the line number.
+
 Timelines: a run killed after its checkpoint at step 120 and resumed from it
 records steps 121.. again. :func:`read_history` follows the timeline: a
 ``resume`` marker at step N drops the earlier records with step > N (pass
@@ -66,6 +71,7 @@ absurd numbers; and the epoch summary line.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -73,9 +79,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .. import _log
 from .._log import duration, size
@@ -221,6 +227,16 @@ class RunLog:
         record = _log.log.makeRecord(_log.log.name, logging.INFO, __file__, 0, msg, None, None)
         self._handler.handle(record)
 
+    def replay(self, held: EarlyRecords) -> None:
+        """Writes the records ``held`` kept before this file was open (after the start line), to the file only."""
+        if self._handler is None:
+            return
+        for record in held.records:
+            self._handler.handle(record)
+        if held.dropped:
+            msg = f"... and {held.dropped} more records from before this file was open, not kept"
+            self._handler.handle(_log.log.makeRecord(_log.log.name, logging.WARNING, __file__, 0, msg, None, None))
+
     def close(self) -> None:
         """Detaches and closes the file handler (or lifts the silence of a quiet rank). Idempotent."""
         if self._filter is not None:
@@ -240,6 +256,44 @@ class RunLog:
 
 
 _LOCK = threading.Lock()  # around the check-then-add of handlers on the shared logger
+
+
+class EarlyRecords(logging.Handler):
+    """Keeps what the ``preempt`` logger says before the run's train.log can be opened.
+
+    The run chooses its checkpoint before it opens train.log and history.jsonl
+    (the "==== start (resumed from ...)" line needs the choice), and that is
+    when a damaged checkpoint is quarantined and the run falls back to an older
+    one. Those records reach the console at once, as always; held here as
+    well, they go to the file (:meth:`RunLog.replay`) and, the warnings, into
+    history.jsonl once it is open. At most ``limit`` records are kept; the
+    rest are counted.
+    """
+
+    def __init__(self, limit: int = 1000) -> None:
+        super().__init__(logging.NOTSET)
+        self.limit = limit
+        self.records: list[logging.LogRecord] = []
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < self.limit:
+            self.records.append(record)
+        else:
+            self.dropped += 1
+
+    def hold(self) -> EarlyRecords:
+        """Starts keeping the ``preempt`` logger's records."""
+        with _LOCK:
+            _log.log.addHandler(self)
+        return self
+
+    def done(self) -> EarlyRecords:
+        """Stops keeping them (idempotent); the records kept stay in :attr:`records`. (Not ``release``: that is
+        the lock of every logging.Handler.)"""
+        with _LOCK:
+            _log.log.removeHandler(self)
+        return self
 
 
 def _end_torn_line(path: Path) -> None:
@@ -401,29 +455,87 @@ class History:
         self.close()
 
 
-def read_history(path: str | os.PathLike[str], *, timeline: bool = True) -> list[dict[str, Any]]:
-    """The lines of a ``history.jsonl``, parsed; lines that do not parse (torn by a kill) are skipped.
+MAX_LINE = safe_io.SMALL  # bytes in one history line: ours take a few hundred; a longer line is skipped, unread
+_CHUNK = 1 << 16  # the reader's reads
+
+
+def _lines(f: BinaryIO, cap: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """``(number, data, size)`` for each line of ``f`` (numbered from 1, without its newline); ``data`` is None
+    for a line over ``cap`` bytes, which is counted but not kept. Reads ``_CHUNK`` bytes at a time and never holds
+    more than ``cap + _CHUNK``: ``readline()`` would hold a line of any length."""
+    number, part, size = 1, bytearray(), 0  # the line being read: what is kept of it, and its length so far
+    while chunk := f.read(_CHUNK):
+        at = 0
+        while True:
+            end = chunk.find(b"\n", at)
+            piece = memoryview(chunk)[at : len(chunk) if end < 0 else end]
+            size += len(piece)
+            if size <= cap:
+                part += piece
+            elif part:
+                part = bytearray()  # over the cap: let go of what was kept
+            if end < 0:
+                break
+            yield number, (bytes(part) if size <= cap else None), size
+            number, part, size, at = number + 1, bytearray(), 0, end + 1
+    if size:  # a last line without its newline (torn by a kill)
+        yield number, (bytes(part) if size <= cap else None), size
+
+
+def iter_history(
+    path: str | os.PathLike[str], *, note: Callable[[str], None] | None = None
+) -> Iterator[dict[str, Any]]:
+    """The lines of one ``history.jsonl`` file, parsed, in file order, read in bounded memory.
+
+    A line that does not parse (torn by a kill, not a JSON object, nested
+    too deep) is skipped. A line over :data:`MAX_LINE` bytes is skipped
+    without being held in memory, and ``note`` gets one line naming the file
+    and the line number.
+
+    Args:
+        path: The file itself.
+        note: Where the note of a skipped long line goes; default: a warning of the ``preempt`` logger.
+
+    Raises:
+        OSError: The file cannot be opened or read (missing, no permission,
+            not a regular file: :class:`preempt.checkpoint.safe_io.UnsafeFileError`).
+    """
+    p = Path(path)
+    say = note if note is not None else _log.log.warning
+    with io.FileIO(safe_io.open_fd(p), "rb", closefd=True) as f:
+        for number, raw, size in _lines(f, MAX_LINE):
+            if raw is None:
+                say(f"{safe_io.path_text(p)} line {number}: {size} bytes, over the {_log.size(MAX_LINE)} a history"
+                    " line may take; skipped")  # fmt: skip
+                continue
+            try:
+                doc = safe_io.load_json(raw, str(p))
+            except ValueError:
+                continue
+            yield doc
+
+
+def read_history(
+    path: str | os.PathLike[str], *, timeline: bool = True, note: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
+    """The lines of a ``history.jsonl``, parsed (see :func:`iter_history`: what is skipped, and ``note``).
 
     Args:
         path: The file (or the run's directory).
         timeline: Follow the run's timeline: a ``resume`` marker at step N
             drops the records before it with a step > N (they were made
             after the checkpoint the run went back to). False: every line.
+        note: As for :func:`iter_history`.
     """
     p = Path(path)
     if p.is_dir():
         p = p / HISTORY_FILE
     out: list[dict[str, Any]] = []
-    with os.fdopen(safe_io.open_fd(p), "rb") as f:
-        for raw in f:
-            try:
-                doc = safe_io.load_json(raw, str(p))
-            except ValueError:
-                continue
-            if timeline and doc.get("event") == "resume" and isinstance(doc.get("step"), int):
-                n = doc["step"]
-                out = [d for d in out if "event" in d or not isinstance(d.get("step"), int) or d["step"] <= n]
-            out.append(doc)
+    for doc in iter_history(p, note=note):
+        if timeline and doc.get("event") == "resume" and isinstance(doc.get("step"), int):
+            n = doc["step"]
+            out = [d for d in out if "event" in d or not isinstance(d.get("step"), int) or d["step"] <= n]
+        out.append(doc)
     return out
 
 
@@ -581,10 +693,13 @@ class Progress:
 __all__ = [
     "HISTORY_FILE",
     "LOG_FILE",
+    "MAX_LINE",
+    "EarlyRecords",
     "History",
     "Progress",
     "RunLog",
     "eta_seconds",
     "fmt_number",
+    "iter_history",
     "read_history",
 ]

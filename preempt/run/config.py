@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 
+from .. import _log
 from ..checkpoint.carry import CarryOptions
 from ..checkpoint.retention import RetentionPolicy
 from ..cluster import slurm
@@ -20,7 +21,7 @@ from ..cluster.signals import DEFAULT_SIGNALS
 from ..errors import PREEMPTED_EXIT_CODE
 from .save_policy import SavePolicy
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = _log.LEVELS
 
 OPTIONS_DOC = """\
         checkpoint_interval: Seconds between periodic checkpoints; None disables.

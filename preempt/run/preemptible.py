@@ -167,6 +167,7 @@ class PreemptibleRun:
         self.saves.on_durable = self.stopper.saved
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
         self.reporter = Reporter(cfg, self.save_dir, self.loop, clock)
+        self.reporter.log_all_ranks = self.env.log_all_ranks
         self.saves.on_saved = self.reporter.checkpoint
         self.peers: Alone = Alone()
         self._every = 0  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
@@ -214,6 +215,9 @@ class PreemptibleRun:
         self._entered = True
         _log.setup(self.env.log_level or self.config.log_level)
         self._join()
+        self.reporter.hold()  # until train.log is open: what the start says goes there too
+        for problem in self.env.problems:  # a variable set to a value the run cannot use: ignored, said
+            log.warning("%s", problem)
         if not self.stopper.flag.install():
             log.warning(
                 "PreemptibleRun entered outside the main thread: stop signals cannot be caught here"
@@ -235,6 +239,7 @@ class PreemptibleRun:
             if self.peers.leader:
                 starter.refuse(e)
             self.stopper.flag.restore()
+            self.reporter.stop()
             # A completed run has time to delete the leftovers it found; a failed start does not wait.
             self.manager.close(timeout=None if isinstance(e, RunComplete) else 0.0)
             self._lock.release()

@@ -11,6 +11,7 @@ It reads the loop's counters and changes none.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -21,13 +22,14 @@ import torch
 
 from .. import _log
 from ..errors import Preempted
-from ..health.history import History, Progress, RunLog
+from ..health.history import EarlyRecords, History, Progress, RunLog
 from ..health.monitor import GPUMonitor
 from .config import RunConfig
 from .loop_state import LoopState
 from .save_plan import SaveRecord
 
 log = _log.log
+MAX_MESSAGE = 2000  # characters of a warning kept in history.jsonl
 FIRST_PROGRESS_S = 5.0  # the first progress line comes this soon (or at progress_every_s if sooner), then doubles
 
 
@@ -52,9 +54,11 @@ class Reporter:
         self.loop = loop
         self.clock = clock
         self.rank, self.world_size = 0, 1
+        self.log_all_ranks = False  # PREEMPT_LOG_ALL_RANKS (preempt.cluster.environment): ranks > 0 log too
         self.next_at = float("inf")  # when report() has something to do: a progress line or a metric point
         self.epochs_total: int | None = None
         self._runlog: RunLog | None = None
+        self._held: EarlyRecords | None = None  # what the logger says from the run's entry to start()
         self._history: History | None = None
         self._progress: Progress | None = None
         self._monitor: GPUMonitor | None = None
@@ -67,16 +71,24 @@ class Reporter:
         self._line_at = float("inf")  # when the next progress line is due
         self._point_at = float("inf")  # when the next metric point of history.jsonl is due
 
+    def hold(self) -> None:
+        """Keeps the logger's records from now until :meth:`start` opens train.log: the choice of the checkpoint
+        to resume from (its quarantines and fallbacks) comes before the file can be opened."""
+        self._held = EarlyRecords().hold()
+
     def start(self, resumed_from: Path | None) -> None:
         """train.log, history.jsonl, the progress line and the GPU monitor, as configured."""
         cfg, step = self.config, self.loop.global_step
         self._base = (step, self.loop.epoch, self.loop.batch)
         if self.rank == 0:
             log.info("%s", start_line(cfg, self.save_dir, resumed_from, step))
+        held, self._held = (self._held or EarlyRecords()).done(), None
         if cfg.log_file:
-            every_rank = os.environ.get("PREEMPT_LOG_ALL_RANKS", "") not in ("", "0")
-            self._runlog = RunLog(self.save_dir, rank=self.rank, world_size=self.world_size, log_all_ranks=every_rank)
+            self._runlog = RunLog(
+                self.save_dir, rank=self.rank, world_size=self.world_size, log_all_ranks=self.log_all_ranks
+            )
             self._runlog.start(resumed_from, step)
+            self._runlog.replay(held)
             self._history = History(self.save_dir, rank=self.rank)
             if self._history.active:
                 exit_line_at_exit(self.save_dir)
@@ -87,6 +99,11 @@ class Reporter:
                 self._history.marker("start", step=step, **facts)
             else:
                 self._history.marker("resume", step=step, from_=str(resumed_from), **facts)
+            for record in held.records:  # this process's start said them: after its start marker
+                if record.levelno >= logging.WARNING:
+                    text = record.getMessage()
+                    text = text if len(text) <= MAX_MESSAGE else f"{text[: MAX_MESSAGE - 3]}..."
+                    self._history.marker("warning", level=record.levelname, message=text)
         self._progress = Progress(None, every_s=cfg.progress_every_s or 60.0, clock=self.clock)
         if cfg.progress_every_s is not None:
             now = self.clock()
@@ -183,6 +200,9 @@ class Reporter:
             self.stop("error", error=(message if isinstance(message, str) else repr(exc))[:200])
 
     def stop(self, event: str | None = None, **fields: Any) -> None:
+        if self._held is not None:  # a start that failed
+            self._held.done()
+            self._held = None
         if self._monitor is not None:
             self._monitor.stop()
             self._monitor = None
