@@ -4,6 +4,7 @@ the frozen base, and two SIGTERMs and a SIGKILL at different steps still end bit
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -11,8 +12,10 @@ import signal
 import pytest
 from conftest import PREEMPTED, MiB, assert_same_final, assert_writes_what_changed, in_step, run_interrupted
 
-pytest.importorskip("peft", reason="the PEFT trial needs peft (and transformers): pip install -e .[test]")
-pytest.importorskip("transformers", reason="the PEFT trial needs transformers: pip install -e .[test]")
+# A guard only (the test extra installs both): looked up, not imported, since importing them here would cost this
+# process ~5 s of CPU for nothing (the training processes import them)
+missing = [m for m in ("peft", "transformers") if importlib.util.find_spec(m) is None]
+pytestmark = pytest.mark.skipif(bool(missing), reason=f"the PEFT trial needs {missing}: pip install -e .[test]")
 
 # GPT-2 with n_embd 192, 2 layers, 1000 tokens, 32 per sample: a frozen base of ~5 MiB (the tied embedding and head
 # among it), ~48 KiB of adapters; 128 samples in batches of 16, 3 epochs: 24 steps
