@@ -3,15 +3,11 @@ training changed, not the base, and two SIGTERMs and a SIGKILL still end bit for
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-from pathlib import Path
 
-import torch
-from conftest import PREEMPTED, assert_same_final, in_step, run_interrupted
-from safetensors.torch import load_file
+from conftest import PREEMPTED, MiB, assert_same_final, assert_writes_what_changed, in_step, run_interrupted
 
 LORA = [
     "--lora",
@@ -22,22 +18,6 @@ LORA = [
     "--samples",
     "256",
 ]  # 48 steps; a base of ~4.3 MiB, ~0.3 MiB trained
-MiB = 1 << 20
-
-
-def tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name in ("model.safetensors", "base.safetensors", "state.safetensors"):
-        if (ckpt / name).exists():
-            out.update({f"{name}:{k}": v for k, v in load_file(str(ckpt / name)).items()})
-    return out
-
-
-def changed_bytes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> int:
-    """The bytes of the tensors that differ between two checkpoints (or are new)."""
-    return sum(
-        v.numel() * v.element_size() for k, v in after.items() if k not in before or not torch.equal(before[k], v)
-    )
 
 
 def test_lora_checkpoints_write_what_changed_and_resume_bit_exact(tmp_path, reference):
@@ -55,24 +35,7 @@ def test_lora_checkpoints_write_what_changed_and_resume_bit_exact(tmp_path, refe
     assert [int(c.name[5:]) for c in ckpts] == sorted([*range(4, 49, 4), 10])  # every 4th, and the first stop's
     base_size = os.stat(ckpts[0] / "base.safetensors").st_size
     assert base_size > 4 * MiB
-    seen: set[int] = set()
-    previous: dict[str, torch.Tensor] | None = None
-    report = []
-    for ckpt in ckpts:
-        written = 0
-        for f in ckpt.iterdir():
-            st = os.stat(f)
-            if st.st_ino not in seen:
-                written += st.st_size
-                seen.add(st.st_ino)
-        now = tensors(ckpt)
-        files = json.loads((ckpt / "manifest.json").read_text())["files"]
-        if previous is not None:
-            changed = changed_bytes(previous, now)
-            report.append((ckpt.name, written, changed))
-            assert files["base.safetensors"].get("carried_from") is not None, ckpt
-            assert written <= 2 * changed + MiB, (ckpt.name, written, changed, report)
-        previous = now
+    report = assert_writes_what_changed(ckpts)
     print("checkpoint, bytes written, bytes changed:", report, "base", base_size)
     # every checkpoint is whole on its own: preempt verify re-hashes every file of every one
     from preempt.cli.main import main

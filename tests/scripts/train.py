@@ -101,6 +101,46 @@ def lora_model(dim: int, width: int) -> torch.nn.Module:
     )
 
 
+VOCAB = 1000  # --peft: token ids drawn from [0, VOCAB)
+
+
+class Tokens(Dataset):
+    """--peft: random token sequences from a seeded generator; each is its own target (a language model's loss)."""
+
+    def __init__(self, n: int, length: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.ids = torch.randint(0, VOCAB, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        return self.ids[i], self.ids[i]
+
+
+def peft_model(width: int, length: int) -> torch.nn.Module:
+    """--peft: a tiny Hugging Face GPT-2 built from its config (no download; dropout on, so the RNG matters) wrapped
+    whole by peft (LoRA on every c_attn): a PeftModel, base frozen and adapters inside it, the tied embedding and
+    head among the frozen tensors. Imported here: peft and transformers are needed by this option alone."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=2, n_embd=width, n_head=4, vocab_size=VOCAB, n_positions=length, bos_token_id=0, eos_token_id=0
+    )
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["c_attn"], fan_in_fan_out=True)
+    return get_peft_model(GPT2LMHeadModel(config), lora)
+
+
+def classify_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """--peft: the next-token loss, as transformers computes it from the labels."""
+    return model(input_ids=x, labels=y).loss
+
+
 def flatten(prefix: str, tree, out: dict) -> None:
     if isinstance(tree, torch.Tensor):
         out[prefix] = tree.detach().clone().contiguous()
@@ -271,8 +311,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--dim", type=int, default=32, help="features per sample; with --peft, tokens per sample")
+    p.add_argument("--width", type=int, default=64, help="hidden width; with --peft, GPT-2's n_embd")
     p.add_argument("--num_workers", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--augment", action="store_true")
@@ -308,6 +348,7 @@ def main() -> None:
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
     p.add_argument("--lazy_copy_at_stop", action="store_true", help="lazy_snapshot=True, see lazy_copy_at_stop()")
     p.add_argument("--lora", action="store_true", help="a frozen base with adapters inside it (lora_model)")
+    p.add_argument("--peft", action="store_true", help="a PeftModel passed whole (peft_model), language-model data")
     p.add_argument("--carry_limit", type=int, default=None, help="PreemptibleRun(carry_unchanged=CarryOptions(...))")
     p.add_argument("--no_carry", action="store_true", help="PreemptibleRun(carry_unchanged=False)")
     args = p.parse_args()
@@ -326,8 +367,11 @@ def main() -> None:
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
-    data = Synthetic(args.samples, args.dim, args.augment)
-    if args.lora:
+    data = Tokens(args.samples, args.dim) if args.peft else Synthetic(args.samples, args.dim, args.augment)
+    loss_of = lm_loss if args.peft else classify_loss
+    if args.peft:
+        model = peft_model(args.width, args.dim)
+    elif args.lora:
         model = lora_model(args.dim, args.width)
     else:
         model = torch.nn.Sequential(
@@ -400,7 +444,7 @@ def main() -> None:
                     print(f"step {run.global_step + 1}: Loss is NaN", flush=True)
                     sys.exit(1)
                 noise = torch.randn(()) * 1e-3  # the loop's own draw from the global RNG
-                loss = torch.nn.functional.cross_entropy(model(x), y) + noise
+                loss = loss_of(model, x, y) + noise
                 scaler.scale(loss / args.accum).backward()
                 micro += 1
                 if micro % args.accum:

@@ -83,6 +83,8 @@ def main() -> None:
     p.add_argument("--resume", default="latest", help="latest, best, a step number or a path")
     p.add_argument("--weights_only", action="store_true")
     p.add_argument("--fail_write", type=int, default=None, help="rank 0's N-th background write fails (ENOSPC)")
+    p.add_argument("--frozen", action="store_true", help="a frozen part of ~4 MiB before the trained layers")
+    p.add_argument("--keep_last", type=int, default=2)
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -93,9 +95,14 @@ def main() -> None:
     torch.manual_seed(0)
     np.random.seed(0)
     data = Indexed(args.samples, 16, augment=False)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, 2))
+    if args.frozen:  # a fine-tuning under DDP: the frozen layers are in no optimizer, so in base.safetensors
+        frozen = torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
+        frozen.requires_grad_(False)
+        model = torch.nn.Sequential(frozen, torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 2))
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, 2))
     ddp = DDP(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW([q for q in ddp.parameters() if q.requires_grad], lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     signal_rank, signal_step = map(int, args.self_signal.split(":")) if args.self_signal else (-1, -1)
     die_rank, die_step = map(int, args.die_at.split(":")) if args.die_at else (-1, -1)
@@ -109,6 +116,7 @@ def main() -> None:
         scheduler=sched,
         checkpoint_interval=None,
         checkpoint_every_steps=args.every_steps,
+        keep_last=args.keep_last,
         async_save=not args.sync_save,
         resume=int(args.resume) if args.resume.isdigit() else args.resume,
         weights_only=args.weights_only,
