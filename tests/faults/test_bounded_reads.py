@@ -1,0 +1,62 @@
+"""Reading a checkpoint costs memory in proportion to what it holds, not a multiple of it (issue 30).
+
+An honest 8 MB string in the user state made `preempt verify` use ~1 GB: the scan that measures a JSON document's
+nesting before it is parsed kept a backtracking frame per character of each string. Each command runs in a
+process of its own, whose peak resident memory the kernel reports (``os.wait4``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from preempt.checkpoint import safe_io
+from preempt.checkpoint.manager import CheckpointManager
+
+STRING = 8_000_000  # characters in the user state
+PEAK_LIMIT = 300 << 20  # what a command may use for it: the string a few times over, far below ~1 GB
+
+
+def peak_rss(args: list[str]) -> tuple[int, int, str]:
+    """Runs ``python -m preempt *args``; returns its exit code, its peak RSS in bytes and its output."""
+    env = {**os.environ, "PYTHONPATH": str(Path(safe_io.__file__).resolve().parents[2])}  # the preempt tested here
+    with subprocess.Popen(
+        [sys.executable, "-m", "preempt", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    ) as p:
+        out = p.stdout.read().decode(errors="replace")  # type: ignore[union-attr]
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, usage.ru_maxrss * 1024, out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("bounded") / "run"
+    model = torch.nn.Linear(4, 4)
+    text = "x" * (STRING // 2) + 'a "quoted" \\ part' * 16 + "y" * (STRING // 2)  # escapes inside the long string
+    CheckpointManager(d).save_state(step=1, model=model, user_state={"notes": text})
+    return d
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect", "ls"])
+def test_a_long_string_in_the_user_state_costs_no_more_than_a_few_times_itself(run_dir, command):
+    code, peak, out = peak_rss([command, str(run_dir)])
+    assert code == 0, out
+    assert "Traceback" not in out
+    assert peak < PEAK_LIMIT, f"{command}: peak RSS {peak >> 20} MiB for an {STRING / 1e6:.0f} MB string"
+
+
+def test_the_nesting_scan_skips_strings_with_escapes_and_counts_the_rest():
+    doc = {"a": ['x "[[[" \\" {{', [{"b": "]]]\\\\"}]], "c": "\\\\"}
+    assert safe_io.json_depth(json.dumps(doc).encode()) == 4  # { a: [ [ { : the brackets in strings do not count
+    assert safe_io.json_depth(b'"unterminated [[[') == 3  # not a string (no closing quote): its brackets count
