@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -268,12 +268,19 @@ class CheckpointManager:
         raise ValueError(f"resume: expected 'latest', 'best' or a step number, got {selector!r}")
 
     def load(
-        self, selector: Selector = "latest", *, weights_only: bool = False, rank: int = 0
+        self,
+        selector: Selector = "latest",
+        *,
+        weights_only: bool = False,
+        rank: int = 0,
+        check: Callable[[CheckpointInfo, state.Loaded], object] | None = None,
     ) -> tuple[CheckpointInfo, state.Loaded]:
-        """Loads the first checkpoint for ``selector`` whose files all verify.
+        """Loads the first checkpoint for ``selector`` whose files all verify (and that ``check`` accepts).
 
         A corrupt candidate is reported (file and both digests), moved aside
-        when this manager owns the directory, and the next one is tried.
+        when this manager owns the directory, and the next one is tried. So is
+        one whose content ``check`` refuses with CorruptCheckpointError: a
+        re-signed checkpoint passes every digest (preempt.run.restore.check_restored).
 
         Raises:
             NoCheckpointError: None matches, or every match is corrupt.
@@ -291,7 +298,10 @@ class CheckpointManager:
         ]
         for info in self.candidates(selector, infos):
             try:
-                return info, self.read(info, weights_only=weights_only, rank=rank)
+                loaded = self.read(info, weights_only=weights_only, rank=rank)
+                if check is not None:
+                    check(info, loaded)
+                return info, loaded
             except CorruptCheckpointError as e:
                 tried.append(str(e))
                 if self.owner:
