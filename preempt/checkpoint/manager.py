@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from . import commit, recycle, safe_io
+from . import completion as marker
 from .carry import Carrier, CarryOptions
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
 from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_manifest, read_verified
@@ -553,29 +554,30 @@ class CheckpointManager:
 
     def mark_complete(self, info: CheckpointInfo) -> None:
         """Records that the run finished with checkpoint ``info``."""
-        m = info.manifest
-        doc = {
-            "checkpoint": info.name,
-            "step": info.step,
-            "epoch": m.cursor.epoch if m else None,
-            "completed": time.time(),
-        }
+        doc = marker.record(info, time.time())
         commit.write_atomic(self.save_dir / COMPLETE, [json.dumps(doc, indent=1).encode() + b"\n"])
 
     def completion(self) -> dict[str, Any] | None:
-        """The content of ``complete.json``, or None: a marker that is not a small regular file holding a JSON
-        object (a symlink, a FIFO, deep or broken JSON) is logged and ignored; the run's own replaces it."""
+        """The content of ``complete.json`` when it is believed (:mod:`~preempt.checkpoint.completion`), or None:
+        a marker that is not a small regular file holding a JSON object (a symlink, a FIFO, deep or broken JSON),
+        or that does not name a valid checkpoint of this save_dir as the run wrote it, is logged and ignored;
+        the run's own replaces it."""
         path = self.save_dir / COMPLETE
         self.completion_problem = None
         try:
-            return safe_io.read_json(path, safe_io.SMALL)
+            doc = safe_io.read_json(path, safe_io.SMALL)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
             text = safe_io.describe_error(path, e) if isinstance(e, OSError) else str(e)
             self.completion_problem = f"{text}; not a completion marker of ours: ignored"
-            log.warning("%s", self.completion_problem)
-            return None
+        else:
+            why = marker.problem(doc, self.list())
+            if why is None:
+                return doc
+            self.completion_problem = f"{path}: {why}; not believed: a rerun goes on from the newest valid checkpoint"
+        log.warning("%s", self.completion_problem)
+        return None
 
     def clear_complete(self) -> None:
         """Removes the completion marker (training goes on past it)."""

@@ -98,6 +98,20 @@ class Starter:
         if not self._announced:
             self.announce(None if self.resumed_from is None else str(self.resumed_from))
 
+    def completed(self, done: dict[str, Any]) -> bool:
+        """Whether the run ends at once as complete: complete.json (``done``, believed by its manifest) is heeded
+        (``exit_if_complete``, no new start or request) and the checkpoint it names loads and passes
+        :meth:`check`; one that does not is quarantined like any damaged checkpoint and the run goes on."""
+        cfg = self.config
+        if not cfg.exit_if_complete or cfg.starts_fresh or self.new_request():
+            return False
+        try:
+            self.manager.load(done["step"], check=self.check)
+        except NoCheckpointError as e:
+            log.warning("%s/complete.json is not believed: %s; the run goes on", self.save_dir, e)
+            return False
+        return True
+
     def _continue(self, request: dict[str, Any] | None) -> bool:
         """Loads the newest valid checkpoint; False when the request's timeline must be branched after all."""
         try:

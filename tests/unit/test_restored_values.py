@@ -1,6 +1,6 @@
 """Unit tests for the checks of restored values (issue #30): what every generator, optimizer, scheduler and scaler
 accepts, decided by pure functions (preempt.data.rng.from_tree, preempt.checkpoint.hyperparams,
-preempt.run.restore.check_restored).
+preempt.run.restore.check_restored, preempt.checkpoint.completion).
 
 Two halves for each: every state a real object produces passes (a false alarm would quarantine a valid
 checkpoint), and each forged value is refused with CorruptCheckpointError naming the file, the field, what was
@@ -15,6 +15,7 @@ import math
 import random
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,8 +23,9 @@ import pytest
 import torch
 
 from preempt import CorruptCheckpointError, IncompatibleStateError
-from preempt.checkpoint import codec, hyperparams
+from preempt.checkpoint import codec, completion, hyperparams
 from preempt.checkpoint.manager import CheckpointInfo, CheckpointManager
+from preempt.checkpoint.manifest import Cursor, Manifest
 from preempt.data import rng
 from preempt.run.restore import check_restored
 
@@ -391,3 +393,42 @@ def test_the_manager_falls_back_past_a_checkpoint_its_check_refuses(tmp_path):
     info, _ = m.load(check=check)
     assert info.step == 1
     assert [p.name for p in (tmp_path / "quarantine").iterdir()] == ["step_000000002"]
+
+
+# ---------------------------------------------------------------- complete.json
+
+
+def infos(tmp_path: Path) -> list[CheckpointInfo]:
+    m = Manifest(step=5, cursor=Cursor(epoch=2), reason="final", created=1700000000.25, files={})
+    return [CheckpointInfo(tmp_path / "step_000000005", 5, "valid", m)]
+
+
+def test_a_marker_the_run_writes_is_believed(tmp_path):
+    found = infos(tmp_path)
+    doc = json.loads(json.dumps(completion.record(found[0], 1.0)))
+    assert completion.problem(doc, found) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({}, "expected the checkpoint's name, step and creation time"),
+        ({"checkpoint_created": None}, "found checkpoint='step_000000005', step=5, checkpoint_created=None"),
+        ({"step": True}, "expected the checkpoint's name, step and creation time"),
+        ({"checkpoint": "step_000000009", "step": 9}, "names 'step_000000009', which is not there"),
+        ({"step": 4}, "names step_000000005 at step 4, but that checkpoint is of step 5"),
+        ({"checkpoint_created": 1.5}, "names step_000000005 created at 1.5, but that checkpoint was created at"),
+    ],
+)
+def test_a_marker_that_does_not_name_its_checkpoint_is_not_believed(tmp_path, change, expected):
+    found = infos(tmp_path)
+    doc = {**completion.record(found[0], 1.0), **change} if change else {}
+    assert expected in (completion.problem(doc, found) or "")
+
+
+def test_a_marker_naming_a_corrupt_checkpoint_is_not_believed(tmp_path):
+    good = infos(tmp_path)[0]
+    doc = completion.record(good, 1.0)
+    bad = CheckpointInfo(good.path, 5, "corrupt", problem="manifest checksum mismatch")
+    assert completion.problem(doc, [bad]) == "names step_000000005, which is corrupt: manifest checksum mismatch"
+    assert completion.problem([doc], [good]) == "expected an object, found list"
