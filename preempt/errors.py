@@ -67,7 +67,11 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint's bytes differ from what its manifest promises.
 
     Raised for a digest or size mismatch, a missing file, a manifest that does
-    not parse or fails its own checksum, and tensor files that are malformed.
+    not parse or fails its own checksum, and tensor files that are malformed;
+    and, when a run resumes, for a value no run could have saved (a random
+    generator's state that its generator refuses, a learning rate that is not
+    a finite number): a re-signed checkpoint matches every digest, so its
+    content is checked too (``preempt.run.restore.check_restored``).
     """
 
 

@@ -5,6 +5,8 @@ Owns the manager (``manager``: choose, load, verify, prune), one file checked ag
 the page cache (``direct_io``), the pruned checkpoint's files written over (``recycle``), a payload's files written or
 hard-linked when unchanged (``write``, ``carry``), which checkpoints are
 kept (``retention``, pure), what is in the files (``state``, ``codec``, ``tensorfile``, ``components``; no pickle),
+what torch's optimizers, schedulers and scalers accept of it (``hyperparams``, pure), when ``complete.json`` is
+believed (``completion``, pure),
 the staging buffers and the background writer (``staging``), the directory's lock and step beacon (``lock``), and
 the one rule for every file opened inside a save_dir (``safe_io``).
 

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from . import commit, recycle, safe_io
+from . import completion as marker
 from .carry import Carrier, CarryOptions
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
 from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_manifest, read_verified
@@ -268,12 +269,19 @@ class CheckpointManager:
         raise ValueError(f"resume: expected 'latest', 'best' or a step number, got {selector!r}")
 
     def load(
-        self, selector: Selector = "latest", *, weights_only: bool = False, rank: int = 0
+        self,
+        selector: Selector = "latest",
+        *,
+        weights_only: bool = False,
+        rank: int = 0,
+        check: Callable[[CheckpointInfo, state.Loaded], object] | None = None,
     ) -> tuple[CheckpointInfo, state.Loaded]:
-        """Loads the first checkpoint for ``selector`` whose files all verify.
+        """Loads the first checkpoint for ``selector`` whose files all verify (and that ``check`` accepts).
 
         A corrupt candidate is reported (file and both digests), moved aside
-        when this manager owns the directory, and the next one is tried.
+        when this manager owns the directory, and the next one is tried. So is
+        one whose content ``check`` refuses with CorruptCheckpointError: a
+        re-signed checkpoint passes every digest (preempt.run.restore.check_restored).
 
         Raises:
             NoCheckpointError: None matches, or every match is corrupt.
@@ -291,7 +299,10 @@ class CheckpointManager:
         ]
         for info in self.candidates(selector, infos):
             try:
-                return info, self.read(info, weights_only=weights_only, rank=rank)
+                loaded = self.read(info, weights_only=weights_only, rank=rank)
+                if check is not None:
+                    check(info, loaded)
+                return info, loaded
             except CorruptCheckpointError as e:
                 tried.append(str(e))
                 if self.owner:
@@ -544,29 +555,30 @@ class CheckpointManager:
 
     def mark_complete(self, info: CheckpointInfo) -> None:
         """Records that the run finished with checkpoint ``info``."""
-        m = info.manifest
-        doc = {
-            "checkpoint": info.name,
-            "step": info.step,
-            "epoch": m.cursor.epoch if m else None,
-            "completed": time.time(),
-        }
+        doc = marker.record(info, time.time())
         commit.write_atomic(self.save_dir / COMPLETE, [json.dumps(doc, indent=1).encode() + b"\n"])
 
     def completion(self) -> dict[str, Any] | None:
-        """The content of ``complete.json``, or None: a marker that is not a small regular file holding a JSON
-        object (a symlink, a FIFO, deep or broken JSON) is logged and ignored; the run's own replaces it."""
+        """The content of ``complete.json`` when it is believed (:mod:`~preempt.checkpoint.completion`), or None:
+        a marker that is not a small regular file holding a JSON object (a symlink, a FIFO, deep or broken JSON),
+        or that does not name a valid checkpoint of this save_dir as the run wrote it, is logged and ignored;
+        the run's own replaces it."""
         path = self.save_dir / COMPLETE
         self.completion_problem = None
         try:
-            return safe_io.read_json(path, safe_io.SMALL)
+            doc = safe_io.read_json(path, safe_io.SMALL)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
             text = safe_io.describe_error(path, e) if isinstance(e, OSError) else str(e)
             self.completion_problem = f"{text}; not a completion marker of ours: ignored"
-            log.warning("%s", self.completion_problem)
-            return None
+        else:
+            why = marker.problem(doc, self.list())
+            if why is None:
+                return doc
+            self.completion_problem = f"{path}: {why}; not believed: a rerun goes on from the newest valid checkpoint"
+        log.warning("%s", self.completion_problem)
+        return None
 
     def clear_complete(self) -> None:
         """Removes the completion marker (training goes on past it)."""

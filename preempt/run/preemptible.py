@@ -268,7 +268,6 @@ class PreemptibleRun:
 
     def _lead(self, starter: Starter) -> state.Payload:
         """The process alone, or rank 0: takes the lock, chooses the starting state, tells the other ranks."""
-        cfg = self.config
         self.manager.check_dir()  # a bad save_dir is said now, not at the first checkpoint hours later
         self._lock.acquire()
         if self._lock.previous:  # the previous holder died holding the lock
@@ -276,7 +275,7 @@ class PreemptibleRun:
             self.reporter.predecessor_died(starter.died_at, self._lock.previous.get("pid"))
         self.manager.recover()  # only the lock holder may clean up leftovers
         done = self.manager.completion()
-        if done is not None and cfg.exit_if_complete and not cfg.starts_fresh and not starter.new_request():
+        if done is not None and starter.completed(done):
             log.info(
                 "%s is complete (step %s, epoch %s); nothing to do. Pass exit_if_complete=False to train further.",
                 self.save_dir, done.get("step"), done.get("epoch"),

@@ -6,21 +6,27 @@ checkpoint to load (``announce``); a follower loads what it is told. Restoring
 puts a verified checkpoint's state into the components and into the run's
 parts: the loop's counters, the data cursor's resume point, the snapshot's
 lineage and user state, the scheduler's newest checkpoint.
+
+Nothing read is used before :func:`check_restored` (the one boundary between
+a checkpoint's content and the process) has checked it: the manager calls it
+on each candidate and falls back past one it refuses, as past a damaged one.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import _log
-from ..checkpoint import state
+from ..checkpoint import hyperparams, state
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..cluster import sharded
 from ..cluster.environment import Environment
 from ..data import rng
-from ..errors import IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
+from ..errors import CorruptCheckpointError, IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
 from .config import RunConfig
 from .data_cursor import SEED_MASK, DataCursor, Resume
 from .loop_state import LoopState
@@ -31,6 +37,8 @@ from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
 
 log = _log.log
+
+Checked = tuple[rng.RngState, rng.RngState | None]  # a checked checkpoint's RNG states: now, its epoch's start
 
 
 class Starter:
@@ -90,10 +98,24 @@ class Starter:
         if not self._announced:
             self.announce(None if self.resumed_from is None else str(self.resumed_from))
 
+    def completed(self, done: dict[str, Any]) -> bool:
+        """Whether the run ends at once as complete: complete.json (``done``, believed by its manifest) is heeded
+        (``exit_if_complete``, no new start or request) and the checkpoint it names loads and passes
+        :meth:`check`; one that does not is quarantined like any damaged checkpoint and the run goes on."""
+        cfg = self.config
+        if not cfg.exit_if_complete or cfg.starts_fresh or self.new_request():
+            return False
+        try:
+            self.manager.load(done["step"], check=self.check)
+        except NoCheckpointError as e:
+            log.warning("%s/complete.json is not believed: %s; the run goes on", self.save_dir, e)
+            return False
+        return True
+
     def _continue(self, request: dict[str, Any] | None) -> bool:
         """Loads the newest valid checkpoint; False when the request's timeline must be branched after all."""
         try:
-            info, loaded = self.manager.load("latest")
+            info, loaded = self.manager.load("latest", check=self.check)
         except NoCheckpointError as e:
             if e.corrupt:
                 log.warning("%s; starting fresh (the broken checkpoints are in %s/quarantine)", e, self.save_dir)
@@ -127,7 +149,7 @@ class Starter:
         source = self.manager if own else CheckpointManager(source_dir, owner=False)
         self._branching = True
         weights_only = self.config.weights_only
-        info, loaded = source.load(selector, weights_only=weights_only)
+        info, loaded = source.load(selector, weights_only=weights_only, check=None if weights_only else self.check)
         if weights_only:
             if self.components.model is not None:
                 state.load_model(self.components.model, loaded, strict=self.config.strict)
@@ -217,23 +239,23 @@ class Starter:
 
     # ---------------------------------------------------------------- restoring
 
+    def check(self, info: CheckpointInfo, loaded: state.Loaded) -> Checked:
+        """:func:`check_restored` for this run's objects: what the manager calls before it accepts a checkpoint."""
+        c = self.components
+        return check_restored(
+            loaded.tree,
+            f"{info.path}/{state.STATE_JSON}",
+            {name: _class_name(obj) for name, obj in (("optimizer", c.optimizer), ("scheduler", c.scheduler),
+                                                       ("scaler", c.scaler))},
+        )  # fmt: skip
+
     def restore(self, info: CheckpointInfo, loaded: state.Loaded) -> None:
-        """Puts a verified checkpoint's state into the components and the run's parts."""
+        """Puts a verified checkpoint's state into the components and the run's parts, once :meth:`check` passed."""
         m = info.manifest
         assert m is not None
         tree = loaded.tree
-        where = f"{info.path}/{state.STATE_JSON}"
-        try:
-            rngs = tree["rng"]
-            rng_now = rng.from_tree(rngs["now"], where)
-            rng_epoch = rng.from_tree(rngs["epoch_start"], where) if rngs.get("epoch_start") else None
-        except (KeyError, TypeError) as e:
-            raise IncompatibleStateError(f"{where}: no RNG state ({e}); was it written by PreemptibleRun?") from None
-        if not isinstance(tree.get("user", {}), dict):
-            raise IncompatibleStateError(f"{where}: user: expected an object, found {type(tree['user']).__name__}")
+        rng_now, rng_epoch = self.check(info, loaded)  # again for a follower's or a branch's load; microseconds
         data = tree.get("data") or {}  # absent in checkpoints of earlier versions
-        if not isinstance(data, dict):
-            raise IncompatibleStateError(f"{where}: data: expected an object, found {type(data).__name__}")
         seed = data.get("seed")
         if isinstance(seed, int) and not isinstance(seed, bool):
             self.data.seed = seed & SEED_MASK
@@ -241,8 +263,7 @@ class Starter:
         self.saved_tracked = tree.get("tracked", {})
         snap = self.snapshot
         snap.user_state = dict(tree.get("user") or {})
-        scale = tree.get("lr_scale", 1.0)
-        snap.lr_scale = float(scale) if isinstance(scale, (int, float)) and scale > 0 else 1.0
+        snap.lr_scale = float(tree.get("lr_scale", 1.0))
         snap.lineage = dict(m.lineage)
         rng.restore(rng_now)
         c = m.cursor
@@ -299,3 +320,56 @@ class Starter:
             self.died_at - resumed_step,
             resumed_step,
         )
+
+
+# ---------------------------------------------------------------- the boundary
+
+
+def check_restored(tree: dict[str, Any], where: str, classes: Mapping[str, str | None]) -> Checked:
+    """Every value of a read checkpoint that the run uses, checked before any is used: the one boundary.
+
+    A re-signed checkpoint passes every digest, so its content is checked for what the objects that take
+    it accept: the random generators (:func:`preempt.data.rng.from_tree`), the optimizer's, scheduler's and
+    scaler's numbers (:mod:`preempt.checkpoint.hyperparams`, for torch's own classes), the run's own values.
+    Pure: nothing is changed; the live objects are known by their class names alone. What depends on the
+    live objects' shapes (a changed model) is checked when they load (:func:`preempt.checkpoint.state.apply`)
+    and raises IncompatibleStateError without a fallback: every checkpoint of the run would fail the same way.
+
+    Args:
+        tree: The decoded ``state.json`` of a checkpoint.
+        where: Its path, for messages.
+        classes: ``"optimizer"``, ``"scheduler"``, ``"scaler"``: the dotted class name of the live object
+            that will load that state, or None when the run has none.
+
+    Returns:
+        The checkpoint's RNG states: at the checkpoint, and at the start of its epoch (None: not saved).
+
+    Raises:
+        CorruptCheckpointError: A value no run could have saved (the manager reports the checkpoint as
+            damaged and falls back to an older one); the message names the field, what was expected and
+            what was found.
+        IncompatibleStateError: The checkpoint holds no RNG state: it was not written by a PreemptibleRun.
+    """
+    rngs = tree.get("rng")
+    if rngs is None:
+        raise IncompatibleStateError(f"{where}: no RNG state; was it written by PreemptibleRun?")
+    if not isinstance(rngs, dict):
+        raise CorruptCheckpointError(f"{where}: rng: expected an object, found {type(rngs).__name__}")
+    rng_now = rng.from_tree(rngs.get("now"), where, "rng.now")
+    epoch = rngs.get("epoch_start")
+    rng_epoch = None if epoch is None else rng.from_tree(epoch, where, "rng.epoch_start")
+    for name in ("user", "data"):  # data is absent in checkpoints of earlier versions, and None in some
+        value = tree.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise CorruptCheckpointError(f"{where}: {name}: expected an object, found {type(value).__name__}")
+    scale = tree.get("lr_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise CorruptCheckpointError(f"{where}: lr_scale: expected a finite number > 0, found {scale!r}")
+    hyperparams.check_optimizer(tree.get("optimizer"), where, classes.get("optimizer"))
+    hyperparams.check_scheduler(tree.get("scheduler"), where, classes.get("scheduler"))
+    hyperparams.check_scaler(tree.get("scaler"), where, classes.get("scaler"))
+    return rng_now, rng_epoch
+
+
+def _class_name(obj: Any) -> str | None:
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
