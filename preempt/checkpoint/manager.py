@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -119,6 +119,8 @@ class CheckpointManager:
         )
         self.owner = owner
         self.completion_problem: str | None = None  # why complete.json was ignored, by the last completion()
+        # Called before each commit's rename; raises to refuse it (a run: its lock no longer names save_dir's).
+        self.guard: Callable[[], None] | None = None
         self._deleter = commit.Deleter()
         self._index: dict[int, Kept] = {}
         self._indexed = False
@@ -452,6 +454,8 @@ class CheckpointManager:
             manifest = dataclasses.replace(manifest, files=dict(files))
             recycle.drop_extra(tmp, [*files, MANIFEST])  # a recycled directory's files the new one does not list
             commit.write_file(tmp / MANIFEST, [manifest.to_json()], recycle=True)
+            if self.guard is not None:
+                self.guard()
             final, replaced = commit.commit_dir(self.save_dir, tmp, name)
         except BaseException as e:
             self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))
