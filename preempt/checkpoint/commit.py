@@ -84,7 +84,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import direct_io
+from . import direct_io, safe_io
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"  # the model's state_dict (without BASE_FILE's tensors)
@@ -322,31 +322,54 @@ def read_file(path: str | os.PathLike[str], expected_size: int | None = None) ->
     once the file is cached. Writes to the array never reach the file.
     Callers that keep tensors beyond loading should copy them: the mapping
     pins the file's pages, and a file truncated by someone else while mapped
-    would fault on access.
+    would fault on access. Where the mapping is refused (``ENOMEM`` under an
+    address-space limit, a filesystem without mmap), the file is read into
+    memory instead; a file larger than the memory left is then a
+    :class:`MemoryError` (a resource error, :func:`safe_io.resource_error`,
+    never damage). :func:`hash_file` checks such a file in constant memory.
 
     Args:
-        path: The file.
+        path: The file (never followed if a symlink, never opened if a FIFO: :func:`safe_io.open_fd`).
         expected_size: When given, a file of another size is not read at all.
 
     Raises:
-        OSError: The file cannot be opened.
+        OSError: The file cannot be opened or read.
+        MemoryError: Neither mapped nor read: larger than the memory left.
         ValueError: The size is not the expected one (the message says both).
     """
-    with open(path, "rb") as f:
+    with open(safe_io.open_fd(path), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if expected_size is not None and size != expected_size:
             raise ValueError(f"size {size} bytes, manifest says {expected_size}")
         if size == 0:
             return np.zeros(0, dtype=np.uint8), FileDigest(0, xxhash.xxh3_128_hexdigest(b""))
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        except OSError:  # a mapping refused (ENOMEM, EINVAL, ENODEV, ...): read it instead
+            return _read_into_memory(f, size, path)
     if hasattr(mapped, "madvise"):
         mapped.madvise(mmap.MADV_SEQUENTIAL)
     buf = np.frombuffer(mapped, dtype=np.uint8)
     return buf, FileDigest(size, xxhash.xxh3_128_hexdigest(buf))
 
 
+def _read_into_memory(f: Any, size: int, path: str | os.PathLike[str]) -> tuple[np.ndarray, FileDigest]:
+    """``read_file`` without a mapping: the file read into a new array, hashed on the way."""
+    buf = np.empty(size, dtype=np.uint8)  # MemoryError when it does not fit
+    view = memoryview(buf)
+    digest = xxhash.xxh3_128()
+    done = 0
+    while done < size:
+        n = f.readinto(view[done : done + WRITE_CHUNK])
+        if not n:
+            raise OSError(errno.EIO, f"the file ended at {done} of {size} bytes while being read", os.fspath(path))
+        digest.update(view[done : done + n])
+        done += n
+    return buf, FileDigest(size, digest.hexdigest())
+
+
 def hash_file(path: str | os.PathLike[str]) -> FileDigest:
-    """Size and digest of a file, streamed (constant memory)."""
+    """Size and digest of a file, streamed (constant memory). The caller checks first that it is a regular file."""
     digest = xxhash.xxh3_128()
     size = 0
     buf = bytearray(WRITE_CHUNK)

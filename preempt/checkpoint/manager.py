@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from ..errors import CheckpointError, CheckpointUnreadableError, CorruptCheckpointError, NoCheckpointError
 from . import commit, recycle, safe_io
 from .carry import Carrier, CarryOptions
 from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
@@ -44,7 +44,7 @@ SHARDED_INDEX = "dcp_metadata.json"  # preempt.cluster.sharded.METADATA: the che
 
 log = logging.getLogger("preempt")
 
-Status = Literal["valid", "corrupt", "incomplete"]
+Status = Literal["valid", "corrupt", "incomplete", "unreadable"]
 Selector = Literal["latest", "best"] | int
 
 
@@ -54,7 +54,10 @@ class CheckpointInfo:
 
     ``status`` is ``"valid"`` when the manifest parses and passes its own
     checksum; the data files are only hashed by :meth:`CheckpointManager.verify`
-    and on load.
+    and on load. ``"corrupt"`` and ``"incomplete"`` are damage; ``"unreadable"``
+    is a manifest that could not be read for a reason of the environment
+    (permission denied, no memory, an I/O error): the checkpoint may be valid,
+    it is never moved aside, and a resume stops at it.
     """
 
     path: Path
@@ -188,6 +191,8 @@ class CheckpointManager:
             return CheckpointInfo(path, step, "incomplete", problem=f"{mpath}: missing")
         except CorruptCheckpointError as e:
             return CheckpointInfo(path, step, "corrupt", problem=str(e))
+        except CheckpointUnreadableError as e:
+            return CheckpointInfo(path, step, "unreadable", problem=str(e))
         if manifest.step != step:
             return CheckpointInfo(
                 path, step, "corrupt", manifest, f"{mpath}: records step {manifest.step}, directory says {step}"
@@ -275,23 +280,31 @@ class CheckpointManager:
         """Loads the first checkpoint for ``selector`` whose files all verify.
 
         A corrupt candidate is reported (file and both digests), moved aside
-        when this manager owns the directory, and the next one is tried.
+        when this manager owns the directory, and the next one is tried. A
+        checkpoint that cannot be read for a reason of the environment is
+        neither moved nor skipped: the load stops there.
 
         Raises:
             NoCheckpointError: None matches, or every match is corrupt.
+            CheckpointUnreadableError: A checkpoint that would come before the one loaded (for ``"latest"``: a
+                newer one; for ``"best"``: any; for a step: that one) cannot be read (permission denied, no
+                memory, an I/O error); nothing was moved aside.
         """
         infos = self.list()
         if self.owner:
             for c in infos:
-                if c.status != "valid":
+                if c.status in ("corrupt", "incomplete"):
                     self.quarantine(c, c.problem or f"{c.path}: broken")
         # Checkpoints whose manifest is broken could have been the one asked for: say what is wrong with them.
         tried = [
             c.problem or f"{c.path}: {c.status}"
             for c in infos
-            if c.status != "valid" and (selector == "latest" or c.step == selector)
+            if c.status in ("corrupt", "incomplete") and (selector == "latest" or c.step == selector)
         ]
+        blocking = [c for c in infos if c.status == "unreadable" and selector in ("latest", "best", c.step)]
         for info in self.candidates(selector, infos):
+            if any(c.step > info.step or selector != "latest" for c in blocking):
+                break
             try:
                 return info, self.read(info, weights_only=weights_only, rank=rank)
             except CorruptCheckpointError as e:
@@ -300,6 +313,12 @@ class CheckpointManager:
                     self.quarantine(info, f"{e}; falling back to an older checkpoint")
                 else:
                     log.warning("%s; trying an older checkpoint", e)
+        if blocking:
+            first = blocking[0]
+            raise CheckpointUnreadableError(
+                f"{first.problem or first.path}. Not resumed from an older checkpoint instead: {first.name} may be"
+                " valid (to go on without it, move it out of the save_dir)"
+            )
         what = {"latest": "no valid checkpoint", "best": "no valid 'best' checkpoint"}.get(
             selector,
             f"no valid checkpoint at step {selector}",  # type: ignore[arg-type]

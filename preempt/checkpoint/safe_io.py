@@ -21,6 +21,10 @@ goes through this module:
 * text bound for a terminal has control characters and lone surrogates escaped
   (:func:`printable`), and timestamps are range-checked before formatting.
 
+Reading can also fail for a reason of the environment rather than of the
+bytes (permission denied, out of memory, too many open files, an I/O error):
+:func:`resource_error` is the one place that tells the two apart.
+
 Each refusal is an :class:`UnsafeFileError` (an ``OSError``, so code that
 handles an unreadable file handles it too) naming the path, what was expected
 and what was found. No torch here.
@@ -59,6 +63,35 @@ class UnsafeFileError(OSError):
 
     def __str__(self) -> str:
         return f"{printable(self.path)}: expected {self.expected}, found {self.found}"
+
+
+# Reading failed because of the environment, which may change (permissions, memory, descriptors, the device, a
+# network filesystem): the bytes may be fine. Every other OSError on a checkpoint's file is taken as damage.
+_RESOURCE_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EACCES", "EPERM", "ENOMEM", "EMFILE", "ENFILE", "EIO", "EAGAIN", "EINTR", "EBUSY", "ENOBUFS", "ETIMEDOUT",
+        "ESTALE", "ENOLCK", "ENODEV", "ENOTCONN", "ECONNRESET", "ECONNABORTED", "EHOSTDOWN", "EHOSTUNREACH",
+        "ENETDOWN", "ENETUNREACH", "EREMOTEIO", "ENOMEDIUM", "ETXTBSY",
+    )
+    if hasattr(errno, name)
+)  # fmt: skip
+
+
+def resource_error(error: BaseException) -> bool:
+    """True when a read failed for a reason of the environment, not of the file's content.
+
+    Permission denied (``EACCES``/``EPERM``), memory (``ENOMEM``, :class:`MemoryError`), descriptors
+    (``EMFILE``/``ENFILE``), the device or a network filesystem (``EIO``, ``ESTALE``, ``ETIMEDOUT``, ...): the
+    same read may succeed later, so what failed is reported as such and never taken for damage. A missing
+    file, a symlink or a FIFO where a file should be (:class:`UnsafeFileError`), and any other error, are
+    about what is on disk: False.
+    """
+    if isinstance(error, MemoryError):
+        return True
+    if isinstance(error, UnsafeFileError) or not isinstance(error, OSError):
+        return False
+    return error.errno in _RESOURCE_ERRNOS
 
 
 def kind(mode: int) -> str:

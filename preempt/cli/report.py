@@ -33,7 +33,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             EXIT_USAGE, f"{path}: no such file; expected the history a run keeps (PreemptibleRun(log_file=True))"
         ) from None
     except (OSError, ValueError) as e:
-        raise CommandFailed(EXIT_USAGE, f"{path}: cannot be read ({safe_io.describe_error(e)})") from None
+        text = safe_io.describe_error(path, e) if isinstance(e, OSError) else str(e)
+        raise CommandFailed(EXIT_USAGE, f"cannot read the history: {text}") from None
     report = timeline.build(lines)
     drawn = None
     if args.plot is not None:
