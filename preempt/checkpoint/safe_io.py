@@ -309,6 +309,18 @@ def plausible_time(value: object) -> float | None:
     return t if math.isfinite(t) and 0.0 <= t <= _YEAR_2200 else None
 
 
+def within(path: str | os.PathLike[str], directory: str | os.PathLike[str]) -> bool:
+    """Whether writing ``path`` would write inside ``directory`` (or at it), symlinks resolved on both sides.
+
+    Both the place the name is in (a rename over ``path`` replaces the entry there) and where a symlink at
+    ``path`` leads count. For the commands that write a file the user names (``export --out``, ``report
+    --plot``): inside a save_dir every name belongs to the run (a checkpoint's file, the lock).
+    """
+    p = Path(path)
+    d = Path(directory).resolve()
+    return any(c == d or d in c.parents for c in (p.parent.resolve() / p.name, p.resolve()))
+
+
 def describe_error(path: str | os.PathLike[str], error: OSError) -> str:
     """``<path>: <what went wrong>`` for an OSError that may or may not name its file."""
     if isinstance(error, UnsafeFileError):

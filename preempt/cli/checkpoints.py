@@ -433,6 +433,12 @@ def _report_prune(
 def cmd_export(args: argparse.Namespace) -> int:
     save_dir: Path = args.dir
     out: Path = args.out
+    if safe_io.within(out, save_dir):
+        raise CommandFailed(
+            EXIT_USAGE,
+            f"--out {out}: is inside the save_dir {save_dir}, where every file belongs to the run (a checkpoint's"
+            " file or the lock written over would be lost); nothing written. Give a path outside it",
+        )
     if out.is_dir():
         raise CommandFailed(EXIT_USAGE, f"{out}: is a directory; expected the path of a .safetensors file to write")
     if not out.parent.is_dir():
