@@ -13,6 +13,7 @@ Layout of ``save_dir``::
     .recycle-<tag>/               the files of a pruned checkpoint, kept for the next save
                                   to write over in place (see "Recycling" below)
     quarantine/                   corrupt or incomplete checkpoints, moved aside
+    quarantined-step_000000120-<tag>/  the same, set aside in place where quarantine/ cannot be used
     superseded/                   checkpoints of an abandoned timeline, moved aside
     complete.json                 the run finished
 
@@ -93,6 +94,7 @@ STATE_FILE = "state.safetensors"  # every other tensor
 STATE_JSON = "state.json"  # everything else (no pickle)
 COMPLETE = "complete.json"
 QUARANTINE = "quarantine"
+QUARANTINED = "quarantined-"  # a broken checkpoint set aside in place, where quarantine/ cannot be used
 SUPERSEDED = "superseded"
 _TMP = ".tmp-"
 _REPLACED = ".replaced-"
@@ -471,16 +473,18 @@ def trash(save_dir: Path, path: Path) -> Path:
     return target
 
 
-def move_aside(save_dir: Path, path: Path, where: str) -> Path:
-    """Moves a checkpoint directory into ``save_dir/<where>/`` without deleting anything."""
+def move_aside(save_dir: Path, path: Path, where: str, name: str | None = None) -> Path:
+    """Moves a checkpoint directory into ``save_dir/<where>/`` (as ``name``, default its own) without deleting
+    anything."""
     dest_dir = save_dir / where
     if dest_dir.is_symlink():  # moving into it would write outside save_dir
         raise OSError(errno.ELOOP, f"{dest_dir} is a symlink; expected a directory inside {save_dir}")
     dest_dir.mkdir(exist_ok=True)
-    dest = dest_dir / path.name
+    name = name or path.name
+    dest = dest_dir / name
     n = 1
     while dest.exists():
-        dest = dest_dir / f"{path.name}.{n}"
+        dest = dest_dir / f"{name}.{n}"
         n += 1
     os.rename(path, dest)
     fsync_dir(save_dir)

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import CheckpointError, CheckpointUnreadableError, CorruptCheckpointError, NoCheckpointError
 from . import commit, recycle, safe_io
 from .carry import Carrier, CarryOptions
-from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
+from .commit import COMPLETE, MANIFEST, QUARANTINE, QUARANTINED, SUPERSEDED, FileDigest
 from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_manifest, read_verified
 from .manifest import Cursor, Manifest
 from .retention import BestRanking, Kept, RetentionPolicy, rank_best, select_kept  # noqa: F401  (rank_best: here too)
@@ -232,16 +232,36 @@ class CheckpointManager:
         return [c.message for c in self.check_files(info, files) if c.message is not None]
 
     def quarantine(self, info: CheckpointInfo, problem: str) -> Path | None:
-        """Moves a broken checkpoint to ``quarantine/`` (owner only); returns where it went."""
+        """Moves a broken checkpoint to ``quarantine/`` (owner only); returns where it went.
+
+        Where ``quarantine/`` cannot be used (a file of that name, no room for a directory), the checkpoint is
+        renamed in place to ``quarantined-<name>-<tag>`` instead: out of discovery's sight, never deleted, so
+        that a later save of the same step cannot replace it (and delete it as a replaced copy).
+        """
         self._index.pop(info.step, None)
         if not self.owner or not info.path.exists():
             return None
+        dest = self._set_aside(info.path, problem)
+        if dest is not None:
+            log.warning("%s; moved to %s", problem, dest)
+        return dest
+
+    def _set_aside(self, path: Path, problem: str, name: str | None = None) -> Path | None:
+        """``path`` moved to ``quarantine/`` (as ``name``, default its own), else renamed to ``quarantined-*`` beside
+        it; None when neither works."""
+        name = name or path.name
         try:
-            dest = commit.move_aside(self.save_dir, info.path, QUARANTINE)
+            return commit.move_aside(self.save_dir, path, QUARANTINE, name)
         except OSError as e:
-            log.warning("%s; left in place: cannot move it aside (%s)", problem, e)
+            first = e
+        dest = self.save_dir / f"{QUARANTINED}{name}-{commit.tag()}"
+        try:
+            os.rename(path, dest)
+            commit.fsync_dir(self.save_dir)
+        except OSError as e:
+            log.warning("%s; left in place: cannot move it aside (%s; %s)", problem, first, e)
             return None
-        log.warning("%s; moved to %s", problem, dest)
+        log.warning("%s cannot be used (%s): %s is set aside in place", self.save_dir / QUARANTINE, first, name)
         return dest
 
     def supersede(self, infos: Iterable[CheckpointInfo]) -> list[Path]:
@@ -468,6 +488,11 @@ class CheckpointManager:
         renamed into place stays (its files are all durable).
         """
         name = commit.checkpoint_name(manifest.step)
+        if not self._indexed:
+            self.list()
+        # A step_N already there that is not a valid checkpoint of ours (one that could not be quarantined) is
+        # set aside below, never deleted as a replaced copy.
+        ours = manifest.step in self._index
         try:
             commit.stage("before_manifest")
             manifest = dataclasses.replace(manifest, files=dict(files))
@@ -480,10 +505,11 @@ class CheckpointManager:
             self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))
             raise
         self.carrier.durable(final, manifest.step, manifest.files)
-        if replaced is not None:
+        if replaced is not None and ours:
             self._deleter.submit([replaced])
-        if not self._indexed:
-            self.list()
+        elif replaced is not None:
+            problem = f"{final}: replaced a checkpoint of that step that was not valid"
+            log.warning("%s; moved to %s", problem, self._set_aside(replaced, problem, name) or "(left in place)")
         self._index[manifest.step] = _kept(manifest)
         self.prune()
         return CheckpointInfo(final, manifest.step, "valid", manifest)

@@ -11,7 +11,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.commit import QUARANTINE, SUPERSEDED
+from ..checkpoint.commit import QUARANTINE, QUARANTINED, SUPERSEDED
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
 from ..checkpoint.recycle import file_bytes, pools
 from ..errors import CorruptCheckpointError
@@ -107,10 +107,19 @@ def completion(manager: CheckpointManager) -> dict[str, Any] | None:
 
 
 def moved_aside(save_dir: Path) -> dict[str, int]:
+    """How many checkpoints are in ``quarantine/`` (with those set aside in place as ``quarantined-*``) and in
+    ``superseded/``; what cannot be listed counts 0."""
     out = {}
     for where in (QUARANTINE, SUPERSEDED):
         d = save_dir / where
-        out[where] = sum(1 for _ in d.iterdir()) if d.is_dir() and not d.is_symlink() else 0
+        try:
+            out[where] = sum(1 for _ in d.iterdir()) if d.is_dir() and not d.is_symlink() else 0
+        except OSError:
+            out[where] = 0
+    try:
+        out[QUARANTINE] += sum(1 for e in os.listdir(save_dir) if e.startswith(QUARANTINED))
+    except OSError:
+        pass
     return out
 
 
