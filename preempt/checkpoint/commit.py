@@ -473,24 +473,6 @@ def trash(save_dir: Path, path: Path) -> Path:
     return target
 
 
-def move_aside(save_dir: Path, path: Path, where: str, name: str | None = None) -> Path:
-    """Moves a checkpoint directory into ``save_dir/<where>/`` (as ``name``, default its own) without deleting
-    anything."""
-    dest_dir = save_dir / where
-    if dest_dir.is_symlink():  # moving into it would write outside save_dir
-        raise OSError(errno.ELOOP, f"{dest_dir} is a symlink; expected a directory inside {save_dir}")
-    dest_dir.mkdir(exist_ok=True)
-    name = name or path.name
-    dest = dest_dir / name
-    n = 1
-    while dest.exists():
-        dest = dest_dir / f"{name}.{n}"
-        n += 1
-    os.rename(path, dest)
-    fsync_dir(save_dir)
-    return dest
-
-
 def remove_tree(path: Path) -> None:
     """Deletes a directory tree; a file or an already-missing path is fine too."""
     if path.is_dir() and not path.is_symlink():

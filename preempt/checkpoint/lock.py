@@ -33,7 +33,7 @@ How:
   hold one save_dir (:meth:`DirLock._unshare`); a lock file found held by a
   run of another directory is refused with what to do. A holder whose
   directory is moved or replaced under it finds out with :meth:`DirLock.check`
-  before it commits a checkpoint there.
+  (:func:`check_held`) before it commits a checkpoint there.
 * Where the filesystem refuses record locks (Lustre mounted without
   ``flock``/``localflock``, some FUSE filesystems), the lock falls back to
   its content: a holder on this host whose process still runs (same pid and
@@ -435,6 +435,19 @@ class StepBeacon:
         view.release()
         self._mm.close()
         self._mm = None
+
+
+def check_held(save_dir: str | os.PathLike[str]) -> None:
+    """:meth:`DirLock.check` of the lock this process holds on ``save_dir``, if any.
+
+    The manager calls it before each commit's rename, so a run never commits into a save_dir moved or replaced
+    under it; a manager used without a lock (``CheckpointManager`` alone) holds none, and nothing is checked.
+    """
+    path = Path(save_dir) / LOCK
+    with _HELD_GUARD:
+        mine = [held for held in _HELD.values() if held.path == path]
+    for held in mine:
+        held.check()
 
 
 def _dir_identity(path: Path) -> list[int] | None:

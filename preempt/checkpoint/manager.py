@@ -20,16 +20,16 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from ..errors import CheckpointError, CheckpointUnreadableError, CorruptCheckpointError, NoCheckpointError
-from . import commit, recycle, safe_io
+from . import aside, commit, lock, recycle, safe_io
 from .carry import Carrier, CarryOptions
-from .commit import COMPLETE, MANIFEST, QUARANTINE, QUARANTINED, SUPERSEDED, FileDigest
+from .commit import COMPLETE, MANIFEST, SUPERSEDED, FileDigest
 from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_manifest, read_verified
 from .manifest import Cursor, Manifest
 from .retention import BestRanking, Kept, RetentionPolicy, rank_best, select_kept  # noqa: F401  (rank_best: here too)
@@ -54,10 +54,8 @@ class CheckpointInfo:
 
     ``status`` is ``"valid"`` when the manifest parses and passes its own
     checksum; the data files are only hashed by :meth:`CheckpointManager.verify`
-    and on load. ``"corrupt"`` and ``"incomplete"`` are damage; ``"unreadable"``
-    is a manifest that could not be read for a reason of the environment
-    (permission denied, no memory, an I/O error): the checkpoint may be valid,
-    it is never moved aside, and a resume stops at it.
+    and on load. ``"unreadable"``: the manifest could not be read for a reason of the environment (permission,
+    memory, I/O), not damage; such a checkpoint may be valid: never moved aside, and a resume stops at it.
     """
 
     path: Path
@@ -122,8 +120,6 @@ class CheckpointManager:
         )
         self.owner = owner
         self.completion_problem: str | None = None  # why complete.json was ignored, by the last completion()
-        # Called before each commit's rename; raises to refuse it (a run: its lock no longer names save_dir's).
-        self.guard: Callable[[], None] | None = None
         self._deleter = commit.Deleter()
         self._index: dict[int, Kept] = {}
         self._indexed = False
@@ -232,36 +228,13 @@ class CheckpointManager:
         return [c.message for c in self.check_files(info, files) if c.message is not None]
 
     def quarantine(self, info: CheckpointInfo, problem: str) -> Path | None:
-        """Moves a broken checkpoint to ``quarantine/`` (owner only); returns where it went.
-
-        Where ``quarantine/`` cannot be used (a file of that name, no room for a directory), the checkpoint is
-        renamed in place to ``quarantined-<name>-<tag>`` instead: out of discovery's sight, never deleted, so
-        that a later save of the same step cannot replace it (and delete it as a replaced copy).
-        """
+        """Moves a broken checkpoint to ``quarantine/``, or sets it aside in place (owner only; :mod:`.aside`)."""
         self._index.pop(info.step, None)
         if not self.owner or not info.path.exists():
             return None
-        dest = self._set_aside(info.path, problem)
+        dest = aside.quarantine(self.save_dir, info.path, problem)
         if dest is not None:
             log.warning("%s; moved to %s", problem, dest)
-        return dest
-
-    def _set_aside(self, path: Path, problem: str, name: str | None = None) -> Path | None:
-        """``path`` moved to ``quarantine/`` (as ``name``, default its own), else renamed to ``quarantined-*`` beside
-        it; None when neither works."""
-        name = name or path.name
-        try:
-            return commit.move_aside(self.save_dir, path, QUARANTINE, name)
-        except OSError as e:
-            first = e
-        dest = self.save_dir / f"{QUARANTINED}{name}-{commit.tag()}"
-        try:
-            os.rename(path, dest)
-            commit.fsync_dir(self.save_dir)
-        except OSError as e:
-            log.warning("%s; left in place: cannot move it aside (%s; %s)", problem, first, e)
-            return None
-        log.warning("%s cannot be used (%s): %s is set aside in place", self.save_dir / QUARANTINE, first, name)
         return dest
 
     def supersede(self, infos: Iterable[CheckpointInfo]) -> list[Path]:
@@ -270,7 +243,7 @@ class CheckpointManager:
         for info in infos:
             self._index.pop(info.step, None)
             if info.path.exists():
-                moved.append(commit.move_aside(self.save_dir, info.path, SUPERSEDED))
+                moved.append(aside.move_aside(self.save_dir, info.path, SUPERSEDED))
         return moved
 
     # ------------------------------------------------------------------ load
@@ -300,15 +273,13 @@ class CheckpointManager:
         """Loads the first checkpoint for ``selector`` whose files all verify.
 
         A corrupt candidate is reported (file and both digests), moved aside
-        when this manager owns the directory, and the next one is tried. A
-        checkpoint that cannot be read for a reason of the environment is
-        neither moved nor skipped: the load stops there.
+        when this manager owns the directory, and the next one is tried; one
+        that cannot be read (an environment's error, not damage) stops it.
 
         Raises:
             NoCheckpointError: None matches, or every match is corrupt.
-            CheckpointUnreadableError: A checkpoint that would come before the one loaded (for ``"latest"``: a
-                newer one; for ``"best"``: any; for a step: that one) cannot be read (permission denied, no
-                memory, an I/O error); nothing was moved aside.
+            CheckpointUnreadableError: A checkpoint that comes before the one loaded (for "latest": a newer one;
+                for "best": any; for a step: that one) cannot be read; nothing was moved aside.
         """
         infos = self.list()
         if self.owner:
@@ -490,16 +461,13 @@ class CheckpointManager:
         name = commit.checkpoint_name(manifest.step)
         if not self._indexed:
             self.list()
-        # A step_N already there that is not a valid checkpoint of ours (one that could not be quarantined) is
-        # set aside below, never deleted as a replaced copy.
-        ours = manifest.step in self._index
+        ours = manifest.step in self._index  # any other step_N there is quarantined below, never deleted
         try:
             commit.stage("before_manifest")
             manifest = dataclasses.replace(manifest, files=dict(files))
             recycle.drop_extra(tmp, [*files, MANIFEST])  # a recycled directory's files the new one does not list
             commit.write_file(tmp / MANIFEST, [manifest.to_json()], recycle=True)
-            if self.guard is not None:
-                self.guard()
+            lock.check_held(self.save_dir)  # the save_dir moved or replaced under the run holding it: no rename
             final, replaced = commit.commit_dir(self.save_dir, tmp, name)
         except BaseException as e:
             self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))
@@ -509,7 +477,7 @@ class CheckpointManager:
             self._deleter.submit([replaced])
         elif replaced is not None:
             problem = f"{final}: replaced a checkpoint of that step that was not valid"
-            log.warning("%s; moved to %s", problem, self._set_aside(replaced, problem, name) or "(left in place)")
+            log.warning("%s; moved to %s", problem, aside.quarantine(self.save_dir, replaced, problem, name) or "-")
         self._index[manifest.step] = _kept(manifest)
         self.prune()
         return CheckpointInfo(final, manifest.step, "valid", manifest)

@@ -175,7 +175,6 @@ class PreemptibleRun:
         job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
         self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=lock_timeout)
         self._beacon = StepBeacon(self.save_dir)  # the lock holder's latest step, for whoever finds it dead
-        self.manager.guard = self._lock.check  # no commit into a save_dir moved or replaced under the run
         self._starter: Starter | None = None
         self._entered = self._active = False
         self._batches_epoch = -1  # the epoch whose batches() has started
