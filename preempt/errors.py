@@ -75,6 +75,18 @@ class CorruptCheckpointError(CheckpointError):
     """
 
 
+class CheckpointUnreadableError(CheckpointError):
+    """A checkpoint cannot be read for a reason of the environment, not of its bytes.
+
+    Permission denied, out of memory, too many open files, an I/O error, a
+    network filesystem that went away: the checkpoint may be valid, and the
+    same read may succeed once the cause is gone. It is never moved to
+    ``quarantine/`` or deleted, and a resume stops with this error rather
+    than fall back past it to an older checkpoint. The message names the path
+    and the cause (see :func:`preempt.checkpoint.safe_io.resource_error`).
+    """
+
+
 class CheckpointWriteError(CheckpointError):
     """A checkpoint could not be written (disk full, I/O error, a read-only disk).
 

@@ -2,7 +2,8 @@
 
 Owns the manager (``manager``: choose, load, verify, prune), one file checked against its manifest entry
 (``files``), the manifest, the atomic commit protocol (``commit``, written down in its docstring), writes that bypass
-the page cache (``direct_io``), the pruned checkpoint's files written over (``recycle``), a payload's files written or
+the page cache (``direct_io``), broken or superseded checkpoints moved out of sight, never deleted (``aside``),
+the pruned checkpoint's files written over (``recycle``), a payload's files written or
 hard-linked when unchanged (``write``, ``carry``), which checkpoints are
 kept (``retention``, pure), what is in the files (``state``, ``codec``, ``tensorfile``, ``components``; no pickle),
 what torch's optimizers, schedulers and scalers accept of it (``hyperparams``, pure), when ``complete.json`` is

@@ -13,6 +13,7 @@ Layout of ``save_dir``::
     .recycle-<tag>/               the files of a pruned checkpoint, kept for the next save
                                   to write over in place (see "Recycling" below)
     quarantine/                   corrupt or incomplete checkpoints, moved aside
+    quarantined-step_000000120-<tag>/  the same, set aside in place where quarantine/ cannot be used
     superseded/                   checkpoints of an abandoned timeline, moved aside
     complete.json                 the run finished
 
@@ -84,7 +85,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import direct_io
+from . import direct_io, safe_io
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"  # the model's state_dict (without BASE_FILE's tensors)
@@ -93,6 +94,7 @@ STATE_FILE = "state.safetensors"  # every other tensor
 STATE_JSON = "state.json"  # everything else (no pickle)
 COMPLETE = "complete.json"
 QUARANTINE = "quarantine"
+QUARANTINED = "quarantined-"  # a broken checkpoint set aside in place, where quarantine/ cannot be used
 SUPERSEDED = "superseded"
 _TMP = ".tmp-"
 _REPLACED = ".replaced-"
@@ -322,31 +324,54 @@ def read_file(path: str | os.PathLike[str], expected_size: int | None = None) ->
     once the file is cached. Writes to the array never reach the file.
     Callers that keep tensors beyond loading should copy them: the mapping
     pins the file's pages, and a file truncated by someone else while mapped
-    would fault on access.
+    would fault on access. Where the mapping is refused (``ENOMEM`` under an
+    address-space limit, a filesystem without mmap), the file is read into
+    memory instead; a file larger than the memory left is then a
+    :class:`MemoryError` (a resource error, :func:`safe_io.resource_error`,
+    never damage). :func:`hash_file` checks such a file in constant memory.
 
     Args:
-        path: The file.
+        path: The file (never followed if a symlink, never opened if a FIFO: :func:`safe_io.open_fd`).
         expected_size: When given, a file of another size is not read at all.
 
     Raises:
-        OSError: The file cannot be opened.
+        OSError: The file cannot be opened or read.
+        MemoryError: Neither mapped nor read: larger than the memory left.
         ValueError: The size is not the expected one (the message says both).
     """
-    with open(path, "rb") as f:
+    with open(safe_io.open_fd(path), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if expected_size is not None and size != expected_size:
             raise ValueError(f"size {size} bytes, manifest says {expected_size}")
         if size == 0:
             return np.zeros(0, dtype=np.uint8), FileDigest(0, xxhash.xxh3_128_hexdigest(b""))
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        except OSError:  # a mapping refused (ENOMEM, EINVAL, ENODEV, ...): read it instead
+            return _read_into_memory(f, size, path)
     if hasattr(mapped, "madvise"):
         mapped.madvise(mmap.MADV_SEQUENTIAL)
     buf = np.frombuffer(mapped, dtype=np.uint8)
     return buf, FileDigest(size, xxhash.xxh3_128_hexdigest(buf))
 
 
+def _read_into_memory(f: Any, size: int, path: str | os.PathLike[str]) -> tuple[np.ndarray, FileDigest]:
+    """``read_file`` without a mapping: the file read into a new array, hashed on the way."""
+    buf = np.empty(size, dtype=np.uint8)  # MemoryError when it does not fit
+    view = memoryview(buf)
+    digest = xxhash.xxh3_128()
+    done = 0
+    while done < size:
+        n = f.readinto(view[done : done + WRITE_CHUNK])
+        if not n:
+            raise OSError(errno.EIO, f"the file ended at {done} of {size} bytes while being read", os.fspath(path))
+        digest.update(view[done : done + n])
+        done += n
+    return buf, FileDigest(size, digest.hexdigest())
+
+
 def hash_file(path: str | os.PathLike[str]) -> FileDigest:
-    """Size and digest of a file, streamed (constant memory)."""
+    """Size and digest of a file, streamed (constant memory). The caller checks first that it is a regular file."""
     digest = xxhash.xxh3_128()
     size = 0
     buf = bytearray(WRITE_CHUNK)
@@ -446,22 +471,6 @@ def trash(save_dir: Path, path: Path) -> Path:
     target = save_dir / f"{_TRASH}{path.name}-{tag()}"
     os.rename(path, target)
     return target
-
-
-def move_aside(save_dir: Path, path: Path, where: str) -> Path:
-    """Moves a checkpoint directory into ``save_dir/<where>/`` without deleting anything."""
-    dest_dir = save_dir / where
-    if dest_dir.is_symlink():  # moving into it would write outside save_dir
-        raise OSError(errno.ELOOP, f"{dest_dir} is a symlink; expected a directory inside {save_dir}")
-    dest_dir.mkdir(exist_ok=True)
-    dest = dest_dir / path.name
-    n = 1
-    while dest.exists():
-        dest = dest_dir / f"{path.name}.{n}"
-        n += 1
-    os.rename(path, dest)
-    fsync_dir(save_dir)
-    return dest
 
 
 def remove_tree(path: Path) -> None:

@@ -20,9 +20,11 @@ the commands that never import torch do.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
+from . import safe_io
 from .manifest import Manifest
 
 
@@ -51,6 +53,25 @@ def record(info: CheckpointInfo, completed: float) -> dict[str, Any]:
         "checkpoint_created": m.created if m else None,
         "completed": completed,
     }
+
+
+def read(path: Path, infos: Callable[[], Sequence[CheckpointInfo]]) -> tuple[dict[str, Any] | None, str | None]:
+    """The marker at ``path`` and None when it is believed; else None and why not (None, None: there is none).
+
+    ``infos``: the save_dir's checkpoints, listed only when there is a marker to judge. A marker that is not a
+    small regular file holding a JSON object (a symlink, a FIFO, deep or broken JSON) is not ours.
+    """
+    try:
+        doc = safe_io.read_json(path, safe_io.SMALL)
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as e:
+        text = safe_io.describe_error(path, e) if isinstance(e, OSError) else str(e)
+        return None, f"{text}; not a completion marker of ours: ignored"
+    why = problem(doc, infos())
+    if why is None:
+        return doc, None
+    return None, f"{path}: {why}; not believed: a rerun goes on from the newest valid checkpoint"
 
 
 def problem(doc: Any, infos: Sequence[CheckpointInfo]) -> str | None:

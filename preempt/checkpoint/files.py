@@ -1,6 +1,12 @@
 """One checkpoint file read and checked against its manifest entry: regular files only, the size, the xxh3 digest,
 the format.
 
+Damage is content that does not match its digest or its format (or a file missing, or not a regular file). A read
+that fails for a reason of the environment (:func:`safe_io.resource_error`: permission denied, out of memory, too
+many open files, an I/O error) is not damage: it is a :class:`~preempt.errors.CheckpointUnreadableError`, or the
+status ``"unreadable"``, never a reason to move a checkpoint aside. A file whose mapping is refused is hashed
+streamed (:func:`preempt.checkpoint.commit.hash_file`), so that a file larger than memory still verifies.
+
 Nothing is followed or opened before ``lstat`` says it is a regular file (a symlink could point out of the
 checkpoint; opening a FIFO blocks forever). Used by :mod:`preempt.checkpoint.manager` (load, verify, list) and the
 checkpoint commands.
@@ -9,13 +15,14 @@ checkpoint commands.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointUnreadableError, CorruptCheckpointError
 from . import commit, safe_io
 from .commit import MANIFEST, FileDigest
 from .manifest import MAX_MANIFEST_BYTES, Manifest
@@ -29,17 +36,18 @@ def read_manifest(path: Path) -> Manifest:
 
     Raises:
         FileNotFoundError: There is none.
-        CorruptCheckpointError: It does not parse or fails its checksum.
+        CorruptCheckpointError: It does not parse or fails its checksum, or is not a regular file.
+        CheckpointUnreadableError: It cannot be read for a reason of the environment (permission, memory, I/O).
     """
-    regular_file(path)
     try:
+        regular_file(path)
         data = safe_io.read_bytes(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise
     except safe_io.UnsafeFileError as e:
         raise CorruptCheckpointError(str(e)) from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except (OSError, MemoryError) as e:
+        raise _read_error(path, e) from None
     try:
         return Manifest.from_json(data, str(path))
     except ValueError as e:
@@ -47,7 +55,12 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def read_verified(path: Path, expected: FileDigest) -> Any:
-    """The bytes of a checkpoint file, after checking size and digest."""
+    """The bytes of a checkpoint file, after checking size and digest.
+
+    Raises:
+        CorruptCheckpointError: Missing, not a regular file, another size or digest.
+        CheckpointUnreadableError: It cannot be read for a reason of the environment (permission, memory, I/O).
+    """
     try:
         regular_file(path)
         buf, got = commit.read_file(path, expected.size)
@@ -55,10 +68,34 @@ def read_verified(path: Path, expected: FileDigest) -> Any:
         raise CorruptCheckpointError(f"{path}: missing") from None
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: {e}") from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except (OSError, MemoryError) as e:
+        raise _read_error(path, e) from None
     _compare(path, expected, got)
     return buf
+
+
+def _read_error(path: Path, error: OSError | MemoryError) -> CorruptCheckpointError | CheckpointUnreadableError:
+    """The error for a file that could not be read: a resource error, or damage (:func:`safe_io.resource_error`)."""
+    if safe_io.resource_error(error):
+        return CheckpointUnreadableError(unreadable(path, error))
+    return CorruptCheckpointError(f"{path}: cannot be read ({_reason(error)})")
+
+
+def unreadable(path: Path, error: BaseException) -> str:
+    """``<path>: cannot be read (<cause>): not damage ...``: the message of a resource error, naming what to do."""
+    return (
+        f"{path}: cannot be read ({_reason(error)}); this is not damage: nothing is moved aside or deleted."
+        " Fix the cause (permissions, memory, open files, the disk) and run again"
+    )
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, MemoryError):
+        return "out of memory: larger than the memory left to this process"
+    if isinstance(error, OSError) and error.strerror:
+        name = errno.errorcode.get(error.errno or 0)
+        return f"{error.strerror}, {name}" if name else error.strerror
+    return str(error) or type(error).__name__
 
 
 def _compare(path: Path, expected: FileDigest, got: FileDigest) -> None:
@@ -72,11 +109,21 @@ def _compare(path: Path, expected: FileDigest, got: FileDigest) -> None:
 
 
 def check_tensors(buf: Any, path: Path) -> None:
-    """Raises CorruptCheckpointError unless ``buf`` is a well-formed safetensors file (torch is not needed)."""
+    """Raises CorruptCheckpointError unless ``buf`` is a well-formed safetensors file (torch is not needed).
+
+    ``buf`` is the file in memory, or its path: then only its header is read (the same checks, constant memory).
+
+    Raises:
+        CorruptCheckpointError: Malformed.
+        OSError: ``buf`` is a path that cannot be read.
+    """
     from . import tensorfile
 
     try:
-        tensorfile.validate(buf, str(path))
+        if isinstance(buf, Path):
+            tensorfile.read_header(buf)
+        else:
+            tensorfile.validate(buf, str(path))
     except ValueError as e:
         raise CorruptCheckpointError(str(e)) from None
 
@@ -118,19 +165,40 @@ def _absent(path: Path, expected: FileDigest) -> tuple[str, str, int | None] | N
     except CorruptCheckpointError as e:
         return "not_regular", str(e), None
     except OSError as e:
-        return "unreadable", f"{path}: cannot be read ({e.strerror or e})", None
+        return _status(path, e), _message(path, e), None
     if size != expected.size:  # a truncated or grown file: no need to hash it
         return "size", f"{path}: size {size} bytes, manifest says {expected.size}", size
     return None
 
 
+def _status(path: Path, error: BaseException) -> str:
+    return "unreadable" if safe_io.resource_error(error) else "not_regular"
+
+
+def _message(path: Path, error: BaseException) -> str:
+    return unreadable(path, error) if safe_io.resource_error(error) else f"{path}: cannot be read ({_reason(error)})"
+
+
 def present(path: Path, expected: FileDigest) -> str | None:
-    """None when ``path`` is a regular file of the listed size, else what is wrong (no hashing: a stat)."""
+    """None when ``path`` is a regular file of the listed size, else what is wrong (no hashing: a stat).
+
+    Raises:
+        CheckpointUnreadableError: It cannot even be stat'ed for a reason of the environment (a directory that
+            may not be searched).
+    """
     absent = _absent(path, expected)
+    if absent is not None and absent[0] == "unreadable":
+        raise CheckpointUnreadableError(absent[1])
     return None if absent is None else absent[1]
 
 
 def check_file(path: Path, expected: FileDigest) -> FileCheck:
+    """Hashes and parses one file: its status, ``"unreadable"`` (a resource error) apart from the kinds of damage.
+
+    A file whose mapping is refused (larger than the address space left) is hashed streamed and its format
+    checked from its header (:func:`preempt.checkpoint.tensorfile.read_header`), in constant memory.
+    """
+
     def bad(status: str, message: str, found: FileDigest | None = None) -> FileCheck:
         return FileCheck(path.name, path, expected, status, found, message)
 
@@ -138,26 +206,32 @@ def check_file(path: Path, expected: FileDigest) -> FileCheck:
     if absent is not None:
         status, message, size = absent
         return bad(status, message, None if size is None else FileDigest(size, ""))
+    buf = None
     try:
-        buf, got = commit.read_file(path)
-    except OSError as e:
-        return bad("unreadable", f"{path}: cannot be read ({e.strerror or e})")
+        try:
+            buf, got = commit.read_file(path)
+        except MemoryError:  # neither mapped nor read whole: stream it
+            got = commit.hash_file(path)
+    except (OSError, MemoryError) as e:
+        return bad(_status(path, e), _message(path, e))
     try:
         _compare(path, expected, got)
     except CorruptCheckpointError as e:
         return bad("digest", str(e), got)
     try:
         if path.suffix == ".safetensors":
-            check_tensors(buf, path)  # the header and every extent, without building tensors (no torch)
+            check_tensors(path if buf is None else buf, path)  # the header and every extent, no torch
         elif path.suffix == ".json" and path.name != MANIFEST:  # the manifest was parsed to get here
             try:
                 from . import codec
 
-                codec.loads(buf, str(path))
+                codec.loads(safe_io.read_bytes(path, got.size) if buf is None else buf, str(path))
             except ValueError as e:
                 raise CorruptCheckpointError(str(e)) from None
     except CorruptCheckpointError as e:
         return bad("format", str(e), got)
+    except (OSError, MemoryError) as e:
+        return bad(_status(path, e), _message(path, e), got)
     return FileCheck(path.name, path, expected, "ok", got)
 
 

@@ -23,6 +23,17 @@ How:
   descriptor of the file would drop the lock. So locks held by this process
   are kept in a registry and a second attempt fails at once without opening
   the file again.
+* The lock file names the directory it belongs to (``dir``: the save_dir's
+  ``st_dev``/``st_ino``). A run directory copied with ``cp -a`` carries its
+  lock file along: content naming another directory is not a holder that died
+  here (no crash is reported), nor, without record locks, a holder of this
+  directory. ``cp -al`` makes the copy's lock file a hard link to the
+  original's: it is replaced by a file of its own, under the record lock of
+  the shared one and locked before its rename, so that no two processes ever
+  hold one save_dir (:meth:`DirLock._unshare`); a lock file found held by a
+  run of another directory is refused with what to do. A holder whose
+  directory is moved or replaced under it finds out with :meth:`DirLock.check`
+  (:func:`check_held`) before it commits a checkpoint there.
 * Where the filesystem refuses record locks (Lustre mounted without
   ``flock``/``localflock``, some FUSE filesystems), the lock falls back to
   its content: a holder on this host whose process still runs (same pid and
@@ -57,6 +68,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+_RETRIES = 20  # attempts to lock a lock file that others keep replacing
 _HELD: dict[tuple[int, int], DirLock] = {}  # (st_dev, st_ino) of lock files this process holds
 _HELD_GUARD = threading.Lock()
 
@@ -142,6 +154,7 @@ class DirLock:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._extra_fds: list[int] = []
+        self._dir: list[int] | None = None  # the save_dir's [st_dev, st_ino], recorded in the lock file
 
     @property
     def held(self) -> bool:
@@ -162,6 +175,14 @@ class DirLock:
             if holder is None:
                 return
             if time.monotonic() >= deadline:
+                if holder.get("dir") not in (None, self._dir):
+                    raise LockedError(
+                        f"{self.path}: is a hard link to the lock file of another directory, held there by"
+                        f" {describe(holder)} (a copy of a run directory made with cp -al while that run ran?)."
+                        f" Nothing runs in {self.path.parent} itself: remove {self.path} (rm) and start again;"
+                        " the next start makes a lock file of its own.",
+                        holder,
+                    )
                 raise LockedError(
                     f"{self.path.parent} is in use by {describe(holder)} (lock file {self.path}). Two processes"
                     " writing one save_dir would delete each other's checkpoints. Wait for that process to end,"
@@ -172,35 +193,60 @@ class DirLock:
 
     def _try(self) -> dict[str, Any] | None:
         """One attempt: None when taken, else what is known of the holder."""
-        fd = safe_io.open_fd(self.path, os.O_RDWR | os.O_CREAT)  # never a symlink's target, never a FIFO
-        st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino)
-        with _HELD_GUARD:
-            other = _HELD.get(key)
-            if other is not None:
-                # Closing this descriptor would drop the other DirLock's POSIX lock: keep it open inside
-                # the holder's registry entry instead (it is closed when that holder releases).
-                other._extra_fds.append(fd)
-                return {**_read(other._fd), "purpose": f"{other.purpose} (in this same process)"}
-            try:
-                locked = self._lock(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            if not locked:
-                holder = _read(fd)
-                os.close(fd)  # no lock of ours on this file in this process: closing drops nothing
-                return holder or {"pid": "?", "host": "?"}
-            _HELD[key] = self
+        self._dir = _dir_identity(self.path.parent)
+        for _ in range(_RETRIES):
+            # never a symlink's target, never a FIFO; a file with other names is replaced below, under the lock
+            fd = safe_io.open_fd(self.path, os.O_RDWR | os.O_CREAT, linked="keep")
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            with _HELD_GUARD:
+                other = _HELD.get(key)
+                if other is not None:
+                    # Closing this descriptor would drop the other DirLock's POSIX lock: keep it open inside
+                    # the holder's registry entry instead (it is closed when that holder releases).
+                    other._extra_fds.append(fd)
+                    return {**_read(other._fd), "purpose": f"{other.purpose} (in this same process)"}
+                try:
+                    locked = self._lock(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if not locked:
+                    holder = _read(fd)
+                    os.close(fd)  # no lock of ours on this file in this process: closing drops nothing
+                    return holder or {"pid": "?", "host": "?"}
+                if _names(self.path) != key:  # replaced meanwhile (by a run that unshared it): lock that one
+                    os.close(fd)
+                    continue
+                previous = _read(fd)
+                try:
+                    if os.fstat(fd).st_nlink > 1:
+                        fd, key = self._unshare(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                _HELD[key] = self
+            break
+        else:
+            what = f"the lock file was replaced {_RETRIES} times while being locked"
+            raise OSError(errno.EAGAIN, what, str(self.path))
         self._fd, self._key, self._extra_fds = fd, key, []
-        self.previous = _read(fd)
+        self.previous = previous
+        if previous.get("dir") not in (None, self._dir):
+            log.info(
+                "%s: the lock file came from another directory (a copy of a run directory): its holder, %s,"
+                " worked there, not here",
+                self.path,
+                describe(previous),
+            )
+            self.previous = {}
         if self.previous:
             log.warning(
                 "%s: took over the lock left by %s (that process is gone)", self.path.parent, describe(self.previous)
             )
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "purpose": self.purpose}
         try:
-            _write(fd, {**me, "start": _start_time(os.getpid())})
+            _write(fd, {**me, "start": _start_time(os.getpid()), "dir": self._dir})
         except OSError as e:
             self.release()
             raise OSError(e.errno, f"cannot write the lock file: {e.strerror or e}", str(self.path)) from None
@@ -209,6 +255,36 @@ class DirLock:
             self._heartbeat = threading.Thread(target=self._beat, name="preempt-lock-heartbeat", daemon=True)
             self._heartbeat.start()
         return None
+
+    def _unshare(self, fd: int) -> tuple[int, tuple[int, int]]:
+        """Replaces the lock file, held as ``fd`` but with other names (a hard link), by a new one, locked first.
+
+        A ``cp -al`` copy of a run directory shares its lock file with the original: truncating it would empty
+        the other's, and a run in one would lock out a run in the other. Held under the old file's record lock
+        and locked itself before its rename, the new file is never held by two processes: one that opened the
+        old file gets its lock only after this rename, and then finds the path names another file (``_try``).
+        Returns the new descriptor and key; ``fd`` is closed.
+        """
+        links = os.fstat(fd).st_nlink
+        tmp = self.path.with_name(f".tmp-{LOCK}-{os.getpid()}-{os.urandom(4).hex()}")
+        new = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            if self.use_record_locks:
+                fcntl.lockf(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, self.path)
+        except BaseException:
+            os.close(new)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)  # drops the old file's lock: its other names are another directory's business
+        log.warning(
+            "%s: had %d names (a hard link, as a cp -al copy of a run directory makes); replaced by a lock file"
+            " of its own, so that the other names are never written",
+            self.path,
+            links,
+        )
+        st = os.fstat(new)
+        return new, (st.st_dev, st.st_ino)
 
     def _lock(self, fd: int) -> bool:
         """Record lock when the filesystem has them, else the content-based check; True when taken."""
@@ -228,7 +304,7 @@ class DirLock:
                 )
                 self.use_record_locks = False
         holder = _read(fd)
-        if not holder:
+        if not holder or holder.get("dir") not in (None, self._dir):  # nobody, or the holder of another directory
             return True
         if holder.get("host") == socket.gethostname():
             pid = holder.get("pid")
@@ -236,11 +312,33 @@ class DirLock:
         return time.time() - os.fstat(fd).st_mtime > STALE_AFTER_S
 
     def _beat(self) -> None:
+        fd = self._fd  # the file held, not whatever the path names by now
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                os.utime(self.path)
+                os.utime(fd if fd is not None and os.utime in os.supports_fd else self.path)
             except OSError as e:
                 log.warning("%s: could not refresh the lock's heartbeat: %s", self.path, e)
+
+    def check(self) -> None:
+        """Raises an OSError unless ``save_dir/lock`` is still the file this lock holds.
+
+        The save_dir was moved or replaced under the run (``mv run run.old; cp -a run.old run``), or its lock
+        file removed: another process can then take a lock of ``save_dir`` and write there too, so a
+        checkpoint must not be committed into it. A no-op when not held.
+
+        Raises:
+            OSError: ESTALE, with a message naming the lock file and what to do.
+        """
+        if self._key is None or self._fd is None:
+            return
+        if _names(self.path) != self._key or _dir_identity(self.path.parent) != self._dir:
+            raise OSError(
+                errno.ESTALE,
+                f"the save_dir was moved or replaced, or its lock file removed, under this run (it holds the lock"
+                f" file it took at the start, which {self.path} no longer names); nothing more is written there."
+                " Move the directory back, or stop this run and start it again",
+                str(self.path),
+            )
 
     def release(self) -> None:
         """Empties the lock file and lets go (a no-op when not held)."""
@@ -305,16 +403,19 @@ class StepBeacon:
         return step if step >= 0 else None
 
     def open(self, step: int) -> None:
-        """Maps the file (created when missing) and writes ``step``."""
+        """Maps the file (created when missing) and writes ``step``.
+
+        A file with other names (a ``cp -al`` copy of a run directory shares it with the original, whose
+        run may still write its steps there) is replaced by a file of its own first (:func:`safe_io.open_fd`).
+        """
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            fd = safe_io.open_fd(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as e:
-            log.warning("%s: cannot open the step beacon (%s); a crash will not say how far it got", self.path, e)
+            log.warning(
+                "%s; the step beacon is off: a crash will not say how far it got", safe_io.describe_error(self.path, e)
+            )
             return
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                log.warning("%s: not a regular file; the step beacon is off", self.path)
-                return
             os.ftruncate(fd, 8)
             self._mm = mmap.mmap(fd, 8)
         except OSError as e:
@@ -334,6 +435,38 @@ class StepBeacon:
         view.release()
         self._mm.close()
         self._mm = None
+
+
+def check_held(save_dir: str | os.PathLike[str]) -> None:
+    """:meth:`DirLock.check` of the lock this process holds on ``save_dir``, if any.
+
+    The manager calls it before each commit's rename, so a run never commits into a save_dir moved or replaced
+    under it; a manager used without a lock (``CheckpointManager`` alone) holds none, and nothing is checked.
+    """
+    path = Path(save_dir) / LOCK
+    with _HELD_GUARD:
+        mine = [held for held in _HELD.values() if held.path == path]
+    for held in mine:
+        held.check()
+
+
+def _dir_identity(path: Path) -> list[int] | None:
+    """``[st_dev, st_ino]`` of a directory (symlinks followed): a copy of it, or another directory put in its
+    place, has other numbers; None when it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
+def _names(path: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file the path names now (no symlink followed), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _read(fd: int | None) -> dict[str, Any]:

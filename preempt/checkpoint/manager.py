@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from . import commit, recycle, safe_io
+from ..errors import CheckpointError, CheckpointUnreadableError, CorruptCheckpointError, NoCheckpointError
+from . import aside, commit, lock, recycle
 from . import completion as marker
 from .carry import Carrier, CarryOptions
-from .commit import COMPLETE, MANIFEST, QUARANTINE, SUPERSEDED, FileDigest
+from .commit import COMPLETE, MANIFEST, SUPERSEDED, FileDigest
 from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_manifest, read_verified
 from .manifest import Cursor, Manifest
 from .retention import BestRanking, Kept, RetentionPolicy, rank_best, select_kept  # noqa: F401  (rank_best: here too)
@@ -45,7 +45,7 @@ SHARDED_INDEX = "dcp_metadata.json"  # preempt.cluster.sharded.METADATA: the che
 
 log = logging.getLogger("preempt")
 
-Status = Literal["valid", "corrupt", "incomplete"]
+Status = Literal["valid", "corrupt", "incomplete", "unreadable"]
 Selector = Literal["latest", "best"] | int
 
 
@@ -55,7 +55,8 @@ class CheckpointInfo:
 
     ``status`` is ``"valid"`` when the manifest parses and passes its own
     checksum; the data files are only hashed by :meth:`CheckpointManager.verify`
-    and on load.
+    and on load. ``"unreadable"``: the manifest could not be read for a reason of the environment (permission,
+    memory, I/O), not damage; such a checkpoint may be valid: never moved aside, and a resume stops at it.
     """
 
     path: Path
@@ -187,6 +188,8 @@ class CheckpointManager:
             return CheckpointInfo(path, step, "incomplete", problem=f"{mpath}: missing")
         except CorruptCheckpointError as e:
             return CheckpointInfo(path, step, "corrupt", problem=str(e))
+        except CheckpointUnreadableError as e:
+            return CheckpointInfo(path, step, "unreadable", problem=str(e))
         if manifest.step != step:
             return CheckpointInfo(
                 path, step, "corrupt", manifest, f"{mpath}: records step {manifest.step}, directory says {step}"
@@ -226,16 +229,13 @@ class CheckpointManager:
         return [c.message for c in self.check_files(info, files) if c.message is not None]
 
     def quarantine(self, info: CheckpointInfo, problem: str) -> Path | None:
-        """Moves a broken checkpoint to ``quarantine/`` (owner only); returns where it went."""
+        """Moves a broken checkpoint to ``quarantine/``, or sets it aside in place (owner only; :mod:`.aside`)."""
         self._index.pop(info.step, None)
         if not self.owner or not info.path.exists():
             return None
-        try:
-            dest = commit.move_aside(self.save_dir, info.path, QUARANTINE)
-        except OSError as e:
-            log.warning("%s; left in place: cannot move it aside (%s)", problem, e)
-            return None
-        log.warning("%s; moved to %s", problem, dest)
+        dest = aside.quarantine(self.save_dir, info.path, problem)
+        if dest is not None:
+            log.warning("%s; moved to %s", problem, dest)
         return dest
 
     def supersede(self, infos: Iterable[CheckpointInfo]) -> list[Path]:
@@ -244,7 +244,7 @@ class CheckpointManager:
         for info in infos:
             self._index.pop(info.step, None)
             if info.path.exists():
-                moved.append(commit.move_aside(self.save_dir, info.path, SUPERSEDED))
+                moved.append(aside.move_aside(self.save_dir, info.path, SUPERSEDED))
         return moved
 
     # ------------------------------------------------------------------ load
@@ -282,22 +282,28 @@ class CheckpointManager:
         when this manager owns the directory, and the next one is tried. So is
         one whose content ``check`` refuses with CorruptCheckpointError: a
         re-signed checkpoint passes every digest (preempt.run.restore.check_restored).
+        One that cannot be read (an environment's error, not damage) stops it.
 
         Raises:
             NoCheckpointError: None matches, or every match is corrupt.
+            CheckpointUnreadableError: A checkpoint that comes before the one loaded (for "latest": a newer one;
+                for "best": any; for a step: that one) cannot be read; nothing was moved aside.
         """
         infos = self.list()
         if self.owner:
             for c in infos:
-                if c.status != "valid":
+                if c.status in ("corrupt", "incomplete"):
                     self.quarantine(c, c.problem or f"{c.path}: broken")
         # Checkpoints whose manifest is broken could have been the one asked for: say what is wrong with them.
         tried = [
             c.problem or f"{c.path}: {c.status}"
             for c in infos
-            if c.status != "valid" and (selector == "latest" or c.step == selector)
+            if c.status in ("corrupt", "incomplete") and (selector == "latest" or c.step == selector)
         ]
+        blocking = [c for c in infos if c.status == "unreadable" and selector in ("latest", "best", c.step)]
         for info in self.candidates(selector, infos):
+            if any(c.step > info.step or selector != "latest" for c in blocking):
+                break
             try:
                 loaded = self.read(info, weights_only=weights_only, rank=rank)
                 if check is not None:
@@ -309,6 +315,12 @@ class CheckpointManager:
                     self.quarantine(info, f"{e}; falling back to an older checkpoint")
                 else:
                     log.warning("%s; trying an older checkpoint", e)
+        if blocking:
+            first = blocking[0]
+            raise CheckpointUnreadableError(
+                f"{first.problem or first.path}. Not resumed from an older checkpoint instead: {first.name} may be"
+                " valid (to go on without it, move it out of the save_dir)"
+            )
         what = {"latest": "no valid checkpoint", "best": "no valid 'best' checkpoint"}.get(
             selector,
             f"no valid checkpoint at step {selector}",  # type: ignore[arg-type]
@@ -458,20 +470,25 @@ class CheckpointManager:
         renamed into place stays (its files are all durable).
         """
         name = commit.checkpoint_name(manifest.step)
+        if not self._indexed:
+            self.list()
+        ours = manifest.step in self._index  # any other step_N there is quarantined below, never deleted
         try:
             commit.stage("before_manifest")
             manifest = dataclasses.replace(manifest, files=dict(files))
             recycle.drop_extra(tmp, [*files, MANIFEST])  # a recycled directory's files the new one does not list
             commit.write_file(tmp / MANIFEST, [manifest.to_json()], recycle=True)
+            lock.check_held(self.save_dir)  # the save_dir moved or replaced under the run holding it: no rename
             final, replaced = commit.commit_dir(self.save_dir, tmp, name)
         except BaseException as e:
             self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))
             raise
         self.carrier.durable(final, manifest.step, manifest.files)
-        if replaced is not None:
+        if replaced is not None and ours:
             self._deleter.submit([replaced])
-        if not self._indexed:
-            self.list()
+        elif replaced is not None:
+            problem = f"{final}: replaced a checkpoint of that step that was not valid"
+            log.warning("%s; moved to %s", problem, aside.quarantine(self.save_dir, replaced, problem, name) or "-")
         self._index[manifest.step] = _kept(manifest)
         self.prune()
         return CheckpointInfo(final, manifest.step, "valid", manifest)
@@ -559,26 +576,13 @@ class CheckpointManager:
         commit.write_atomic(self.save_dir / COMPLETE, [json.dumps(doc, indent=1).encode() + b"\n"])
 
     def completion(self) -> dict[str, Any] | None:
-        """The content of ``complete.json`` when it is believed (:mod:`~preempt.checkpoint.completion`), or None:
-        a marker that is not a small regular file holding a JSON object (a symlink, a FIFO, deep or broken JSON),
-        or that does not name a valid checkpoint of this save_dir as the run wrote it, is logged and ignored;
-        the run's own replaces it."""
-        path = self.save_dir / COMPLETE
-        self.completion_problem = None
-        try:
-            doc = safe_io.read_json(path, safe_io.SMALL)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            text = safe_io.describe_error(path, e) if isinstance(e, OSError) else str(e)
-            self.completion_problem = f"{text}; not a completion marker of ours: ignored"
-        else:
-            why = marker.problem(doc, self.list())
-            if why is None:
-                return doc
-            self.completion_problem = f"{path}: {why}; not believed: a rerun goes on from the newest valid checkpoint"
-        log.warning("%s", self.completion_problem)
-        return None
+        """The content of ``complete.json`` when it is believed (:func:`~preempt.checkpoint.completion.read`), or
+        None: a marker that is not ours, or that does not name a valid checkpoint of this save_dir as the run wrote
+        it, is logged and ignored (``completion_problem`` says why); the run's own replaces it."""
+        doc, self.completion_problem = marker.read(self.save_dir / COMPLETE, self.list)
+        if self.completion_problem is not None:
+            log.warning("%s", self.completion_problem)
+        return doc
 
     def clear_complete(self) -> None:
         """Removes the completion marker (training goes on past it)."""

@@ -8,11 +8,22 @@ goes through this module:
 * no symlink is followed (``O_NOFOLLOW``);
 * only regular files are read or written: a FIFO is opened without blocking
   and refused, a device or socket too;
+* a file opened for writing has one name (``st_nlink == 1``): ``O_NOFOLLOW``
+  stops symlinks, not hard links, and a log or lock that is a hard link to a
+  file elsewhere (a ``cp -al`` copy of a run directory) would be appended to or
+  truncated there. Such a file is first replaced by a copy of its own, with a
+  warning (:func:`open_fd`); its other names keep their content and are never
+  written. The lock alone takes the file as it is and replaces it under its
+  record lock (:mod:`preempt.checkpoint.lock`);
 * a read is capped before anything is read;
 * JSON from disk is checked for nesting depth before it is parsed, and for
   its top-level type after: one boundary for every JSON document;
 * text bound for a terminal has control characters and lone surrogates escaped
   (:func:`printable`), and timestamps are range-checked before formatting.
+
+Reading can also fail for a reason of the environment rather than of the
+bytes (permission denied, out of memory, too many open files, an I/O error):
+:func:`resource_error` is the one place that tells the two apart.
 
 Each refusal is an :class:`UnsafeFileError` (an ``OSError``, so code that
 handles an unreadable file handles it too) naming the path, what was expected
@@ -21,10 +32,12 @@ and what was found. No torch here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -55,6 +68,35 @@ class UnsafeFileError(OSError):
         return f"{printable(self.path)}: expected {self.expected}, found {self.found}"
 
 
+# Reading failed because of the environment, which may change (permissions, memory, descriptors, the device, a
+# network filesystem): the bytes may be fine. Every other OSError on a checkpoint's file is taken as damage.
+_RESOURCE_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EACCES", "EPERM", "ENOMEM", "EMFILE", "ENFILE", "EIO", "EAGAIN", "EINTR", "EBUSY", "ENOBUFS", "ETIMEDOUT",
+        "ESTALE", "ENOLCK", "ENODEV", "ENOTCONN", "ECONNRESET", "ECONNABORTED", "EHOSTDOWN", "EHOSTUNREACH",
+        "ENETDOWN", "ENETUNREACH", "EREMOTEIO", "ENOMEDIUM", "ETXTBSY",
+    )
+    if hasattr(errno, name)
+)  # fmt: skip
+
+
+def resource_error(error: BaseException) -> bool:
+    """True when a read failed for a reason of the environment, not of the file's content.
+
+    Permission denied (``EACCES``/``EPERM``), memory (``ENOMEM``, :class:`MemoryError`), descriptors
+    (``EMFILE``/``ENFILE``), the device or a network filesystem (``EIO``, ``ESTALE``, ``ETIMEDOUT``, ...): the
+    same read may succeed later, so what failed is reported as such and never taken for damage. A missing
+    file, a symlink or a FIFO where a file should be (:class:`UnsafeFileError`), and any other error, are
+    about what is on disk: False.
+    """
+    if isinstance(error, MemoryError):
+        return True
+    if isinstance(error, UnsafeFileError) or not isinstance(error, OSError):
+        return False
+    return error.errno in _RESOURCE_ERRNOS
+
+
 def kind(mode: int) -> str:
     """What a file of this ``st_mode`` is, in words."""
     for test, name in (
@@ -71,13 +113,91 @@ def kind(mode: int) -> str:
     return "a file of unknown kind"
 
 
-def open_fd(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+def open_fd(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o644, *, linked: str = "copy") -> int:
     """``os.open`` of a regular file that follows no symlink and never blocks on a FIFO.
 
+    Opened for writing (``O_WRONLY``/``O_RDWR``), a file with other names (a hard link) is not written: with
+    ``linked="copy"`` the name is first given a copy of its own (:func:`unshare`, logged); ``linked="keep"``
+    returns it as it is, for a caller that replaces it itself (the lock, under its record lock).
+
     Raises:
-        UnsafeFileError: ``path`` is a symlink, a FIFO, a device, a directory or a socket.
+        UnsafeFileError: ``path`` is a symlink, a FIFO, a device, a directory or a socket; or still has other
+            names after the copy (someone links it again as fast).
         OSError: As ``os.open`` (missing file, no permission, no space).
     """
+    if linked not in ("copy", "keep"):
+        raise ValueError(f"linked: expected 'copy' or 'keep', got {linked!r}")
+    fd = _open_regular(path, flags, mode)
+    if not flags & (os.O_WRONLY | os.O_RDWR) or linked == "keep" or _links(fd) == 1:
+        return fd
+    try:
+        unshare(path, fd)
+    finally:
+        os.close(fd)
+    fd = _open_regular(path, flags, mode)
+    links = _links(fd)
+    if links == 1:
+        return fd
+    os.close(fd)
+    raise UnsafeFileError(path, "a file with one name", f"a hard link with {links} names")
+
+
+def _links(fd: int) -> int:
+    """``st_nlink`` of an open file; the descriptor is closed when fstat fails."""
+    try:
+        return os.fstat(fd).st_nlink
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def unshare(path: str | os.PathLike[str], fd: int) -> None:
+    """Replaces ``path`` (open as ``fd``), a file with other names, by a copy of its own; logs a warning.
+
+    The copy (content and permission bits) is written beside it under a ``.tmp-`` name (a leftover of a
+    crash is deleted at the next start, :func:`preempt.checkpoint.commit.recover`) and renamed over
+    ``path``; the file's other names keep their content and are never written again. A file this process
+    may not read is replaced by an empty one.
+
+    Raises:
+        OSError: The copy cannot be written or renamed (a full disk, a read-only directory).
+    """
+    st = os.fstat(fd)
+    p = os.fspath(path)
+    head, name = os.path.split(p)
+    tmp = os.path.join(head, f".tmp-{name}-unshared-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        src: int | None = _open_regular(p, os.O_RDONLY)
+    except OSError:
+        src = None  # not readable by us: its content is left to its other names
+    try:
+        new = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, stat.S_IMODE(st.st_mode))
+        try:
+            offset = 0
+            while src is not None and (chunk := os.pread(src, 1 << 20, offset)):
+                os.write(new, chunk)
+                offset += len(chunk)
+        finally:
+            os.close(new)
+        os.rename(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        if src is not None:
+            os.close(src)
+    kept = "a copy of its content" if src is not None else "an empty file (its content is not readable here)"
+    logging.getLogger("preempt").warning(
+        "%s: had %d names (a hard link, as a cp -al copy of a run directory makes); replaced by %s, so that its"
+        " other names are never written",
+        path_text(p),
+        st.st_nlink,
+        kept,
+    )
+
+
+def _open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
     try:
         fd = os.open(path, flags | NOFOLLOW | os.O_NONBLOCK | CLOEXEC, mode)
     except OSError as e:
@@ -190,6 +310,18 @@ def plausible_time(value: object) -> float | None:
     except OverflowError:
         return None
     return t if math.isfinite(t) and 0.0 <= t <= _YEAR_2200 else None
+
+
+def within(path: str | os.PathLike[str], directory: str | os.PathLike[str]) -> bool:
+    """Whether writing ``path`` would write inside ``directory`` (or at it), symlinks resolved on both sides.
+
+    Both the place the name is in (a rename over ``path`` replaces the entry there) and where a symlink at
+    ``path`` leads count. For the commands that write a file the user names (``export --out``, ``report
+    --plot``): inside a save_dir every name belongs to the run (a checkpoint's file, the lock).
+    """
+    p = Path(path)
+    d = Path(directory).resolve()
+    return any(c == d or d in c.parents for c in (p.parent.resolve() / p.name, p.resolve()))
 
 
 def describe_error(path: str | os.PathLike[str], error: OSError) -> str:

@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from .. import _log
-from ..checkpoint import commit
+from ..checkpoint import commit, safe_io
 from ..checkpoint.commit import FileDigest
 from ..checkpoint.files import read_verified
 from ..checkpoint.lock import DirLock, LockedError
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
 from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
-from ..errors import CorruptCheckpointError
-from .output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
+from ..errors import CheckpointUnreadableError, CorruptCheckpointError
+from .output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, CommandFailed, emit
 from .views import (
     carried_bytes,
     checkpoint_size,
@@ -155,6 +155,8 @@ def _carried_cell(nbytes: int, origins: list[int]) -> str:
 
 def _verify_one(manager: CheckpointManager, info: CheckpointInfo) -> dict[str, Any]:
     doc: dict[str, Any] = {"name": info.name, "path": str(info.path), "step": info.step, "status": info.status}
+    if info.status == "unreadable":  # its manifest could not be read (permission, memory, I/O): not damage
+        return {**doc, "ok": None, "bytes": 0, "files": [], "problems": [info.problem or f"{info.path}: unreadable"]}
     if info.manifest is None:
         return {**doc, "ok": False, "bytes": 0, "files": [], "problems": [info.problem or f"{info.path}: no manifest"]}
     checks = manager.check_files(info)
@@ -171,12 +173,16 @@ def _verify_one(manager: CheckpointManager, info: CheckpointInfo) -> dict[str, A
         }
         for c in checks
     ]
-    problems = broken + [c.message for c in checks if c.message is not None]
+    damage = broken + [c.message for c in checks if c.message is not None and c.status != "unreadable"]
+    unread = [c.message for c in checks if c.message is not None and c.status == "unreadable"]
+    problems = damage + unread
     nbytes = sum(c.found.size for c in checks if c.found is not None and c.found.xxh3_128)
     if problems and not os.path.lexists(info.path):
         # Pruned or moved aside by a running training while this was reading it: not damage.
         gone = f"{info.path}: deleted or moved aside while being verified (by a running training?)"
         return {**doc, "status": "gone", "ok": None, "bytes": nbytes, "files": files, "problems": [gone]}
+    if unread and not damage:  # what could be read is fine; the rest could not be checked
+        return {**doc, "status": "unreadable", "ok": None, "bytes": nbytes, "files": files, "problems": unread}
     return {**doc, "ok": not problems, "bytes": nbytes, "files": files, "problems": problems}
 
 
@@ -193,11 +199,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     nbytes = sum(r["bytes"] for r in results)
     damaged = [r for r in results if r["ok"] is False]
+    unreadable = [r for r in results if r["status"] == "unreadable"]
     if args.json:
         emit(
             {
                 "dir": str(save_dir),
-                "ok": not damaged,
+                "ok": not damaged and not unreadable,
                 "bytes": nbytes,
                 "seconds": seconds,
                 "checkpoints": results,
@@ -207,6 +214,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for r in results:
             if r["ok"]:
                 print(f"{r['name']}: ok ({len(r['files'])} files, {_log.size(r['bytes'])})")
+            elif r["status"] == "unreadable":
+                print(f"{r['name']}: UNREADABLE (not damage: a file could not be read)")
             elif r["ok"] is None:
                 print(f"{r['name']}: gone")
             else:
@@ -214,9 +223,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for p in r["problems"]:
                 print(f"    {p}")
         rate = f" ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 and nbytes else ""
-        verdict = f"{len(damaged)} of {len(results)} damaged" if damaged else "all ok"
+        verdicts = [f"{len(damaged)} of {len(results)} damaged"] if damaged else []
+        verdicts += [f"{len(unreadable)} of {len(results)} unreadable"] if unreadable else []
+        verdict = ", ".join(verdicts) or "all ok"
         print(f"{len(results)} checkpoint(s), {_log.size(nbytes)} hashed in {seconds:.2f} s{rate}: {verdict}")
-    return EXIT_DAMAGED if damaged else EXIT_OK
+    return EXIT_DAMAGED if damaged else EXIT_UNREADABLE if unreadable else EXIT_OK
 
 
 # -------------------------------------------------------------------- prune
@@ -232,7 +243,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
             plan = _plan_prune(save_dir, args)
             manager = CheckpointManager(save_dir, owner=False)
             for c in plan["keep"] if plan["delete"] else []:
-                problems = manager.verify(c)
+                checks = manager.check_files(c)
+                unread = [k.message for k in checks if k.status == "unreadable" and k.message]
+                problems = [k.message for k in checks if k.status != "unreadable" and k.message]
+                if unread and not problems:
+                    raise CommandFailed(
+                        EXIT_UNREADABLE,
+                        f"{c.path}: would be kept but could not be checked ({'; '.join(unread)}); nothing deleted",
+                    )
                 if problems:
                     raise CommandFailed(
                         EXIT_DAMAGED,
@@ -415,6 +433,12 @@ def _report_prune(
 def cmd_export(args: argparse.Namespace) -> int:
     save_dir: Path = args.dir
     out: Path = args.out
+    if safe_io.within(out, save_dir):
+        raise CommandFailed(
+            EXIT_USAGE,
+            f"--out {out}: is inside the save_dir {save_dir}, where every file belongs to the run (a checkpoint's"
+            " file or the lock written over would be lost); nothing written. Give a path outside it",
+        )
     if out.is_dir():
         raise CommandFailed(EXIT_USAGE, f"{out}: is a directory; expected the path of a .safetensors file to write")
     if not out.parent.is_dir():
@@ -424,7 +448,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     manager = CheckpointManager(save_dir, owner=False)
     info = resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
     if info.manifest is None or info.status != "valid":
-        raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; cannot export from it")
+        code = EXIT_UNREADABLE if info.status == "unreadable" else EXIT_DAMAGED
+        raise CommandFailed(code, f"{info.problem}; cannot export from it")
     from ..checkpoint import tensorfile
     from ..checkpoint.commit import BASE_FILE, MODEL_FILE
 
@@ -534,5 +559,13 @@ def run(args: argparse.Namespace) -> int:
         raise CommandFailed(EXIT_USAGE, f"{args.dir}: no such directory; expected a preempt save_dir")
     if not args.dir.is_dir():
         raise CommandFailed(EXIT_USAGE, f"{args.dir}: is a file; expected a preempt save_dir (a directory)")
-    _checkpoint_as_dir(args)
-    return COMMANDS[args.command](args)
+    try:
+        _checkpoint_as_dir(args)
+        return COMMANDS[args.command](args)
+    except CheckpointUnreadableError as e:
+        raise CommandFailed(EXIT_UNREADABLE, str(e)) from None
+    except OSError as e:  # the save_dir itself, or a file no check above expected to fail: said, never a traceback
+        code = EXIT_UNREADABLE if safe_io.resource_error(e) else EXIT_USAGE
+        raise CommandFailed(code, safe_io.describe_error(getattr(e, "filename", None) or args.dir, e)) from None
+    except MemoryError:
+        raise CommandFailed(EXIT_UNREADABLE, f"{args.dir}: out of memory") from None

@@ -19,12 +19,12 @@ import xxhash
 from .. import _log
 from ..checkpoint import commit, safe_io, tensorfile
 from ..checkpoint.commit import BASE_FILE, MODEL_FILE, STATE_FILE, STATE_JSON
-from ..checkpoint.files import read_verified, regular_file
+from ..checkpoint.files import read_verified, regular_file, unreadable
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.tensorfile import Entry, Header
-from ..errors import CorruptCheckpointError
-from .output import EXIT_DAMAGED, EXIT_OK, CommandFailed, emit
+from ..errors import CheckpointUnreadableError, CorruptCheckpointError
+from .output import EXIT_DAMAGED, EXIT_OK, EXIT_UNREADABLE, CommandFailed, emit
 from .views import fmt_table, fmt_utc, fmt_when, resolve
 
 _MAX_STATE_JSON = 1 << 30  # state.json larger than this is not summarised by inspect
@@ -220,6 +220,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     save_dir: Path = args.dir
     manager = CheckpointManager(save_dir, owner=False)
     info = resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
+    if info.status == "unreadable":
+        raise CommandFailed(EXIT_UNREADABLE, info.problem or f"{info.path}: unreadable")
     if info.manifest is None:
         raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; expected a manifest.json written by a completed save")
     if info.status != "valid":
@@ -245,6 +247,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         except FileNotFoundError:
             problems.append(f"{path}: missing")
         except OSError as e:
+            if safe_io.resource_error(e):  # not damage: said as such (exit 4), by checkpoints.run
+                raise CheckpointUnreadableError(unreadable(path, e)) from None
             problems.append(f"{path}: cannot be read ({e})")
     st, more = _state_summary(info, headers.get(STATE_FILE, Header([], {}, 0) if STATE_FILE not in m.files else None))
     problems += more

@@ -10,14 +10,16 @@ import json
 import math
 from typing import Any
 
-EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_LOCKED = 0, 1, 2, 3
+EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_LOCKED, EXIT_UNREADABLE = 0, 1, 2, 3, 4
 
 EXIT_CODES = """\
 exit codes:
   0  ok
   1  a checkpoint is damaged: a file missing, truncated or with another digest, a corrupt manifest or header
   2  bad usage: no such directory, no checkpoint at STEP, --out exists without --force
-  3  the save_dir is locked by a running process (prune --yes)"""
+  3  the save_dir is locked by a running process (prune --yes)
+  4  a file could not be read for a reason of the environment (permission denied, out of memory, too many
+     open files, an I/O error), and nothing read was damaged: not damage; fix the cause and run again"""
 
 
 class CommandFailed(Exception):

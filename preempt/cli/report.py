@@ -44,6 +44,12 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"preempt report: note: {note}", file=sys.stderr)
     drawn = None
     if args.plot is not None:
+        if safe_io.within(args.plot, save_dir):
+            raise CommandFailed(
+                EXIT_USAGE,
+                f"--plot {args.plot}: is inside the save_dir {save_dir}, where every file belongs to the run;"
+                " nothing written. Give a path outside it",
+            )
         drawn = plot(report, args.plot, args.metric, title=str(save_dir))
     if args.json:
         doc = {"dir": str(save_dir), **report.to_json()}

@@ -6,15 +6,16 @@ Shared by :mod:`preempt.cli.checkpoints` (ls, verify, prune, export) and :mod:`p
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.commit import QUARANTINE, SUPERSEDED
+from ..checkpoint.commit import QUARANTINE, QUARANTINED, SUPERSEDED
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
 from ..checkpoint.recycle import file_bytes, pools
 from ..errors import CorruptCheckpointError
-from .output import EXIT_DAMAGED, EXIT_USAGE, CommandFailed
+from .output import EXIT_DAMAGED, EXIT_UNREADABLE, EXIT_USAGE, CommandFailed
 
 
 def fmt_when(ts: float | None) -> str:
@@ -40,10 +41,15 @@ def fmt_table(rows: list[list[str]], right: Collection[int] = ()) -> list[str]:
 
 
 def checkpoint_size(info: CheckpointInfo) -> int:
+    """The bytes its manifest lists; without one, of the regular files in it (0 where it cannot be listed)."""
     if info.manifest is None:
-        if not info.path.is_dir() or info.path.is_symlink():
+        try:
+            if not info.path.is_dir() or info.path.is_symlink():
+                return 0
+            with os.scandir(info.path) as entries:
+                return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
+        except OSError:
             return 0
-        return sum(p.stat().st_size for p in info.path.iterdir() if p.is_file() and not p.is_symlink())
     return sum(d.size for d in info.manifest.files.values())
 
 
@@ -67,12 +73,21 @@ def resolve(save_dir: Path, infos: list[CheckpointInfo], selector: int | str) ->
                 return c
         have = ", ".join(str(c.step) for c in infos[:20]) + (", ..." if len(infos) > 20 else "")
         raise CommandFailed(EXIT_USAGE, f"{save_dir}: no checkpoint at step {selector} (steps here: {have or 'none'})")
+    # A newer checkpoint that could not be read (permission, memory, I/O) may be the latest: never passed over.
+    unreadable = [c for c in infos if c.status == "unreadable"]
     if selector == "latest":
         valid = [c for c in infos if c.status == "valid"]
+        newer = [c for c in unreadable if not valid or c.step > valid[0].step]
+        if newer:
+            raise CommandFailed(
+                EXIT_UNREADABLE, f"{newer[0].problem}; give STEP to choose an older checkpoint than {newer[0].name}"
+            )
         if valid:
             return valid[0]
         broken = f" ({len(infos)} checkpoint(s), none with a valid manifest)" if infos else ""
         raise CommandFailed(EXIT_USAGE, f"{save_dir}: no valid checkpoint{broken}")
+    if unreadable:
+        raise CommandFailed(EXIT_UNREADABLE, f"{unreadable[0].problem}; it may be the best: give STEP to choose one")
     best = rank_best(infos)
     if best.problem:
         raise CommandFailed(EXIT_DAMAGED, best.problem)
@@ -92,10 +107,19 @@ def completion(manager: CheckpointManager) -> dict[str, Any] | None:
 
 
 def moved_aside(save_dir: Path) -> dict[str, int]:
+    """How many checkpoints are in ``quarantine/`` (with those set aside in place as ``quarantined-*``) and in
+    ``superseded/``; what cannot be listed counts 0."""
     out = {}
     for where in (QUARANTINE, SUPERSEDED):
         d = save_dir / where
-        out[where] = sum(1 for _ in d.iterdir()) if d.is_dir() and not d.is_symlink() else 0
+        try:
+            out[where] = sum(1 for _ in d.iterdir()) if d.is_dir() and not d.is_symlink() else 0
+        except OSError:
+            out[where] = 0
+    try:
+        out[QUARANTINE] += sum(1 for e in os.listdir(save_dir) if e.startswith(QUARANTINED))
+    except OSError:
+        pass
     return out
 
 

@@ -166,8 +166,7 @@ class PreemptibleRun:
         self.saves = SaveScheduler(self.manager, self.loop, self.snapshot, self.stopper.flag, clock=clock)
         self.saves.on_durable = self.stopper.saved
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
-        self.reporter = Reporter(cfg, self.save_dir, self.loop, clock)
-        self.reporter.log_all_ranks = self.env.log_all_ranks
+        self.reporter = Reporter(cfg, self.save_dir, self.loop, clock, log_all_ranks=self.env.log_all_ranks)
         self.saves.on_saved = self.reporter.checkpoint
         self.peers: Alone = Alone()
         self._every = 0  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
@@ -215,18 +214,14 @@ class PreemptibleRun:
         self._entered = True
         _log.setup(self.env.log_level or self.config.log_level)
         self._join()
-        self.reporter.hold()  # until train.log is open: what the start says goes there too
-        for problem in self.env.problems:  # a variable set to a value the run cannot use: ignored, said
-            log.warning("%s", problem)
+        self.reporter.hold(self.env.problems)  # until train.log is open: what the start says goes there too
         if not self.stopper.flag.install():
             log.warning(
                 "PreemptibleRun entered outside the main thread: stop signals cannot be caught here"
                 " (CPython installs handlers only from the main thread)"
             )
-        starter = self._starter = Starter(
-            self.config, self.manager, self.components, (self.loop, self.data, self.snapshot, self.saves),
-            self.peers, self.env,
-        )  # fmt: skip
+        parts = (self.loop, self.data, self.snapshot, self.saves)
+        starter = self._starter = Starter(self.config, self.manager, self.components, parts, self.peers, self.env)
         try:
             if self.peers.leader:
                 payload = self._lead(starter)

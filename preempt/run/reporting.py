@@ -14,7 +14,7 @@ import atexit
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +47,15 @@ class Reporter:
     """The run's log, history and monitor (see the module docstring)."""
 
     def __init__(
-        self, config: RunConfig, save_dir: Path, loop: LoopState, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+        self, config: RunConfig, save_dir: Path, loop: LoopState, clock: Callable[[], float] = time.monotonic, *,
+        log_all_ranks: bool = False,
+    ) -> None:  # fmt: skip
         self.config = config
         self.save_dir = save_dir
         self.loop = loop
         self.clock = clock
         self.rank, self.world_size = 0, 1
-        self.log_all_ranks = False  # PREEMPT_LOG_ALL_RANKS (preempt.cluster.environment): ranks > 0 log too
+        self.log_all_ranks = log_all_ranks  # PREEMPT_LOG_ALL_RANKS (preempt.cluster.environment): ranks > 0 log too
         self.next_at = float("inf")  # when report() has something to do: a progress line or a metric point
         self.epochs_total: int | None = None
         self._runlog: RunLog | None = None
@@ -71,10 +72,13 @@ class Reporter:
         self._line_at = float("inf")  # when the next progress line is due
         self._point_at = float("inf")  # when the next metric point of history.jsonl is due
 
-    def hold(self) -> None:
+    def hold(self, problems: Iterable[str] = ()) -> None:
         """Keeps the logger's records from now until :meth:`start` opens train.log: the choice of the checkpoint
-        to resume from (its quarantines and fallbacks) comes before the file can be opened."""
+        to resume from (its quarantines and fallbacks) comes before the file can be opened. ``problems``: what the
+        run found wrong in its environment (variables it ignores), said first."""
         self._held = EarlyRecords().hold()
+        for problem in problems:
+            log.warning("%s", problem)
 
     def start(self, resumed_from: Path | None) -> None:
         """train.log, history.jsonl, the progress line and the GPU monitor, as configured."""

@@ -321,9 +321,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     log: IO[str] | None = None
     path = log_path(args)
+    inside = args.log is None or (args.save_dir is not None and safe_io.within(args.log, args.save_dir))
+    default = None if args.save_dir is None else args.save_dir.resolve() / LOG_NAME
+    if inside and args.log is not None and args.log.parent.resolve() / args.log.name != default:
+        # every other name in the save_dir belongs to the run (its lock, its logs, a checkpoint's file)
+        parser.error(f"--log {args.log}: is inside --save-dir {args.save_dir}; leave --log out (the events go to"
+                     f" {args.save_dir / LOG_NAME}) or give a file outside it")  # fmt: skip
     if path is not None:
         try:
-            log = open_log(path, in_save_dir=args.log is None)  # closed below
+            log = open_log(path, in_save_dir=inside)  # closed below
         except OSError as e:
             option = f"--log {args.log}" if args.log is not None else f"--save-dir {args.save_dir}"
             found = str(e) if isinstance(e, safe_io.UnsafeFileError) else f"{path}: {e.strerror or e}"

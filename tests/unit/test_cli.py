@@ -133,7 +133,7 @@ def test_bad_usage_exits_2(tmp_path, capsys):
     assert rc == 2 and "is a file; expected a preempt save_dir" in err
     rc, _, err = cli(capsys, "inspect", tmp_path, "7")
     assert rc == 2 and f"{tmp_path}: no checkpoint at step 7 (steps here: 1)" in err
-    rc, doc = cli_json(capsys, "export", tmp_path, "7", "--out", tmp_path / "w.safetensors")
+    rc, doc = cli_json(capsys, "export", tmp_path, "7", "--out", tmp_path.parent / f"{tmp_path.name}-w.safetensors")
     assert rc == 2 and doc["exit_code"] == 2 and "no checkpoint at step 7" in doc["error"]
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -542,12 +542,13 @@ def test_no_command_blocks_or_crashes_on_odd_files(tmp_path, capsys, name, kind)
     elif kind == "directory":
         path.mkdir()
     commands = [["verify", tmp_path], ["inspect", tmp_path]]
+    out_file = tmp_path.parent / f"{tmp_path.name}-w.safetensors"  # outside the save_dir
     if name == "model.safetensors":  # export reads only the weights
-        commands.append(["export", tmp_path, "--out", tmp_path / "w.safetensors"])
+        commands.append(["export", tmp_path, "--out", out_file])
     for argv in commands:
         rc, out, err = cli(capsys, *argv)
         assert rc == 1 and str(path) in out + err, (argv, out, err)
-    assert not (tmp_path / "w.safetensors").exists()
+    assert not out_file.exists()
 
 
 @pytest.mark.parametrize(

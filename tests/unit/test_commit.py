@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from preempt.checkpoint import commit
+from preempt.checkpoint import aside, commit
 from preempt.checkpoint.commit import FileDigest
 
 
@@ -317,7 +317,7 @@ def test_move_aside_never_overwrites(tmp_path):
     dests = []
     for i in range(3):
         src = _dir(tmp_path / "step_000000004", f"v{i}".encode())
-        dests.append(commit.move_aside(tmp_path, src, commit.QUARANTINE))
+        dests.append(aside.move_aside(tmp_path, src, commit.QUARANTINE))
         assert not src.exists()
     q = tmp_path / "quarantine"
     assert dests == [q / "step_000000004", q / "step_000000004.1", q / "step_000000004.2"]
