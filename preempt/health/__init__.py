@@ -1,7 +1,8 @@
 """Health and the record of a run: the guards, the GPU monitor, and what a run writes about itself.
 
 Owns the non-finite loss and out-of-memory guards and their streaks (``guards``), the NVML GPU monitor
-(``monitor``: gpu_samples.jsonl, gpu_stats.json), and train.log, history.jsonl and the progress line (``history``).
+(``monitor``: gpu_samples.jsonl, gpu_stats.json), train.log and history.jsonl (``history``), and the progress line
+and epoch summaries (``progress``).
 The run's part that acts on them (rollbacks, skips, emergency saves) is :mod:`preempt.run.guarding`; ``preempt
 report`` reads the history from :mod:`preempt.cli.main`.
 

@@ -22,8 +22,9 @@ import torch
 
 from .. import _log
 from ..errors import Preempted
-from ..health.history import EarlyRecords, History, Progress, RunLog
+from ..health.history import EarlyRecords, History, RunLog
 from ..health.monitor import GPUMonitor
+from ..health.progress import Progress
 from .config import RunConfig
 from .loop_state import LoopState
 from .save_plan import SaveRecord

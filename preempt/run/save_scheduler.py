@@ -466,7 +466,7 @@ class SaveScheduler:
         self.loop.changed()
         self.postponed = None
         assert job.record is not None
-        if self.stager is not None and self.stager.live:
+        if self.stager is not None:
             self.stager.live = frozenset()
         log.warning(
             "the checkpoint of step %d is not written: %s (the frozen parameters were changed between steps);"
@@ -530,11 +530,8 @@ class SaveScheduler:
 
         # the pool written ahead: not for the frozen base, which is mostly carried (a pool of its size would be
         # written at every start of the job for the rare checkpoint that writes the base afresh)
-        self.sizes = {
-            name: sum(t.nbytes for t in ts.values())
-            for name, (ts, _) in payload.tensor_files.items()
-            if name not in stager.live
-        }
+        files = {name: ts for name, (ts, _) in payload.tensor_files.items() if name not in stager.live}
+        self.sizes = {name: sum(t.nbytes for t in ts.values()) for name, ts in files.items()}
         self.job = Job("prepare")
         writer.submit(job)
 

@@ -13,17 +13,8 @@ import pytest
 import torch
 
 from preempt import _log
-from preempt.health.history import (
-    ETA_CAP_S,
-    HISTORY_FILE,
-    LOG_FILE,
-    History,
-    Progress,
-    RunLog,
-    eta_seconds,
-    fmt_number,
-    read_history,
-)
+from preempt.health.history import HISTORY_FILE, LOG_FILE, History, RunLog, read_history
+from preempt.health.progress import ETA_CAP_S, Progress, eta_seconds, fmt_number
 
 
 class FakeClock:
