@@ -29,6 +29,7 @@ import torch
 from conftest import Spawned, assert_same_final, train_cmd
 from safetensors.torch import load_file, save_file
 from test_bad_input import resign
+from test_hostile_files import copy_of, sweep
 
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.cli import main as cli
@@ -237,6 +238,26 @@ def test_forged_state_is_refused_like_damage_and_the_run_falls_back(save_dir, tm
     output = rerun(save_dir, final)
     assert_same_final(reference(ARGS), final)
     assert_fell_back(save_dir, output, expected)
+
+
+# The same cases under every command and a resume (tests/scripts/every_command.py), as root and without
+# capabilities: no traceback, no hang, no crash, nothing outside the save_dir changed, nothing but the forged
+# checkpoint set aside. One case in the default suite, every case under -m slow.
+@pytest.mark.parametrize(
+    ("forge", "expected"), [c if i == 0 else pytest.param(*c.values, id=c.id, marks=pytest.mark.slow)
+                            for i, c in enumerate(CASES)],
+)  # fmt: skip
+def test_every_command_and_a_resume_as_root_and_without_capabilities(template, tmp_path, forge, expected):
+    def make(root: Path) -> Path:
+        d = copy_of(template, root)
+        shutil.rmtree(d / "step_000000001")  # two checkpoints: the sweep's `prune --keep-last 2 --yes` keeps both
+        forge(d / STEP3)
+        return d
+
+    got = sweep(make, tmp_path, set_aside=frozenset({STEP3}))
+    for mode, r in got.items():
+        assert "traceback" not in r["doc"]["resume"], mode
+        assert r["cmd"]["verify"]["rc"] == 0, (mode, r["cmd"]["verify"])  # forged, not damaged: digests match
 
 
 # ---------------------------------------------------------------- complete.json

@@ -71,8 +71,17 @@ def outside_of(root: Path, *inside: Path) -> dict[str, Any]:
     return {k: v for k, v in tree_of(root).items() if not any(k == s or k.startswith(s + "/") for s in skip)}
 
 
-def sweep(make: Callable[[Path], Path], tmp_path: Path, *, modes: tuple[str, ...] = ("root", "dropped")) -> dict:
+def sweep(
+    make: Callable[[Path], Path],
+    tmp_path: Path,
+    *,
+    modes: tuple[str, ...] = ("root", "dropped"),
+    set_aside: frozenset[str] = frozenset(),
+) -> dict:
     """Builds the case once per mode (``make(root) -> save_dir``) and runs every command and the resume on it.
+
+    ``set_aside``: checkpoints whose files verify but whose content the resume refuses (forged state): they may be
+    quarantined; any other checkpoint that verified must stay where it was.
 
     Returns ``{mode: {"doc": what every_command.py printed, "dir": the save_dir, "cmd": {name: result}}}``.
     """
@@ -107,7 +116,8 @@ def sweep(make: Callable[[Path], Path], tmp_path: Path, *, modes: tuple[str, ...
             assert "traceback" not in doc.get("resume", {}), (mode, doc["resume"]["traceback"])
             assert outside_of(root, d, out) == before, f"{mode}: something outside the save_dir changed"
             still = {name for name in good if (d / name / "manifest.json").is_file()}
-            assert still == good, f"{mode}: checkpoints that verified were moved or deleted: {sorted(good - still)}"
+            gone = good - still - set_aside
+            assert not gone, f"{mode}: checkpoints that verified were moved or deleted: {sorted(gone)}"
             key = [" ".join(c["argv"][:1] + [a for a in c["argv"][2:] if a.startswith("--")]) for c in doc["commands"]]
             results[mode] = {"doc": doc, "dir": d, "cmd": dict(zip(key, doc["commands"], strict=True)), "root": root}
     finally:

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import test_bad_input
 from test_bad_input import STEP1, STEP2, build, train
+from test_hostile_files import copy_of, sweep
 
 import preempt
 from preempt import PreemptibleRun
@@ -370,3 +371,26 @@ def test_every_command_on_a_save_dir_with_a_hostile_history(save_dir, tmp_path, 
         if "--json" in command:
             strict_json(r.stdout)
     assert (save_dir / STEP2).is_dir() and (tmp_path / "model.safetensors").is_file()  # prune without --yes
+
+
+@pytest.mark.parametrize("history", ["hostile_lines", pytest.param("a_fifo", marks=pytest.mark.slow)])
+def test_every_command_and_a_resume_beside_a_hostile_history_in_both_modes(template, tmp_path, history):
+    """The same save_dirs under every command and a resume (tests/scripts/every_command.py), as root and without
+    capabilities: no traceback, no hang, nothing outside the save_dir changed, no checkpoint moved."""
+
+    def make(root: Path) -> Path:
+        d = copy_of(template, root)
+        path = d / "history.jsonl"
+        path.unlink()
+        if history == "a_fifo":
+            os.mkfifo(path)
+        else:
+            lines = [line for case in ABSURD.values() for line in case[0]]
+            write_history(d, *lines, point(T0 + 2, 2, float("nan")), "x" * (2 << 20))
+        return d
+
+    got = sweep(make, tmp_path)
+    for mode, r in got.items():
+        assert r["cmd"]["report"]["rc"] == (2 if history == "a_fifo" else 0), (mode, r["cmd"]["report"])
+        assert r["doc"]["resume"].get("resumed_from", "").endswith(STEP2), (mode, r["doc"]["resume"])
+
