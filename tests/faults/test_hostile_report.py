@@ -393,4 +393,3 @@ def test_every_command_and_a_resume_beside_a_hostile_history_in_both_modes(templ
     for mode, r in got.items():
         assert r["cmd"]["report"]["rc"] == (2 if history == "a_fifo" else 0), (mode, r["cmd"]["report"])
         assert r["doc"]["resume"].get("resumed_from", "").endswith(STEP2), (mode, r["doc"]["resume"])
-
