@@ -22,6 +22,13 @@ Rules, each one a bug seen elsewhere:
   only counted; the write finishes and the run exits as planned.
 * A SIGINT that is ignored when the run starts stays ignored: shells start
   background jobs that way so that Ctrl+C in the terminal does not reach them.
+* A stop signal that is *blocked* when the run starts is unblocked once the
+  handlers are in place (and blocked again when the run ends). A signal that
+  came while it was blocked is pending, not lost: it is delivered then, and
+  the run stops at its first step boundary. A script can block the stop
+  signals as its first statement, before seconds of imports, and so never be
+  killed by a stop that comes before the run is entered (SLURM may send its
+  ``--signal`` warning up to 60 s before the time it was asked for).
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ class StopFlag:
         self.count = 0
         self._critical = 0
         self._previous: dict[int, _Handler] = {}
+        self._unblocked: set[int] = set()  # stop signals blocked before install(), unblocked by it
         self.installed = False
 
     def request(self, signum: int | None = None) -> None:
@@ -120,6 +128,10 @@ class StopFlag:
                 continue
             self._previous[sig] = previous
             signal.signal(sig, self._handle)
+        if hasattr(signal, "pthread_sigmask"):  # blocked until now: a pending one is delivered to the handler
+            self._unblocked = set(self._previous) & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+            if self._unblocked:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, self._unblocked)
         self.installed = True
         return True
 
@@ -127,6 +139,9 @@ class StopFlag:
         """Puts back the handlers that were there before :meth:`install`."""
         if not self.installed:
             return
+        if self._unblocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self._unblocked)
+            self._unblocked = set()
         for sig, previous in self._previous.items():
             # getsignal() returns None for a handler installed outside Python;
             # SIG_DFL is the best we can put back then.

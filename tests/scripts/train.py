@@ -7,14 +7,18 @@ state (model, optimizer, scheduler, RNG, the loss history) to --final_out.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import random
 import signal
 import sys
-import threading
-import time
+
+if "--block_signals" in sys.argv:  # first, before seconds of imports and any thread: see preempt.cluster.signals
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2])
+
+import argparse  # noqa: E402  (after the signal mask, on purpose)
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np
 import torch
@@ -348,6 +352,12 @@ def main() -> None:
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
     p.add_argument("--lazy_copy_at_stop", action="store_true", help="lazy_snapshot=True, see lazy_copy_at_stop()")
     p.add_argument("--lora", action="store_true", help="a frozen base with adapters inside it (lora_model)")
+    p.add_argument(
+        "--block_signals",
+        action="store_true",
+        help="SIGTERM/USR1/USR2 blocked from the first statement: a stop during the imports is pending until the run"
+        " installs its handlers (read from sys.argv before any import)",
+    )
     p.add_argument("--peft", action="store_true", help="a PeftModel passed whole (peft_model), language-model data")
     p.add_argument("--carry_limit", type=int, default=None, help="PreemptibleRun(carry_unchanged=CarryOptions(...))")
     p.add_argument("--no_carry", action="store_true", help="PreemptibleRun(carry_unchanged=False)")

@@ -8,7 +8,10 @@ scancel) run; each time-limit test then waits for its own job. The cluster's nod
 Why ``--signal=...@20`` and not ``@30`` in one-minute jobs: SLURM checks the limits every 30 s and sends the
 warning up to 30 s before its lead time, so in a 60 s job ``@30`` can arrive at second 0, before python has
 imported torch and entered the run (the default action of SIGTERM then kills it). ``@20`` arrives between
-second 10 and 40.
+second 10 and 40, and second 10 came before the run was entered in a stress run (the srun template's step died
+with 143 on a loaded machine). So the script also blocks the stop signals from its first statement
+(``--block_signals``): a warning during its imports stays pending until the run installs its handlers, which
+unblock it (:mod:`preempt.cluster.signals`); how long the imports take no longer matters.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from preempt.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.slurm
 
-BASE = ("--samples", "1024", "--epochs", "2", "--interval", "10")  # 128 steps; their time is --step_sleep
+# 128 steps; their time is --step_sleep. --block_signals: SLURM may send a --signal warning up to 60 s early, so with
+# --time=1 it can come while python still imports torch (seen under load: the srun template's step died with 143);
+# blocked from the script's first statement, it waits for the run's handlers instead of killing the process.
+BASE = ("--samples", "1024", "--epochs", "2", "--interval", "10", "--block_signals")
 
 
 @dataclass(frozen=True)
