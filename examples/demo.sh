@@ -49,7 +49,7 @@ preempt ls "$save_dir"
 preempt verify "$save_dir"
 echo "== 5. the run's story across its processes: the stop, the resume, and where the time went (goodput)"
 if python -c "import matplotlib" 2>/dev/null; then
-    preempt report "$save_dir" --plot "$save_dir/report.png"
+    preempt report "$save_dir" --plot "${save_dir}_report.png"  # beside the save_dir: nothing is written into it
 else
     preempt report "$save_dir"
     echo "(pip install 'preempt[plot]' for a picture: preempt report $save_dir --plot report.png)"

@@ -147,10 +147,12 @@ def test_plot_without_matplotlib_says_how_to_get_it(three_processes, tmp_path):
 
 
 def test_report_refuses_clearly(tmp_path):
-    out = cli("report", str(tmp_path))
+    run = tmp_path / "run"
+    run.mkdir()
+    out = cli("report", str(run))
     assert out.returncode == 2 and "history.jsonl: no such file" in out.stderr
-    (tmp_path / "history.jsonl").write_text('{"t": 1, "event": "start", "step": 0}\n{"t": 2, "step": 1}\n')
-    out = cli("report", str(tmp_path), "--plot", str(tmp_path / "p.png"))
+    (run / "history.jsonl").write_text('{"t": 1, "event": "start", "step": 0}\n{"t": 2, "step": 1}\n')
+    out = cli("report", str(run), "--plot", str(tmp_path / "p.png"))
     assert out.returncode == 2 and "nothing to plot" in out.stderr
-    out = cli("report", str(tmp_path), "--plot", str(tmp_path / "p.txt"))
+    out = cli("report", str(run), "--plot", str(tmp_path / "p.txt"))
     assert out.returncode == 2 and "expected a .png" in out.stderr
