@@ -150,7 +150,11 @@ def resumed(result: dict, step: str = STEP2) -> None:
 # ---------------------------------------------------------------- hard links: nothing written through them
 
 
-@pytest.mark.parametrize("name", ["lock", "lock.step", "train.log", "history.jsonl", "supervise.log"])
+@pytest.mark.parametrize(
+    "name",  # the lock and one appended log in the default suite; the others are the same path, under -m slow
+    ["lock", *(pytest.param(n, marks=pytest.mark.slow) for n in ("lock.step", "history.jsonl", "supervise.log")),
+     "train.log"],
+)  # fmt: skip
 def test_a_file_of_the_run_hard_linked_to_a_file_elsewhere_is_never_written_through(template, tmp_path, name):
     """O_NOFOLLOW stops symlinks, not hard links: the file gets a copy of its own, the other name stays as it was."""
 
@@ -297,7 +301,11 @@ def test_an_output_inside_the_save_dir_is_refused(save_dir, tmp_path, argv):
 # ---------------------------------------------------------------- resource errors are not damage
 
 
-@pytest.mark.parametrize("target", [f"{STEP2}/model.safetensors", f"{STEP2}/manifest.json", STEP2])
+@pytest.mark.parametrize(
+    "target",  # a tensor file in the default suite; the manifest and the directory under -m slow
+    [f"{STEP2}/model.safetensors", *(pytest.param(t, marks=pytest.mark.slow) for t in (f"{STEP2}/manifest.json",
+                                                                                       STEP2))],
+)  # fmt: skip
 @needs_setpriv
 def test_a_checkpoint_that_may_not_be_read_is_unreadable_not_damaged(template, tmp_path, target):
     """chmod 000 on a file (or the directory) of the newest checkpoint. Root reads it: all as usual. Without
