@@ -68,3 +68,24 @@ def test_the_nesting_scan_skips_strings_with_escapes_and_counts_the_rest():
     doc = {"a": ['x "[[[" \\" {{', [{"b": "]]]\\\\"}]], "c": "\\\\"}
     assert safe_io.json_depth(json.dumps(doc).encode()) == 4  # { a: [ [ { : the brackets in strings do not count
     assert safe_io.json_depth(b'"unterminated [[[') == 3  # not a string (no closing quote): its brackets count
+
+
+def test_every_command_and_a_resume_on_a_long_string_in_both_modes(tmp_path):
+    """The same checkpoint beside test_bad_input's under every command and a resume, as root and without
+    capabilities (tests/faults/test_hostile_files.py's sweep): no traceback, nothing moved."""
+    from test_bad_input import STEP2, build
+    from test_hostile_files import sweep
+
+    def make(root: Path) -> Path:
+        d = root / "run"
+        model = build()[0]
+        m = CheckpointManager(d)
+        m.save_state(step=1, model=model)
+        m.save_state(step=2, model=model, user_state={"notes": "x" * STRING})
+        return d
+
+    got = sweep(make, tmp_path)
+    for mode, r in got.items():
+        assert r["cmd"]["verify"]["rc"] == 0, (mode, r["cmd"]["verify"])
+        # save_state() keeps no RNG, so the run refuses it by name (a documented PreemptError), after reading it
+        assert STEP2 in r["doc"]["resume"].get("message", ""), (mode, r["doc"]["resume"])

@@ -304,3 +304,22 @@ def test_complete_json_naming_a_forged_checkpoint_does_not_end_the_rerun(save_di
     assert "complete.json is not believed" in output, output
     assert_fell_back(save_dir, output, r"rng\.now\.numpy\.pos: expected an integer in 0\.\.624, found 1000000000")
     assert_same_final(reference(ARGS), final)
+
+
+@pytest.mark.parametrize("forged", [False, True], ids=["naming_a_missing_checkpoint", "naming_a_forged_checkpoint"])
+def test_complete_json_under_every_command_and_a_resume_in_both_modes(template, tmp_path, forged):
+    def make(root: Path) -> Path:
+        d = copy_of(template, root)
+        shutil.rmtree(d / "step_000000001")  # two checkpoints: the sweep's `prune --keep-last 2 --yes` keeps both
+        if forged:
+            forge_json(_set(*RNG, "numpy", "pos", value=10**9))(d / STEP3)
+            marker(d, STEP3, 3)
+        else:
+            marker(d, "step_000000099", 99)
+        return d
+
+    got = sweep(make, tmp_path, set_aside=frozenset({STEP3}) if forged else frozenset())
+    for mode, r in got.items():
+        resume = r["doc"]["resume"]
+        assert "traceback" not in resume, mode
+        assert "resumed_from" in resume or resume.get("error") == "IncompatibleStateError", (mode, resume)

@@ -77,11 +77,13 @@ def sweep(
     *,
     modes: tuple[str, ...] = ("root", "dropped"),
     set_aside: frozenset[str] = frozenset(),
+    env: dict[str, str] | None = None,
 ) -> dict:
     """Builds the case once per mode (``make(root) -> save_dir``) and runs every command and the resume on it.
 
     ``set_aside``: checkpoints whose files verify but whose content the resume refuses (forged state): they may be
-    quarantined; any other checkpoint that verified must stay where it was.
+    quarantined; any other checkpoint that verified must stay where it was. ``env``: variables set for the commands
+    and the resume (on top of this process's environment).
 
     Returns ``{mode: {"doc": what every_command.py printed, "dir": the save_dir, "cmd": {name: result}}}``.
     """
@@ -99,7 +101,14 @@ def sweep(
             before = outside_of(root, d, out)
             good = verified(d)
             argv = [*(DROP if mode == "dropped" else []), sys.executable, str(SCRIPT), str(d), str(out)]
-            p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+            p = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="replace",
+                env=None if env is None else {**os.environ, **env},
+            )
             started[mode] = (p, root, d, out, before, good)
         for mode, (p, root, d, out, before, good) in started.items():
             try:

@@ -393,3 +393,27 @@ def test_every_command_and_a_resume_beside_a_hostile_history_in_both_modes(templ
     for mode, r in got.items():
         assert r["cmd"]["report"]["rc"] == (2 if history == "a_fifo" else 0), (mode, r["cmd"]["report"])
         assert r["doc"]["resume"].get("resumed_from", "").endswith(STEP2), (mode, r["doc"]["resume"])
+
+
+BAD_ENV = {
+    "SLURM_JOB_END_TIME": "-5",
+    "PREEMPT_LOG_LEVEL": "loud",
+    "RANK": "zero",
+    "SLURM_PROCID": "-1",
+    "SLURM_RESTART_COUNT": "many",
+    "PREEMPT_LOG_ALL_RANKS": "maybe",
+    "SLURM_ARRAY_TASK_ID": "x",
+}
+
+
+@pytest.mark.parametrize(
+    "env",
+    [BAD_ENV, *(pytest.param({"SLURM_JOB_END_TIME": v}, marks=pytest.mark.slow) for v in ("abc", "1e400", "9" * 20))],
+    ids=["every_variable_at_once", "end_time_abc", "end_time_1e400", "end_time_20_digits"],
+)
+def test_every_command_and_a_resume_with_bad_environment_values_in_both_modes(template, tmp_path, env):
+    """Every variable the run reads, set to a value it cannot use: every command and a resume, as root and without
+    capabilities, answer without a traceback, and the resume goes on from the newest checkpoint."""
+    got = sweep(lambda root: copy_of(template, root), tmp_path, env=env)
+    for mode, r in got.items():
+        assert r["doc"]["resume"].get("resumed_from", "").endswith(STEP2), (mode, r["doc"]["resume"])
