@@ -111,7 +111,8 @@ def test_per_sample_rng_off_is_not_exact_mid_epoch(tmp_path, reference):
 STREAM = ["--epochs", "2", "--samples", "384", "--dropout", "0.3", "--augment", "--accum", "3"]
 
 
-@pytest.mark.parametrize("workers", ["0", "2"])
+# without workers (the dataset's own state in the main process) a repetition, under -m slow
+@pytest.mark.parametrize("workers", [pytest.param("0", marks=pytest.mark.slow), "2"])
 def test_stateful_iterable_dataset_resumes_each_worker_where_it_stood(tmp_path, reference, workers):
     model_args = [*STREAM, "--iterable", "stateful", "--num_workers", workers]
     interrupts = [in_step(3), in_step(9)]  # at steps 3 and 12

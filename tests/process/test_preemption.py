@@ -35,10 +35,11 @@ PACE = ["--step_sleep", "0.03"]
 AUGMENT0 = [*WORKERS0, "--augment"]
 
 
-# workers0 (no workers, no augmentation) is the plainest of the three: a repetition, under -m slow
+# Repetitions under -m slow: workers0 (no workers, no augmentation) is the plainest of the three, and workers2 is
+# test_data_replay.py's headline (three SIGTERMs, 2 workers, augmentation in them) at random moments instead of steps.
 @pytest.mark.parametrize(
     "model_args",
-    [pytest.param(WORKERS0, marks=pytest.mark.slow), WORKERS2, AUGMENT0],
+    [pytest.param(WORKERS0, marks=pytest.mark.slow), pytest.param(WORKERS2, marks=pytest.mark.slow), AUGMENT0],
     ids=["workers0", "workers2", "augment0"],
 )
 def test_three_sigterms_at_random_points(tmp_path, reference, model_args):
@@ -119,6 +120,9 @@ def test_worker_randomness_replays_from_an_epoch_boundary(tmp_path, reference):
     assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
 
+# A repetition under -m slow: test_data_replay.py kills three processes inside steps with a checkpoint written at
+# every step (and augmentation in workers), and tests/faults/test_kill.py kills writes at each of their stages.
+@pytest.mark.slow
 def test_sigkill_at_random_points(tmp_path, reference):
     """SIGKILL (no handler, no save) at random moments with a checkpoint every step: every rerun
     resumes from a valid checkpoint, and the end is still bit-exact."""
