@@ -127,16 +127,14 @@ class Stager:
         pin = self._pin(payload)
         deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
-        read_live = [
-            (f"{file}:{key}", t.detach()) for file, carry in payload.carried.items() for key, t in carry.tensors.items()
-        ]
+        read_live = [(file, key, t.detach()) for file, carry in payload.carried.items() for key, t in carry.tensors.items()]
         copied: set[str] = set()  # the files staged into buffers: the others' buffers are dropped
         on_gpu = False
         with torch.no_grad():
             for file, (tensors, meta) in payload.tensor_files.items():
                 if file in self.live and all(_versioned(t) for t in tensors.values()):
                     files[file] = ({key: t.detach() for key, t in tensors.items()}, dict(meta))
-                    read_live += [(f"{file}:{key}", t) for key, t in files[file][0].items()]
+                    read_live += [(file, key, t) for key, t in files[file][0].items()]
                     continue
                 staged = self._buffers(file, tensors, pin)
                 copied.add(file)
@@ -206,22 +204,26 @@ class ChangedWhileWritten(TornSnapshot):
 
 
 class LiveTensors:
-    """The tensors of a snapshot that the writer reads where they live, and what each was when the snapshot was
+    """The tensors of a snapshot that the writer may read where they live, and what each was when the snapshot was
     taken: where its data lies and its version counter.
 
     :meth:`check`, once the writer has read them (every tensor file written, before the commit), raises
-    :class:`ChangedWhileWritten` naming the first tensor that was changed in place or replaced meanwhile: the file
-    written from it could mix two steps, so the checkpoint is not committed. (A write through ``tensor.data``
-    bumps no counter and is not seen, as for every carried file: see :mod:`preempt.checkpoint.carry`.)
+    :class:`ChangedWhileWritten` naming the first tensor of the files it read that was changed in place or replaced
+    meanwhile: the file written from it could mix two steps, so the checkpoint is not committed. A carried file
+    that was linked was not read (its bytes are the source's, equal to the tensors at the step by their version
+    counters) and is not checked: the next ``optimizer.step()`` may change its tensors while the write goes on.
+    (A write through ``tensor.data`` bumps no counter and is not seen, as for every carried file: see
+    :mod:`preempt.checkpoint.carry`.)
     """
 
-    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.seen = [(name, t, t.data_ptr(), t._version) for name, t in tensors]
+    def __init__(self, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
+        self.seen = [(file, key, t, t.data_ptr(), t._version) for file, key, t in tensors]
 
-    def check(self) -> None:
-        for name, t, ptr, version in self.seen:
-            if t._version != version or t.data_ptr() != ptr:
-                raise ChangedWhileWritten(f"{name} was changed in place while the writer read it")
+    def check(self, read: Collection[str]) -> None:
+        """Raises :class:`ChangedWhileWritten` for the first changed tensor of the files in ``read``."""
+        for file, key, t, ptr, version in self.seen:
+            if file in read and (t._version != version or t.data_ptr() != ptr):
+                raise ChangedWhileWritten(f"{file}:{key} was changed in place while the writer read it")
 
 
 class LazyCopy:

@@ -5,8 +5,9 @@ when carried unchanged (:mod:`preempt.checkpoint.carry`), hard-linked from the p
 (:func:`preempt.checkpoint.commit.link_file`): its manifest entry is the source's size and digest with
 ``carried_from``. A link that cannot be made (another filesystem, no hard links, too many links, the source
 pruned meanwhile), or one whose content the guard finds changed (:func:`preempt.checkpoint.carry.confirm`), is
-written from the tensors the plan kept. The tensors of a staged payload that were read where they live are then
-checked (``payload.live``: :class:`preempt.checkpoint.staging.LiveTensors`) before the JSON files. No torch at
+written from the tensors the plan kept. The tensors of a staged payload that were read where they live (the files
+written from them, not the carried files linked) are then checked (``payload.live``:
+:class:`preempt.checkpoint.staging.LiveTensors`) before the JSON files. No torch at
 import (the checkpoint commands import the manager, which imports this).
 """
 
@@ -32,6 +33,7 @@ def write_payload(directory: Path, payload: Payload) -> dict[str, FileDigest]:
     from . import codec, tensorfile
 
     files: dict[str, FileDigest] = {}
+    read = set(payload.tensor_files)  # the files written from tensors (a staged file's are copies, never checked)
     for fname, carry in payload.carried.items():
         if not carry.check or confirm(str(directory / fname), carry):
             try:
@@ -43,12 +45,13 @@ def write_payload(directory: Path, payload: Payload) -> dict[str, FileDigest]:
             except OSError as e:
                 code = errno.errorcode.get(e.errno or 0, "")
                 log.debug("%s: cannot link %s (%s %s); writing it", directory / fname, carry.source, code, e.strerror)
+        read.add(fname)
         files[fname] = commit.write_file(directory / fname, tensorfile.pieces(carry.tensors, carry.meta), recycle=True)
     for fname, (tensors, meta) in payload.tensor_files.items():
         files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta), recycle=True)
     commit.stage("after_tensor_files")
     if payload.live is not None:
-        payload.live.check()  # the tensors read where they live are as when the snapshot was taken
+        payload.live.check(read)  # the tensors read where they live are as when the snapshot was taken
     for fname, doc in payload.json_files.items():
         data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
         files[fname] = commit.write_file(directory / fname, [data], recycle=True)

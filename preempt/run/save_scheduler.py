@@ -469,8 +469,8 @@ class SaveScheduler:
         if self.stager is not None:
             self.stager.live = frozenset()
         log.warning(
-            "the checkpoint of step %d is not written: %s (the frozen parameters were changed between steps);"
-            " checkpoints copy them at the step from now on",
+            "the checkpoint of step %d is not written: %s (a tensor no optimizer holds, read without a copy, changed"
+            " between steps); checkpoints copy the frozen base at the step from now on",
             job.record.step,
             error,
         )

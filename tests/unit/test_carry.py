@@ -451,3 +451,66 @@ def test_a_base_changed_while_the_writer_reads_it_is_not_committed_and_is_copied
         release.set()
     got = loaded_state(step_dir(tmp_path, 4))
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_carried_file_changed_after_its_step_while_the_writer_runs_is_still_committed(tmp_path):
+    """A linked file is not read: its bytes are the source's, equal to the tensors at the step. The loop's next
+    step may change those tensors while the write goes on (a second checkpoint of the same step, a best after a
+    periodic one, is written while the next optimizer.step() runs): the checkpoint must be committed all the same,
+    and hold the state of its step. Fails where the writer checks the carried files' tensors after writing."""
+    import threading
+
+    reached, release = threading.Event(), threading.Event()
+
+    def gate(stage: str) -> None:
+        if stage == "after_tensor_files" and threading.current_thread().name == "preempt-writer":
+            if not reached.is_set():
+                reached.set()
+                assert release.wait(30)
+
+    model, opt, run = lora_run(tmp_path, keep_last=None)
+    with run:
+        for _ in range(2):
+            train(model, opt)
+            run.step()  # step 2: the base written
+        run.wait_for_checkpoint(timeout=60)
+        commit.inject_fault(gate)
+        try:
+            for _ in range(2):
+                train(model, opt)
+                run.step()  # step 4: the base carried from step 2; the writer is held after the tensor files
+            want = state_of(model, opt)
+            assert reached.wait(30)
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # after step 4: the carried file's tensor changes under the writer
+            release.set()
+            assert run.wait_for_checkpoint(timeout=60) == step_dir(tmp_path, 4)
+        finally:
+            commit.inject_fault(None)
+            release.set()
+    files = json.loads((step_dir(tmp_path, 4) / "manifest.json").read_text())["files"]
+    assert files[BASE]["carried_from"] == 2
+    got = loaded_state(step_dir(tmp_path, 4))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_guard_racing_the_loop_carries_by_the_version_counters(monkeypatch, caplog):
+    """The writer hashes a carried file while the loop's next step changes it: a mismatch then says nothing about
+    the step's content (the counters, unchanged at the step, do), so the file is carried, with no warning; a
+    mismatch without a counter that moved is a change behind autograd, written and warned about."""
+    t = torch.zeros(4)
+    c = carry.Carry(Path("/nowhere"), commit.FileDigest(0, "0" * 32), {"w": t}, {}, check=True)
+    real = carry.digest_of
+
+    def during_the_hash(tensors, meta):
+        t.add_(1.0)  # the loop's optimizer.step(), while the writer hashes
+        return real(tensors, meta)
+
+    monkeypatch.setattr(carry, "digest_of", during_the_hash)
+    with caplog.at_level(logging.WARNING, logger="preempt"):
+        assert carry.confirm("base.safetensors", c) is True
+    assert "behind autograd" not in caplog.text
+    monkeypatch.setattr(carry, "digest_of", real)
+    with caplog.at_level(logging.WARNING, logger="preempt"):
+        assert carry.confirm("base.safetensors", c) is False
+    assert "behind autograd" in caplog.text
