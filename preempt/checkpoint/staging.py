@@ -127,7 +127,9 @@ class Stager:
         pin = self._pin(payload)
         deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
-        read_live = [(file, key, t.detach()) for file, carry in payload.carried.items() for key, t in carry.tensors.items()]
+        read_live = [
+            (file, key, t.detach()) for file, carry in payload.carried.items() for key, t in carry.tensors.items()
+        ]
         copied: set[str] = set()  # the files staged into buffers: the others' buffers are dropped
         on_gpu = False
         with torch.no_grad():
