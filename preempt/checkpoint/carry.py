@@ -195,20 +195,21 @@ class Carry:
     tensors: dict[str, torch.Tensor]
     meta: dict[str, str]
     check: bool = False
+    versions: list[int] = dataclasses.field(default_factory=list)  # the tensors' version counters at the step
 
 
 def confirm(name: str, carry: Carry) -> bool:
     """The guard: whether the live tensors of a file about to be carried still serialise to its source's bytes.
 
     Hashes them (nothing written); False, with a warning naming the file and the likely cause, when they do not.
-    True as well when a tensor's version counter moved while they were hashed (the loop's next step changed them:
-    the writer runs beside it): that hash says nothing, and the counters, unchanged at the step, carry the file.
+    True as well when a tensor's version counter moved since the step (the loop's next steps changed them: the writer
+    runs beside it), before or while they were hashed: that hash says nothing, and the counters, unchanged at the
+    step, carry the file.
     """
-    versions = [t._version for t in carry.tensors.values()]
     got = digest_of(carry.tensors, carry.meta)
     if got.xxh3_128 == carry.digest.xxh3_128 and got.size == carry.digest.size:
         return True
-    if [t._version for t in carry.tensors.values()] != versions:
+    if carry.versions and [t._version for t in carry.tensors.values()] != carry.versions:
         log.debug("%s: changed by the loop while the guard hashed it; carried by its version counters", name)
         return True
     log.warning(
@@ -278,7 +279,8 @@ class Carrier:
             )
             if action == "carry":
                 assert src is not None
-                carried[name] = Carry(src.path, src.digest, dict(tensors), dict(meta))
+                versions = [t._version for t in tensors.values()]
+                carried[name] = Carry(src.path, src.digest, dict(tensors), dict(meta), versions=versions)
             elif src is not None:
                 log.debug("%s: written (%s)", name, why)
         if carried and not urgent:

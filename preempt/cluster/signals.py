@@ -85,6 +85,7 @@ class StopFlag:
         self.signals: tuple[signal.Signals, ...] = tuple(sigs)
         self._clock = clock
         self.requested = False
+        self.held = False  # a request lowered until release() (see hold())
         self.signum: int | None = None
         self.received_at: float | None = None
         self.count = 0
@@ -100,6 +101,16 @@ class StopFlag:
             self.signum = signum
             self.received_at = self._clock()
             self.requested = True
+
+    def hold(self) -> None:
+        """Lowers the request, to be raised again by :meth:`release` (a stop taken later than it came); a signal
+        meanwhile raises it at once."""
+        self.requested, self.held = False, True
+
+    def release(self) -> None:
+        """Raises a held request again (its signal and time kept)."""
+        if self.held:
+            self.requested, self.held = True, False
 
     def _handle(self, signum: int, frame: Any) -> None:
         second = self.requested

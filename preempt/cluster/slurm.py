@@ -273,6 +273,30 @@ def decide_requeue(
     return RequeueDecision(Action.REQUEUE, why)
 
 
+def early_warning(
+    *, signal_time: float | None, end_time: float | None, now: float, progressed: bool, margin: float | None
+) -> bool:
+    """Whether a stop signal is taken for SLURM's time-limit warning come before the run's first step, with time
+    left to make one: the run then goes on to that step and stops there.
+
+    SLURM checks its limits every 30 s, so a ``--signal`` warning may come up to 60 s before the time asked for,
+    while a requeued job is still starting. Stopped there, the run would have made no step, and a job that requeues
+    itself without progress could loop, so it would exit with code 77 instead, although most of its last minute was
+    left. Nothing is lost by going on: the run has nothing new to save before its first step, and the walltime
+    keeper (``margin``: its margin in seconds, None when it is not armed) still stops it before the end time.
+
+    Args:
+        signal_time: Unix time the signal arrived (None: no signal).
+        end_time: The job's end time, unix seconds (None: unknown).
+        now: Unix time now.
+        progressed: The run made a step since it (re)started.
+        margin: The walltime keeper's margin, or None.
+    """
+    if progressed or signal_time is None or end_time is None or margin is None:
+        return False
+    return 0.0 < end_time - signal_time <= WARNING_WINDOW_S and end_time - now > margin
+
+
 def requeue_target(job_id: str, array_job_id: str | None, array_task_id: str | None) -> str:
     """``A_T`` for an array task, else the job id."""
     if array_job_id and array_task_id:

@@ -283,7 +283,7 @@ class PreemptibleRun:
         starter.lead()
         if done is not None:
             self.manager.clear_complete()
-        self.stopper.arm_walltime(payload_nbytes(payload), self.loop.global_step)
+        self.stopper.arm_walltime(payload_nbytes(payload), self.loop.global_step, self.peers.alone)
         return payload
 
     def _begin(self, payload: state.Payload) -> None:
@@ -375,7 +375,7 @@ class PreemptibleRun:
                 rng.restore(rng_now)  # the program point where that checkpoint was taken
             if loop.at_epoch_start:
                 self._safe_point("epoch")
-            elif self.stopper.flag.requested and not loop.dirty and self.peers.alone:
+            elif self.peers.alone and self.stopper.pending(loop.global_step) and not loop.dirty:
                 self._stop()  # a stop between run.step() and the epoch's end, with nothing to save
             if loop.epoch >= n:
                 return

@@ -137,6 +137,8 @@ class Stopper:
         self.kill_wait: float | None = None  # SLURM's KillWait, seconds
         self._scontrol_missing = False
         self._grace_warned = False
+        self._start_step: int | None = None  # this process's first step, when an early warning may be held
+        self._early_held = False
         self._margin = 0.0  # the walltime keeper's margin when it decided to stop
         self._loader_done: float | None = None  # when the epoch's loader ran out (walltime keeping only)
 
@@ -196,9 +198,12 @@ class Stopper:
         if isinstance(provenance.get("slurm"), dict):
             provenance["slurm"] = {**provenance["slurm"], "end_time": end_time}
 
-    def arm_walltime(self, state_nbytes: int, step: int) -> None:
-        """Starts the walltime keeper when there is a deadline: the job's end time or time_limit."""
+    def arm_walltime(self, state_nbytes: int, step: int, alone: bool = True) -> None:
+        """Starts the walltime keeper when there is a deadline: the job's end time or time_limit.
+
+        ``alone``: one process (no peers); only then is an early time-limit warning held (:meth:`pending`)."""
         now, wall = self.clock(), time.time()
+        self._start_step = step if alone else None
         limits = []  # (seconds left, what)
         if self.end_time is not None:
             limits.append((self.end_time - wall, f"SLURM job {self.env.slurm_job_id}"))
@@ -221,12 +226,41 @@ class Stopper:
         return float("inf") if self.walltime is None else self.walltime.stop_at()
 
     def review_at(self, now: float) -> float:
+        if self.flag.held:
+            return now  # the next run.step() goes through the safe point, which takes the held stop
         return float("inf") if self.walltime is None else self.walltime.review_at(now)
 
     def observe(self, step: int) -> None:
-        """A safe point: the walltime keeper learns the step time."""
+        """A safe point: the walltime keeper learns the step time; an early warning is held or taken."""
         if self.walltime is not None:
             self.walltime.observe(self.clock(), step)
+        self.pending(step)
+
+    def pending(self, step: int) -> bool:
+        """Whether a stop is asked for at ``step``. SLURM's time-limit warning come before this process's first
+        step is held until that step is made (:func:`~preempt.cluster.slurm.early_warning`), once."""
+        f = self.flag
+        if f.held and step != self._start_step:
+            f.release()
+        elif f.requested and step == self._start_step and not self._early_held and f.received_at is not None:
+            wall = time.time()
+            signal_time = wall - (self.clock() - f.received_at)
+            margin = None if self.walltime is None else self.walltime.margin()
+            if slurm.early_warning(
+                signal_time=signal_time, end_time=self.end_time, now=wall, progressed=False, margin=margin
+            ):
+                self._early_held = True
+                f.hold()
+                assert self.end_time is not None
+                log.warning(
+                    "%s came %s before SLURM job %s's end time, before this process's first step (SLURM may send"
+                    " its --signal warning up to 60 s early): the run makes that step and stops there, so that"
+                    " the requeue continues from progress",
+                    signal_name(f.signum),
+                    _log.duration(self.end_time - signal_time),
+                    self.env.slurm_job_id,
+                )
+        return f.requested
 
     def decided(self, decision: Decision) -> None:
         if decision.reason is Reason.WALLTIME and self.walltime is not None:

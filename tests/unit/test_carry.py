@@ -495,11 +495,11 @@ def test_a_carried_file_changed_after_its_step_while_the_writer_runs_is_still_co
 
 
 def test_the_guard_racing_the_loop_carries_by_the_version_counters(monkeypatch, caplog):
-    """The writer hashes a carried file while the loop's next step changes it: a mismatch then says nothing about
-    the step's content (the counters, unchanged at the step, do), so the file is carried, with no warning; a
-    mismatch without a counter that moved is a change behind autograd, written and warned about."""
+    """The writer hashes a carried file while (or after) the loop's next step changes it: a mismatch then says
+    nothing about the step's content (the counters, unchanged at the step, do), so the file is carried, with no
+    warning; a mismatch without a counter that moved is a change behind autograd, written and warned about."""
     t = torch.zeros(4)
-    c = carry.Carry(Path("/nowhere"), commit.FileDigest(0, "0" * 32), {"w": t}, {}, check=True)
+    c = carry.Carry(Path("/nowhere"), commit.FileDigest(0, "0" * 32), {"w": t}, {}, check=True, versions=[t._version])
     real = carry.digest_of
 
     def during_the_hash(tensors, meta):
@@ -511,6 +511,11 @@ def test_the_guard_racing_the_loop_carries_by_the_version_counters(monkeypatch, 
         assert carry.confirm("base.safetensors", c) is True
     assert "behind autograd" not in caplog.text
     monkeypatch.setattr(carry, "digest_of", real)
+    t.add_(1.0)  # changed before the writer hashes it (the writer started after the next step)
+    with caplog.at_level(logging.WARNING, logger="preempt"):
+        assert carry.confirm("base.safetensors", c) is True
+    assert "behind autograd" not in caplog.text
+    c.versions = [t._version]  # unchanged since the step, yet other bytes: a change behind autograd
     with caplog.at_level(logging.WARNING, logger="preempt"):
         assert carry.confirm("base.safetensors", c) is False
     assert "behind autograd" in caplog.text

@@ -306,3 +306,41 @@ def test_save_longer_than_kill_wait_is_warned_once(tmp_path, monkeypatch, caplog
     FakeScontrol(monkeypatch, JobInfo(state="RUNNING", end_time=time.time() + 3600), kill_wait=0.0)
     train(tmp_path / "run", checkpoint_every_steps=2)
     assert caplog.text.count("SLURM kills 0.00 s after SIGTERM (KillWait)") == 1
+
+
+def test_a_time_limit_warning_before_the_first_step_is_taken_at_that_step(tmp_path, monkeypatch, caplog):
+    """SLURM may send its --signal warning up to 60 s early, while a (requeued) job is still starting: stopped
+    before its first step, the run could not requeue itself (no progress: exit 77) although most of a minute was
+    left. It makes that step, stops there and requeues; both at a fresh start and on a resume inside an epoch."""
+    caplog.set_level(logging.INFO, logger="preempt")
+
+    def started_then_warned(save_dir: Path) -> Preempted:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+        with pytest.raises(Preempted) as e:
+            with PreemptibleRun(save_dir, model=model, optimizer=opt, checkpoint_interval=None) as run:
+                signal.raise_signal(signal.SIGTERM)  # the warning, before any step of this process
+                loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, seed=3))
+                for _ in run.epochs(3):
+                    for x, y in run.batches(loader):
+                        opt.zero_grad()
+                        torch.nn.functional.cross_entropy(model(x), y).backward()
+                        opt.step()
+                        run.step()
+        return e.value
+
+    slurm_env(monkeypatch, restart=0)
+    fake = FakeScontrol(monkeypatch, JobInfo(state="RUNNING", reason="None", end_time=time.time() + 50))
+    first = started_then_warned(tmp_path / "run")
+    assert first.code == PREEMPTED_EXIT_CODE and first.requeued and fake.requeued == ["1234"], caplog.text
+    assert manifest(first.checkpoint)["step"] == 1
+    assert "before this process's first step" in caplog.text and "made no step" not in caplog.text
+    # the requeued job, resumed inside epoch 0 at step 1, warned again before its first step: stops at step 2
+    slurm_env(monkeypatch, restart=1)
+    caplog.clear()
+    again = started_then_warned(tmp_path / "run")
+    assert again.requeued and manifest(again.checkpoint)["step"] == 2, caplog.text
+    assert "before this process's first step" in caplog.text
+    assert "resumed from" in caplog.text and "epoch 0, batch 1/" in caplog.text

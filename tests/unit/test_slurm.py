@@ -212,3 +212,22 @@ def test_shielded_run_of_a_missing_command_is_file_not_found(monkeypatch):
     with pytest.raises(SlurmError, match="scontrol requeue 7: scontrol not found on PATH") as e:
         requeue("7")
     assert e.value.missing
+
+
+@pytest.mark.parametrize(
+    "kw, held",
+    [
+        ({}, True),  # the warning 40 s before the end, no step yet, a margin of 5 s: held
+        ({"progressed": True}, False),  # after a step: taken at once (and requeued)
+        ({"margin": None}, False),  # no walltime keeper to stop in time: taken at once
+        ({"margin": 45.0}, False),  # not even one step fits before the keeper's stop: taken at once (exit 77)
+        ({"end_time": None}, False),  # no end time: cannot tell a warning
+        ({"signal_time": None}, False),  # no signal (a request)
+        ({"signal_time": 0.0}, False),  # 1000 s before the end: not the time-limit warning
+    ],
+)
+def test_early_warning(kw, held):
+    from preempt.cluster.slurm import early_warning
+
+    facts = {"signal_time": 960.0, "end_time": 1000.0, "now": 961.0, "progressed": False, "margin": 5.0} | kw
+    assert early_warning(**facts) is held
