@@ -151,7 +151,7 @@ def evaluate(model: torch.nn.Module, loss_of, data: Dataset) -> float:
     reached("eval")
     model.eval()
     with torch.no_grad():
-        x, y = zip(*(data[i] for i in range(min(64, len(data)))))
+        x, y = zip(*(data[i] for i in range(min(64, len(data)))), strict=True)
         loss = loss_of(model, torch.stack(x), torch.stack(y)).item()
     model.train()
     return loss
