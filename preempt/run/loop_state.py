@@ -116,7 +116,8 @@ def epoch_so_far(value: Any, where: str) -> EpochSoFar | None:
         return None
 
     def bad(field: str, expected: str, found: Any) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: epoch.{field}: expected {expected}, found {found!r:.80}")
+        name = f"epoch.{field}" if field else "epoch"
+        return CorruptCheckpointError(f"{where}: {name}: expected {expected}, found {found!r:.80}")
 
     if not isinstance(value, dict):
         raise bad("", "an object", value)

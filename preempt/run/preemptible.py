@@ -456,7 +456,7 @@ class PreemptibleRun:
         (after the batches loop: at the epoch boundary). README_PREEMPTION.md, "Evaluation in the loop"."""
         measured = self.loop.report(metrics, self.manager.retention, step)
         self.reporter.measured(measured)
-        if measured.at_step and self.peers.alone and (measured.best or self._flag.requested):
+        if self._active and measured.at_step and self.peers.alone and (measured.best or self._flag.requested):
             self._safe_point("step")
 
     # ----------------------------------------------------------- extras
