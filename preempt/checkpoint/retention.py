@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .commit import MANIFEST
@@ -110,6 +110,23 @@ def select_kept(policy: RetentionPolicy, checkpoints: Iterable[Kept]) -> set[int
         if apart is not None:
             kept.add(apart.step)
     return kept
+
+
+def best_note(best: Mapping[str, Any], is_best: bool, step: int) -> str:
+    """What a manifest's ``best`` says, for people: the value, the step it was measured at, and whether the
+    checkpoint at ``step`` holds that state.
+
+    The run records a metric at the step it belongs to (``run.report()`` after ``run.step()``), and a best
+    checkpoint of that step holds it. One that could not be taken at that step (the metric reported inside a
+    step, or under torch.distributed, between the ranks' meetings) is the first checkpoint after it, and says so.
+    """
+    at = best.get("step")
+    head = f"{best.get('metric')} {best.get('mode', 'min')} = {best.get('value')} at step {at}"
+    if not is_best:
+        return f"{head} (not this checkpoint)"
+    if at == step or isinstance(at, bool) or not isinstance(at, int):
+        return f"{head} (this checkpoint holds it)"
+    return f"{head} (this checkpoint, {step - at} step(s) later, is the first saved after it)"
 
 
 def _check_positive_int_or_none(name: str, value: object) -> None:

@@ -22,6 +22,7 @@ from ..checkpoint.commit import BASE_FILE, MODEL_FILE, STATE_FILE, STATE_JSON
 from ..checkpoint.files import read_verified, regular_file, unreadable
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
+from ..checkpoint.retention import best_note
 from ..checkpoint.tensorfile import Entry, Header
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
 from .output import EXIT_DAMAGED, EXIT_OK, EXIT_UNREADABLE, CommandFailed, emit
@@ -277,9 +278,7 @@ def _print_inspect(
     if m.metrics:
         print(f"  metrics: {_kv(m.metrics)}")
     if m.best:
-        mark = "this checkpoint holds it" if m.is_best else "not this checkpoint"
-        b = m.best
-        print(f"  best: {b.get('metric')} {b.get('mode', 'min')} = {b.get('value')} at step {b.get('step')} ({mark})")
+        print(f"  best: {best_note(m.best, m.is_best, m.step)}")
     if m.lineage:
         started = m.lineage.get("started")
         when = fmt_when(started) if isinstance(started, (int, float)) else started

@@ -34,7 +34,13 @@ start time and, after a crash, how far the dead process got (``crashed``);
 A record has ``t`` (unix seconds), ``step``, ``epoch``, ``metrics`` and, when
 given, ``lr`` (a number, or a list with one number per parameter group),
 ``step_time_s`` and ``gpu_mem`` (any JSON object, e.g. bytes allocated and
-reserved). A marker has ``t``, ``event`` and its own fields. A non-finite
+reserved). The run writes in ``metrics`` only the metrics measured at the
+record's step (:mod:`preempt.run.reporting`): a metric absent from a record
+was not measured there, and an evaluation (``run.report()``) is a record of
+its own, ``{"t":..,"step":50,"epoch":0,"metrics":{"val_loss":3.87}}``.
+Histories written before (each record repeating the latest value of every
+metric) read the same way; only their values between measurements repeat.
+A marker has ``t``, ``event`` and its own fields. A non-finite
 number (a NaN loss) is written as the string ``"nan"``, ``"inf"`` or
 ``"-inf"``: bare ``NaN`` is not JSON, and most readers other than Python's
 reject it.

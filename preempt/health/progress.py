@@ -139,23 +139,41 @@ class Progress:
         epoch_time_s: float | None,
         best: Mapping[str, Any] | None = None,
         peak_gpu_mem: int | None = None,
+        *,
+        evaluated: Mapping[str, Any] | None = None,
+        processes: int = 1,
+        seconds: float | None = None,
+        known: bool = True,
     ) -> str:
-        """``epoch 3 done in 4m13s | train_loss 0.2346 eval_loss 0.3457 | best eval_loss 0.3012 (epoch 2) |
-        peak GPU memory 4.5 GiB``.
+        """``epoch 3 done in 4m13s | train_loss 0.2346 | eval_loss 0.3457 | best eval_loss 0.3012 (epoch 2) |
+        peak GPU memory 4.5 GiB``; an epoch run by several processes (stopped and resumed):
+        ``epoch 0 done: 9.61 s over 2 processes (this one 1.24 s) | loss 4.415 | val_loss 3.868``.
 
         Args:
             epoch: The epoch, printed as given.
-            metrics: The epoch's metrics.
-            epoch_time_s: Its duration; None leaves it out.
+            metrics: The epoch's metrics (e.g. the means of the training metrics).
+            epoch_time_s: Its duration in this process; None leaves it out.
             best: The best so far, e.g. ``{"eval_loss": 0.3012, "epoch": 2}``;
                 ``epoch`` and ``step`` keys go into the parentheses.
             peak_gpu_mem: Peak device memory in bytes (e.g.
                 ``torch.cuda.max_memory_allocated()``); None leaves it out.
+            evaluated: Metrics of evaluations (``run.report()``), shown after ``metrics``.
+            processes: The processes that ran part of the epoch, this one included.
+            seconds: The epoch's seconds over all of them (with ``processes`` > 1).
+            known: False: the part before this process is unknown (``metrics`` cover this process only).
         """
-        head = f"epoch {epoch} done" + (f" in {duration(epoch_time_s)}" if epoch_time_s is not None else "")
+        took = "" if epoch_time_s is None else duration(epoch_time_s)
+        if not known:  # resumed from a checkpoint of an earlier version, inside the epoch
+            head = f"epoch {epoch} done: {took or '?'} in this process (its checkpoint has no record of the rest)"
+        elif processes > 1 and seconds is not None:
+            head = f"epoch {epoch} done: {duration(seconds)} over {processes} processes (this one {took or '?'})"
+        else:
+            head = f"epoch {epoch} done" + (f" in {took}" if took else "")
         parts = [head]
         if metrics:
             parts.append(_metrics(metrics))
+        if evaluated:
+            parts.append(_metrics(evaluated))
         if best:
             where = [f"{k} {best[k]}" for k in ("epoch", "step") if k in best]
             values = {k: v for k, v in best.items() if k not in ("epoch", "step")}

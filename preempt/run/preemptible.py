@@ -162,7 +162,7 @@ class PreemptibleRun:
         self.loop = LoopState()
         self.stopper = Stopper(cfg, self.env, self.save_dir, clock)
         self.data = DataCursor(self.stopper.flag.signals)
-        self.snapshot = Snapshot(self.components, self.loop, self.data, group_frozen=cfg.carry.enabled)
+        self.snapshot = Snapshot(self.components, self.loop, self.data, group_frozen=cfg.carry.enabled, clock=clock)
         self.saves = SaveScheduler(self.manager, self.loop, self.snapshot, self.stopper.flag, clock=clock)
         self.saves.on_durable = self.stopper.saved
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
@@ -381,14 +381,10 @@ class PreemptibleRun:
                 return
             self.data.set_epoch(loop.epoch)
             self._recompute_due()
-            self.reporter.epoch_started()
+            loop.epoch_began(self._clock())
             yield loop.epoch
             self.reporter.epoch_summary()
             self.stopper.epoch_done()
-            if loop.batches_since_step:
-                log.debug(
-                    "epoch %d ended with %d batch(es) not followed by run.step()", loop.epoch, loop.batches_since_step
-                )
             loop.epoch_ended()
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
@@ -403,25 +399,28 @@ class PreemptibleRun:
             raise PreemptError(
                 f"run.batches() was already used in epoch {loop.epoch}; iterate epochs with run.epochs(n)"
             )
-        self._batches_epoch = loop.epoch
-        it, start = self.data.open(loader, loop.epoch)
+        epoch = self._batches_epoch = loop.epoch
+        it, start = self.data.open(loader, epoch)
         if it is None:
             return
         loop.at_batch(start)
         self._recompute_due()
-        if stopper.walltime is not None:
-            # time the loader's start (worker start-up, first batch) once per epoch, outside the per-batch loop
-            t0 = self._clock()
-            first = next(it, _END)
-            if first is _END:
-                return
-            stopper.loader_gap(self._clock() - t0)
-            loop.took_batch()
-            yield first
-        for item in it:
-            loop.took_batch()
-            yield item
-        stopper.loader_done()
+        try:  # run out or left: what follows is end-of-epoch code (run.report() there waits for the epoch's end)
+            if stopper.walltime is not None:
+                # time the loader's start (worker start-up, first batch) once per epoch, outside the per-batch loop
+                t0 = self._clock()
+                first = next(it, _END)
+                if first is _END:
+                    return
+                stopper.loader_gap(self._clock() - t0)
+                loop.took_batch()
+                yield first
+            for item in it:
+                loop.took_batch()
+                yield item
+            stopper.loader_done()
+        finally:  # (a generator left by a break may be closed later, in another epoch)
+            loop.batches_closed(epoch)
 
     def step(self, metrics: Mapping[str, Any] | None = None) -> None:
         """Counts one optimizer step; the safe point where checkpoints happen.
@@ -451,12 +450,14 @@ class PreemptibleRun:
         ):
             self._safe_point("step")
 
-    def report(self, metrics: Mapping[str, Any]) -> None:
-        """Records metrics without counting a step (e.g. validation at the end of an epoch).
-
-        When ``best_metric`` improves, the next safe point saves a "best" checkpoint.
-        """
-        self.loop.record(metrics, self.manager.retention)
+    def report(self, metrics: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Records metrics measured at ``step`` (default ``run.global_step``): evaluate after ``run.step()``, a safe
+        point where a better ``best_metric`` is saved at once as that step's "best" checkpoint and a stop is taken
+        (after the batches loop: at the epoch boundary). README_PREEMPTION.md, "Evaluation in the loop"."""
+        measured = self.loop.report(metrics, self.manager.retention, step)
+        self.reporter.measured(measured)
+        if self._active and measured.at_step and self.peers.alone and (measured.best or self._flag.requested):
+            self._safe_point("step")
 
     # ----------------------------------------------------------- extras
 
@@ -485,10 +486,8 @@ class PreemptibleRun:
         When the run resumed, the object's saved state is loaded at once.
         """
         self.components.track(name, obj)
-        saved = self._starter.saved_tracked if self._starter is not None else {}
-        if self._active and not state.load_tracked(name, obj, saved, str(self.resumed_from)):
-            if self.resumed_from is not None:
-                log.warning("tracked object %r has no state in %s; left as it is", name, self.resumed_from)
+        if self._active and self._starter is not None:
+            self._starter.load_tracked(name, obj)
 
     def protect(self, loader: Any) -> Any:
         """Makes a DataLoader's workers ignore stop signals (done for you by run.batches)."""

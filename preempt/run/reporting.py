@@ -6,6 +6,17 @@ progress lines (5 s, 10 s, 20 s, ... then every ``progress_every_s``), metric
 points into history.jsonl (:func:`point_interval`) and a summary at each epoch
 end.
 It reads the loop's counters and changes none.
+
+A history point carries only the metrics measured at its step
+(:func:`point_metrics`): those of ``run.step(metrics)`` sampled at the point's
+step (and, written before it at their own steps, the latest given since the
+previous point), and each ``run.report()`` as a point of its own, written at
+once (:meth:`Reporter.measured`). A metric reported every 25 steps is then 1
+point per evaluation, not a staircase of its last value at every point.
+
+The epoch summary covers the whole epoch: its sums and seconds come back with
+the checkpoint a process resumed from (:class:`~preempt.run.loop_state.EpochSoFar`),
+and the part this process ran is shown as such (:func:`epoch_line`).
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import atexit
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +37,7 @@ from ..health.history import EarlyRecords, History, RunLog
 from ..health.monitor import GPUMonitor
 from ..health.progress import Progress
 from .config import RunConfig
-from .loop_state import LoopState
+from .loop_state import LoopState, Measured
 from .save_plan import SaveRecord
 
 log = _log.log
@@ -42,6 +53,33 @@ def point_interval(age_s: float, every_s: float) -> float:
     of a day writes about 500 points more than its progress lines alone.
     """
     return min(every_s, max(1.0, age_s / 100.0))
+
+
+def point_metrics(sampled: Mapping[str, tuple[int, int, float]], after: int, step: int) -> dict[int, Any]:
+    """The metrics of a history point at ``step``, and of those written before it: ``{step: (epoch, {name:
+    value})}`` in step order, from ``run.step()``'s latest value of each metric (``sampled``: name -> (step,
+    epoch, value)) measured after the previous point's step ``after`` and not after ``step``. Each value goes
+    under the step it was measured at: a loss given every 10th step is not repeated at the steps between."""
+    out: dict[int, Any] = {}
+    for name, (at, epoch, value) in sampled.items():
+        if after < at <= step:
+            out.setdefault(at, (epoch, {}))[1][name] = value
+    return dict(sorted(out.items()))
+
+
+def epoch_line(
+    progress: Progress, loop: LoopState, now: float, best: Mapping[str, Any] | None, peak: int | None
+) -> str:
+    """The summary of the epoch ending ``now``: the means over every process's part (training metrics, then those
+    of run.report()), its seconds in all and, when other processes ran part of it, this process's part."""
+    means = loop.epoch_means()
+    trained = {k: v for k, v in means.items() if k not in loop.evaluated}
+    evaluated = {k: v for k, v in means.items() if k in loop.evaluated}
+    mine = 0.0 if loop.epoch_since is None else max(0.0, now - loop.epoch_since)
+    return progress.epoch_summary(
+        loop.epoch, trained, mine, best, peak, evaluated=evaluated, processes=loop.epoch_processes_before + 1,
+        seconds=loop.epoch_seconds_before + mine, known=loop.epoch_known,
+    )  # fmt: skip
 
 
 class Reporter:
@@ -64,8 +102,9 @@ class Reporter:
         self._history: History | None = None
         self._progress: Progress | None = None
         self._monitor: GPUMonitor | None = None
-        self._epoch_started = 0.0
         self._from = (0.0, 0)  # (clock, step) of the previous record
+        self._point_step = 0  # the step of the previous metric point: run.step()'s metrics after it are new
+        self._said_inside = False  # the warning about run.report() inside a step, once
         self.crash: dict[str, Any] | None = None  # the previous process died holding the lock: how far it got
         self._base = (0, 0, 0)  # (step, epoch, batch) at the start of this process: the optimizer steps per batch
         self._interval = 0.0  # the wait before the next progress line: short at first, up to progress_every_s
@@ -85,6 +124,7 @@ class Reporter:
         """train.log, history.jsonl, the progress line and the GPU monitor, as configured."""
         cfg, step = self.config, self.loop.global_step
         self._base = (step, self.loop.epoch, self.loop.batch)
+        self._point_step = step
         if self.rank == 0:
             log.info("%s", start_line(cfg, self.save_dir, resumed_from, step))
         held, self._held = (self._held or EarlyRecords()).done(), None
@@ -141,32 +181,56 @@ class Reporter:
         if now >= self._point_at and self._history is not None:
             self._point_at = now + point_interval(now - self._started, every)
             t0, step0 = self._from
-            self._from = (now, loop.global_step)
-            steps = loop.global_step - step0
+            step = loop.global_step
+            self._from = (now, step)
+            steps = step - step0
+            after = self._point_step if self._point_step <= step else -1  # -1: a rollback took the steps back
+            earlier = point_metrics(loop.sampled, after, step)
+            _, here = earlier.pop(step, (loop.epoch, {}))
+            for at, (epoch, values) in earlier.items():  # measured since the previous point, at their own steps
+                self._history.record(at, epoch, values)
+            self._point_step = step
             self._history.record(
-                loop.global_step,
+                step,
                 loop.epoch,
-                loop.metrics,
+                here,
                 lr=[float(g["lr"]) for g in optimizer.param_groups] if optimizer is not None else None,
                 step_time_s=(now - t0) / steps if steps > 0 else None,
                 gpu_mem=self._gpu_memory(),
             )
         self.next_at = min(self._line_at, self._point_at)
 
-    def epoch_started(self) -> None:
-        self._epoch_started = self.clock()
+    def measured(self, m: Measured) -> None:
+        """A ``run.report()``: its own history point, at the step the metrics belong to."""
+        if self._history is not None:
+            self._history.record(m.step, self.loop.epoch, m.values)
+        if m.inside_step and not self._said_inside and self.rank == 0:
+            self._said_inside = True
+            log.warning(
+                "run.report() was called inside step %d (after a batch, before its run.step()): its metrics are"
+                " recorded at step %d, the last step counted, though the model may be part way into the next, and"
+                " a best checkpoint can only be the first one after them; call run.report() after run.step()"
+                ' (README_PREEMPTION.md, "Evaluation in the loop")',
+                self.loop.global_step + 1,
+                m.step,
+            )
 
     def epoch_summary(self) -> None:
+        """The summary line at an epoch's end: the whole epoch's means and seconds (:func:`epoch_line`)."""
+        loop = self.loop
+        if loop.batches_since_step:
+            log.debug(
+                "epoch %d ended with %d batch(es) not followed by run.step()", loop.epoch, loop.batches_since_step
+            )
         if self._progress is None or self.rank != 0:
             return
         peak = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             peak = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        loop = self.loop
-        took = self.clock() - self._epoch_started
-        means = loop.epoch_means()  # the epoch's mean of each metric, not its last step's
-        log.info("%s", self._progress.epoch_summary(loop.epoch, means, took, loop.best, peak))
+        best = loop.best
+        shown = None if best is None else {best["metric"]: best["value"], "step": best["step"]}
+        log.info("%s", epoch_line(self._progress, loop, self.clock(), shown, peak))
 
     def predecessor_died(self, step: int | None, pid: Any) -> None:
         """The previous process died holding the lock, at ``step`` (its beacon): said in the resume marker."""

@@ -29,7 +29,7 @@ from ..data import rng
 from ..errors import CorruptCheckpointError, IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
 from .config import RunConfig
 from .data_cursor import SEED_MASK, DataCursor, Resume
-from .loop_state import LoopState
+from .loop_state import LoopState, epoch_so_far
 from .peers import Alone
 from .resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
 from .save_policy import Reason
@@ -237,6 +237,12 @@ class Starter:
             )
         self.restore(info, source.read(info, rank=rank))
 
+    def load_tracked(self, name: str, obj: state.Stateful) -> None:
+        """``run.track()`` inside the run: the restored checkpoint's state of ``name``, loaded into ``obj`` at once."""
+        if not state.load_tracked(name, obj, self.saved_tracked, str(self.resumed_from)):
+            if self.resumed_from is not None:
+                log.warning("tracked object %r has no state in %s; left as it is", name, self.resumed_from)
+
     # ---------------------------------------------------------------- restoring
 
     def check(self, info: CheckpointInfo, loaded: state.Loaded) -> Checked:
@@ -267,7 +273,7 @@ class Starter:
         snap.lineage = dict(m.lineage)
         rng.restore(rng_now)
         c = m.cursor
-        self.loop.restored(m.step, c, m.metrics, m.best)
+        self.loop.restored(m.step, c, m.metrics, m.best, epoch_so_far(tree.get("epoch"), str(info.path)))
         self.data.resume = Resume(info, c, rng_now, rng_epoch, m.sampler, data.get("loader"))
         self.saves.loaded(info)
         if not loaded.sharded:  # the files the live tensors now match may be carried by the next checkpoint
@@ -368,6 +374,7 @@ def check_restored(tree: dict[str, Any], where: str, classes: Mapping[str, str |
     hyperparams.check_optimizer(tree.get("optimizer"), where, classes.get("optimizer"))
     hyperparams.check_scheduler(tree.get("scheduler"), where, classes.get("scheduler"))
     hyperparams.check_scaler(tree.get("scaler"), where, classes.get("scaler"))
+    epoch_so_far(tree.get("epoch"), where)
     return rng_now, rng_epoch
 
 

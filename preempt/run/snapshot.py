@@ -3,7 +3,7 @@
 :class:`Snapshot` turns the run's parts into a checkpoint's content: the
 components' tensors and JSON (:func:`preempt.checkpoint.state.capture`), the run's own
 state (every random generator now and at the epoch's start, where the data
-stands, the user's state, the learning-rate scale), and the manifest with the
+stands, the user's state, the learning-rate scale, the epoch so far), and the manifest with the
 cursor, metrics, best, lineage and the run's retention. Under torch.distributed
 each rank other than 0 writes only its own random state; sharded (DTensor)
 tensors are written by DCP (:mod:`preempt.cluster.sharded`).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint import codec, state
@@ -30,9 +31,10 @@ class Snapshot:
 
     def __init__(
         self, components: state.Components, loop: LoopState, data: DataCursor, *, rank: int = 0,
-        group_frozen: bool = False,
+        group_frozen: bool = False, clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         self.components = components
+        self.clock = clock  # the run's: the epoch's seconds so far
         self.group_frozen = group_frozen  # the frozen base in a file of its own (preempt.checkpoint.carry)
         self.loop = loop
         self.data = data
@@ -54,6 +56,7 @@ class Snapshot:
             "data": data,
             "user": self.user_state,
             "lr_scale": self.lr_scale,
+            "epoch": self.loop.epoch_record(self.clock()),  # the epoch's summary covers every process's part
         }
 
     def capture(self, split: tuple[dict[str, Any], Any] | None = None) -> state.Payload:

@@ -145,6 +145,18 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return model(input_ids=x, labels=y).loss
 
 
+def evaluate(model: torch.nn.Module, loss_of, data: Dataset) -> float:
+    """--eval_every, --eval_epoch: the loss on a fixed validation set (the first 64 samples, no augmentation drawn),
+    in eval mode; draws nothing from the RNGs. Reaches the loop point "eval" first."""
+    reached("eval")
+    model.eval()
+    with torch.no_grad():
+        x, y = zip(*(data[i] for i in range(min(64, len(data)))), strict=True)
+        loss = loss_of(model, torch.stack(x), torch.stack(y)).item()
+    model.train()
+    return loss
+
+
 def flatten(prefix: str, tree, out: dict) -> None:
     if isinstance(tree, torch.Tensor):
         out[prefix] = tree.detach().clone().contiguous()
@@ -192,9 +204,9 @@ def lazy_copy_at_stop() -> None:
 # stages (preempt.checkpoint.commit.STAGES, on the writer's thread for a background save), "load" (a checkpoint file
 # is about to be read and verified), "discard" (a failed or cancelled write's temporary directory is about to be
 # removed), and the loop's own: "step" (inside a step's work, before run.step()), "saved" (right after a run.step()
-# that took a checkpoint: staged, for a background save) and "epoch_end" (in end-of-epoch code). Each is counted
-# from 1 in this process.
-LOOP_POINTS = ("step", "saved", "epoch_end")
+# that took a checkpoint: staged, for a background save), "epoch_end" (in end-of-epoch code) and "eval" (inside an
+# evaluation of --eval_every or --eval_epoch). Each is counted from 1 in this process.
+LOOP_POINTS = ("step", "saved", "epoch_end", "eval")
 POINTS = (*commit.STAGES, "load", "discard", *LOOP_POINTS)
 HOLD_LIMIT_S = 120.0  # a hold that nothing releases ends here, and the test that set it fails on what follows
 _counts: dict[str, int] = {}
@@ -348,6 +360,9 @@ def main() -> None:
         help="STEP:SIG[,...]: send this process a real SIG once run.step() made STEP (in the order given)",
     )
     p.add_argument("--metrics", action="store_true", help="run.step(metrics={'loss': ...})")
+    p.add_argument("--eval_every", type=int, default=None, help="run.report({'val_loss': ...}) after run.step()")
+    p.add_argument("--eval_epoch", action="store_true", help="run.report({'val_loss': ...}) at each epoch's end")
+    p.add_argument("--best", action="store_true", help="PreemptibleRun(best_metric='val_loss', keep_best=1)")
     p.add_argument("--progress_every_s", type=float, default=None)
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
     p.add_argument("--lazy_copy_at_stop", action="store_true", help="lazy_snapshot=True, see lazy_copy_at_stop()")
@@ -418,6 +433,8 @@ def main() -> None:
         walltime["carry_unchanged"] = CarryOptions(carry_limit=args.carry_limit)
     if args.no_carry:
         walltime["carry_unchanged"] = False
+    if args.best:
+        walltime |= {"best_metric": "val_loss", "keep_best": 1}
     kills = [
         (int(step), sig) for step, sig in (item.split(":") for item in (args.kill_at_step or "").split(",") if item)
     ]
@@ -481,6 +498,12 @@ def main() -> None:
                     if run.global_step == kill_step:
                         print(f"kill_at_step {kill_step} {kill_sig}", flush=True)
                         os.kill(os.getpid(), signal.Signals[f"SIG{kill_sig}"])
+                if args.eval_every and run.global_step % args.eval_every == 0:  # evaluation after run.step()
+                    run.report({"val_loss": evaluate(model, loss_of, data)})
+                    print(f"reported val_loss at step {run.global_step}", flush=True)
+            if args.eval_epoch:
+                run.report({"val_loss": evaluate(model, loss_of, data)})
+                print(f"reported val_loss at step {run.global_step} (epoch {epoch}'s end)", flush=True)
             # end-of-epoch code that draws from the RNG, like a validation loader would
             run.user_state.setdefault("epoch_draws", []).append(float(torch.rand(())))
             print(f"epoch_end {epoch}", flush=True)

@@ -85,7 +85,7 @@ def test_the_epoch_summary_shows_epoch_means(tmp_path, caplog):
     cfg = RunConfig(log_file=False)
     reporter = Reporter(cfg, tmp_path, loop, clock)
     reporter.start(None)
-    reporter.epoch_started()
+    loop.epoch_began(clock())
     for v in (1.0, 2.0, 6.0, float("nan")):
         loop.record({"loss": v}, cfg.retention())
     with caplog.at_level(logging.INFO, logger="preempt"):

@@ -366,6 +366,7 @@ def test_the_boundary_returns_both_rng_states_of_a_good_tree():
         (lambda t: t.update(lr_scale=0), "lr_scale: expected a finite number > 0, found 0"),
         (lambda t: t["optimizer"]["param_groups"][0].update(lr=None), "optimizer.param_groups[0].lr: expected"),
         (lambda t: t.update(scheduler={"step_size": -1}), "scheduler.step_size: expected an integer >= 1"),
+        (lambda t: t.update(epoch={"epoch": 0, "seconds": 1.0, "processes": -1}), "epoch.processes: expected an"),
     ],
 )
 def test_the_boundary_refuses_each_part(edit, expected):
