@@ -269,6 +269,27 @@ def hold_at(spec: str) -> None:
     act(action)
 
 
+def wait_file_at(spec: str) -> None:
+    """``POINT:N:FILE[,...]``: the N-th time this process reaches POINT, it prints ``waiting at POINT N`` and waits
+    there until FILE exists (made by the test once it has done what must happen meanwhile), at most HOLD_LIMIT_S."""
+    plan = {}
+    for item in spec.split(","):
+        point, n, *path = _parse("--wait_file_at", item, 3)
+        plan[(point, int(n))] = ":".join(path)
+
+    def action(point: str, n: int) -> None:
+        path = plan.get((point, n))
+        if path is None:
+            return
+        print(f"waiting at {point} {n}", flush=True)
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(f"went on at {point} {n}", flush=True)
+
+    act(action)
+
+
 def settle_at(spec: str) -> None:
     """``POINT:N[,...]``: the N-th time this process reaches POINT (a loop point), the loop waits there until the
     background write in flight is durable (``run.wait_for_checkpoint()``), so that the next save is taken when it
@@ -337,6 +358,7 @@ def main() -> None:
     p.add_argument("--signal_at", default=None, help="POINT:N:SIG[:until_cancelled][,...], see signal_at()")
     p.add_argument("--settle_at", default=None, help="POINT:N[,...]: wait there for the write in flight")
     p.add_argument("--hold_at", default=None, help="POINT:N[,...]: wait there for a stop signal, see hold_at()")
+    p.add_argument("--wait_file_at", default=None, help="POINT:N:FILE[,...]: wait there for FILE, see wait_file_at()")
     p.add_argument("--time_limit", default=None, help="PreemptibleRun(time_limit=): seconds or [D-]HH:MM:SS")
     p.add_argument("--max_restarts", type=int, default=None)
     p.add_argument("--sync_save", action="store_true", help="PreemptibleRun(async_save=False)")
@@ -370,6 +392,8 @@ def main() -> None:
         hold_at(args.hold_at)
     if args.settle_at:
         settle_at(args.settle_at)
+    if args.wait_file_at:
+        wait_file_at(args.wait_file_at)
     if args.slow_commit:
         act(slow_commit(args.slow_commit))
 
