@@ -370,6 +370,8 @@ def main() -> None:
         help="STEP:SIG[,...]: send this process a real SIG once run.step() made STEP (in the order given)",
     )
     p.add_argument("--metrics", action="store_true", help="run.step(metrics={'loss': ...})")
+    p.add_argument("--report_epoch_end", action="store_true", help="run.report({'epoch_draw': ...}) at each epoch end")
+    p.add_argument("--loggers", default=None, help="tensorboard,wandb: PreemptibleRun(loggers=[...])")
     p.add_argument("--progress_every_s", type=float, default=None)
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
     p.add_argument("--lazy_copy_at_stop", action="store_true", help="lazy_snapshot=True, see lazy_copy_at_stop()")
@@ -442,6 +444,16 @@ def main() -> None:
         walltime["carry_unchanged"] = CarryOptions(carry_limit=args.carry_limit)
     if args.no_carry:
         walltime["carry_unchanged"] = False
+    loggers = []
+    for name in (args.loggers or "").split(","):
+        if name == "tensorboard":  # an object, so that a kill below can flush its events first
+            from preempt.health.loggers import TensorBoard
+
+            loggers.append(TensorBoard())
+        elif name:
+            loggers.append(name)
+    if loggers:
+        walltime["loggers"] = loggers
     kills = [
         (int(step), sig) for step, sig in (item.split(":") for item in (args.kill_at_step or "").split(",") if item)
     ]
@@ -504,9 +516,14 @@ def main() -> None:
                 for kill_step, kill_sig in kills:  # each handler runs before the next kill is sent
                     if run.global_step == kill_step:
                         print(f"kill_at_step {kill_step} {kill_sig}", flush=True)
+                        for logger in loggers:  # what was logged so far is on disk, as after a longer run
+                            if getattr(logger, "writer", None) is not None:
+                                logger.writer.flush()
                         os.kill(os.getpid(), signal.Signals[f"SIG{kill_sig}"])
             # end-of-epoch code that draws from the RNG, like a validation loader would
             run.user_state.setdefault("epoch_draws", []).append(float(torch.rand(())))
+            if args.report_epoch_end:
+                run.report({"epoch_draw": run.user_state["epoch_draws"][-1]})
             print(f"epoch_end {epoch}", flush=True)
             reached("epoch_end")
             if args.epoch_end_sleep:
