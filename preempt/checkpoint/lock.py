@@ -335,7 +335,8 @@ class DirLock:
         problem = replaced(self.path, expected, found)
         if problem is None:
             return
-        holder = {} if found["lock"] is None else _read_path(self.path)
+        # never a second descriptor of the file held: closing it would drop this process's record lock
+        holder = {} if found["lock"] in (None, self._key) else _read_path(self.path)
         if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             now = f"; {self.path} is a copy of this run's own lock file (the directory was copied)"
         else:

@@ -36,6 +36,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import string
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -69,7 +70,7 @@ class TensorBoard:
     def open(self, save_dir: Path, first_step: int, resumed: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        log_dir = self.log_dir if self.log_dir is not None else save_dir / "tensorboard"
+        log_dir = self.log_dir if self.log_dir is not None else _own_dir(save_dir / "tensorboard")
         self.writer = SummaryWriter(str(log_dir), purge_step=first_step, flush_secs=self.flush_secs)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -109,6 +110,7 @@ class WandB:
 
         run_id = wandb_run_id(save_dir, resumed, new_run_id)
         where = self.dir if self.dir is not None else save_dir
+        _own_dir(where / "wandb")
         self.run = wandb.init(id=run_id, resume="allow", project=self.project, dir=str(where), **self.init)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -122,6 +124,18 @@ class WandB:
         if preempted:
             run.mark_preempting()  # stopped to be continued: W&B shows the run preempted, not failed
         run.finish(exit_code=exit_code)
+
+
+def _own_dir(path: Path) -> Path:
+    """``path`` when it is a directory of its own or absent: the package writes there without preempt's checks, so a
+    symlink or a file planted in the save_dir under that name is refused (:mod:`preempt.checkpoint.safe_io`)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISDIR(mode):
+        raise ValueError(f"{path}: expected a directory, found {safe_io.kind(mode)}")
+    return path
 
 
 def new_run_id() -> str:

@@ -129,3 +129,18 @@ def test_a_resume_with_a_bad_wandb_id_file_is_refused_naming_it(tmp_path):
 
 def test_new_ids_look_like_wandbs():
     assert all(len(i) == 8 and i.isalnum() and i.lower() == i for i in (new_run_id() for _ in range(20)))
+
+
+def test_a_symlink_planted_as_the_tensorboard_directory_is_refused_and_the_run_goes_on(tmp_path, caplog):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    save_dir = tmp_path / "run"
+    save_dir.mkdir()
+    (save_dir / "tensorboard").symlink_to(elsewhere)
+    loggers = Loggers([TensorBoard()])
+    with caplog.at_level(logging.WARNING, logger="preempt"):
+        loggers.open(save_dir, 0, resumed=False)
+        loggers.log(1, {"loss": 1.0})
+    said = f"logger tensorboard: open failed (ValueError: {save_dir / 'tensorboard'}: expected a directory, found a"
+    assert f"{said} symbolic link); left out from now on" in caplog.text and not list(elsewhere.iterdir())
