@@ -43,6 +43,10 @@ Exit codes (documented in README.md too):
 
 from __future__ import annotations
 
+import logging
+import sys
+from typing import Any
+
 PREEMPTED_EXIT_CODE = 75
 SAVE_FAILED_EXIT_CODE = 74
 REQUEUE_FAILED_EXIT_CODE = 76
@@ -119,6 +123,52 @@ class IncompatibleStateError(PreemptError):
     Examples: model keys or shapes differ, the optimizer has another number
     of parameter groups, the dataset length changed.
     """
+
+
+class LockedError(PreemptError):
+    """Another process (or another run in this process) holds the save_dir.
+
+    Uncaught, it ends the process with its message on one line of stderr and
+    exit status 1, without a traceback (:func:`shown_plainly`): the message
+    says everything a traceback would, and who holds the directory.
+
+    Attributes:
+        holder: What the lock file says about the holder (pid, host, since,
+            purpose); empty when it could not be read.
+    """
+
+    def __init__(self, message: str, holder: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.holder = dict(holder or {})
+        shown_plainly()
+
+
+class LockLostError(LockedError):
+    """The save_dir, or its lock file, is no longer the one this run locked.
+
+    The directory was deleted and made again, moved away and replaced, or its
+    lock file removed, while the run held it: another process may lock and
+    write the directory now, so this run writes nothing more there (no
+    checkpoint, no pruning, no completion marker). Raised before any write
+    (:func:`preempt.checkpoint.lock.check_held`).
+
+    Attributes:
+        holder: What the lock file at the path says now (a new run's details), or empty.
+        expected: ``{"lock": [st_dev, st_ino], "dir": [st_dev, st_ino]}`` of what the run locked.
+        found: The same of what the paths name now (None for a path that names nothing).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        holder: dict[str, Any] | None = None,
+        *,
+        expected: dict[str, Any] | None = None,
+        found: dict[str, Any] | None = None,
+    ):
+        super().__init__(message, holder)
+        self.expected = dict(expected or {})
+        self.found = dict(found or {})
 
 
 class SlurmError(PreemptError):
@@ -245,3 +295,41 @@ class RunComplete(SystemExit):
     def __init__(self, save_dir: str):
         super().__init__(0)
         self.save_dir = save_dir
+
+
+# ---------------------------------------------------------------- how an uncaught error ends the process
+
+_PLAIN = (LockedError,)  # errors whose message is the whole story: one line, no traceback
+_previous_hook: Any = None
+
+
+def shown_plainly() -> None:
+    """Makes an uncaught :class:`LockedError` end the process with one line on stderr (exit status 1).
+
+    Installs a ``sys.excepthook`` once, chained to the one it replaces, which
+    handles every other exception as before. Python exits with status 1 after
+    any uncaught exception; the hook only changes what is printed:
+    ``[preempt] error: <message>`` instead of a traceback. With the ``preempt``
+    logger at DEBUG (``PREEMPT_LOG_LEVEL=DEBUG``) the traceback is printed as
+    well. Called when such an error is made, so a process that never meets one
+    keeps its hook untouched.
+    """
+    global _previous_hook
+    if sys.excepthook is _plain_hook:
+        return
+    _previous_hook = sys.excepthook
+    sys.excepthook = _plain_hook
+
+
+def _plain_hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    previous = _previous_hook if _previous_hook is not None else sys.__excepthook__
+    if not isinstance(value, _PLAIN) or logging.getLogger("preempt").isEnabledFor(logging.DEBUG):
+        previous(kind, value, tb)
+        if not isinstance(value, _PLAIN):
+            return
+    message = " ".join(str(value).split())  # one line, whatever the message holds
+    try:
+        sys.stderr.write(f"[preempt] error: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed: the exit status still says it
+        pass

@@ -31,9 +31,18 @@ How:
   original's: it is replaced by a file of its own, under the record lock of
   the shared one and locked before its rename, so that no two processes ever
   hold one save_dir (:meth:`DirLock._unshare`); a lock file found held by a
-  run of another directory is refused with what to do. A holder whose
-  directory is moved or replaced under it finds out with :meth:`DirLock.check`
-  (:func:`check_held`) before it commits a checkpoint there.
+  run of another directory is refused with what to do.
+* A holder whose directory is deleted and made again, or moved and replaced,
+  under it (an orphaned process still training when a new run starts in a
+  directory of the same name) finds out with :meth:`DirLock.check`
+  (:func:`check_held`), two ``stat`` calls that compare the ``st_dev``/``st_ino``
+  of ``save_dir`` and of ``save_dir/lock`` with what it locked, before each of
+  its writes there: a checkpoint's temporary directory, the commit's rename,
+  pruning, a pool of files written ahead, the completion marker. It gets
+  :class:`~preempt.errors.LockLostError` (naming the path, what it locked and
+  what it found) and writes nothing more, so the new run's files are never
+  touched. The directory is held open while locked, so that a new directory
+  cannot be given the old one's inode number.
 * Where the filesystem refuses record locks (Lustre mounted without
   ``flock``/``localflock``, some FUSE filesystems), the lock falls back to
   its content: a holder on this host whose process still runs (same pid and
@@ -57,7 +66,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import PreemptError
+from ..errors import LockedError, LockLostError, PreemptError
 from . import safe_io
 
 log = logging.getLogger("preempt")
@@ -71,19 +80,6 @@ _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _RETRIES = 20  # attempts to lock a lock file that others keep replacing
 _HELD: dict[tuple[int, int], DirLock] = {}  # (st_dev, st_ino) of lock files this process holds
 _HELD_GUARD = threading.Lock()
-
-
-class LockedError(PreemptError):
-    """Another process (or another run in this process) holds the save_dir.
-
-    Attributes:
-        holder: What the lock file says about the holder (pid, host, since,
-            purpose); empty when it could not be read.
-    """
-
-    def __init__(self, message: str, holder: dict[str, Any]):
-        super().__init__(message)
-        self.holder = holder
 
 
 def _start_time(pid: int) -> int | None:
@@ -155,6 +151,7 @@ class DirLock:
         self._heartbeat: threading.Thread | None = None
         self._extra_fds: list[int] = []
         self._dir: list[int] | None = None  # the save_dir's [st_dev, st_ino], recorded in the lock file
+        self._dir_fd: int | None = None
 
     @property
     def held(self) -> bool:
@@ -231,6 +228,7 @@ class DirLock:
             what = f"the lock file was replaced {_RETRIES} times while being locked"
             raise OSError(errno.EAGAIN, what, str(self.path))
         self._fd, self._key, self._extra_fds = fd, key, []
+        self._dir_fd = _open_dir(self.path.parent)  # held: its inode number is not reused while the run holds it
         self.previous = previous
         if previous.get("dir") not in (None, self._dir):
             log.info(
@@ -320,25 +318,37 @@ class DirLock:
                 log.warning("%s: could not refresh the lock's heartbeat: %s", self.path, e)
 
     def check(self) -> None:
-        """Raises an OSError unless ``save_dir/lock`` is still the file this lock holds.
+        """Raises :class:`LockLostError` unless ``save_dir`` and ``save_dir/lock`` are still what this lock took.
 
-        The save_dir was moved or replaced under the run (``mv run run.old; cp -a run.old run``), or its lock
-        file removed: another process can then take a lock of ``save_dir`` and write there too, so a
-        checkpoint must not be committed into it. A no-op when not held.
+        The save_dir was deleted and made again, moved away and replaced (``mv run run.old; cp -a run.old run``),
+        or its lock file removed: another process can then take a lock of ``save_dir`` and write there too, so
+        this run must write nothing more into it. Two ``stat`` calls; a no-op when not held. The directory is
+        held open while locked, so that its inode number cannot be given to a new directory of the same name.
 
         Raises:
-            OSError: ESTALE, with a message naming the lock file and what to do.
+            LockLostError: What the run locked and what the paths name now, and what to do.
         """
         if self._key is None or self._fd is None:
             return
-        if _names(self.path) != self._key or _dir_identity(self.path.parent) != self._dir:
-            raise OSError(
-                errno.ESTALE,
-                f"the save_dir was moved or replaced, or its lock file removed, under this run (it holds the lock"
-                f" file it took at the start, which {self.path} no longer names); nothing more is written there."
-                " Move the directory back, or stop this run and start it again",
-                str(self.path),
-            )
+        found = {"lock": _names(self.path), "dir": _dir_identity(self.path.parent)}
+        expected = {"lock": self._key, "dir": self._dir}
+        problem = replaced(self.path, expected, found)
+        if problem is None:
+            return
+        # never a second descriptor of the file held: closing it would drop this process's record lock
+        holder = {} if found["lock"] in (None, self._key) else _read_path(self.path)
+        if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            now = f"; {self.path} is a copy of this run's own lock file (the directory was copied)"
+        else:
+            now = f"; {self.path} names {describe(holder)}" if holder else ""
+        raise LockLostError(
+            f"{problem}{now}. Another process may use {self.path.parent} now, so this run writes nothing more"
+            " there; its checkpoints so far are wherever the directory it locked went, or were deleted with it."
+            " To continue this run, put that directory back under its name and start it again",
+            holder,
+            expected=_listed(expected),
+            found=_listed(found),
+        )
 
     def release(self) -> None:
         """Empties the lock file and lets go (a no-op when not held)."""
@@ -357,6 +367,9 @@ class DirLock:
                 log.warning("%s: could not empty the lock file: %s", self.path, e)
             for extra in self._extra_fds:
                 os.close(extra)
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+                self._dir_fd = None
             os.close(fd)  # drops the record lock
 
     def __enter__(self) -> DirLock:
@@ -440,14 +453,56 @@ class StepBeacon:
 def check_held(save_dir: str | os.PathLike[str]) -> None:
     """:meth:`DirLock.check` of the lock this process holds on ``save_dir``, if any.
 
-    The manager calls it before each commit's rename, so a run never commits into a save_dir moved or replaced
-    under it; a manager used without a lock (``CheckpointManager`` alone) holds none, and nothing is checked.
+    The manager calls it before each write into the save_dir (a checkpoint's temporary directory, the commit's
+    rename, pruning, the completion marker; :func:`preempt.checkpoint.recycle.reserve` before a pool), so a run
+    never writes into a save_dir replaced under it; a manager used without a lock (``CheckpointManager`` alone)
+    holds none, and nothing is checked.
+
+    Raises:
+        LockLostError: The save_dir or its lock file is not the one locked.
     """
     path = Path(save_dir) / LOCK
     with _HELD_GUARD:
         mine = [held for held in _HELD.values() if held.path == path]
     for held in mine:
         held.check()
+
+
+def replaced(path: Path, expected: dict[str, Any], found: dict[str, Any]) -> str | None:
+    """What the run locked and what the paths name now, in words, when they differ; None when they do not.
+
+    Pure: ``expected`` and ``found`` hold ``"dir"`` (``[st_dev, st_ino]`` of the save_dir) and ``"lock"``
+    (``(st_dev, st_ino)`` of ``path``, its lock file), None for a path that names nothing.
+    """
+    same = [list(found.get(k) or ()) == list(expected.get(k) or ()) for k in ("dir", "lock")]
+    if all(same) and found.get("lock") is not None:
+        return None
+    had = f"it locked directory {_inode(expected.get('dir'))} and lock file {_inode(expected.get('lock'))}"
+    if found.get("dir") is None:
+        return f"{path.parent} was removed under this run ({had}; nothing has that name now)"
+    lock = "no lock file" if found.get("lock") is None else f"lock file {_inode(found['lock'])}"
+    now = f"directory {_inode(found['dir'])} with {lock}"
+    return f"{path.parent} was replaced under this run ({had}; the path names {now} now)"
+
+
+def _inode(identity: Any) -> str:
+    """``[2049, 1234]`` -> ``"inode 1234 on device 2049"``; None -> ``"(none)"``."""
+    if not identity:
+        return "(none)"
+    dev, ino = identity
+    return f"inode {ino} on device {dev}"
+
+
+def _listed(identities: dict[str, Any]) -> dict[str, list[int] | None]:
+    return {k: None if v is None else [int(x) for x in v] for k, v in identities.items()}
+
+
+def _read_path(path: Path) -> dict[str, Any]:
+    """What the lock file at ``path`` says (a regular file, no symlink followed), or {}."""
+    try:
+        return safe_io.read_json(path)
+    except (OSError, ValueError):
+        return {}
 
 
 def _dir_identity(path: Path) -> list[int] | None:
@@ -458,6 +513,13 @@ def _dir_identity(path: Path) -> list[int] | None:
     except OSError:
         return None
     return [st.st_dev, st.st_ino]
+
+
+def _open_dir(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _names(path: Path) -> tuple[int, int] | None:

@@ -426,6 +426,7 @@ class CheckpointManager:
         ``reuse=False`` for a directory that others' code writes into (DCP's
         shards): only :func:`commit.write_file` knows how to write over a recycled file.
         """
+        lock.check_held(self.save_dir)  # nothing written into a save_dir replaced under the run holding it
         tmp = commit.tmp_dir_path(self.save_dir, commit.checkpoint_name(step))
         if reuse and self.owner and self.retention.recycle and recycle.take(self.save_dir, tmp):
             return tmp
@@ -539,6 +540,7 @@ class CheckpointManager:
         """
         if not self.owner:
             raise CheckpointError("prune: this manager was opened read-only (owner=False)")
+        lock.check_held(self.save_dir)
         if not self._indexed:
             self.list()
         keep = select_kept(self.retention, self._index.values())
@@ -572,6 +574,7 @@ class CheckpointManager:
 
     def mark_complete(self, info: CheckpointInfo) -> None:
         """Records that the run finished with checkpoint ``info``."""
+        lock.check_held(self.save_dir)
         doc = marker.record(info, time.time())
         commit.write_atomic(self.save_dir / COMPLETE, [json.dumps(doc, indent=1).encode() + b"\n"])
 

@@ -37,7 +37,7 @@ import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from . import commit
+from . import commit, lock
 
 PREFIX = ".recycle-"
 
@@ -113,6 +113,7 @@ def reserve(save_dir: Path, sizes: Mapping[str, int]) -> Path:
     becomes the pool, and :class:`~preempt.checkpoint.commit.WriteCancelled` propagates.
     Any other failure (a full disk) removes what was written.
     """
+    lock.check_held(save_dir)  # never into a save_dir replaced under the run (preempt.checkpoint.lock)
     tmp = commit.new_tmp_dir(save_dir, "reserve")
     try:
         for name, size in sizes.items():

@@ -20,8 +20,12 @@ Rules, each one a bug seen elsewhere:
   once (a person pressing Ctrl+C twice wants out), except inside a
   :meth:`StopFlag.critical` section such as a checkpoint write, where it is
   only counted; the write finishes and the run exits as planned.
-* A SIGINT that is ignored when the run starts stays ignored: shells start
-  background jobs that way so that Ctrl+C in the terminal does not reach them.
+* A SIGINT that is ignored when the run starts stays ignored: a
+  non-interactive shell starts a background job (``python train.py &`` in a
+  script) that way, so that a Ctrl+C meant for the script does not reach it,
+  and the process inherits it. The shell asked for it, so the run keeps it, and
+  says so once as it installs its handlers (:data:`SIGINT_IGNORED`): Ctrl+C
+  does nothing to such a run; SIGTERM stops it the same way.
 * A stop signal that is *blocked* when the run starts is unblocked once the
   handlers are in place (and blocked again when the run ends). A signal that
   came while it was blocked is pending, not lost: it is delivered then, and
@@ -34,6 +38,8 @@ Rules, each one a bug seen elsewhere:
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import signal
 import threading
 import time
@@ -48,6 +54,12 @@ DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (
 )
 
 _Handler = Callable[[int, Any], Any] | int | None
+log = logging.getLogger("preempt")
+SIGINT_IGNORED = (
+    "SIGINT is ignored in this process, as a non-interactive shell leaves it for a command it starts in the"
+    " background (`python train.py &` in a script), and the run keeps it so: Ctrl+C does not stop this run. Stop"
+    " it with SIGTERM instead (kill -TERM %d): it saves at the next step and exits 75, as Ctrl+C would"
+)
 
 
 def signal_name(signum: int | None) -> str:
@@ -92,6 +104,7 @@ class StopFlag:
         self._critical = 0
         self._previous: dict[int, _Handler] = {}
         self._unblocked: set[int] = set()  # stop signals blocked before install(), unblocked by it
+        self.sigint_ignored = False  # SIGINT was SIG_IGN at install() and stays so
         self.installed = False
 
     def request(self, signum: int | None = None) -> None:
@@ -133,9 +146,11 @@ class StopFlag:
             return True
         if threading.current_thread() is not threading.main_thread():
             return False
+        self.sigint_ignored = False
         for sig in self.signals:
             previous = signal.getsignal(sig)
             if sig == signal.SIGINT and previous == signal.SIG_IGN:
+                self.sigint_ignored = True  # inherited from the shell that started us: left as it is
                 continue
             self._previous[sig] = previous
             signal.signal(sig, self._handle)
@@ -144,6 +159,8 @@ class StopFlag:
             if self._unblocked:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, self._unblocked)
         self.installed = True
+        if self.sigint_ignored:
+            log.info(SIGINT_IGNORED, os.getpid())
         return True
 
     def restore(self) -> None:

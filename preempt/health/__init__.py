@@ -2,7 +2,8 @@
 
 Owns the non-finite loss and out-of-memory guards and their streaks (``guards``), the NVML GPU monitor
 (``monitor``: gpu_samples.jsonl, gpu_stats.json), train.log and history.jsonl (``history``), and the progress line
-and epoch summaries (``progress``).
+and epoch summaries (``progress``), and the metric loggers (``loggers``: TensorBoard, W&B, one run across
+restarts; their packages are imported only by a run that asks for them).
 The run's part that acts on them (rollbacks, skips, emergency saves) is :mod:`preempt.run.guarding`; ``preempt
 report`` reads the history from :mod:`preempt.cli.main`.
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterable
+from typing import Any
 
 from .. import _log
 from ..checkpoint.carry import CarryOptions
@@ -19,6 +21,7 @@ from ..checkpoint.retention import RetentionPolicy
 from ..cluster import slurm
 from ..cluster.signals import DEFAULT_SIGNALS
 from ..errors import PREEMPTED_EXIT_CODE
+from ..health import loggers as metric_loggers
 from .save_policy import SavePolicy
 
 LOG_LEVELS = _log.LEVELS
@@ -140,6 +143,12 @@ OPTIONS_DOC = """\
             every 10 s) into ``save_dir/gpu_stats.jsonl``, summarised in
             ``gpu_stats.json`` at the end (:class:`~preempt.health.monitor.GPUMonitor`);
             None or False: off. Without NVML or a GPU it says so once and does nothing.
+        loggers: Where the metrics of ``run.step(metrics=...)`` and ``run.report(...)`` also go, at their step
+            (rank 0): ``"tensorboard"`` (``save_dir/tensorboard``), ``"wandb"`` (a W&B run whose id is kept in
+            ``save_dir/wandb.json``), or :class:`~preempt.health.loggers.TensorBoard` /
+            :class:`~preempt.health.loggers.WandB` objects with options. One run across restarts: TensorBoard
+            purges what a process logged after the checkpoint its successor resumed from, W&B resumes its run
+            (:mod:`preempt.health.loggers`). Optional extras, imported only when asked for.
         max_nonfinite: ``run.check_loss`` skips a non-finite loss; after this many
             in a row the run rolls back to its last checkpoint and divides the
             learning rates by ``nonfinite_lr_factor`` (data keeps moving on).
@@ -194,6 +203,7 @@ class RunConfig:
     progress_every_s: float | None = 60.0
     log_level: str | None = None
     monitor_gpu: bool | float | None = None
+    loggers: Iterable[Any] | None = ()
     # health
     max_nonfinite: int = 5
     nonfinite_lr_factor: float = 1.5
@@ -236,6 +246,7 @@ class RunConfig:
         level = self.log_level
         if level is not None and (not isinstance(level, str) or level.upper() not in LOG_LEVELS):
             raise ValueError(f"log_level: expected one of {', '.join(LOG_LEVELS)} or None, got {level!r}")
+        set_(self, "loggers", metric_loggers.checked(self.loggers))
         self.save_policy()  # its own checks, now rather than at the first save
         self.retention()
 

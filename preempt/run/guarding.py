@@ -20,6 +20,7 @@ from .. import _log
 from ..checkpoint import state
 from ..checkpoint.manager import CheckpointManager
 from ..cluster.supervised import Supervised
+from ..errors import LockLostError
 from ..health import guards
 from .config import RunConfig
 from .loop_state import LoopState
@@ -161,7 +162,7 @@ class Health:
         loop = self.loop
         what = f"{type(exc).__name__} escaped the training loop at step {loop.global_step}"
         last = saves.last_checkpoint or "(none)"
-        if not self.config.emergency_save or not alone:
+        if not self.config.emergency_save or not alone or isinstance(exc, LockLostError):  # nothing to write into
             return
         if loop.stepping:
             log.error(

@@ -20,15 +20,14 @@
 * at an epoch boundary inside ``run.epochs()``, after the epoch body's own
   end-of-epoch code, when every batch handed out was followed by ``run.step()``.
 
-**Exact resume** of the data: :mod:`preempt.run.data_cursor` and :mod:`preempt.data.replay`.
-
 **Signals.** SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (configurable) are caught
 only between ``__enter__`` and ``__exit__``; before and after, the process's
 previous handlers apply. A caught signal is recorded; the next safe point
 saves (when anything changed since the last save) and raises
 :class:`~preempt.errors.Preempted`, a ``SystemExit`` with code 75.
 
-**Walltime** keeping and SLURM's requeue: :mod:`preempt.run.stopping`.
+**Exact resume** of the data: :mod:`preempt.run.data_cursor`, :mod:`preempt.data.replay`; **walltime**
+keeping and SLURM's requeue: :mod:`preempt.run.stopping`.
 """
 
 from __future__ import annotations
@@ -142,6 +141,7 @@ class PreemptibleRun:
         progress_every_s: float | None = 60.0,
         log_level: str | None = None,
         monitor_gpu: bool | float | None = None,
+        loggers: Iterable[Any] | None = (),
         max_nonfinite: int = 5,
         nonfinite_lr_factor: float = 1.5,
         max_rollbacks: int = 3,
@@ -437,6 +437,7 @@ class PreemptibleRun:
         step = loop.global_step
         if metrics is not None:
             loop.record(metrics, self.manager.retention)
+            self.reporter.log_metrics(metrics)
             look = look or loop.best_pending
         # The ranks meet at every sync_every_steps-th step, all together; alone, only when something may be due.
         if self._every:
@@ -456,6 +457,7 @@ class PreemptibleRun:
         (after the batches loop: at the epoch boundary). README_PREEMPTION.md, "Evaluation in the loop"."""
         measured = self.loop.report(metrics, self.manager.retention, step)
         self.reporter.measured(measured)
+        self.reporter.log_metrics(metrics, step=measured.step)
         if self._active and measured.at_step and self.peers.alone and (measured.best or self._flag.requested):
             self._safe_point("step")
 
@@ -481,10 +483,7 @@ class PreemptibleRun:
         )
 
     def track(self, name: str, obj: state.Stateful) -> None:
-        """Saves and restores ``obj`` (anything with state_dict/load_state_dict) under ``name``.
-
-        When the run resumed, the object's saved state is loaded at once.
-        """
+        """Saves and restores ``obj`` (with state_dict/load_state_dict) as ``name``; loaded at once when resumed."""
         self.components.track(name, obj)
         if self._active and self._starter is not None:
             self._starter.load_tracked(name, obj)

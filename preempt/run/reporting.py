@@ -1,7 +1,8 @@
-"""What the run tells: ``train.log``, ``history.jsonl``, progress lines, epoch summaries, the GPU monitor.
+"""What the run tells: ``train.log``, ``history.jsonl``, progress lines, epoch summaries, the GPU monitor, loggers.
 
 :class:`Reporter` starts and stops the run's log file and history
-(:mod:`preempt.health.history`) and the GPU monitor (:mod:`preempt.health.monitor`), writes
+(:mod:`preempt.health.history`), the GPU monitor (:mod:`preempt.health.monitor`) and the metric loggers
+(TensorBoard, W&B: :mod:`preempt.health.loggers`, fed by :meth:`Reporter.log_metrics`), writes
 progress lines (5 s, 10 s, 20 s, ... then every ``progress_every_s``), metric
 points into history.jsonl (:func:`point_interval`) and a summary at each epoch
 end.
@@ -34,6 +35,7 @@ import torch
 from .. import _log
 from ..errors import Preempted
 from ..health.history import EarlyRecords, History, RunLog
+from ..health.loggers import Loggers
 from ..health.monitor import GPUMonitor
 from ..health.progress import Progress
 from .config import RunConfig
@@ -102,6 +104,7 @@ class Reporter:
         self._history: History | None = None
         self._progress: Progress | None = None
         self._monitor: GPUMonitor | None = None
+        self._loggers: Loggers | None = None  # TensorBoard, W&B (rank 0, when asked for)
         self._from = (0.0, 0)  # (clock, step) of the previous record
         self._point_step = 0  # the step of the previous metric point: run.step()'s metrics after it are new
         self._said_inside = False  # the warning about run.report() inside a step, once
@@ -159,6 +162,9 @@ class Reporter:
             if self._history is not None and self._history.active:
                 self._point_at = now + point_interval(0.0, cfg.progress_every_s)
             self.next_at = min(self._line_at, self._point_at)
+        if cfg.loggers and self.rank == 0:
+            self._loggers = Loggers(cfg.loggers)
+            self._loggers.open(self.save_dir, step, resumed=resumed_from is not None)
         if cfg.monitor_gpu is not None and self.rank == 0:
             monitor = GPUMonitor(self.save_dir, cfg.monitor_gpu)
             if monitor.available:
@@ -215,6 +221,13 @@ class Reporter:
                 m.step,
             )
 
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Hands the metrics just recorded (their values as the loop keeps them) to the loggers, at ``step``
+        (default: the current step)."""
+        if self._loggers is not None:
+            kept = self.loop.metrics
+            self._loggers.log(self.loop.global_step if step is None else step, {k: kept[k] for k in metrics})
+
     def epoch_summary(self) -> None:
         """The summary line at an epoch's end: the whole epoch's means and seconds (:func:`epoch_line`)."""
         loop = self.loop
@@ -259,6 +272,10 @@ class Reporter:
 
     def ended(self, completed: bool, exc: BaseException | None) -> None:
         """The run's end: a marker (``complete``, ``stop`` or ``error``) and the files closed."""
+        if self._loggers is not None:
+            code = 0 if completed else exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+            self._loggers.close(code, preempted=isinstance(exc, Preempted))
+            self._loggers = None
         if isinstance(exc, Preempted):
             self.stop("stop", cause=exc.cause or None, code=exc.code, requeued=exc.requeued)
         elif completed:
@@ -269,6 +286,9 @@ class Reporter:
             self.stop("error", error=(message if isinstance(message, str) else repr(exc))[:200])
 
     def stop(self, event: str | None = None, **fields: Any) -> None:
+        if self._loggers is not None:
+            self._loggers.close()
+            self._loggers = None
         if self._held is not None:  # a start that failed
             self._held.done()
             self._held = None

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .. import _log
-from ..checkpoint import commit, recycle, state
+from ..checkpoint import carry, commit, recycle, state
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.staging import (
@@ -41,7 +41,7 @@ from ..checkpoint.staging import (
 )
 from ..cluster import sharded
 from ..cluster.signals import StopFlag
-from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
+from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, LockLostError, SaveFailed
 from .loop_state import LoopState
 from .peers import Alone, Deferred
 from .save_plan import POSTPONABLE, STOPS, Job, SaveRecord, pick, plan, wake
@@ -264,7 +264,8 @@ class SaveScheduler:
         self.loaded(info)
         t1 = self.clock()
         self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
-        log.info("checkpoint %s (%s) written in %s%s", info.path, reason.value, _log.duration(t1 - t0), _carried(info))
+        took = _log.duration(t1 - t0) + carry.summary(info.manifest)
+        log.info("checkpoint %s (%s) written in %s", info.path, reason.value, took)
         self._said(info)
         if self.on_durable is not None:
             self.on_durable(t1 - t0, t1, self.loop.global_step)
@@ -408,6 +409,8 @@ class SaveScheduler:
             if isinstance(e, OSError):
                 self._failed(Reason(job.record.reason), e, step=job.record.step)
                 return
+            if isinstance(e, LockLostError):
+                raise e  # the save_dir is no longer this run's: the run ends, nothing more is written there
             last = self.last_checkpoint
             raise CheckpointWriteError(
                 f"the background write of checkpoint step_{job.record.step:09d} in {self.manager.save_dir} failed:"
@@ -439,7 +442,7 @@ class SaveScheduler:
             info.path,
             job.record.reason,
             _log.duration(now - job.started),
-            _carried(info),
+            carry.summary(info.manifest),
             _log.duration(job.record.stall_s),
         )
         self._said(info)
@@ -586,15 +589,3 @@ class SaveScheduler:
         # make room). Training goes on; the next try comes when the next checkpoint is due, not at every step.
         log.error("%s; %s; training goes on and tries again at the next checkpoint", what, last)
         loop.save_skipped(self.clock())
-
-
-def _carried(info: CheckpointInfo) -> str:
-    """What a checkpoint carried rather than wrote: ``" (12.0 MiB written, 1.2 GiB carried from step 40)"``, or ""."""
-    files = info.manifest.files if info.manifest is not None else {}
-    carried = {n: d for n, d in files.items() if d.carried_from is not None}
-    if not carried:
-        return ""
-    nbytes = sum(d.size for d in carried.values())
-    steps = ", ".join(str(s) for s in sorted({d.carried_from for d in carried.values()}))  # type: ignore[misc]
-    written = sum(d.size for d in files.values()) - nbytes
-    return f" ({_log.size(written)} written, {_log.size(nbytes)} carried from step {steps})"

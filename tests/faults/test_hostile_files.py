@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from preempt import CheckpointManager, PreemptibleRun
 from preempt.checkpoint import safe_io
-from preempt.checkpoint.lock import DirLock, LockedError
+from preempt.checkpoint.lock import DirLock, LockedError, LockLostError
 from preempt.cli import main as cli
 from preempt.health.history import History
 
@@ -254,10 +254,11 @@ def test_a_copied_lock_names_its_directory_so_a_copy_is_neither_a_crash_here_nor
 
 def test_a_save_dir_replaced_under_a_running_run_gets_no_checkpoint_from_it(template, tmp_path):
     """``mv run run.old; cp -a run.old run`` while a run trains in ``run``: its lock is in run.old now and another
-    run may lock ``run``; the stop's checkpoint is refused (exit 74, saying why) instead of written into ``run``."""
+    run may lock ``run``; the stop's checkpoint is refused (LockLostError, saying why) instead of written into
+    ``run``, and nothing is written there (issue 31: before, exit 74 after a temporary directory was written)."""
     d = copy_of(template, tmp_path)
     model, opt, sched, data = build()
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(LockLostError) as stop:
         with PreemptibleRun(d, model=model, optimizer=opt, scheduler=sched, checkpoint_interval=None) as run:
             sampler = run.sampler(data, seed=3)
             for _ in run.epochs(1):
@@ -270,9 +271,11 @@ def test_a_save_dir_replaced_under_a_running_run_gets_no_checkpoint_from_it(temp
                         shutil.copytree(d.with_name("run.old"), d, symlinks=True)
                         os.kill(os.getpid(), signal.SIGTERM)  # a real signal: the stop saves at this boundary
                     run.step()
-    assert stop.value.code == 74, stop.value  # SaveFailed: the stop's state could not be written
-    assert sorted(p.name for p in d.glob("step_*")) == [STEP1, STEP2]  # on main: step_000000004 committed here
-    assert "moved or replaced" in str(getattr(stop.value, "error", ""))
+    assert sorted(p.name for p in d.glob("step_*")) == [STEP1, STEP2]  # before: step_000000004 committed here
+    assert f"{d} was replaced under this run (it locked directory inode" in str(stop.value)
+    assert "is a copy of this run's own lock file (the directory was copied)" in str(stop.value)
+    assert stop.value.expected["dir"] != stop.value.found["dir"], (stop.value.expected, stop.value.found)
+    assert not [p.name for p in d.iterdir() if p.name.startswith(".")], "nothing of the stop's save was written"
 
 
 # ---------------------------------------------------------------- outputs inside the save_dir

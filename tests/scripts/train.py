@@ -281,6 +281,27 @@ def hold_at(spec: str) -> None:
     act(action)
 
 
+def wait_file_at(spec: str) -> None:
+    """``POINT:N:FILE[,...]``: the N-th time this process reaches POINT, it prints ``waiting at POINT N`` and waits
+    there until FILE exists (made by the test once it has done what must happen meanwhile), at most HOLD_LIMIT_S."""
+    plan = {}
+    for item in spec.split(","):
+        point, n, *path = _parse("--wait_file_at", item, 3)
+        plan[(point, int(n))] = ":".join(path)
+
+    def action(point: str, n: int) -> None:
+        path = plan.get((point, n))
+        if path is None:
+            return
+        print(f"waiting at {point} {n}", flush=True)
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(f"went on at {point} {n}", flush=True)
+
+    act(action)
+
+
 def settle_at(spec: str) -> None:
     """``POINT:N[,...]``: the N-th time this process reaches POINT (a loop point), the loop waits there until the
     background write in flight is durable (``run.wait_for_checkpoint()``), so that the next save is taken when it
@@ -349,6 +370,7 @@ def main() -> None:
     p.add_argument("--signal_at", default=None, help="POINT:N:SIG[:until_cancelled][,...], see signal_at()")
     p.add_argument("--settle_at", default=None, help="POINT:N[,...]: wait there for the write in flight")
     p.add_argument("--hold_at", default=None, help="POINT:N[,...]: wait there for a stop signal, see hold_at()")
+    p.add_argument("--wait_file_at", default=None, help="POINT:N:FILE[,...]: wait there for FILE, see wait_file_at()")
     p.add_argument("--time_limit", default=None, help="PreemptibleRun(time_limit=): seconds or [D-]HH:MM:SS")
     p.add_argument("--max_restarts", type=int, default=None)
     p.add_argument("--sync_save", action="store_true", help="PreemptibleRun(async_save=False)")
@@ -363,6 +385,8 @@ def main() -> None:
     p.add_argument("--eval_every", type=int, default=None, help="run.report({'val_loss': ...}) after run.step()")
     p.add_argument("--eval_epoch", action="store_true", help="run.report({'val_loss': ...}) at each epoch's end")
     p.add_argument("--best", action="store_true", help="PreemptibleRun(best_metric='val_loss', keep_best=1)")
+    p.add_argument("--report_epoch_end", action="store_true", help="run.report({'epoch_draw': ...}) at each epoch end")
+    p.add_argument("--loggers", default=None, help="tensorboard,wandb: PreemptibleRun(loggers=[...])")
     p.add_argument("--progress_every_s", type=float, default=None)
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
     p.add_argument("--lazy_copy_at_stop", action="store_true", help="lazy_snapshot=True, see lazy_copy_at_stop()")
@@ -385,6 +409,8 @@ def main() -> None:
         hold_at(args.hold_at)
     if args.settle_at:
         settle_at(args.settle_at)
+    if args.wait_file_at:
+        wait_file_at(args.wait_file_at)
     if args.slow_commit:
         act(slow_commit(args.slow_commit))
 
@@ -435,6 +461,16 @@ def main() -> None:
         walltime["carry_unchanged"] = False
     if args.best:
         walltime |= {"best_metric": "val_loss", "keep_best": 1}
+    loggers = []
+    for name in (args.loggers or "").split(","):
+        if name == "tensorboard":  # an object, so that a kill below can flush its events first
+            from preempt.health.loggers import TensorBoard
+
+            loggers.append(TensorBoard())
+        elif name:
+            loggers.append(name)
+    if loggers:
+        walltime["loggers"] = loggers
     kills = [
         (int(step), sig) for step, sig in (item.split(":") for item in (args.kill_at_step or "").split(",") if item)
     ]
@@ -497,6 +533,9 @@ def main() -> None:
                 for kill_step, kill_sig in kills:  # each handler runs before the next kill is sent
                     if run.global_step == kill_step:
                         print(f"kill_at_step {kill_step} {kill_sig}", flush=True)
+                        for logger in loggers:  # what was logged so far is on disk, as after a longer run
+                            if getattr(logger, "writer", None) is not None:
+                                logger.writer.flush()
                         os.kill(os.getpid(), signal.Signals[f"SIG{kill_sig}"])
                 if args.eval_every and run.global_step % args.eval_every == 0:  # evaluation after run.step()
                     run.report({"val_loss": evaluate(model, loss_of, data)})
@@ -506,6 +545,8 @@ def main() -> None:
                 print(f"reported val_loss at step {run.global_step} (epoch {epoch}'s end)", flush=True)
             # end-of-epoch code that draws from the RNG, like a validation loader would
             run.user_state.setdefault("epoch_draws", []).append(float(torch.rand(())))
+            if args.report_epoch_end:
+                run.report({"epoch_draw": run.user_state["epoch_draws"][-1]})
             print(f"epoch_end {epoch}", flush=True)
             reached("epoch_end")
             if args.epoch_end_sleep:

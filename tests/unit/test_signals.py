@@ -6,6 +6,7 @@ touched here, so a failing test cannot leave the pytest process with odd handler
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from preempt.cluster.signals import DEFAULT_SIGNALS, StopFlag, signal_name
+from preempt.cluster.signals import DEFAULT_SIGNALS, SIGINT_IGNORED, StopFlag, signal_name
 
 TOUCHED = (*DEFAULT_SIGNALS, signal.SIGHUP)
 
@@ -240,11 +241,18 @@ def test_critical_section_unwinds_on_error():
     assert flag._critical == 0
 
 
-def test_ignored_sigint_stays_ignored():
+def test_ignored_sigint_stays_ignored(caplog):
+    """A SIGINT ignored by inheritance (``cmd &`` in a script) is kept so, and the install says it once, with how to
+    stop the run instead (issue 31: before, Ctrl+C was silently ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     flag = StopFlag()
     try:
-        assert flag.install()
+        with caplog.at_level(logging.INFO, logger="preempt"):
+            assert flag.install()
+            assert flag.install()  # already installed: said once
+        said = [r.getMessage() for r in caplog.records if "SIGINT is ignored" in r.getMessage()]
+        assert said == [SIGINT_IGNORED % os.getpid()] and flag.sigint_ignored
+        assert "Ctrl+C does not stop this run" in said[0] and f"kill -TERM {os.getpid()}" in said[0]
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGTERM) == flag._handle
         deliver(signal.SIGINT)
@@ -252,6 +260,16 @@ def test_ignored_sigint_stays_ignored():
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_a_handled_sigint_says_nothing(caplog):
+    flag = StopFlag()
+    try:
+        with caplog.at_level(logging.INFO, logger="preempt"):
+            assert flag.install()
+        assert not flag.sigint_ignored and "SIGINT is ignored" not in caplog.text
+    finally:
+        flag.restore()
 
 
 def test_other_ignored_signals_are_taken_over_and_restored():
