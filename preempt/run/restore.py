@@ -278,7 +278,8 @@ class Starter:
         if env.slurm_job_id:
             array = f" (array {env.slurm_array_job_id}_{env.slurm_array_task_id})" if env.slurm_array_job_id else ""
             job = f"restart {env.slurm_restart_count or 0} of job {env.slurm_job_id}{array}: "
-        self.resume_line = f"{job}resumed from {info.path}: step {m.step}, epoch {c.epoch}, batch {c.batch}{of}, saved {age} ago"
+        where = f"step {m.step}, epoch {c.epoch}, batch {c.batch}{of}"
+        self.resume_line = f"{job}resumed from {info.path}: {where}, saved {age} ago"
         self._say_predecessor_died(m.step)
 
     def _apply(self, info: CheckpointInfo, loaded: state.Loaded) -> None:
