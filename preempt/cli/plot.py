@@ -30,6 +30,7 @@ from .output import EXIT_USAGE, CommandFailed
 PLOT_LIMIT = 1e100  # metric values past it are marked, not drawn: matplotlib's ticks fail on a span near 1e308
 MAX_PANELS = 4  # metric panels drawn without --metric; the others are named in what plot() returns
 SPARSE_SHARE = 0.5  # a metric recorded at fewer than this share of the history's metric points is drawn as points
+MAX_LEGEND = 8  # processes named in a legend; a run of more restarts is told by its marks
 SMOOTH_SHARE = 0.05  # the smoothing's span: this share of a process's points (at least 1: no smoothing)
 
 
@@ -119,6 +120,7 @@ def _timeline_panel(ax: Any, report: timeline.Report, colours: list[str], drawn:
         xs, ys = [t - t0 for t, _ in seen], [s for _, s in seen]
         drawn["timeline_points"] += len(xs)
         label = safe_io.printable(f"process {p.index}: {p.stop_text().split(' (')[0]}")
+        label = label if len(ps) <= MAX_LEGEND else None  # beyond, the marks and the colours tell the processes apart
         ax.plot(xs, ys, "-", color=colour, label=label, gid=f"timeline {p.index}")
         if p.end_estimated and seen:  # a killed process: to the step it reached, at its own pace
             ax.plot([xs[-1], p.end - t0], [ys[-1], p.end_step], ":", color=colour)
@@ -140,7 +142,8 @@ def _timeline_panel(ax: Any, report: timeline.Report, colours: list[str], drawn:
             _mark(ax, p.work_end - t0, what, colour, ":", 0.92)
     ax.set_xlabel("wall time since the first start (s)")
     ax.set_ylabel("global step")
-    ax.legend(fontsize="x-small", loc="upper left")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="x-small", loc="upper left")
 
 
 def _metric_panel(ax: Any, report: timeline.Report, name: str, colours: list[str]) -> dict[str, Any]:
@@ -155,11 +158,12 @@ def _metric_panel(ax: Any, report: timeline.Report, name: str, colours: list[str
         colour = colours[(p.index - 1) % len(colours)]
         mine = sorted((s, v) for _, s, v, i in points if i == p.index)
         xs, ys = [s for s, _ in mine], [v for _, v in mine]
+        label = f"process {p.index}" if len(report.processes) <= MAX_LEGEND else None
         if mine and sparse:
-            ax.plot(xs, ys, "o", linestyle="none", color=colour, label=f"process {p.index}", gid=f"{name} {p.index}")
+            ax.plot(xs, ys, "o", linestyle="none", color=colour, label=label, gid=f"{name} {p.index}")
         elif mine:
             ax.plot(xs, ys, ".", linestyle="none", color=colour, alpha=0.5, markersize=5, gid=f"{name} {p.index}")
-            ax.plot(xs, smooth(ys), "-", color=colour, label=f"process {p.index}", gid=f"{name} {p.index} smoothed")
+            ax.plot(xs, smooth(ys), "-", color=colour, label=label, gid=f"{name} {p.index} smoothed")
         if mine_off := [s for s, i in off if i == p.index]:
             how, off_label = off_label, None  # in the legend once
             ax.plot(mine_off, [0.97] * len(mine_off), "x", color="red", transform=ax.get_xaxis_transform(), label=how)
@@ -174,7 +178,8 @@ def _metric_panel(ax: Any, report: timeline.Report, name: str, colours: list[str
         f"{name}: {'points where it was measured' if sparse else 'raw points, and a smoothed line over them'}",
         fontsize="small",
     )
-    ax.legend(fontsize="x-small")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="x-small")
     return out
 
 

@@ -39,7 +39,7 @@ to the next one's start. After an ``exit`` line that is the interpreter's own
 exit (freeing torch and its libraries: 0.4 to 2 s on our machines, which no
 process can time itself, since nothing runs after it to write a line) and then
 whatever came before the next start (a queue, a requeue, a person); after a
-killed process, from its estimated end. :attr:`Report.gaps` says which.
+killed process, from its estimated end. :meth:`Report.gaps` says which.
 
 A killed process leaves no end line: its end is its last line (a progress
 record or a checkpoint), so a few seconds after it may be missing; the text

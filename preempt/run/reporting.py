@@ -268,7 +268,9 @@ def total_steps(base: tuple[int, int, int], loop: LoopState, batches_per_epoch: 
 def start_line(cfg: RunConfig, save_dir: Path, resumed_from: Path | None, step: int, how: str | None = None) -> str:
     """What a user wants to see first: fresh or resumed (``how``: what was loaded, in words), where, what is saved
     when, and what is kept."""
-    where = f"{save_dir}: " if how is None else ""  # the checkpoint's path in ``how`` names the save_dir
+    # A checkpoint of this save_dir, named in ``how``, names it; one of another (a resume request) does not.
+    own = how is not None and resumed_from is not None and resumed_from.parent.resolve() == save_dir.resolve()
+    where = "" if own else f"{save_dir}: "
     how = how or ("fresh start" if resumed_from is None else f"resumed at step {step}")
     saves = []
     if cfg.checkpoint_interval is not None:

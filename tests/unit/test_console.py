@@ -106,6 +106,8 @@ def test_the_start_line_says_where_and_what_is_saved(tmp_path):
     assert "resumed at step 7" in resumed and "(synchronously)" in resumed
     said = start_line(RunConfig(checkpoint_interval=None), tmp_path, tmp_path / "s", 7, "resumed from s: step 7")
     assert said.startswith("resumed from s: step 7; checkpoints at a stop") and str(tmp_path) not in said
+    other = start_line(RunConfig(), tmp_path, tmp_path / "b" / "s", 7, "resumed from b/s: step 7")  # a request's
+    assert other.startswith(f"{tmp_path}: resumed from b/s: step 7; checkpoints")
 
 
 def tiny_run(save_dir: Path, **kw) -> None:
