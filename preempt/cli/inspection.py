@@ -267,22 +267,41 @@ def _kv(d: dict[str, Any], skip: Callable[[Any], bool] = lambda v: False) -> str
     return ", ".join(f"{k}={v}" for k, v in d.items() if not skip(v))
 
 
+def _digest_text(g: dict[str, Any] | None) -> str:
+    """A generator's state digest, or what stands in its place in words."""
+    if not g or not g.get("present"):
+        return "absent"
+    return g.get("xxh3_64") or f"not hashed ({_log.size(g.get('bytes') or 0)}, larger than a generator's state)"
+
+
+def _lineage_text(lineage: dict[str, Any]) -> str:
+    """Where the checkpoint's timeline began, in words: a fresh start, or a resume request and what it loaded."""
+    started = lineage.get("started")
+    when = f" on {fmt_when(started)}" if isinstance(started, (int, float)) and not isinstance(started, bool) else ""
+    request, source = lineage.get("request"), lineage.get("source")
+    if request is None:
+        return f"started fresh{when}" if source is None else f"started{when} from {source}"
+    resume = request.get("resume") if isinstance(request, dict) else request
+    weights = " (its weights only)" if isinstance(request, dict) and request.get("weights_only") else ""
+    frm = f" from {source}" if source is not None else ""
+    return f"started{when}{frm}{weights}, on the request resume={resume!r}"
+
+
 def _print_inspect(
     info: CheckpointInfo, m: Manifest, tensors: dict[str, Any], st: dict[str, Any], limit: int | None
 ) -> None:
     c = m.cursor
-    bpe = f" of {c.batches_per_epoch}" if c.batches_per_epoch >= 0 else ""
+    bpe = f" of {c.batches_per_epoch}" if c.batches_per_epoch >= 0 else ""  # -1: the loader's length is unknown
+    sample = f", sample {c.sample}" if c.sample >= 0 else ""  # -1: its batch size is unknown
     print(f"{info.path}")
-    print(f"  step {m.step}, epoch {c.epoch}, batch {c.batch}{bpe}, sample {c.sample}, taken at the {c.point} boundary")
+    print(f"  step {m.step}, epoch {c.epoch}, batch {c.batch}{bpe}{sample}, taken at the {c.point} boundary")
     print(f"  reason {m.reason}; created {fmt_when(m.created)} (local), {fmt_utc(m.created)}")
     if m.metrics:
         print(f"  metrics: {_kv(m.metrics)}")
     if m.best:
         print(f"  best: {best_note(m.best, m.is_best, m.step)}")
     if m.lineage:
-        started = m.lineage.get("started")
-        when = fmt_when(started) if isinstance(started, (int, float)) else started
-        print(f"  lineage: request {m.lineage.get('request')}, source {m.lineage.get('source', '-')}, started {when}")
+        print(f"  lineage: {_lineage_text(m.lineage)}")
     if m.sampler:
         print(f"  sampler: {_kv(m.sampler)}")
     carried = sum(d.size for d in m.carried.values())
@@ -311,8 +330,9 @@ def _print_inspect(
         print("optimizer: none saved")
     else:
         cls = opt["class"] or "not recorded"
-        keys = ", ".join(opt["state_keys"]) or "-"
-        print(f"optimizer: class {cls}; state for {opt['state_params']} parameter(s): {keys}")
+        keys = ", ".join(opt["state_keys"])
+        held = f"state for {opt['state_params']} parameter(s): {keys}" if keys else "no per-parameter state yet"
+        print(f"optimizer: class {cls}; {held}")
         for i, g in enumerate(opt["param_groups"]):
             rest = {k: v for k, v in g.items() if k not in ("params", "lr")}
             print(
@@ -335,9 +355,8 @@ def _print_inspect(
                 continue
             parts = []
             for gen in ("python", "numpy", "torch_cpu"):
-                g = s[gen]
-                parts.append(f"{gen} {g['xxh3_64'] if g and g.get('present') else 'absent'}")
-            cuda = ", ".join(f"cuda:{d['device']} {d.get('xxh3_64')}" for d in s["cuda"]) or "cuda none"
+                parts.append(f"{gen} {_digest_text(s[gen])}")
+            cuda = ", ".join(f"cuda:{d['device']} {_digest_text(d)}" for d in s["cuda"]) or "cuda none"
             print(f"  {snap}: {'; '.join(parts)}; {cuda}")
     if st["user_keys"]:
         print(f"user_state keys: {', '.join(st['user_keys'])}")
@@ -352,7 +371,8 @@ def _print_inspect(
         git_s = f"{git.get('commit')}{' (dirty)' if git.get('dirty') else ''}" if isinstance(git, dict) else "unknown"
         slurm = p.get("slurm")
         slurm_s = _kv(slurm) if isinstance(slurm, dict) else "none"
-        print(f"  host {p.get('host')}, pid {p.get('pid')}, git {git_s}, slurm {slurm_s}")
+        where = [f"{k} {p[k]}" for k in ("host", "pid") if p.get(k) is not None]
+        print(f"  {', '.join([*where, f'git {git_s}', f'slurm {slurm_s}'])}")
         argv = p.get("argv")
         if argv:
             print(f"  argv: {' '.join(map(str, argv)) if isinstance(argv, list) else argv}")

@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "ls",
         "one row per checkpoint: step, epoch, batch, time, size, reason, status",
-        "status: valid (manifest parses and passes its checksum), corrupt, or incomplete (no manifest.json).\n"
-        "Marks: latest (newest valid), best, complete (named by complete.json). Files are not hashed: use verify.\n"
+        "status: valid (the manifest parses, passes its checksum and names the directory's step, and every file it\n"
+        "lists is there with its size), corrupt, incomplete (no manifest.json), or unreadable. Marks: latest (newest\n"
+        "valid), best, complete (named by complete.json). Files are not hashed: a changed byte shows only in verify.\n"
         "ls exits 0 whatever the statuses.",
     )
     p = add(

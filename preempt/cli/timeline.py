@@ -12,7 +12,10 @@ no torch, no disk, no clock. What each process left there:
   ``at``: when its state was taken);
 * ``rollback`` (``step`` rolled back to, ``from_step``);
 * at the end ``stop`` (``cause``: a signal's name, ``walltime``, ``request``),
-  ``complete`` or ``error``; nothing when it was killed.
+  ``complete`` or ``error``, written when the run leaves its ``with`` block;
+  nothing when it was killed;
+* ``exit``: written at the process's exit (an ``atexit`` handler), after the
+  code that follows the ``with`` block; not written when it was killed.
 
 The accounting, per process (its wall time runs from ``proc_start``, or its
 first line when that is unknown, to its last line):
@@ -25,9 +28,18 @@ first line when that is unknown, to its last line):
   (a crash), or after the one a NaN rollback went back to, and the time they
   took (from the moment that checkpoint's state was taken to the process's
   last line, or to the rollback);
+* teardown: from the run's end line (``stop``, ``complete``, ``error``) to
+  the process's last line, its ``exit``: the code after the ``with`` block
+  and the exit handlers (none before these lines were written: 0);
 * productive: the rest. Goodput is productive time over the processes' wall
-  time. The time between one process's end and the next one's start (queue
-  wait, a node reboot) is shown apart: it is nobody's compute.
+  time.
+
+Between processes (not in anyone's wall time): from one process's last line
+to the next one's start. After an ``exit`` line that is the interpreter's own
+exit (freeing torch and its libraries: 0.4 to 2 s on our machines, which no
+process can time itself, since nothing runs after it to write a line) and then
+whatever came before the next start (a queue, a requeue, a person); after a
+killed process, from its estimated end. :meth:`Report.gaps` says which.
 
 A killed process leaves no end line: its end is its last line (a progress
 record or a checkpoint), so a few seconds after it may be missing; the text
@@ -94,6 +106,9 @@ class Process:
     lost_s: float = 0.0
     rollbacks: int = 0
     end_estimated: bool = False  # a killed process's end, from the step it reached and its pace
+    ended: float | None = None  # the t of its end line (stop, complete, error): the run left its with block
+    exited: float | None = None  # the t of its exit line: the process exited (its interpreter's teardown follows)
+    recomputed: list[tuple[float, int, float, int]] = dataclasses.field(default_factory=list)  # (t, step) -> (t, step)
 
     @property
     def wall_s(self) -> float:
@@ -108,8 +123,24 @@ class Process:
         return sum(c.stall_s for c in self.checkpoints)
 
     @property
+    def teardown_s(self) -> float:
+        """From the run's end line to the process's last line (its exit line): 0 without an end line."""
+        return 0.0 if self.ended is None else max(0.0, self.end - max(self.ended, self.entered))
+
+    @property
+    def work_end(self) -> float:
+        """When the run's work ended: its end line, else its last line (or the estimated end of a killed one)."""
+        return self.end if self.ended is None else min(self.ended, self.end)
+
+    @property
     def productive_s(self) -> float:
-        return max(0.0, self.wall_s - self.startup_s - self.stall_s - self.lost_s)
+        return max(0.0, self.wall_s - self.startup_s - self.stall_s - self.lost_s - self.teardown_s)
+
+    def lose(self, step: int, reached: int, until: float) -> None:
+        """The steps from ``step`` to ``reached`` were done again (a crash or a rollback), the last at ``until``."""
+        self.lost_steps += reached - step
+        self.lost_s += self.spent_since(step, until)
+        self.recomputed.append((self.reached_at(step), step, until, reached))
 
     def reached_at(self, step: int) -> float:
         """When this process had the state of ``step`` (the moment a checkpoint of it was taken), or its entry."""
@@ -152,7 +183,7 @@ class Process:
 @dataclasses.dataclass
 class Report:
     processes: list[Process]
-    gaps_s: list[float]  # between process i's end and process i+1's start
+    gaps_s: list[float]  # between process i's last line (its end, estimated when killed) and process i+1's start
     metrics: dict[str, list[tuple[float, int, float, int]]]  # name -> (t, step, value, process index)
     nonfinite: dict[str, list[tuple[float, int, str, int]]] = dataclasses.field(default_factory=dict)  # "nan", ...
     notes: list[str] = dataclasses.field(default_factory=list)  # what was set aside, and why
@@ -169,6 +200,21 @@ class Report:
     def goodput(self) -> float | None:
         return self.productive_s / self.wall_s if self.wall_s > 0 else None
 
+    def gaps(self) -> list[dict[str, Any]]:
+        """Each time between processes and what it starts from: ``"exit line"`` (so the interpreter's own exit is
+        in it), ``"end line"`` (a history without exit lines, or a process killed after its run ended),
+        ``"estimated end"`` (killed; the end from its pace) or ``"last line"`` (killed, its end unknown)."""
+        out = []
+        for prev, gap in zip(self.processes, self.gaps_s, strict=False):  # a gap after each process but the last
+            since = (
+                "exit line" if prev.exited is not None and prev.exited >= prev.end
+                else "end line" if prev.ended is not None
+                else "estimated end" if prev.end_estimated
+                else "last line"
+            )  # fmt: skip
+            out.append({"after_process": prev.index, "s": gap, "from": since})
+        return out
+
     def to_json(self) -> dict[str, Any]:
         ps = self.processes
         return {
@@ -179,7 +225,9 @@ class Report:
             "checkpoint_stall_s": sum(p.stall_s for p in ps),
             "lost_s": sum(p.lost_s for p in ps),
             "lost_steps": sum(p.lost_steps for p in ps),
+            "teardown_s": sum(p.teardown_s for p in ps),
             "between_processes_s": sum(self.gaps_s),
+            "between_processes": self.gaps(),
             "span_s": (ps[-1].end - ps[0].started) if ps else 0.0,
             "processes": len(ps),
             "restarts": max(0, len(ps) - 1),
@@ -226,7 +274,13 @@ class Report:
                     "checkpoint_stall_s": p.stall_s,
                     "lost_steps": p.lost_steps,
                     "lost_s": p.lost_s,
+                    "run_ended": p.ended,
+                    "exited": p.exited,
+                    "teardown_s": p.teardown_s,
                     "productive_s": p.productive_s,
+                    "recomputed": [
+                        {"from_t": t0, "from_step": s0, "to_t": t1, "to_step": s1} for t0, s0, t1, s1 in p.recomputed
+                    ],
                     "checkpoints": [dataclasses.asdict(c) for c in p.checkpoints],
                 }
                 for p in ps
@@ -381,12 +435,11 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
             reached = facts.count("from_step")
             p.rollbacks += 1
             if reached is not None and reached > step:
-                p.lost_steps += reached - step
-                p.lost_s += p.spent_since(step, t)
+                p.lose(step, reached, t)
         elif event == "exit":  # the process's exit, after the code that follows its run
-            pass
+            p.exited = t
         elif event in ENDS:
-            p.how = event
+            p.how, p.ended = event, t
             cause = doc.get("cause") if event == "stop" else doc.get("error")
             p.cause = str(cause)[:200] if cause is not None else None
     # What a crash cost: the steps the next process did again, and the time the dead one spent on them.
@@ -395,10 +448,20 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
         if died_at is not None and died_at > prev.end_step:
             prev.extrapolate_end(died_at, before=nxt.started)
         if prev.end_step > nxt.start_step:  # a clean stop saves where it stops: only a crash or an error gets here
-            prev.lost_steps += prev.end_step - nxt.start_step
-            prev.lost_s += prev.spent_since(nxt.start_step, prev.end)
+            prev.lose(nxt.start_step, prev.end_step, prev.work_end)
     gaps = [max(0.0, nxt.started - prev.end) for prev, nxt in itertools.pairwise(procs)]
     return Report(procs, gaps, metrics, nonfinite, notes.done())
+
+
+def _gaps_text(report: Report) -> str:
+    """What the time between processes holds, from what each one starts at."""
+    froms = {g["from"] for g in report.gaps()}
+    parts = []
+    if "exit line" in froms:
+        parts.append("the interpreter's exit after an exit line (torch's teardown, 0.4-2 s, which no process can time)")
+    if froms - {"exit line"}:
+        parts.append("from the last line of a process that left no exit line (killed, or a history from before them)")
+    return ", ".join([*parts, "then any wait for the next start (a queue, a requeue)"])
 
 
 def _clock(t: float) -> str:
@@ -421,7 +484,7 @@ def render(report: Report, where: str) -> list[str]:
         f"{where}: {len(ps)} process(es), {doc['restarts']} restart(s), steps {ps[0].start_step} -> {ps[-1].end_step}"
         + (", complete" if doc["complete"] else "")
     ]
-    rows = [["#", "started", "wall", "steps", "start-up", "ckpt stall", "recomputed", "ended"]]
+    rows = [["#", "started", "wall", "steps", "start-up", "ckpt stall", "recomputed", "teardown", "ended"]]
     for p in ps:
         lost = f"{p.lost_steps} ({duration(p.lost_s)})" if p.lost_steps else "-"
         rows.append(
@@ -433,6 +496,7 @@ def render(report: Report, where: str) -> list[str]:
                 duration(p.startup_s),
                 f"{duration(p.stall_s)} ({len(p.checkpoints)})",
                 lost,
+                duration(p.teardown_s) if p.ended is not None else "-",
                 p.stop_text(),
             ]
         )
@@ -447,10 +511,10 @@ def render(report: Report, where: str) -> list[str]:
     out.append(
         f"  lost: start-up and restore {duration(doc['startup_s'])}, checkpoint stalls"
         f" {duration(doc['checkpoint_stall_s'])} ({doc['checkpoints']} checkpoints, {size(doc['checkpoint_bytes'])}),"
-        f" recomputed {duration(doc['lost_s'])} ({doc['lost_steps']} steps)"
+        f" recomputed {duration(doc['lost_s'])} ({doc['lost_steps']} steps), teardown {duration(doc['teardown_s'])}"
     )
     if report.gaps_s:
-        out.append(f"  between processes (not in the wall time): {duration(sum(report.gaps_s))}")
+        out.append(f"  between processes (not in the wall time): {duration(sum(report.gaps_s))}: {_gaps_text(report)}")
     killed = [p for p in ps if p.how == "killed" and p is not ps[-1]]
     if killed:
         out.append(

@@ -5,6 +5,7 @@ Shared by :mod:`preempt.cli.checkpoints` (ls, verify, prune, export) and :mod:`p
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Collection
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.commit import QUARANTINE, QUARANTINED, SUPERSEDED
+from ..checkpoint.files import present
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
 from ..checkpoint.recycle import file_bytes, pools
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointUnreadableError, CorruptCheckpointError
 from .output import EXIT_DAMAGED, EXIT_UNREADABLE, EXIT_USAGE, CommandFailed
 
 
@@ -51,6 +53,22 @@ def checkpoint_size(info: CheckpointInfo) -> int:
         except OSError:
             return 0
     return sum(d.size for d in info.manifest.files.values())
+
+
+def sizes_checked(info: CheckpointInfo) -> CheckpointInfo:
+    """``info`` after a stat of each file its manifest lists (no hashing): a valid checkpoint with a file missing,
+    not a regular file, or of another size than listed is corrupt, as a resume would find it; one whose file cannot
+    be stat'ed for a reason of the environment is unreadable. What this cannot see, a changed byte, ``verify`` does."""
+    if info.status != "valid" or info.manifest is None:
+        return info
+    for name, expected in sorted(info.manifest.files.items()):
+        try:
+            problem = present(info.path / name, expected)
+        except CheckpointUnreadableError as e:
+            return dataclasses.replace(info, status="unreadable", problem=str(e))
+        if problem is not None:
+            return dataclasses.replace(info, status="corrupt", problem=problem)
+    return info
 
 
 def carried_bytes(info: CheckpointInfo) -> tuple[int, list[int]]:

@@ -301,7 +301,7 @@ class PreemptibleRun:
         opt = self.components.optimizer
         if opt is not None:
             self._step_hook = opt.register_step_pre_hook(self.loop.optimizer_stepping)
-        self.reporter.start(self.resumed_from)
+        self.reporter.start(self.resumed_from, self._starter.resume_line)
         if self.config.async_save:
             self.saves.start(payload, optimizer_state_later=opt is not None, lazy=self.config.lazy_snapshot)
         self._recompute_due()

@@ -123,13 +123,16 @@ class Reporter:
         for problem in problems:
             log.warning("%s", problem)
 
-    def start(self, resumed_from: Path | None) -> None:
-        """train.log, history.jsonl, the progress line and the GPU monitor, as configured."""
+    def start(self, resumed_from: Path | None, resumed_how: str | None = None) -> None:
+        """train.log, history.jsonl, the progress line and the GPU monitor, as configured; the start line first
+        (``resumed_how``: what the restore loaded, in words, said in it: one line per start)."""
         cfg, step = self.config, self.loop.global_step
         self._base = (step, self.loop.epoch, self.loop.batch)
         self._point_step = step
         if self.rank == 0:
-            log.info("%s", start_line(cfg, self.save_dir, resumed_from, step))
+            log.info("%s", start_line(cfg, self.save_dir, resumed_from, step, resumed_how))
+        elif resumed_how is not None:  # another rank says only what it loaded (heard with log_all_ranks)
+            log.info("%s", resumed_how)
         held, self._held = (self._held or EarlyRecords()).done(), None
         if cfg.log_file:
             self._runlog = RunLog(
@@ -346,9 +349,13 @@ def total_steps(base: tuple[int, int, int], loop: LoopState, batches_per_epoch: 
     return loop.global_step + max(0, round(per_batch * left))
 
 
-def start_line(cfg: RunConfig, save_dir: Path, resumed_from: Path | None, step: int) -> str:
-    """What a user wants to see first: fresh or resumed, where, what is saved when, and what is kept."""
-    how = "fresh start" if resumed_from is None else f"resumed at step {step}"
+def start_line(cfg: RunConfig, save_dir: Path, resumed_from: Path | None, step: int, how: str | None = None) -> str:
+    """What a user wants to see first: fresh or resumed (``how``: what was loaded, in words), where, what is saved
+    when, and what is kept."""
+    # A checkpoint of this save_dir, named in ``how``, names it; one of another (a resume request) does not.
+    own = how is not None and resumed_from is not None and resumed_from.parent.resolve() == save_dir.resolve()
+    where = "" if own else f"{save_dir}: "
+    how = how or ("fresh start" if resumed_from is None else f"resumed at step {step}")
     saves = []
     if cfg.checkpoint_interval is not None:
         saves.append(f"every {_log.duration(cfg.checkpoint_interval)}")
@@ -365,7 +372,7 @@ def start_line(cfg: RunConfig, save_dir: Path, resumed_from: Path | None, step: 
     if cfg.keep_best:
         keeps.append(f"the best {cfg.keep_best} by {cfg.best_metric} ({cfg.best_mode})")
     mode = "in the background" if cfg.async_save else "synchronously"
-    return f"{save_dir}: {how}; checkpoints {', '.join(saves)} ({mode}); keeping {', '.join(keeps)}"
+    return f"{where}{how}; checkpoints {', '.join(saves)} ({mode}); keeping {', '.join(keeps)}"
 
 
 _AT_EXIT: dict[Path, int] = {}  # save_dir -> pid: the history files that get an "exit" line when the process exits

@@ -61,6 +61,7 @@ class Starter:
         self.peers = peers
         self.env = env
         self.resumed_from: Path | None = None
+        self.resume_line: str | None = None  # what was loaded, in words: the start line says it (preempt.run.reporting)
         self.saved_tracked: dict[str, Any] = {}  # a restored checkpoint's tracked objects, for run.track() later
         self.predecessor_died = False
         self.died_at: int | None = None  # the step a previous holder reached before it died (None: unknown)
@@ -154,10 +155,8 @@ class Starter:
             if self.components.model is not None:
                 state.load_model(self.components.model, loaded, strict=self.config.strict)
             self.resumed_from = info.path
-            log.info(
-                "loaded the weights of %s (step %d); optimizer, scheduler and counters start fresh",
-                info.path,
-                info.step,
+            self.resume_line = (
+                f"loaded the weights of {info.path} (step {info.step}); optimizer, scheduler and counters start fresh"
             )
         else:
             self.restore(info, loaded)
@@ -285,10 +284,8 @@ class Starter:
         if env.slurm_job_id:
             array = f" (array {env.slurm_array_job_id}_{env.slurm_array_task_id})" if env.slurm_array_job_id else ""
             job = f"restart {env.slurm_restart_count or 0} of job {env.slurm_job_id}{array}: "
-        log.info(
-            "%sresumed from %s: step %d, epoch %d, batch %d%s, saved %s ago", job, info.path, m.step, c.epoch, c.batch,
-            of, age,
-        )  # fmt: skip
+        where = f"step {m.step}, epoch {c.epoch}, batch {c.batch}{of}"
+        self.resume_line = f"{job}resumed from {info.path}: {where}, saved {age} ago"
         self._say_predecessor_died(m.step)
 
     def _apply(self, info: CheckpointInfo, loaded: state.Loaded) -> None:

@@ -87,8 +87,9 @@ def test_report_json_tells_the_stops_the_lost_steps_and_a_goodput_that_adds_up(t
     # The first process's teardown is inside the first gap (proc_start: /proc's 10 ms ticks; the second gap, after an
     # estimated end, may be anything from 0 up).
     assert doc["between_processes_s"] >= (k0 - exits[0]) - 0.05, (doc["between_processes_s"], spans, exits)
-    # The accounting closes, and each part is what the processes did.
-    parts = doc["productive_s"] + doc["startup_s"] + doc["checkpoint_stall_s"] + doc["lost_s"]
+    # The accounting closes, and each part is what the processes did; the two that exited have a teardown (their
+    # end line to their exit line), the killed one has none.
+    parts = doc["productive_s"] + doc["startup_s"] + doc["checkpoint_stall_s"] + doc["lost_s"] + doc["teardown_s"]
     assert parts == pytest.approx(doc["wall_s"], abs=1e-6)
     assert doc["goodput"] == pytest.approx(doc["productive_s"] / doc["wall_s"])
     assert doc["productive_s"] >= 0.95 * TOTAL_STEPS * STEP_SLEEP  # every step that counts slept STEP_SLEEP
@@ -99,6 +100,8 @@ def test_report_json_tells_the_stops_the_lost_steps_and_a_goodput_that_adds_up(t
     assert kept and max(kept) == TOTAL_STEPS
     per = doc["timeline"]
     assert [p["end"] for p in per] == ["stop", "killed", "complete"]
+    assert per[1]["teardown_s"] == 0 and per[1]["exited"] is None and per[0]["exited"] == exits[0]
+    assert [g["from"] for g in doc["between_processes"]][0] == "exit line"  # the killed one: its estimated end
     assert [p["start_step"] for p in per] == [0, 41, 60] and per[1]["end_step"] == 67
 
 
@@ -152,7 +155,9 @@ def test_report_refuses_clearly(tmp_path):
     out = cli("report", str(run))
     assert out.returncode == 2 and "history.jsonl: no such file" in out.stderr
     (run / "history.jsonl").write_text('{"t": 1, "event": "start", "step": 0}\n{"t": 2, "step": 1}\n')
-    out = cli("report", str(run), "--plot", str(tmp_path / "p.png"))
-    assert out.returncode == 2 and "nothing to plot" in out.stderr
+    out = cli("report", str(run), "--plot", str(tmp_path / "p.png"))  # no metric: the timeline is drawn alone
+    assert out.returncode == 0 and "no metric" in out.stdout and (tmp_path / "p.png").stat().st_size > 0
+    out = cli("report", str(run), "--plot", str(tmp_path / "p.png"), "--metric", "val_loss")
+    assert out.returncode == 2 and "--metric val_loss: not in the history (metrics recorded: none)" in out.stderr
     out = cli("report", str(run), "--plot", str(tmp_path / "p.txt"))
     assert out.returncode == 2 and "expected a .png" in out.stderr

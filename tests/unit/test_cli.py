@@ -204,6 +204,27 @@ def test_ls_best_follows_the_mode_the_manifests_record(tmp_path, capsys):
     assert [r["step"] for r in doc["checkpoints"] if r["best"]] == [2]
 
 
+def test_ls_checks_sizes_and_says_that_it_does_not_hash(tmp_path, capsys):
+    """ls stats every listed file (a truncated one is corrupt, never latest) and says a changed byte is verify's."""
+    saved(tmp_path)
+    short = tmp_path / "step_000000003" / "model.safetensors"
+    size = short.stat().st_size
+    short.write_bytes(short.read_bytes()[:-5])
+    flip(tmp_path / "step_000000002" / "model.safetensors")  # same size: only hashing sees it
+    rc, doc = cli_json(capsys, "ls", tmp_path)
+    assert rc == 0 and doc["checked"] == {"manifest": True, "sizes": True, "digests": False}
+    rows = {r["step"]: r for r in doc["checkpoints"]}
+    assert rows[3]["status"] == "corrupt" and not rows[3]["latest"]
+    assert rows[3]["problem"] == f"{short}: size {size - 5} bytes, manifest says {size}"
+    assert rows[2]["status"] == "valid" and rows[2]["latest"]
+    rc, out, _ = cli(capsys, "ls", tmp_path)
+    assert rc == 0
+    assert "valid (latest)" in next(ln for ln in out.splitlines() if ln.startswith("step_000000002"))
+    assert "corrupt" in next(ln for ln in out.splitlines() if ln.startswith("step_000000003"))
+    assert "the data is not hashed: preempt verify DIR hashes every file" in out
+    assert cli(capsys, "verify", tmp_path, "2")[0] == 1  # what ls called valid, verify calls damaged
+
+
 # --------------------------------------------------------------------- verify
 
 
@@ -313,6 +334,34 @@ def test_inspect_run_checkpoint(run_dir, capsys):
     assert "optimizer: class torch.optim.sgd.SGD; state for 4 parameter(s): momentum_buffer" in out
     assert f"torch_cpu {doc['rng']['now']['torch_cpu']['xxh3_64']}" in out
     assert f"torch {torch.__version__}" in out and raw["files"]["model.safetensors"]["xxh3_128"] in out
+
+
+@pytest.mark.parametrize(
+    ("lineage", "said"),
+    [
+        ({"request": None, "started": 1.7e9}, "lineage: started fresh on "),
+        (
+            {"request": {"resume": "/r/step_000000005", "weights_only": True}, "source": "/r/step_000000005"},
+            "lineage: started from /r/step_000000005 (its weights only), on the request resume='/r/step_000000005'",
+        ),
+    ],
+    ids=["fresh", "request"],
+)
+def test_inspect_says_what_is_unknown_in_words(tmp_path, capsys, lineage, said):
+    """No placeholders: an unknown sample count (-1) is left out, a lineage is said in words, not as None and -."""
+    model, opt = objects()
+    m = CheckpointManager(tmp_path, keep_last=None)
+    m.prepare()
+    cursor = Cursor(epoch=0, batch=2, sample=-1, point="step", batches_per_epoch=-1)
+    manifest = Manifest(step=2, cursor=cursor, reason="interval", created=1.7e9, files={}, lineage=lineage)
+    m.save(state.capture(state.Components(model, opt), {"user": {}}), manifest)
+    m.close(10)
+    rc, out, _ = cli(capsys, "inspect", tmp_path)
+    assert rc == 0
+    assert "  step 2, epoch 0, batch 2, taken at the step boundary\n" in out
+    assert said in out
+    for placeholder in ("sample -1", "None", " -,", "source -", "of -1"):
+        assert placeholder not in out, (placeholder, out)
 
 
 def test_inspect_reads_headers_only_and_limits_tensor_rows(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,10 @@ def test_the_start_line_says_where_and_what_is_saved(tmp_path):
     assert "(in the background)" in fresh
     resumed = start_line(RunConfig(async_save=False, checkpoint_interval=None), tmp_path, tmp_path / "s", 7)
     assert "resumed at step 7" in resumed and "(synchronously)" in resumed
+    said = start_line(RunConfig(checkpoint_interval=None), tmp_path, tmp_path / "s", 7, "resumed from s: step 7")
+    assert said.startswith("resumed from s: step 7; checkpoints at a stop") and str(tmp_path) not in said
+    other = start_line(RunConfig(), tmp_path, tmp_path / "b" / "s", 7, "resumed from b/s: step 7")  # a request's
+    assert other.startswith(f"{tmp_path}: resumed from b/s: step 7; checkpoints")
 
 
 def tiny_run(save_dir: Path, **kw) -> None:
@@ -160,3 +165,20 @@ def test_metrics_keep_the_loops_order_after_a_resume():
     assert list(loop.metrics) == ["loss", "acc", "val"]
     loop.record({"acc": 0.7}, cfg.retention())  # from here on, as any dict: the order stays
     assert list(loop.metrics) == ["loss", "acc", "val"] and loop.metrics["acc"] == 0.7
+
+
+def test_a_resumed_start_says_what_it_loaded_in_one_line(tmp_path, caplog, monkeypatch):
+    """One line per start: what was loaded, from where, and what will be saved and kept (issue 31)."""
+    monkeypatch.delenv("PREEMPT_LOG_LEVEL", raising=False)
+    tiny_run(tmp_path / "a")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="preempt"):
+        tiny_run(tmp_path / "a", exit_if_complete=False)  # resumes from the final checkpoint, step 6
+    said = [r.getMessage() for r in caplog.records if re.search(r"(?:^|: )resumed (?:from|at) ", r.getMessage())]
+    assert len(said) == 1, said
+    ckpt = re.escape(str(tmp_path / "a" / "step_000000006"))
+    assert re.fullmatch(
+        rf"resumed from {ckpt}: step 6, epoch 1, batch 0/6, saved \S+ s ago; checkpoints at a stop and at the end"
+        r" \(in the background\); keeping the last 2",
+        said[0],
+    ), said

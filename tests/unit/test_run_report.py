@@ -75,14 +75,57 @@ def test_three_processes_are_accounted_for():
     # comes 2 s later, at t=137; its work since the checkpoint of step 200 (taken at t=132) was done again
     assert p2.end == pytest.approx(137.0) and p2.end_estimated
     assert p2.lost_steps == 30 and p2.lost_s == pytest.approx(137.0 - 132.0)
+    assert p2.recomputed == [(132.0, 200, pytest.approx(137.0), 230)]  # from when step 200 was taken to its end
     assert p3.startup_s == 4.0 and p3.wall_s == 15.0
     assert doc["lost_steps"] == 30
     assert doc["wall_s"] == pytest.approx(13.5 + 17.0 + 15.0)
-    assert doc["productive_s"] == pytest.approx(doc["wall_s"] - doc["startup_s"] - doc["checkpoint_stall_s"] - 5.0)
+    # each clean end's teardown, from its end line to its exit line (0.5 s, 1 s), is no productive time
+    assert (p1.teardown_s, p2.teardown_s, p3.teardown_s) == (0.5, 0.0, 1.0) and doc["teardown_s"] == 1.5
+    assert doc["productive_s"] == pytest.approx(
+        doc["wall_s"] - doc["startup_s"] - doc["checkpoint_stall_s"] - 5.0 - 1.5
+    )
     assert doc["between_processes_s"] == pytest.approx((120.0 - 111.5) + (146.0 - 137.0))
     assert [step for _, step, _, _ in r.metrics["loss"]] == [50, 210, 300]
     text = "\n".join(render(r, "runs/x"))
     assert "3 process(es), 2 restart(s)" in text and "30 (" in text and "goodput" in text
+
+
+def stop_and_resume(exit_lines: bool) -> list[dict]:
+    """A stop at t=10 and a resume whose process started at t=13; with exit lines 1.5 s and 0.2 s after each end."""
+    return [
+        {"t": 1.0, "event": "start", "step": 0, "pid": 1, "proc_start": 0.0},
+        {"t": 10.0, "event": "stop", "step": 90, "cause": "SIGTERM"},
+        *([{"t": 11.5, "event": "exit", "pid": 1}] if exit_lines else []),
+        {"t": 14.0, "event": "resume", "step": 90, "pid": 2, "proc_start": 13.0},
+        {"t": 20.0, "event": "complete", "step": 150},
+        *([{"t": 20.2, "event": "exit", "pid": 2}] if exit_lines else []),
+    ]
+
+
+def test_teardown_is_told_apart_from_the_time_between_processes():
+    """From a run's end line to its exit line is the process's teardown (no productive time); from the exit line to
+    the next start is between processes, and the text says that this begins with the interpreter's own exit."""
+    r = build(stop_and_resume(exit_lines=True))
+    p1, p2 = r.processes
+    assert (p1.ended, p1.exited, p1.teardown_s) == (10.0, 11.5, 1.5)
+    assert p2.teardown_s == pytest.approx(0.2)
+    assert p1.wall_s == 11.5 and p1.productive_s == 11.5 - 1.0 - 1.5
+    doc = r.to_json()
+    assert doc["teardown_s"] == pytest.approx(1.7) and doc["between_processes_s"] == 1.5
+    assert doc["between_processes"] == [{"after_process": 1, "s": 1.5, "from": "exit line"}]
+    assert [p["teardown_s"] for p in doc["timeline"]] == [1.5, pytest.approx(0.2)]
+    assert doc["productive_s"] + doc["startup_s"] + doc["checkpoint_stall_s"] + doc["lost_s"] + doc[
+        "teardown_s"
+    ] == pytest.approx(doc["wall_s"])
+    text = "\n".join(render(r, "runs/x"))
+    assert "teardown 1.70 s" in text
+    assert "between processes (not in the wall time): 1.50 s: the interpreter's exit after an exit line" in text
+
+    # A history without exit lines (before they were written): as before, each process ends at its end line.
+    old = build(stop_and_resume(exit_lines=False))
+    assert [p.teardown_s for p in old.processes] == [0.0, 0.0] and old.processes[0].wall_s == 10.0
+    assert old.gaps() == [{"after_process": 1, "s": 3.0, "from": "end line"}]
+    assert "from the last line of a process that left no exit line" in "\n".join(render(old, "runs/x"))
 
 
 def test_a_rollback_counts_its_steps_as_recomputed():
