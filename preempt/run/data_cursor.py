@@ -5,7 +5,9 @@
 from just before the epoch's iterator was made, each loader's
 :class:`~preempt.data.replay.LoaderFeed`, and the resume point that a loaded
 checkpoint left (:class:`Resume`) until the loop is back at its program point.
-It writes no loop counter: it says where the epoch's iterator starts, and the
+While the run is active it also shields the workers of every DataLoader
+iterated in the process from stop signals (:mod:`preempt.data.shield`). It
+writes no loop counter: it says where the epoch's iterator starts, and the
 run's :class:`~preempt.run.loop_state.LoopState` takes it.
 
 **Exact resume.** The batch order comes from the sampler, a pure function of
@@ -34,9 +36,10 @@ from ..checkpoint.commit import MANIFEST
 from ..checkpoint.manager import CheckpointInfo
 from ..checkpoint.manifest import Cursor
 from ..data import rng
-from ..data.loaders import find_sampler, length, shield_workers
+from ..data.loaders import find_sampler, length
 from ..data.replay import LoaderFeed
 from ..data.sampler import ResumableSampler
+from ..data.shield import LoaderGuard, shield_workers
 from ..errors import IncompatibleStateError
 
 log = _log.log
@@ -71,6 +74,13 @@ class DataCursor:
         # Loaders seen by open(), each with what replaying it exactly needs; their persistent workers stop at exit.
         self._feeds: weakref.WeakKeyDictionary[Any, LoaderFeed] = weakref.WeakKeyDictionary()
         self._feed: LoaderFeed | None = None  # the current epoch's
+        self.guard = LoaderGuard(self.signals)  # every DataLoader iterated while the run is active: workers shielded
+
+    def begin(self, seed: int) -> None:
+        """The run is on: the data seed (unless a checkpoint gave one), every DataLoader's workers shielded."""
+        if self.seed is None:
+            self.seed = seed & SEED_MASK
+        self.guard.start()
 
     def make_sampler(self, dataset: Any, *, epoch: int, **options: Any) -> ResumableSampler:
         """A ResumableSampler (one replica per rank under torch.distributed) whose epoch follows the loop's."""
@@ -233,8 +243,10 @@ class DataCursor:
         loader = r.loader if r is not None else (self._feed.state() if self._feed is not None else None)
         return epoch_rng, {"seed": self.seed, "loader": loader}
 
-    def stop_workers(self) -> None:
-        """Stops the persistent workers of every loader seen (at the end of the run)."""
+    def end(self) -> None:
+        """The run ends: DataLoaders iterated from now on are the user's alone; the persistent workers of every
+        loader of run.batches() are stopped."""
+        self.guard.stop()
         for loader, feed in list(self._feeds.items()):
             try:
                 feed.stop_workers(loader)

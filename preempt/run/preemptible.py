@@ -53,11 +53,11 @@ from ..cluster import distributed, sharded
 from ..cluster.environment import Environment, provenance
 from ..cluster.signals import DEFAULT_SIGNALS
 from ..data import rng
-from ..data.loaders import shield_workers
 from ..data.sampler import ResumableSampler
+from ..data.shield import shield_workers
 from ..errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
 from .config import OPTIONS_DOC, RunConfig
-from .data_cursor import SEED_MASK, DataCursor
+from .data_cursor import DataCursor
 from .guarding import Health, OomStep
 from .loop_state import LoopState
 from .peers import Alone, join
@@ -291,8 +291,7 @@ class PreemptibleRun:
         self._active = True
         assert self._starter is not None
         self.resumed_from = self._starter.resumed_from
-        if self.data.seed is None:
-            self.data.seed = torch.initial_seed() & SEED_MASK
+        self.data.begin(torch.initial_seed())  # the data seed, and every DataLoader's workers shielded
         if self._lock.held:
             self._beacon.open(self.loop.global_step)
             self.loop.publish(self._beacon.view)
@@ -326,7 +325,7 @@ class PreemptibleRun:
             self.reporter.ended(exc_type is None, exc)
             try:
                 self.saves.close()  # a write in flight is a consistent state: let it become durable
-                self.data.stop_workers()
+                self.data.end()
                 # After a stop the process must exit within its grace period; the next start redoes deletions.
                 self.manager.close(timeout=None if exc_type is None else 0.0)
             finally:
@@ -491,7 +490,8 @@ class PreemptibleRun:
                 log.warning("tracked object %r has no state in %s; left as it is", name, self.resumed_from)
 
     def protect(self, loader: Any) -> Any:
-        """Makes a DataLoader's workers ignore stop signals (done for you by run.batches)."""
+        """Shields a DataLoader's workers from stop signals for good, wherever it is iterated; returns the loader.
+        Every loader iterated while the run is active is shielded anyway: this is for one iterated before or after."""
         return shield_workers(loader, self.stopper.flag.signals)
 
     def request_stop(self) -> None:
