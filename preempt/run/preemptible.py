@@ -298,8 +298,7 @@ class PreemptibleRun:
         self.loop.started(self._clock())
         self.health.apply_lr_scale(resumed=self.resumed_from is not None)
         opt = self.components.optimizer
-        if opt is not None:
-            self._step_hook = opt.register_step_pre_hook(self.loop.optimizer_stepping)
+        self._step_hook = self.loop.watch(opt)  # whether an optimizer step is under way, or done before run.step()
         self.reporter.start(self.resumed_from)
         if self.config.async_save:
             self.saves.start(payload, optimizer_state_later=opt is not None, lazy=self.config.lazy_snapshot)
