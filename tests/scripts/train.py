@@ -78,6 +78,29 @@ class StatefulStream(Stream):
         self._start = int(state["pos"])
 
 
+class EpochStream(StatefulStream):
+    """--iterable epochs: a stream whose order within each worker's shard changes with the epoch, told by set_epoch
+    (the convention of DistributedSampler and Hugging Face's datasets). The loop calls set_epoch in the main process,
+    as a user does; only the run can reach the copies that persistent workers keep."""
+
+    def __init__(self, data: Synthetic) -> None:
+        super().__init__(data)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        shard = range(w, len(self.data), n)
+        order = torch.randperm(len(shard), generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        start, self._start = self._start, 0
+        for k in range(start, len(shard)):
+            self.pos = k + 1
+            yield self.data[shard[order[k]]]
+
+
 class EvalSet(Dataset):
     """--eval_every: 64 samples of their own; with --eval_hold DIR, the worker that fetches sample 0 of this process's
     first evaluation prints ``holding in an evaluation worker`` and waits there until DIR/go exists."""
@@ -358,7 +381,9 @@ def main() -> None:
     p.add_argument("--augment", action="store_true")
     p.add_argument("--persistent_workers", action="store_true")
     p.add_argument("--no_per_sample_rng", action="store_true", help="run.sampler(per_sample_rng=False)")
-    p.add_argument("--iterable", choices=["stateful", "plain"], default=None, help="an IterableDataset, no sampler")
+    p.add_argument(
+        "--iterable", choices=["stateful", "plain", "epochs"], default=None, help="an IterableDataset, no sampler"
+    )
     p.add_argument("--onecycle", action="store_true", help="OneCycleLR instead of StepLR")
     p.add_argument("--clip", type=float, default=None, help="clip the gradients' norm (after unscaling)")
     p.add_argument("--accum", type=int, default=1)
@@ -477,7 +502,7 @@ def main() -> None:
         run.user_state.setdefault("losses", [])
         workers = {"num_workers": args.num_workers, "persistent_workers": args.persistent_workers}
         if args.iterable:
-            stream = (StatefulStream if args.iterable == "stateful" else Stream)(data)
+            stream = {"stateful": StatefulStream, "plain": Stream, "epochs": EpochStream}[args.iterable](data)
             loader = DataLoader(stream, batch_size=args.batch_size, **workers)
         else:
             sampler = run.sampler(data, shuffle=True, seed=7, per_sample_rng=not args.no_per_sample_rng)
@@ -497,6 +522,8 @@ def main() -> None:
         saved_at = -1  # the step of the last checkpoint taken by this process
         for epoch in run.epochs(args.epochs):
             micro = 0
+            if callable(getattr(loader.dataset, "set_epoch", None)):
+                loader.dataset.set_epoch(epoch)  # what a user writes (it reaches the main process's copy only)
             for x, y in run.batches(loader):
                 if first_attempt and run.global_step + 1 == args.nan_at:
                     print(f"step {run.global_step + 1}: Loss is NaN", flush=True)
