@@ -56,6 +56,7 @@ from ..data import rng
 from ..data.sampler import ResumableSampler
 from ..data.shield import shield_workers
 from ..errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
+from ..health.progress import check_epochs
 from .config import OPTIONS_DOC, RunConfig
 from .data_cursor import DataCursor
 from .guarding import Health, OomStep
@@ -357,15 +358,15 @@ class PreemptibleRun:
 
     # ---------------------------------------------------------------- loop
 
-    def epochs(self, n: int) -> Iterator[int]:
+    def epochs(self, n: int, steps_per_epoch: int | None = None) -> Iterator[int]:
         """Yields epoch numbers from the resumed epoch up to ``n - 1``.
 
-        Each boundary (before every epoch, and after the last) is a safe point.
+        Each boundary (before every epoch, and after the last) is a safe point. ``steps_per_epoch`` (the run.step()
+        calls of one epoch) gives the progress line a total and an ETA where the loader has no length.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"epochs: expected an integer >= 0, got {n!r}")
+        check_epochs(n, steps_per_epoch)
         self._check_active("epochs")
-        self.reporter.epochs_total = n
+        self.reporter.epochs_total, self.reporter.steps_per_epoch = n, steps_per_epoch
         loop = self.loop
         while True:
             rng_now = self.data.resume_at_epoch(loop.epoch)
