@@ -132,3 +132,26 @@ def test_a_resume_with_other_workers_says_which_loader_what_was_replayed_and_whe
         "the loader of run.batches() (a DataLoader over TensorDataset, a map-style dataset, 0 worker(s)): num_workers"
         " was 2 when the checkpoint was taken, now 0; still exact" in caplog.text
     ), caplog.text
+
+
+def test_a_resume_at_an_epoch_boundary_with_other_workers_says_so_too(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="preempt")
+    stream = Counting()
+
+    def once(workers: int, stop: bool) -> None:
+        with PreemptibleRun(tmp_path, model=torch.nn.Linear(1, 1), checkpoint_interval=None) as run:
+            loader = DataLoader(stream, batch_size=4, num_workers=workers)
+            for _ in run.epochs(2):
+                for _ in run.batches(loader):
+                    run.step()
+                if stop:
+                    run.request_stop()  # end-of-epoch code: the stop comes at the boundary
+
+    with pytest.raises(SystemExit):
+        once(2, stop=True)
+    assert "epoch 1 starts" not in caplog.text
+    once(1, stop=False)
+    assert (
+        "(a DataLoader over Counting, an IterableDataset, 1 worker(s)): num_workers was 2 when the checkpoint was"
+        " taken, now 1: epoch 1 starts with 1 worker(s); NOT exact" in caplog.text
+    ), caplog.text
