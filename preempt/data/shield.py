@@ -197,6 +197,7 @@ class LoaderGuard:
 
 
 def _guarded_iter(loader: Any) -> Any:
+    """``DataLoader.__iter__`` while a run is active: shielded workers, born with the signals blocked (see above)."""
     plain = LoaderGuard._plain
     active = LoaderGuard._active
     if not active or not loader.num_workers:
