@@ -54,10 +54,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class Spawned:
     """A child process whose merged stdout/stderr is collected line by line by a thread."""
 
-    def __init__(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, cmd: Sequence[str], env: dict[str, str] | None = None, *, session: bool = False) -> None:
+        """``session``: the child leads a session and process group of its own, which a test may signal whole
+        (``os.killpg(p.proc.pid, sig)``, as ``timeout`` and SLURM do) without signalling pytest."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=ROOT
+            list(cmd),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            cwd=ROOT,
+            start_new_session=session,
         )
         self.lines: list[str] = []
         self._cond = threading.Condition()

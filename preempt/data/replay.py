@@ -40,7 +40,10 @@ How: while ``iter(loader)`` creates its iterator, the loader's ``dataset``
 (and, for iterable datasets, its ``collate_fn``) is replaced by a wrapper,
 which the iterator (and its workers) keep; the user's loader is put back as
 it was at once. The epoch reaches persistent workers through a shared-memory
-integer.
+integer, and an iterable dataset with ``set_epoch`` has it called with the
+epoch in the main process and in every worker at the start of each epoch's
+iteration (before a saved state is loaded): persistent workers keep their own
+copy of the dataset, which a call in the main process would not reach.
 """
 
 from __future__ import annotations
@@ -192,6 +195,7 @@ class StatefulIterable(_Wrapper, IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         epoch = self.epoch.value
+        set_epoch(self.inner, epoch)  # in each worker: persistent ones keep their own copy from epoch to epoch
         plan = self.plan if self.plan is not None and self.plan.epoch == epoch else None
         worker = 0
         if info is not None:
@@ -225,6 +229,13 @@ class StatefulIterable(_Wrapper, IterableDataset):
             "dataset": self.inner.state_dict() if self.stateful else None,
             "count": self._count,
         }
+
+
+def set_epoch(dataset: Any, epoch: int) -> None:
+    """``dataset.set_epoch(epoch)`` when the dataset has one (the convention of DistributedSampler and HF datasets)."""
+    method = getattr(dataset, "set_epoch", None)
+    if callable(method):
+        method(epoch)
 
 
 def _act_as(info: Any, worker: int) -> None:
@@ -269,6 +280,8 @@ class LoaderFeed:
     def __init__(self, loader: Any, run_seed: int) -> None:
         self.kind = "plain"
         self.stateful = False
+        self.dataset_name = type(getattr(loader, "dataset", None)).__name__  # for messages
+        self.is_loader = isinstance(loader, DataLoader)
         self.num_workers = int(getattr(loader, "num_workers", 0) or 0)
         self._epoch = multiprocessing.RawValue("q", 0)
         self._wrapper: SeededDataset | StatefulIterable | None = None
@@ -298,10 +311,12 @@ class LoaderFeed:
 
     def iterate(self, loader: Any, epoch: int, saved: Any = None) -> Iterator[Any]:
         """The epoch's iterator; for an iterable dataset, ``saved`` (from :meth:`state`) says where to continue."""
+        self._current = epoch
         if self._wrapper is None:
             return self._keep(iter(loader))
         self._epoch.value = epoch
-        self._current = epoch
+        if self.kind == "iterable":
+            set_epoch(loader.dataset, epoch)  # the main process's copy, which new workers are made from
         self._workers, self._next = {}, 0
         if isinstance(self._wrapper, StatefulIterable):
             plan = self.plan(saved, epoch)
@@ -372,9 +387,12 @@ class LoaderFeed:
             yield item
 
     def state(self) -> dict[str, Any] | None:
-        """Where the iterable dataset's workers stand after the batches the loop received (None: nothing to save)."""
-        if self.kind != "iterable" or self._current < 0:
+        """Where the iterable dataset's workers stand after the batches the loop received; for another DataLoader,
+        its epoch and number of workers (None: nothing to save)."""
+        if not self.is_loader or self._current < 0:
             return None
+        if self.kind != "iterable":
+            return {"epoch": self._current, "num_workers": self.num_workers}
         return {
             "epoch": self._current,
             "num_workers": self.num_workers,

@@ -60,6 +60,37 @@ def eta_seconds(remaining_steps: int, steps_per_s: float | None) -> float | None
     return min(remaining_steps / steps_per_s, ETA_CAP_S)
 
 
+def check_epochs(n: object, steps_per_epoch: object = None) -> None:
+    """The arguments of ``run.epochs(n, steps_per_epoch=...)``, checked.
+
+    Raises:
+        ValueError: ``n`` is not an integer >= 0, or ``steps_per_epoch`` is neither None nor an integer >= 1.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"epochs: expected an integer >= 0, got {n!r}")
+    if steps_per_epoch is not None and (
+        not isinstance(steps_per_epoch, int) or isinstance(steps_per_epoch, bool) or steps_per_epoch < 1
+    ):
+        raise ValueError(
+            "epochs: steps_per_epoch: expected None or an integer >= 1 (the run.step() calls of one epoch),"
+            f" got {steps_per_epoch!r}"
+        )
+
+
+def planned_total(epochs: int | None, steps_per_epoch: int | None, measured: int | None = None) -> int | None:
+    """The run's last global step, for ``step N/T`` and the ETA; None when it cannot be known.
+
+    ``epochs * steps_per_epoch`` when the loop said how many ``run.step()`` calls an epoch has
+    (``run.epochs(n, steps_per_epoch=...)``, for a loader without a length such as an IterableDataset's); otherwise
+    ``measured``, the caller's estimate from the loader's length and the steps per batch seen so far.
+    """
+    if epochs is None:
+        return None
+    if steps_per_epoch is not None:
+        return epochs * steps_per_epoch
+    return measured
+
+
 class Progress:
     """Progress lines, at most one every ``every_s`` seconds, and epoch summaries. Pure: returns text.
 
@@ -183,4 +214,4 @@ class Progress:
         return " | ".join(parts)
 
 
-__all__ = ["ETA_CAP_S", "Progress", "eta_seconds", "fmt_number"]
+__all__ = ["ETA_CAP_S", "Progress", "check_epochs", "eta_seconds", "fmt_number", "planned_total"]

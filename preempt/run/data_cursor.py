@@ -5,7 +5,10 @@
 from just before the epoch's iterator was made, each loader's
 :class:`~preempt.data.replay.LoaderFeed`, and the resume point that a loaded
 checkpoint left (:class:`Resume`) until the loop is back at its program point.
-It writes no loop counter: it says where the epoch's iterator starts, and the
+While the run is active it also shields the workers of every DataLoader
+iterated in the process from stop signals (:mod:`preempt.data.shield`), and a
+resumed epoch says what it replayed and whether that is exact
+(:mod:`preempt.data.resume_notice`). It writes no loop counter: it says where the epoch's iterator starts, and the
 run's :class:`~preempt.run.loop_state.LoopState` takes it.
 
 **Exact resume.** The batch order comes from the sampler, a pure function of
@@ -34,9 +37,11 @@ from ..checkpoint.commit import MANIFEST
 from ..checkpoint.manager import CheckpointInfo
 from ..checkpoint.manifest import Cursor
 from ..data import rng
-from ..data.loaders import find_sampler, length, shield_workers
+from ..data.loaders import find_sampler, length
 from ..data.replay import LoaderFeed
+from ..data.resume_notice import ResumeFacts, describe, resume_notice, saved_workers
 from ..data.sampler import ResumableSampler
+from ..data.shield import LoaderGuard, shield_workers
 from ..errors import IncompatibleStateError
 
 log = _log.log
@@ -71,6 +76,14 @@ class DataCursor:
         # Loaders seen by open(), each with what replaying it exactly needs; their persistent workers stop at exit.
         self._feeds: weakref.WeakKeyDictionary[Any, LoaderFeed] = weakref.WeakKeyDictionary()
         self._feed: LoaderFeed | None = None  # the current epoch's
+        self._boundary_workers: int | None = None  # num_workers recorded by a checkpoint at an epoch boundary
+        self.guard = LoaderGuard(self.signals)  # every DataLoader iterated while the run is active: workers shielded
+
+    def begin(self, seed: int) -> None:
+        """The run is on: the data seed (unless a checkpoint gave one), every DataLoader's workers shielded."""
+        if self.seed is None:
+            self.seed = seed & SEED_MASK
+        self.guard.start()
 
     def make_sampler(self, dataset: Any, *, epoch: int, **options: Any) -> ResumableSampler:
         """A ResumableSampler (one replica per rank under torch.distributed) whose epoch follows the loop's."""
@@ -91,6 +104,7 @@ class DataCursor:
         r = self.resume
         if r is not None and r.cursor.point == "epoch" and r.cursor.epoch == epoch:
             self.resume = None
+            self._boundary_workers = saved_workers(r.loader)
             return r.rng_now
         return None
 
@@ -111,7 +125,20 @@ class DataCursor:
             return self._resume_iterator(loader, r, sampler, feed, epoch)
         self._epoch_rng = rng.capture()
         self._sample_offset = 0
+        saved, self._boundary_workers = self._boundary_workers, None
+        if saved is not None:
+            self._say(ResumeFacts(self._describe(feed), feed.kind, feed.stateful, saved, feed.num_workers, epoch, 0))
         return feed.iterate(loader, epoch), 0
+
+    @staticmethod
+    def _describe(feed: LoaderFeed) -> str:
+        return describe(feed.kind, feed.dataset_name, feed.num_workers, feed.is_loader)
+
+    @staticmethod
+    def _say(facts: ResumeFacts) -> None:
+        notice = resume_notice(facts)
+        if notice is not None:
+            log.log(*notice)
 
     def _feed_for(self, loader: Iterable[Any]) -> LoaderFeed:
         """The loader's LoaderFeed, made at its first epoch (a list or another plain iterable gets a passing one)."""
@@ -155,29 +182,26 @@ class DataCursor:
             return None, start
         if r.rng_epoch_start is not None:
             rng.restore(r.rng_epoch_start)
-        why_not = feed.can_seek(r.loader, epoch)
-        if sampler is not None and spb and c.sample >= 0:
+        seek = feed.can_seek(r.loader, epoch) is None
+        skip = bool(sampler is not None and spb and c.sample >= 0)  # the sampler starts at the sample: no replay
+        if skip:
+            kind = "seeded" if feed.kind == "seeded" else None  # without per-sample streams: nothing to say
+        else:
+            kind = "iterable" if feed.kind == "iterable" else "plain"
+        if skip and sampler is not None:
             sampler.start_at(c.sample)
             it = feed.iterate(loader, epoch)
-        elif why_not is None:
+        elif seek:
             it = feed.iterate(loader, epoch, r.loader)
-            log.info(
-                "the IterableDataset's %d worker(s) continue where each stood at batch %d (no batch replayed)",
-                max(feed.num_workers, 1),
-                start,
-            )
         else:
             it = feed.iterate(loader, epoch)
-            if start and feed.kind == "iterable":
-                log.warning("%s: replaying %d batch(es) to reach the resume point", why_not, start)
-            elif start:
-                log.warning(
-                    "the loader has no ResumableSampler (use run.sampler()); replaying %d batch(es) to reach the"
-                    " resume point",
-                    start,
-                )
             for _ in range(start):
                 next(it)
+        if kind is not None:
+            positions = feed.plan(r.loader, epoch) is not None
+            workers = saved_workers(r.loader)
+            self._say(ResumeFacts(self._describe(feed), kind, feed.stateful, workers, feed.num_workers, epoch, start,
+                                  positions))  # fmt: skip
         rng.restore(r.rng_now)
         return it, start
 
@@ -233,8 +257,10 @@ class DataCursor:
         loader = r.loader if r is not None else (self._feed.state() if self._feed is not None else None)
         return epoch_rng, {"seed": self.seed, "loader": loader}
 
-    def stop_workers(self) -> None:
-        """Stops the persistent workers of every loader seen (at the end of the run)."""
+    def end(self) -> None:
+        """The run ends: DataLoaders iterated from now on are the user's alone; the persistent workers of every
+        loader of run.batches() are stopped."""
+        self.guard.stop()
         for loader, feed in list(self._feeds.items()):
             try:
                 feed.stop_workers(loader)

@@ -164,13 +164,9 @@ class Health:
         last = saves.last_checkpoint or "(none)"
         if not self.config.emergency_save or not alone or isinstance(exc, LockLostError):  # nothing to write into
             return
-        if loop.stepping:
-            log.error(
-                "%s during an optimizer step (the state may be half-updated): no emergency checkpoint; the last one"
-                " is %s",
-                what,
-                last,
-            )
+        unsafe = not_a_boundary(loop)
+        if unsafe is not None:
+            log.error("%s %s: no emergency checkpoint; the last one is %s", what, unsafe, last)
             return
         try:
             saves.settle()
@@ -190,6 +186,24 @@ class Health:
         if not alone:
             self.oom.max_in_a_row = 1
         return OomStep(self.oom, self.loop)
+
+
+def not_a_boundary(loop: LoopState) -> str | None:
+    """Why the state is not one an emergency checkpoint may hold (an error escaped the loop now); None when it is.
+
+    Only an optimizer step under way (begun, not returned) may have half-updated the state; one that returned before
+    its ``run.step()`` left the weights a step ahead of the counters. Micro-batches taken since the last
+    ``run.step()`` without an optimizer step, or code between ``run.step()`` and the next batch (an evaluation), leave
+    the state of the last step boundary: those get the checkpoint.
+    """
+    if loop.stepping:
+        return "during an optimizer step (the state may be half-updated)"
+    if loop.updated:
+        return (
+            "after optimizer.step() and before run.step() (the weights are one step ahead of the step counter;"
+            " call run.step() right after the optimizer step, before an evaluation)"
+        )
+    return None
 
 
 class OomStep:

@@ -2,7 +2,8 @@
 
 :class:`LoopState` is the only writer of the step, the epoch, the batch, whether
 anything changed since the last checkpoint (``dirty``), whether an optimizer
-step is half done (``stepping``), the last checkpoint's position, the metrics
+step is half done (``stepping``) or done before its ``run.step()``
+(``updated``), the last checkpoint's position, the metrics
 (each at the step it was measured), the best metric and the current epoch's
 totals. The other parts of the run read these fields and change them through
 the methods below, each named after the event that changes them. No clock, no
@@ -155,7 +156,8 @@ class LoopState:
     epoch: int = 0
     batch: int = 0  # batches of the epoch the loop received
     batches_since_step: int = 0  # received since the last run.step() (micro-batches of gradient accumulation)
-    stepping: bool = False  # an optimizer step began since the last run.step(): the state may be half-updated
+    stepping: bool = False  # optimizer.step() began and has not returned: the state may be half-updated
+    updated: bool = False  # optimizer.step() returned since the last run.step(): the weights are a step ahead of it
     dirty: bool = False  # changed since the last checkpoint (or load)
     batches_open: bool = False  # the epoch's run.batches() is handing out batches (not yet run out)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the latest value of each
@@ -207,21 +209,33 @@ class LoopState:
         self.epoch_since = now
 
     def optimizer_stepping(self, *_: Any) -> None:
-        """The optimizer's step-pre hook: from here until run.step() the state may be half-updated."""
+        """The optimizer's step-pre hook: from here until the step returns the state may be half-updated."""
         self.stepping = True
+
+    def optimizer_stepped(self, *_: Any) -> None:
+        """The optimizer's step-post hook: the step is whole, and the weights are ahead of the last run.step()."""
+        self.stepping, self.updated = False, True
+
+    def watch(self, optimizer: Any) -> Any:
+        """Hooks :meth:`optimizer_stepping` and :meth:`optimizer_stepped` on ``optimizer``; returns a handle whose
+        ``remove()`` takes both off (None for no optimizer)."""
+        if optimizer is None:
+            return None
+        return _Hooks((optimizer.register_step_pre_hook(self.optimizer_stepping),
+                       optimizer.register_step_post_hook(self.optimizer_stepped)))  # fmt: skip
 
     def stepped(self) -> bool:
         """``run.step()``: one optimizer step done; True when the safe point must look (a threshold or a best)."""
         step = self.global_step = self.beacon[0] = self.global_step + 1
         self.batches_since_step = 0
-        self.stepping = False
+        self.stepping = self.updated = False
         self.dirty = True
         return step >= self.wake_step or self.batch >= self.wake_batch or self.best_pending
 
     def batch_skipped(self) -> None:
         """A batch consumed without a step (non-finite loss, out of memory): a step boundary again."""
         self.batches_since_step = 0
-        self.stepping = False
+        self.stepping = self.updated = False
 
     def epoch_ended(self) -> None:
         self.epoch += 1
@@ -406,3 +420,11 @@ class LoopState:
             dirty=self.dirty,
             stop_at=stop_at,
         )
+
+
+class _Hooks(tuple):
+    """Several hook handles removed together."""
+
+    def remove(self) -> None:
+        for handle in self:
+            handle.remove()

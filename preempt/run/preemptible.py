@@ -52,11 +52,12 @@ from ..cluster import distributed, sharded
 from ..cluster.environment import Environment, provenance
 from ..cluster.signals import DEFAULT_SIGNALS
 from ..data import rng
-from ..data.loaders import shield_workers
 from ..data.sampler import ResumableSampler
+from ..data.shield import shield_workers
 from ..errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
+from ..health.progress import check_epochs
 from .config import OPTIONS_DOC, RunConfig
-from .data_cursor import SEED_MASK, DataCursor
+from .data_cursor import DataCursor
 from .guarding import Health, OomStep
 from .loop_state import LoopState
 from .peers import Alone, join
@@ -291,16 +292,14 @@ class PreemptibleRun:
         self._active = True
         assert self._starter is not None
         self.resumed_from = self._starter.resumed_from
-        if self.data.seed is None:
-            self.data.seed = torch.initial_seed() & SEED_MASK
+        self.data.begin(torch.initial_seed())  # the data seed, and every DataLoader's workers shielded
         if self._lock.held:
             self._beacon.open(self.loop.global_step)
             self.loop.publish(self._beacon.view)
         self.loop.started(self._clock())
         self.health.apply_lr_scale(resumed=self.resumed_from is not None)
         opt = self.components.optimizer
-        if opt is not None:
-            self._step_hook = opt.register_step_pre_hook(self.loop.optimizer_stepping)
+        self._step_hook = self.loop.watch(opt)  # whether an optimizer step is under way, or done before run.step()
         self.reporter.start(self.resumed_from, self._starter.resume_line)
         if self.config.async_save:
             self.saves.start(payload, optimizer_state_later=opt is not None, lazy=self.config.lazy_snapshot)
@@ -326,7 +325,7 @@ class PreemptibleRun:
             self.reporter.ended(exc_type is None, exc)
             try:
                 self.saves.close()  # a write in flight is a consistent state: let it become durable
-                self.data.stop_workers()
+                self.data.end()
                 # After a stop the process must exit within its grace period; the next start redoes deletions.
                 self.manager.close(timeout=None if exc_type is None else 0.0)
             finally:
@@ -359,15 +358,15 @@ class PreemptibleRun:
 
     # ---------------------------------------------------------------- loop
 
-    def epochs(self, n: int) -> Iterator[int]:
+    def epochs(self, n: int, steps_per_epoch: int | None = None) -> Iterator[int]:
         """Yields epoch numbers from the resumed epoch up to ``n - 1``.
 
-        Each boundary (before every epoch, and after the last) is a safe point.
+        Each boundary (before every epoch, and after the last) is a safe point. ``steps_per_epoch`` (the run.step()
+        calls of one epoch) gives the progress line a total and an ETA where the loader has no length.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"epochs: expected an integer >= 0, got {n!r}")
+        check_epochs(n, steps_per_epoch)
         self._check_active("epochs")
-        self.reporter.epochs_total = n
+        self.reporter.epochs_total, self.reporter.steps_per_epoch = n, steps_per_epoch
         loop = self.loop
         while True:
             rng_now = self.data.resume_at_epoch(loop.epoch)
@@ -489,7 +488,8 @@ class PreemptibleRun:
             self._starter.load_tracked(name, obj)
 
     def protect(self, loader: Any) -> Any:
-        """Makes a DataLoader's workers ignore stop signals (done for you by run.batches)."""
+        """Shields a DataLoader's workers from stop signals for good, wherever it is iterated; returns the loader.
+        Every loader iterated while the run is active is shielded anyway: this is for one iterated before or after."""
         return shield_workers(loader, self.stopper.flag.signals)
 
     def request_stop(self) -> None:

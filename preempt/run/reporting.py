@@ -37,7 +37,7 @@ from ..errors import Preempted
 from ..health.history import EarlyRecords, History, RunLog
 from ..health.loggers import Loggers
 from ..health.monitor import GPUMonitor
-from ..health.progress import Progress
+from ..health.progress import Progress, planned_total
 from .config import RunConfig
 from .loop_state import LoopState, Measured
 from .save_plan import SaveRecord
@@ -99,6 +99,7 @@ class Reporter:
         self.log_all_ranks = log_all_ranks  # PREEMPT_LOG_ALL_RANKS (preempt.cluster.environment): ranks > 0 log too
         self.next_at = float("inf")  # when report() has something to do: a progress line or a metric point
         self.epochs_total: int | None = None
+        self.steps_per_epoch: int | None = None  # run.epochs(n, steps_per_epoch=...): the total of an unsized loader
         self._runlog: RunLog | None = None
         self._held: EarlyRecords | None = None  # what the logger says from the run's entry to start()
         self._history: History | None = None
@@ -181,8 +182,8 @@ class Reporter:
             self._interval = min(every, self._interval * 2)  # 5 s, 10 s, 20 s, ... up to progress_every_s
             self._line_at = now + self._interval
             bpe, n = batches_per_epoch, self.epochs_total
-            if bpe and n is not None:
-                self._progress.total_steps = total_steps(self._base, loop, bpe, n)
+            measured = total_steps(self._base, loop, bpe, n) if bpe and n is not None else None
+            self._progress.total_steps = planned_total(n, self.steps_per_epoch, measured)
             line = self._progress.update(loop.global_step, loop.epoch, loop.batch, bpe, loop.metrics)
             self._progress.every_s = self._interval
             if line and self.rank == 0:

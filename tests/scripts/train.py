@@ -19,6 +19,7 @@ import os  # noqa: E402
 import random  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np
 import torch
@@ -33,8 +34,8 @@ from preempt.checkpoint import commit
 class Synthetic(Dataset):
     """Deterministic features and labels; optional random augmentation in __getitem__."""
 
-    def __init__(self, n: int, dim: int, augment: bool) -> None:
-        g = torch.Generator().manual_seed(1234)
+    def __init__(self, n: int, dim: int, augment: bool, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, dim, generator=g)
         self.y = (self.x[:, 0] + 0.5 * self.x[:, 1] > 0).long()
         self.augment = augment
@@ -75,6 +76,64 @@ class StatefulStream(Stream):
 
     def load_state_dict(self, state: dict) -> None:
         self._start = int(state["pos"])
+
+
+class EpochStream(StatefulStream):
+    """--iterable epochs: a stream whose order within each worker's shard changes with the epoch, told by set_epoch
+    (the convention of DistributedSampler and Hugging Face's datasets). The loop calls set_epoch in the main process,
+    as a user does; only the run can reach the copies that persistent workers keep."""
+
+    def __init__(self, data: Synthetic) -> None:
+        super().__init__(data)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        shard = range(w, len(self.data), n)
+        order = torch.randperm(len(shard), generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        start, self._start = self._start, 0
+        for k in range(start, len(shard)):
+            self.pos = k + 1
+            yield self.data[shard[order[k]]]
+
+
+class EvalSet(Dataset):
+    """--eval_loader_every: 64 samples of their own; with --eval_hold DIR, the worker that fetches sample 0 of this process's
+    first evaluation prints ``holding in an evaluation worker`` and waits there until DIR/go exists."""
+
+    def __init__(self, dim: int, hold: str | None) -> None:
+        self.data = Synthetic(64, dim, augment=False, seed=4321)
+        self.hold = hold
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        if self.hold is not None and i == 0:
+            reached = Path(self.hold) / "eval_reached"
+            if not reached.exists():
+                reached.touch()
+                print("holding in an evaluation worker", flush=True)
+                deadline = time.monotonic() + HOLD_LIMIT_S
+                while not (Path(self.hold) / "go").exists() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+        return self.data[i]
+
+
+def evaluate_loader(model: torch.nn.Module, loader: DataLoader) -> float:
+    """The mean loss over the evaluation loader, dropout off (the loader's iterator is made here, between steps)."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in loader:
+            total += float(classify_loss(model, x, y)) * len(y)
+            count += len(y)
+    model.train()
+    return total / count
 
 
 class Adapted(torch.nn.Linear):
@@ -355,7 +414,9 @@ def main() -> None:
     p.add_argument("--augment", action="store_true")
     p.add_argument("--persistent_workers", action="store_true")
     p.add_argument("--no_per_sample_rng", action="store_true", help="run.sampler(per_sample_rng=False)")
-    p.add_argument("--iterable", choices=["stateful", "plain"], default=None, help="an IterableDataset, no sampler")
+    p.add_argument(
+        "--iterable", choices=["stateful", "plain", "epochs"], default=None, help="an IterableDataset, no sampler"
+    )
     p.add_argument("--onecycle", action="store_true", help="OneCycleLR instead of StepLR")
     p.add_argument("--clip", type=float, default=None, help="clip the gradients' norm (after unscaling)")
     p.add_argument("--accum", type=int, default=1)
@@ -387,6 +448,15 @@ def main() -> None:
     p.add_argument("--best", action="store_true", help="PreemptibleRun(best_metric='val_loss', keep_best=1)")
     p.add_argument("--report_epoch_end", action="store_true", help="run.report({'epoch_draw': ...}) at each epoch end")
     p.add_argument("--loggers", default=None, help="tensorboard,wandb: PreemptibleRun(loggers=[...])")
+    p.add_argument(
+        "--eval_loader_every",
+        type=int,
+        default=None,
+        help="evaluate on a DataLoader (EvalSet) after every N-th run.step()",
+    )
+    p.add_argument("--eval_workers", type=int, default=2, help="the evaluation DataLoader's num_workers")
+    p.add_argument("--eval_persistent", action="store_true", help="the evaluation DataLoader's persistent_workers")
+    p.add_argument("--eval_hold", default=None, help="DIR: hold inside the first evaluation, see EvalSet")
     p.add_argument("--progress_every_s", type=float, default=None)
     p.add_argument("--no_recycle", action="store_true", help="PreemptibleRun(recycle_files=False)")
     p.add_argument("--lazy_copy_at_stop", action="store_true", help="lazy_snapshot=True, see lazy_copy_at_stop()")
@@ -490,11 +560,19 @@ def main() -> None:
         run.user_state.setdefault("losses", [])
         workers = {"num_workers": args.num_workers, "persistent_workers": args.persistent_workers}
         if args.iterable:
-            stream = (StatefulStream if args.iterable == "stateful" else Stream)(data)
+            stream = {"stateful": StatefulStream, "plain": Stream, "epochs": EpochStream}[args.iterable](data)
             loader = DataLoader(stream, batch_size=args.batch_size, **workers)
         else:
             sampler = run.sampler(data, shuffle=True, seed=7, per_sample_rng=not args.no_per_sample_rng)
             loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, **workers)
+        eval_loader = None
+        if args.eval_loader_every:  # made inside the run, iterated between run.step() calls by the loop itself
+            eval_loader = DataLoader(
+                EvalSet(args.dim, args.eval_hold),
+                batch_size=16,
+                num_workers=args.eval_workers,
+                persistent_workers=args.eval_persistent,
+            )
         lr = opt.param_groups[0]["lr"]
         print(f"start step {run.global_step} epoch {run.epoch} batch {run.batch} lr {lr!r}", flush=True)
         first_attempt = os.environ.get("PREEMPT_SUPERVISE_ATTEMPT") == "1"
@@ -502,6 +580,8 @@ def main() -> None:
         saved_at = -1  # the step of the last checkpoint taken by this process
         for epoch in run.epochs(args.epochs):
             micro = 0
+            if callable(getattr(loader.dataset, "set_epoch", None)):
+                loader.dataset.set_epoch(epoch)  # what a user writes (it reaches the main process's copy only)
             for x, y in run.batches(loader):
                 if first_attempt and run.global_step + 1 == args.nan_at:
                     print(f"step {run.global_step + 1}: Loss is NaN", flush=True)
@@ -530,6 +610,11 @@ def main() -> None:
                 if run.last_save is not None and run.last_save.step == run.global_step != saved_at:
                     saved_at = run.global_step
                     reached("saved")
+                if eval_loader is not None and run.global_step % args.eval_loader_every == 0:
+                    print(f"eval at step {run.global_step}", flush=True)
+                    val = evaluate_loader(model, eval_loader)
+                    run.user_state.setdefault("val_losses", []).append(val)
+                    run.report({"val_loss": val})
                 for kill_step, kill_sig in kills:  # each handler runs before the next kill is sent
                     if run.global_step == kill_step:
                         print(f"kill_at_step {kill_step} {kill_sig}", flush=True)
@@ -568,6 +653,8 @@ def main() -> None:
         out["rng.python"] = torch.tensor(random.getstate()[1], dtype=torch.int64)
         out["losses"] = torch.tensor(run.user_state["losses"], dtype=torch.float64)
         out["epoch_draws"] = torch.tensor(run.user_state["epoch_draws"], dtype=torch.float64)
+        if "val_losses" in run.user_state:
+            out["val_losses"] = torch.tensor(run.user_state["val_losses"], dtype=torch.float64)
         save_file(out, args.final_out, metadata={"steps": json.dumps(run.global_step)})
     print("done", flush=True)
 

@@ -228,3 +228,49 @@ def test_malformed_positions_replay_instead_of_starting_over_silently():
     saved = {"epoch": 0, "num_workers": 0, "next": 0, "workers": ["not", "a", "dict"]}
     assert feed.plan(saved, 0) is None
     assert feed.can_seek(saved, 0) == "the checkpoint holds no position of its workers"
+
+
+class EpochTagged(IterableDataset):
+    """Yields (epoch it was told, worker id, k) for k in its shard; seekable."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch, self.pos, self._start = n, -1, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, k = (info.id, info.num_workers) if info else (0, 1)
+        shard = range(w, self.n, k)
+        start, self._start = self._start, 0
+        for j in range(start, len(shard)):
+            self.pos = j + 1
+            yield torch.tensor([self.epoch, w, shard[j]])
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._start = state["pos"]
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_an_iterable_dataset_is_told_the_epoch_in_every_worker(workers, persistent):
+    """set_epoch reaches the copy each worker holds, persistent ones included (they keep theirs between epochs), and
+    the main process's; a resumed epoch is told its epoch before its saved position is loaded."""
+    data = EpochTagged(12)
+    loader = DataLoader(data, batch_size=2, num_workers=workers, persistent_workers=persistent)
+    feed = LoaderFeed(loader, 0)
+    for epoch in (0, 1, 2):
+        rows = torch.cat(list(feed.iterate(loader, epoch)))
+        assert rows[:, 0].tolist() == [epoch] * 12 and sorted(rows[:, 2].tolist()) == list(range(12))
+        assert data.epoch == epoch
+    it = feed.iterate(loader, 3)
+    next(it)
+    saved = feed.state()
+    del it
+    fresh = DataLoader(EpochTagged(12), batch_size=2, num_workers=workers, persistent_workers=persistent)
+    rest = torch.cat(list(LoaderFeed(fresh, 0).iterate(fresh, 3, saved)))
+    assert rest[:, 0].tolist() == [3] * 10
+    feed.stop_workers(loader)
