@@ -102,8 +102,8 @@ class EpochStream(StatefulStream):
 
 
 class EvalSet(Dataset):
-    """--eval_loader_every: 64 samples of their own; with --eval_hold DIR, the worker that fetches sample 0 of this process's
-    first evaluation prints ``holding in an evaluation worker`` and waits there until DIR/go exists."""
+    """--eval_loader_every: 64 samples of their own; with --eval_hold DIR, the worker that fetches sample 0 of this
+    process's first evaluation prints ``holding in an evaluation worker`` and waits there until DIR/go exists."""
 
     def __init__(self, dim: int, hold: str | None) -> None:
         self.data = Synthetic(64, dim, augment=False, seed=4321)
