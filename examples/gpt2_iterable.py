@@ -242,8 +242,8 @@ def evaluate(model: nn.Module, loader: DataLoader, run: PreemptibleRun, hold: Ho
     model.train()
     val_loss = total / count
     run.user_state["evals"].append([run.global_step, val_loss])
-    run.report({"val_loss": val_loss})
     print(f"evaluation at step {run.global_step}: val_loss {val_loss:.4f}", flush=True)
+    run.report({"val_loss": val_loss})  # a safe point: a stop that came during the evaluation is taken here
     return val_loss
 
 

@@ -26,7 +26,7 @@ EVAL = ["--epochs", "1", "--samples", "256", "--eval_loader_every", "5"]
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
-def test_sigterm_to_the_process_group_during_evaluation_stops_at_the_next_step_and_resumes_exactly(
+def test_sigterm_to_the_process_group_during_evaluation_stops_after_it_and_resumes_exactly(
     tmp_path, reference, persistent
 ):
     args = [*EVAL, "--eval_persistent"] if persistent else EVAL
@@ -37,12 +37,13 @@ def test_sigterm_to_the_process_group_during_evaluation_stops_at_the_next_step_a
     (tmp_path / "go").touch()  # after the signal: the worker goes on
     assert p.finish() == PREEMPTED, p.output
     assert "exited unexpectedly" not in p.output and "killed by signal" not in p.output, p.output
-    # the evaluation after step 5 finished; the stop was taken at the next safe point, with a checkpoint
+    # the evaluation after step 5 finished; the stop was taken in its run.report() (README_PREEMPTION.md,
+    # "Evaluation in the loop"), with a checkpoint of step 5 that holds the state after the evaluation
     assert re.search(r"^eval at step 5$", p.output, re.M), p.output
-    assert re.search(r"stopping on SIGTERM .* at step 6 \(epoch 0, batch 6\); state in .*step_000000006", p.output)
+    assert re.search(r"stopping on SIGTERM .* at step 5 \(epoch 0, batch 5\); state in .*step_000000005", p.output)
     rerun = Spawned(train_cmd(save_dir, final, args))
     assert rerun.finish() == 0, rerun.output
-    assert re.search(r"resumed from .*step_000000006: step 6, epoch 0, batch 6", rerun.output), rerun.output
+    assert re.search(r"resumed from .*step_000000005: step 5, epoch 0, batch 5", rerun.output), rerun.output
     assert_same_final(reference(args), final)  # weights, optimizer, RNG, losses and every evaluation's result
 
 

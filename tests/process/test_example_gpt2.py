@@ -141,13 +141,13 @@ def test_sigterm_to_the_group_during_training(trials):
 @gpt2
 def test_sigterm_to_the_group_during_evaluation(trials):
     """Stopped while the validation loader's workers are alive (issue 31, item 1): the evaluation finishes, the
-    stop is taken at the next safe point (step 5), and the rerun ends bit-exact."""
+    stop is taken in its run.report() (step 4, the state after the evaluation), and the rerun ends bit-exact."""
     t = trials["eval"].result()
     assert "test hook: holding in eval 1 at step 4" in t.outputs[0], t.outputs[0]
     assert t.codes == [PREEMPTED, 0], t.text
     assert "exited unexpectedly" not in t.text and "killed by signal" not in t.text, t.text
     assert "evaluation at step 4:" in t.outputs[0], t.outputs[0]
-    assert stop_of(t.outputs[0]) == (5, 0, 5 * ACCUM), t.outputs[0]
+    assert stop_of(t.outputs[0]) == (4, 0, 4 * ACCUM), t.outputs[0]
     assert_same_final(checked_reference(trials), t.final)
 
 
