@@ -115,7 +115,8 @@ def rerun_from_step_4(save_dir, final, reference, before: str) -> None:
     assert_equal_finals(reference, ddp_finals(final))
 
 
-@pytest.mark.parametrize("rank", [1, 0])
+# rank 0 killed too, under -m slow: the same commit seen from the other side
+@pytest.mark.parametrize("rank", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference, rank):
     """Rank 1 dies while writing its files at the step; rank 0 dies in its background write of its own."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
@@ -194,7 +195,8 @@ def test_weights_only_loads_the_weights_on_every_rank(tmp_path, reference):
     assert not all(torch.equal(r0[k], reference[0][k]) for k in weights), "the loaded weights made no difference"
 
 
-@pytest.mark.parametrize("dies", [1, 0])
+# rank 0 dying too, under -m slow: the same watch seen from the other side
+@pytest.mark.parametrize("dies", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_a_rank_that_dies_is_noticed_by_the_other_which_exits_80_and_the_rerun_resumes(tmp_path, reference, dies):
     """Two ranks started by hand (no torchrun agent to kill the survivor, as across the nodes of a job); one dies
     after step 6. The other leaves at its next collective with exit code 80 and says why (rank 1 too, which

@@ -15,7 +15,13 @@ from conftest import PREEMPTED, MiB, assert_same_final, assert_writes_what_chang
 # A guard only (the test extra installs both): looked up, not imported, since importing them here would cost this
 # process ~5 s of CPU for nothing (the training processes import them)
 missing = [m for m in ("peft", "transformers") if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(bool(missing), reason=f"the PEFT trial needs {missing}: pip install -e .[test]")
+# Under -m slow: the same trial as test_carry_lora.py (a frozen base with adapters, two SIGTERMs and a SIGKILL, bytes
+# written against bytes changed) with a real PeftModel; each of its processes spends ~3 s of CPU importing
+# transformers and peft, and test_example_gpt2.py already stops and resumes a transformers model in the default suite.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(missing), reason=f"the PEFT trial needs {missing}: pip install -e .[test]"),
+]
 
 # GPT-2 with n_embd 192, 2 layers, 1000 tokens, 32 per sample: a frozen base of ~5 MiB (the tied embedding and head
 # among it), ~48 KiB of adapters; 128 samples in batches of 16, 3 epochs: 24 steps

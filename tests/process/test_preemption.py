@@ -35,11 +35,11 @@ PACE = ["--step_sleep", "0.03"]
 AUGMENT0 = [*WORKERS0, "--augment"]
 
 
-# Repetitions under -m slow: workers0 (no workers, no augmentation) is the plainest of the three, and workers2 is
-# test_data_replay.py's headline (three SIGTERMs, 2 workers, augmentation in them) at random moments instead of steps.
+# Repetitions under -m slow: test_data_replay.py's headline stops three processes inside steps (2 workers,
+# augmentation in them, and in the main process once resumed with 0 workers); these stop them at random moments.
 @pytest.mark.parametrize(
     "model_args",
-    [pytest.param(WORKERS0, marks=pytest.mark.slow), pytest.param(WORKERS2, marks=pytest.mark.slow), AUGMENT0],
+    [pytest.param(a, marks=pytest.mark.slow) for a in (WORKERS0, WORKERS2, AUGMENT0)],
     ids=["workers0", "workers2", "augment0"],
 )
 def test_three_sigterms_at_random_points(tmp_path, reference, model_args):
@@ -138,7 +138,8 @@ def test_sigkill_at_random_points(tmp_path, reference):
     assert_same_final(reference(WORKERS0), tmp_path / "final.safetensors")
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+# a truncated file under -m slow: the same fallback (test_cli.py and test_tensorfile.py reject truncated files)
+@pytest.mark.parametrize("damage", ["flip", pytest.param("truncate", marks=pytest.mark.slow)])
 def test_damaged_newest_checkpoint_falls_back(tmp_path, reference, damage):
     """A flipped byte or a truncated file in the newest checkpoint: warned, quarantined, older one used."""
     save_dir = tmp_path / "run"
