@@ -409,9 +409,9 @@ def test_the_frozen_base_gets_no_staging_buffer_and_each_checkpoint_is_its_steps
     assert files[BASE]["carried_from"] == 2
 
 
-def test_a_base_changed_while_the_writer_reads_it_is_not_committed_and_is_copied_from_then_on(tmp_path, caplog):
-    """The writer is held after the tensor files (a fault point), the loop changes a frozen weight in place:
-    that checkpoint would mix two states, so it is dropped with a warning, and the next one stages the base."""
+def writer_gate():
+    """A fault point that holds the background writer after its first checkpoint's tensor files: (reached, release,
+    the function for commit.inject_fault). The test waits for ``reached`` and lets it go with ``release``."""
     import threading
 
     reached, release = threading.Event(), threading.Event()
@@ -422,6 +422,13 @@ def test_a_base_changed_while_the_writer_reads_it_is_not_committed_and_is_copied
                 reached.set()
                 assert release.wait(30)
 
+    return reached, release, gate
+
+
+def test_a_base_changed_while_the_writer_reads_it_is_not_committed_and_is_copied_from_then_on(tmp_path, caplog):
+    """The writer is held after the tensor files (a fault point), the loop changes a frozen weight in place:
+    that checkpoint would mix two states, so it is dropped with a warning, and the next one stages the base."""
+    reached, release, gate = writer_gate()
     model, opt, run = lora_run(tmp_path, keep_last=None)
     commit.inject_fault(gate)
     try:
@@ -458,16 +465,7 @@ def test_a_carried_file_changed_after_its_step_while_the_writer_runs_is_still_co
     step may change those tensors while the write goes on (a second checkpoint of the same step, a best after a
     periodic one, is written while the next optimizer.step() runs): the checkpoint must be committed all the same,
     and hold the state of its step. Fails where the writer checks the carried files' tensors after writing."""
-    import threading
-
-    reached, release = threading.Event(), threading.Event()
-
-    def gate(stage: str) -> None:
-        if stage == "after_tensor_files" and threading.current_thread().name == "preempt-writer":
-            if not reached.is_set():
-                reached.set()
-                assert release.wait(30)
-
+    reached, release, gate = writer_gate()
     model, opt, run = lora_run(tmp_path, keep_last=None)
     with run:
         for _ in range(2):

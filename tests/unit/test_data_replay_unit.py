@@ -102,7 +102,10 @@ class Counting(IterableDataset):
         start, self._start = self._start, 0
         for j in range(start, len(shard)):
             self.pos = j + 1
-            yield shard[j]
+            yield self.item(w, shard[j])
+
+    def item(self, worker: int, k: int):
+        return k
 
     def state_dict(self) -> dict:
         return {"pos": self.pos}
@@ -230,29 +233,18 @@ def test_malformed_positions_replay_instead_of_starting_over_silently():
     assert feed.can_seek(saved, 0) == "the checkpoint holds no position of its workers"
 
 
-class EpochTagged(IterableDataset):
+class EpochTagged(Counting):
     """Yields (epoch it was told, worker id, k) for k in its shard; seekable."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.epoch, self.pos, self._start = n, -1, 0, 0
+        super().__init__(n)
+        self.epoch = -1
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        w, k = (info.id, info.num_workers) if info else (0, 1)
-        shard = range(w, self.n, k)
-        start, self._start = self._start, 0
-        for j in range(start, len(shard)):
-            self.pos = j + 1
-            yield torch.tensor([self.epoch, w, shard[j]])
-
-    def state_dict(self) -> dict:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._start = state["pos"]
+    def item(self, worker: int, k: int):
+        return torch.tensor([self.epoch, worker, k])
 
 
 @pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
