@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -274,17 +275,32 @@ def assert_writes_what_changed(ckpts: Sequence[Path], carried: str = "base.safet
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Sequence[str]], Path]:
-    """The final state of an uninterrupted run with the given arguments (computed once per argument list)."""
+    """The final state of an uninterrupted run with the given arguments, computed once per argument list for the
+    whole test run: under xdist the workers share it (the first to ask computes it under a lock on its file, the
+    others wait and read it; an uninterrupted run ends bit for bit the same wherever it runs)."""
+    import fcntl
+    import hashlib
+
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one value for every worker of this run
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent / f"references-{run_id}" if run_id else base / "references"
+    shared.mkdir(exist_ok=True)
     cache: dict[tuple[str, ...], Path] = {}
 
     def get(args: Sequence[str]) -> Path:
         key = tuple(args)
         if key not in cache:
-            d = tmp_path_factory.mktemp("reference")
+            d = shared / hashlib.sha256("\0".join(key).encode()).hexdigest()[:20]
+            d.mkdir(exist_ok=True)
             out = d / "final.safetensors"
-            p = Spawned(train_cmd(d / "run", out, args))
-            rc = p.finish()
-            assert rc == 0, p.output
+            with open(d / "lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this worker dies
+                if not (d / "done").exists():
+                    shutil.rmtree(d / "run", ignore_errors=True)  # a failed attempt's checkpoints: start fresh
+                    p = Spawned(train_cmd(d / "run", out, args))
+                    rc = p.finish()
+                    assert rc == 0, p.output
+                    (d / "done").write_text(" ".join(key))
             cache[key] = out
         return cache[key]
 
