@@ -11,7 +11,8 @@ python -c "import pathlib, sys, preempt; sys.exit(pathlib.Path(preempt.__file__)
 
 save_dir=runs/latentwire_demo
 rm -rf "$save_dir"
-args=(examples/latentwire_train.py --samples 2048 --epochs 3 --save_dir "$save_dir")  # ~35 s of training
+# ~35 s of training here; DEMO_SAMPLES makes it smaller (the test suite runs the demo with 512: ~15 s)
+args=(examples/latentwire_train.py --samples "${DEMO_SAMPLES:-2048}" --epochs 3 --save_dir "$save_dir")
 echo "== 1. train; SIGTERM as soon as the run reports a step of epoch 1 (as SLURM's --signal=TERM@N would, mid-run)"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

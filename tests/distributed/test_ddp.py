@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +43,7 @@ def stopped_steps(output: str) -> dict[int, int]:
     return dict(zip((int(r) for r in ranks), (int(s) for s in found), strict=False))
 
 
-# sync under -m slow: the ranks' synchronous saves run by default in the tests that stop at step 10 (stop_at_step_10)
+# sync under -m slow: the ranks' synchronous saves run by default in the stopped_at_10 fixture
 @pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=pytest.mark.slow)])
 def test_sigterm_to_the_agent_twice_resumes_bit_exact(tmp_path, reference, mode):
     rnd = random.Random()
@@ -144,21 +146,30 @@ def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path):
     assert sorted(seen + rest) == list(range(192)), (sorted(seen), sorted(rest))
 
 
-def stop_at_step_10(save_dir) -> None:
-    """A 2-rank run stopped at step 10: checkpoints of steps 8 and 10 in save_dir (keep_last=2).
+@pytest.fixture(scope="module")
+def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank run stopped at step 10: checkpoints of steps 8 and 10 (keep_last=2). Made once; the tests that start
+    from it each take a copy (a torchrun of two ranks costs ~12 s of CPU here, most of it importing torch).
 
     Synchronous saves: a background write still in flight at step 8 would postpone that checkpoint to step 9.
     """
+    save_dir = tmp_path_factory.mktemp("ddp_stopped") / "run"
     p = torchrun(save_dir, None, [*ARGS, "--self_signal", "0:10", "--sync_save"])
     p.finish(timeout=120)
     steps = [c.step for c in CheckpointManager(save_dir, owner=False).list() if c.status == "valid"]
     assert steps == [10, 8], p.output
+    return save_dir
 
 
-def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, reference):
+def stop_at_step_10(stopped: Path, save_dir: Path) -> None:
+    """``save_dir``: a copy of the run stopped at step 10."""
+    shutil.copytree(stopped, save_dir, symlinks=True)
+
+
+def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, reference, stopped_at_10):
     """resume=<a checkpoint of another save_dir> on 2 ranks: rank 1 loads it too (with its own random state), the
     new timeline records the request, and the run ends equal to the uninterrupted one."""
-    stop_at_step_10(tmp_path / "src")
+    stop_at_step_10(stopped_at_10, tmp_path / "src")
     source = tmp_path / "src" / "step_000000008"
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = torchrun(save_dir, final, [*ARGS, "--resume", str(source)])
@@ -171,9 +182,9 @@ def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, refer
     assert_equal_finals(reference, ddp_finals(final))
 
 
-def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_path, reference):
+def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_path, reference, stopped_at_10):
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    stop_at_step_10(save_dir)
+    stop_at_step_10(stopped_at_10, save_dir)
     p = torchrun(save_dir, final, [*ARGS, "--resume", "8"])
     assert p.finish() == 0, p.output
     assert "moved 1 checkpoint(s) of the previous timeline" in p.output, p.output
@@ -182,9 +193,9 @@ def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_p
     assert_equal_finals(reference, ddp_finals(final))
 
 
-def test_weights_only_loads_the_weights_on_every_rank(tmp_path, reference):
+def test_weights_only_loads_the_weights_on_every_rank(tmp_path, reference, stopped_at_10):
     """Fine-tuning from another run's weights on 2 ranks: both start from them (else the replicas would differ)."""
-    stop_at_step_10(tmp_path / "src")
+    stop_at_step_10(stopped_at_10, tmp_path / "src")
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = torchrun(save_dir, final, [*ARGS, "--resume", str(tmp_path / "src"), "--weights_only"])
     assert p.finish() == 0, p.output

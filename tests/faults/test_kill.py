@@ -57,8 +57,9 @@ def leftovers(save_dir: Path) -> list[str]:
 
 # after_replace needs a periodic checkpoint at the last step for the final save to replace: only the synchronous
 # schedule guarantees one (background saves due during a write are postponed to another step). Both modes run the
-# same commit; the synchronous one is run at three stages by default and at every stage under -m slow.
-_SYNC_DEFAULT = {"after_tensor_files", "before_rename", "after_replace"}
+# same commit (the synchronous save is the loop's own thread reaching the same stages): every stage runs once by
+# default, in the background writer, and after_replace synchronously; the synchronous mode at every stage under -m slow.
+_SYNC_DEFAULT = {"after_replace"}
 STAGE_MODES = [
     pytest.param(stage, mode, marks=[pytest.mark.slow] if mode == "sync" and stage not in _SYNC_DEFAULT else [])
     for stage in commit.STAGES

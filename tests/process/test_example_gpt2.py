@@ -11,9 +11,9 @@ reached by the example's test hook ``--hold_at`` (it prints ``test hook: holding
 run is asked to stop), never by a delay. Every case ends with every tensor of the final state (model, optimizer,
 scheduler, random generators, the recorded losses and evaluations) torch.equal to an uninterrupted run.
 
-The five trials (the reference, three interrupted runs, and one of the fallback model) go side by side, each in a
-thread of the module's fixture: each GPT-2 process spends most of its time importing transformers (~7 s of CPU
-here), and the trials need nothing of each other.
+The selected tests' trials (the reference, up to three interrupted runs, and one of the fallback model) go side by
+side, each in a thread of the module's fixture: each GPT-2 process spends most of its time importing transformers
+(~7 s of CPU here), and the trials need nothing of each other.
 """
 
 from __future__ import annotations
@@ -94,20 +94,38 @@ def trial(root: Path, hold: str | None, sig: int, args: Sequence[str] = (), pref
     return t
 
 
+# the trial each test reads (the SIGKILL case, two GPT-2 processes, under -m slow: tests/faults/test_kill.py and
+# tests/process/test_data_replay.py kill runs with workers mid-epoch by default)
+TRIAL_OF = {
+    "test_sigterm_to_the_group_during_training": "train",
+    "test_sigterm_to_the_group_during_evaluation": "eval",
+    "test_sigkill_of_the_group": "kill",
+    "test_fallback_model_without_transformers": "fallback",
+}
+
+
 @pytest.fixture(scope="module")
-def trials(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Trial]]]:
+def trials(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[Trial]]]:
+    """The trials of the tests selected in this session (and the reference, where one of them compares with it)."""
     root = tmp_path_factory.mktemp("gpt2")
+    wanted = {TRIAL_OF[item.name] for item in request.session.items if item.module is request.module}
     jobs = {
         "reference": (None, 0),
         "train": ("step:4", signal.SIGTERM),  # inside step 4: an evaluation step, mid-epoch 0
         "eval": ("eval:1", signal.SIGTERM),  # in the evaluation after step 4, its workers alive
         "kill": ("step:11", signal.SIGKILL),  # inside step 11 (mid-epoch 1), the newest checkpoint durable
     }
-    if not HAS_TRANSFORMERS:
-        jobs = {}
+    jobs = {
+        k: v
+        for k, v in jobs.items()
+        if HAS_TRANSFORMERS and (k in wanted or (k == "reference" and wanted - {"fallback"}))
+    }
     with ThreadPoolExecutor(max_workers=len(jobs) + 1, thread_name_prefix="gpt2-trial") as pool:
         futures = {name: pool.submit(trial, root / name, hold, sig) for name, (hold, sig) in jobs.items()}
-        futures["fallback"] = pool.submit(trial, root / "fallback", None, 0, prefix=NO_TRANSFORMERS)
+        if "fallback" in wanted:
+            futures["fallback"] = pool.submit(trial, root / "fallback", None, 0, prefix=NO_TRANSFORMERS)
         yield futures
 
 
@@ -152,6 +170,7 @@ def test_sigterm_to_the_group_during_evaluation(trials):
 
 
 @gpt2
+@pytest.mark.slow
 def test_sigkill_of_the_group(trials):
     """SIGKILL inside step 11 (nothing runs, nothing is saved): the rerun says what it recomputes from the newest
     durable checkpoint (inside epoch 1: each worker continues from its saved position) and ends bit-exact."""
