@@ -164,3 +164,14 @@ def test_config_checks_the_mirror_options():
     for bad in (-1, float("nan"), "60", True):
         with pytest.raises(ValueError, match="mirror_deadline: expected a number of seconds >= 0"):
             RunConfig(mirror="s3://b/p", mirror_deadline=bad)
+
+
+def test_without_the_extra_a_mirror_says_what_to_install(monkeypatch):
+    import sys
+
+    from preempt.errors import MirrorError
+    from preempt.mirror.store import MirrorStore
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # as if not installed: `import fsspec` raises ImportError
+    with pytest.raises(MirrorError, match=r"fsspec is not installed; pip install 'preempt\[mirror\]'"):
+        MirrorStore("s3://bucket/prefix")
