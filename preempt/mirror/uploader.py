@@ -81,8 +81,8 @@ class Uploader:
         save_dir: The run's directory.
         retention: The run's retention, applied to the mirror's complete checkpoints too.
         records: Files at save_dir's root copied to the mirror's root after each pass (train.log, history.jsonl).
-        on_event: Called as ``on_event(kind, **fields)`` with ``mirror`` (a pass that uploaded), ``mirror_down``,
-            ``mirror_up``; from the uploader's thread.
+        on_event: Called as ``on_event(kind, **fields)`` with ``mirror`` (a checkpoint uploaded: its step as
+            ``uploaded``), ``mirror_down``, ``mirror_up``; from the uploader's thread.
         clock: Monotonic seconds (for tests).
         first_backoff, max_backoff: Seconds between tries while the mirror fails.
     """
@@ -318,9 +318,9 @@ class Uploader:
                 now, c = self.clock(), self.counts
                 with self._cond:
                     durable = self._durable_at.get(step)
-                self._event(
+                self._event(  # (not "step": a history line's step is where the loop stood, for preempt report)
                     "mirror",
-                    step=step,
+                    uploaded=step,
                     put_bytes=c.put_bytes - before.put_bytes,
                     copied_bytes=c.copied_bytes - before.copied_bytes,
                     copied=sorted(a.name for a in copies),

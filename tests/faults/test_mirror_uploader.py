@@ -126,7 +126,7 @@ def test_data_first_manifest_last_carried_files_copied_records_after(tmp_path):
     assert ("copy", 4, "base.safetensors") in ops and ("put", 4, "base.safetensors") not in ops
     assert ops[-1] == ("put", None, "train.log")
     assert up.holds() == 4 and up.wait_for(4, 0.0)
-    assert [(k, f["step"]) for k, f in events] == [("mirror", 2), ("mirror", 4)]
+    assert [(k, f["uploaded"]) for k, f in events] == [("mirror", 2), ("mirror", 4)]
     assert events[0][1]["copied"] == [] and "base.safetensors" in events[1][1]["copied"]  # (and any identical file)
     assert store.objects[(4, MANIFEST)] == (save_dir / checkpoint_name(4) / MANIFEST).read_bytes()
 

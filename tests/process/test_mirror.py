@@ -12,6 +12,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,7 +96,7 @@ def test_sigkill_mid_upload_never_looks_complete_and_carried_files_are_copied(tm
     assert "mirror holds step 8 (the final checkpoint)" in p.output
     done = Surveyor(store).survey()
     assert done.complete == [6, 8], done  # keep_last=2, as in save_dir
-    uploads = {e["step"]: e for e in events(save_dir, "mirror")}
+    uploads = {e["uploaded"]: e for e in events(save_dir, "mirror")}
     assert {2, 6, 8} <= set(uploads), uploads
     assert uploads[2]["copied"] == [] and uploads[2]["copied_bytes"] == 0  # nothing complete to copy from yet
     base_size = done.manifests[8].files["base.safetensors"].size
@@ -153,3 +155,9 @@ def test_server_stopped_mid_run_and_at_the_stop(tmp_path, monkeypatch):
     assert len(end) == 1 and end[0]["step"] == 10 and end[0]["held"] == held, end
     assert end[0]["behind_steps"] >= 1 and end[0]["max_behind_steps"] >= 4 and end[0]["max_behind_s"] > 0, end
     assert os.path.exists(save_dir / checkpoint_name(10) / MANIFEST)  # local durable, whatever the mirror
+    # preempt report shows how far behind the mirror was
+    r = subprocess.run([sys.executable, "-m", "preempt", "report", str(save_dir)], capture_output=True, text=True)
+    line = rf"at the end it held step {held}, 1 steps and 3\.\d+ s behind; {len(down)} outage\(s\)$"
+    assert re.search(
+        r"^mirror: at most \d+ steps and \S+ s behind the newest durable checkpoint; " + line, r.stdout, re.M
+    ), r.stdout + r.stderr
