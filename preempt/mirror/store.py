@@ -199,6 +199,11 @@ class MirrorStore:
             raise MirrorError(f"mirror {self.where(step, name)}: larger than {limit} bytes, the most accepted")
         return bytes(data)
 
+    def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of one object (one ranged GET, bounded like every operation)."""
+        with self._op(f"read bytes {start}-{end} of", self.where(step, name)):
+            return bytes(self.fs.cat_file(self.key(step, name), start=start, end=end, **self._limit(end - start)))
+
     def put(self, local_path: str | Path, step: int, name: str) -> int:
         """Uploads a local file (multipart and parallel where the client does it, s3fs above 50 MiB); its size."""
         size = Path(local_path).stat().st_size
