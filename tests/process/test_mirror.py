@@ -26,6 +26,8 @@ from preempt.mirror.store import MirrorStore
 from preempt.mirror.survey import Surveyor
 
 MODEL = ["--epochs", "2", "--samples", "64", "--batch_size", "16"]  # 4 steps per epoch, 8 in all
+# test_preemption.py's WORKERS0 (48 steps): its uninterrupted reference run is computed once per test run, shared
+REFERENCE = ["--epochs", "3", "--samples", "256", "--dropout", "0.3"]
 SAVES = ["--every_steps", "2", "--sync_save"]  # checkpoints at steps 2, 4, 6, 8, each when it is due
 
 
@@ -46,29 +48,29 @@ def wait_until_held(store: MirrorStore, step: int, timeout: float = 120.0) -> in
 
 def test_stop_is_mirrored_and_a_new_machine_resumes_from_the_mirror(tmp_path, reference, mirror_url):
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    args = [*MODEL, *SAVES, "--mirror", mirror_url]
-    p = Spawned(train_cmd(save_dir, final, [*args, "--hold_at", "step:5"]))
-    assert p.wait_for(r"^holding at step 5$")
+    args = [*REFERENCE, "--every_steps", "8", "--sync_save", "--mirror", mirror_url]
+    p = Spawned(train_cmd(save_dir, final, [*args, "--hold_at", "step:20"]))
+    assert p.wait_for(r"^holding at step 20$")
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     # SIGTERM -> the stop's checkpoint durable locally -> in the mirror within the deadline, and the line says so
-    assert re.search(r"mirror holds step 5 \(the stop's checkpoint\).*; exit code 75", p.output), p.output
+    assert re.search(r"mirror holds step 20 \(the stop's checkpoint\).*; exit code 75", p.output), p.output
     store = MirrorStore(mirror_url)
     held = Surveyor(store).survey()
-    assert 5 in held.manifests and len(held.complete) >= 2, held
-    older = max(s for s in held.complete if s < 5)
+    assert 20 in held.manifests and len(held.complete) >= 2, held
+    older = max(s for s in held.complete if s < 20)
 
     # The stop's model object overwritten through the S3 API (same size, other bytes), and the machine gone.
-    size = held.listing[5]["model.safetensors"]
-    store.put_bytes(5, "model.safetensors", b"\x5a" * size)
+    size = held.listing[20]["model.safetensors"]
+    store.put_bytes(20, "model.safetensors", b"\x5a" * size)
     shutil.rmtree(save_dir)
     p = Spawned(train_cmd(save_dir, final, args))
     assert p.finish() == 0, p.output
-    assert re.search(r"/run/step_000000005/model\.safetensors: xxh3 mismatch .*next older", p.output), p.output
+    assert re.search(r"/run/step_000000020/model\.safetensors: xxh3 mismatch .*next older", p.output), p.output
     assert f"had no checkpoint; resuming from the mirror's step {older} " in p.output, p.output
     assert f"resumed from {save_dir / checkpoint_name(older)}" in p.output
-    assert "mirror holds step 8 (the final checkpoint)" in p.output
-    assert_same_final(reference(MODEL), final)
+    assert "mirror holds step 48 (the final checkpoint)" in p.output
+    assert_same_final(reference(REFERENCE), final)
     pulls = events(save_dir, "mirror_pull")
     assert [(e["step"], e["failed"]) for e in pulls] == [(older, 1)] and pulls[0]["bytes"] > 0
 
