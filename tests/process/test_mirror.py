@@ -159,7 +159,8 @@ def test_server_stopped_mid_run_and_at_the_stop(tmp_path, monkeypatch):
     assert os.path.exists(save_dir / checkpoint_name(10) / MANIFEST)  # local durable, whatever the mirror
     # preempt report shows how far behind the mirror was
     r = subprocess.run([sys.executable, "-m", "preempt", "report", str(save_dir)], capture_output=True, text=True)
-    line = rf"at the end it held step {held}, 1 steps and 3\.\d+ s behind; {len(down)} outage\(s\)$"
-    assert re.search(
+    line = rf"at the end it held step {held}, 1 steps and (\d+\.\d+) s behind; {len(down)} outage\(s\)$"
+    said = re.search(
         r"^mirror: at most \d+ steps and \S+ s behind the newest durable checkpoint; " + line, r.stdout, re.M
-    ), r.stdout + r.stderr
+    )
+    assert said and float(said.group(1)) >= 3.0, r.stdout + r.stderr  # at least the deadline it waited (more if slow)
