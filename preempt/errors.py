@@ -117,6 +117,14 @@ class NoCheckpointError(CheckpointError):
         self.corrupt = list(corrupt or [])
 
 
+class MirrorError(PreemptError, OSError):
+    """The checkpoint mirror (object storage, :mod:`preempt.mirror`) refused or could not be reached.
+
+    The message names the mirror's URL (without credentials) and the operation; ``errno`` is ``ENOENT`` when the
+    object or the bucket does not exist. It is an ``OSError`` too: a failed transfer is an I/O error.
+    """
+
+
 class IncompatibleStateError(PreemptError):
     """A valid checkpoint does not fit the objects it is loaded into.
 

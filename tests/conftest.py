@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -404,3 +404,27 @@ def assert_equal_finals(want: list[dict[str, torch.Tensor]], got: list[dict[str,
         assert a.keys() == b.keys(), (rank, sorted(a.keys() ^ b.keys()))
         differ = [k for k in a if not torch.equal(a[k], b[k])]
         assert not differ, f"rank {rank}: {differ}"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """The S3-compatible server of the mirror's tests (tests/s3server.py): ``PREEMPT_TEST_S3_ENDPOINT`` when .ci/run
+    started one, else a moto_server of this worker, stopped at the end. Never stopped or paused by a test."""
+    import s3server
+
+    shared = os.environ.get(s3server.ENDPOINT_VAR)
+    if shared:
+        yield shared
+        return
+    with s3server.start(free_port()) as server:
+        yield server.endpoint
+
+
+@pytest.fixture
+def mirror_url(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``s3://<a bucket of this test>/run``, with the AWS variables set for this process and the ones it starts."""
+    import s3server
+
+    for name, value in s3server.env(s3_endpoint).items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{s3server.new_bucket(s3_endpoint)}/run"

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "preempt"
 MAX_LINES = 600
 # The top level: the face (__init__), `python -m preempt`, and the leaves every part may import.
 TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "_log.py", "_version.py"}
-PARTS = {"checkpoint", "data", "cluster", "health", "run", "cli", "supervise"}
+PARTS = {"checkpoint", "data", "cluster", "health", "mirror", "run", "cli", "supervise"}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:

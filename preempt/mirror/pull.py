@@ -1,0 +1,209 @@
+"""A checkpoint of the mirror brought into a save_dir, with the same commit protocol as a local save.
+
+The order (:func:`fetch`), the local half being :mod:`preempt.checkpoint.commit`'s protocol:
+
+1. The step's ``manifest.json`` is read (capped at ``MAX_MANIFEST_BYTES``) and parsed by the strict parser
+   (:meth:`Manifest.from_json`: JSON only, never pickle, names inside the checkpoint, sizes bounded); the listing
+   must show every file it lists with its size.
+2. ``mkdir save_dir/.tmp-step_N-<tag>``.
+3. Each data file: downloaded into the temporary directory (ranged and parallel for large objects, by the
+   client), then its size and xxh3-128 checked against the manifest and ``fdatasync``. The client writes the
+   parts of a parallel download out of order, so the digest is taken once the last part is in, from the page
+   cache, before the file is made durable. A short, long or different file fails here: the temporary
+   directory is discarded and the error names the object (the caller may try the next older checkpoint).
+4. ``manifest.json``, the bytes read in 1., written and fdatasynced last.
+5. The commit's steps 4-7: fsync the temporary directory, rename it to ``step_N``, fsync save_dir.
+
+A transfer cut off mid-way (the process killed, the network gone) leaves a ``.tmp-`` directory, never a
+``step_N``: the next start deletes it (:func:`preempt.checkpoint.commit.recover`) and the pull is redone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .._log import duration
+from ..checkpoint import aside, commit, files
+from ..checkpoint.commit import MANIFEST, checkpoint_name
+from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
+from ..errors import CorruptCheckpointError, MirrorError, NoCheckpointError
+from . import plan
+from .store import MirrorStore
+from .survey import Survey, Surveyor
+
+log = logging.getLogger("preempt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulled:
+    """A checkpoint brought from the mirror: where it is now, its step, the bytes downloaded and the seconds."""
+
+    path: Path
+    step: int
+    bytes: int
+    seconds: float
+    failed: tuple[str, ...] = ()  # newer complete steps that did not verify (one message each)
+
+
+def pull(store: MirrorStore, save_dir: str | os.PathLike[str], step: int | None = None, **kw: object) -> Path:
+    """Downloads a complete checkpoint of the mirror into ``save_dir``; returns its path there.
+
+    Args:
+        store: The mirror.
+        save_dir: The local directory (created when missing).
+        step: That step; None: the newest complete one, falling back to older ones when one fails verification.
+        **kw: As :func:`pull_newest` (``newer_than``, ``replace``).
+
+    Raises:
+        NoCheckpointError: The mirror holds no complete checkpoint (of that step), or none verified.
+        CorruptCheckpointError: ``step`` was given and an object does not match its manifest.
+        MirrorError: The mirror cannot be reached.
+    """
+    if step is not None:
+        surveyed = Surveyor(store).survey()
+        if step not in surveyed.manifests:
+            raise NoCheckpointError(f"mirror {store.display}: {_absent(surveyed, step)}")
+        return fetch(store, Path(save_dir), step, surveyed, **kw).path  # type: ignore[arg-type]
+    pulled = pull_newest(store, Path(save_dir), **kw)  # type: ignore[arg-type]
+    if pulled is None:
+        raise NoCheckpointError(f"mirror {store.display}: no complete checkpoint")
+    return pulled.path
+
+
+def pull_newest(
+    store: MirrorStore,
+    save_dir: Path,
+    *,
+    newer_than: int | None = None,
+    replace: bool = False,
+    surveyed: Survey | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Pulled | None:
+    """The newest complete checkpoint of the mirror that verifies, newer than ``newer_than``, pulled into
+    ``save_dir``; None when the mirror has none newer.
+
+    Raises:
+        NoCheckpointError: There were candidates and none verified (each one's reason in ``corrupt``).
+        MirrorError: The mirror cannot be reached.
+    """
+    surveyed = surveyed if surveyed is not None else Surveyor(store).survey()
+    failed: list[str] = []
+    for step in plan.pull_candidates(surveyed.manifests, newer_than):
+        try:
+            got = fetch(store, save_dir, step, surveyed, replace=replace, clock=clock)
+        except CorruptCheckpointError as e:
+            failed.append(str(e))
+            log.warning("%s; trying the next older checkpoint of the mirror", e)
+            continue
+        return dataclasses.replace(got, failed=tuple(failed))
+    if failed:
+        raise NoCheckpointError(
+            f"mirror {store.display}: no complete checkpoint verified ({len(failed)} tried): {failed[-1]}", failed
+        )
+    return None
+
+
+def fetch(
+    store: MirrorStore,
+    save_dir: Path,
+    step: int,
+    surveyed: Survey,
+    *,
+    replace: bool = False,
+    clock: Callable[[], float] = time.monotonic,
+) -> Pulled:
+    """One complete mirrored step into ``save_dir`` (the module's protocol).
+
+    Args:
+        replace: A ``step_N`` already in ``save_dir`` is moved to ``quarantine/`` (the run pulls only steps newer
+            than its newest valid checkpoint: one there is broken). False: it is an error.
+
+    Raises:
+        CorruptCheckpointError: The manifest or an object does not match (the message names the object).
+        MirrorError: The mirror cannot be reached; FileExistsError: ``step_N`` exists and not ``replace``.
+    """
+    start = clock()
+    name = checkpoint_name(step)
+    where = store.where(step, MANIFEST)
+    try:
+        data = store.read(step, MANIFEST, MAX_MANIFEST_BYTES)
+    except MirrorError as e:
+        raise CorruptCheckpointError(str(e)) if e.errno == errno.ENOENT else e from None
+    try:
+        manifest = Manifest.from_json(data, where)
+    except ValueError as e:
+        raise CorruptCheckpointError(str(e)) from None
+    objects = surveyed.listing.get(step, {})
+    if manifest.step != step or not plan.is_complete(objects, manifest):
+        raise CorruptCheckpointError(f"{where}: changed since it was listed, or lists objects the mirror lacks")
+    save_dir.mkdir(parents=True, exist_ok=True)
+    final = save_dir / name
+    if final.exists() or final.is_symlink():
+        if not replace:
+            raise FileExistsError(f"{final} exists; move it away to pull step {step} from {store.display}")
+        aside.quarantine(save_dir, final, f"{final}: replaced by the mirror's copy of step {step}")
+    tmp = commit.new_tmp_dir(save_dir, name)
+    total = 0
+    try:
+        for file, expected in sorted(manifest.files.items()):
+            _download(store, step, file, expected, tmp / file)
+            total += expected.size
+        commit.write_file(tmp / MANIFEST, [data])
+        path, replaced = commit.commit_dir(save_dir, tmp, name)
+    except BaseException:
+        files.discard_tmp(tmp)
+        raise
+    if replaced is not None:  # a step_N that appeared meanwhile; ours is committed
+        commit.remove_tree(replaced)
+    seconds = clock() - start
+    log.info(
+        "pulled step %d from %s: %d files, %s in %s",
+        step,
+        store.display,
+        len(manifest.files),
+        _size(total),
+        duration(seconds),
+    )
+    return Pulled(path, step, total, seconds)
+
+
+def _download(store: MirrorStore, step: int, file: str, expected: commit.FileDigest, path: Path) -> None:
+    """Step 3 for one file: downloaded, checked, made durable; CorruptCheckpointError naming the object if not."""
+    store.get(step, file, path)
+    files.regular_file(path)
+    got = commit.hash_file(path)
+    if got.size != expected.size:
+        raise CorruptCheckpointError(f"{store.where(step, file)}: size {got.size} bytes, manifest says {expected.size}")
+    if got.xxh3_128 != expected.xxh3_128:
+        raise CorruptCheckpointError(
+            f"{store.where(step, file)}: xxh3 mismatch (manifest {expected.xxh3_128}, object {got.xxh3_128};"
+            f" {got.size} bytes)"
+        )
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        getattr(os, "fdatasync", os.fsync)(fd)
+    finally:
+        os.close(fd)
+
+
+def _absent(surveyed: Survey, step: int) -> str:
+    if step in surveyed.problems:
+        return surveyed.problems[step]
+    if step in surveyed.listing:
+        return f"step {step} is incomplete (an upload that did not finish)"
+    have = ", ".join(str(s) for s in surveyed.complete[-5:]) or "none"
+    return f"no checkpoint of step {step} (complete: {have})"
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} bytes"

@@ -1,0 +1,279 @@
+"""One place in object storage that mirrors a save_dir: the only module that imports fsspec.
+
+A mirror is a URL prefix (``s3://bucket/runs/a``, or any fsspec URL: ``gs://``, ``az://``, ``file://``). Its layout
+is the save_dir's, flattened into object names::
+
+    <prefix>/step_000000120/model.safetensors    the data objects of a checkpoint
+    <prefix>/step_000000120/manifest.json        written last: a step is complete when its manifest is there and
+                                                 every file the manifest lists is there with its size
+    <prefix>/train.log, <prefix>/history.jsonl   the run's records, replaced after each upload
+
+:class:`MirrorStore` is a thin face over one fsspec filesystem: list, read (capped), put a file, get a file, copy
+server-side, delete. It knows nothing of manifests or of the order of uploads (:mod:`preempt.mirror.plan`,
+:mod:`preempt.mirror.uploader`, :mod:`preempt.mirror.pull`). Every failure is a
+:class:`~preempt.errors.MirrorError` naming the URL without its credentials (:attr:`MirrorStore.display`) and the
+operation; option values are never printed.
+
+fsspec (and s3fs for ``s3://``) is imported when a store is made, never by ``import preempt``: the extra
+``pip install 'preempt[mirror]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import re
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.commit import checkpoint_name, parse_checkpoint_name
+from ..errors import MirrorError
+
+# Our own option, taken out of ``mirror_options`` before the rest goes to fsspec: create a missing bucket
+# (the tests do; a production bucket is made by its owner, with its policies).
+CREATE_BUCKET = "create_bucket"
+# s3 defaults, each overridable through ``mirror_options`` (``config_kwargs`` goes to botocore's Config): an
+# unreachable or stopped server fails an operation in seconds, not in minutes (botocore's defaults are 60 s per read,
+# s3fs retries 5 times on top); the uploader retries with its own backoff, and a stop waits its deadline at most.
+S3_CONFIG = {"connect_timeout": 3, "read_timeout": 10, "retries": {"max_attempts": 2, "mode": "standard"}}
+S3_RETRIES = 2  # s3fs's own retry loop around each call (S3FileSystem.retries: a class attribute, not an argument)
+MAX_TEXT_BYTES = 256 << 20  # a run record read back (history.jsonl of a very long run)
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # an object name inside a step, or a record
+
+
+def redact(url: str) -> str:
+    """``url`` without its userinfo (``user:secret@``) and without its query (a SAS token, a signature)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<a mirror URL that does not parse>"
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is one plain object name (no slash, no ``..``); ValueError otherwise."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
+        raise ValueError(f"mirror object name {name!r} is not a plain name (letters, digits, '_', '.', '-')")
+    return name
+
+
+class MirrorStore:
+    """One fsspec filesystem at one URL prefix.
+
+    Args:
+        url: The prefix, e.g. ``s3://bucket/runs/a``. Credentials and endpoints come the ecosystem's way: the
+            AWS environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) and profiles work with no
+            code; ``options`` are fsspec storage options.
+        options: Passed to ``fsspec.url_to_fs`` (e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}``,
+            ``{"config_kwargs": {"read_timeout": 30}}``), less our own key ``create_bucket`` (default False: a
+            missing bucket is an error).
+
+    Raises:
+        MirrorError: fsspec (or the protocol's client) is not installed, or the URL is not one it knows.
+    """
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or "://" not in url:
+            raise ValueError(f"mirror: expected a URL such as 's3://bucket/prefix', found {redact(str(url))!r}")
+        self.url = url
+        self.display = redact(url)
+        opts = dict(options or {})
+        self.create_bucket = bool(opts.pop(CREATE_BUCKET, False))
+        self._secrets = [str(v) for v in _leaves(opts) if isinstance(v, str) and len(v) >= 4]
+        self.protocol = url.split("://", 1)[0].lower()
+        try:
+            import fsspec  # the optional extra: imported only when a mirror is used
+        except ImportError:
+            raise MirrorError(
+                f"mirror {self.display}: fsspec is not installed; pip install 'preempt[mirror]'"
+            ) from None
+        if self.protocol in ("s3", "s3a"):
+            config = {**S3_CONFIG, **dict(opts.get("config_kwargs") or {})}
+            opts = {**opts, "config_kwargs": config}
+            opts.setdefault("skip_instance_cache", True)  # our timeouts and options, not a cached instance's
+            opts.setdefault("use_listings_cache", False)  # a listing is always the server's
+        elif self.protocol in ("file", "local"):
+            opts.setdefault("auto_mkdir", True)
+        try:
+            self.fs, root = fsspec.url_to_fs(url, **opts)
+        except ImportError as e:
+            raise MirrorError(
+                f"mirror {self.display}: the client for {self.protocol}:// is not installed ({self._scrub(e)});"
+                " pip install 'preempt[mirror]' (s3fs), or the fsspec package of that protocol"
+            ) from None
+        except Exception as e:
+            raise MirrorError(f"mirror {self.display}: cannot be opened: {self._describe(e)}") from None
+        if self.protocol in ("s3", "s3a"):
+            self.fs.retries = S3_RETRIES
+        self.root = root.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"MirrorStore({self.display!r})"
+
+    # -- paths -------------------------------------------------------------------------------------------------
+
+    def key(self, step: int | None, name: str) -> str:
+        """The object's path for fsspec: ``<root>/step_N/<name>``, or ``<root>/<name>`` for a run record."""
+        check_name(name)
+        return f"{self.root}/{name}" if step is None else f"{self.root}/{checkpoint_name(step)}/{name}"
+
+    def where(self, step: int | None, name: str = "") -> str:
+        """The object as people read it: the redacted URL, the step directory and the name."""
+        parts = [self.display.rstrip("/")]
+        if step is not None:
+            parts.append(checkpoint_name(step))
+        if name:
+            parts.append(name)
+        return "/".join(parts)
+
+    # -- operations --------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Makes sure the mirror can be used: its bucket exists (created when ``create_bucket``), it answers.
+
+        Raises:
+            MirrorError: Unreachable, refused, or the bucket is missing (and not to be created).
+        """
+        if self.protocol not in ("s3", "s3a"):
+            with self._op("open", None):
+                if not self.fs.exists(self.root):
+                    self.fs.makedirs(self.root, exist_ok=True)
+            return
+        bucket = self.root.split("/", 1)[0]
+        try:
+            with self._op("open the bucket of", None):
+                self.fs.call_s3("head_bucket", Bucket=bucket)
+        except MirrorError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            if not self.create_bucket:
+                missing = MirrorError(
+                    f"mirror {self.display}: the bucket {bucket!r} does not exist; create it (or pass"
+                    f" mirror_options={{'{CREATE_BUCKET}': True}} to have preempt create it)"
+                )
+                missing.errno = errno.ENOENT
+                raise missing from None
+            with self._op("create the bucket of", None):
+                self.fs.mkdir(bucket)
+
+    def steps(self) -> dict[int, dict[str, int]]:
+        """Every ``step_N`` "directory" under the prefix: ``{step: {object name: size in bytes}}``.
+
+        One listing of the prefix (paginated by the client). Objects deeper than one level, or with other names,
+        are ignored.
+        """
+        with self._op("list", None):
+            found = self.fs.find(self.root, detail=True)
+        out: dict[int, dict[str, int]] = {}
+        prefix = self.root + "/"
+        for path, info in found.items():
+            if not path.startswith(prefix) or info.get("type", "file") != "file":
+                continue
+            parts = path[len(prefix) :].split("/")
+            if len(parts) != 2 or not _NAME_RE.fullmatch(parts[1]):
+                continue
+            step = parse_checkpoint_name(parts[0])
+            if step is not None:
+                out.setdefault(step, {})[parts[1]] = int(info.get("size") or 0)
+        return out
+
+    def read(self, step: int | None, name: str, limit: int) -> bytes:
+        """The bytes of one object, at most ``limit`` (more is an error, read no further than ``limit + 1``)."""
+        with self._op("read", self.where(step, name)):
+            data = self.fs.cat_file(self.key(step, name), start=0, end=limit + 1)
+        if len(data) > limit:
+            raise MirrorError(f"mirror {self.where(step, name)}: larger than {limit} bytes, the most accepted")
+        return bytes(data)
+
+    def put(self, local_path: str | Path, step: int, name: str) -> int:
+        """Uploads a local file (multipart and parallel where the client does it, s3fs above 50 MiB); its size."""
+        size = Path(local_path).stat().st_size
+        with self._op("upload", self.where(step, name)):
+            self.fs.put_file(str(local_path), self.key(step, name))
+        return size
+
+    def put_bytes(self, step: int | None, name: str, data: bytes) -> int:
+        """Writes one small object (a manifest, a run record) whole; its size."""
+        with self._op("write", self.where(step, name)):
+            self.fs.pipe_file(self.key(step, name), bytes(data))
+        return len(data)
+
+    def get(self, step: int, name: str, local_path: str | Path) -> None:
+        """Downloads one object into a local file (ranged and parallel where the client does it); the caller checks
+        its size and digest: a transfer cut off mid-way leaves a short or wrong file, never a trusted one."""
+        with self._op("download", self.where(step, name)):
+            self.fs.get_file(self.key(step, name), str(local_path))
+
+    def copy(self, src_step: int, name: str, dst_step: int) -> None:
+        """Server-side copy of ``step_src/name`` to ``step_dst/name``: no byte goes through this machine."""
+        with self._op(f"copy {self.where(src_step, name)} to", self.where(dst_step, name)):
+            self.fs.copy(self.key(src_step, name), self.key(dst_step, name))
+
+    def delete(self, step: int, name: str) -> None:
+        """Deletes one object; one already gone is fine."""
+        with self._op("delete", self.where(step, name)), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.key(step, name))
+
+    def delete_step(self, step: int) -> None:
+        """Deletes every object of one step; the manifest first, so that the step never looks complete meanwhile."""
+        from ..checkpoint.commit import MANIFEST
+
+        self.delete(step, MANIFEST)
+        path = f"{self.root}/{checkpoint_name(step)}"
+        with self._op("delete", self.where(step)), contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+
+    def put_text(self, name: str, data: bytes) -> int:
+        """Replaces a run record (``train.log``, ``history.jsonl``) at the prefix's root."""
+        return self.put_bytes(None, name, data)
+
+    def read_text(self, name: str, limit: int = MAX_TEXT_BYTES) -> bytes | None:
+        """A run record's bytes, or None when there is none."""
+        try:
+            return self.read(None, name, limit)
+        except MirrorError as e:
+            if e.errno == errno.ENOENT:
+                return None
+            raise
+
+    # -- errors ------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _op(self, what: str, where: str | None) -> Iterator[None]:
+        """Turns the client's errors into one MirrorError naming the operation and the (redacted) object."""
+        try:
+            yield
+        except MirrorError:
+            raise
+        except Exception as e:
+            target = where or self.display
+            err = MirrorError(f"mirror: cannot {what} {target}: {self._describe(e)}")
+            err.errno = errno.ENOENT if isinstance(e, FileNotFoundError) else getattr(e, "errno", None) or errno.EIO
+            raise err from None
+
+    def _describe(self, error: BaseException) -> str:
+        return f"{type(error).__name__}: {self._scrub(error)}"
+
+    def _scrub(self, error: BaseException) -> str:
+        """The error's text with the URL's userinfo and any option value taken out: credentials never go to a log."""
+        text = str(error) or type(error).__name__
+        userinfo = urllib.parse.urlsplit(self.url).netloc.rpartition("@")[0] if "@" in self.url else ""
+        for secret in [*self._secrets, userinfo]:
+            if secret:
+                text = text.replace(secret, "***")
+        return text[:2000]
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """Every scalar inside nested mappings and sequences (the option values to keep out of messages)."""
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
