@@ -386,6 +386,8 @@ def cmd_pull(args: argparse.Namespace, mirror: Mirror) -> int:
         raise
     except CheckpointError as e:  # no complete checkpoint (at --step)
         raise CommandFailed(EXIT_USAGE, str(e)) from None
+    except FileExistsError as e:  # that step is in DIR already
+        raise CommandFailed(EXIT_USAGE, str(e)) from None
     except OSError as e:
         code = EXIT_UNREADABLE if safe_io.resource_error(e) else EXIT_USAGE
         raise CommandFailed(code, safe_io.describe_error(getattr(e, "filename", None) or save_dir, e)) from None
@@ -403,7 +405,7 @@ def cmd_pull(args: argparse.Namespace, mirror: Mirror) -> int:
     if args.json:
         emit(doc)
     else:
-        rate = f", {nbytes / seconds / 1e6:.0f} MB/s" if seconds > 0 and nbytes else ""
+        rate = f", {nbytes / seconds / 1e6:.1f} MB/s" if seconds > 0 and nbytes else ""
         print(
             f"pulled {doc['source']} into {path}: {len(manifest.files)} files, {_log.size(nbytes)}, each checked"
             f" against its manifest (size, xxh3-128), in {seconds:.2f} s{rate}"
