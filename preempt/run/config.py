@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import _log
@@ -149,6 +149,17 @@ OPTIONS_DOC = """\
             :class:`~preempt.health.loggers.WandB` objects with options. One run across restarts: TensorBoard
             purges what a process logged after the checkpoint its successor resumed from, W&B resumes its run
             (:mod:`preempt.health.loggers`). Optional extras, imported only when asked for.
+        mirror: A URL of object storage (``"s3://bucket/prefix"``, or any fsspec URL) that every committed
+            checkpoint is copied to in the background after it is durable locally, data first and manifest
+            last; the run's retention applies there too. On entering, when save_dir holds no valid checkpoint
+            as new as the mirror's newest complete one (a new machine), that one is downloaded, verified and
+            resumed from. A stop waits up to ``mirror_deadline`` for its checkpoint's upload and says which
+            step the mirror holds (:mod:`preempt.mirror`). Needs ``pip install 'preempt[mirror]'``;
+            credentials come from the standard AWS variables and profiles, or ``mirror_options``.
+        mirror_options: fsspec storage options for ``mirror`` (``endpoint_url``, ``key``, ``secret``,
+            ``config_kwargs``, ...; never logged), and ``create_bucket=True`` to create a missing bucket.
+        mirror_deadline: Seconds a stop (and the end of the run) waits for its checkpoint to be in the
+            mirror, at most half the time left when SLURM's end or the walltime keeper's is known (default 60).
         max_nonfinite: ``run.check_loss`` skips a non-finite loss; after this many
             in a row the run rolls back to its last checkpoint and divides the
             learning rates by ``nonfinite_lr_factor`` (data keeps moving on).
@@ -204,6 +215,10 @@ class RunConfig:
     log_level: str | None = None
     monitor_gpu: bool | float | None = None
     loggers: Iterable[Any] | None = ()
+    # the mirror (object storage)
+    mirror: str | None = None
+    mirror_options: Mapping[str, Any] | None = None
+    mirror_deadline: float = 60.0
     # health
     max_nonfinite: int = 5
     nonfinite_lr_factor: float = 1.5
@@ -247,6 +262,7 @@ class RunConfig:
         if level is not None and (not isinstance(level, str) or level.upper() not in LOG_LEVELS):
             raise ValueError(f"log_level: expected one of {', '.join(LOG_LEVELS)} or None, got {level!r}")
         set_(self, "loggers", metric_loggers.checked(self.loggers))
+        _check_mirror(self.mirror, self.mirror_options, self.mirror_deadline)
         self.save_policy()  # its own checks, now rather than at the first save
         self.retention()
 
@@ -281,6 +297,21 @@ class RunConfig:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_mirror(url: object, options: object, deadline: object) -> None:
+    """The mirror's options: a URL with a scheme, a mapping of named options (their values never shown), seconds."""
+    if url is not None and (not isinstance(url, str) or "://" not in url or url.split("://", 1)[0] == ""):
+        shown = url.split("@")[-1] if isinstance(url, str) else type(url).__name__  # no userinfo in the message
+        raise ValueError(f"mirror: expected a URL such as 's3://bucket/prefix' or None, got {shown!r}")
+    if options is not None:
+        if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+            raise ValueError(f"mirror_options: expected a mapping of option names to values, got {type(options)}")
+        if url is None:
+            raise ValueError("mirror_options: given without mirror=; expected a mirror URL too")
+    bad = isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+    if bad or not math.isfinite(deadline) or deadline < 0:  # type: ignore[arg-type]
+        raise ValueError(f"mirror_deadline: expected a number of seconds >= 0, got {deadline!r}")
 
 
 def _time_limit(value: float | str | None) -> float | None:

@@ -48,7 +48,6 @@ from ..checkpoint.carry import CarryOptions
 from ..checkpoint.lock import DirLock, StepBeacon
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.staging import payload_nbytes
-from ..cluster import distributed, sharded
 from ..cluster.environment import Environment, provenance
 from ..cluster.signals import DEFAULT_SIGNALS
 from ..data import rng
@@ -60,9 +59,10 @@ from .config import OPTIONS_DOC, RunConfig
 from .data_cursor import DataCursor
 from .guarding import Health, OomStep
 from .loop_state import LoopState
+from .mirroring import Mirroring
 from .peers import Alone, join
 from .reporting import Reporter
-from .restore import Starter
+from .restore import Starter, check_sharded
 from .save_plan import SaveRecord
 from .save_policy import Reason, SaveFacts, decide, next_due
 from .save_scheduler import SaveScheduler
@@ -143,6 +143,9 @@ class PreemptibleRun:
         log_level: str | None = None,
         monitor_gpu: bool | float | None = None,
         loggers: Iterable[Any] | None = (),
+        mirror: str | None = None,
+        mirror_options: Mapping[str, Any] | None = None,
+        mirror_deadline: float = 60.0,
         max_nonfinite: int = 5,
         nonfinite_lr_factor: float = 1.5,
         max_rollbacks: int = 3,
@@ -165,10 +168,11 @@ class PreemptibleRun:
         self.data = DataCursor(self.stopper.flag.signals)
         self.snapshot = Snapshot(self.components, self.loop, self.data, group_frozen=cfg.carry.enabled, clock=clock)
         self.saves = SaveScheduler(self.manager, self.loop, self.snapshot, self.stopper.flag, clock=clock)
-        self.saves.on_durable = self.stopper.saved
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
         self.reporter = Reporter(cfg, self.save_dir, self.loop, clock, log_all_ranks=self.env.log_all_ranks)
         self.saves.on_saved = self.reporter.checkpoint
+        self.mirroring = Mirroring(cfg, self.manager, self.reporter, self.stopper, clock)  # inert without mirror=
+        self.saves.on_durable = self.mirroring.chain(self.stopper.saved)
         self.peers: Alone = Alone()
         self._every = 0  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
         self._flag = self.stopper.flag
@@ -246,14 +250,7 @@ class PreemptibleRun:
     def _join(self) -> None:
         """The run's peers: this process alone, or the ranks of torch.distributed (a collective)."""
         cfg = self.config
-        self.snapshot.sharded = sharded.is_sharded(self.components.model)
-        if self.snapshot.sharded and not distributed.active():
-            raise PreemptError("the model's state is sharded (DTensor/FSDP) but torch.distributed has one rank")
-        if self.snapshot.sharded and cfg.weights_only and not cfg.starts_fresh:
-            raise PreemptError(
-                f"resume={cfg.resume!r}, weights_only=True: loading only the weights into a sharded model is not"
-                " supported yet; load them before entering the run, or resume the whole state"
-            )
+        self.snapshot.sharded = check_sharded(cfg, self.components.model)
         peers = self.peers = join(cfg.sync_every_steps)
         self._every = peers.every
         self.snapshot.rank = self.reporter.rank = peers.rank
@@ -281,6 +278,7 @@ class PreemptibleRun:
         self.snapshot.provenance = provenance(self.env)
         payload = self.snapshot.capture()  # unsupported state fails now
         self.stopper.read_slurm_job(self.snapshot.provenance)
+        self.mirroring.enter(self.config.starts_fresh)  # a new machine: the mirror's newest checkpoint pulled
         starter.lead()
         if done is not None:
             self.manager.clear_complete()
@@ -301,6 +299,7 @@ class PreemptibleRun:
         opt = self.components.optimizer
         self._step_hook = self.loop.watch(opt)  # whether an optimizer step is under way, or done before run.step()
         self.reporter.start(self.resumed_from, self._starter.resume_line)
+        self.mirroring.begin(self.saves.last_info)
         if self.config.async_save:
             self.saves.start(payload, optimizer_state_later=opt is not None, lazy=self.config.lazy_snapshot)
         self._recompute_due()
@@ -322,6 +321,7 @@ class PreemptibleRun:
             if self._step_hook is not None:
                 self._step_hook.remove()
                 self._step_hook = None
+            self.mirroring.close(exc_type is None, self.saves.last_info)  # the final checkpoint waited for (bounded)
             self.reporter.ended(exc_type is None, exc)
             try:
                 self.saves.close()  # a write in flight is a consistent state: let it become durable

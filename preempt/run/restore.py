@@ -23,7 +23,7 @@ from typing import Any
 from .. import _log
 from ..checkpoint import hyperparams, state
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
-from ..cluster import sharded
+from ..cluster import distributed, sharded
 from ..cluster.environment import Environment
 from ..data import rng
 from ..errors import CorruptCheckpointError, IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
@@ -326,6 +326,19 @@ class Starter:
 
 
 # ---------------------------------------------------------------- the boundary
+
+
+def check_sharded(config: RunConfig, model: Any) -> bool:
+    """Whether the model's state is sharded (DTensor/FSDP); PreemptError where a run cannot start with it."""
+    is_sharded = sharded.is_sharded(model)
+    if is_sharded and not distributed.active():
+        raise PreemptError("the model's state is sharded (DTensor/FSDP) but torch.distributed has one rank")
+    if is_sharded and config.weights_only and not config.starts_fresh:
+        raise PreemptError(
+            f"resume={config.resume!r}, weights_only=True: loading only the weights into a sharded model is not"
+            " supported yet; load them before entering the run, or resume the whole state"
+        )
+    return is_sharded
 
 
 def check_restored(tree: dict[str, Any], where: str, classes: Mapping[str, str | None]) -> Checked:

@@ -141,6 +141,9 @@ class Stopper:
         self._early_held = False
         self._margin = 0.0  # the walltime keeper's margin when it decided to stop
         self._loader_done: float | None = None  # when the epoch's loader ran out (walltime keeping only)
+        # The mirror's wait for the stop's checkpoint (preempt.run.mirroring), after it is durable; its words end the
+        # stop's line.
+        self.on_stop: Callable[[Path | None], str] | None = None
 
     # ---------------------------------------------------------------- at the start
 
@@ -340,14 +343,16 @@ class Stopper:
                 f" {_log.duration(wt.gap_s)} and saves of {_log.duration(wt.save_s)})"
             )
         signal_time = None if f.received_at is None or not requested else time.time() - (now - f.received_at)
+        mirrored = self.on_stop(checkpoint) if self.on_stop is not None else ""
         code, requeued = self._after_stop(cause, signal_time, progressed=step > start_step, step=step)
         log.info(
-            "stopping on %s at step %d (epoch %d, batch %d); state in %s; exit code %d",
+            "stopping on %s at step %d (epoch %d, batch %d); state in %s%s; exit code %d",
             what,
             step,
             epoch,
             batch,
             checkpoint or "(no checkpoint: nothing had changed)",
+            f"; {mirrored}" if mirrored else "",
             code,
         )
         said = signal_name(f.signum) if requested and f.signum is not None else cause.value

@@ -239,6 +239,22 @@ def slow_commit(seconds: float):
     return action
 
 
+def mirror_kill(spec: str) -> None:
+    """--mirror_kill_at STAGE:STEP: the mirror's uploader SIGKILLs this process at STAGE of checkpoint STEP's
+    upload (preempt.mirror.uploader.STAGES: "after_first_object" is after its first data object, before its
+    manifest), printing ``mirror_kill STAGE STEP`` first."""
+    from preempt.mirror import uploader
+
+    stage, step = spec.split(":")
+
+    def hook(at: str, at_step: int) -> None:
+        if (at, at_step) == (stage, int(step)):
+            print(f"mirror_kill {at} {at_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    uploader.inject_fault(hook)
+
+
 def lazy_copy_at_stop() -> None:
     """--lazy_copy_at_stop: the writer makes a lazy snapshot's copies only after the loop has left the run.step()
     that took it (the "saved" point) and a SIGTERM it sends the process then has reached the run; meanwhile the
@@ -470,6 +486,10 @@ def main() -> None:
     p.add_argument("--peft", action="store_true", help="a PeftModel passed whole (peft_model), language-model data")
     p.add_argument("--carry_limit", type=int, default=None, help="PreemptibleRun(carry_unchanged=CarryOptions(...))")
     p.add_argument("--no_carry", action="store_true", help="PreemptibleRun(carry_unchanged=False)")
+    p.add_argument("--mirror", default=None, help="PreemptibleRun(mirror=URL)")
+    p.add_argument("--mirror_options", default=None, help="PreemptibleRun(mirror_options=json.loads(...))")
+    p.add_argument("--mirror_deadline", type=float, default=None, help="PreemptibleRun(mirror_deadline=)")
+    p.add_argument("--mirror_kill_at", default=None, help="STAGE:STEP: SIGKILL in the mirror's upload, see mirror_kill")
     args = p.parse_args()
     if args.lazy_copy_at_stop:
         lazy_copy_at_stop()
@@ -531,6 +551,14 @@ def main() -> None:
         walltime["carry_unchanged"] = False
     if args.best:
         walltime |= {"best_metric": "val_loss", "keep_best": 1}
+    if args.mirror:
+        walltime["mirror"] = args.mirror
+        if args.mirror_options:
+            walltime["mirror_options"] = json.loads(args.mirror_options)
+        if args.mirror_deadline is not None:
+            walltime["mirror_deadline"] = args.mirror_deadline
+    if args.mirror_kill_at:
+        mirror_kill(args.mirror_kill_at)
     loggers = []
     for name in (args.loggers or "").split(","):
         if name == "tensorboard":  # an object, so that a kill below can flush its events first

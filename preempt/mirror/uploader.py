@@ -1,0 +1,393 @@
+"""The background uploader: committed checkpoints copied to the mirror after they are durable, never blocking the loop.
+
+One named daemon thread. The run's step path only calls :meth:`Uploader.submit` (a lock, a notify). Each pass:
+
+1. Survey the mirror (:mod:`preempt.mirror.survey`) and read the local committed checkpoints' manifests.
+2. For each local checkpoint the mirror lacks (:func:`plan.to_upload`), oldest first, the actions of
+   :func:`plan.upload_actions`: an older save's manifest of that step deleted first, the data objects (each local
+   file's size and xxh3-128 checked against the manifest just before it is uploaded: a file damaged since its commit
+   is not uploaded, and neither is that checkpoint's manifest), a file the mirror holds already (carried unchanged)
+   copied server-side, and the manifest last, the very bytes whose digests were checked, once the checkpoint is
+   still committed locally (a checkpoint pruned meanwhile may have had its files recycled: its manifest is not
+   uploaded). An object listing therefore never shows a partial checkpoint as complete.
+3. Retention on the mirror (:func:`plan.deletions`), then the run records (train.log, history.jsonl) at the prefix.
+
+The mirror unreachable: one warning, the pass retried after a backoff that doubles up to ``max_backoff``; when it
+answers again, one line says how many checkpoints it was behind and that it caught up. Events go to ``on_event``
+(the run records them in history.jsonl: ``preempt report`` shows how far behind the mirror was).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .._log import duration
+from ..checkpoint import commit, files, safe_io
+from ..checkpoint.commit import MANIFEST, checkpoint_name, parse_checkpoint_name
+from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
+from ..checkpoint.retention import RetentionPolicy
+from ..errors import CorruptCheckpointError, MirrorError
+from . import plan
+from .store import MirrorStore
+from .survey import Survey, Surveyor
+
+log = logging.getLogger("preempt")
+
+# The boundaries of one checkpoint's upload where a test may inject a fault (:func:`inject_fault`).
+STAGES = ("after_first_object", "before_manifest", "uploaded")
+_fault_hook: Callable[[str, int], None] | None = None
+
+
+def inject_fault(hook: Callable[[str, int], None] | None) -> None:
+    """Installs (or with None removes) a function called with each stage name and the step; for tests."""
+    global _fault_hook
+    _fault_hook = hook
+
+
+def _stage(name: str, step: int) -> None:
+    if _fault_hook is not None:
+        _fault_hook(name, step)
+
+
+def backoff(failures: int, first: float, most: float) -> float:
+    """Seconds before retry number ``failures`` (1, 2, ...): ``first``, doubling, at most ``most``."""
+    return min(most, first * 2 ** max(0, min(failures - 1, 30)))
+
+
+@dataclasses.dataclass
+class Counts:
+    """What the uploader did, for the log, history.jsonl and the tests."""
+
+    uploaded: int = 0  # checkpoints whose manifest went up
+    put_bytes: int = 0  # bytes uploaded
+    copied_bytes: int = 0  # bytes copied server-side (carried files)
+    max_behind_steps: int = 0  # the most steps the mirror was behind the newest durable checkpoint
+    max_behind_s: float = 0.0  # the longest a durable checkpoint waited to be in the mirror
+
+
+class Uploader:
+    """Uploads a save_dir's committed checkpoints to a mirror in the background.
+
+    Args:
+        store: The mirror.
+        save_dir: The run's directory.
+        retention: The run's retention, applied to the mirror's complete checkpoints too.
+        records: Files at save_dir's root copied to the mirror's root after each pass (train.log, history.jsonl).
+        on_event: Called as ``on_event(kind, **fields)`` with ``mirror`` (a pass that uploaded), ``mirror_down``,
+            ``mirror_up``; from the uploader's thread.
+        clock: Monotonic seconds (for tests).
+        first_backoff, max_backoff: Seconds between tries while the mirror fails.
+    """
+
+    def __init__(
+        self,
+        store: MirrorStore,
+        save_dir: Path,
+        retention: RetentionPolicy,
+        *,
+        records: Iterable[str] = (),
+        on_event: Callable[..., None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        first_backoff: float = 1.0,
+        max_backoff: float = 30.0,
+    ) -> None:
+        self.store = store
+        self.save_dir = Path(save_dir)
+        self.retention = retention
+        self.records = tuple(records)
+        self.on_event = on_event
+        self.clock = clock
+        self.first_backoff, self.max_backoff = first_backoff, max_backoff
+        self.surveyor = Surveyor(store)
+        self.counts = Counts()
+        self.held: set[int] = set()  # the complete steps of the mirror, as last seen
+        self.error: BaseException | None = None  # an unexpected error that ended the thread (logged)
+        self.failures = 0  # passes failed in a row
+        self.down_since: float | None = None
+        self._cond = threading.Condition()
+        self._wanted: int | None = None  # the newest durable local step submitted
+        self._done: int | None = None  # the newest submitted step a pass completed for
+        self._durable_at: dict[int, float] = {}  # step -> when it became durable, until the mirror holds it
+        self._damaged: set[tuple[int, float]] = set()  # (step, created) of local checkpoints not to upload
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ the run's side
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="preempt-mirror", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int) -> None:
+        """Checkpoint ``step`` is durable locally: upload it (and any older one the mirror lacks). Never blocks."""
+        with self._cond:
+            if self._wanted is None or step > self._wanted:
+                self._wanted = step
+            self._durable_at.setdefault(step, self.clock())
+            held = max(self.held, default=None)
+            if held is None or step > held:
+                behind = step - (held if held is not None else 0)
+                self.counts.max_behind_steps = max(self.counts.max_behind_steps, behind)
+            self._cond.notify_all()
+
+    def holds(self) -> int | None:
+        """The newest step the mirror holds complete, as last seen."""
+        with self._cond:
+            return max(self.held, default=None)
+
+    def wait_for(self, step: int, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds until the mirror holds ``step`` complete; whether it does."""
+        deadline = self.clock() + max(0.0, timeout)
+        with self._cond:
+            while step not in self.held:
+                left = deadline - self.clock()
+                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    return step in self.held
+                self._cond.wait(min(left, 0.1))
+            return True
+
+    def behind(self) -> tuple[int, float]:
+        """Steps and seconds the mirror is behind the newest durable checkpoint submitted, now."""
+        with self._cond:
+            held = max(self.held, default=-1)
+            waiting = [t for s, t in self._durable_at.items() if s > held]
+            steps = 0 if self._wanted is None or self._wanted <= held else self._wanted - max(held, 0)
+            return steps, (self.clock() - min(waiting)) if waiting else 0.0
+
+    def close(self) -> None:
+        """Stops the thread after its current operation, without waiting for it (a stop has a deadline); a
+        daemon thread blocked on a dead server does not keep the process."""
+        self._closing.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        try:
+            while not self._closing.is_set():
+                with self._cond:
+                    while not self._closing.is_set() and (self._wanted is None or self._wanted == self._done):
+                        self._cond.wait()
+                    target = self._wanted
+                if self._closing.is_set():
+                    return
+                if self.run_once(target):
+                    with self._cond:
+                        self._done = target
+                    continue
+                self._closing.wait(backoff(self.failures, self.first_backoff, self.max_backoff))
+        except BaseException as e:  # a bug, not the mirror: said once; training goes on without a mirror
+            self.error = e
+            log.error("the mirror's uploader stopped: %s: %s; the mirror receives no more checkpoints", type(e), e)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def run_once(self, target: int | None) -> bool:
+        """One pass (the module's steps 1-3) for the checkpoints up to step ``target``; whether it completed.
+
+        A MirrorError makes the pass fail (the first of a series is warned about); any other error propagates.
+        """
+        start = self.clock()
+        try:
+            uploaded = self._pass(target)
+        except MirrorError as e:
+            self.failures += 1
+            if self.down_since is None:
+                self.down_since = start
+                log.warning(
+                    "%s; training goes on, uploads are retried (every %s at most) and catch up when it answers",
+                    e,
+                    duration(self.max_backoff),
+                )
+                self._event("mirror_down", error=str(e)[:500])
+            else:
+                log.debug("mirror still failing (%d tries): %s", self.failures, e)
+            return False
+        self.failures = 0
+        now = self.clock()
+        if self.down_since is not None:
+            held = self.holds()
+            log.info(
+                "mirror %s reachable again after %s, %d checkpoint(s) behind, caught up (it holds step %s)",
+                self.store.display,
+                duration(now - self.down_since),
+                len(uploaded),
+                held,
+            )
+            self._event("mirror_up", down_s=round(now - self.down_since, 3), behind=len(uploaded), held=held)
+            self.down_since = None
+        return True
+
+    def _pass(self, target: int | None) -> list[int]:
+        surveyed = self.surveyor.survey()
+        self._seen(surveyed)
+        local = self._local(target)
+        uploaded = []
+        for step in plan.to_upload({s: m for s, (m, _) in local.items()}, surveyed.manifests):
+            manifest, data = local[step]
+            if (step, manifest.created) in self._damaged:
+                continue
+            if self._upload(manifest, data, surveyed):
+                uploaded.append(step)
+                surveyed.manifests[step] = manifest
+                surveyed.listing[step] = {**{n: d.size for n, d in manifest.files.items()}, MANIFEST: len(data)}
+                self._seen(surveyed)
+        for step in plan.deletions(self.retention, surveyed.listing, surveyed.manifests):
+            self.store.delete_step(step)
+            log.debug("mirror %s: deleted step %d (retention)", self.store.display, step)
+        self._seen(self.surveyor.survey() if uploaded else surveyed)
+        for name in self.records:
+            data = _read_record(self.save_dir / name)
+            if data is not None:
+                self.store.put_text(name, data)
+        return uploaded
+
+    def _seen(self, surveyed: Survey) -> None:
+        """What the mirror holds now: waiters woken, lags measured."""
+        now = self.clock()
+        with self._cond:
+            self.held = set(surveyed.manifests)
+            for step in [s for s in self._durable_at if s in self.held or s < max(self.held, default=-1)]:
+                t = self._durable_at.pop(step)
+                if step in self.held:
+                    self.counts.max_behind_s = max(self.counts.max_behind_s, now - t)
+            self._cond.notify_all()
+
+    def _local(self, target: int | None) -> dict[int, tuple[Manifest, bytes]]:
+        """The manifests (parsed, and their bytes) of the committed local checkpoints up to ``target``."""
+        out: dict[int, tuple[Manifest, bytes]] = {}
+        try:
+            names = os.listdir(self.save_dir)
+        except OSError:
+            return out
+        for name in names:
+            step = parse_checkpoint_name(name)
+            if step is None or (target is not None and step > target):
+                continue
+            read = _read_manifest(self.save_dir / name)
+            if read is not None and read[0].step == step:
+                out[step] = read
+        return out
+
+    def _upload(self, manifest: Manifest, data: bytes, surveyed: Survey) -> bool:
+        """One checkpoint, in :func:`plan.upload_actions`'s order; whether its manifest went up."""
+        step, store = manifest.step, self.store
+        ckpt = self.save_dir / checkpoint_name(step)
+        first = True
+        start, before = self.clock(), dataclasses.replace(self.counts)
+        copies: list[plan.Action] = []
+        for action in plan.upload_actions(manifest, surveyed.listing.get(step), surveyed.manifests):
+            if action.kind == "delete":
+                store.delete(step, action.name)
+                continue
+            if action.kind == "manifest":
+                if _read_manifest(ckpt) != (manifest, data):  # pruned or replaced meanwhile: not this save any more
+                    log.debug("%s changed while it was uploaded; its manifest is not uploaded", ckpt)
+                    return False
+                _stage("before_manifest", step)
+                store.put_bytes(step, MANIFEST, data)
+                self.surveyor.remember(manifest, len(data))
+                self.counts.uploaded += 1
+                _stage("uploaded", step)
+                now, c = self.clock(), self.counts
+                with self._cond:
+                    durable = self._durable_at.get(step)
+                self._event(
+                    "mirror",
+                    step=step,
+                    put_bytes=c.put_bytes - before.put_bytes,
+                    copied_bytes=c.copied_bytes - before.copied_bytes,
+                    copied=sorted(a.name for a in copies),
+                    seconds=round(now - start, 3),
+                    behind_s=None if durable is None else round(now - durable, 3),
+                )
+                return True
+            expected = manifest.files[action.name]
+            if action.kind == "copy" and action.source is not None and self._copy(action.source, action.name, step):
+                self.counts.copied_bytes += expected.size
+                copies.append(action)
+            elif not self._put(ckpt / action.name, expected, manifest):
+                return False
+            else:
+                self.counts.put_bytes += expected.size
+            if first:
+                first = False
+                _stage("after_first_object", step)
+        return False  # (upload_actions always ends with the manifest)
+
+    def _copy(self, source: int, name: str, step: int) -> bool:
+        try:
+            self.store.copy(source, name, step)
+        except MirrorError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            return False  # the source went (retention, another process): upload it instead
+        return True
+
+    def _put(self, path: Path, expected: commit.FileDigest, manifest: Manifest) -> bool:
+        """The local file checked against the manifest, then uploaded; False (said once) when it does not match."""
+        try:
+            files.regular_file(path)
+            got = commit.hash_file(path)
+        except FileNotFoundError:
+            return False  # pruned meanwhile
+        except (OSError, CorruptCheckpointError) as e:
+            got, problem = None, str(e)
+        else:
+            problem = ""
+        if got is not None and got != expected:
+            problem = (
+                f"{path}: size {got.size}, xxh3 {got.xxh3_128}; the manifest says size {expected.size},"
+                f" xxh3 {expected.xxh3_128}"
+            )
+        if problem:
+            self._damaged.add((manifest.step, manifest.created))
+            log.warning(
+                "%s: damaged since its commit; checkpoint step %d is not uploaded to the mirror (nor its manifest)",
+                problem,
+                manifest.step,
+            )
+            return False
+        self.store.put(path, manifest.step, path.name)
+        return True
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(kind, **fields)
+            except Exception as e:  # a record is not worth the uploads
+                log.debug("mirror event %s not recorded: %s", kind, e)
+
+
+def _read_manifest(ckpt: Path) -> tuple[Manifest, bytes] | None:
+    """A local checkpoint's manifest, parsed, and its bytes; None when it has none or it is not valid."""
+    path = ckpt / MANIFEST
+    try:
+        files.regular_file(path)
+        data = safe_io.read_bytes(path, MAX_MANIFEST_BYTES)
+        return Manifest.from_json(data, str(path)), data
+    except (OSError, ValueError, CorruptCheckpointError):
+        return None
+
+
+def _read_record(path: Path, limit: int = 256 << 20) -> bytes | None:
+    """A run record's bytes (a regular file, capped), or None."""
+    try:
+        return safe_io.read_bytes(path, limit)
+    except (OSError, ValueError):
+        return None
+
+
+def summary(counts: Counts, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The counts as a history record's fields."""
+    return {**dataclasses.asdict(counts), **(extra or {})}

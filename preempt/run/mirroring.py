@@ -1,0 +1,210 @@
+"""The run's mirror (``PreemptibleRun(mirror="s3://...")``): pull on a new machine, upload after each durable
+checkpoint, wait for the stop's checkpoint up to a deadline.
+
+:class:`Mirroring` is inert without ``mirror=``. With it, on the leader (the process alone, or rank 0: the rank
+that commits uploads, and pulls before the ranks agree where to start; the others wait at the existing meeting):
+
+* :meth:`enter`, after the lock and the recovery, before the start plan: the mirror is opened; when save_dir has
+  no valid checkpoint as new as the mirror's newest complete one, that one is pulled (:mod:`preempt.mirror.pull`:
+  the local commit protocol, every byte checked; an older complete one when it fails), and the start plan resumes
+  from it as from any local checkpoint;
+* :meth:`begin`: the uploader's thread (:mod:`preempt.mirror.uploader`) starts, told of the newest local
+  checkpoint (the mirror may lack it); after each durable checkpoint :meth:`durable` tells it of the new one;
+* :meth:`at_stop`: a stop waits for its checkpoint's upload up to :func:`preempt.mirror.plan.stop_deadline`, and
+  the stop's line says which step the mirror holds; :meth:`close` does the same for the final checkpoint.
+
+fsspec is imported (by :mod:`preempt.mirror.store`) only here, only with ``mirror=``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import _log
+from ..checkpoint.commit import parse_checkpoint_name
+from ..checkpoint.manager import CheckpointManager
+from ..errors import MirrorError, PreemptError
+from ..health.history import HISTORY_FILE, LOG_FILE
+from .config import RunConfig
+
+if TYPE_CHECKING:
+    from ..mirror.uploader import Uploader
+    from .reporting import Reporter
+    from .stopping import Stopper
+
+log = _log.log
+
+
+class Mirroring:
+    """The mirror's part of a run (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        manager: CheckpointManager,
+        reporter: Reporter,
+        stopper: Stopper,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self.reporter = reporter
+        self.stopper = stopper
+        self.clock = clock
+        self.uploader: Uploader | None = None
+        self.pulled: dict[str, Any] | None = None  # the pull at enter, for history.jsonl once it is open
+        self._ended = False  # the mirror_end marker is written (at the stop, or at the end)
+        if config.mirror is not None:
+            stopper.on_stop = self.at_stop
+
+    @property
+    def on(self) -> bool:
+        return self.config.mirror is not None
+
+    def enter(self, starts_fresh: bool) -> None:
+        """The leader, before the start plan: open the mirror, pull its newest checkpoint when save_dir lacks it."""
+        if not self.on:
+            return
+        from ..mirror import pull, store, survey
+
+        cfg = self.config
+        mirror = store.MirrorStore(cfg.mirror, cfg.mirror_options)  # type: ignore[arg-type]
+        valid = [i.step for i in self.manager.list() if i.status == "valid"]
+        local = max(valid, default=None)
+        try:
+            mirror.check()
+            surveyed = survey.Surveyor(mirror).survey()
+        except MirrorError as e:
+            if local is None:
+                raise MirrorError(
+                    f"{e}; save_dir {self.manager.save_dir} holds no checkpoint either: not starting (a fresh start"
+                    " would set the mirror's checkpoints aside). Run again when the mirror answers"
+                ) from None
+            log.warning("%s; resuming from save_dir, uploads are retried", e)
+            surveyed = None
+        if surveyed is not None and starts_fresh and surveyed.listing:
+            raise PreemptError(
+                f"mirror {mirror.display} holds checkpoints (up to step {max(surveyed.listing)}) and this run starts"
+                " fresh (auto_resume=False or resume=None): give it another mirror prefix, or delete those"
+            )
+        if surveyed is not None and not starts_fresh:
+            got = pull.pull_newest(mirror, self.manager.save_dir, newer_than=local, replace=True, surveyed=surveyed)
+            if got is not None:
+                log.info(
+                    "save_dir %s had %s; resuming from the mirror's step %d (%d bytes in %s)",
+                    self.manager.save_dir,
+                    "no checkpoint" if local is None else f"step {local}, older",
+                    got.step,
+                    got.bytes,
+                    _log.duration(got.seconds),
+                )
+                self.pulled = {"step": got.step, "bytes": got.bytes, "seconds": round(got.seconds, 3)}
+                self.pulled["failed"] = len(got.failed)
+        from ..mirror.uploader import Uploader
+
+        self.uploader = Uploader(
+            mirror,
+            self.manager.save_dir,
+            self.manager.retention,
+            records=(LOG_FILE, HISTORY_FILE),
+            on_event=self.reporter.marker,
+            clock=self.clock,
+        )
+
+    def begin(self, newest: Any) -> None:
+        """The run is on: the uploader starts, with the newest local checkpoint (``CheckpointInfo`` or None)."""
+        if self.uploader is None:
+            return
+        if self.pulled is not None:
+            self.reporter.marker("mirror_pull", **self.pulled)
+        self.uploader.start()
+        steps = [i.step for i in self.manager.list() if i.status == "valid"]
+        if newest is not None or steps:
+            self.uploader.submit(max([*steps, *([newest.step] if newest is not None else [])]))
+
+    def chain(self, on_durable: Callable[[float, float, int], None]) -> Callable[[float, float, int], None]:
+        """The save scheduler's ``on_durable`` hook: the stopper's, then the uploader told (never blocks)."""
+
+        def durable(seconds: float, now: float, step: int) -> None:
+            on_durable(seconds, now, step)
+            if self.uploader is not None:
+                self.uploader.submit(step)
+
+        return durable
+
+    def deadline(self) -> float:
+        """Seconds to wait for a stop's upload: ``mirror_deadline``, capped by a part of the time left."""
+        from ..mirror.plan import stop_deadline
+
+        left = []
+        if self.stopper.end_time is not None:
+            left.append(self.stopper.end_time - time.time())
+        if self.stopper.walltime is not None:
+            left.append(self.stopper.walltime.deadline - self.stopper.clock())
+        return stop_deadline(self.config.mirror_deadline, min(left) if left else None)
+
+    def at_stop(self, checkpoint: Path | None) -> str:
+        """Waits for the stop's checkpoint in the mirror (bounded); the words for the stop's line."""
+        up = self.uploader
+        step = None if checkpoint is None else parse_checkpoint_name(checkpoint.name)
+        if up is None or step is None:
+            return ""
+        limit = self.deadline()
+        t0 = self.clock()
+        if up.wait_for(step, limit):
+            said = f"mirror holds step {step} (the stop's checkpoint), uploaded {_log.duration(self.clock() - t0)}"
+            said += " after it was durable"
+        else:
+            held = up.holds()
+            which = "no checkpoint" if held is None else f"step {held}"
+            said = (
+                f"mirror holds {which}, not the stop's step {step}: upload not finished in {_log.duration(limit)}"
+                f" (mirror_deadline)"
+            )
+        log.info("%s", said)
+        self._end(step)
+        return said
+
+    def close(self, completed: bool, final: Any) -> None:
+        """The run's end: the final checkpoint waited for (bounded) when the run completed; the thread let go."""
+        up = self.uploader
+        if up is None:
+            return
+        step = None if final is None else final.step
+        if completed and step is not None:
+            limit = self.deadline()
+            if up.wait_for(step, limit):
+                log.info("mirror holds step %d (the final checkpoint)", step)
+            else:
+                log.warning(
+                    "mirror holds step %s, not the final step %d: upload not finished in %s (mirror_deadline)",
+                    up.holds(),
+                    step,
+                    _log.duration(limit),
+                )
+            self._end(step)
+        up.close()
+        self.uploader = None
+
+    def _end(self, step: int) -> None:
+        """A ``mirror_end`` marker: where the mirror stands at the end of this process, and the worst lag."""
+        up = self.uploader
+        if up is None or self._ended:
+            return
+        self._ended = True
+        steps, seconds = up.behind()
+        c = up.counts
+        self.reporter.marker(
+            "mirror_end",
+            step=step,
+            held=up.holds(),
+            behind_steps=steps,
+            behind_s=round(seconds, 3),
+            max_behind_steps=c.max_behind_steps,
+            max_behind_s=round(c.max_behind_s, 3),
+            put_bytes=c.put_bytes,
+            copied_bytes=c.copied_bytes,
+        )
