@@ -61,8 +61,8 @@ def add_pull_parser(sub: Any, fmt: Any, epilog: str) -> None:
         description=help,
         formatter_class=fmt,
         epilog="The newest complete checkpoint (or --step N) is downloaded into DIR as a save writes one: into a\n"
-        "temporary directory, each object checked against the manifest's size and xxh3-128 as it arrives, the\n"
-        "manifest last, then renamed into place; a damaged object or a cut transfer leaves nothing. DIR is\n"
+        "temporary directory, each object checked against the manifest's size and xxh3-128 before it is kept,\n"
+        "the manifest last, then renamed into place; a damaged object or a cut transfer leaves nothing. DIR is\n"
         "created when missing, and locked meanwhile (exit 3 while a run holds it). A run started on DIR\n"
         f"resumes from what was pulled.\n\n{epilog}",
     )
