@@ -109,6 +109,8 @@ class Process:
     ended: float | None = None  # the t of its end line (stop, complete, error): the run left its with block
     exited: float | None = None  # the t of its exit line: the process exited (its interpreter's teardown follows)
     recomputed: list[tuple[float, int, float, int]] = dataclasses.field(default_factory=list)  # (t, step) -> (t, step)
+    mirror: dict[str, Any] | None = None  # its mirror_end line: what the mirror held at its end, and its worst lag
+    mirror_outages: int = 0  # mirror_down lines: the mirror stopped answering
 
     @property
     def wall_s(self) -> float:
@@ -215,6 +217,16 @@ class Report:
             out.append({"after_process": prev.index, "s": gap, "from": since})
         return out
 
+    def mirror(self) -> dict[str, Any] | None:
+        """How far behind the mirror was (issue 32): the most steps and seconds over the processes, where the last
+        process that said stood at its end (``held``, ``behind_steps``, ``behind_s``), the outages; None: no mirror."""
+        ends = [p.mirror for p in self.processes if p.mirror is not None]
+        if not ends:
+            return None
+        worst = {k: max((e[k] or 0 for e in ends), default=0) for k in ("max_behind_steps", "max_behind_s")}
+        last = {k: ends[-1][k] for k in ("held", "behind_steps", "behind_s")}
+        return {**worst, "end": last, "outages": sum(p.mirror_outages for p in self.processes)}
+
     def to_json(self) -> dict[str, Any]:
         ps = self.processes
         return {
@@ -245,6 +257,7 @@ class Report:
                 for name, bad in self.nonfinite.items()
             },
             "notes": list(self.notes),
+            "mirror": self.mirror(),
             "stops": [
                 {
                     "process": p.index,
@@ -438,6 +451,11 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
                 p.lose(step, reached, t)
         elif event == "exit":  # the process's exit, after the code that follows its run
             p.exited = t
+        elif event == "mirror_down":
+            p.mirror_outages += 1
+        elif event == "mirror_end":
+            counts = {k: facts.count(k) for k in ("held", "behind_steps", "max_behind_steps")}
+            p.mirror = {**counts, **{k: facts.duration(k) for k in ("behind_s", "max_behind_s")}}
         elif event in ENDS:
             p.how, p.ended = event, t
             cause = doc.get("cause") if event == "stop" else doc.get("error")
@@ -523,6 +541,14 @@ def render(report: Report, where: str) -> list[str]:
         )
     if ps[-1].how == "killed":
         out.append("  note: the last process has no end line: still running, or killed")
+    if (m := doc["mirror"]) is not None:
+        end = m["end"]
+        out.append(
+            f"mirror: at most {m['max_behind_steps']} steps and {duration(m['max_behind_s'])} behind the newest"
+            f" durable checkpoint; at the end it held step {end['held'] if end['held'] is not None else '-'},"
+            f" {end['behind_steps'] or 0} steps and {duration(end['behind_s'] or 0.0)} behind;"
+            f" {m['outages']} outage(s)"
+        )
     for name, bad in report.nonfinite.items():
         first = ", ".join(f"{text} at step {step}" for _, step, text, _ in bad[:3])
         out.append(f"  non-finite values of {name}: {len(bad)} ({first}{', ...' if len(bad) > 3 else ''})")

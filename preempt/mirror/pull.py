@@ -175,7 +175,7 @@ def fetch(
 
 def _download(store: MirrorStore, step: int, file: str, expected: commit.FileDigest, path: Path) -> None:
     """Step 3 for one file: downloaded, checked, made durable; CorruptCheckpointError naming the object if not."""
-    store.get(step, file, path)
+    store.get(step, file, path, expected.size)
     files.regular_file(path)
     got = commit.hash_file(path)
     if got.size != expected.size:

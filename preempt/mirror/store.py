@@ -39,6 +39,13 @@ CREATE_BUCKET = "create_bucket"
 # s3fs retries 5 times on top); the uploader retries with its own backoff, and a stop waits its deadline at most.
 S3_CONFIG = {"connect_timeout": 3, "read_timeout": 10, "retries": {"max_attempts": 2, "mode": "standard"}}
 S3_RETRIES = 2  # s3fs's own retry loop around each call (S3FileSystem.retries: a class attribute, not an argument)
+# Our own option too: every operation of an async client (s3fs, gcsfs, adlfs) is cancelled after this many seconds,
+# plus one second per MIN_RATE bytes it moves. The client's read timeout does not cover everything: a PUT sent with
+# "Expect: 100-continue" (botocore adds it to every upload) waits for the server's "100" with no timeout in aiohttp,
+# forever when the server is stopped or the network black-holes the connection.
+OP_TIMEOUT = "op_timeout"
+DEFAULT_OP_TIMEOUT = 20.0
+MIN_RATE = 1 << 20  # bytes per second: a slower transfer is taken for a hung one
 MAX_TEXT_BYTES = 256 << 20  # a run record read back (history.jsonl of a very long run)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # an object name inside a step, or a record
 
@@ -82,6 +89,9 @@ class MirrorStore:
         self.display = redact(url)
         opts = dict(options or {})
         self.create_bucket = bool(opts.pop(CREATE_BUCKET, False))
+        self.op_timeout = float(opts.pop(OP_TIMEOUT, DEFAULT_OP_TIMEOUT))
+        if not self.op_timeout > 0:
+            raise ValueError(f"mirror_options[{OP_TIMEOUT!r}]: expected a number of seconds > 0")
         self._secrets = [str(v) for v in _leaves(opts) if isinstance(v, str) and len(v) >= 4]
         self.protocol = url.split("://", 1)[0].lower()
         try:
@@ -109,6 +119,7 @@ class MirrorStore:
         if self.protocol in ("s3", "s3a"):
             self.fs.retries = S3_RETRIES
         self.root = root.rstrip("/")
+        self._async = bool(getattr(self.fs, "async_impl", False))
 
     def __repr__(self) -> str:
         return f"MirrorStore({self.display!r})"
@@ -145,7 +156,7 @@ class MirrorStore:
         bucket = self.root.split("/", 1)[0]
         try:
             with self._op("open the bucket of", None):
-                self.fs.call_s3("head_bucket", Bucket=bucket)
+                self.fs.call_s3("head_bucket", Bucket=bucket, **self._limit())
         except MirrorError as e:
             if e.errno != errno.ENOENT:
                 raise
@@ -157,7 +168,7 @@ class MirrorStore:
                 missing.errno = errno.ENOENT
                 raise missing from None
             with self._op("create the bucket of", None):
-                self.fs.mkdir(bucket)
+                self.fs.mkdir(bucket, **self._limit())
 
     def steps(self) -> dict[int, dict[str, int]]:
         """Every ``step_N`` "directory" under the prefix: ``{step: {object name: size in bytes}}``.
@@ -166,7 +177,7 @@ class MirrorStore:
         are ignored.
         """
         with self._op("list", None):
-            found = self.fs.find(self.root, detail=True)
+            found = self.fs.find(self.root, detail=True, **self._limit())
         out: dict[int, dict[str, int]] = {}
         prefix = self.root + "/"
         for path, info in found.items():
@@ -183,39 +194,45 @@ class MirrorStore:
     def read(self, step: int | None, name: str, limit: int) -> bytes:
         """The bytes of one object, at most ``limit`` (more is an error, read no further than ``limit + 1``)."""
         with self._op("read", self.where(step, name)):
-            data = self.fs.cat_file(self.key(step, name), start=0, end=limit + 1)
+            data = self.fs.cat_file(self.key(step, name), start=0, end=limit + 1, **self._limit(limit))
         if len(data) > limit:
             raise MirrorError(f"mirror {self.where(step, name)}: larger than {limit} bytes, the most accepted")
         return bytes(data)
+
+    def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of one object (one ranged GET, bounded like every operation)."""
+        with self._op(f"read bytes {start}-{end} of", self.where(step, name)):
+            return bytes(self.fs.cat_file(self.key(step, name), start=start, end=end, **self._limit(end - start)))
 
     def put(self, local_path: str | Path, step: int, name: str) -> int:
         """Uploads a local file (multipart and parallel where the client does it, s3fs above 50 MiB); its size."""
         size = Path(local_path).stat().st_size
         with self._op("upload", self.where(step, name)):
-            self.fs.put_file(str(local_path), self.key(step, name))
+            self.fs.put_file(str(local_path), self.key(step, name), **self._limit(size))
         return size
 
     def put_bytes(self, step: int | None, name: str, data: bytes) -> int:
         """Writes one small object (a manifest, a run record) whole; its size."""
         with self._op("write", self.where(step, name)):
-            self.fs.pipe_file(self.key(step, name), bytes(data))
+            self.fs.pipe_file(self.key(step, name), bytes(data), **self._limit(len(data)))
         return len(data)
 
-    def get(self, step: int, name: str, local_path: str | Path) -> None:
-        """Downloads one object into a local file (ranged and parallel where the client does it); the caller checks
-        its size and digest: a transfer cut off mid-way leaves a short or wrong file, never a trusted one."""
+    def get(self, step: int, name: str, local_path: str | Path, size: int = 0) -> None:
+        """Downloads one object (of about ``size`` bytes) into a local file (ranged and parallel where the client
+        does it); the caller checks its size and digest: a transfer cut off mid-way leaves a short or wrong file,
+        never a trusted one."""
         with self._op("download", self.where(step, name)):
-            self.fs.get_file(self.key(step, name), str(local_path))
+            self.fs.get_file(self.key(step, name), str(local_path), **self._limit(size))
 
-    def copy(self, src_step: int, name: str, dst_step: int) -> None:
+    def copy(self, src_step: int, name: str, dst_step: int, size: int = 0) -> None:
         """Server-side copy of ``step_src/name`` to ``step_dst/name``: no byte goes through this machine."""
         with self._op(f"copy {self.where(src_step, name)} to", self.where(dst_step, name)):
-            self.fs.copy(self.key(src_step, name), self.key(dst_step, name))
+            self.fs.copy(self.key(src_step, name), self.key(dst_step, name), **self._limit(size // 8))
 
     def delete(self, step: int, name: str) -> None:
         """Deletes one object; one already gone is fine."""
         with self._op("delete", self.where(step, name)), contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self.key(step, name))
+            self.fs.rm_file(self.key(step, name), **self._limit())
 
     def delete_step(self, step: int) -> None:
         """Deletes every object of one step; the manifest first, so that the step never looks complete meanwhile."""
@@ -224,7 +241,7 @@ class MirrorStore:
         self.delete(step, MANIFEST)
         path = f"{self.root}/{checkpoint_name(step)}"
         with self._op("delete", self.where(step)), contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
+            self.fs.rm(path, recursive=True, **self._limit())
 
     def put_text(self, name: str, data: bytes) -> int:
         """Replaces a run record (``train.log``, ``history.jsonl``) at the prefix's root."""
@@ -239,6 +256,11 @@ class MirrorStore:
                 return None
             raise
 
+    def _limit(self, nbytes: int = 0) -> dict[str, float]:
+        """The ``timeout`` of one operation of an async client (fsspec's ``sync`` cancels it after that), none for
+        a blocking one (a local or mounted filesystem)."""
+        return {"timeout": self.op_timeout + nbytes / MIN_RATE} if self._async else {}
+
     # -- errors ------------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -248,7 +270,7 @@ class MirrorStore:
             yield
         except MirrorError:
             raise
-        except Exception as e:
+        except Exception as e:  # (fsspec's FSTimeoutError too: the operation was cancelled after its timeout)
             target = where or self.display
             err = MirrorError(f"mirror: cannot {what} {target}: {self._describe(e)}")
             err.errno = errno.ENOENT if isinstance(e, FileNotFoundError) else getattr(e, "errno", None) or errno.EIO
@@ -260,6 +282,8 @@ class MirrorStore:
     def _scrub(self, error: BaseException) -> str:
         """The error's text with the URL's userinfo and any option value taken out: credentials never go to a log."""
         text = str(error) or type(error).__name__
+        if not str(error) and "Timeout" in type(error).__name__:
+            text = f"no answer within {self.op_timeout:g} s (mirror_options[{OP_TIMEOUT!r}], more for large objects)"
         userinfo = urllib.parse.urlsplit(self.url).netloc.rpartition("@")[0] if "@" in self.url else ""
         for secret in [*self._secrets, userinfo]:
             if secret:

@@ -81,8 +81,8 @@ class Uploader:
         save_dir: The run's directory.
         retention: The run's retention, applied to the mirror's complete checkpoints too.
         records: Files at save_dir's root copied to the mirror's root after each pass (train.log, history.jsonl).
-        on_event: Called as ``on_event(kind, **fields)`` with ``mirror`` (a pass that uploaded), ``mirror_down``,
-            ``mirror_up``; from the uploader's thread.
+        on_event: Called as ``on_event(kind, **fields)`` with ``mirror`` (a checkpoint uploaded: its step as
+            ``uploaded``), ``mirror_down``, ``mirror_up``; from the uploader's thread.
         clock: Monotonic seconds (for tests).
         first_backoff, max_backoff: Seconds between tries while the mirror fails.
     """
@@ -154,6 +154,18 @@ class Uploader:
                 self._cond.wait(min(left, 0.1))
             return True
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds until the pass for the newest submitted step has ended (its retention and
+        run records done too); whether it has."""
+        deadline = self.clock() + max(0.0, timeout)
+        with self._cond:
+            while self._wanted is not None and self._done != self._wanted:
+                left = deadline - self.clock()
+                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(left, 0.1))
+            return True
+
     def behind(self) -> tuple[int, float]:
         """Steps and seconds the mirror is behind the newest durable checkpoint submitted, now."""
         with self._cond:
@@ -183,6 +195,7 @@ class Uploader:
                 if self.run_once(target):
                     with self._cond:
                         self._done = target
+                        self._cond.notify_all()
                     continue
                 self._closing.wait(backoff(self.failures, self.first_backoff, self.max_backoff))
         except BaseException as e:  # a bug, not the mirror: said once; training goes on without a mirror
@@ -257,10 +270,13 @@ class Uploader:
         now = self.clock()
         with self._cond:
             self.held = set(surveyed.manifests)
-            for step in [s for s in self._durable_at if s in self.held or s < max(self.held, default=-1)]:
-                t = self._durable_at.pop(step)
-                if step in self.held:
-                    self.counts.max_behind_s = max(self.counts.max_behind_s, now - t)
+            newest = max(self.held, default=-1)
+            # The mirror was behind since the oldest durable checkpoint it lacked became durable (one superseded
+            # meanwhile counts too: the mirror's state was that old).
+            caught = [t for s, t in self._durable_at.items() if s <= newest]
+            if caught:
+                self.counts.max_behind_s = max(self.counts.max_behind_s, now - min(caught))
+            self._durable_at = {s: t for s, t in self._durable_at.items() if s > newest}
             self._cond.notify_all()
 
     def _local(self, target: int | None) -> dict[int, tuple[Manifest, bytes]]:
@@ -302,9 +318,9 @@ class Uploader:
                 now, c = self.clock(), self.counts
                 with self._cond:
                     durable = self._durable_at.get(step)
-                self._event(
+                self._event(  # (not "step": a history line's step is where the loop stood, for preempt report)
                     "mirror",
-                    step=step,
+                    uploaded=step,
                     put_bytes=c.put_bytes - before.put_bytes,
                     copied_bytes=c.copied_bytes - before.copied_bytes,
                     copied=sorted(a.name for a in copies),
@@ -313,7 +329,11 @@ class Uploader:
                 )
                 return True
             expected = manifest.files[action.name]
-            if action.kind == "copy" and action.source is not None and self._copy(action.source, action.name, step):
+            if (
+                action.kind == "copy"
+                and action.source is not None
+                and self._copy(action.source, action.name, step, expected.size)
+            ):
                 self.counts.copied_bytes += expected.size
                 copies.append(action)
             elif not self._put(ckpt / action.name, expected, manifest):
@@ -325,9 +345,9 @@ class Uploader:
                 _stage("after_first_object", step)
         return False  # (upload_actions always ends with the manifest)
 
-    def _copy(self, source: int, name: str, step: int) -> bool:
+    def _copy(self, source: int, name: str, step: int, size: int) -> bool:
         try:
-            self.store.copy(source, name, step)
+            self.store.copy(source, name, step, size)
         except MirrorError as e:
             if e.errno != errno.ENOENT:
                 raise

@@ -164,7 +164,6 @@ class Mirroring:
                 f"mirror holds {which}, not the stop's step {step}: upload not finished in {_log.duration(limit)}"
                 f" (mirror_deadline)"
             )
-        log.info("%s", said)
         self._end(step)
         return said
 
@@ -175,9 +174,10 @@ class Mirroring:
             return
         step = None if final is None else final.step
         if completed and step is not None:
-            limit = self.deadline()
+            limit, t0 = self.deadline(), self.clock()
             if up.wait_for(step, limit):
                 log.info("mirror holds step %d (the final checkpoint)", step)
+                up.wait_idle(limit - (self.clock() - t0))  # its retention and the run records too
             else:
                 log.warning(
                     "mirror holds step %s, not the final step %d: upload not finished in %s (mirror_deadline)",

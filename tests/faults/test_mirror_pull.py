@@ -27,7 +27,8 @@ def saved(save_dir: Path, steps: list[int]) -> CheckpointManager:
     manager = CheckpointManager(save_dir, keep_last=None)
     manager.prepare()
     for step in steps:
-        model[1].weight.data += 1
+        with torch.no_grad():
+            model[1].weight.add_(1)
         manager.save_state(step=step, model=model, optimizer=opt)
     return manager
 

@@ -164,3 +164,58 @@ def test_config_checks_the_mirror_options():
     for bad in (-1, float("nan"), "60", True):
         with pytest.raises(ValueError, match="mirror_deadline: expected a number of seconds >= 0"):
             RunConfig(mirror="s3://b/p", mirror_deadline=bad)
+
+
+def test_without_the_extra_a_mirror_says_what_to_install(monkeypatch):
+    import sys
+
+    from preempt.errors import MirrorError
+    from preempt.mirror.store import MirrorStore
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # as if not installed: `import fsspec` raises ImportError
+    with pytest.raises(MirrorError, match=r"fsspec is not installed; pip install 'preempt\[mirror\]'"):
+        MirrorStore("s3://bucket/prefix")
+
+
+def test_report_says_how_far_behind_the_mirror_was():
+    from preempt.cli import timeline
+
+    lines = [
+        {"t": 100.0, "event": "start", "step": 0},
+        {"t": 101.0, "event": "mirror_down", "error": "x"},
+        {"t": 105.0, "event": "mirror_up", "down_s": 4.0, "behind": 2, "held": 6},
+        {
+            "t": 109.0,
+            "event": "mirror_end",
+            "step": 10,
+            "held": 8,
+            "behind_steps": 2,
+            "behind_s": 3.0,
+            "max_behind_steps": 6,
+            "max_behind_s": 4.5,
+        },  # fmt: skip
+        {"t": 110.0, "event": "stop", "step": 10, "cause": "SIGTERM"},
+        {"t": 120.0, "event": "resume", "step": 10},
+        {
+            "t": 125.0,
+            "event": "mirror_end",
+            "step": 12,
+            "held": 12,
+            "behind_steps": 0,
+            "behind_s": 0.0,
+            "max_behind_steps": 2,
+            "max_behind_s": -1,
+        },  # fmt: skip
+        {"t": 126.0, "event": "complete", "step": 12},
+    ]
+    report = timeline.build(lines)
+    assert report.mirror() == {
+        "max_behind_steps": 6,
+        "max_behind_s": 4.5,
+        "end": {"held": 12, "behind_steps": 0, "behind_s": 0.0},
+        "outages": 1,
+    }
+    assert any("max_behind_s=-1" in n for n in report.notes)  # an absurd value is set aside and said
+    text = "\n".join(timeline.render(report, "run"))
+    assert "mirror: at most 6 steps and 4.50 s behind the newest durable checkpoint; at the end it held step 12" in text
+    assert timeline.build(lines[:1]).mirror() is None  # no mirror: no line

@@ -1,0 +1,218 @@
+"""The mirror's uploader, one pass at a time (``run_once``, no thread) against an in-memory store that records every
+operation and can be made to fail: the order of a checkpoint's objects, a local file damaged since its commit, a
+mirror that fails many passes (one warning, then "reachable again"), retention and debris, the run records
+(issue 32)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+import torch
+
+from preempt.checkpoint.commit import MANIFEST, checkpoint_name
+from preempt.checkpoint.manager import CheckpointManager
+from preempt.checkpoint.retention import RetentionPolicy
+from preempt.errors import MirrorError
+from preempt.mirror.uploader import Uploader
+
+
+class MemoryStore:
+    """MirrorStore's surface over a dict; ``down`` makes every operation fail as an unreachable server does."""
+
+    display = "mem://bucket/run"
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[int | None, str], bytes] = {}
+        self.ops: list[tuple[str, int | None, str]] = []
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise MirrorError(f"mirror: cannot reach {self.display}: ConnectTimeoutError")
+
+    def where(self, step: int | None, name: str = "") -> str:
+        return f"{self.display}/{'' if step is None else checkpoint_name(step) + '/'}{name}"
+
+    def steps(self) -> dict[int, dict[str, int]]:
+        self._check()
+        out: dict[int, dict[str, int]] = {}
+        for (step, name), data in self.objects.items():
+            if step is not None:
+                out.setdefault(step, {})[name] = len(data)
+        return out
+
+    def read(self, step: int | None, name: str, limit: int) -> bytes:
+        self._check()
+        if (step, name) not in self.objects:
+            e = MirrorError("missing")
+            e.errno = errno.ENOENT
+            raise e
+        return self.objects[(step, name)][: limit + 1]
+
+    def put(self, local_path: Path, step: int, name: str) -> int:
+        self._check()
+        self.ops.append(("put", step, name))
+        self.objects[(step, name)] = Path(local_path).read_bytes()
+        return len(self.objects[(step, name)])
+
+    def put_bytes(self, step: int | None, name: str, data: bytes) -> int:
+        self._check()
+        self.ops.append(("put", step, name))
+        self.objects[(step, name)] = bytes(data)
+        return len(data)
+
+    def copy(self, src_step: int, name: str, dst_step: int, size: int = 0) -> None:
+        self._check()
+        self.ops.append(("copy", dst_step, name))
+        self.objects[(dst_step, name)] = self.objects[(src_step, name)]
+
+    def delete(self, step: int, name: str) -> None:
+        self._check()
+        self.ops.append(("delete", step, name))
+        self.objects.pop((step, name), None)
+
+    def delete_step(self, step: int) -> None:
+        self._check()
+        self.ops.append(("delete_step", step, ""))
+        for key in [k for k in self.objects if k[0] == step]:
+            del self.objects[key]
+
+    def put_text(self, name: str, data: bytes) -> int:
+        return self.put_bytes(None, name, data)
+
+
+def save(save_dir: Path, steps: list[int], keep_last: int | None = None) -> None:
+    """Checkpoints of a small model whose first layer is frozen (base.safetensors, carried after the first)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    model[0].requires_grad_(False)
+    manager = CheckpointManager(save_dir, keep_last=keep_last)
+    manager.prepare()
+    for step in steps:
+        with torch.no_grad():
+            model[1].weight.add_(1)
+        manager.save_state(step=step, model=model)
+    manager.close()
+
+
+def uploader(save_dir: Path, store: MemoryStore, keep_last: int | None = None, **kw) -> tuple[Uploader, list]:
+    events: list = []
+    up = Uploader(
+        store,  # type: ignore[arg-type]
+        save_dir,
+        RetentionPolicy(keep_last=keep_last),
+        records=("train.log",),
+        on_event=lambda kind, **f: events.append((kind, f)),
+        **kw,
+    )
+    return up, events
+
+
+def test_data_first_manifest_last_carried_files_copied_records_after(tmp_path):
+    save_dir = tmp_path / "run"
+    save(save_dir, [2, 4])
+    (save_dir / "train.log").write_text("a log\n")
+    store = MemoryStore()
+    up, events = uploader(save_dir, store)
+    up.submit(4)
+    assert up.run_once(4)
+    ops = store.ops
+    for step in (2, 4):
+        mine = [op for op in ops if op[1] == step]
+        assert mine[-1] == ("put", step, MANIFEST) and len(mine) == 5, mine  # 4 files, the manifest after them
+    assert ops.index(("put", 2, MANIFEST)) < ops.index(("put", 4, "model.safetensors"))  # oldest first
+    assert ("copy", 4, "base.safetensors") in ops and ("put", 4, "base.safetensors") not in ops
+    assert ops[-1] == ("put", None, "train.log")
+    assert up.holds() == 4 and up.wait_for(4, 0.0)
+    assert [(k, f["uploaded"]) for k, f in events] == [("mirror", 2), ("mirror", 4)]
+    assert events[0][1]["copied"] == [] and "base.safetensors" in events[1][1]["copied"]  # (and any identical file)
+    assert store.objects[(4, MANIFEST)] == (save_dir / checkpoint_name(4) / MANIFEST).read_bytes()
+
+    # A later save of the same step (another manifest): the mirror's old manifest goes before any new data.
+    save(save_dir, [4])
+    store.ops.clear()
+    up.submit(4)
+    assert up.run_once(4)
+    assert store.ops[0] == ("delete", 4, MANIFEST) and store.ops[-2] == ("put", 4, MANIFEST), store.ops
+
+
+def test_a_local_file_damaged_since_its_commit_is_not_uploaded_nor_its_manifest(tmp_path, caplog):
+    save_dir = tmp_path / "run"
+    save(save_dir, [2])
+    path = save_dir / checkpoint_name(2) / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    store = MemoryStore()
+    up, _ = uploader(save_dir, store)
+    up.submit(2)
+    with caplog.at_level(logging.WARNING, logger="preempt"):
+        assert up.run_once(2)
+        assert up.run_once(2)  # said once; not retried
+    assert (2, MANIFEST) not in store.objects and ("put", 2, "model.safetensors") not in store.ops
+    said = [r.getMessage() for r in caplog.records if "damaged since its commit" in r.getMessage()]
+    assert len(said) == 1 and "model.safetensors: size" in said[0] and "step 2 is not uploaded" in said[0], said
+    assert up.holds() is None
+
+
+def test_unreachable_one_warning_then_caught_up(tmp_path, caplog):
+    save_dir = tmp_path / "run"
+    save(save_dir, [2, 4, 6], keep_last=2)
+    store = MemoryStore()
+    now = [100.0]
+    up, events = uploader(save_dir, store, keep_last=2, clock=lambda: now[0])
+    store.down = True
+    with caplog.at_level(logging.INFO, logger="preempt"):
+        for step in (2, 4, 6):
+            up.submit(step)
+            now[0] += 10
+            assert not up.run_once(step)
+        assert up.failures == 3 and up.behind() == (6, 30.0)
+        store.down = False
+        now[0] += 5
+        assert up.run_once(6)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "training goes on, uploads are retried" in warned[0].getMessage()
+    back = [r.getMessage() for r in caplog.records if "reachable again" in r.getMessage()]
+    assert back == [
+        "mirror mem://bucket/run reachable again after 25 s, 2 checkpoint(s) behind, caught up (it holds step 6)"
+    ]
+    assert [k for k, _ in events] == ["mirror_down", "mirror", "mirror", "mirror_up"]
+    assert up.failures == 0 and up.behind() == (0, 0.0)
+    assert up.counts.max_behind_steps == 6 and up.counts.max_behind_s == 35.0  # step 2 waited from t=100 to 135
+
+
+def test_retention_on_the_mirror_and_debris(tmp_path):
+    save_dir = tmp_path / "run"
+    save(save_dir, [2, 4, 6, 8], keep_last=None)
+    store = MemoryStore()
+    store.objects[(3, "model.safetensors")] = b"a dead upload's object"
+    up, _ = uploader(save_dir, store, keep_last=2)
+    up.submit(8)
+    assert up.run_once(8)
+    assert sorted(store.steps()) == [6, 8]  # retention keep_last=2; step 3 (no manifest, older) deleted as debris
+    assert ("delete_step", 3, "") in store.ops
+
+
+def test_copy_source_gone_falls_back_to_upload(tmp_path):
+    save_dir = tmp_path / "run"
+    save(save_dir, [2, 4])
+    store = MemoryStore()
+    up, _ = uploader(save_dir, store)
+    up.submit(2)
+    assert up.run_once(2)
+    real_copy = store.copy
+
+    def copy_gone(src_step: int, name: str, dst_step: int, size: int = 0) -> None:
+        store.objects.pop((src_step, name), None)  # deleted by someone else between the listing and the copy
+        e = MirrorError("gone")
+        e.errno = errno.ENOENT
+        raise e
+
+    store.copy = copy_gone  # type: ignore[method-assign]
+    up.submit(4)
+    assert up.run_once(4)
+    store.copy = real_copy  # type: ignore[method-assign]
+    assert ("put", 4, "base.safetensors") in store.ops and up.holds() == 4
