@@ -217,19 +217,7 @@ class Mirror:
 
     def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of one object."""
-        if end <= start:
-            return b""
-        ranged = getattr(self.store, "read_range", None)
-        if ranged is not None:
-            return bytes(ranged(step, name, start, end))
-        try:  # MirrorStore has no ranged read (yet): its filesystem's, with its errors said the store's way
-            return bytes(self.store.fs.cat_file(self.store.key(step, name), start=start, end=end))
-        except Exception as e:
-            err = MirrorError(
-                f"mirror: cannot read {self.store.where(step, name)} (bytes {start}-{end}): {type(e).__name__}"
-            )
-            err.errno = errno.ENOENT if isinstance(e, FileNotFoundError) else getattr(e, "errno", None) or errno.EIO
-            raise err from None
+        return self.store.read_range(step, name, start, end) if end > start else b""
 
 
 # ------------------------------------------------------------------ commands
