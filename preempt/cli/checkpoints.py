@@ -34,22 +34,18 @@ from ..checkpoint.lock import DirLock, LockedError
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
 from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
+from . import listing
 from .output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, CommandFailed, emit
 from .views import (
-    carried_bytes,
     checkpoint_size,
     completion,
     fmt_table,
-    fmt_utc,
-    fmt_when,
     moved_aside,
     recycled,
     resolve,
     sizes_checked,
 )
 
-# What ls checks of each checkpoint, said under its table and in its JSON: a flipped bit passes it, verify finds it.
-LS_CHECKED = {"manifest": True, "sizes": True, "digests": False}
 LS_CHECKED_TEXT = (
     "status checked: each manifest (parsed, its own checksum, its step) and that every file it lists is there with"
     " its size; the data is not hashed: preempt verify DIR hashes every file"
@@ -58,142 +54,28 @@ LS_CHECKED_TEXT = (
 # ----------------------------------------------------------------------- ls
 
 
+def _place(save_dir: Path) -> listing.Place:
+    return listing.Place(str(save_dir), checkpoint_size, LS_CHECKED_TEXT)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     save_dir: Path = args.dir
     manager = CheckpointManager(save_dir, owner=False)
     infos = [sizes_checked(c) for c in manager.list()]
-    latest = next((c.step for c in infos if c.status == "valid"), None)
-    best = rank_best(infos)
-    best_step = best.ranked[0].step if best.ranked else None
     done = manager.completion()
-    done_problem = manager.completion_problem
-    done_name = done.get("checkpoint") if done else None
-    rows = []
-    for c in infos:
-        m = c.manifest
-        carried, origins = carried_bytes(c)
-        rows.append(
-            {
-                "name": c.name,
-                "path": str(c.path),
-                "step": c.step,
-                "epoch": m.cursor.epoch if m else None,
-                "batch": m.cursor.batch if m else None,
-                "created": m.created if m else None,
-                "created_utc": fmt_utc(m.created) if m else None,
-                "reason": m.reason if m else None,
-                "bytes": checkpoint_size(c),
-                "written_bytes": checkpoint_size(c) - carried,
-                "carried_bytes": carried,
-                "carried_from": origins,
-                "status": c.status,
-                "latest": c.step == latest,
-                "best": c.step == best_step,
-                "complete": c.name == done_name,
-                "problem": c.problem,
-            }
-        )
-    aside = moved_aside(save_dir)
-    pool = recycled(save_dir)
-    if args.json:
-        emit(
-            {
-                "dir": str(save_dir),
-                "complete": done is not None,
-                "complete_checkpoint": done_name,
-                "complete_problem": done_problem,
-                "best_metric": best.metric,
-                "best_mode": best.mode,
-                "moved_aside": aside,
-                "recycled": pool,
-                "checked": LS_CHECKED,
-                "checkpoints": rows,
-            }
-        )
-        return EXIT_OK
-    if not rows:
-        print(f"{save_dir}: no checkpoints")
-    else:
-        head = ["checkpoint", "step", "epoch", "batch", "saved (local time)", "size", "written", "carried", "reason"]
-        table = [[*head, "status"]]
-        for r in rows:
-            marks = [m for m in ("latest", "best") if r[m]]  # the complete one is named below the table
-            table.append(
-                [
-                    r["name"],
-                    str(r["step"]),
-                    "-" if r["epoch"] is None else str(r["epoch"]),
-                    "-" if r["batch"] is None else str(r["batch"]),
-                    fmt_when(r["created"]),
-                    _log.size(r["bytes"]),
-                    _log.size(r["written_bytes"]),
-                    _carried_cell(r["carried_bytes"], r["carried_from"]),
-                    r["reason"] or "-",
-                    r["status"] + (f" ({', '.join(marks)})" if marks else ""),
-                ]
-            )
-        lines = fmt_table(table, right={1, 2, 3, 5, 6})
-        print(lines[0])
-        for line, r in zip(lines[1:], rows, strict=True):
-            print(line)
-            if r["problem"]:
-                print(f"    {r['problem']}")
-        print(LS_CHECKED_TEXT)
-    if best.metric:
-        print(f"best: {best.metric} ({best.mode})" if best.mode else f"best: {best.problem}")
-    for where, n in aside.items():
-        if n:
-            print(f"{where}/: {n} checkpoint(s) moved aside")
-    for p in pool:
-        print(f"{p['name']}/: {_log.size(p['bytes'])} of a pruned checkpoint's files, for the next save to write over")
-    if done is not None:
-        print(f"run complete: {done_name or '?'}")
-    if done_problem:
-        print(f"warning: {done_problem}", file=sys.stderr)
-    return EXIT_OK
-
-
-def _carried_cell(nbytes: int, origins: list[int]) -> str:
-    """``-``, or the bytes carried and the steps whose saves wrote them: ``4.0 MiB from 12``."""
-    if not nbytes and not origins:
-        return "-"
-    return f"{_log.size(nbytes)} from {','.join(map(str, origins))}"
+    aside, pool = moved_aside(save_dir), recycled(save_dir)
+    return listing.ls(
+        _place(save_dir),
+        infos,
+        as_json=args.json,
+        done=done,
+        done_problem=manager.completion_problem,
+        aside=aside,
+        pool=pool,
+    )
 
 
 # ------------------------------------------------------------------- verify
-
-
-def _verify_one(manager: CheckpointManager, info: CheckpointInfo) -> dict[str, Any]:
-    doc: dict[str, Any] = {"name": info.name, "path": str(info.path), "step": info.step, "status": info.status}
-    if info.status == "unreadable":  # its manifest could not be read (permission, memory, I/O): not damage
-        return {**doc, "ok": None, "bytes": 0, "files": [], "problems": [info.problem or f"{info.path}: unreadable"]}
-    if info.manifest is None:
-        return {**doc, "ok": False, "bytes": 0, "files": [], "problems": [info.problem or f"{info.path}: no manifest"]}
-    checks = manager.check_files(info)
-    # A checkpoint that list() found broken (its manifest names another step) is never ok, whatever its files.
-    broken = [info.problem or f"{info.path}: {info.status}"] if info.status != "valid" else []
-    files = [
-        {
-            "name": c.name,
-            "path": str(c.path),
-            "expected": c.expected.to_json(),
-            "status": c.status,
-            "found": None if c.found is None else {"size": c.found.size, "xxh3_128": c.found.xxh3_128 or None},
-            "message": c.message,
-        }
-        for c in checks
-    ]
-    damage = broken + [c.message for c in checks if c.message is not None and c.status != "unreadable"]
-    unread = [c.message for c in checks if c.message is not None and c.status == "unreadable"]
-    problems = damage + unread
-    nbytes = sum(c.found.size for c in checks if c.found is not None and c.found.xxh3_128)
-    if problems and not os.path.lexists(info.path):
-        # Pruned or moved aside by a running training while this was reading it: not damage.
-        gone = f"{info.path}: deleted or moved aside while being verified (by a running training?)"
-        return {**doc, "status": "gone", "ok": None, "bytes": nbytes, "files": files, "problems": [gone]}
-    if unread and not damage:  # what could be read is fine; the rest could not be checked
-        return {**doc, "status": "unreadable", "ok": None, "bytes": nbytes, "files": files, "problems": unread}
-    return {**doc, "ok": not problems, "bytes": nbytes, "files": files, "problems": problems}
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -204,40 +86,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         infos = [resolve(save_dir, infos, args.step)]
     if not infos:
         raise CommandFailed(EXIT_USAGE, f"{save_dir}: no checkpoints (expected step_* directories)")
+    place = _place(save_dir)
     t0 = time.perf_counter()
-    results = [_verify_one(manager, c) for c in infos]
-    seconds = time.perf_counter() - t0
-    nbytes = sum(r["bytes"] for r in results)
-    damaged = [r for r in results if r["ok"] is False]
-    unreadable = [r for r in results if r["status"] == "unreadable"]
-    if args.json:
-        emit(
-            {
-                "dir": str(save_dir),
-                "ok": not damaged and not unreadable,
-                "bytes": nbytes,
-                "seconds": seconds,
-                "checkpoints": results,
-            }
-        )
-    else:
-        for r in results:
-            if r["ok"]:
-                print(f"{r['name']}: ok ({len(r['files'])} files, {_log.size(r['bytes'])})")
-            elif r["status"] == "unreadable":
-                print(f"{r['name']}: UNREADABLE (not damage: a file could not be read)")
-            elif r["ok"] is None:
-                print(f"{r['name']}: gone")
-            else:
-                print(f"{r['name']}: {'DAMAGED' if r['status'] == 'valid' else r['status'].upper()}")
-            for p in r["problems"]:
-                print(f"    {p}")
-        rate = f" ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 and nbytes else ""
-        verdicts = [f"{len(damaged)} of {len(results)} damaged"] if damaged else []
-        verdicts += [f"{len(unreadable)} of {len(results)} unreadable"] if unreadable else []
-        verdict = ", ".join(verdicts) or "all ok"
-        print(f"{len(results)} checkpoint(s), {_log.size(nbytes)} hashed in {seconds:.2f} s{rate}: {verdict}")
-    return EXIT_DAMAGED if damaged else EXIT_UNREADABLE if unreadable else EXIT_OK
+    results = [listing.verify_one(place, c, manager.check_files, lambda c: not os.path.lexists(c.path)) for c in infos]
+    return listing.verify_report(place, results, time.perf_counter() - t0, as_json=args.json)
 
 
 # -------------------------------------------------------------------- prune

@@ -217,17 +217,47 @@ def _manifest_doc(m: Manifest) -> dict[str, Any]:
     }
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    save_dir: Path = args.dir
-    manager = CheckpointManager(save_dir, owner=False)
-    info = resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
+def inspectable(info: CheckpointInfo) -> Manifest:
+    """The manifest of the checkpoint STEP chose, when it can be inspected.
+
+    Raises:
+        CommandFailed: Exit 4 when its manifest could not be read, 1 when it has no valid one.
+    """
     if info.status == "unreadable":
         raise CommandFailed(EXIT_UNREADABLE, info.problem or f"{info.path}: unreadable")
     if info.manifest is None:
         raise CommandFailed(EXIT_DAMAGED, f"{info.problem}; expected a manifest.json written by a completed save")
     if info.status != "valid":
         raise CommandFailed(EXIT_DAMAGED, info.problem or f"{info.path}: {info.status}")
-    m = info.manifest
+    return info.manifest
+
+
+def rng_tensors(state_json: Any) -> set[str]:
+    """The tensors of state.safetensors whose bytes inspect reads (the generators' states), named in the decoded
+    ``state_json``; of the other files it reads the headers only."""
+    rng = state_json.get("rng") if isinstance(state_json, dict) else None
+    found: set[str] = set()
+
+    def walk(v: Any) -> None:
+        key = _ref(v)
+        if key is not None:
+            found.add(key)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    walk(rng)
+    return found
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    save_dir: Path = args.dir
+    manager = CheckpointManager(save_dir, owner=False)
+    info = resolve(save_dir, manager.list(), "latest" if args.step is None else args.step)
+    m = inspectable(info)
     limit = None if args.json or args.tensors == "all" else int(args.tensors)
     problems: list[str] = []
     tensors: dict[str, Any] = {}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..checkpoint import safe_io  # no torch
 from ..supervise import command as supervise
-from . import report
+from . import report, where
 from .output import EXIT_CODES, EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
 __all__ = ["EXIT_CODES", "EXIT_DAMAGED", "EXIT_LOCKED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_CODES + '\n\nEvery command takes --json: one JSON document on stdout, {"error", "exit_code"} on'
         ' failure;\nstrict JSON: a non-finite number is the string "nan", "inf" or "-inf". Messages go to stderr.\n'
         "DIR may also name one checkpoint (DIR/step_000000120).\n"
+        "ls, verify, inspect and report also take a run's mirror in object storage: URL (s3://bucket/prefix, any\n"
+        "fsspec URL) in place of DIR; preempt pull URL DIR fetches a checkpoint from it into a save_dir.\n"
         "preempt supervise has its own options and exit codes: preempt supervise --help",
         formatter_class=fmt,
     )
@@ -62,10 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     # before this parser runs, since supervise splits its arguments at "--" itself (CMD's options are not ours).
     supervise.build_parser(commands=sub)
 
-    def add(name: str, help: str, epilog: str) -> argparse.ArgumentParser:
+    def add(name: str, help: str, epilog: str, mirror: bool = False) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help, epilog=f"{epilog}\n\n{EXIT_CODES}", formatter_class=fmt)
-        p.add_argument("dir", type=Path, metavar="DIR", help="the save_dir")
+        dir_help = (
+            "the save_dir, or its mirror's URL (s3://bucket/prefix, any fsspec URL)" if mirror else "the save_dir"
+        )
+        p.add_argument("dir", type=where.place, metavar="DIR", help=dir_help)
         p.add_argument("--json", action="store_true", help="one machine-readable JSON document on stdout")
+        if mirror:
+            where.add_mirror_option(p)
         return p
 
     add(
@@ -74,20 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
         "status: valid (the manifest parses, passes its checksum and names the directory's step, and every file it\n"
         "lists is there with its size), corrupt, incomplete (no manifest.json), or unreadable. Marks: latest (newest\n"
         "valid), best, complete (named by complete.json). Files are not hashed: a changed byte shows only in verify.\n"
-        "ls exits 0 whatever the statuses.",
+        "ls exits 0 whatever the statuses. On a mirror's URL: complete steps are valid; incomplete names the\n"
+        "objects missing (an upload not finished or cut off); corrupt: a manifest that does not parse, an object\n"
+        "of another size.",
+        mirror=True,
     )
     p = add(
         "verify",
         "re-hash every file of every checkpoint (or of STEP) against its manifest",
         "Each damaged file is named with both full xxh3-128 digests (manifest's and file's),\n"
-        "both sizes, or 'missing'. Exit 1 when any checkpoint checked is damaged, corrupt or incomplete.",
+        "both sizes, or 'missing'. Exit 1 when any checkpoint checked is damaged, corrupt or incomplete.\n"
+        "On a mirror's URL each object is downloaded into a temporary directory, checked and deleted.",
+        mirror=True,
     )
     p.add_argument("step", type=_selector, nargs="?", metavar="STEP", help=f"only this checkpoint: {step_help}")
     p = add(
         "inspect",
         "show one checkpoint: manifest, tensors, optimizer, RNG, provenance",
         "Reads manifest.json, state.json and the safetensors headers only (no tensor data, no pickle).\n"
-        "Exit 1 when the manifest, a header or state.json is corrupt.",
+        "Exit 1 when the manifest, a header or state.json is corrupt. On a mirror's URL: the same, from a\n"
+        "temporary copy of those parts (ranged reads of the objects).",
+        mirror=True,
     )
     p.add_argument("step", type=_selector, nargs="?", metavar="STEP", help=f"{step_help}; default latest")
     p.add_argument(
@@ -144,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", type=_selector, nargs="?", metavar="STEP", help=f"{step_help}; default latest")
     p.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    report.add_parser(add)
+    report.add_parser(lambda *a: add(*a, mirror=True))
+    where.add_pull_parser(sub, fmt, EXIT_CODES)
     return parser
 
 
@@ -171,7 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["supervise"]:
         return supervise.main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "report":
+    if where.is_url(args.dir) or args.command == "pull":
+        from . import remote  # the mirror's client (fsspec) is imported when the mirror is opened
+
+        command = remote.run
+    elif args.command == "report":
         command = report.cmd_report
     else:
         from . import checkpoints  # no torch: headers and JSON are read without it

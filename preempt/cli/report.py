@@ -22,8 +22,10 @@ from . import plot, timeline
 from .output import EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
 
-def cmd_report(args: argparse.Namespace) -> int:
+def cmd_report(args: argparse.Namespace, where: str | None = None) -> int:
+    """``where``: the run as shown (a mirror's URL, whose history was copied into ``args.dir``); default DIR."""
     save_dir: Path = args.dir
+    shown = str(save_dir) if where is None else where
     if args.metric is not None and args.plot is None:
         raise CommandFailed(EXIT_USAGE, f"--metric {args.metric}: it chooses what --plot draws; give --plot FILE.png")
     path = save_dir / HISTORY_FILE
@@ -47,15 +49,15 @@ def cmd_report(args: argparse.Namespace) -> int:
                 f"--plot {args.plot}: is inside the save_dir {save_dir}, where every file belongs to the run;"
                 " nothing written. Give a path outside it",
             )
-        drawn = plot.plot(report, args.plot, args.metric, title=str(save_dir))
+        drawn = plot.plot(report, args.plot, args.metric, title=shown)
     if args.json:
-        doc = {"dir": str(save_dir), **report.to_json()}
+        doc = {"dir": shown, **report.to_json()}
         doc["notes"] = notes + doc["notes"]
         if drawn is not None:
             doc["plot"] = drawn
         emit(doc)
         return EXIT_OK
-    for line in timeline.render(report, str(save_dir)):
+    for line in timeline.render(report, shown):
         print(line)
     if drawn is not None:
         names = [m["name"] for m in drawn["metrics"]]
