@@ -109,12 +109,15 @@ class Uploader:
         self.surveyor = Surveyor(store)
         self.counts = Counts()
         self.held: set[int] = set()  # the complete steps of the mirror, as last seen
+        self._held_saves: dict[int, float] = {}  # step -> its manifest's ``created``: which save of it the mirror holds
         self.error: BaseException | None = None  # an unexpected error that ended the thread (logged)
         self.failures = 0  # passes failed in a row
         self.down_since: float | None = None
         self._cond = threading.Condition()
         self._wanted: int | None = None  # the newest durable local step submitted
-        self._done: int | None = None  # the newest submitted step a pass completed for
+        # submissions counted: a step saved again (the final save replacing a periodic one of its step) is a new one
+        self._submitted = 0
+        self._done = 0  # the submissions a completed pass has covered
         self._durable_at: dict[int, float] = {}  # step -> when it became durable, until the mirror holds it
         self._damaged: set[tuple[int, float]] = set()  # (step, created) of local checkpoints not to upload
         self._closing = threading.Event()
@@ -131,6 +134,7 @@ class Uploader:
         with self._cond:
             if self._wanted is None or step > self._wanted:
                 self._wanted = step
+            self._submitted += 1
             self._durable_at.setdefault(step, self.clock())
             held = max(self.held, default=None)
             if held is None or step > held:
@@ -144,13 +148,20 @@ class Uploader:
             return max(self.held, default=None)
 
     def wait_for(self, step: int, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds until the mirror holds ``step`` complete; whether it does."""
+        """Waits up to ``timeout`` seconds until the mirror holds ``step`` complete, the save of it that save_dir
+        holds now (not an earlier save of the same step); whether it does."""
         deadline = self.clock() + max(0.0, timeout)
+        local = _read_manifest(self.save_dir / checkpoint_name(step))
+        created = None if local is None else local[0].created
+
+        def held() -> bool:
+            return step in self.held and (created is None or self._held_saves.get(step) == created)
+
         with self._cond:
-            while step not in self.held:
+            while not held():
                 left = deadline - self.clock()
                 if left <= 0 or self._thread is None or not self._thread.is_alive():
-                    return step in self.held
+                    return held()
                 self._cond.wait(min(left, 0.1))
             return True
 
@@ -159,7 +170,7 @@ class Uploader:
         run records done too); whether it has."""
         deadline = self.clock() + max(0.0, timeout)
         with self._cond:
-            while self._wanted is not None and self._done != self._wanted:
+            while self._done != self._submitted:
                 left = deadline - self.clock()
                 if left <= 0 or self._thread is None or not self._thread.is_alive():
                     return False
@@ -187,14 +198,14 @@ class Uploader:
         try:
             while not self._closing.is_set():
                 with self._cond:
-                    while not self._closing.is_set() and (self._wanted is None or self._wanted == self._done):
+                    while not self._closing.is_set() and self._done == self._submitted:
                         self._cond.wait()
-                    target = self._wanted
+                    target, submitted = self._wanted, self._submitted
                 if self._closing.is_set():
                     return
                 if self.run_once(target):
                     with self._cond:
-                        self._done = target
+                        self._done = submitted
                         self._cond.notify_all()
                     continue
                 self._closing.wait(backoff(self.failures, self.first_backoff, self.max_backoff))
@@ -270,6 +281,7 @@ class Uploader:
         now = self.clock()
         with self._cond:
             self.held = set(surveyed.manifests)
+            self._held_saves = {s: m.created for s, m in surveyed.manifests.items()}
             newest = max(self.held, default=-1)
             # The mirror was behind since the oldest durable checkpoint it lacked became durable (one superseded
             # meanwhile counts too: the mirror's state was that old).
@@ -336,7 +348,7 @@ class Uploader:
             ):
                 self.counts.copied_bytes += expected.size
                 copies.append(action)
-            elif not self._put(ckpt / action.name, expected, manifest):
+            elif not self._put(ckpt / action.name, expected, manifest, data):
                 return False
             else:
                 self.counts.put_bytes += expected.size
@@ -354,8 +366,9 @@ class Uploader:
             return False  # the source went (retention, another process): upload it instead
         return True
 
-    def _put(self, path: Path, expected: commit.FileDigest, manifest: Manifest) -> bool:
-        """The local file checked against the manifest, then uploaded; False (said once) when it does not match."""
+    def _put(self, path: Path, expected: commit.FileDigest, manifest: Manifest, data: bytes) -> bool:
+        """The local file checked against the manifest, then uploaded; False when it does not match: said once, as
+        damage, unless the checkpoint was replaced or pruned meanwhile (a new save of its step is submitted anew)."""
         try:
             files.regular_file(path)
             got = commit.hash_file(path)
@@ -370,6 +383,9 @@ class Uploader:
                 f"{path}: size {got.size}, xxh3 {got.xxh3_128}; the manifest says size {expected.size},"
                 f" xxh3 {expected.xxh3_128}"
             )
+        if problem and _read_manifest(path.parent) != (manifest, data):
+            log.debug("%s changed while it was uploaded (replaced or pruned); not uploaded", path.parent)
+            return False
         if problem:
             self._damaged.add((manifest.step, manifest.created))
             log.warning(

@@ -15,7 +15,7 @@ from preempt.checkpoint.commit import MANIFEST, checkpoint_name
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.checkpoint.retention import RetentionPolicy
 from preempt.errors import MirrorError
-from preempt.mirror.uploader import Uploader
+from preempt.mirror.uploader import Uploader, inject_fault
 
 
 class MemoryStore:
@@ -216,3 +216,36 @@ def test_copy_source_gone_falls_back_to_upload(tmp_path):
     assert up.run_once(4)
     store.copy = real_copy  # type: ignore[method-assign]
     assert ("put", 4, "base.safetensors") in store.ops and up.holds() == 4
+
+
+def test_a_step_saved_again_during_its_upload_is_uploaded_again_not_called_damaged(tmp_path, caplog):
+    """The final save replacing the periodic one of its step while that one is being uploaded (a run whose last step
+    is a multiple of checkpoint_every_steps): its files no longer match the manifest being uploaded, which is no
+    damage; the new save, submitted when durable, gets a pass of its own and is what the mirror ends up holding."""
+    save_dir = tmp_path / "run"
+    save(save_dir, [2, 4])
+    store = MemoryStore()
+    up, _ = uploader(save_dir, store)
+
+    def replace_step_4(stage: str, step: int) -> None:
+        if stage == "after_first_object" and step == 4 and not replaced:
+            replaced.append(step)
+            save(save_dir, [4])  # a new save of step 4 (other tensors), committed over the one being uploaded
+            up.submit(4)  # as the run does once it is durable
+
+    replaced: list[int] = []
+    inject_fault(replace_step_4)
+    try:
+        with caplog.at_level(logging.WARNING, logger="preempt"):
+            up.start()
+            up.submit(4)
+            assert up.wait_idle(60.0)
+            assert up.wait_for(4, 0.0)  # the save of step 4 that save_dir holds now
+    finally:
+        inject_fault(None)
+        up.close()
+    assert replaced == [4]
+    assert not [r for r in caplog.records if "damaged" in r.getMessage()], caplog.text
+    assert store.objects[(4, MANIFEST)] == (save_dir / checkpoint_name(4) / MANIFEST).read_bytes()
+    model = (save_dir / checkpoint_name(4) / "model.safetensors").read_bytes()
+    assert store.objects[(4, "model.safetensors")] == model
