@@ -6,11 +6,11 @@ The order (:func:`fetch`), the local half being :mod:`preempt.checkpoint.commit`
    (:meth:`Manifest.from_json`: JSON only, never pickle, names inside the checkpoint, sizes bounded); the listing
    must show every file it lists with its size.
 2. ``mkdir save_dir/.tmp-step_N-<tag>``.
-3. Each data file: downloaded into the temporary directory (ranged and parallel for large objects, by the
-   client), then its size and xxh3-128 checked against the manifest and ``fdatasync``. The client writes the
-   parts of a parallel download out of order, so the digest is taken once the last part is in, from the page
-   cache, before the file is made durable. A short, long or different file fails here: the temporary
-   directory is discarded and the error names the object (the caller may try the next older checkpoint).
+3. Each data file (up to ``PULL_THREADS`` at once): downloaded into the temporary directory (ranged and parallel
+   for large objects, by the client), then its size and xxh3-128 checked against the manifest and ``fdatasync``.
+   The client writes the parts of a parallel download out of order, so the digest is taken once the last part is
+   in, from the page cache, before the file is made durable. A short, long or different file fails here: the
+   temporary directory is discarded and the error names the object (the caller may try the next older checkpoint).
 4. ``manifest.json``, the bytes read in 1., written and fdatasynced last.
 5. The commit's steps 4-7: fsync the temporary directory, rename it to ``step_N``, fsync save_dir.
 
@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .._log import duration
@@ -38,6 +39,8 @@ from .store import MirrorStore
 from .survey import Survey, Surveyor
 
 log = logging.getLogger("preempt")
+
+PULL_THREADS = 4  # files downloaded at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +152,18 @@ def fetch(
             raise FileExistsError(f"{final} exists; move it away to pull step {step} from {store.display}")
         aside.quarantine(save_dir, final, f"{final}: replaced by the mirror's copy of step {step}")
     tmp = commit.new_tmp_dir(save_dir, name)
-    total = 0
     try:
-        for file, expected in sorted(manifest.files.items()):
-            _download(store, step, file, expected, tmp / file)
-            total += expected.size
+        # the files side by side: one's digest and fdatasync overlap another's transfer (each large one is also
+        # fetched in parallel parts by the client); the first failure is raised, the files not started are not
+        with ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="preempt-pull") as pool:
+            jobs = [pool.submit(_download, store, step, f, e, tmp / f) for f, e in sorted(manifest.files.items())]
+            try:
+                for job in jobs:
+                    job.result()
+            finally:
+                for job in jobs:
+                    job.cancel()
+        total = sum(e.size for e in manifest.files.values())
         commit.write_file(tmp / MANIFEST, [data])
         path, replaced = commit.commit_dir(save_dir, tmp, name)
     except BaseException:
