@@ -428,3 +428,28 @@ def mirror_url(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
     for name, value in s3server.env(s3_endpoint).items():
         monkeypatch.setenv(name, value)
     return f"s3://{s3server.new_bucket(s3_endpoint)}/run"
+
+
+def small_run(d: Path) -> Path:
+    """``d``: the save_dir of a real PreemptibleRun of 8 steps in this process, a checkpoint every 3 steps, all kept
+    (RNG states, sampler cursor, best metric, history, provenance, complete.json)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from preempt import PreemptibleRun
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g))
+    kw = dict(checkpoint_interval=None, checkpoint_every_steps=3, keep_last=None, best_metric="loss", keep_best=1)
+    with PreemptibleRun(d, model=model, optimizer=opt, **kw) as run:
+        loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, seed=3))
+        for _ in run.epochs(2):
+            for x, y in run.batches(loader):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                run.step(metrics={"loss": loss.item()})
+    return d

@@ -16,6 +16,8 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 ENDPOINT_VAR = "PREEMPT_TEST_S3_ENDPOINT"
 START_TIMEOUT = 60.0  # moto imports flask and boto: seconds on a busy 2-core machine
@@ -95,3 +97,16 @@ def new_bucket(endpoint: str) -> str:
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing-key", secret="testing-secret", skip_instance_cache=True)
     fs.mkdir(name)
     return name
+
+
+def put_checkpoint(store: Any, save_dir: Path, step: int, *, manifest: bool = True) -> None:
+    """A local checkpoint's files into ``store`` (a MirrorStore) as the uploader puts them: the data objects first,
+    the manifest last (or not at all: an upload cut off)."""
+    from preempt.checkpoint.commit import MANIFEST, checkpoint_name
+
+    ckpt = save_dir / checkpoint_name(step)
+    for f in sorted(ckpt.iterdir()):
+        if f.name != MANIFEST:
+            store.put(f, step, f.name)
+    if manifest:
+        store.put(ckpt / MANIFEST, step, MANIFEST)

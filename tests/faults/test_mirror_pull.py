@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from s3server import put_checkpoint
 
 from preempt.checkpoint.commit import MANIFEST, checkpoint_name
 from preempt.checkpoint.manager import CheckpointManager
@@ -33,16 +34,6 @@ def saved(save_dir: Path, steps: list[int]) -> CheckpointManager:
     return manager
 
 
-def upload(store: MirrorStore, save_dir: Path, step: int, *, manifest: bool = True) -> None:
-    """A step's files as the uploader puts them: data first, manifest last (or not at all: a cut upload)."""
-    ckpt = save_dir / checkpoint_name(step)
-    for f in sorted(ckpt.iterdir()):
-        if f.name != MANIFEST:
-            store.put(f, step, f.name)
-    if manifest:
-        store.put(ckpt / MANIFEST, step, MANIFEST)
-
-
 def same_tree(a: Path, b: Path) -> None:
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
@@ -55,9 +46,9 @@ def test_store_pull_fallback_and_partial(tmp_path, mirror_url):
     saved(local, [2, 4, 6])
     store = MirrorStore(mirror_url)
     store.check()
-    upload(store, local, 2)
-    upload(store, local, 4)
-    upload(store, local, 6, manifest=False)  # an upload cut off before its manifest
+    put_checkpoint(store, local, 2)
+    put_checkpoint(store, local, 4)
+    put_checkpoint(store, local, 6, manifest=False)  # an upload cut off before its manifest
 
     listing = store.steps()
     assert sorted(listing) == [2, 4, 6] and MANIFEST not in listing[6]

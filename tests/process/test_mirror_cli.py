@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+from conftest import small_run
+from s3server import put_checkpoint
 
-from preempt import PreemptibleRun
-from preempt.checkpoint.commit import MANIFEST, checkpoint_name
+from preempt.checkpoint.commit import checkpoint_name
 from preempt.cli.main import main
 from preempt.mirror.store import MirrorStore
 
@@ -35,40 +34,14 @@ def cli_json(capsys, *args: object) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A real PreemptibleRun's save_dir: four checkpoints (RNG states, sampler cursor, best metric, history)."""
-    d = tmp_path_factory.mktemp("mirrored") / "run"
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g))
-    kw = dict(checkpoint_interval=None, checkpoint_every_steps=3, keep_last=None, best_metric="loss", keep_best=1)
-    with PreemptibleRun(d, model=model, optimizer=opt, **kw) as run:
-        loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, seed=3))
-        for _ in run.epochs(2):
-            for x, y in run.batches(loader):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                run.step(metrics={"loss": loss.item()})
-    return d
-
-
-def upload(store: MirrorStore, save_dir: Path, step: int, *, manifest: bool = True) -> None:
-    """One checkpoint as the uploader puts it: data objects first, the manifest last (or never: a cut upload)."""
-    ckpt = save_dir / checkpoint_name(step)
-    for f in sorted(ckpt.iterdir()):
-        if f.name != MANIFEST:
-            store.put(f, step, f.name)
-    if manifest:
-        store.put(ckpt / MANIFEST, step, MANIFEST)
+    return small_run(tmp_path_factory.mktemp("mirrored") / "run")
 
 
 def test_commands_on_a_mirror_say_what_they_say_of_the_save_dir(run_dir, mirror_url, tmp_path, capsys):
     steps = sorted(int(p.name[5:]) for p in run_dir.glob("step_*"))
     store = MirrorStore(mirror_url)
     for s in steps:
-        upload(store, run_dir, s)
+        put_checkpoint(store, run_dir, s)
     store.put_text("history.jsonl", (run_dir / "history.jsonl").read_bytes())
     newest = steps[-1]
     cut = newest + 1  # an upload cut off before its manifest: the model's object only
@@ -172,7 +145,7 @@ def test_mirror_errors_are_clear_and_keep_credentials_out(mirror_url, tmp_path, 
 def test_mirror_commands_import_no_torch(run_dir, mirror_url):
     store = MirrorStore(mirror_url)
     step = min(int(p.name[5:]) for p in run_dir.glob("step_*"))
-    upload(store, run_dir, step)
+    put_checkpoint(store, run_dir, step)
     script = (
         "import sys\nfrom preempt.cli.main import main\ncode = main(sys.argv[1:])\n"
         "sys.stderr.write(f'\\ntorch imported: {\"torch\" in sys.modules}\\n')\nsys.exit(code)\n"

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from conftest import small_run
 from safetensors import safe_open
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import CheckpointManager, PreemptibleRun
+from preempt import CheckpointManager
 from preempt.checkpoint import state
 from preempt.checkpoint.manifest import Cursor, Manifest
 from preempt.cli.main import main
@@ -88,23 +88,7 @@ def tree(d: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """Checkpoints of a real PreemptibleRun (RNG states, sampler cursor, best metric, provenance, complete.json)."""
-    d = tmp_path_factory.mktemp("run") / "run"
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g))
-    kw = dict(checkpoint_interval=None, checkpoint_every_steps=3, keep_last=None, best_metric="loss", keep_best=1)
-    with PreemptibleRun(d, model=model, optimizer=opt, **kw) as run:
-        loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, seed=3))
-        for _ in run.epochs(2):
-            for x, y in run.batches(loader):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                run.step(metrics={"loss": loss.item()})
-    return d
+    return small_run(tmp_path_factory.mktemp("run") / "run")
 
 
 # ---------------------------------------------------------------- help, usage
