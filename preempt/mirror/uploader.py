@@ -394,7 +394,14 @@ class Uploader:
                 manifest.step,
             )
             return False
-        self.store.put(path, manifest.step, path.name)
+        try:
+            self.store.put(path, manifest.step, path.name)
+        except FileNotFoundError:  # pruned between its check and its upload: the pass goes on without it
+            return False
+        except MirrorError:
+            if not path.exists():  # the same, noticed by the client mid-upload: not the mirror's failure
+                return False
+            raise
         return True
 
     def _event(self, kind: str, **fields: Any) -> None:

@@ -160,10 +160,7 @@ class Mirroring:
         else:
             held = up.holds()
             which = "no checkpoint" if held is None else f"step {held}"
-            said = (
-                f"mirror holds {which}, not the stop's step {step}: upload not finished in {_log.duration(limit)}"
-                f" (mirror_deadline)"
-            )
+            said = f"mirror holds {which}, not the stop's step {step}: {_unfinished(up, limit)}"
         self._end(step)
         return said
 
@@ -179,12 +176,7 @@ class Mirroring:
                 log.info("mirror holds step %d (the final checkpoint)", step)
                 up.wait_idle(limit - (self.clock() - t0))  # its retention and the run records too
             else:
-                log.warning(
-                    "mirror holds step %s, not the final step %d: upload not finished in %s (mirror_deadline)",
-                    up.holds(),
-                    step,
-                    _log.duration(limit),
-                )
+                log.warning("mirror holds step %s, not the final step %d: %s", up.holds(), step, _unfinished(up, limit))
             self._end(step)
         up.close()
         self.uploader = None
@@ -208,3 +200,10 @@ class Mirroring:
             put_bytes=c.put_bytes,
             copied_bytes=c.copied_bytes,
         )
+
+
+def _unfinished(up: Uploader, limit: float) -> str:
+    """Why a checkpoint waited for is not in the mirror: its uploader ended (the error was logged) or the deadline."""
+    if up.error is not None:
+        return f"the uploader stopped ({type(up.error).__name__}: {up.error})"
+    return f"upload not finished in {_log.duration(limit)} (mirror_deadline)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -249,3 +250,23 @@ def test_a_step_saved_again_during_its_upload_is_uploaded_again_not_called_damag
     assert store.objects[(4, MANIFEST)] == (save_dir / checkpoint_name(4) / MANIFEST).read_bytes()
     model = (save_dir / checkpoint_name(4) / "model.safetensors").read_bytes()
     assert store.objects[(4, "model.safetensors")] == model
+
+
+def test_a_checkpoint_pruned_between_its_check_and_its_upload_is_skipped_and_the_pass_goes_on(tmp_path):
+    """keep_last prunes an older checkpoint while the uploader works on it (seen under load: the thread ended with
+    FileNotFoundError and the mirror received nothing more): that checkpoint is skipped, the newer one uploaded."""
+    save_dir = tmp_path / "run"
+    save(save_dir, [2, 4])
+    store = MemoryStore()
+    real_put = store.put
+
+    def put_after_prune(local_path: Path, step: int, name: str) -> int:
+        if step == 2:
+            shutil.rmtree(save_dir / checkpoint_name(2))  # pruned by the run meanwhile
+        return real_put(local_path, step, name)
+
+    store.put = put_after_prune  # type: ignore[method-assign]
+    up, _ = uploader(save_dir, store)
+    up.submit(4)
+    assert up.run_once(4)
+    assert (2, MANIFEST) not in store.objects and up.holds() == 4
