@@ -453,3 +453,19 @@ def small_run(d: Path) -> Path:
                 opt.step()
                 run.step(metrics={"loss": loss.item()})
     return d
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    """``preempt ARGS`` in this process (``preempt.cli.main.main``): exit code, stdout, stderr."""
+    from preempt.cli.main import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, dict]:
+    """The same with ``--json``: exit code and the parsed output."""
+    rc, out, _ = cli(capsys, *args, "--json")
+    return rc, json.loads(out)

@@ -5,30 +5,16 @@ object makes verify fail naming it; errors are clear and never print a credentia
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import small_run
+from conftest import cli, cli_json, small_run
 from s3server import put_checkpoint
 
 from preempt.checkpoint.commit import checkpoint_name
-from preempt.cli.main import main
 from preempt.mirror.store import MirrorStore
-
-
-def cli(capsys, *args: object) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def cli_json(capsys, *args: object) -> tuple[int, dict]:
-    rc, out, _ = cli(capsys, *args, "--json")
-    return rc, json.loads(out)
 
 
 @pytest.fixture(scope="module")

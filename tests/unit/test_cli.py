@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from conftest import small_run
+from conftest import cli, cli_json, small_run
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -56,18 +56,6 @@ def with_best(d: Path, values: dict[int, float], mode: str) -> None:
         manifest = Manifest(step=step, cursor=Cursor(), reason="best", created=1.0e9, files={}, best=best, is_best=True)
         m.save(state.capture(state.Components(model, opt), {"user": {}}), manifest)
     m.close(10)
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def cli_json(capsys, *args: str) -> tuple[int, dict]:
-    rc, out, _ = cli(capsys, *args, "--json")
-    return rc, json.loads(out)
 
 
 def flip(path: Path, at: int | None = None) -> None:
