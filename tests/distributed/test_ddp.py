@@ -12,6 +12,7 @@ import random
 import re
 import shutil
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -93,20 +94,6 @@ def test_rank_0_writes_in_the_background_and_a_failed_write_costs_nothing_else(t
     assert_equal_finals(reference, ddp_finals(final))
 
 
-def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference):
-    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    p = torchrun(save_dir, final, [*ARGS, "--self_signal", "1:7"])
-    p.finish(timeout=120)  # must not hang: rank 0 never received a signal
-    out = p.output
-    assert re.search(r"stopping on SIGTERM .* at step 7 ", out), out
-    assert re.search(r"stopping on a stop signal received by rank 1 at step 7 ", out), out
-    info = CheckpointManager(save_dir, owner=False).list()[0]
-    assert info.step == 7 and "rank_00001.safetensors" in info.manifest.files
-    p = torchrun(save_dir, final, ARGS)
-    assert p.finish() == 0, p.output
-    assert_equal_finals(reference, ddp_finals(final))
-
-
 def rerun_from_step_4(save_dir, final, reference, before: str) -> None:
     """The checkpoint of step 4 is the only valid one; a torchrun of both ranks resumes from it, bit-exact."""
     manager = CheckpointManager(save_dir, owner=False)
@@ -129,41 +116,63 @@ def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_pat
     rerun_from_step_4(save_dir, final, reference, p.output)
 
 
-def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path):
+@dataclass(frozen=True)
+class Stopped:
+    save_dir: Path
+    output: str
+
+
+@pytest.fixture(scope="module")
+def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> Stopped:
+    """A 2-rank run that rank 1 alone signals before step 10 (its own SIGTERM, as a scheduler that signals one node
+    would): checkpoints of steps 8 and 10 (keep_last=2), stopped mid-epoch 0 (12 steps). Made once; the tests that
+    start from it each take a copy (a torchrun of two ranks costs ~12 s of CPU here, most of it importing torch).
+
+    Synchronous saves: a background write still in flight at step 8 would postpone that checkpoint to step 9.
+    """
+    save_dir = tmp_path_factory.mktemp("ddp_stopped") / "run"
+    p = torchrun(save_dir, None, [*ARGS, "--self_signal", "1:10", "--sync_save"])
+    p.finish(timeout=120)  # must not hang: rank 0 never received a signal
+    steps = [c.step for c in CheckpointManager(save_dir, owner=False).list() if c.status == "valid"]
+    assert steps == [10, 8], p.output
+    return Stopped(save_dir, p.output)
+
+
+def stop_at_step_10(stopped: Stopped, save_dir: Path) -> None:
+    """``save_dir``: a copy of the run stopped at step 10."""
+    shutil.copytree(stopped.save_dir, save_dir, symlinks=True)
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference, stopped_at_10):
+    """Rank 1 alone gets SIGTERM: rank 0 learns of it at the step's agreement, both save step 10 and stop; the
+    rerun of both ends bit-exact."""
+    out = stopped_at_10.output
+    assert re.search(r"stopping on SIGTERM .* at step 10 ", out), out
+    assert re.search(r"stopping on a stop signal received by rank 1 at step 10 ", out), out
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    stop_at_step_10(stopped_at_10, save_dir)
+    info = CheckpointManager(save_dir, owner=False).list()[0]
+    assert info.step == 10 and info.manifest.reason == "preempt" and "rank_00001.safetensors" in info.manifest.files
+    p = torchrun(save_dir, final, ARGS)
+    assert p.finish() == 0, p.output
+    assert re.search(r"resumed from \S*step_0+10: step 10\b", p.output), p.output
+    assert_equal_finals(reference, ddp_finals(final))
+
+
+def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path, stopped_at_10):
     """2 ranks stopped mid-epoch, resumed by 1 process: the epoch's samples are each trained exactly once."""
-    save_dir = tmp_path / "run"
-    p = torchrun(save_dir, None, [*ARGS, "--self_signal", "0:5"])
-    p.finish(timeout=120)
-    stop = 5
-    before = re.findall(r"^rank \d step (\d+) epoch 0 batch \d+ idx ([\d,]+)", p.output, flags=re.M)
+    stop = 10
+    before = re.findall(r"^rank \d step (\d+) epoch 0 batch \d+ idx ([\d,]+)", stopped_at_10.output, flags=re.M)
     seen = [int(i) for step, ids in before if int(step) <= stop for i in ids.split(",")]
-    assert len(seen) == stop * 2 * 8, p.output  # two ranks, 8 samples each per step
+    assert len(seen) == stop * 2 * 8, stopped_at_10.output  # two ranks, 8 samples each per step
+    save_dir = tmp_path / "run"
+    stop_at_step_10(stopped_at_10, save_dir)
     q = torchrun(save_dir, None, ARGS, nproc=1)
     assert q.finish() == 0, q.output
     assert "the batch size changed" in q.output or "resumed from" in q.output, q.output
     after = re.findall(r"^rank 0 step \d+ epoch 0 batch \d+ idx ([\d,]+)", q.output, flags=re.M)
     rest = [int(i) for ids in after for i in ids.split(",")]
     assert sorted(seen + rest) == list(range(192)), (sorted(seen), sorted(rest))
-
-
-@pytest.fixture(scope="module")
-def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-rank run stopped at step 10: checkpoints of steps 8 and 10 (keep_last=2). Made once; the tests that start
-    from it each take a copy (a torchrun of two ranks costs ~12 s of CPU here, most of it importing torch).
-
-    Synchronous saves: a background write still in flight at step 8 would postpone that checkpoint to step 9.
-    """
-    save_dir = tmp_path_factory.mktemp("ddp_stopped") / "run"
-    p = torchrun(save_dir, None, [*ARGS, "--self_signal", "0:10", "--sync_save"])
-    p.finish(timeout=120)
-    steps = [c.step for c in CheckpointManager(save_dir, owner=False).list() if c.status == "valid"]
-    assert steps == [10, 8], p.output
-    return save_dir
-
-
-def stop_at_step_10(stopped: Path, save_dir: Path) -> None:
-    """``save_dir``: a copy of the run stopped at step 10."""
-    shutil.copytree(stopped, save_dir, symlinks=True)
 
 
 def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, reference, stopped_at_10):
