@@ -141,6 +141,19 @@ def train_cmd(save_dir: Path, final_out: Path | None, args: Sequence[str]) -> li
     return cmd
 
 
+@dataclass(frozen=True)
+class StoppedRun:
+    """A run stopped once, made by a module fixture and shared by its tests: each copies ``save_dir`` before it
+    resumes (``copy_to``), and reads what the stopped processes printed from ``output``."""
+
+    save_dir: Path
+    output: str
+
+    def copy_to(self, save_dir: Path) -> Path:
+        shutil.copytree(self.save_dir, save_dir, symlinks=True)
+        return save_dir
+
+
 @dataclass
 class Interrupt:
     """Start the training (with ``args`` added for this process only), wait for ``after`` (a regex), wait ``delay``

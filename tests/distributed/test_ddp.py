@@ -10,15 +10,20 @@ from __future__ import annotations
 import json
 import random
 import re
-import shutil
 import signal
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import DDP_ARGS as ARGS
-from conftest import MiB, assert_equal_finals, assert_writes_what_changed, ddp_finals, ranks_by_hand, torchrun
+from conftest import (
+    MiB,
+    StoppedRun,
+    assert_equal_finals,
+    assert_writes_what_changed,
+    ddp_finals,
+    ranks_by_hand,
+    torchrun,
+)
 
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.errors import PEER_LOST_EXIT_CODE
@@ -44,15 +49,19 @@ def stopped_steps(output: str) -> dict[int, int]:
     return dict(zip((int(r) for r in ranks), (int(s) for s in found), strict=False))
 
 
-# sync under -m slow: the ranks' synchronous saves run by default in the stopped_at_10 fixture
-@pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=pytest.mark.slow)])
-def test_sigterm_to_the_agent_twice_resumes_bit_exact(tmp_path, reference, mode):
+# One stop by default; a second stop of the resumed ranks, and synchronous saves, under -m slow (the ranks'
+# synchronous saves run by default in the stopped_at_10 fixture, resumed ranks stop in the single-process tests)
+@pytest.mark.parametrize(
+    ("mode", "stops"),
+    [("async", 1), pytest.param("async", 2, marks=pytest.mark.slow), pytest.param("sync", 2, marks=pytest.mark.slow)],
+)
+def test_sigterm_to_the_agent_resumes_bit_exact(tmp_path, reference, mode, stops):
     rnd = random.Random()
     seed = rnd.randrange(1 << 30)
     rnd.seed(seed)
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     # The ranks stop at the step where the signal is seen or one later: the second target must lie beyond that.
-    at = [rnd.randrange(3, 10), rnd.randrange(13, TOTAL - 2)]
+    at = [rnd.randrange(3, 10), rnd.randrange(13, TOTAL - 2)][:stops]
     extra = ["--sync_save"] if mode == "sync" else []
     for target in at:
         p = torchrun(save_dir, final, [*ARGS, *extra, "--step_sleep", "0.05"])
@@ -116,14 +125,8 @@ def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_pat
     rerun_from_step_4(save_dir, final, reference, p.output)
 
 
-@dataclass(frozen=True)
-class Stopped:
-    save_dir: Path
-    output: str
-
-
 @pytest.fixture(scope="module")
-def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> Stopped:
+def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> StoppedRun:
     """A 2-rank run that rank 1 alone signals before step 10 (its own SIGTERM, as a scheduler that signals one node
     would): checkpoints of steps 8 and 10 (keep_last=2), stopped mid-epoch 0 (12 steps). Made once; the tests that
     start from it each take a copy (a torchrun of two ranks costs ~12 s of CPU here, most of it importing torch).
@@ -135,12 +138,7 @@ def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> Stopped:
     p.finish(timeout=120)  # must not hang: rank 0 never received a signal
     steps = [c.step for c in CheckpointManager(save_dir, owner=False).list() if c.status == "valid"]
     assert steps == [10, 8], p.output
-    return Stopped(save_dir, p.output)
-
-
-def stop_at_step_10(stopped: Stopped, save_dir: Path) -> None:
-    """``save_dir``: a copy of the run stopped at step 10."""
-    shutil.copytree(stopped.save_dir, save_dir, symlinks=True)
+    return StoppedRun(save_dir, p.output)
 
 
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference, stopped_at_10):
@@ -150,7 +148,7 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference, s
     assert re.search(r"stopping on SIGTERM .* at step 10 ", out), out
     assert re.search(r"stopping on a stop signal received by rank 1 at step 10 ", out), out
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    stop_at_step_10(stopped_at_10, save_dir)
+    stopped_at_10.copy_to(save_dir)
     info = CheckpointManager(save_dir, owner=False).list()[0]
     assert info.step == 10 and info.manifest.reason == "preempt" and "rank_00001.safetensors" in info.manifest.files
     p = torchrun(save_dir, final, ARGS)
@@ -166,7 +164,7 @@ def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path, stopped_at_
     seen = [int(i) for step, ids in before if int(step) <= stop for i in ids.split(",")]
     assert len(seen) == stop * 2 * 8, stopped_at_10.output  # two ranks, 8 samples each per step
     save_dir = tmp_path / "run"
-    stop_at_step_10(stopped_at_10, save_dir)
+    stopped_at_10.copy_to(save_dir)
     q = torchrun(save_dir, None, ARGS, nproc=1)
     assert q.finish() == 0, q.output
     assert "the batch size changed" in q.output or "resumed from" in q.output, q.output
@@ -178,7 +176,7 @@ def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path, stopped_at_
 def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, reference, stopped_at_10):
     """resume=<a checkpoint of another save_dir> on 2 ranks: rank 1 loads it too (with its own random state), the
     new timeline records the request, and the run ends equal to the uninterrupted one."""
-    stop_at_step_10(stopped_at_10, tmp_path / "src")
+    stopped_at_10.copy_to(tmp_path / "src")
     source = tmp_path / "src" / "step_000000008"
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = torchrun(save_dir, final, [*ARGS, "--resume", str(source)])
@@ -193,7 +191,7 @@ def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, refer
 
 def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_path, reference, stopped_at_10):
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    stop_at_step_10(stopped_at_10, save_dir)
+    stopped_at_10.copy_to(save_dir)
     p = torchrun(save_dir, final, [*ARGS, "--resume", "8"])
     assert p.finish() == 0, p.output
     assert "moved 1 checkpoint(s) of the previous timeline" in p.output, p.output
@@ -204,7 +202,7 @@ def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_p
 
 def test_weights_only_loads_the_weights_on_every_rank(tmp_path, reference, stopped_at_10):
     """Fine-tuning from another run's weights on 2 ranks: both start from them (else the replicas would differ)."""
-    stop_at_step_10(stopped_at_10, tmp_path / "src")
+    stopped_at_10.copy_to(tmp_path / "src")
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = torchrun(save_dir, final, [*ARGS, "--resume", str(tmp_path / "src"), "--weights_only"])
     assert p.finish() == 0, p.output

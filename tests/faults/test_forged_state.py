@@ -306,7 +306,13 @@ def test_complete_json_naming_a_forged_checkpoint_does_not_end_the_rerun(save_di
     assert_same_final(reference(ARGS), final)
 
 
-@pytest.mark.parametrize("forged", [False, True], ids=["naming_a_missing_checkpoint", "naming_a_forged_checkpoint"])
+# naming a missing checkpoint under -m slow: the rerun's side of it runs by default (the test above); the forged one,
+# with a checkpoint to set aside, is the harder case for the sweep
+@pytest.mark.parametrize(
+    "forged",
+    [pytest.param(False, marks=pytest.mark.slow), True],
+    ids=["naming_a_missing_checkpoint", "naming_a_forged_checkpoint"],
+)
 def test_complete_json_under_every_command_and_a_resume_in_both_modes(template, tmp_path, forged):
     def make(root: Path) -> Path:
         d = copy_of(template, root)

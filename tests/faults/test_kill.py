@@ -185,7 +185,7 @@ def run_kill_trials(tmp_path: Path, reference, trials: int, seed: int) -> None:
 
 
 def test_sigkill_at_random_moments(tmp_path, reference):
-    run_kill_trials(tmp_path, reference, trials=4, seed=20261122)  # 50 more under -m slow
+    run_kill_trials(tmp_path, reference, trials=2, seed=20261122)  # 50 more under -m slow
 
 
 @pytest.mark.slow

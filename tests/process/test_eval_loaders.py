@@ -25,7 +25,11 @@ from conftest import PREEMPTED, Spawned, assert_same_final, train_cmd
 EVAL = ["--epochs", "1", "--samples", "256", "--eval_loader_every", "5"]
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
+# workers made anew for each evaluation under -m slow: tests/process/test_example_gpt2.py stops such an evaluation
+# (the example's validation loader) by default
+@pytest.mark.parametrize(
+    "persistent", [pytest.param(False, marks=pytest.mark.slow), True], ids=["workers", "persistent_workers"]
+)
 def test_sigterm_to_the_process_group_during_evaluation_stops_after_it_and_resumes_exactly(
     tmp_path, reference, persistent
 ):

@@ -94,8 +94,10 @@ def trial(root: Path, hold: str | None, sig: int, args: Sequence[str] = (), pref
     return t
 
 
-# the trial each test reads (the SIGKILL case, two GPT-2 processes, under -m slow: tests/faults/test_kill.py and
-# tests/process/test_data_replay.py kill runs with workers mid-epoch by default)
+# the trial each test reads. Under -m slow, two GPT-2 processes each (~8 s of CPU): the SIGKILL case
+# (tests/faults/test_kill.py and tests/process/test_data_replay.py kill runs with workers mid-epoch by default) and
+# the SIGTERM inside a step (test_data_replay.py stops a stateful IterableDataset's workers mid-epoch by default; the
+# example's own stop and bit-exact rerun run by default in the evaluation case)
 TRIAL_OF = {
     "test_sigterm_to_the_group_during_training": "train",
     "test_sigterm_to_the_group_during_evaluation": "eval",
@@ -143,6 +145,7 @@ def checked_reference(trials: dict[str, Future[Trial]]) -> Path:
 
 
 @gpt2
+@pytest.mark.slow
 def test_sigterm_to_the_group_during_training(trials):
     """Stopped inside step 4 (mid-epoch, an evaluation step): saved at step 4 before its evaluation ran; the
     rerun continues each worker where it stood and does that evaluation first."""
