@@ -50,17 +50,18 @@ def test_worker_augmentation_exact_after_three_mid_epoch_sigterms(tmp_path, refe
     assert_same_final(reference(WORKERS2), tmp_path / "final.safetensors")
 
 
-def test_worker_augmentation_exact_after_three_sigkills(tmp_path, reference):
-    """SIGKILL (no handler runs) three times with a checkpoint every step; each rerun says what it recomputes."""
-    # killed inside each process's 3rd, 6th and 8th step; with a checkpoint every step (written in the background,
+def test_worker_augmentation_exact_after_two_sigkills(tmp_path, reference):
+    """SIGKILL (no handler runs) twice, the second in a resumed process, with a checkpoint every step; each rerun
+    says what it recomputes. (Random SIGKILLs mid-write: tests/faults/test_kill.py, 50 more under -m slow.)"""
+    # killed inside each process's 3rd and 6th step; with a checkpoint every step (written in the background,
     # 0.15 s per step) each resumes inside an epoch whether the newest write had ended or not
-    interrupts = [in_step(k, signal.SIGKILL) for k in (3, 6, 8)]
+    interrupts = [in_step(k, signal.SIGKILL) for k in (3, 6)]
     args = [*WORKERS2, *PACE, "--every_steps", "1"]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
-    assert h.codes[:3] == [-signal.SIGKILL] * 3, h.text
-    assert len(resumes(h.text)) == 3 and all(mid_epoch(b) for b in resumes(h.text)), h.text
+    assert h.codes == [-signal.SIGKILL] * 2 + [0], h.text
+    assert len(resumes(h.text)) == 2 and all(mid_epoch(b) for b in resumes(h.text)), h.text
     recomputed = re.findall(r"previous process died without stopping .* at step (\d+): the (\d+) step", h.text)
-    assert len(recomputed) == 3, h.text
+    assert len(recomputed) == 2, h.text
     resumed_steps = [int(s) for s in re.findall(r"resumed from .*step_(\d+)", h.text)]
     for (died, lost), resumed in zip(recomputed, resumed_steps, strict=True):
         assert int(died) - resumed == int(lost) >= 0, (died, lost, resumed)

@@ -87,7 +87,8 @@ def test_timeout_signal_term(tmp_path, reference):
     made to expire while the run holds inside step 6, by the SIGALRM that timeout's own timer delivers; the rerun
     completes bit-exact. (A stop of a resumed process: the other tests of this file and test_data_replay.py.)"""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    args = [*WORKERS2, "--every_steps", "4"]
+    model_args = [*WORKERS2, "--augment"]  # the workers draw: their random state must survive the group's signal
+    args = [*model_args, "--every_steps", "4"]
     p = Spawned(["timeout", "--signal=TERM", "600", *train_cmd(save_dir, final, [*args, "--hold_at", "step:6"])])
     assert p.wait_for(r"^holding at step 6$"), p.output
     p.signal(signal.SIGALRM)  # the limit expires now: timeout sends SIGTERM to its process group
@@ -97,7 +98,7 @@ def test_timeout_signal_term(tmp_path, reference):
     rerun = Spawned(train_cmd(save_dir, final, args))
     assert rerun.finish() == 0, rerun.output
     assert "resumed from" in rerun.output, rerun.output
-    assert_same_final(reference(WORKERS2), final)
+    assert_same_final(reference(model_args), final)
 
 
 def test_worker_randomness_replays_from_an_epoch_boundary(tmp_path, reference):
@@ -112,7 +113,7 @@ def test_worker_randomness_replays_from_an_epoch_boundary(tmp_path, reference):
     assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
 
-# A repetition under -m slow: test_data_replay.py kills three processes inside steps with a checkpoint written at
+# A repetition under -m slow: test_data_replay.py kills two processes inside steps with a checkpoint written at
 # every step (and augmentation in workers), and tests/faults/test_kill.py kills writes at each of their stages.
 @pytest.mark.slow
 def test_sigkill_at_random_points(tmp_path, reference):
@@ -130,8 +131,11 @@ def test_sigkill_at_random_points(tmp_path, reference):
     assert_same_final(reference(WORKERS0), tmp_path / "final.safetensors")
 
 
-# a truncated file under -m slow: the same fallback (test_cli.py and test_tensorfile.py reject truncated files)
-@pytest.mark.parametrize("damage", ["flip", pytest.param("truncate", marks=pytest.mark.slow)])
+# Under -m slow: by default tests/faults/test_carry_sharing.py flips a bit in a newest checkpoint's own file and in
+# its shared base (warned, quarantined, an older one resumed, bit-exact), test_forged_state.py falls back from forged
+# content, and test_cli.py and test_tensorfile.py reject truncated files.
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_damaged_newest_checkpoint_falls_back(tmp_path, reference, damage):
     """A flipped byte or a truncated file in the newest checkpoint: warned, quarantined, older one used."""
     save_dir = tmp_path / "run"
@@ -199,6 +203,8 @@ def test_signal_before_the_run_is_entered_keeps_default_behaviour(tmp_path):
     assert "still alive" not in r.stdout
 
 
+# under -m slow: tests/faults/test_awkward_signals.py presses Ctrl+C twice outside a save by default (and reruns)
+@pytest.mark.slow
 @pytest.mark.usefixtures("sigint_handled")
 def test_second_sigint_raises_keyboard_interrupt(tmp_path):
     """First Ctrl+C asks for a save at the next step; a second one, outside a save, ends the process at once."""
