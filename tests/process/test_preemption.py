@@ -177,6 +177,9 @@ def test_gradient_accumulation_saves_only_after_optimizer_steps(tmp_path, refere
     assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
 
+# under -m slow: by default tests/process/test_after_training.py reruns a finished run (it exits at once) and the
+# README demo's third command does the same
+@pytest.mark.slow
 def test_completed_run_exits_zero_without_training(tmp_path):
     save_dir = tmp_path / "run"
     cmd = train_cmd(save_dir, None, [*WORKERS0, "--epochs", "1"])
@@ -264,7 +267,8 @@ with PreemptibleRun(sys.argv[1], model=model, optimizer=opt, checkpoint_interval
 """
 
 
-@pytest.mark.parametrize("stop", [False, True], ids=["completes", "sigterm"])
+# a run that completes under -m slow: test_data_replay.py's persistent-worker trials complete theirs by default
+@pytest.mark.parametrize("stop", [pytest.param(False, marks=pytest.mark.slow), True], ids=["completes", "sigterm"])
 def test_persistent_workers_do_not_hang_the_exit(tmp_path, stop):
     """Shielded workers ignore SIGTERM, which multiprocessing's exit handler sends them: the run stops them first."""
     script = tmp_path / "persistent.py"
