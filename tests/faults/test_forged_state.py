@@ -11,6 +11,9 @@ manifest with the library's own digest function, and then asserts:
   what was expected and what was found), moves it to quarantine/ (and nothing else), resumes from step 2 and
   ends bit for bit where an uninterrupted run ends.
 
+By default one rerun meets every case at once (a checkpoint forged by each, steps 15 down to 3, falling back past
+all of them to step 2); each case alone, as above, runs under -m slow.
+
 A forged ``complete.json`` must not make the rerun exit "complete" without training.
 """
 
@@ -38,6 +41,8 @@ from preempt.cli import main as cli
 # --no_per_sample_rng leaves them as restored (per-sample seeding would reseed them before each sample's draws).
 ARGS = ["--epochs", "2", "--samples", "64", "--batch_size", "16", "--augment", "--no_per_sample_rng"]
 ARGS += ["--every_steps", "1", "--keep_last", "3", "--sync_save"]
+# 16 steps: room for a checkpoint forged by each case (steps 3 to 15) and a step to train after the fallback
+LADDER = ["--epochs", "2", "--samples", "128", *ARGS[4:]]
 STEP2, STEP3 = "step_000000002", "step_000000003"
 
 pytestmark = pytest.mark.timeout(240)
@@ -212,9 +217,9 @@ def commands_answer(save_dir: Path) -> None:
         assert cli.main(args) in (cli.EXIT_OK, cli.EXIT_DAMAGED), args
 
 
-def rerun(save_dir: Path, final: Path) -> str:
+def rerun(save_dir: Path, final: Path, args: list[str] = ARGS) -> str:
     """Runs the training again in its own process; asserts it completed (exit 0, no signal, no traceback)."""
-    p = Spawned(train_cmd(save_dir, final, ARGS))
+    p = Spawned(train_cmd(save_dir, final, args))
     rc = p.finish()
     assert rc == 0, f"the rerun exited {rc} ({'killed by a signal' if rc < 0 else 'an error'}):\n{p.output}"
     assert "Traceback" not in p.output, p.output
@@ -230,21 +235,47 @@ def assert_fell_back(save_dir: Path, output: str, expected: str) -> None:
     assert sorted(e.name for e in (save_dir / "quarantine").iterdir()) == [STEP3]
 
 
-# A second case of a kind already in the default suite (numpy, Python, torch, the optimizer): under -m slow
-REPEATS = {
-    "numpy-pos-just-past-the-key-reads-out-of-bounds-silently",
-    "numpy-key-all-zero-yields-zeros-forever",
-    "python-word-of-33-bits-is-truncated-silently",
-    "torch-state-of-another-dtype-is-cast-silently",
-    "optimizer-amsgrad-without-its-state-raises-keyerror-at-the-first-step",
-    "optimizer-step-negative-divides-by-zero",
-}
+@pytest.fixture(scope="module")
+def ladder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A save_dir with the checkpoints of steps 1 to 15: the training of LADDER stopped by SIGTERM at step 15."""
+    d = tmp_path_factory.mktemp("ladder") / "run"
+    p = Spawned(train_cmd(d, None, [*LADDER, "--keep_last", "16", "--signal_at", "step:15:TERM"]))
+    assert p.finish() == 75, p.output
+    assert len(list(d.glob("step_*"))) == 15, sorted(e.name for e in d.iterdir())
+    return d
 
 
-@pytest.mark.parametrize(
-    ("forge", "expected"),
-    [pytest.param(*c.values, id=c.id, marks=pytest.mark.slow) if c.id in REPEATS else c for c in CASES],
-)
+def test_every_forged_value_is_refused_like_damage_by_one_rerun_that_falls_back_past_them_all(
+    ladder, tmp_path, reference
+):
+    """Every case at once, each in a checkpoint of its own: steps 15 down to 3 are forged by the cases in order.
+    One rerun, in one process, meets them newest first: it reports each like damage (its path, the field, what was
+    expected and what was found), moves each to quarantine/ (and nothing else), resumes from step 2 and ends bit for
+    bit where an uninterrupted run ends. (Each case alone, in a process of its own: the test below, under -m slow.)
+    """
+    save_dir = tmp_path / "run"
+    shutil.copytree(ladder, save_dir, symlinks=True)
+    forged = {}
+    for step, case in zip(range(15, 2, -1), CASES, strict=True):
+        forge, expected = case.values
+        forge(save_dir / f"step_{step:09d}")
+        forged[f"step_{step:09d}"] = (case.id, expected)
+    commands_answer(save_dir)
+    final = tmp_path / "final.safetensors"
+    output = rerun(save_dir, final, LADDER)
+    for name, (case, expected) in forged.items():
+        reported = re.search(rf"{re.escape(str(save_dir / name))}/state\.json: (.*); falling back", output)
+        assert reported, f"{name} ({case}) was not reported as damaged:\n{output}"
+        assert re.search(expected, reported.group(1)), f"{name} ({case}): {expected!r} not in {reported.group(1)!r}"
+    assert f"resumed from {save_dir / STEP2}: step 2" in output, output
+    assert sorted(e.name for e in (save_dir / "quarantine").iterdir()) == sorted(forged)
+    assert_same_final(reference(LADDER), final)
+
+
+# Each case alone under -m slow: by default the test above meets every case in one rerun (a process per case costs
+# ~4 s of CPU, most of it importing torch)
+@pytest.mark.slow
+@pytest.mark.parametrize(("forge", "expected"), CASES)
 def test_forged_state_is_refused_like_damage_and_the_run_falls_back(save_dir, tmp_path, reference, forge, expected):
     forge(save_dir / STEP3)
     commands_answer(save_dir)
