@@ -7,8 +7,10 @@ happen in a named daemon thread with the same protocol as a synchronous save
 * :class:`Stager` copies a :class:`~preempt.checkpoint.state.Payload`'s tensors into host
   buffers that are allocated once, touched once when allocated (so the first
   checkpoint does not pay a page fault per 4 KiB, ~1.5 s/GiB here), and reused
-  by every later snapshot. Tensors on a GPU are copied into pinned memory with
-  ``non_blocking=True`` and one synchronisation. JSON documents are encoded
+  by every later snapshot. Tensors on a GPU are copied into pinned memory (its
+  pages registered, exactly the arena's size: :mod:`preempt.checkpoint.pinned`)
+  with ``non_blocking=True`` and one synchronisation, or, lazily, on a side
+  stream (:mod:`preempt.checkpoint.side_stream`). JSON documents are encoded
   at snapshot time, so the loop may go on mutating the objects they came from.
 * :class:`BackgroundWriter` runs one job at a time in a thread and keeps its
   outcome. A failure is never lost: :meth:`BackgroundWriter.result` re-raises
@@ -37,7 +39,8 @@ from typing import Any
 
 import torch
 
-from . import codec, direct_io, tensorfile
+from . import codec, direct_io, pinned, tensorfile
+from .side_stream import SideStreams, StreamedCopies
 from .state import Payload
 
 
@@ -84,6 +87,7 @@ class Stager:
         self.pin_memory = pin_memory
         self.live = frozenset(live)
         self._files: dict[str, _Arena] = {}
+        self.side_streams: SideStreams | None = None  # the GPU copy streams of lazy snapshots, once one was made
 
     @property
     def nbytes(self) -> int:
@@ -93,14 +97,28 @@ class Stager:
     @property
     def pinned(self) -> bool:
         """Some buffer is in pinned (page-locked) host memory: copies from a GPU go straight into it."""
-        return any(a.data.is_pinned() for a in self._files.values())
+        return any(a.pinned for a in self._files.values())
+
+    @property
+    def pinned_exactly(self) -> bool:
+        """Every pinned buffer locks exactly its own bytes (:mod:`preempt.checkpoint.pinned`), none a block of
+        torch's pinned allocator rounded up to a power of two."""
+        return all(a.pinned == "registered" for a in self._files.values() if a.pinned)
 
     def _buffers(self, file: str, tensors: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
         signature = _Arena.signature_of(tensors)
         arena = self._files.get(file)
-        if arena is None or arena.signature != signature or arena.data.is_pinned() != pin:
-            arena = self._files[file] = _Arena(tensors, signature, pin)
+        if arena is not None and arena.pin == pin and arena.signature == signature:
+            return arena.views
+        if arena is not None:
+            self._drop(file)
+        arena = self._files[file] = _Arena(tensors, signature, pin)
         return arena.views
+
+    def _drop(self, file: str) -> None:
+        """Forgets a file's arena and unpins its pages. No copy into them is in flight: a snapshot is staged only
+        once the previous one's copies were waited for (its write ran :meth:`LazyCopy.run`, or it was dropped)."""
+        self._files.pop(file).release()
 
     def prepare(self, payload: Payload) -> None:
         """Allocates (and touches) the buffers for ``payload`` without copying: done when the run starts."""
@@ -117,21 +135,31 @@ class Stager:
         """
         return self.stage_lazily(payload, frozenset())[0]
 
-    def stage_lazily(self, payload: Payload, later: Collection[int]) -> tuple[Payload, LazyCopy | None]:
-        """:meth:`stage`, except for the CPU tensors whose storage address is in ``later``: their copies are left
-        to the returned :class:`LazyCopy` (None when there are none), to be made before those tensors change.
+    def stage_lazily(self, payload: Payload, later: Collection[SourceKey]) -> tuple[Payload, LazyCopy | None]:
+        """:meth:`stage`, except for the tensors whose storage is in ``later`` (:func:`source_key`): their copies are
+        left to the returned :class:`LazyCopy` (None when there are none), to be made before those tensors change:
+        by the writer thread for a state on the CPU, by the GPU's copy engine on a side stream for a state on a GPU
+        (:mod:`preempt.checkpoint.side_stream`).
 
         The files of :attr:`live` (when every tensor of one keeps a version counter) and the tensors of the carried
         files are not copied: the returned payload refers to them where they live, with the check its writer makes
         once it has read them (``payload.live``: :class:`LiveTensors`)."""
         pin = self._pin(payload)
-        deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
+        # A state on a GPU: its lazy tensors are copied on a side stream (into pinned buffers only: a copy into
+        # pageable memory would hold the host), and its CPU tensors (the optimizer's step counts) at the step, so that
+        # the optimizer's hook never waits for the writer thread.
+        stream = pin and any(
+            t.device.type == "cuda" and source_key(t) in later for ts, _ in payload.tensor_files.values()
+            for t in ts.values()
+        )  # fmt: skip
+        deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # the writer thread copies these
+        streamed: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # and the GPU's copy engine these
         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
         read_live = [
             (file, key, t.detach()) for file, carry in payload.carried.items() for key, t in carry.tensors.items()
         ]
         copied: set[str] = set()  # the files staged into buffers: the others' buffers are dropped
-        on_gpu = False
+        on_gpu: set[torch.device] = set()  # GPUs with copies queued on the loop's stream
         with torch.no_grad():
             for file, (tensors, meta) in payload.tensor_files.items():
                 if file in self.live and all(_versioned(t) for t in tensors.values()):
@@ -143,20 +171,28 @@ class Stager:
                 for key, t in tensors.items():
                     buf = staged[key]
                     src = t.detach()
-                    if later and src.device.type == "cpu" and src.untyped_storage().data_ptr() in later:
-                        deferred.append((f"{file}:{key}", src, buf, src._version))
+                    cuda = src.device.type == "cuda"
+                    if later and cuda == stream and source_key(src) in later:
+                        (streamed if cuda else deferred).append((f"{file}:{key}", src, buf, src._version))
                         continue
-                    on_gpu |= src.device.type == "cuda"
-                    buf.copy_(src, non_blocking=src.device.type == "cuda" and buf.is_pinned())
+                    if cuda:
+                        on_gpu.add(src.device)
+                    buf.copy_(src, non_blocking=cuda and pin)
                 files[file] = (staged, dict(meta))
-        if on_gpu:
+        device_copies = None
+        if stream:  # nothing waits on the host: the writer waits for the events
+            if self.side_streams is None:
+                self.side_streams = SideStreams()
+            device_copies = StreamedCopies(streamed, self.side_streams, queued=on_gpu)
+        elif on_gpu:
             torch.cuda.synchronize()  # one wait for every non-blocking copy
         for gone in self._files.keys() - copied:
-            del self._files[gone]
+            self._drop(gone)
         docs = {name: codec.dumps(doc) for name, doc in payload.json_files.items()}
         live = LiveTensors(read_live) if read_live else None
         staged = Payload(tensor_files=files, json_files=docs, carried=payload.carried, live=live)  # carried: linked
-        return staged, LazyCopy(deferred) if deferred else None
+        lazy = LazyCopy(deferred, device_copies) if deferred or device_copies is not None else None
+        return staged, lazy
 
     def _pin(self, payload: Payload) -> bool:
         if self.pin_memory is not None:
@@ -166,21 +202,53 @@ class Stager:
         return any(t.device.type == "cuda" for ts, _ in payload.tensor_files.values() for t in ts.values())
 
 
+SourceKey = tuple[str, int]
+
+
+def source_key(t: torch.Tensor) -> SourceKey:
+    """What names a tensor's storage in a lazy snapshot's ``later``: its device and its address there."""
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
 class _Arena:
-    """One file's staging buffers: views into one page-aligned block, each at its place in the file's data area."""
+    """One file's staging buffers: views into one page-aligned block, each at its place in the file's data area.
+
+    Pinned for copies from a GPU: exactly its bytes are page-locked (:func:`preempt.checkpoint.pinned.lock`), or, where
+    CUDA refuses that, the block comes from torch's pinned allocator (rounded up to a power of two).
+    """
 
     def __init__(self, tensors: dict[str, torch.Tensor], signature: tuple[Any, ...], pin: bool) -> None:
         places = tensorfile.layout(tensors)
         total = places[-1][2] if places else 0
-        raw = torch.empty(total + direct_io.BLOCK, dtype=torch.uint8, pin_memory=pin)
-        start = -raw.data_ptr() % direct_io.BLOCK
+        self.pin = pin  # asked to be pinned
+        self.pinned: str | None = None  # how it is: "registered" (exactly these bytes), "allocator" (torch's), None
+        self._unlock: Callable[[], None] | None = None
+        self.data = self._allocate(total, pin_memory=False)
+        if pin and total:
+            try:
+                self._unlock = pinned.lock(self.data, self)
+                self.pinned = "registered"
+            except RuntimeError:
+                self.data = self._allocate(total, pin_memory=True)
+                self.pinned = "allocator"
         self.signature = signature
-        self.data = raw[start : start + total]
-        if total:
-            self.data.fill_(0)  # touch every page now, not during a checkpoint
         self.views = {
             key: self.data[begin:end].view(tensors[key].dtype).view(tensors[key].shape) for key, begin, end in places
         }
+
+    @staticmethod
+    def _allocate(total: int, pin_memory: bool) -> torch.Tensor:
+        raw = torch.empty(total + direct_io.BLOCK, dtype=torch.uint8, pin_memory=pin_memory)
+        start = -raw.data_ptr() % direct_io.BLOCK
+        data = raw[start : start + total]
+        if total:
+            data.fill_(0)  # touch every page now, not during a checkpoint
+        return data
+
+    def release(self) -> None:
+        """Unpins registered pages now (once no copy into them is in flight), not when the arena is collected."""
+        if self._unlock is not None:
+            self._unlock()
 
     @staticmethod
     def signature_of(tensors: dict[str, torch.Tensor]) -> tuple[Any, ...]:
@@ -242,13 +310,17 @@ class LazyCopy:
     (A write through ``tensor.data`` bumps no counter and is not seen.)
     """
 
-    def __init__(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor, int]]) -> None:
+    def __init__(
+        self, pairs: list[tuple[str, torch.Tensor, torch.Tensor, int]], streamed: StreamedCopies | None = None
+    ) -> None:
         self.pairs = pairs  # (name, source, buffer, the source's version when the snapshot was taken)
+        self.streamed = streamed  # the copies from a GPU, queued on a side stream (their pairs: streamed.pairs)
         self.done = threading.Event()
         self.waited = 0.0  # seconds the loop waited for the copies (the optimizer's hook)
 
     def run(self) -> None:
-        """Makes the copies (the writer thread), then checks that no source changed meanwhile."""
+        """Makes the copies (the writer thread), then checks that no source changed meanwhile; for a GPU's, waits
+        for the side stream and takes :class:`~preempt.checkpoint.side_stream.Verdict`'s word."""
         try:
             with torch.no_grad():
                 for _name, src, buf, _version in self.pairs:
@@ -258,10 +330,24 @@ class LazyCopy:
                     raise TornSnapshot(f"{name} was changed in place before its copy was made")
         finally:
             self.done.set()
+        moved = None if self.streamed is None else self.streamed.finish()
+        if moved is not None:
+            raise TornSnapshot(f"{moved} was changed in place before its copy was made")
+
+    def drop(self) -> None:
+        """The snapshot will not be written: the copies a GPU was given are waited for all the same, since they write
+        into the buffers that the next snapshot reuses."""
+        if self.streamed is not None:
+            self.streamed.finish()
 
     def wait(self) -> None:
-        """Returns once every copy is made (before anything may change the sources)."""
-        if not self.done.is_set():
+        """Returns once nothing the optimizer changes can reach a copy still to be made: the writer's copies are made,
+        and the GPU's stream runs the step after the side stream's copies (the host does not wait for those)."""
+        if self.streamed is not None:
+            t0 = time.perf_counter()
+            self.streamed.order()
+            self.waited += time.perf_counter() - t0
+        if not self.done.is_set() and self.pairs:
             t0 = time.perf_counter()
             self.done.wait()
             self.waited += time.perf_counter() - t0

@@ -34,10 +34,12 @@ from ..checkpoint.staging import (
     BackgroundWriter,
     ChangedWhileWritten,
     LazyCopy,
+    SourceKey,
     Stager,
     TornSnapshot,
     host_memory_available,
     payload_nbytes,
+    source_key,
 )
 from ..cluster import sharded
 from ..cluster.signals import StopFlag
@@ -113,8 +115,9 @@ class SaveScheduler:
     def start(self, payload: Any, *, optimizer_state_later: bool, lazy: bool = False) -> None:
         """Background saves from now: the buffers are sized for ``payload`` in the background.
 
-        ``lazy``: the copies of the parameters and the optimizer's state (on the CPU) are made by the writer
-        while the loop runs its next forward and backward, and the optimizer's pre-step hook waits for them
+        ``lazy``: the copies of the parameters and the optimizer's state are made while the loop runs its next
+        forward and backward, by the writer (on the CPU) or by the GPU's copy engine on a side stream (on a GPU), and
+        the optimizer's pre-step hook waits for them, on the GPU for a GPU's
         (:class:`~preempt.checkpoint.staging.LazyCopy`); not with sharded state.
 
         Under torch.distributed rank 0 writes the replicated state in the background; the other ranks' files
@@ -159,7 +162,8 @@ class SaveScheduler:
         if self.prepare_at is not None and self.loop.global_step >= self.prepare_at and self.job is None:
             if self.postponed is None:  # the postponed save goes first; its staging sizes the buffers anyway
                 self.prepare_at = None
-                self._prepare(self.snapshot.tensors())
+                # sized for what a save stages: the random generators' states beside the optimizer's moments
+                self._prepare(self.snapshot.tensors() if self.snapshot.sharded else self.snapshot.capture())
 
     def pick(self, reason: Reason | None) -> Reason | None:
         """At a safe point, after :meth:`tend`: the save to take now (see :func:`pick`)."""
@@ -212,7 +216,9 @@ class SaveScheduler:
             try:
                 got = self.peers.save(self.manager, payload, manifest, extra, staged is not None)
             except OSError as e:
-                self.pending = None  # never made: no optimizer step may wait for it
+                if self.pending is not None:  # never written: no optimizer step may wait for it
+                    self.pending.drop()
+                    self.pending = None
                 self._failed(reason, e)
                 return False
             if isinstance(got, Deferred):
@@ -296,17 +302,17 @@ class SaveScheduler:
             log.warning("could not copy the state into the staging buffers (%s); writing it from the tensors", e)
             return payload
 
-    def _lazy_sources(self) -> set[int]:
+    def _lazy_sources(self) -> set[SourceKey]:
         """The storages of the tensors that only ``optimizer.step()`` changes: the parameters and its state."""
         c = self.snapshot.components
-        found: set[int] = set()
+        found: set[SourceKey] = set()
         for group in c.optimizer.param_groups:  # type: ignore[union-attr]
             for p in group["params"]:
-                found.add(p.untyped_storage().data_ptr())
+                found.add(source_key(p))
         for per_param in c.optimizer.state.values():  # type: ignore[union-attr]
             for v in per_param.values():
                 if isinstance(v, torch.Tensor):
-                    found.add(v.untyped_storage().data_ptr())
+                    found.add(source_key(v))
         return found
 
     def _optimizer_stepping(self, *_: Any) -> None:

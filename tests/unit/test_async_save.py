@@ -145,6 +145,22 @@ def test_snapshot_is_the_state_of_its_step_while_the_loop_goes_on(tmp_path):
     assert not torch.equal(got["model.0.weight"], model.state_dict()["0.weight"])  # the loop did move on
 
 
+def test_the_buffers_sized_after_the_first_step_are_the_ones_the_first_checkpoint_uses(tmp_path):
+    """The buffers are sized for what a save stages, the random generators' states included, so the first checkpoint
+    neither allocates nor (on a GPU) pins its arenas again during the step."""
+    model, opt, data = build()
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2, keep_last=None) as run:
+        next(run.epochs(1))
+        step = stepper(run, model, opt, data)
+        step()  # step 1: the moments exist; the buffers are sized for them in the background
+        run.wait_for_checkpoint(timeout=30)
+        sized = dict(run.saves.stager._files)
+        step()  # step 2: the first checkpoint
+        assert run.last_save.step == 2
+        assert sized and run.saves.stager._files == sized  # the same arenas, none made anew
+        assert run.wait_for_checkpoint(timeout=30) == tmp_path / "step_000000002"
+
+
 @pytest.mark.parametrize("slow_prepare", [False, True])
 def test_a_periodic_save_due_during_a_write_is_postponed_not_waited_for(tmp_path, caplog, monkeypatch, slow_prepare):
     """slow_prepare: the buffers' first sizing still runs at step 2 (a loaded machine); the re-sizing for the
