@@ -21,6 +21,8 @@
 #   ProctrackType=proctrack/pgid   with linuxproc, job processes re-parented to init survived their job
 #   AuthInfo=...,cred_expire=5     a requeued job waits cred_expire s (default 120) before it may start again
 #   KillWait=5                     SIGTERM -> SIGKILL grace of requeue, scancel and the time limit (default 30)
+#   UnkillableStepProgram          writes $DIR/log/unkillable.JOBID.*.txt (ps of every process) when a step's
+#                                  processes outlive SIGKILL by UnkillableStepTimeout (60 s, the default)
 #   MinJobAge=300                  finished jobs stay visible to `scontrol show job` for the tests to inspect
 #   OverSubscribe=FORCE:4          up to 4 jobs per CPU: the test jobs mostly sleep, and run side by side
 #
@@ -113,6 +115,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 JobRequeue=1
 KillWait=5
+UnkillableStepTimeout=60
+UnkillableStepProgram=$DIR/unkillable.sh
 MinJobAge=300
 ReturnToService=2
 SchedulerParameters=bf_interval=1,sched_interval=2
@@ -122,6 +126,14 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 EOF
+    # What a step's processes were doing when SIGKILL did not end them within UnkillableStepTimeout (the node is
+    # drained "Kill task failed" then): every process, its group, state and kernel wait, for the tests' failure message.
+    cat >"$DIR/unkillable.sh" <<EOF
+#!/bin/sh
+out=$DIR/log/unkillable.\${SLURM_JOB_ID:-unknown}.\$(date +%Y%m%dT%H%M%S).\$\$.txt
+{ date; env | grep '^SLURM' | sort; ps -eo pid,ppid,pgid,sid,stat,wchan:32,etimes,args; } >"\$out" 2>&1
+EOF
+    chmod 755 "$DIR/unkillable.sh"
     for n in $(node_names); do
         i=$((i + 1))
         echo "NodeName=$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + i)) $hardware State=UNKNOWN" >>"$CONF"

@@ -142,7 +142,10 @@ class Job:
             state = " ".join(f"{k}={fields.get(k)}" for k in ("JobState", "Reason", "Restarts", "EndTime"))
         except AssertionError as e:
             state = str(e)
-        return f"{state}\n--- {self.out}:\n{self.log}"
+        # a step whose processes outlived SIGKILL (the node drained "Kill task failed"): what they were doing
+        evidence = sorted((STATE_DIR / "log").glob(f"unkillable.{self.id}.*.txt"))
+        unkillable = "".join(f"\n--- {e} (a step's processes outlived SIGKILL):\n{e.read_text()}" for e in evidence)
+        return f"{state}\n--- {self.out}:\n{self.log}{unkillable}"
 
 
 @pytest.fixture(scope="session")
