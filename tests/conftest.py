@@ -251,6 +251,26 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def model_and_optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Copies of a model's and its optimizer's tensors, named ``model.KEY`` and ``opt.PARAM.KEY``."""
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for pid, s in opt.state_dict()["state"].items():
+        out.update({f"opt.{pid}.{k}": v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def read_into(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The checkpoint at ``path`` applied to a fresh ``model`` and ``opt``: their tensors, as
+    :func:`model_and_optimizer_tensors` names them."""
+    from preempt import CheckpointManager
+    from preempt.checkpoint import state
+
+    manager = CheckpointManager(path.parent, owner=False)
+    info = next(c for c in manager.list() if c.path == path)
+    state.apply(state.Components(model, opt), manager.read(info))
+    return model_and_optimizer_tensors(model, opt)
+
+
 def changed_bytes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> int:
     """The bytes of the tensors that differ between two checkpoints (or are new)."""
     return sum(

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import model_and_optimizer_tensors, read_into
 
 from preempt import PreemptibleRun
 from preempt.checkpoint import pinned, state
-from preempt.checkpoint.manager import CheckpointManager
 from preempt.checkpoint.side_stream import SideStreams, StreamedCopies
 from preempt.checkpoint.staging import Stager
 from preempt.run.save_scheduler import SaveScheduler
@@ -43,19 +43,12 @@ def train_step(model, opt, x) -> None:
     opt.step()
 
 
-def snapshot(model, opt) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for pid, s in opt.state_dict()["state"].items():
-        out.update({f"opt.{pid}.{k}": v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)})
-    return out
+snapshot = model_and_optimizer_tensors
 
 
 def loaded(path: Path) -> dict[str, torch.Tensor]:
     model, opt, _ = build()
-    manager = CheckpointManager(path.parent, owner=False)
-    info = next(c for c in manager.list() if c.path == path)
-    state.apply(state.Components(model, opt), manager.read(info))
-    return snapshot(model, opt)
+    return read_into(path, model, opt)
 
 
 def differing(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:

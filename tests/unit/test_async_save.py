@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import model_and_optimizer_tensors, read_into
 from torch.utils.data import DataLoader, TensorDataset
 
 from preempt import CheckpointManager, CheckpointWriteError, Preempted, PreemptibleRun
@@ -41,24 +42,13 @@ def train_step(model, opt, x, y):
     opt.step()
 
 
-def snapshot(model, opt) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for pid, s in opt.state_dict()["state"].items():
-        for k, v in s.items():
-            if isinstance(v, torch.Tensor):
-                out[f"opt.{pid}.{k}"] = v.clone()
-    return out
+snapshot = model_and_optimizer_tensors
 
 
 def loaded(path: Path) -> dict[str, torch.Tensor]:
     """The model and optimizer tensors of a checkpoint, read back through a fresh model and optimizer."""
     model, opt, _ = build()
-    manager = CheckpointManager(path.parent, owner=False)
-    info = next(c for c in manager.list() if c.path == path)
-    from preempt.checkpoint import state
-
-    state.apply(state.Components(model, opt), manager.read(info))
-    return snapshot(model, opt)
+    return read_into(path, model, opt)
 
 
 class Gate:
