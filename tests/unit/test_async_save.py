@@ -142,6 +142,9 @@ def test_the_buffers_sized_after_the_first_step_are_the_ones_the_first_checkpoin
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2, keep_last=None) as run:
         next(run.epochs(1))
         step = stepper(run, model, opt, data)
+        # The buffers sized at the start (no moments yet) are ready: step 1's run.step() then sizes them again for
+        # the whole state at once (with the start's sizing still in flight, it would at step 2, before the save).
+        run.wait_for_checkpoint(timeout=30)
         step()  # step 1: the moments exist; the buffers are sized for them in the background
         run.wait_for_checkpoint(timeout=30)
         sized = dict(run.saves.stager._files)
