@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from . import codec, direct_io, pinned, tensorfile
-from .side_stream import SideStreams, StreamedCopies
+from .side_stream import SideStreams, StreamedCopies, Verdict
 from .state import Payload
 
 
@@ -148,10 +148,7 @@ class Stager:
         # A state on a GPU: its lazy tensors are copied on a side stream (into pinned buffers only: a copy into
         # pageable memory would hold the host), and its CPU tensors (the optimizer's step counts) at the step, so that
         # the optimizer's hook never waits for the writer thread.
-        stream = pin and any(
-            t.device.type == "cuda" and source_key(t) in later for ts, _ in payload.tensor_files.values()
-            for t in ts.values()
-        )  # fmt: skip
+        stream = pin and any(device.startswith("cuda") for device, _ in later)
         deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # the writer thread copies these
         streamed: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # and the GPU's copy engine these
         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
@@ -325,12 +322,12 @@ class LazyCopy:
             with torch.no_grad():
                 for _name, src, buf, _version in self.pairs:
                     buf.copy_(src)
-            for name, src, _buf, version in self.pairs:
-                if src._version != version:
-                    raise TornSnapshot(f"{name} was changed in place before its copy was made")
+            moved = Verdict([(name, src, version) for name, src, _buf, version in self.pairs]).decide()
         finally:
             self.done.set()
-        moved = None if self.streamed is None else self.streamed.finish()
+        if self.streamed is not None:  # waited for even when torn: they write into the buffers the next snapshot reuses
+            on_gpu = self.streamed.finish()
+            moved = moved or on_gpu
         if moved is not None:
             raise TornSnapshot(f"{moved} was changed in place before its copy was made")
 

@@ -144,14 +144,14 @@ def test_the_buffers_sized_after_the_first_step_are_the_ones_the_first_checkpoin
         step = stepper(run, model, opt, data)
         # The buffers sized at the start (no moments yet) are ready: step 1's run.step() then sizes them again for
         # the whole state at once (with the start's sizing still in flight, it would at step 2, before the save).
-        run.wait_for_checkpoint(timeout=30)
+        run.wait_for_checkpoint()
         step()  # step 1: the moments exist; the buffers are sized for them in the background
-        run.wait_for_checkpoint(timeout=30)
+        run.wait_for_checkpoint()
         sized = dict(run.saves.stager._files)
         step()  # step 2: the first checkpoint
         assert run.last_save.step == 2
         assert sized and run.saves.stager._files == sized  # the same arenas, none made anew
-        assert run.wait_for_checkpoint(timeout=30) == tmp_path / "step_000000002"
+        assert run.wait_for_checkpoint() == tmp_path / "step_000000002"
 
 
 @pytest.mark.parametrize("slow_prepare", [False, True])
