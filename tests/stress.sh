@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The default suite under load, as CI runs it: a fresh clone of the committed HEAD, `CI=true bash .ci/run` with no
-# standard input and no terminal (its own session, in the background), and CPU-bound processes beside it the whole
-# time. A test that passes only on a quiet machine fails here.
+# The default suite under load, as CI runs it: a fresh clone of the commit that was HEAD when the script started,
+# `CI=true bash .ci/run` with no standard input and no terminal (its own session, in the background), and CPU-bound
+# processes beside it the whole time. A test that passes only on a quiet machine fails here.
 #
 #   tests/stress.sh            one run beside two CPU burners
 #   tests/stress.sh 3          three runs, one after the other
@@ -16,6 +16,8 @@ runs=${1:-1}
 burners=${BURNERS:-2}
 out=${STRESS_OUT:-/tmp/preempt-stress}
 repo=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+# every run tests the commit that was HEAD when the script started, so commits made meanwhile change nothing
+rev=$(git -C "$repo" rev-parse HEAD)
 mkdir -p "$out"
 failed=0
 
@@ -34,7 +36,7 @@ start_burners() {
 
 for i in $(seq "$runs"); do
     work=$(mktemp -d /tmp/preempt-stress-clone.XXXXXX)
-    git clone -q "$repo" "$work/preempt"
+    git clone -q "$repo" "$work/preempt" && git -C "$work/preempt" checkout -q "$rev"
     # CI finds the project's shared/ folder beside its clone; so does this one, where the checkout has one
     [ -d "$repo/../shared" ] && ln -s "$(cd "$repo/../shared" && pwd)" "$work/shared"
     log="$out/run-$i.log"
@@ -48,7 +50,7 @@ for i in $(seq "$runs"); do
     [ -n "$pids" ] && kill $pids 2>/dev/null
     wait 2>/dev/null
     summary=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed).* =+$' "$log" | tail -n 1)
-    echo "run $i of $runs: exit $rc after $((t1 - t0)) s beside $burners burner(s): ${summary:-no pytest summary} (log $log)"
+    echo "run $i of $runs: exit $rc after $((t1 - t0)) s beside $burners burner(s) on ${rev:0:7}: ${summary:-no pytest summary} (log $log)"
     grep -E '^(FAILED|ERROR) ' "$log" | sed 's/^/    /'
     [ "$rc" -eq 0 ] || failed=$((failed + 1))
     rm -rf "$work"
