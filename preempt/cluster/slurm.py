@@ -50,6 +50,7 @@ import enum
 import errno
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -75,11 +76,21 @@ def run_shielded(cmd: Sequence[str], **kwargs) -> subprocess.CompletedProcess[st
     them: measured under load, scontrol was killed (exit code -15) before it could report the requeue that had
     taken effect, and the run said it could not requeue. Shielded, scontrol gets its answer; its timeout and
     SIGKILL (after KillWait) still end it.
+
+    The two signals are also blocked in the calling thread for the call, and the child inherits that mask: exec
+    resets a handled signal to its default action, so a SIGTERM that came after sh's exec and before its ``trap``
+    would end sh (exit code -15). That happened once, when SLURM's time-limit warning came as a requeued run was
+    reading its job with ``scontrol show job`` at its start. Meanwhile the process's other threads take the signal,
+    or it waits for the call's end (its timeout at most).
     """
     exe = shutil.which(cmd[0])
     if exe is None:
         raise FileNotFoundError(errno.ENOENT, "not found on PATH", cmd[0])
-    return subprocess.run(["sh", "-c", 'trap "" TERM INT; exec "$0" "$@"', exe, *cmd[1:]], **kwargs)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        return subprocess.run(["sh", "-c", 'trap "" TERM INT; exec "$0" "$@"', exe, *cmd[1:]], **kwargs)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -204,6 +204,18 @@ def test_scontrol_survives_the_sigterm_of_its_own_requeue():
     assert (shielded.returncode, shielded.stdout) == (0, "requeued\n"), shielded
 
 
+def test_a_shielded_command_starts_with_sigterm_and_sigint_blocked_and_ends_with_them_ignored():
+    """The mask is inherited through fork and exec, so no SIGTERM between sh's exec and its ``trap`` can end sh; the
+    caller's own mask is as it was."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    r = run_shielded(["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"], capture_output=True, text=True, timeout=30)
+    masks = {name: int(bits, 16) for name, bits in (line.split(":\t") for line in r.stdout.splitlines())}
+    for name in ("SigBlk", "SigIgn"):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            assert masks[name] >> (sig - 1) & 1, f"{name} lacks {sig.name}: {r.stdout}"
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+
+
 def test_shielded_run_of_a_missing_command_is_file_not_found(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(FileNotFoundError):
