@@ -208,7 +208,7 @@ def test_a_shielded_command_starts_with_sigterm_and_sigint_blocked_and_ends_with
     """The mask is inherited through fork and exec, so no SIGTERM between sh's exec and its ``trap`` can end sh; the
     caller's own mask is as it was."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
-    r = run_shielded(["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"], capture_output=True, text=True, timeout=30)
+    r = run_shielded(["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"], capture_output=True, text=True, check=True)
     masks = {name: int(bits, 16) for name, bits in (line.split(":\t") for line in r.stdout.splitlines())}
     for name in ("SigBlk", "SigIgn"):
         for sig in (signal.SIGTERM, signal.SIGINT):
