@@ -23,7 +23,10 @@
 #   KillWait=5                     SIGTERM -> SIGKILL grace of requeue, scancel and the time limit (default 30)
 #   UnkillableStepProgram          writes $DIR/log/unkillable.JOBID.*.txt (ps of every process) when a step's
 #                                  processes outlive SIGKILL by UnkillableStepTimeout (60 s, the default)
-#   MinJobAge=300                  finished jobs stay visible to `scontrol show job` for the tests to inspect
+#   MinJobAge=86400                finished jobs stay visible to `scontrol show job` for a day, longer than any run
+#                                  of the tests (with the default, 300 s, a job that ended early in a slow run was gone
+#                                  when its test asked: "Invalid job id specified"; 0, "never purge" in the manual, is
+#                                  refused by this slurmctld: "MinJobAge must be at least 2", and it purges at 2 s)
 #   OverSubscribe=FORCE:4          up to 4 jobs per CPU: the test jobs mostly sleep, and run side by side
 #
 # The nodes (n1, n2, ...; $PREEMPT_SLURM_NODES of them, default 2) are slurmds of their own on this host
@@ -117,7 +120,7 @@ JobRequeue=1
 KillWait=5
 UnkillableStepTimeout=60
 UnkillableStepProgram=$DIR/unkillable.sh
-MinJobAge=300
+MinJobAge=86400
 ReturnToService=2
 SchedulerParameters=bf_interval=1,sched_interval=2
 MpiDefault=none

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DDP_ARGS, TRAIN_DDP, assert_equal_finals, assert_same_final, ddp_finals, free_port, torchrun
-from slurmjobs import TERMINAL, Cluster, Job, slurm_cluster, train_command, without_sleep  # noqa: F401
+from slurmjobs import Cluster, Job, slurm_cluster, train_command, without_sleep  # noqa: F401
 
 from preempt.checkpoint.manager import CheckpointManager
 
@@ -86,8 +86,10 @@ def time_limit_jobs(
     for job, _ in jobs.values():
         job.wait_log(r"^start step", timeout=60)
     yield jobs
+    # squeue lists only the jobs still pending, running or completing, and never fails for one whose record is gone
+    active = slurm_cluster.run("squeue", "-h", "-o", "%i").split()
     for job, _ in jobs.values():
-        if job.info().get("JobState") not in TERMINAL:
+        if job.id in active:
             job.cancel()
 
 
