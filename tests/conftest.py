@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -59,15 +60,19 @@ class Spawned:
         """``session``: the child leads a session and process group of its own, which a test may signal whole
         (``os.killpg(p.proc.pid, sig)``, as ``timeout`` and SLURM do) without signalling pytest."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            list(cmd),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=full_env,
-            cwd=ROOT,
-            start_new_session=session,
-        )
+        self.proc: subprocess.Popen | forkserver.Forked
+        if forkserver.forkable(cmd):  # python script.py / python -m module: forked from a server that has torch
+            self.proc = forkserver.start(cmd, full_env, ROOT, session=session)
+        else:
+            self.proc = subprocess.Popen(
+                list(cmd),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=full_env,
+                cwd=ROOT,
+                start_new_session=session,
+            )
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -103,7 +108,7 @@ class Spawned:
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
+            self.proc.send_signal(sig)
 
     def finish(self, timeout: float = 120.0) -> int:
         try:
@@ -119,6 +124,23 @@ class Spawned:
     def output(self) -> str:
         with self._cond:
             return "\n".join(self.lines)
+
+
+def run_python(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = None,
+    timeout: float | None = None,
+    errors: str = "strict",
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, ...)``; forked from a server that has torch when ``cmd``
+    is ``python script.py ...`` or ``python -m module ...`` (tests/forkserver.py)."""
+    env = dict(os.environ if env is None else env)
+    cwd = os.getcwd() if cwd is None else cwd
+    if forkserver.forkable(cmd):
+        return forkserver.run(cmd, env, cwd, timeout=timeout, errors=errors)
+    return subprocess.run(list(cmd), capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, errors=errors)
 
 
 @pytest.fixture

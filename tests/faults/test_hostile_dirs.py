@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import test_bad_input
 import torch
+from conftest import run_python
 from test_bad_input import STEP1, STEP2, build, forbidden, resign
 
 from preempt import PreemptibleRun
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def tool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """A command of the ``preempt`` command line in its own process (a hang is killed; a traceback is seen)."""
-    r = subprocess.run([*PREEMPT, *args], capture_output=True, text=True, timeout=timeout, errors="backslashreplace")
+    r = run_python([*PREEMPT, *args], timeout=timeout, errors="backslashreplace")
     assert "Traceback" not in r.stderr, r.stderr
     return r
 

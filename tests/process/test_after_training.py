@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, run_python
 
 SCRIPT = """
 import sys, torch
@@ -35,9 +35,7 @@ with PreemptibleRun(save_dir, model=model, optimizer=opt, checkpoint_interval=No
 
 
 def run(script: Path, save_dir: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(script), str(save_dir), str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    return run_python([sys.executable, str(script), str(save_dir), str(out)], timeout=120, cwd=ROOT)
 
 
 def test_a_failed_export_is_redone_by_the_rerun_and_a_finished_run_exits_at_once(tmp_path):

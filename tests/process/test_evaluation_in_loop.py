@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import PREEMPTED, Interrupt, Spawned, assert_same_final, run_interrupted, train_cmd
+from conftest import PREEMPTED, Interrupt, Spawned, assert_same_final, run_interrupted, run_python, train_cmd
 
 from preempt.health.history import read_history
 
@@ -73,7 +72,7 @@ def test_a_stop_during_an_evaluation_saves_that_steps_best_and_inspect_agrees(tm
     def after_the_stop(_: int) -> None:  # before the rerun's later best checkpoints prune step 10
         seen["manifest"] = json.loads((run / "step_000000010" / "manifest.json").read_text())
         cmd = [sys.executable, "-m", "preempt", "inspect", str(run), "10"]
-        seen["inspect"] = subprocess.run(cmd, capture_output=True, text=True)
+        seen["inspect"] = run_python(cmd)
 
     h = run_interrupted(run, tmp_path / "final.safetensors", ARGS, [during], between=after_the_stop)
     assert h.codes == [PREEMPTED, 0], h.text

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import PREEMPTED, ROOT, Spawned
+from conftest import PREEMPTED, ROOT, Spawned, run_python
 
 from preempt import CheckpointManager
 
@@ -32,13 +32,13 @@ def final_tensors(save_dir) -> dict[str, torch.Tensor]:
 
 
 def test_quickstart_stopped_and_resumed_equals_uninterrupted(tmp_path):
-    ref = subprocess.run([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "ref")], capture_output=True, text=True)
+    ref = run_python([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "ref")])
     assert ref.returncode == 0, ref.stderr
     p = Spawned([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "run")], {"PREEMPT_LOG_LEVEL": "DEBUG"})
     p.wait_for(r"checkpoint .* \(interval\) written")
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
-    again = subprocess.run([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "run")], capture_output=True, text=True)
+    again = run_python([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "run")])
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stderr
     a, b = final_tensors(tmp_path / "ref"), final_tensors(tmp_path / "run")

@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import PREEMPTED, ROOT, Spawned, assert_same_final
+from conftest import PREEMPTED, ROOT, Spawned, assert_same_final, run_python
 
 SCRIPT = ROOT / "examples" / "latentwire_train.py"
 EXAMPLE = [sys.executable, str(SCRIPT)]
@@ -46,7 +46,7 @@ def example_module():
 
 def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([*EXAMPLE, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return run_python([*EXAMPLE, *args], timeout=timeout, cwd=ROOT, env=env)
 
 
 def test_sigterm_mid_epoch_then_auto_resume_equals_uninterrupted(tmp_path, capsys):

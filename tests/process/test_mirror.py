@@ -12,13 +12,12 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import s3server
-from conftest import PREEMPTED, Spawned, assert_same_final, free_port, train_cmd
+from conftest import PREEMPTED, Spawned, assert_same_final, free_port, run_python, train_cmd
 
 from preempt.checkpoint.commit import MANIFEST, checkpoint_name
 from preempt.health.history import read_history
@@ -158,7 +157,7 @@ def test_server_stopped_mid_run_and_at_the_stop(tmp_path, monkeypatch):
     assert end[0]["behind_steps"] >= 1 and end[0]["max_behind_steps"] >= 4 and end[0]["max_behind_s"] > 0, end
     assert os.path.exists(save_dir / checkpoint_name(10) / MANIFEST)  # local durable, whatever the mirror
     # preempt report shows how far behind the mirror was
-    r = subprocess.run([sys.executable, "-m", "preempt", "report", str(save_dir)], capture_output=True, text=True)
+    r = run_python([sys.executable, "-m", "preempt", "report", str(save_dir)])
     line = rf"at the end it held step {held}, 1 steps and (\d+\.\d+) s behind; {len(down)} outage\(s\)$"
     said = re.search(
         r"^mirror: at most \d+ steps and \S+ s behind the newest durable checkpoint; " + line, r.stdout, re.M

@@ -21,6 +21,7 @@ from conftest import (
     Spawned,
     assert_same_final,
     run_interrupted,
+    run_python,
     train_cmd,
 )
 
@@ -224,7 +225,7 @@ def test_save_dir_listing_after_interruptions(tmp_path):
     """`preempt ls` and `preempt verify` on a real save_dir."""
     save_dir = tmp_path / "run"
     run_interrupted(save_dir, tmp_path / "f.safetensors", [*WORKERS0, *PACE, "--every_steps", "8"], [Interrupt()])
-    ls = subprocess.run([sys.executable, "-m", "preempt", "ls", str(save_dir)], capture_output=True, text=True)
+    ls = run_python([sys.executable, "-m", "preempt", "ls", str(save_dir)])
     assert ls.returncode == 0 and "valid (latest)" in ls.stdout and "run complete" in ls.stdout, ls.stdout
     ok = subprocess.run(["preempt", "verify", str(save_dir)], capture_output=True, text=True)
     assert ok.returncode == 0 and "DAMAGED" not in ok.stdout, ok.stdout
@@ -243,7 +244,7 @@ def test_help_lists_exit_codes():
 def test_save_dir_is_a_file(tmp_path: Path):
     f = tmp_path / "taken"
     f.write_text("x")
-    r = subprocess.run(train_cmd(f, None, WORKERS0), capture_output=True, text=True)
+    r = run_python(train_cmd(f, None, WORKERS0))
     assert r.returncode == 1
     assert f"save_dir {f}: expected a directory, found a file" in r.stderr
 

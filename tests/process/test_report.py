@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PREEMPTED, ROOT, TRAIN
+from conftest import PREEMPTED, ROOT, TRAIN, run_python
 
 # Each optimizer step sleeps this long: a floor for the productive time.
 STEP_SLEEP = 0.2
@@ -23,9 +23,7 @@ TOTAL_STEPS = 96
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "preempt", *args], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    return run_python([sys.executable, "-m", "preempt", *args], timeout=120, cwd=ROOT)
 
 
 def timed(save_dir: Path, *extra: str) -> tuple[int, float, float]:

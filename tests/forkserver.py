@@ -1,0 +1,385 @@
+"""Python processes for the tests, forked from a server that imported torch once instead of each paying for it.
+
+Most of the suite's CPU time went to starting processes: ``import torch`` costs 3 to 4 s of CPU on these machines,
+and the tests start a few hundred Python processes, each of which imports it and then trains for a fraction of
+that. :func:`start` runs ``python script.py args`` or ``python -m module args`` instead as a child forked from a
+server process that has imported torch, numpy and safetensors (never preempt: each child imports this checkout's
+preempt itself). Everything else is a real process, started for the test: its own pid, session when asked,
+environment, working directory, stdout and stderr on a pipe to the test, signals sent to it by pid, and an exit
+status that says ``-N`` for a death by signal N, as :class:`subprocess.Popen` does.
+
+What a fresh interpreter would have and the fork gives it too, set in the child before the script runs:
+``sys.argv`` and ``sys.path[0]`` as ``python`` sets them; the environment; the test's blocked signals and the
+signals it ignores (``exec`` keeps both), every other signal at its default and SIGINT at Python's handler; the
+``random`` and numpy global generators seeded afresh from the OS. What it cannot have: its own hash seed for
+``str`` (fixed at the server's start). Two servers, started with different seeds, take turns, so that the process
+which resumes a run never has the hash seed of the one that saved it.
+
+Where the fork cannot stand for a fresh interpreter (a test of what happens while python imports, or of
+interpreter flags), start the process with :class:`subprocess.Popen`. ``PREEMPT_TEST_FORKSERVER=0`` turns the
+server off for a whole run (every process then starts fresh, as before), to compare or to rule it out.
+
+Each server lives as long as the pytest process that started it (it exits when its parent does); each child has a
+small monitor process between it and the server, which waits for it and sends its exit status to the test.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+PRELOAD = ("torch", "numpy", "safetensors.torch", "xxhash")
+ENABLED = os.environ.get("PREEMPT_TEST_FORKSERVER", "1") != "0"
+# Signals that Python itself sets to SIG_IGN at start whatever it inherits; every other one the child takes from the
+# test: ignored if ignored there, at its default otherwise.
+PYTHON_IGNORES = {signal.SIGPIPE, signal.SIGXFSZ}
+START_TIMEOUT_S = 120.0  # a server's imports, on a loaded machine
+
+
+# ------------------------------------------------------------------------------------------------ the test's side
+
+
+def forkable(cmd: Sequence[str]) -> bool:
+    """``[sys.executable, script.py, ...]`` or ``[sys.executable, "-m", module, ...]``: what a server can run."""
+    if not ENABLED or len(cmd) < 2 or cmd[0] != sys.executable:
+        return False
+    if cmd[1] == "-m":
+        return len(cmd) > 2
+    return not cmd[1].startswith("-") and cmd[1].endswith(".py") and Path(cmd[1]).is_file()
+
+
+class Forked:
+    """A child of a fork server, with the part of :class:`subprocess.Popen`'s interface the tests use.
+
+    A thread waits for the exit status that the child's monitor sends when the child ends."""
+
+    def __init__(self, args: Sequence[str], conn: socket.socket, stdout: IO[str], stderr: IO[str] | None) -> None:
+        self.args = list(args)
+        self.stdout = stdout
+        self.stderr = stderr
+        self.returncode: int | None = None
+        self._conn = conn
+        self._buffer = b""
+        conn.settimeout(START_TIMEOUT_S)
+        message, fds = self._receive()
+        if not message.startswith("pid ") or len(fds) != 1:
+            raise RuntimeError(f"fork server: expected 'pid N' and a pidfd for {self.args}, got {message!r}")
+        self.pid = int(message.split()[1])
+        self._pidfd = fds[0]
+        weakref.finalize(self, os.close, self._pidfd)
+        self._ended = threading.Event()
+        self._waiter = threading.Thread(target=self._wait_for_status, daemon=True)
+        self._waiter.start()
+
+    def _receive(self) -> tuple[str, list[int]]:
+        """One line from the monitor, and the descriptors sent with it."""
+        fds: list[int] = []
+        while b"\n" not in self._buffer:
+            data, got, _, _ = socket.recv_fds(self._conn, 4096, 1)
+            fds += got
+            if not data:
+                raise RuntimeError(f"fork server: the monitor of {self.args} closed without an exit status")
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode(), fds
+
+    def _wait_for_status(self) -> None:
+        try:
+            self._conn.settimeout(None)
+            message, _ = self._receive()
+            if not message.startswith("exit "):
+                raise RuntimeError(f"fork server: expected 'exit N' for {self.args}, got {message!r}")
+            self.returncode = int(message.split()[1])
+        finally:
+            self._conn.close()
+            self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode if self._ended.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        if self.returncode is None:
+            raise RuntimeError(f"fork server: no exit status for {self.args} (see the error above)")
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Through the pidfd: never to another process that reused the pid after this one ended."""
+        if not self._ended.is_set():
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:
+                pass  # ended; its status is on its way
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Server:
+    """One fork server process, started when first asked for a child."""
+
+    def __init__(self, hash_seed: int) -> None:
+        self.hash_seed = hash_seed
+        self.proc: subprocess.Popen | None = None
+        self.dir = Path(tempfile.mkdtemp(prefix="preempt-forkserver-"))
+        self.path = self.dir / "socket"
+        self.log = self.dir / "server.log"
+
+    def _start(self) -> None:
+        self.path.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONHASHSEED": str(self.hash_seed), "PYTHONUNBUFFERED": "1"}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", __file__, str(self.path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,  # a Ctrl+C meant for pytest does not reach it
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.path.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the fork server did not start; its log ({self.log}):\n{self.log.read_text()}")
+            time.sleep(0.05)
+
+    def connect(self) -> socket.socket:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(self.path))
+        return conn
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_servers: list[Server] = []
+_turn = 0
+_servers_lock = threading.Lock()
+
+
+def _next_server() -> Server:
+    global _turn
+    with _servers_lock:
+        if not _servers:
+            atexit.register(stop_servers)
+            seeds = int.from_bytes(os.urandom(4), "little") % 4_000_000_000
+            _servers.extend(Server(seeds + i) for i in range(2))
+        server = _servers[_turn % len(_servers)]
+        _turn += 1
+        return server
+
+
+def stop_servers() -> None:
+    with _servers_lock:
+        for server in _servers:
+            server.stop()
+
+
+def start(
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    cwd: Path | str,
+    *,
+    session: bool = False,
+    merge_stderr: bool = True,
+    errors: str = "replace",
+) -> Forked:
+    """Runs ``cmd`` (see :func:`forkable`) as a child of a fork server. Its stdout is a text pipe at ``.stdout``; its
+    stderr goes into the same pipe, or with ``merge_stderr=False`` into one of its own at ``.stderr``. Both are read as
+    UTF-8, with ``errors`` for bytes that are not."""
+    ignored = [int(s) for s in signal.valid_signals() if s not in PYTHON_IGNORES and _ignored(s)]
+    blocked = [int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])]
+    request = {"argv": list(cmd[1:]), "env": dict(env), "cwd": str(cwd), "session": session}
+    request |= {"ignored": ignored, "blocked": blocked}
+    payload = json.dumps(request).encode()
+    pipes = [os.pipe() for _ in range(1 if merge_stderr else 2)]
+    readers = [open(r, encoding="utf-8", errors=errors) for r, _ in pipes]  # noqa: SIM115 (read to the end)
+    try:
+        conn = _next_server().connect()
+        socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], [w for _, w in pipes])
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    finally:
+        for _, w in pipes:
+            os.close(w)
+    return Forked(cmd, conn, readers[0], readers[1] if len(readers) > 1 else None)
+
+
+def run(
+    cmd: Sequence[str], env: Mapping[str, str], cwd: Path | str, timeout: float | None = None, errors: str = "strict"
+) -> subprocess.CompletedProcess[str]:
+    """:func:`subprocess.run` with ``capture_output=True, text=True``, through a fork server."""
+    p = start(cmd, env, cwd, merge_stderr=False, errors=errors)
+    out: dict[str, str] = {}
+    assert p.stderr is not None
+    threads = [
+        threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f.read()), daemon=True)
+        for k, f in (("stdout", p.stdout), ("stderr", p.stderr))
+    ]
+    for t in threads:
+        t.start()
+    try:
+        rc = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    for t in threads:
+        t.join()
+    p.stdout.close()
+    p.stderr.close()
+    return subprocess.CompletedProcess(list(cmd), rc, out["stdout"], out["stderr"])
+
+
+def _ignored(sig: int) -> bool:
+    try:
+        return signal.getsignal(sig) == signal.SIG_IGN
+    except ValueError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ the server's side
+
+
+def _serve(path: str) -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    parent = os.getppid()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the monitors are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".new")
+    os.rename(path + ".new", path)  # the path appears only once it accepts
+    listener.listen(64)
+    listener.settimeout(1.0)
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # the pytest process that started this server is gone
+                return
+            continue
+        conn.settimeout(None)
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
+        while len(data) >= 4 and len(data) < 4 + struct.unpack("!I", data[:4])[0]:
+            more = conn.recv(1 << 16)
+            if not more:
+                break
+            data += more
+        if os.fork() == 0:
+            listener.close()
+            _monitor(conn, json.loads(data[4:]), fds)  # the child returns from here into the script
+            return
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _monitor(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """Forks the child, sends its pid (and a pidfd for it), waits for it and sends its exit status."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        _child(request, fds)
+        return
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    try:
+        socket.send_fds(conn, [f"pid {pid}\n".encode()], [pidfd])
+    except OSError:
+        pass
+    _, status = os.waitpid(pid, 0)
+    try:
+        conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+    except OSError:
+        pass
+    os._exit(0)
+
+
+def _child(request: dict, fds: list[int]) -> None:
+    """Makes this fork what ``python <argv>`` started fresh would be, and returns to run the script at top level."""
+    os.dup2(fds[0], 1)
+    os.dup2(fds[-1], 2)  # the same pipe, or stderr's own
+    for fd in set(fds):
+        os.close(fd)
+    if request["session"]:
+        os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    ignored = set(request["ignored"])
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP) or sig in PYTHON_IGNORES:
+            continue
+        if sig in ignored:
+            handler = signal.SIG_IGN
+        elif sig == signal.SIGINT:
+            handler = signal.default_int_handler
+        else:
+            handler = signal.SIG_DFL
+        try:
+            signal.signal(sig, handler)
+        except (OSError, ValueError):
+            pass  # one the platform does not let Python set
+    signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
+    import random
+
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    _Run.argv = request["argv"]
+
+
+class _Run:
+    argv: list[str] | None = None
+
+
+def _run_script(argv: list[str]) -> None:
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file in argv[0]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
+    if _Run.argv is not None:  # a child: the server's loop returned here to run the script at the top level
+        _run_script(_Run.argv)
