@@ -1,17 +1,18 @@
 """Python processes for the tests, forked from a server that imported torch once instead of each paying for it.
 
-Most of the suite's CPU time went to starting processes: ``import torch`` costs 3 to 4 s of CPU on these machines,
-and the tests start a few hundred Python processes, each of which imports it and then trains for a fraction of
-that. :func:`start` runs ``python script.py args`` or ``python -m module args`` instead as a child forked from a
-server process that has imported torch, numpy and safetensors (never preempt: each child imports this checkout's
-preempt itself). Everything else is a real process, started for the test: its own pid, session when asked,
-environment, working directory, stdout and stderr on a pipe to the test, signals sent to it by pid, and an exit
-status that says ``-N`` for a death by signal N, as :class:`subprocess.Popen` does.
+Most of the suite's CPU time went to starting processes: ``import torch`` costs 2 to 4 s of CPU on these machines,
+a training's first optimizer step 2 to 2.5 s more (it imports ``torch._dynamo``), and the tests start a few hundred
+Python processes, each of which then trains for a fraction of that. :func:`start` runs ``python script.py args`` or
+``python -m module args`` instead as a child forked from a server process that has imported torch, torch._dynamo,
+numpy and safetensors (never preempt: each child imports this checkout's preempt itself). Everything else is a real
+process, started for the test: its own pid, session when asked, environment, working directory, stdout and stderr
+on a pipe to the test, signals sent to it by pid, and an exit status that says ``-N`` for a death by signal N, as
+:class:`subprocess.Popen` does.
 
 What a fresh interpreter would have and the fork gives it too, set in the child before the script runs:
 ``sys.argv`` and ``sys.path[0]`` as ``python`` sets them; the environment; the test's blocked signals and the
 signals it ignores (``exec`` keeps both), every other signal at its default and SIGINT at Python's handler; the
-``random`` and numpy global generators seeded afresh from the OS. What it cannot have: its own hash seed for
+global generators of ``random`` and numpy seeded afresh from the OS. What it cannot have: its own hash seed for
 ``str`` (fixed at the server's start). Two servers, started with different seeds, take turns, so that the process
 which resumes a run never has the hash seed of the one that saved it.
 
@@ -42,7 +43,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-PRELOAD = ("torch", "numpy", "safetensors.torch", "xxhash")
+# torch._dynamo: a training's first optimizer step imports it, 2 to 2.5 s of CPU more on these machines.
+PRELOAD = ("torch", "torch._dynamo", "numpy", "safetensors.torch", "xxhash")
 ENABLED = os.environ.get("PREEMPT_TEST_FORKSERVER", "1") != "0"
 # Signals that Python itself sets to SIG_IGN at start whatever it inherits; every other one the child takes from the
 # test: ignored if ignored there, at its default otherwise.
@@ -234,12 +236,14 @@ def start(
 def run(
     cmd: Sequence[str], env: Mapping[str, str], cwd: Path | str, timeout: float | None = None, errors: str = "strict"
 ) -> subprocess.CompletedProcess[str]:
-    """:func:`subprocess.run` with ``capture_output=True, text=True``, through a fork server."""
-    p = start(cmd, env, cwd, merge_stderr=False, errors=errors)
-    out: dict[str, str] = {}
+    """:func:`subprocess.run` with ``capture_output=True, text=True``, through a fork server: a timeout kills the
+    child and raises :class:`subprocess.TimeoutExpired`, bytes that are not UTF-8 meet ``errors`` here, and the
+    newlines are translated as text mode does."""
+    p = start(cmd, env, cwd, merge_stderr=False)
     assert p.stderr is not None
+    raw: dict[str, bytes] = {}
     threads = [
-        threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f.read()), daemon=True)
+        threading.Thread(target=lambda k=k, f=f: raw.__setitem__(k, f.buffer.read()), daemon=True)
         for k, f in (("stdout", p.stdout), ("stderr", p.stderr))
     ]
     for t in threads:
@@ -250,11 +254,13 @@ def run(
         p.kill()
         p.wait()
         raise
-    for t in threads:
-        t.join()
-    p.stdout.close()
-    p.stderr.close()
-    return subprocess.CompletedProcess(list(cmd), rc, out["stdout"], out["stderr"])
+    finally:
+        for t in threads:
+            t.join()
+        p.stdout.close()
+        p.stderr.close()
+    text = {k: v.decode("utf-8", errors).replace("\r\n", "\n").replace("\r", "\n") for k, v in raw.items()}
+    return subprocess.CompletedProcess(list(cmd), rc, text["stdout"], text["stderr"])
 
 
 def _ignored(sig: int) -> bool:
@@ -290,15 +296,21 @@ def _serve(path: str) -> None:
                 return
             continue
         conn.settimeout(None)
-        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
-        while len(data) >= 4 and len(data) < 4 + struct.unpack("!I", data[:4])[0]:
-            more = conn.recv(1 << 16)
-            if not more:
-                break
-            data += more
-        if os.fork() == 0:
+        fds: list[int] = []
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
+            while len(data) >= 4 and len(data) < 4 + struct.unpack("!I", data[:4])[0]:
+                more = conn.recv(1 << 16)
+                if not more:
+                    break
+                data += more
+            request = json.loads(data[4:])
+        except (OSError, ValueError) as e:  # a client that went away, or sent something else: not this server's end
+            print(f"fork server: a request that could not be read: {e!r}", file=sys.stderr)
+            request = None
+        if request is not None and os.fork() == 0:
             listener.close()
-            _monitor(conn, json.loads(data[4:]), fds)  # the child returns from here into the script
+            _monitor(conn, request, fds)  # the child returns from here into the script
             return
         conn.close()
         for fd in fds:
@@ -354,10 +366,7 @@ def _child(request: dict, fds: list[int]) -> None:
         except (OSError, ValueError):
             pass  # one the platform does not let Python set
     signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
-    import random
-
-    random.seed()
-    if "numpy" in sys.modules:
+    if "numpy" in sys.modules:  # (Python's random reseeds itself in a forked child; numpy's global generator does not)
         sys.modules["numpy"].random.seed()
     _Run.argv = request["argv"]
 

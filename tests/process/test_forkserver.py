@@ -1,0 +1,107 @@
+"""tests/forkserver.py: a child forked from a server stands for ``python script.py`` started fresh.
+
+The same probe script runs both ways, and what it sees of its start must match: argv, sys.path[0], the working
+directory, the environment, its session, the dispositions and mask of the signals it inherits (as ``exec`` keeps
+them), the exit status of ``sys.exit`` and of a death by signal, and stdout and stderr apart or merged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import forkserver
+import pytest
+from conftest import ROOT, Spawned, run_python
+
+pytestmark = pytest.mark.skipif(not forkserver.ENABLED, reason="PREEMPT_TEST_FORKSERVER=0: every process is fresh")
+
+PROBE = r"""
+import json, os, signal, sys
+import numpy
+sigs = {s.name: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP,
+                                               signal.SIGPIPE, signal.SIGCHLD)}
+print(json.dumps({
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "cwd": os.getcwd(),
+    "env": os.environ.get("PROBE_VALUE"),
+    "leader": os.getsid(0) == os.getpid(),
+    "signals": {k: v if isinstance(v, int) else getattr(v, "__name__", repr(v)) for k, v in sigs.items()},
+    "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    "main": __name__,
+    "random": float(numpy.random.rand()),
+    "hash": hash("preempt"),
+}), flush=True)
+print("on stderr", file=sys.stderr, flush=True)
+if sys.argv[1] == "wait":
+    signal.pause()
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def probe(tmp_path: Path) -> Path:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    return script
+
+
+def fresh_and_forked(cmd: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    env = {**os.environ, "PROBE_VALUE": "x=1 y"}
+    fresh = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+    assert forkserver.forkable(cmd)
+    forked = run_python(cmd, env=env, cwd=cwd, timeout=120)
+    return fresh, forked
+
+
+def test_a_forked_child_sees_what_a_fresh_interpreter_sees(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(probe(tmp_path)), "3", "--flag"]
+    for _ in range(2):  # both servers up before the signals change here, so that they cannot have inherited it
+        assert run_python(cmd, timeout=120).returncode == 3
+    blocked = {signal.SIGUSR2}
+    previous_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # ignored here: exec keeps it ignored
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)  # blocked here: exec keeps the mask
+    try:
+        fresh, forked = fresh_and_forked(cmd, ROOT)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        signal.signal(signal.SIGHUP, previous_hup)
+    assert fresh.returncode == forked.returncode == 3, (fresh, forked)
+    assert fresh.stderr == forked.stderr == "on stderr\n", (fresh.stderr, forked.stderr)
+    a, b = json.loads(fresh.stdout), json.loads(forked.stdout)
+    assert a.pop("random") != b.pop("random")  # each seeded from the OS
+    a.pop("hash"), b.pop("hash")
+    assert a == b, (a, b)
+    assert b["signals"]["SIGHUP"] == int(signal.SIG_IGN) and int(signal.SIGUSR2) in b["blocked"], b
+
+
+def test_a_death_by_signal_reads_as_popen_says_it_and_a_session_is_its_own(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(probe(tmp_path)), "wait"]
+    p = Spawned(cmd, session=True)
+    assert isinstance(p.proc, forkserver.Forked)
+    assert p.wait_for(r"^\{")
+    seen = json.loads(p.lines[0])
+    assert seen["leader"] and seen["main"] == "__main__", seen
+    os.killpg(p.proc.pid, signal.SIGTERM)  # its group, as timeout and SLURM signal
+    assert p.finish(timeout=60) == -signal.SIGTERM
+    assert "on stderr" in p.output  # merged into the one pipe
+
+
+def test_consecutive_children_alternate_hash_seeds_and_each_seeds_random_afresh(tmp_path: Path) -> None:
+    """The servers take turns: a run that resumes never has the hash seed of the process that saved it. Children of
+    one server do not share its numpy global generator's state."""
+    cmd = [sys.executable, str(probe(tmp_path)), "0"]
+    seen = [json.loads(run_python(cmd, timeout=120).stdout) for _ in range(4)]
+    hashes = [s["hash"] for s in seen]
+    assert hashes[0] != hashes[1] and hashes[0] == hashes[2] and hashes[1] == hashes[3], hashes
+    assert len({s["random"] for s in seen}) == 4, seen
+
+
+def test_a_timeout_kills_the_child(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(probe(tmp_path)), "wait"]
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(cmd, timeout=1.0)
