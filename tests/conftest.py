@@ -61,7 +61,7 @@ class Spawned:
         (``os.killpg(p.proc.pid, sig)``, as ``timeout`` and SLURM do) without signalling pytest."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen | forkserver.Forked
-        if forkserver.forkable(cmd):  # python script.py / python -m module: forked from a server that has torch
+        if forkserver.forkable(cmd, full_env):  # python script.py / python -m module: forked from a server with torch
             self.proc = forkserver.start(cmd, full_env, ROOT, session=session)
         else:
             self.proc = subprocess.Popen(
@@ -138,7 +138,7 @@ def run_python(
     is ``python script.py ...`` or ``python -m module ...`` (tests/forkserver.py)."""
     env = dict(os.environ if env is None else env)
     cwd = os.getcwd() if cwd is None else cwd
-    if forkserver.forkable(cmd):
+    if forkserver.forkable(cmd, env):
         return forkserver.run(cmd, env, cwd, timeout=timeout, errors=errors)
     return subprocess.run(list(cmd), capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, errors=errors)
 

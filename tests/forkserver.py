@@ -16,8 +16,11 @@ global generators of ``random`` and numpy seeded afresh from the OS. What it can
 ``str`` (fixed at the server's start). Two servers, started with different seeds, take turns, so that the process
 which resumes a run never has the hash seed of the one that saved it.
 
-Where the fork cannot stand for a fresh interpreter (a test of what happens while python imports, or of
-interpreter flags), start the process with :class:`subprocess.Popen`. ``PREEMPT_TEST_FORKSERVER=0`` turns the
+A child whose environment sets what python, torch or the OpenMP runtime read when they start otherwise than the
+servers' (``PYTHONPATH``, ``PYTHONHASHSEED``, ``TORCH_LOGS``, ...: :data:`STARTUP_PREFIXES`) is not forked: the
+callers start it fresh (:func:`forkable`); ``OMP_NUM_THREADS`` the child applies itself. Where the fork cannot stand
+for a fresh interpreter for another reason (a test of what happens while python imports), start the process with
+:class:`subprocess.Popen`. ``PREEMPT_TEST_FORKSERVER=0`` turns the
 server off for a whole run (every process then starts fresh, as before), to compare or to rule it out.
 
 Each server lives as long as the pytest process that started it (it exits when its parent does); each child has a
@@ -50,18 +53,30 @@ ENABLED = os.environ.get("PREEMPT_TEST_FORKSERVER", "1") != "0"
 # test: ignored if ignored there, at its default otherwise.
 PYTHON_IGNORES = {signal.SIGPIPE, signal.SIGXFSZ}
 START_TIMEOUT_S = 120.0  # a server's imports, on a loaded machine
+# Variables that python, torch or the OpenMP/MKL runtimes read when they start, before a child could set them: a child
+# whose environment sets them otherwise than the servers' starts fresh. OMP_NUM_THREADS the child applies itself
+# (torch.set_num_threads), and the servers run unbuffered whatever PYTHONUNBUFFERED says.
+STARTUP_PREFIXES = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_")
+APPLIED_IN_CHILD = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
 
 
 # ------------------------------------------------------------------------------------------------ the test's side
 
 
-def forkable(cmd: Sequence[str]) -> bool:
-    """``[sys.executable, script.py, ...]`` or ``[sys.executable, "-m", module, ...]``: what a server can run."""
+def forkable(cmd: Sequence[str], env: Mapping[str, str]) -> bool:
+    """``[sys.executable, script.py, ...]`` or ``[sys.executable, "-m", module, ...]``, in an environment that sets what
+    python and torch read at their start as the servers' does: what a server can run."""
     if not ENABLED or len(cmd) < 2 or cmd[0] != sys.executable:
+        return False
+    if _startup(env) != _startup(_servers_env()):
         return False
     if cmd[1] == "-m":
         return len(cmd) > 2
     return not cmd[1].startswith("-") and cmd[1].endswith(".py") and Path(cmd[1]).is_file()
+
+
+def _startup(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and k not in APPLIED_IN_CHILD}
 
 
 class Forked:
@@ -147,7 +162,7 @@ class Server:
 
     def _start(self) -> None:
         self.path.unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONHASHSEED": str(self.hash_seed), "PYTHONUNBUFFERED": "1"}
+        env = {**_servers_env(), "PYTHONHASHSEED": str(self.hash_seed), "PYTHONUNBUFFERED": "1"}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", __file__, str(self.path)],
@@ -181,6 +196,15 @@ class Server:
 _servers: list[Server] = []
 _turn = 0
 _servers_lock = threading.Lock()
+_env: dict[str, str] = {}
+
+
+def _servers_env() -> dict[str, str]:
+    """The environment the servers start with: this process's when first asked (the suite's conftest has set
+    PYTHONPATH by then), whatever a test changes in it later."""
+    if not _env:
+        _env.update(os.environ)
+    return _env
 
 
 def _next_server() -> Server:
@@ -368,6 +392,9 @@ def _child(request: dict, fds: list[int]) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
     if "numpy" in sys.modules:  # (Python's random reseeds itself in a forked child; numpy's global generator does not)
         sys.modules["numpy"].random.seed()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:  # OpenMP read the server's at its load
+        sys.modules["torch"].set_num_threads(int(threads))
     _Run.argv = request["argv"]
 
 

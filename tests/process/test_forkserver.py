@@ -35,6 +35,7 @@ print(json.dumps({
     "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "main": __name__,
     "random": float(numpy.random.rand()),
+    "threads": __import__("torch").get_num_threads(),
     "hash": hash("preempt"),
 }), flush=True)
 print("on stderr", file=sys.stderr, flush=True)
@@ -51,9 +52,9 @@ def probe(tmp_path: Path) -> Path:
 
 
 def fresh_and_forked(cmd: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
-    env = {**os.environ, "PROBE_VALUE": "x=1 y"}
+    env = {**os.environ, "PROBE_VALUE": "x=1 y", "OMP_NUM_THREADS": "1"}
     fresh = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
-    assert forkserver.forkable(cmd)
+    assert forkserver.forkable(cmd, env)
     forked = run_python(cmd, env=env, cwd=cwd, timeout=120)
     return fresh, forked
 
@@ -77,6 +78,14 @@ def test_a_forked_child_sees_what_a_fresh_interpreter_sees(tmp_path: Path) -> No
     a.pop("hash"), b.pop("hash")
     assert a == b, (a, b)
     assert b["signals"]["SIGHUP"] == int(signal.SIG_IGN) and int(signal.SIGUSR2) in b["blocked"], b
+    assert b["threads"] == 1, b
+
+
+def test_an_environment_that_changes_what_python_or_torch_read_at_start_gets_a_fresh_process(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(probe(tmp_path)), "0"]
+    assert forkserver.forkable(cmd, {**os.environ, "OMP_NUM_THREADS": "1", "PREEMPT_LOG_LEVEL": "DEBUG"})
+    for name, value in (("PYTHONHASHSEED", "7"), ("PYTHONPATH", str(tmp_path)), ("TORCH_LOGS", "dynamo")):
+        assert not forkserver.forkable(cmd, {**os.environ, name: value}), name
 
 
 def test_a_death_by_signal_reads_as_popen_says_it_and_a_session_is_its_own(tmp_path: Path) -> None:
