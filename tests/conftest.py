@@ -135,7 +135,7 @@ def run_python(
     errors: str = "strict",
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True, ...)``; forked from a server that has torch when ``cmd``
-    is ``python script.py ...`` or ``python -m module ...`` (tests/forkserver.py)."""
+    is ``python script.py ...``, ``python -m module ...`` or ``python -c code ...`` (tests/forkserver.py)."""
     env = dict(os.environ if env is None else env)
     cwd = os.getcwd() if cwd is None else cwd
     if forkserver.forkable(cmd, env):

@@ -250,7 +250,8 @@ def test_a_save_dir_whose_name_is_not_utf8_keeps_its_log(tmp_path):
         " model=torch.nn.Linear(2, 2), checkpoint_interval=None) as run:\n"
         "    for _ in run.epochs(1):\n        run.step()\n"
     )
-    subprocess.run([sys.executable, "-c", script, os.fsdecode(save_dir)], check=True, timeout=120)
+    r = run_python([sys.executable, "-c", script, os.fsdecode(save_dir)], timeout=120)
+    assert r.returncode == 0, r.stderr
     with open(save_dir + b"/train.log", "rb") as f:
         log_text = f.read()
     assert b"==== start (fresh)" in log_text and b"run complete" in log_text, log_text

@@ -20,12 +20,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import test_bad_input
 import torch
+from conftest import run_python
 from test_bad_input import STEP1, STEP2, build, tree_of
 from torch.utils.data import DataLoader
 
@@ -89,51 +91,45 @@ def sweep(
     """
     if "dropped" in modes and (why := _setpriv_works()) is not None:
         pytest.skip(why)
-    started = {}
+    cases = {}
+    for mode in modes:
+        root = tmp_path / mode
+        root.mkdir()
+        d = make(root)
+        out = root / "out"
+        out.mkdir()
+        cases[mode] = (root, d, out, outside_of(root, d, out), verified(d))
+    commands = {
+        mode: [*(DROP if mode == "dropped" else []), sys.executable, str(SCRIPT), str(d), str(out)]
+        for mode, (_, d, out, _, _) in cases.items()
+    }
+    run_env = None if env is None else {**os.environ, **env}
+    # Both modes at once; as root the process is forked from a server that has torch (conftest.run_python), dropped
+    # it starts fresh under setpriv.
+    with ThreadPoolExecutor(len(modes)) as pool:
+        futures = {
+            mode: pool.submit(run_python, argv, env=run_env, timeout=180, errors="replace")
+            for mode, argv in commands.items()
+        }
     results = {}
-    try:
-        for mode in modes:
-            root = tmp_path / mode
-            root.mkdir()
-            d = make(root)
-            out = root / "out"
-            out.mkdir()
-            before = outside_of(root, d, out)
-            good = verified(d)
-            argv = [*(DROP if mode == "dropped" else []), sys.executable, str(SCRIPT), str(d), str(out)]
-            p = subprocess.Popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                errors="replace",
-                env=None if env is None else {**os.environ, **env},
-            )
-            started[mode] = (p, root, d, out, before, good)
-        for mode, (p, root, d, out, before, good) in started.items():
-            try:
-                stdout, stderr = p.communicate(timeout=180)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                stdout, stderr = p.communicate()
-                pytest.fail(f"{mode}: hung; its last lines: {stderr[-2000:]}")
-            assert p.returncode == 0 and "Traceback" not in stderr + stdout, (mode, stderr[-4000:])
-            doc = json.loads(stdout.strip().splitlines()[-1])
-            for c in doc["commands"]:
-                assert "traceback" not in c, (mode, c["argv"], c["traceback"])
-                assert c["rc"] in CODES, (mode, c)
-            assert "traceback" not in doc.get("resume", {}), (mode, doc["resume"]["traceback"])
-            assert outside_of(root, d, out) == before, f"{mode}: something outside the save_dir changed"
-            still = {name for name in good if (d / name / "manifest.json").is_file()}
-            gone = good - still - set_aside
-            assert not gone, f"{mode}: checkpoints that verified were moved or deleted: {sorted(gone)}"
-            key = [" ".join(c["argv"][:1] + [a for a in c["argv"][2:] if a.startswith("--")]) for c in doc["commands"]]
-            results[mode] = {"doc": doc, "dir": d, "cmd": dict(zip(key, doc["commands"], strict=True)), "root": root}
-    finally:
-        for p, *_ in started.values():
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    for mode, (root, d, out, before, good) in cases.items():
+        try:
+            r = futures[mode].result()
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"{mode}: hung; its last lines: {str(e.stderr or '')[-2000:]}")
+        stdout, stderr = r.stdout, r.stderr
+        assert r.returncode == 0 and "Traceback" not in stderr + stdout, (mode, stderr[-4000:])
+        doc = json.loads(stdout.strip().splitlines()[-1])
+        for c in doc["commands"]:
+            assert "traceback" not in c, (mode, c["argv"], c["traceback"])
+            assert c["rc"] in CODES, (mode, c)
+        assert "traceback" not in doc.get("resume", {}), (mode, doc["resume"]["traceback"])
+        assert outside_of(root, d, out) == before, f"{mode}: something outside the save_dir changed"
+        still = {name for name in good if (d / name / "manifest.json").is_file()}
+        gone = good - still - set_aside
+        assert not gone, f"{mode}: checkpoints that verified were moved or deleted: {sorted(gone)}"
+        key = [" ".join(c["argv"][:1] + [a for a in c["argv"][2:] if a.startswith("--")]) for c in doc["commands"]]
+        results[mode] = {"doc": doc, "dir": d, "cmd": dict(zip(key, doc["commands"], strict=True)), "root": root}
     return results
 
 
@@ -377,7 +373,7 @@ def test_a_file_larger_than_the_address_space_left_verifies_streamed_and_is_neve
         "    print(f'{type(e).__name__}: {e}')\n"
         "    sys.exit(1)\n"
     )
-    r = subprocess.run([sys.executable, "-c", resume], capture_output=True, text=True, timeout=180)
+    r = run_python([sys.executable, "-c", resume], timeout=180)
     assert r.returncode == 1 and "Traceback" not in r.stderr, (r.stdout, r.stderr)
     assert r.stdout.startswith("CheckpointUnreadableError: ") and "model.safetensors" in r.stdout, r.stdout
     assert sorted(p.name for p in d.iterdir() if p.name.startswith("step_")) == ["step_000000001"]

@@ -34,6 +34,7 @@ print(json.dumps({
     "signals": {k: v if isinstance(v, int) else getattr(v, "__name__", repr(v)) for k, v in sigs.items()},
     "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "main": __name__,
+    "file": globals().get("__file__"),
     "random": float(numpy.random.rand()),
     "threads": __import__("torch").get_num_threads(),
     "hash": hash("preempt"),
@@ -59,8 +60,9 @@ def fresh_and_forked(cmd: list[str], cwd: Path) -> tuple[subprocess.CompletedPro
     return fresh, forked
 
 
-def test_a_forked_child_sees_what_a_fresh_interpreter_sees(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(probe(tmp_path)), "3", "--flag"]
+@pytest.mark.parametrize("how", ["script", "-c"])
+def test_a_forked_child_sees_what_a_fresh_interpreter_sees(tmp_path: Path, how: str) -> None:
+    cmd = [sys.executable, *([str(probe(tmp_path))] if how == "script" else ["-c", PROBE]), "3", "--flag"]
     for _ in range(2):  # both servers up before the signals change here, so that they cannot have inherited it
         assert run_python(cmd, timeout=120).returncode == 3
     blocked = {signal.SIGUSR2}

@@ -202,7 +202,7 @@ def test_signal_before_the_run_is_entered_keeps_default_behaviour(tmp_path):
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "print('still alive')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = run_python([sys.executable, "-c", code], timeout=120)
     assert r.returncode == -signal.SIGTERM, (r.returncode, r.stderr)
     assert "still alive" not in r.stdout
 

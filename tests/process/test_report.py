@@ -136,13 +136,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(three_processes, tmp_path):
         "from preempt.cli.main import main; sys.exit(main(sys.argv[1:]))"
     )
     png = tmp_path / "x.png"
-    out = subprocess.run(
-        [sys.executable, "-c", code, "report", str(save_dir), "--plot", str(png)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    out = run_python([sys.executable, "-c", code, "report", str(save_dir), "--plot", str(png)], timeout=60, cwd=ROOT)
     assert out.returncode == 2
     assert "pip install 'preempt[plot]'" in out.stderr and not png.exists()
 
