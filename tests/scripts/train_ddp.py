@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import Synthetic, flatten, signal_at  # noqa: E402
+from train import HOLD_LIMIT_S, Synthetic, flatten, signal_at  # noqa: E402
 
 import preempt.checkpoint.manager  # noqa: E402
 from preempt import PreemptibleRun  # noqa: E402
@@ -63,6 +63,20 @@ def fail_write(n: int) -> None:
     preempt.checkpoint.manager.write_payload = failing
 
 
+def wait_file_in_restart(spec: str, rank: int) -> None:
+    """``N:FILE``: in the run whose SLURM_RESTART_COUNT is N (0 for the first), the rank says ``rank R waiting`` and
+    waits, after the run is entered (its walltime keeper armed) and before its first step, until FILE exists (made by
+    the test once it has done what must happen meanwhile), at most HOLD_LIMIT_S. No stop can come before a step."""
+    restart, _, path = spec.partition(":")
+    if int(os.environ.get("SLURM_RESTART_COUNT", "0")) != int(restart):
+        return
+    say(f"rank {rank} waiting for {path}")
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    say(f"rank {rank} went on")
+
+
 _LAST_WORK: list[dist.Work] = []
 
 
@@ -85,6 +99,9 @@ def main() -> None:
     p.add_argument("--fail_write", type=int, default=None, help="rank 0's N-th background write fails (ENOSPC)")
     p.add_argument("--frozen", action="store_true", help="a frozen part of ~4 MiB before the trained layers")
     p.add_argument("--keep_last", type=int, default=2)
+    p.add_argument(
+        "--wait_file_in_restart", default=None, help="N:FILE: in SLURM restart N, wait for FILE before the first step"
+    )
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -129,6 +146,8 @@ def main() -> None:
             f"rank {rank} start step {run.global_step} epoch {run.epoch} batch {run.batch}"
             f" node {os.environ.get('SLURMD_NODENAME', '-')}"
         )
+        if args.wait_file_in_restart:
+            wait_file_in_restart(args.wait_file_in_restart, rank)
         for _epoch in run.epochs(args.epochs):
             for x, y, idx in run.batches(loader):
                 if rank == signal_rank and run.global_step + 1 == signal_step:

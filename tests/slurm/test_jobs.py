@@ -84,15 +84,20 @@ def time_limit_jobs(
     for name, spec in SPECS.items():
         if name in selected:
             d = tmp_path_factory.mktemp(name.removeprefix("test_")[:40])
-            cmd = train_command(d / "run", d / "final.safetensors", spec.args)
+            # the first run waits at its first step, where no stop can come, until the limit has gone up
+            hold = () if spec.then_minutes is None else ("--wait_file_at", f"step:1:{d / 'limit_raised'}")
+            cmd = train_command(d / "run", d / "final.safetensors", (*spec.args, *hold))
             jobs[name] = (slurm_cluster.submit(spec.template, cmd, d / "job.out", spec.options), d)
-    # The first run's keeper prints the end time it read before the run's first step; that run cannot finish within
-    # its minute (~70 s of work), so its keeper stops it some 30 s or more after that line.
-    for name, (job, _) in jobs.items():
+    # The first run's keeper prints the end time it read when the run is entered; the run then waits at its first
+    # step until the limit has gone up. That run cannot finish within its minute (~70 s of work), so its keeper stops
+    # it at the old end; the requeued run passes the wait (the file is there).
+    for name, (job, d) in jobs.items():
         if (minutes := SPECS[name].then_minutes) is not None:
             job.wait_log(r"^\[preempt\] walltime: SLURM job \d+ ends in ", timeout=60)
+            job.wait_log(r"^waiting at step 1$", timeout=60)
             slurm_cluster.run("scontrol", "update", f"JobId={job.id}", f"TimeLimit={minutes}")
             assert job.info()["Restarts"] == "0", f"the limit went up after the first run ended\n{job.describe()}"
+            (d / "limit_raised").touch()
     # Let them import torch before the other tests start theirs: a start-up slower than 10 s would meet the
     # earliest @20 warning outside the run.
     for job, _ in jobs.values():

@@ -57,20 +57,25 @@ def test_two_nodes_requeued_then_stopped_by_the_walltime_keeper(
     ref = torchrun(tmp_path / "ref", tmp_path / "ref.safetensors", ARGS)
     assert ref.finish(timeout=240) == 0, ref.output
 
-    final = tmp_path / "final.safetensors"
+    final, raised = tmp_path / "final.safetensors", tmp_path / "limit_raised"
     args = [*ARGS, "--step_sleep", "0.3", "--save_dir", str(tmp_path / "run"), "--final_out", str(final)]
+    args += ["--wait_file_in_restart", f"{requeues}:{raised}"]
     options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=none", "--time=1", "--signal=TERM@0"]
     options.append(f"--export=ALL,GPUS_PER_NODE=1,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1")
     job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
     for restarts in range(requeues):
         requeue_after_steps(job, restarts=restarts, steps=4)
-    # The run after the last requeue has read its end time when its walltime keeper says when the job ends. Then the
-    # job's limit goes up to 10 minutes: that keeper still stops the run at the old end and requeues the job, and the
-    # next run finishes well within its limit. With the one-minute limit kept, how close the finishing run comes to
-    # the limit would depend on the machine's speed: one that finished 4 s before it ended TIMEOUT while torchrun and
-    # srun exited (CI, on 9e625d0), and on a busy machine the keeper stopped two runs instead of one.
+    # The run after the last requeue has read its end time when its walltime keeper says when the job ends; its
+    # ranks then wait before their first step, so no stop can come, until the test has raised the job's limit to 10
+    # minutes. That keeper still stops the run at the old end and requeues the job, and the next run finishes well
+    # within its limit. With the one-minute limit kept, how close the finishing run comes to the limit would depend
+    # on the machine's speed: one that finished 4 s before it ended TIMEOUT while torchrun and srun exited (CI, on
+    # 9e625d0), and on a busy machine the keeper stopped two runs instead of one.
     job.wait_log(r"^\[preempt\] walltime: SLURM job \d+ ends in ", timeout=120, count=requeues + 1)
+    job.wait_log(rf"^rank 0 waiting for {re.escape(str(raised))}$", timeout=60)
     slurm_cluster.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=10")
+    assert job.info()["Restarts"] == str(requeues), f"the limit went up after that run ended\n{job.describe()}"
+    raised.touch()
     info = job.wait_done(timeout=300)
     log = job.log
     runs = requeues + 2  # each requeue's run, the one the walltime keeper stops, and the one that finishes
