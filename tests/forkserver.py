@@ -66,9 +66,9 @@ APPLIED_IN_CHILD = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
 
 
 def forkable(cmd: Sequence[str], env: Mapping[str, str]) -> bool:
-    """``[sys.executable, script.py, ...]``, ``[sys.executable, "-m", module, ...]`` or ``[sys.executable, "-c", code,
-    ...]``, in an environment that sets what
-    python and torch read at their start as the servers' does: what a server can run."""
+    """``[sys.executable, script.py, ...]``, ``[sys.executable, "-m", module, ...]`` or
+    ``[sys.executable, "-c", code, ...]``, in an environment that sets what python and torch read at their start as the
+    servers' does: what a server can run."""
     if not ENABLED or len(cmd) < 2 or cmd[0] != sys.executable:
         return False
     if _startup(env) != _startup(_servers_env()):
@@ -95,7 +95,10 @@ class Forked:
         self._conn = conn
         self._buffer = b""
         conn.settimeout(START_TIMEOUT_S)
-        message, fds = self._receive()
+        try:
+            message, fds = self._receive()
+        except TimeoutError:
+            raise TimeoutError(f"fork server: no pid for {self.args} within {START_TIMEOUT_S:.0f} s") from None
         if not message.startswith("pid ") or len(fds) != 1:
             raise RuntimeError(f"fork server: expected 'pid N' and a pidfd for {self.args}, got {message!r}")
         self.pid = int(message.split()[1])
@@ -403,11 +406,11 @@ def _child(request: dict, fds: list[int]) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:  # OpenMP read the server's at its load
         sys.modules["torch"].set_num_threads(int(threads))
-    _Run.argv = request["argv"]
+    global _child_argv
+    _child_argv = request["argv"]
 
 
-class _Run:
-    argv: list[str] | None = None
+_child_argv: list[str] | None = None  # in a child: what to run, once the server's loop has returned to the top level
 
 
 def _run_script(argv: list[str]) -> None:
@@ -431,5 +434,5 @@ def _run_script(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _serve(sys.argv[1])
-    if _Run.argv is not None:  # a child: the server's loop returned here to run the script at the top level
-        _run_script(_Run.argv)
+    if _child_argv is not None:  # a child: the server's loop returned here to run the script at the top level
+        _run_script(_child_argv)
