@@ -7,6 +7,7 @@ Run from the repository root::
     python bench/bench_finetune.py --quick            # ~64 MiB base, the same rows: a smoke run (~2 min)
     python bench/bench_finetune.py --full             # nothing frozen (0.5 GiB of weights): carry on vs off
     python bench/bench_finetune.py --base_gib 3 --checkpoints 8 --json bench/results/finetune.json
+    python bench/bench_finetune.py --device cuda      # the state on the GPU (base, adapters, AdamW)
 
 A frozen base (a stack of bias-free Linear layers shaped like a transformer's q/k/v/o and MLP up/down
 projections, LayerNorms) with LoRA adapters injected by hand into those six projections (``lora_A``/``lora_B``
@@ -114,8 +115,9 @@ def model_dims(base_gib: float, elem: int) -> int:
 def build_state(args: argparse.Namespace) -> dict[str, Any]:
     """The base (frozen unless --full), LoRA injected by hand, AdamW, and one training step function.
 
-    Every process builds the same bytes: same seed, same order. The optimizer's moments exist only after the
-    first step, as in a real loop; ``step()`` is one forward + backward + AdamW step on TOKENS tokens.
+    Every process builds the same bytes: same seed, same order (on the CPU, then moved to ``--device``). The
+    optimizer's moments exist only after the first step, as in a real loop; ``step()`` is one forward + backward +
+    AdamW step on TOKENS tokens, and on a GPU it ends with a synchronisation, as a loop that reads its loss does.
     """
     import torch
     from torch import nn
@@ -168,15 +170,19 @@ def build_state(args: argparse.Namespace) -> dict[str, Any]:
                 m.lora_A = nn.Parameter(torch.randn(LORA_R, m.in_features, generator=g) / math.sqrt(m.in_features))
                 m.lora_B = nn.Parameter(torch.zeros(m.out_features, LORA_R))
                 m.lora_scale = LORA_ALPHA / LORA_R
+    device = torch.device(args.device)
+    model.to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
-    x = torch.randn(1, TOKENS, d, generator=torch.Generator().manual_seed(2)).to(dtype)
-    y = torch.randn(1, TOKENS, d, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(1, TOKENS, d, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    y = torch.randn(1, TOKENS, d, generator=torch.Generator().manual_seed(3)).to(device)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         F.mse_loss(model(x).float(), y).backward()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     return {"model": model, "opt": opt, "step": step, "d": d, "heads": heads, "base_bytes": base_bytes}
 
@@ -535,7 +541,7 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def child_cmd(phase: str, args: argparse.Namespace, work: Path, result: Path, ways: tuple[str, ...]) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--only", phase, "--base_gib", repr(args.base_gib)]
-    cmd += ["--dtype", args.dtype, "--steps", str(args.steps), "--threads", str(args.threads)]
+    cmd += ["--dtype", args.dtype, "--device", args.device, "--steps", str(args.steps), "--threads", str(args.threads)]
     cmd += ["--dir", str(work), "--result", str(result), "--ways", *ways]
     return cmd + (["--full"] if args.full else [])
 
@@ -762,6 +768,8 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
         f" safetensors {facts['safetensors']}, preempt {facts['preempt']} (git {facts['preempt_commit']})"
     )
     mode = "full training: nothing frozen, AdamW on every weight" if args.full else "frozen base"
+    if args.device == "cuda":
+        mode += f", on the GPU: {facts['gpu']}"
     w(
         f"state ({mode}): {N_LAYERS} layers, d={st['d_model']}, q/k/v/o d x d + up/down d x 4d Linear without"
         f" bias, LayerNorms; base {fmt_b(st['base_bytes'])} in {st['dtype']}; {st['params'] / 1e6:.1f}M params,"
@@ -908,6 +916,7 @@ def main(argv: list[str] | None = None) -> None:
                     " --full 0.5)")  # fmt: skip
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the base's dtype (adapters:"
                     " float32); default float32")  # fmt: skip
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the state lives (default cpu)")
     ap.add_argument("--checkpoints", type=int, default=6, help="checkpoints per way, the first included (default 6)")
     ap.add_argument("--steps", type=int, default=3, help="training steps before each checkpoint (default 3)")
     ap.add_argument("--sigterm_trials", type=int, help="SIGTERM trials per way (default 2; --quick 1; 0: none)")
@@ -949,6 +958,12 @@ def main(argv: list[str] | None = None) -> None:
     facts = machine_facts(scratch)
     facts["load_start"] = os.getloadavg()[0]
     facts["preempt_commit"] = git_commit()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device on this machine")
+        facts["gpu"] = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     work = Path(tempfile.mkdtemp(prefix="bench-finetune-", dir=scratch))
     print(f"bench: base {args.base_gib:g} GiB, ways {run_ways}, scratch {work}", file=sys.stderr, flush=True)
     if not carry:
