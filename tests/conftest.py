@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = Path(__file__).resolve().parent / "scripts" / "train.py"
 TRAIN_DDP = Path(__file__).resolve().parent / "scripts" / "train_ddp.py"
+RANK_LAUNCHER = Path(__file__).resolve().parent / "rank_launcher.py"
 DDP_ARGS = ["--epochs", "2", "--samples", "192", "--every_steps", "4"]  # 12 steps per epoch on 2 ranks, 24 in all
 PREEMPTED = 75
 
@@ -440,13 +441,21 @@ def torchrun(
     script: Path = TRAIN_DDP,
     env: dict[str, str] | None = None,
 ) -> Spawned:
-    """``torchrun --standalone --nproc_per_node=N script --save_dir ... [--final_out ...]``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
-    cmd += ["--save_dir", str(save_dir), *args]
+    """``torchrun --standalone --nproc_per_node=N script --save_dir ... [--final_out ...]``.
+
+    The agent starts each rank through ``tests/rank_launcher.py``, which forks ``python script ...`` from a fork server
+    (see there) where the agent itself is forked from one."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = {"OMP_NUM_THREADS": "1", "PREEMPT_LOG_ALL_RANKS": "1", **(env or {})}  # each rank says where it stopped
+    if forkserver.forkable(cmd, {**os.environ, **env}):
+        env["PREEMPT_TEST_RANK_SERVERS"] = json.dumps(
+            {"sockets": forkserver.rank_servers(), "startup": forkserver.startup_vars()}
+        )
+        cmd.append(str(RANK_LAUNCHER))
+    cmd += [str(script), "--save_dir", str(save_dir), *args]
     if final is not None:
         cmd += ["--final_out", str(final)]
-    # each rank says where it stopped
-    return Spawned(cmd, {"OMP_NUM_THREADS": "1", "PREEMPT_LOG_ALL_RANKS": "1", **(env or {})})
+    return Spawned(cmd, env)
 
 
 def ddp_finals(final: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:

@@ -25,6 +25,10 @@ server off for a whole run (every process then starts fresh, as before), to comp
 
 Each server lives as long as the pytest process that started it (it exits when its parent does); each child has a
 small monitor process between it and the server, which waits for it and sends its exit status to the test.
+
+torchrun's ranks come from these servers too: the agent starts ``tests/rank_launcher.py`` for each rank, which asks a
+server for the rank (:func:`start_from`) and stands for it towards the agent. Such a child is bound to the process
+that asked for it: its monitor kills it if that process ends first.
 """
 
 from __future__ import annotations
@@ -71,14 +75,17 @@ def forkable(cmd: Sequence[str], env: Mapping[str, str]) -> bool:
     servers' does: what a server can run."""
     if not ENABLED or len(cmd) < 2 or cmd[0] != sys.executable:
         return False
-    if _startup(env) != _startup(_servers_env()):
+    if startup_vars(env) != startup_vars(_servers_env()):
         return False
     if cmd[1] in ("-m", "-c"):
         return len(cmd) > 2
     return not cmd[1].startswith("-") and cmd[1].endswith(".py") and Path(cmd[1]).is_file()
 
 
-def _startup(env: Mapping[str, str]) -> dict[str, str]:
+def startup_vars(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What of ``env`` (default: the servers' environment) python, torch or the OpenMP runtime read at their start."""
+    if env is None:
+        env = _servers_env()
     return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and k not in APPLIED_IN_CHILD}
 
 
@@ -87,7 +94,9 @@ class Forked:
 
     A thread waits for the exit status that the child's monitor sends when the child ends."""
 
-    def __init__(self, args: Sequence[str], conn: socket.socket, stdout: IO[str], stderr: IO[str] | None) -> None:
+    def __init__(
+        self, args: Sequence[str], conn: socket.socket, stdout: IO[str] | None, stderr: IO[str] | None
+    ) -> None:
         self.args = list(args)
         self.stdout = stdout
         self.stderr = stderr
@@ -185,12 +194,13 @@ class Server:
                 raise RuntimeError(f"the fork server did not start; its log ({self.log}):\n{self.log.read_text()}")
             time.sleep(0.05)
 
-    def connect(self) -> socket.socket:
+    def started(self) -> Server:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(str(self.path))
-        return conn
+        return self
+
+    def connect(self) -> socket.socket:
+        return _connect(str(self.started().path))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -231,6 +241,41 @@ def stop_servers() -> None:
             server.stop()
 
 
+def rank_servers() -> list[str]:
+    """The sockets of both servers, started, the next one in turn first: for the ranks of a torchrun
+    (``tests/rank_launcher.py``), so that rank 0 of one run and of the next get different hash seeds."""
+    first = _next_server()
+    return [str(server.started().path) for server in sorted(_servers, key=lambda s: s is not first)]
+
+
+def _connect(path: str) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    return conn
+
+
+def _send(
+    conn: socket.socket, cmd: Sequence[str], env: Mapping[str, str], cwd: Path | str, fds: Sequence[int], **how: bool
+) -> None:
+    """The request for ``cmd``: its environment, directory, the signals this process ignores and blocks (which the
+    child takes, as ``exec`` would give them), ``how`` (``session``, ``bound``), and ``fds``: its stdout and stderr."""
+    ignored = [int(s) for s in signal.valid_signals() if s not in PYTHON_IGNORES and _ignored(s)]
+    blocked = [int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])]
+    request = {"argv": list(cmd[1:]), "env": dict(env), "cwd": str(cwd), **how}
+    request |= {"ignored": ignored, "blocked": blocked}
+    payload = json.dumps(request).encode()
+    socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], list(fds))
+
+
+def start_from(path: str, cmd: Sequence[str], env: Mapping[str, str], cwd: Path | str) -> Forked:
+    """``cmd`` as a child of the server at ``path``, for a process that is not the test (a rank launcher): the child
+    writes to this process's stdout and stderr, leads a session of its own (as torchrun's ranks do), and is killed if
+    this process ends before it (the server's monitor sees the connection close)."""
+    conn = _connect(path)
+    _send(conn, cmd, env, cwd, [1, 2], session=True, bound=True)
+    return Forked(cmd, conn, None, None)
+
+
 def start(
     cmd: Sequence[str],
     env: Mapping[str, str],
@@ -243,16 +288,11 @@ def start(
     """Runs ``cmd`` (see :func:`forkable`) as a child of a fork server. Its stdout is a text pipe at ``.stdout``; its
     stderr goes into the same pipe, or with ``merge_stderr=False`` into one of its own at ``.stderr``. Both are read as
     UTF-8, with ``errors`` for bytes that are not."""
-    ignored = [int(s) for s in signal.valid_signals() if s not in PYTHON_IGNORES and _ignored(s)]
-    blocked = [int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])]
-    request = {"argv": list(cmd[1:]), "env": dict(env), "cwd": str(cwd), "session": session}
-    request |= {"ignored": ignored, "blocked": blocked}
-    payload = json.dumps(request).encode()
     pipes = [os.pipe() for _ in range(1 if merge_stderr else 2)]
     readers = [open(r, encoding="utf-8", errors=errors) for r, _ in pipes]  # noqa: SIM115 (read to the end)
     try:
         conn = _next_server().connect()
-        socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], [w for _, w in pipes])
+        _send(conn, cmd, env, cwd, [w for _, w in pipes], session=session)
     except BaseException:
         for reader in readers:
             reader.close()
@@ -368,12 +408,27 @@ def _monitor(conn: socket.socket, request: dict, fds: list[int]) -> None:
         socket.send_fds(conn, [f"pid {pid}\n".encode()], [pidfd])
     except OSError:
         pass
+    if request.get("bound"):
+        threading.Thread(target=_kill_when_closed, args=(conn, pidfd), daemon=True).start()
     _, status = os.waitpid(pid, 0)
     try:
         conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
     except OSError:
         pass
     os._exit(0)
+
+
+def _kill_when_closed(conn: socket.socket, pidfd: int) -> None:
+    """A bound child dies with its client: SIGKILL once the client's end of the connection closes before the child
+    ended (through the pidfd: a no-op once the child is reaped)."""
+    try:
+        conn.recv(1)
+    except OSError:
+        pass
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _child(request: dict, fds: list[int]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -16,13 +17,15 @@ from pathlib import Path
 
 import forkserver
 import pytest
-from conftest import ROOT, Spawned, run_python
+from conftest import RANK_LAUNCHER, ROOT, Spawned, run_python
 
 pytestmark = pytest.mark.skipif(not forkserver.ENABLED, reason="PREEMPT_TEST_FORKSERVER=0: every process is fresh")
 
 PROBE = r"""
 import json, os, signal, sys
 import numpy
+if sys.argv[1] == "term":  # a SIGTERM ends it with exit code 75, as a preempt run's stop does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 sigs = {s.name: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP,
                                                signal.SIGPIPE, signal.SIGCHLD)}
 print(json.dumps({
@@ -38,10 +41,13 @@ print(json.dumps({
     "random": float(numpy.random.rand()),
     "threads": __import__("torch").get_num_threads(),
     "hash": hash("preempt"),
+    "pid": os.getpid(),
 }), flush=True)
 print("on stderr", file=sys.stderr, flush=True)
-if sys.argv[1] == "wait":
+if sys.argv[1] in ("wait", "term"):
     signal.pause()
+if sys.argv[1] == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(int(sys.argv[1]))
 """
 
@@ -77,7 +83,7 @@ def test_a_forked_child_sees_what_a_fresh_interpreter_sees(tmp_path: Path, how: 
     assert fresh.stderr == forked.stderr == "on stderr\n", (fresh.stderr, forked.stderr)
     a, b = json.loads(fresh.stdout), json.loads(forked.stdout)
     assert a.pop("random") != b.pop("random")  # each seeded from the OS
-    a.pop("hash"), b.pop("hash")
+    a.pop("hash"), b.pop("hash"), a.pop("pid"), b.pop("pid")
     assert a == b, (a, b)
     assert b["signals"]["SIGHUP"] == int(signal.SIG_IGN) and int(signal.SIGUSR2) in b["blocked"], b
     assert b["threads"] == 1, b
@@ -115,3 +121,63 @@ def test_a_timeout_kills_the_child(tmp_path: Path) -> None:
     cmd = [sys.executable, str(probe(tmp_path)), "wait"]
     with pytest.raises(subprocess.TimeoutExpired):
         run_python(cmd, timeout=1.0)
+
+
+# ------------------------------------------------------------------ tests/rank_launcher.py: a torchrun agent's ranks
+
+
+def launched(script: Path, arg: str, **env: str) -> subprocess.Popen:
+    """``python -u rank_launcher.py probe.py ARG`` started as torchrun's agent starts a rank (a session of its own, the
+    environment it gives its ranks), naming the servers as conftest's ``torchrun`` does."""
+    servers = {"sockets": forkserver.rank_servers(), "startup": forkserver.startup_vars()}
+    ranks_env = {"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "probe", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREEMPT_TEST_RANK_SERVERS": json.dumps(servers), **ranks_env, **env}
+    cmd = [sys.executable, "-u", str(RANK_LAUNCHER), str(script), arg]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def test_a_rank_is_forked_leads_its_session_and_its_exit_code_is_the_launchers(tmp_path: Path) -> None:
+    launcher = launched(probe(tmp_path), "3")
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 3 and err == "on stderr\n", (launcher.returncode, out, err)
+    seen = json.loads(out)
+    assert seen["pid"] != launcher.pid, "forked by a server, not exec'd by the launcher"
+    assert seen["leader"] and seen["argv"] == [str(probe(tmp_path)), "3"] and seen["threads"] == 1, seen
+    assert all(seen["signals"][name] == int(signal.SIG_DFL) for name in ("SIGTERM", "SIGHUP", "SIGUSR1")), seen
+
+
+def test_where_the_environment_differs_at_start_the_rank_is_the_launcher_exec_d(tmp_path: Path) -> None:
+    launcher = launched(probe(tmp_path), "0", TORCH_LOGS="dynamo")
+    out, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0 and json.loads(out)["pid"] == launcher.pid
+
+
+def rank_started(launcher: subprocess.Popen) -> int:
+    """The rank's pid, once its probe has printed it (the launcher's handlers are in place before the rank starts)."""
+    assert launcher.stdout is not None
+    return json.loads(launcher.stdout.readline())["pid"]
+
+
+def test_a_signal_to_the_launcher_reaches_the_rank(tmp_path: Path) -> None:
+    launcher = launched(probe(tmp_path), "term")
+    rank_started(launcher)
+    launcher.send_signal(signal.SIGTERM)  # as torchrun's agent stops its ranks (os.killpg: the launcher's group)
+    assert launcher.wait(timeout=60) == 75, "the rank's handler ran and its exit code came back"
+
+
+def test_a_rank_killed_by_a_signal_is_a_launcher_killed_by_it(tmp_path: Path) -> None:
+    launcher = launched(probe(tmp_path), "killed")
+    assert launcher.wait(timeout=120) == -signal.SIGKILL  # what torchrun's agent reports of a rank
+
+
+def test_a_killed_launcher_takes_its_rank_with_it(tmp_path: Path) -> None:
+    launcher = launched(probe(tmp_path), "wait")
+    pidfd = os.pidfd_open(rank_started(launcher))
+    try:
+        launcher.kill()
+        launcher.wait(timeout=60)
+        readable, _, _ = select.select([pidfd], [], [], 60)  # a pidfd reads ready once its process has ended
+        assert readable, "the rank outlived its launcher by 60 s"
+    finally:
+        os.close(pidfd)
