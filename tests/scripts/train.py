@@ -369,12 +369,18 @@ def wait_file_at(spec: str) -> None:
         if path is None:
             return
         print(f"waiting at {point} {n}", flush=True)
-        deadline = time.monotonic() + HOLD_LIMIT_S
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for_file(path)
         print(f"went on at {point} {n}", flush=True)
 
     act(action)
+
+
+def wait_for_file(path: str) -> None:
+    """Until ``path`` exists (the test makes it once it has done what must happen meanwhile), at most HOLD_LIMIT_S:
+    the wait ends on the test's event, the short polls only look for it."""
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def settle_at(spec: str) -> None:

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import HOLD_LIMIT_S, Synthetic, flatten, signal_at  # noqa: E402
+from train import Synthetic, flatten, signal_at, wait_for_file  # noqa: E402
 
 import preempt.checkpoint.manager  # noqa: E402
 from preempt import PreemptibleRun  # noqa: E402
@@ -71,9 +71,7 @@ def wait_file_in_restart(spec: str, rank: int) -> None:
     if int(os.environ.get("SLURM_RESTART_COUNT", "0")) != int(restart):
         return
     say(f"rank {rank} waiting for {path}")
-    deadline = time.monotonic() + HOLD_LIMIT_S
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for_file(path)
     say(f"rank {rank} went on")
 
 
