@@ -24,6 +24,7 @@ from pathlib import Path
 
 import forkserver
 import pytest
+import rank_launcher
 import torch
 from safetensors.torch import load_file
 
@@ -448,9 +449,7 @@ def torchrun(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     env = {"OMP_NUM_THREADS": "1", "PREEMPT_LOG_ALL_RANKS": "1", **(env or {})}  # each rank says where it stopped
     if forkserver.forkable(cmd, {**os.environ, **env}):
-        env["PREEMPT_TEST_RANK_SERVERS"] = json.dumps(
-            {"sockets": forkserver.rank_servers(), "startup": forkserver.startup_vars()}
-        )
+        env |= rank_launcher.servers_named()
         cmd.append(str(RANK_LAUNCHER))
     cmd += [str(script), "--save_dir", str(save_dir), *args]
     if final is not None:

@@ -245,7 +245,7 @@ def rank_servers() -> list[str]:
     """The sockets of both servers, started, the next one in turn first: for the ranks of a torchrun
     (``tests/rank_launcher.py``), so that rank 0 of one run and of the next get different hash seeds."""
     first = _next_server()
-    return [str(server.started().path) for server in sorted(_servers, key=lambda s: s is not first)]
+    return [str(server.started().path) for server in (first, *(s for s in _servers if s is not first))]
 
 
 def _connect(path: str) -> socket.socket:

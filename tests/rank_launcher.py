@@ -10,11 +10,11 @@ rendezvous, its store and its signals are torchrun's own; this process stands wh
   rank, and this process ends as the rank ended: with its exit code, or killed by the same signal;
 - if this process is killed, the rank is killed (the server's monitor sees the connection close).
 
-``tests/conftest.py``'s ``torchrun`` names the servers in ``PREEMPT_TEST_RANK_SERVERS`` (their sockets, and the
-variables python and torch read at their start as the servers have them). Without it, or where this environment
-sets those variables otherwise (besides the ones torchrun adds for its ranks), the rank starts as a fresh
-``python -u``, as torchrun would start it. Rank ``LOCAL_RANK`` takes the servers in turn, so that the ranks of one
-run have different hash seeds.
+``tests/conftest.py``'s ``torchrun`` names the servers in ``PREEMPT_TEST_RANK_SERVERS`` (:func:`servers_named`:
+their sockets, and the variables python and torch read at their start as the servers have them). Without it, or
+where this environment sets those variables otherwise (besides the ones torchrun adds for its ranks), the rank
+starts as a fresh ``python -u``, as torchrun would start it. Rank ``LOCAL_RANK`` takes the servers in turn, so
+that the ranks of one run have different hash seeds.
 """
 
 from __future__ import annotations
@@ -30,11 +30,17 @@ RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.
 # What torchrun adds to the ranks' environment that starts with one of forkserver.STARTUP_PREFIXES; none of them is
 # read when python or torch start (the agent's store, its error file, NCCL's error handling at a group's creation).
 ADDED_BY_TORCHRUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+SERVERS_VAR = "PREEMPT_TEST_RANK_SERVERS"
+
+
+def servers_named() -> dict[str, str]:
+    """For the environment of a torchrun whose ranks this launcher starts: the test process's servers (started)."""
+    return {SERVERS_VAR: json.dumps({"sockets": forkserver.rank_servers(), "startup": forkserver.startup_vars()})}
 
 
 def server_for(env: dict[str, str]) -> str | None:
     """The socket of the server this rank is forked from, or None when it must start fresh."""
-    named = env.get("PREEMPT_TEST_RANK_SERVERS")
+    named = env.get(SERVERS_VAR)
     if not named:
         return None
     servers = json.loads(named)

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import forkserver
 import pytest
+import rank_launcher
 from conftest import RANK_LAUNCHER, ROOT, Spawned, run_python
 
 pytestmark = pytest.mark.skipif(not forkserver.ENABLED, reason="PREEMPT_TEST_FORKSERVER=0: every process is fresh")
+HANG_S = 120  # a bound on waiting for a process's end, for a process that hangs
 
 PROBE = r"""
 import json, os, signal, sys
@@ -129,17 +131,16 @@ def test_a_timeout_kills_the_child(tmp_path: Path) -> None:
 def launched(script: Path, arg: str, **env: str) -> subprocess.Popen:
     """``python -u rank_launcher.py probe.py ARG`` started as torchrun's agent starts a rank (a session of its own, the
     environment it gives its ranks), naming the servers as conftest's ``torchrun`` does."""
-    servers = {"sockets": forkserver.rank_servers(), "startup": forkserver.startup_vars()}
     ranks_env = {"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "probe", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREEMPT_TEST_RANK_SERVERS": json.dumps(servers), **ranks_env, **env}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **rank_launcher.servers_named(), **ranks_env, **env}
     cmd = [sys.executable, "-u", str(RANK_LAUNCHER), str(script), arg]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
 
 
 def test_a_rank_is_forked_leads_its_session_and_its_exit_code_is_the_launchers(tmp_path: Path) -> None:
-    launcher = launched(probe(tmp_path), "3")
-    out, err = launcher.communicate(timeout=120)
+    with launched(probe(tmp_path), "3") as launcher:
+        out, err = launcher.communicate(timeout=HANG_S)
     assert launcher.returncode == 3 and err == "on stderr\n", (launcher.returncode, out, err)
     seen = json.loads(out)
     assert seen["pid"] != launcher.pid, "forked by a server, not exec'd by the launcher"
@@ -148,8 +149,8 @@ def test_a_rank_is_forked_leads_its_session_and_its_exit_code_is_the_launchers(t
 
 
 def test_where_the_environment_differs_at_start_the_rank_is_the_launcher_exec_d(tmp_path: Path) -> None:
-    launcher = launched(probe(tmp_path), "0", TORCH_LOGS="dynamo")
-    out, _ = launcher.communicate(timeout=120)
+    with launched(probe(tmp_path), "0", TORCH_LOGS="dynamo") as launcher:
+        out, _ = launcher.communicate(timeout=HANG_S)
     assert launcher.returncode == 0 and json.loads(out)["pid"] == launcher.pid
 
 
@@ -160,24 +161,24 @@ def rank_started(launcher: subprocess.Popen) -> int:
 
 
 def test_a_signal_to_the_launcher_reaches_the_rank(tmp_path: Path) -> None:
-    launcher = launched(probe(tmp_path), "term")
-    rank_started(launcher)
-    launcher.send_signal(signal.SIGTERM)  # as torchrun's agent stops its ranks (os.killpg: the launcher's group)
-    assert launcher.wait(timeout=60) == 75, "the rank's handler ran and its exit code came back"
+    with launched(probe(tmp_path), "term") as launcher:
+        rank_started(launcher)
+        launcher.send_signal(signal.SIGTERM)  # as torchrun's agent stops its ranks (os.killpg: the launcher's group)
+        assert launcher.wait(timeout=HANG_S) == 75, "the rank's handler ran and its exit code came back"
 
 
 def test_a_rank_killed_by_a_signal_is_a_launcher_killed_by_it(tmp_path: Path) -> None:
-    launcher = launched(probe(tmp_path), "killed")
-    assert launcher.wait(timeout=120) == -signal.SIGKILL  # what torchrun's agent reports of a rank
+    with launched(probe(tmp_path), "killed") as launcher:
+        assert launcher.wait(timeout=HANG_S) == -signal.SIGKILL  # what torchrun's agent reports of a rank
 
 
 def test_a_killed_launcher_takes_its_rank_with_it(tmp_path: Path) -> None:
-    launcher = launched(probe(tmp_path), "wait")
-    pidfd = os.pidfd_open(rank_started(launcher))
-    try:
-        launcher.kill()
-        launcher.wait(timeout=60)
-        readable, _, _ = select.select([pidfd], [], [], 60)  # a pidfd reads ready once its process has ended
-        assert readable, "the rank outlived its launcher by 60 s"
-    finally:
-        os.close(pidfd)
+    with launched(probe(tmp_path), "wait") as launcher:
+        pidfd = os.pidfd_open(rank_started(launcher))
+        try:
+            launcher.kill()
+            launcher.wait(timeout=HANG_S)
+            readable, _, _ = select.select([pidfd], [], [], HANG_S)  # a pidfd reads ready once its process has ended
+            assert readable, f"the rank outlived its launcher by {HANG_S} s"
+        finally:
+            os.close(pidfd)
