@@ -45,12 +45,15 @@ from bench_checkpoint import (  # noqa: E402  (the path above makes the sibling 
     GIB,
     PeakRss,
     build_state,
+    carried_files,
+    change_every_tensor,
     dd_once,
     describe_state,
     dir_bytes,
     flat_tensors,
     machine_facts,
     make_writer,
+    require_written,
 )
 
 QUIET_EVERY = 100_000  # checkpoint_every_steps of the async rows: between checkpoints run.step() only counts
@@ -329,6 +332,7 @@ def make_preempt_async(args: argparse.Namespace, work: Path) -> tuple[Any, Any, 
         t2 = perf()
         rec = run.last_save
         assert rec is not None and rec.durable and path == rec.path, rec
+        require_written(path)
         sizes.append(dir_bytes(path))
         return {
             "stall_s": stall,
@@ -341,6 +345,7 @@ def make_preempt_async(args: argparse.Namespace, work: Path) -> tuple[Any, Any, 
     def after(i: int) -> None:
         if not run.manager.wait(timeout=120):
             raise RuntimeError("background deletion did not finish in 120 s")
+        change_every_tensor(model, opt)  # as a training step would: the next checkpoint has everything to write
         os.sync()
 
     def finish() -> None:
@@ -469,6 +474,7 @@ def phase_e2e(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     t0 = perf()
     for _ in range(args.steps):
         work_step()
+        change_every_tensor(model, opt)  # one value per tensor, as training changes them: nothing is carried
         s0 = perf()
         run.step()
         dt = perf() - s0
@@ -530,6 +536,7 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         try:
             while True:
                 work_step()
+                change_every_tensor(model, opt)  # one value per tensor, as training changes them: nothing is carried
                 run.step()
                 # "reserved": ready once the pool the writer writes ahead is complete (renamed to .recycle-*)
                 prepared = run.staging_prepare_s is not None
@@ -560,6 +567,7 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             path = run.last_checkpoint
             res["checkpoint"] = str(path)
             res["manifest_exists"] = path is not None and (Path(path) / "manifest.json").is_file()
+            res["carried"] = carried_files(Path(path)) if res["manifest_exists"] else []
             rec = run.last_save
             if rec is not None:
                 res["last_save"] = {"step": rec.step, "reason": rec.reason, "stall_s": rec.stall_s}
@@ -707,6 +715,8 @@ def sigterm_trial(
         sys.stderr.write(log)
         raise SystemExit(f"bench: SIGTERM child exited {code}, expected 75 with a result; its log is above")
     res = json.loads(result.read_text())
+    if res["carried"]:
+        raise SystemExit(f"bench: the stop's checkpoint carried {res['carried']} instead of writing them")
     result.unlink()
     errpath.unlink()
     res.update(delay_s=d, kill_to_durable_s=res["stopped_wall"] - t_kill, kill_to_exit_s=t_exit - t_kill, exit=code)

@@ -234,6 +234,34 @@ def flat_tensors(model: Any, opt: Any) -> dict[str, Any]:
     return out
 
 
+def change_every_tensor(model: Any, opt: Any) -> None:
+    """Changes every tensor of the state in place, as a training step would: one value each (untimed or cheap).
+
+    A save writes a changed tensor's bytes whatever number of its values changed; what matters is that each one
+    changed. Without it preempt's later saves would find the state as it was at the save before and carry its
+    files by hard link (``carry_unchanged``, issue 29): a save of nothing, timed as if it were a write.
+    """
+    import torch
+
+    with torch.no_grad():
+        for t in flat_tensors(model, opt).values():
+            t.view(-1)[:1].add_(1)
+
+
+def carried_files(checkpoint: Path) -> list[str]:
+    """The files of a preempt checkpoint that were hard-linked from an earlier one (``carried_from`` in its
+    manifest): a benchmark of writes wants none."""
+    files = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    return sorted(name for name, entry in files.items() if "carried_from" in entry)
+
+
+def require_written(checkpoint: Path) -> None:
+    """Raises when a preempt checkpoint carried a file instead of writing it (the state did not change)."""
+    carried = carried_files(checkpoint)
+    if carried:
+        raise RuntimeError(f"bench: {checkpoint} carried {carried} from an earlier checkpoint instead of writing them")
+
+
 def tensors_nbytes(tensors: dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -312,6 +340,8 @@ def make_writer(method: str, args: argparse.Namespace, work: Path) -> tuple[Any,
             sizes.append(dir_bytes(out / f"step_{i + 1:09d}"))
             if not manager.wait(timeout=120):
                 raise RuntimeError("background deletion did not finish in 120 s")
+            require_written(out / f"step_{i + 1:09d}")
+            change_every_tensor(model, opt)
             os.sync()
 
         def finish() -> None:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -38,13 +39,18 @@ def timed(fn, n: int) -> float:
     return statistics.median(out)
 
 
-def preempt_saves(model: Any, opt: Any, saves: int, *, every_rank_stages: bool) -> list[tuple[str, float, float]]:
+def preempt_saves(
+    model: Any, opt: Any, saves: int, *, every_rank_stages: bool, change: Callable[[], None] | None = None
+) -> list[tuple[str, float, float]]:
     """``async_save`` off and on: (mode, median loop time of a save step, max over ranks; median seconds to durable).
 
     ``every_rank_stages``: every rank sizes staging buffers at the start (sharded state), else rank 0 alone.
+    ``change``: changes the state before each save, untimed, as a training step would, and rank 0 checks that its
+    checkpoint wrote every file (a replicated state; a sharded one is written whole by DCP every time).
     """
     import torch
     import torch.distributed as dist
+    from bench_checkpoint import require_written
 
     from preempt import PreemptibleRun
 
@@ -62,6 +68,10 @@ def preempt_saves(model: Any, opt: Any, saves: int, *, every_rank_stages: bool) 
                         run.wait_for_checkpoint()
                 for i in range(saves + 1):
                     run.wait_for_checkpoint()  # the previous write ends outside the timing: no postponement
+                    if change is not None:
+                        if i and dist.get_rank() == 0 and run.last_checkpoint is not None:
+                            require_written(run.last_checkpoint)
+                        change()
                     dist.barrier()
                     t0 = time.perf_counter()
                     run.step()
@@ -80,10 +90,10 @@ def preempt_saves(model: Any, opt: Any, saves: int, *, every_rank_stages: bool) 
 def save_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
     """The replicated (DDP-like) state: :func:`preempt_saves` with rank 0 writing in the background."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_checkpoint import build_state
+    from bench_checkpoint import build_state, change_every_tensor
 
     model, opt = build_state(gib)
-    return preempt_saves(model, opt, saves, every_rank_stages=False)
+    return preempt_saves(model, opt, saves, every_rank_stages=False, change=lambda: change_every_tensor(model, opt))
 
 
 def sharded_costs(gib: float, saves: int) -> list[tuple[str, float, float]]:
