@@ -930,8 +930,8 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
         base = [e[v]["loop_s"] for v in ("none", "none2")]
         ref = statistics.fmean(base)
         w(
-            f"5. end to end, {gib:g} GiB state (static GPT state checkpointed; the work is {e['steps']} MLP steps),"
-            f" checkpoint_interval={e['every_s']:g} s"
+            f"5. end to end, {gib:g} GiB state (GPT state checkpointed, one value of each tensor changed per step;"
+            f" the work is {e['steps']} MLP steps), checkpoint_interval={e['every_s']:g} s"
         )
         gap = abs(base[0] / base[1] - 1)
         w(f"   no checkpoints: {base[0]:.2f} s and {base[1]:.2f} s (first and last run; gap {gap:.1%}: the noise)")
