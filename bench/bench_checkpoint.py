@@ -249,10 +249,12 @@ def change_every_tensor(model: Any, opt: Any) -> None:
 
 
 def carried_files(checkpoint: Path) -> list[str]:
-    """The files of a preempt checkpoint that were hard-linked from an earlier one (``carried_from`` in its
-    manifest): a benchmark of writes wants none."""
-    files = json.loads((checkpoint / "manifest.json").read_text())["files"]
-    return sorted(name for name, entry in files.items() if "carried_from" in entry)
+    """The files of a preempt checkpoint that were hard-linked from an earlier one (its manifest's ``carried``): a
+    benchmark of writes wants none."""
+    from preempt.checkpoint.manifest import Manifest
+
+    path = checkpoint / "manifest.json"
+    return sorted(Manifest.from_json(path.read_bytes(), str(path)).carried)
 
 
 def require_written(checkpoint: Path) -> None:

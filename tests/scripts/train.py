@@ -379,7 +379,10 @@ def wait_for_file(path: str) -> None:
     """Until ``path`` exists (the test makes it once it has done what must happen meanwhile), at most HOLD_LIMIT_S:
     the wait ends on the test's event, the short polls only look for it."""
     deadline = time.monotonic() + HOLD_LIMIT_S
-    while not os.path.exists(path) and time.monotonic() < deadline:
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:  # the test never made it: say so, for the failure that follows
+            print(f"train.py: {path} did not appear in {HOLD_LIMIT_S:g} s (HOLD_LIMIT_S); going on", file=sys.stderr)
+            return
         time.sleep(0.01)
 
 
