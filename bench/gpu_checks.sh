@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The checks that need an NVIDIA GPU, in one go (389 s on an H100, 2026-11-28): the GPU tests, then the
-# benchmarks whose figures bench/README.md gives for a GPU (bench_finetune.py, a 1.5 GiB base on the GPU, last).
-# Run from the repository root; with $OUT set, each part's output is also kept there. torch, safetensors, xxhash, numpy and nvidia-ml-py must be importable;
-# preempt is taken from this checkout.
+# The checks that need an NVIDIA GPU, in one go (389 s on an H100, 395 s on an H200, 2026-11-28): the GPU tests,
+# then the benchmarks whose figures bench/README.md gives for a GPU (bench_finetune.py, a 1.5 GiB base on the GPU,
+# last). Run from the repository root; with $OUT set, each part's output is also kept there. torch, safetensors,
+# xxhash, numpy and nvidia-ml-py must be importable; preempt is taken from this checkout.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/preempt-gpu-checks}
