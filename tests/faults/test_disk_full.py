@@ -9,7 +9,9 @@ Those two run with recycling off (every save needs new space). With recycling
 on (the default), a save writes over the last pruned checkpoint's files, so a
 disk that filled up after it does not stop the checkpoints at all.
 
-The checkpoint lines these tests wait for are DEBUG lines (routine, in the background).
+The checkpoint lines these tests wait for are DEBUG lines (routine, in the background). The training waits at
+named points (--wait_file_at, --hold_at) until the test has filled or freed the disk or signalled it, so that a
+busy machine never lets the run end before the test has done its part.
 """
 
 from __future__ import annotations
@@ -82,9 +84,14 @@ def partial(save_dir: Path) -> list[str]:
 
 def test_periodic_saves_fail_on_a_full_disk_and_training_goes_on(small_fs, tmp_path, reference):
     save_dir, final = small_fs / "run", tmp_path / "final.safetensors"
-    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, "--no_recycle"]), DEBUG)
+    filled, freed = tmp_path / "filled", tmp_path / "freed"
+    # the loop waits after its first checkpoint (durable) until the disk is full, and at step 40 (3.8 s of step
+    # sleeps later, a dozen intervals) until it has room again
+    waits = ["--settle_at", "saved:1", "--wait_file_at", f"saved:1:{filled},step:40:{freed}"]
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, "--no_recycle", *waits]), DEBUG)
     assert p.wait_for(r"checkpoint \S+ \(interval\) written"), p.output
     filler = fill(small_fs)
+    filled.touch()
     before = checkpoints(save_dir)
     # Training goes on through more than one failed interval.
     assert p.wait_for(FAILED, count=2), p.output
@@ -96,6 +103,7 @@ def test_periodic_saves_fail_on_a_full_disk_and_training_goes_on(small_fs, tmp_p
     last_good = max(before)
     assert re.search(rf"the last good checkpoint is \S+step_0*{last_good} ", p.output), p.output
     filler.unlink()  # space again: the next interval's save succeeds
+    freed.touch()
     n_written = len(re.findall(r"\(interval\) written", p.output))
     assert p.wait_for(r"\(interval\) written", count=n_written + 1), p.output
     assert p.finish() == 0, p.output
@@ -104,7 +112,9 @@ def test_periodic_saves_fail_on_a_full_disk_and_training_goes_on(small_fs, tmp_p
 
 def test_a_stop_whose_save_fails_exits_74_and_the_rerun_continues(small_fs, tmp_path, reference):
     save_dir, final = small_fs / "run", tmp_path / "final.safetensors"
-    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, "--no_recycle"]), DEBUG)
+    # the loop holds after its first checkpoint (durable) until the test's signal
+    hold = ["--settle_at", "saved:1", "--hold_at", "saved:1"]
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, "--no_recycle", *hold]), DEBUG)
     assert p.wait_for(r"checkpoint \S+ \(interval\) written"), p.output
     filler = fill(small_fs)
     before = checkpoints(save_dir)
@@ -126,10 +136,15 @@ def test_a_stop_whose_save_fails_exits_74_and_the_rerun_continues(small_fs, tmp_
 
 def test_with_recycling_a_full_disk_does_not_stop_the_checkpoints(small_fs, tmp_path, reference):
     save_dir, final = small_fs / "run", tmp_path / "final.safetensors"
-    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]), DEBUG)
+    filled = tmp_path / "filled"
+    # the loop waits after its third checkpoint (durable) until the disk is full, and holds at step 44 (3 s of step
+    # sleeps later, about ten intervals) until the test's signal
+    waits = ["--settle_at", "saved:3", "--wait_file_at", f"saved:3:{filled}", "--hold_at", "step:44"]
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, *waits]), DEBUG)
     assert p.wait_for(r"checkpoint \S+ \(interval\) written", count=3), p.output  # one pruned: the pool
     assert [e for e in os.listdir(save_dir) if e.startswith(".recycle-")], os.listdir(save_dir)
     fill(small_fs)
+    filled.touch()
     n_written = len(re.findall(r"\(interval\) written", p.output))
     assert p.wait_for(r"\(interval\) written", count=n_written + 2), p.output  # written over the pool, in place
     p.signal(signal.SIGTERM)

@@ -504,10 +504,10 @@ def main() -> None:
         lazy_copy_at_stop()
     if args.signal_at:
         signal_at(args.signal_at)
+    if args.settle_at:  # first: at a point where the loop also holds or waits, the write in flight ends before
+        settle_at(args.settle_at)
     if args.hold_at:
         hold_at(args.hold_at)
-    if args.settle_at:
-        settle_at(args.settle_at)
     if args.wait_file_at:
         wait_file_at(args.wait_file_at)
     if args.slow_commit:

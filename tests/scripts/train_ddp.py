@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import Synthetic, flatten, signal_at, wait_for_file  # noqa: E402
+from train import HOLD_LIMIT_S, Synthetic, flatten, signal_at, wait_for_file  # noqa: E402
 
 import preempt.checkpoint.manager  # noqa: E402
 from preempt import PreemptibleRun  # noqa: E402
@@ -75,6 +75,15 @@ def wait_file_in_restart(spec: str, rank: int) -> None:
     say(f"rank {rank} went on")
 
 
+def settle(run: PreemptibleRun, rank: int) -> None:
+    """After a step that took a checkpoint, the loop waits until that write has ended, so that every save is taken
+    when it is due, however slow the machine, instead of being postponed behind a write still in flight. Rank 0
+    writes in the background; the other ranks meet it at the next step's all-reduce."""
+    if run.last_save is not None and run.last_save.step == run.global_step:
+        run.wait_for_checkpoint(HOLD_LIMIT_S)
+        say(f"rank {rank} settled at step {run.global_step}")
+
+
 _LAST_WORK: list[dist.Work] = []
 
 
@@ -95,6 +104,11 @@ def main() -> None:
     p.add_argument("--resume", default="latest", help="latest, best, a step number or a path")
     p.add_argument("--weights_only", action="store_true")
     p.add_argument("--fail_write", type=int, default=None, help="rank 0's N-th background write fails (ENOSPC)")
+    p.add_argument(
+        "--settle_saves",
+        action="store_true",
+        help="after each step that took a checkpoint, wait until its background write has ended (durable or failed)",
+    )
     p.add_argument("--frozen", action="store_true", help="a frozen part of ~4 MiB before the trained layers")
     p.add_argument("--keep_last", type=int, default=2)
     p.add_argument(
@@ -164,6 +178,8 @@ def main() -> None:
                 ids = ",".join(map(str, idx.tolist()))
                 say(f"rank {rank} step {run.global_step + 1} epoch {run.epoch} batch {run.batch} idx {ids}")
                 run.step()
+                if args.settle_saves:
+                    settle(run, rank)
 
     if args.final_out:
         out: dict[str, torch.Tensor] = {}
