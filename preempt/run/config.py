@@ -206,7 +206,7 @@ class RunConfig:
     exit_if_complete: bool = True
     lock_timeout: float = 0.0
     # stopping
-    signals: tuple[int, ...] = tuple(DEFAULT_SIGNALS)
+    signals: tuple[int, ...] = tuple(int(s) for s in DEFAULT_SIGNALS)  # plain ints: a config parser can show them
     exit_code: int = PREEMPTED_EXIT_CODE
     time_limit: float | str | None = None
     requeue: bool = True

@@ -1,0 +1,134 @@
+"""The training loader Lightning iterates: the user's, processed as Lightning would, its batches from the run.
+
+Lightning asks its data source (the LightningModule's or the datamodule's ``train_dataloader``, or the loader given
+to ``fit``) for the training loader and creates each epoch's iterator itself. For an exact resume the run must
+create that iterator (it restores the random state from just before it, seeds each sample's draws and starts at
+the saved batch: :mod:`preempt.run.data_cursor`). So, for the time of the fit, the source hands Lightning
+:class:`RunBatches` instead: it wraps the user's loader after Lightning's own processing (the distributed sampler
+under DDP, the workers' ``worker_init_fn``), has its length, shows its sampler (Lightning sets the sampler's epoch
+through it), and each ``iter()`` asks the run for the next epoch's batches.
+
+Lightning's data source is read from ``trainer.fit_loop._data_source`` (private, pinned by the Lightning tests):
+its ``instance`` is the LightningModule, the datamodule, or the loader itself, and ``name`` the hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PreemptError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+HOOK = "train_dataloader"
+
+
+class RunBatches:
+    """Stands for the user's training loader in Lightning; each epoch's batches come from the run.
+
+    ``iter()`` returns a lazy iterator: the run opens the epoch at its first ``next()``, so an ``iter()`` that
+    Lightning makes only to check the loader is iterable (its ``_check_dataloader_iterable``) opens nothing.
+
+    Args:
+        loader: The user's loader, processed by Lightning (``_process_dataloader``).
+        open_epoch: Called with ``loader`` when an epoch's first batch is asked for; returns that epoch's iterator.
+    """
+
+    def __init__(self, loader: Iterable[Any], open_epoch: Callable[[Iterable[Any]], Iterator[Any]]) -> None:
+        self.loader = loader
+        self._open_epoch = open_epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]  # a TypeError says "no length", as Lightning expects
+
+    def __iter__(self) -> Iterator[Any]:
+        return _Epoch(self.loader, self._open_epoch)
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.loader, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        return getattr(self.loader, "batch_sampler", None)
+
+    @property
+    def dataset(self) -> Any:
+        return getattr(self.loader, "dataset", None)
+
+    @property
+    def batch_size(self) -> Any:
+        return getattr(self.loader, "batch_size", None)
+
+    @property
+    def num_workers(self) -> int:
+        return int(getattr(self.loader, "num_workers", 0))
+
+
+class _Epoch:
+    """One epoch's iterator, opened at the first ``next()``."""
+
+    def __init__(self, loader: Iterable[Any], open_epoch: Callable[[Iterable[Any]], Iterator[Any]]) -> None:
+        self._loader = loader
+        self._open_epoch = open_epoch
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> _Epoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._it = self._open_epoch(self._loader)
+        return next(self._it)
+
+
+class SourceSwap:
+    """Makes the trainer's training-data source hand out what ``wrap`` makes of its loader, until :meth:`undo`.
+
+    Args:
+        trainer: The trainer being fit.
+        wrap: Turns the loader the source gives into what Lightning iterates.
+    """
+
+    def __init__(self, trainer: pl.Trainer, wrap: Callable[[Any], Any]) -> None:
+        import lightning.pytorch as pl
+
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        if source is None or not hasattr(source, "instance") or not hasattr(source, "name"):
+            raise PreemptError(
+                "PreemptCallback: this Lightning version keeps no trainer.fit_loop._data_source with instance and"
+                " name; preempt cannot hand Lightning the run's batches (supported: lightning>=2.2,<2.7)"
+            )
+        self._undo: Callable[[], None] | None = None
+        instance, name = source.instance, source.name
+        if isinstance(instance, (pl.LightningModule, pl.LightningDataModule)):
+            if name != HOOK:
+                raise PreemptError(f"PreemptCallback: the training data source's hook is {name!r}, not {HOOK!r}")
+            original = getattr(instance, HOOK)
+
+            def train_dataloader() -> Any:
+                return wrap(original())
+
+            # an attribute of the instance: Lightning calls getattr(instance, "train_dataloader")
+            object.__setattr__(instance, HOOK, train_dataloader)
+
+            def undo() -> None:
+                if instance.__dict__.get(HOOK) is train_dataloader:
+                    del instance.__dict__[HOOK]
+
+            self._undo = undo
+        elif instance is not None:  # the loader given to fit(train_dataloaders=...), returned by the source as is
+            source.instance = wrap(instance)
+
+            def undo_given() -> None:
+                source.instance = instance
+
+            self._undo = undo_given
+
+    def undo(self) -> None:
+        """Leaves the source as it was."""
+        if self._undo is not None:
+            self._undo()
+            self._undo = None

@@ -1,0 +1,246 @@
+"""PreemptCallback: a Lightning fit driven through a PreemptibleRun, from the hooks Lightning calls.
+
+The callback holds one :class:`~preempt.run.preemptible.PreemptibleRun` for the time of ``trainer.fit`` and calls
+it where a hand-written loop would:
+
+========================  =========================================================================================
+Lightning hook            the run
+========================  =========================================================================================
+``setup`` (fit)           the training-data source hands Lightning :class:`~preempt.lightning.batches.RunBatches`
+``on_fit_start``          entered with the module, optimizers, schedulers, scaler and Lightning's own state
+                          (:class:`~preempt.lightning.trainer_state.TrainerState`); a checkpoint is restored here,
+                          the loops' counters included; a completed run exits 0 here
+``on_train_start``        the stop signals taken back from Lightning's signal connector (registered just before)
+an epoch's first batch    ``run.epochs`` moves to the epoch, ``run.batches`` opens it (exact mid-epoch)
+``on_train_batch_end``    ``run.step()`` when the batch ended with an optimizer step (never between accumulated
+                          micro-batches): periodic checkpoints, and the stop (a checkpoint, exit code 75)
+``on_validation_end``     the random state put back as it was after the batch before the validation, so that
+                          training draws the same numbers whether or not a resumed run repeats a validation
+``on_train_end``          the run left: a final checkpoint when anything changed, the run marked complete
+``on_exception``          the run left with the exception (a stop's ``Preempted`` too)
+========================  =========================================================================================
+
+Lightning's own SIGTERM handler would make the process exit 0 at the end of the batch, and under SLURM its SIGUSR1
+handler saves and requeues inside the handler. The run's handlers flag only: Lightning's SIGUSR1 handler is never
+installed (a handler exists when Lightning looks), and its SIGTERM handler is replaced in ``on_train_start``; the
+connector's saved "original" handlers are set to those from before the run, so both restore the same ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+
+from ..data import rng
+from ..errors import PreemptError
+from ..run.config import RunConfig
+from ..run.preemptible import PreemptibleRun
+from .batches import RunBatches, SourceSwap
+from .trainer_state import TrainerState
+
+# Options the callback sets itself (from the trainer), never the user.
+_OWN = ("model", "optimizer", "scheduler", "scaler", "clock")
+_OPTIONS = frozenset(f.name for f in dataclasses.fields(RunConfig))
+_MANY_EPOCHS = 1 << 31  # max_epochs=-1 (or None with max_steps): the run counts epochs without an end
+
+
+class PreemptCallback(pl.Callback):
+    """Gives a Lightning run preempt's stop, exact resume and safe checkpoints.
+
+    Args:
+        save_dir: Directory of the run's checkpoints; rerunning the same command resumes from it (no ``ckpt_path``).
+        track: Further objects with state_dict()/load_state_dict() to save, by name (as PreemptibleRun's).
+        **options: :class:`~preempt.run.preemptible.PreemptibleRun`'s options (``checkpoint_interval``,
+            ``checkpoint_every_steps``, ``keep_last``, ``signals``, ``time_limit``...), checked here.
+
+    Raises:
+        TypeError: An option that PreemptibleRun does not take, or one the callback sets itself.
+        ValueError: An option's value out of its range (the message names it).
+    """
+
+    def __init__(
+        self, save_dir: str | os.PathLike[str], *, track: Mapping[str, Any] | None = None, **options: Any
+    ) -> None:
+        if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
+            raise ValueError(f"PreemptCallback: save_dir: expected a directory path, got {save_dir!r}")
+        own = sorted(set(options) & set(_OWN))
+        if own:
+            raise TypeError(f"PreemptCallback: {', '.join(own)}: set by the callback from the trainer, not an option")
+        unknown = sorted(set(options) - _OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"PreemptCallback: unknown option(s) {', '.join(unknown)}; PreemptibleRun's options are"
+                f" {', '.join(sorted(_OPTIONS))}"
+            )
+        # Checks every value now. Passed straight on (**options), so that LightningCLI's parser (jsonargparse) reads
+        # the options' names and types from RunConfig: a YAML config's init_args are checked like Python's.
+        self.config = RunConfig(**options)
+        self.save_dir = str(save_dir)
+        self.options = dict(options)
+        self.track = dict(track or {})
+        self.run: PreemptibleRun | None = None
+        self._swap: SourceSwap | None = None
+        self._epochs: Iterator[int] | None = None
+        self._steps_seen = 0
+        self._before: dict[int, Any] = {}  # the signal handlers from before the run
+        self._handlers: dict[int, Any] = {}  # the run's
+        self._val_rng: rng.RngState | None = None
+
+    @property
+    def state_key(self) -> str:
+        return "PreemptCallback"
+
+    # ------------------------------------------------------------------ set up
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if sum(isinstance(cb, PreemptCallback) for cb in trainer.callbacks) > 1:
+            raise PreemptError("PreemptCallback: one per trainer (found several in trainer.callbacks)")
+        self._swap = SourceSwap(trainer, lambda loader: self._wrap(trainer, loader))
+
+    def _wrap(self, trainer: pl.Trainer, loader: Any) -> RunBatches:
+        """The user's training loader, processed as Lightning processes one, its epochs opened by the run."""
+        from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader
+        from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+        from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+        if isinstance(loader, (CombinedLoader, Mapping, list, tuple)):
+            raise PreemptError(
+                "PreemptCallback: train_dataloader returned several loaders"
+                f" ({type(loader).__name__}); preempt resumes one training loader exactly. Combine them in one"
+                " Dataset, or train without PreemptCallback"
+            )
+        processed = _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, loader)
+        return RunBatches(processed, lambda inner: self._open_epoch(trainer, inner))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizers = list(trainer.optimizers)
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        track: dict[str, Any] = dict(self.track)
+        for name, extra in (("optimizer", optimizers[1:]), ("scheduler", schedulers[1:])):
+            for i, obj in enumerate(extra, start=1):
+                track[f"lightning.{name}_{i}"] = obj
+        track["lightning"] = TrainerState(trainer, pl_module, self)
+        run = PreemptibleRun(
+            self.save_dir,
+            model=pl_module,
+            optimizer=optimizers[0] if optimizers else None,
+            scheduler=schedulers[0] if schedulers else None,
+            scaler=getattr(trainer.precision_plugin, "scaler", None),
+            track=track,
+            **self.options,
+        )
+        signals = run.config.signals
+        main = threading.current_thread() is threading.main_thread()
+        self._before = {sig: signal.getsignal(sig) for sig in signals} if main else {}
+        run.__enter__()  # restores the newest checkpoint (Lightning's loops too); a completed run exits 0 here
+        self.run = run
+        self._handlers = {sig: signal.getsignal(sig) for sig in signals} if main else {}
+        max_epochs = trainer.max_epochs
+        self._epochs = run.epochs(max_epochs if max_epochs is not None and max_epochs >= 0 else _MANY_EPOCHS)
+        self._steps_seen = trainer.global_step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Takes the stop signals back from Lightning's signal connector, which registered its own just before."""
+        connector = getattr(trainer, "_signal_connector", None)
+        originals = getattr(connector, "_original_handlers", None)
+        if not isinstance(originals, dict):
+            raise PreemptError(
+                "PreemptCallback: this Lightning version keeps no trainer._signal_connector._original_handlers;"
+                " preempt cannot take the stop signals over (supported: lightning>=2.2,<2.7)"
+            )
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+            if sig in originals:
+                originals[sig] = self._before[sig]  # what Lightning's teardown puts back: the handler before the run
+        self._steps_seen = trainer.global_step
+
+    # ------------------------------------------------------------------ the loop's points
+
+    def _open_epoch(self, trainer: pl.Trainer, loader: Iterable[Any]) -> Iterator[Any]:
+        run, epochs = self.run, self._epochs
+        if run is None or epochs is None:
+            raise PreemptError("PreemptCallback: the training loader was iterated outside trainer.fit")
+        epoch = next(epochs, None)  # the previous epoch ends, this one begins: a safe point (a stop may land here)
+        while epoch is not None and epoch < trainer.current_epoch:
+            # Resumed from the last step of an epoch: Lightning goes on with the next one, the run finishes that
+            # epoch first (its batches are all done: nothing is iterated).
+            for _ in run.batches(loader):
+                raise PreemptError(f"PreemptCallback: Lightning left epoch {epoch} with batches left in the run's")
+            epoch = next(epochs, None)
+        if epoch != trainer.current_epoch:
+            raise PreemptError(
+                f"PreemptCallback: Lightning is in epoch {trainer.current_epoch}, the run in epoch {epoch};"
+                " the training loader must be iterated once per epoch (reload_dataloaders_every_n_epochs and"
+                " several iterations of it per epoch are not supported)"
+            )
+        return run.batches(loader)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """The safe point: after an optimizer step and its schedulers, never between accumulated micro-batches."""
+        if self.run is None:
+            return
+        if trainer.global_step != self._steps_seen:
+            self._steps_seen = trainer.global_step
+            self.run.step()
+        # A validation due after this batch runs next, and creating its loader's iterator draws from the global
+        # generators before any validation hook: the state is kept here and put back when the validation ends.
+        self._val_rng = rng.capture()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._val_rng is not None and not trainer.sanity_checking:
+            rng.restore(self._val_rng)
+        self._val_rng = None
+
+    # ------------------------------------------------------------------ the end
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        run, epochs = self.run, self._epochs
+        if run is None or epochs is None:
+            return
+        if trainer.fit_loop.epoch_progress.current.processed >= (trainer.max_epochs or 0) > 0:
+            for _ in epochs:  # every epoch ran: the run's last epoch boundary (a safe point)
+                raise PreemptError("PreemptCallback: the run has epochs left after Lightning's last one")
+        else:  # max_steps, should_stop (EarlyStopping), a time limit: the final checkpoint holds the epoch's position
+            epochs.close()
+        self._leave(None)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:
+            self._leave(exception)
+        finally:  # Lightning calls no teardown hook after an exception
+            self._undo_swap()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        try:
+            if self.run is not None:  # fit left without on_train_end or on_exception (no training batch at all)
+                self._leave(None)
+        finally:
+            self._undo_swap()
+
+    def _undo_swap(self) -> None:
+        if self._swap is not None:
+            self._swap.undo()
+            self._swap = None
+
+    def _leave(self, exception: BaseException | None) -> None:
+        run, self.run = self.run, None
+        self._epochs = None
+        if run is None:
+            return
+        if exception is None:
+            run.__exit__(None, None, None)
+        else:
+            run.__exit__(type(exception), exception, exception.__traceback__)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the run's state lives in its own checkpoints, not in Lightning's

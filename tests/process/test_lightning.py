@@ -1,0 +1,186 @@
+"""Lightning with PreemptCallback: real Lightning, real DataLoader workers, real signals; resumed bit-exact.
+
+Each trial runs ``tests/scripts/train_lightning.py`` (or its LightningCLI twin from a YAML config): a map-style set
+with random augmentation in 2 workers, dropout, a global-RNG draw per step, AdamW with a per-step scheduler, 3 epochs
+of 12 batches. The process holds at a given optimizer step until the run has been asked to stop (``--hold_at_step``),
+so the signal lands there whatever the machine's speed; the stopped run is rerun with the same command and its final
+model, optimizer and losses must equal an uninterrupted run's under ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[lightning]')")
+
+from conftest import ROOT, Spawned, assert_same_final, flip_bit  # noqa: E402
+
+from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
+
+SCRIPT = ROOT / "tests" / "scripts" / "train_lightning.py"
+CLI = ROOT / "tests" / "scripts" / "train_lightning_cli.py"
+PREEMPTED = 75
+STOPPED = r"\[preempt\] stopping on (SIG\w+) .* at step (\d+) \(epoch (\d+), batch (\d+)/?\d*\)"
+
+
+def command(save_dir: Path, final: Path | None, args: list[str]) -> list[str]:
+    cmd = [sys.executable, str(SCRIPT), "--save_dir", str(save_dir), *args]
+    return cmd + (["--final_out", str(final)] if final else [])
+
+
+_references: dict[tuple[str, ...], Path] = {}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    """The uninterrupted run's final state for the given arguments (with the callback), made once per module."""
+
+    def get(args: list[str]) -> Path:
+        key = tuple(args)
+        if key not in _references:
+            d = tmp_path_factory.mktemp("lightning_ref")
+            p = Spawned(command(d / "run", d / "final.safetensors", args))
+            assert p.finish() == 0, p.output
+            _references[key] = d / "final.safetensors"
+        return _references[key]
+
+    return get
+
+
+def stop_at(save_dir: Path, args: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
+    """Runs until optimizer step ``step`` of this process, signals it there (the whole group: ``group``)."""
+    p = Spawned(command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
+    assert p.wait_for(rf"^holding at step {step}$", timeout=120), p.output
+    if group:
+        os.killpg(p.proc.pid, sig)
+    else:
+        p.signal(sig)
+    return p
+
+
+def resume(save_dir: Path, final: Path, args: list[str]) -> Spawned:
+    p = Spawned(command(save_dir, final, args))
+    assert p.finish() == 0, p.output
+    return p
+
+
+@pytest.mark.parametrize(
+    ("args", "at", "where"),
+    [
+        # mid-epoch 1, with the workers' augmentation replayed
+        ([], 17, (1, 5)),
+        # gradient accumulation (6 steps per epoch): the 9th optimizer step ends the 6th micro-batch of epoch 1
+        (["--accumulate", "2"], 9, (1, 6)),
+        # the epoch's last step: the resumed run starts the next epoch
+        ([], 12, (0, 12)),
+        # a validation every 5 batches, and the stop at a step followed by one
+        (["--validate"], 10, (0, 10)),
+    ],
+    ids=["mid_epoch", "accumulate_2", "epoch_end", "validation"],
+)
+def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference, args, at, where):
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, args, at, signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    stopped = re.search(STOPPED, p.output)
+    assert stopped, p.output
+    assert (stopped[1], int(stopped[2]), int(stopped[3]), int(stopped[4])) == ("SIGTERM", at, *where), p.output
+    info = CheckpointManager(save_dir, owner=False).list()[0]
+    assert info.step == at and info.status == "valid", info
+    r = resume(save_dir, final, args)
+    assert re.search(rf"resumed from \S+step_0*{at}: step {at}, epoch {where[0]}", r.output), r.output
+    # the resumed process starts after the stopped step: no batch is trained twice, none skipped
+    steps = [int(s) for s in re.findall(r"^step (\d+) ", r.output, flags=re.M)]
+    assert steps[0] == at + 1 and steps == list(range(at + 1, steps[-1] + 1)), r.output
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(ROOT.glob("*.ckpt")), "no Lightning checkpoint is written"
+    assert_same_final(reference(args), final)
+
+
+def test_sigterm_to_the_process_group_with_the_workers_alive(tmp_path, reference):
+    """As `timeout` and SLURM signal: the workers get the signal too; preempt's shield keeps them working."""
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, [], 20, signal.SIGTERM, group=True)
+    assert p.finish() == PREEMPTED, p.output
+    resume(save_dir, final, [])
+    assert_same_final(reference([]), final)
+
+
+def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
+    args = ["--every_steps", "5", "--sync_save"]
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, args, 17, signal.SIGKILL)
+    assert p.finish() == -signal.SIGKILL, p.output
+    r = resume(save_dir, final, args)
+    assert re.search(r"resumed from \S+step_0*15: step 15, epoch 1", r.output), r.output
+    assert_same_final(reference(args), final)
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_used(tmp_path, reference):
+    args = ["--every_steps", "5", "--sync_save"]
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, args, 17, signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    flip_bit(save_dir / "step_000000017" / "model.safetensors")
+    r = resume(save_dir, final, args)
+    assert re.search(r"resumed from \S+step_0*15: step 15", r.output), r.output
+    assert (save_dir / "quarantine").is_dir() and any((save_dir / "quarantine").iterdir()), r.output
+    assert_same_final(reference(args), final)
+
+
+def test_a_completed_run_exits_0_at_once(tmp_path):
+    save_dir = tmp_path / "run"
+    resume(save_dir, tmp_path / "first.safetensors", [])
+    again = Spawned(command(save_dir, None, []))
+    assert again.finish() == 0, again.output
+    assert "is complete" in again.output and not re.search(r"^step \d+ ", again.output, flags=re.M), again.output
+
+
+CONFIG = """\
+seed_everything: 0
+trainer:
+  max_epochs: 3
+  accelerator: cpu
+  devices: 1
+  logger: false
+  default_root_dir: {root}
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  num_sanity_val_steps: 0
+  limit_val_batches: 0
+  callbacks:
+    - class_path: train_lightning.Steps
+      init_args: {{hold_at: {hold}, step_sleep: 0.0}}
+    - class_path: preempt.lightning.PreemptCallback
+      init_args: {{save_dir: {save_dir}, checkpoint_every_steps: 5, checkpoint_interval: null}}
+"""
+
+
+def cli(tmp_path: Path, name: str, hold: int | None, final: Path | None) -> Spawned:
+    config = tmp_path / f"{name}.yaml"
+    hold_at = "null" if hold is None else str(hold)
+    config.write_text(CONFIG.format(root=tmp_path, hold=hold_at, save_dir=tmp_path / name))
+    env = {"FINAL_OUT": str(final)} if final else {}
+    return Spawned([sys.executable, str(CLI), "fit", "--config", str(config)], env)
+
+
+def test_lightning_cli_from_a_yaml_config_stops_on_sigusr1_and_resumes_bit_exact(tmp_path):
+    """salt's setting: a LightningCLI project, SLURM's --signal=USR1; the callback comes from the YAML alone."""
+    ref = cli(tmp_path, "ref", None, tmp_path / "ref.safetensors")
+    assert ref.finish() == 0, ref.output
+    p = cli(tmp_path, "run", 19, None)
+    assert p.wait_for(r"^holding at step 19$", timeout=120), p.output
+    p.signal(signal.SIGUSR1)
+    assert p.finish() == PREEMPTED, p.output
+    assert re.search(r"stopping on SIGUSR1 .* at step 19 ", p.output), p.output
+    assert not list(tmp_path.rglob("hpc_ckpt_*")), "Lightning's own SLURM handler must not save"
+    r = cli(tmp_path, "run", None, tmp_path / "final.safetensors")
+    assert r.finish() == 0, r.output
+    assert re.search(r"resumed from \S+step_0*19: step 19", r.output), r.output
+    assert_same_final(tmp_path / "ref.safetensors", tmp_path / "final.safetensors")

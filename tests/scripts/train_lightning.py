@@ -1,0 +1,157 @@
+"""A small Lightning training for the Lightning tests: real Lightning, real workers, real signals.
+
+A map-style set with random augmentation in ``__getitem__`` (in 2 DataLoader workers by default), dropout and a
+draw from the global RNG in each training step, AdamW with a per-step scheduler, ``seed_everything(0,
+workers=True)``; 96 samples in batches of 8, so 12 batches per epoch. Every optimizer step prints ``step N epoch E
+batch B``. At the end ``--final_out`` gets the model's and the optimizer's tensors, and the losses.
+
+Run alone or as a LightningCLI (``--cli``, the rest of the command line goes to LightningCLI: ``fit --config
+x.yaml``). ``--hold_at_step N`` makes the N-th optimizer step of this process wait, before the run's safe point,
+until the run has been asked to stop: the test signals the process then, whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import HOLD_LIMIT_S, Synthetic, flatten  # noqa: E402
+
+from preempt.lightning import PreemptCallback  # noqa: E402
+
+
+class Net(L.LightningModule):
+    def __init__(self, dim: int = 16, lr: float = 1e-2, workers: int = 2, samples: int = 96, batch_size: int = 8):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(dim, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 2)
+        )
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y) + torch.randn(()) * 1e-3
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        data = Synthetic(self.hparams.samples, self.hparams.dim, augment=True)
+        workers = self.hparams.workers
+        return DataLoader(data, batch_size=self.hparams.batch_size, shuffle=True, num_workers=workers)
+
+    def val_dataloader(self):
+        data = Synthetic(32, self.hparams.dim, augment=True, seed=99)
+        return DataLoader(data, batch_size=8, num_workers=0)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["losses"] = list(self.losses)
+
+    def on_load_checkpoint(self, checkpoint):
+        if "losses" in checkpoint:  # a preempt checkpoint (or Lightning's) carries the losses so far
+            self.losses = list(checkpoint["losses"])
+
+
+class Steps(L.Callback):
+    """Prints each optimizer step; holds at one until the run is asked to stop (--hold_at_step)."""
+
+    def __init__(self, hold_at: int | None, step_sleep: float) -> None:
+        self.hold_at = hold_at
+        self.step_sleep = step_sleep
+        self.steps = 0  # optimizer steps of this process
+        self.seen = -1
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.seen:
+            return  # an accumulated micro-batch
+        self.seen = trainer.global_step
+        self.steps += 1
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        print(f"step {trainer.global_step} epoch {trainer.current_epoch} batch {batch_idx + 1}", flush=True)
+        if self.steps == self.hold_at:
+            print(f"holding at step {trainer.global_step}", flush=True)
+            preempt = next(cb for cb in trainer.callbacks if isinstance(cb, PreemptCallback))
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while not preempt.run.stop_requested and time.monotonic() < deadline:
+                time.sleep(0.005)
+            print(f"released at step {trainer.global_step}", flush=True)
+
+
+def write_final(path: str, module: Net, trainer: L.Trainer) -> None:
+    out: dict[str, torch.Tensor] = {}
+    flatten("model", module.state_dict(), out)
+    flatten("optimizer", trainer.optimizers[0].state_dict(), out)
+    out["losses"] = torch.tensor(module.losses, dtype=torch.float64)
+    save_file(out, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--save_dir", default=None, help="PreemptCallback's save_dir (none: Lightning alone)")
+    p.add_argument("--final_out", default=None)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--every_steps", type=int, default=None)
+    p.add_argument("--validate", action="store_true", help="a validation every 5 batches")
+    p.add_argument("--hold_at_step", type=int, default=None)
+    p.add_argument("--step_sleep", type=float, default=0.0)
+    p.add_argument("--sync_save", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, workers=True, verbose=False)
+    model = Net(workers=args.workers)
+    callbacks: list[L.Callback] = [Steps(args.hold_at_step, args.step_sleep)]
+    if args.save_dir:
+        callbacks.append(
+            PreemptCallback(
+                args.save_dir,
+                checkpoint_interval=None,
+                checkpoint_every_steps=args.every_steps,
+                async_save=not args.sync_save,
+            )
+        )
+    trainer = L.Trainer(
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=args.accumulate,
+        limit_val_batches=1.0 if args.validate else 0,
+        val_check_interval=5 if args.validate else None,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    trainer.fit(model)
+    if args.final_out:
+        write_final(args.final_out, model, trainer)
+    print(f"done at step {trainer.global_step} pid {os.getpid()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""PreemptCallback in this process: its options checked at once, the signals and the data source left as they were,
+Lightning's state refused where it cannot be stored without pickle. (Stops and resumes: tests/process.)"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+L = pytest.importorskip("lightning.pytorch", reason="Lightning is not installed (pip install -e '.[lightning]')")
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from preempt.errors import UnsupportedStateError  # noqa: E402
+from preempt.lightning import PreemptCallback  # noqa: E402
+
+
+def test_import_preempt_never_imports_a_framework():
+    code = (
+        "import sys, preempt, preempt.run.preemptible, preempt.cli.main\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_an_unknown_option_is_named():
+    with pytest.raises(TypeError, match=r"unknown option\(s\) checkpoint_evry_steps; PreemptibleRun's options are"):
+        PreemptCallback("runs/x", checkpoint_evry_steps=5)
+
+
+def test_the_parts_the_callback_sets_are_not_options():
+    with pytest.raises(TypeError, match="model, optimizer: set by the callback from the trainer"):
+        PreemptCallback("runs/x", model=torch.nn.Linear(1, 1), optimizer=None)
+
+
+def test_a_bad_value_is_refused_when_the_callback_is_made():
+    with pytest.raises(ValueError, match="keep_last"):
+        PreemptCallback("runs/x", keep_last=-1)
+    with pytest.raises(ValueError, match="save_dir: expected a directory path"):
+        PreemptCallback("")
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, note: object = "plain") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)), 4)
+
+
+def fit(tmp_path, module: L.LightningModule) -> L.Trainer:
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[PreemptCallback(tmp_path / "run", checkpoint_interval=None, log_file=False)],
+    )
+    trainer.fit(module)
+    return trainer
+
+
+def test_after_fit_the_signals_and_the_data_source_are_as_before(tmp_path):
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
+    module = Tiny()
+    trainer = fit(tmp_path, module)
+    assert trainer.global_step == 4
+    after = {sig: signal.getsignal(sig) for sig in before}
+    assert after == before
+    assert "train_dataloader" not in module.__dict__  # the hook swapped for the fit is the class's again
+    assert (tmp_path / "run" / "complete.json").is_file()
+
+
+def test_a_hyper_parameter_that_json_cannot_hold_is_refused_by_name(tmp_path):
+    with pytest.raises(UnsupportedStateError, match="hyper_parameters"):
+        fit(tmp_path, Tiny(note=object()))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
