@@ -8,6 +8,13 @@ the saved batch: :mod:`preempt.run.data_cursor`). So, for the time of the fit, t
 under DDP, the workers' ``worker_init_fn``), has its length, shows its sampler (Lightning sets the sampler's epoch
 through it), and each ``iter()`` asks the run for the next epoch's batches.
 
+A loader that samples with torch's own ``RandomSampler`` or ``SequentialSampler`` (``shuffle=True`` or ``False``), or
+Lightning's ``DistributedSampler`` under DDP, is remade with a
+:class:`~preempt.data.sampler.ResumableSampler` in its place (:func:`resumable`): a resumed epoch then starts at its
+sample without loading the batches before it, and random draws inside the dataset are seeded per sample (with any
+number of workers). Any other loader is iterated as it is, and a resumed epoch replays its batches up to the saved
+one (exact when it yields the same batches again; the log says so).
+
 Lightning's data source is read from ``trainer.fit_loop._data_source`` (private, pinned by the Lightning tests):
 its ``instance`` is the LightningModule, the datamodule, or the loader itself, and ``name`` the hook.
 """
@@ -23,6 +30,35 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 HOOK = "train_dataloader"
+
+
+def resumable(loader: Any, make_sampler: Callable[..., Any], seed: int) -> Any:
+    """``loader`` remade with ``make_sampler(dataset, shuffle=, seed=, drop_last=)`` in place of torch's sampler.
+
+    Only a ``DataLoader`` over a map-style dataset whose batches a plain ``BatchSampler`` forms from a
+    ``RandomSampler`` (without replacement or a sample count), a ``SequentialSampler`` or a ``DistributedSampler``
+    (whose own seed and ``drop_last`` are kept); anything else is returned as it is. Lightning's
+    ``_update_dataloader`` remakes it, as Lightning does when it adds a distributed sampler.
+    """
+    from lightning.fabric.utilities.data import _update_dataloader
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
+    from torch.utils.data import SequentialSampler
+
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    if type(loader.batch_sampler) is not BatchSampler:
+        return loader
+    sampler = loader.sampler
+    drop_last = False
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        shuffle = True
+    elif type(sampler) is SequentialSampler:
+        shuffle = False
+    elif type(sampler) is DistributedSampler:
+        shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
+    else:
+        return loader
+    return _update_dataloader(loader, make_sampler(loader.dataset, shuffle=shuffle, seed=seed, drop_last=drop_last))
 
 
 class RunBatches:

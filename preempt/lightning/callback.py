@@ -41,7 +41,7 @@ from ..data import rng
 from ..errors import PreemptError
 from ..run.config import RunConfig
 from ..run.preemptible import PreemptibleRun
-from .batches import RunBatches, SourceSwap
+from .batches import RunBatches, SourceSwap, resumable
 from .trainer_state import TrainerState
 
 # Options the callback sets itself (from the trainer), never the user.
@@ -118,6 +118,13 @@ class PreemptCallback(pl.Callback):
                 " Dataset, or train without PreemptCallback"
             )
         processed = _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, loader)
+        run = self.run
+        if run is None:
+            raise PreemptError("PreemptCallback: the training loader was asked for before the fit started")
+        # the order's seed: seed_everything's (Lightning's distributed sampler uses it too), else the run's data seed,
+        # which a checkpoint keeps
+        seed = int(os.environ.get("PL_GLOBAL_SEED", run.data_seed))
+        processed = resumable(processed, run.sampler, seed)
         return RunBatches(processed, lambda inner: self._open_epoch(trainer, inner))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

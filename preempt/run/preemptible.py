@@ -196,6 +196,7 @@ class PreemptibleRun:
     last_save = _view("saves", "last_save", "The latest checkpoint taken (a SaveRecord).")
     failed_saves = _view("saves", "failed", "Periodic checkpoints that could not be written.")
     staging_prepare_s = _view("saves", "prepare_s", "Seconds spent sizing the staging buffers.")
+    data_seed = _view("data", "seed", "The seed of the data's per-sample random streams (a checkpoint keeps it).")
     rank = _view("peers", "rank", "This process's rank (0 alone).")
     world_size = _view("peers", "world_size", "The number of ranks (1 alone).")
     nonfinite = _view("health", "nonfinite", "The non-finite loss guard (counts).")

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[lightning]')")
 
@@ -56,7 +58,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
 def stop_at(save_dir: Path, args: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
     """Runs until optimizer step ``step`` of this process, signals it there (the whole group: ``group``)."""
     p = Spawned(command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
-    assert p.wait_for(rf"^holding at step {step}$", timeout=120), p.output
+    assert p.wait_for(rf"^holding at step {step} pid \d+$", timeout=120), p.output
     if group:
         os.killpg(p.proc.pid, sig)
     else:
@@ -73,8 +75,10 @@ def resume(save_dir: Path, final: Path, args: list[str]) -> Spawned:
 @pytest.mark.parametrize(
     ("args", "at", "where"),
     [
-        # mid-epoch 1, with the workers' augmentation replayed
+        # mid-epoch 1: the loader remade with preempt's sampler, the workers' draws seeded per sample
         ([], 17, (1, 5)),
+        # a sampler of the user's own, kept: the resumed epoch replays its first batches through the same workers
+        (["--custom_sampler"], 17, (1, 5)),
         # gradient accumulation (6 steps per epoch): the 9th optimizer step ends the 6th micro-batch of epoch 1
         (["--accumulate", "2"], 9, (1, 6)),
         # the epoch's last step: the resumed run starts the next epoch
@@ -82,7 +86,7 @@ def resume(save_dir: Path, final: Path, args: list[str]) -> Spawned:
         # a validation every 5 batches, and the stop at a step followed by one
         (["--validate"], 10, (0, 10)),
     ],
-    ids=["mid_epoch", "accumulate_2", "epoch_end", "validation"],
+    ids=["mid_epoch", "own_sampler", "accumulate_2", "epoch_end", "validation"],
 )
 def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference, args, at, where):
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
@@ -98,6 +102,12 @@ def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference,
     # the resumed process starts after the stopped step: no batch is trained twice, none skipped
     steps = [int(s) for s in re.findall(r"^step (\d+) ", r.output, flags=re.M)]
     assert steps[0] == at + 1 and steps == list(range(at + 1, steps[-1] + 1)), r.output
+    # preempt's sampler starts at the saved sample; a sampler of the user's own is replayed, and the log says so
+    replayed = re.search(r"replaying (\d+) batch\(es\) of epoch", r.output)
+    if "--custom_sampler" in args:
+        assert replayed and int(replayed[1]) == where[1], r.output
+    else:
+        assert not replayed, r.output
     assert not list(tmp_path.rglob("*.ckpt")) and not list(ROOT.glob("*.ckpt")), "no Lightning checkpoint is written"
     assert_same_final(reference(args), final)
 
@@ -175,7 +185,7 @@ def test_lightning_cli_from_a_yaml_config_stops_on_sigusr1_and_resumes_bit_exact
     ref = cli(tmp_path, "ref", None, tmp_path / "ref.safetensors")
     assert ref.finish() == 0, ref.output
     p = cli(tmp_path, "run", 19, None)
-    assert p.wait_for(r"^holding at step 19$", timeout=120), p.output
+    assert p.wait_for(r"^holding at step 19 pid \d+$", timeout=120), p.output
     p.signal(signal.SIGUSR1)
     assert p.finish() == PREEMPTED, p.output
     assert re.search(r"stopping on SIGUSR1 .* at step 19 ", p.output), p.output
@@ -184,3 +194,30 @@ def test_lightning_cli_from_a_yaml_config_stops_on_sigusr1_and_resumes_bit_exact
     assert r.finish() == 0, r.output
     assert re.search(r"resumed from \S+step_0*19: step 19", r.output), r.output
     assert_same_final(tmp_path / "ref.safetensors", tmp_path / "final.safetensors")
+
+
+@pytest.mark.distributed
+def test_ddp_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_bit_exact(tmp_path, reference):
+    """strategy="ddp" with 2 CPU processes (gloo; Lightning starts rank 1 from rank 0): rank 1 alone is signalled,
+    as a scheduler that signals one node would; the ranks agree, both stop at its step, one checkpoint."""
+    args = ["--ddp", "2", "--every_steps", "5"]
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = Spawned(command(save_dir, None, [*args, "--hold_at_step", "8", "--hold_rank", "1"]))
+    assert p.wait_for(r"^rank 1 holding at step 8 pid \d+$", timeout=180), p.output
+    os.kill(int(re.search(r"^rank 1 holding at step 8 pid (\d+)$", p.output, flags=re.M)[1]), signal.SIGTERM)
+    assert p.finish(timeout=180) == PREEMPTED, p.output
+    assert re.search(r"stopping on a stop signal received by rank 1 at step 8 \(epoch 1, batch 2\)", p.output), p.output
+    info = CheckpointManager(save_dir, owner=False).list()[0]
+    assert info.step == 8 and {"rank_00001.json", "model.safetensors"} <= set(info.manifest.files), info
+    p = Spawned(command(save_dir, final, args))
+    assert p.finish(timeout=180) == 0, p.output
+    assert re.search(r"resumed from \S+step_0*8: step 8, epoch 1", p.output), p.output
+    expected = reference(args)
+    for rank in (0, 1):
+        want = load_file(str(expected.with_suffix(f".rank{rank}.safetensors")))
+        got = load_file(str(final.with_suffix(f".rank{rank}.safetensors")))
+        if rank:  # the module's losses in a checkpoint are rank 0's (its on_save_checkpoint), as in Lightning's own
+            del want["losses"], got["losses"]
+        assert want.keys() == got.keys() and len(want) >= 30, sorted(want.keys() ^ got.keys())
+        differing = [k for k in sorted(want) if not torch.equal(want[k], got[k])]
+        assert not differing, f"rank {rank}: {len(differing)} of {len(want)} tensors differ: {differing[:8]}"

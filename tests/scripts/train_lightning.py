@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import torch
 from safetensors.torch import save_file
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import HOLD_LIMIT_S, Synthetic, flatten  # noqa: E402
@@ -29,8 +29,20 @@ from train import HOLD_LIMIT_S, Synthetic, flatten  # noqa: E402
 from preempt.lightning import PreemptCallback  # noqa: E402
 
 
+class Shuffled(RandomSampler):
+    """A sampler of the user's own (preempt does not replace it)."""
+
+
 class Net(L.LightningModule):
-    def __init__(self, dim: int = 16, lr: float = 1e-2, workers: int = 2, samples: int = 96, batch_size: int = 8):
+    def __init__(
+        self,
+        dim: int = 16,
+        lr: float = 1e-2,
+        workers: int = 2,
+        samples: int = 96,
+        batch_size: int = 8,
+        custom_sampler: bool = False,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
@@ -56,6 +68,9 @@ class Net(L.LightningModule):
     def train_dataloader(self):
         data = Synthetic(self.hparams.samples, self.hparams.dim, augment=True)
         workers = self.hparams.workers
+        if self.hparams.custom_sampler:  # a sampler of the user's own: a resumed epoch replays its batches
+            sampler = Shuffled(data)  # its order drawn from torch's global generator when the epoch's iterator is made
+            return DataLoader(data, batch_size=self.hparams.batch_size, sampler=sampler, num_workers=workers)
         return DataLoader(data, batch_size=self.hparams.batch_size, shuffle=True, num_workers=workers)
 
     def val_dataloader(self):
@@ -71,10 +86,12 @@ class Net(L.LightningModule):
 
 
 class Steps(L.Callback):
-    """Prints each optimizer step; holds at one until the run is asked to stop (--hold_at_step)."""
+    """Prints each optimizer step; holds at one until the run is asked to stop (--hold_at_step; under DDP on the
+    rank --hold_rank only: the others wait for it in the run's agreement at that step)."""
 
-    def __init__(self, hold_at: int | None, step_sleep: float) -> None:
+    def __init__(self, hold_at: int | None, step_sleep: float, hold_rank: int = 0) -> None:
         self.hold_at = hold_at
+        self.hold_rank = hold_rank
         self.step_sleep = step_sleep
         self.steps = 0  # optimizer steps of this process
         self.seen = -1
@@ -89,14 +106,15 @@ class Steps(L.Callback):
         self.steps += 1
         if self.step_sleep:
             time.sleep(self.step_sleep)
-        print(f"step {trainer.global_step} epoch {trainer.current_epoch} batch {batch_idx + 1}", flush=True)
-        if self.steps == self.hold_at:
-            print(f"holding at step {trainer.global_step}", flush=True)
+        rank = f"rank {trainer.global_rank} " if trainer.world_size > 1 else ""
+        print(f"{rank}step {trainer.global_step} epoch {trainer.current_epoch} batch {batch_idx + 1}", flush=True)
+        if self.steps == self.hold_at and trainer.global_rank == self.hold_rank:
+            print(f"{rank}holding at step {trainer.global_step} pid {os.getpid()}", flush=True)
             preempt = next(cb for cb in trainer.callbacks if isinstance(cb, PreemptCallback))
             deadline = time.monotonic() + HOLD_LIMIT_S
             while not preempt.run.stop_requested and time.monotonic() < deadline:
                 time.sleep(0.005)
-            print(f"released at step {trainer.global_step}", flush=True)
+            print(f"{rank}released at step {trainer.global_step}", flush=True)
 
 
 def write_final(path: str, module: Net, trainer: L.Trainer) -> None:
@@ -119,11 +137,14 @@ def main() -> None:
     p.add_argument("--hold_at_step", type=int, default=None)
     p.add_argument("--step_sleep", type=float, default=0.0)
     p.add_argument("--sync_save", action="store_true")
+    p.add_argument("--ddp", type=int, default=None, help="strategy='ddp' with this many CPU processes (gloo)")
+    p.add_argument("--hold_rank", type=int, default=0)
+    p.add_argument("--custom_sampler", action="store_true", help="a RandomSampler subclass of the user's own")
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, workers=True, verbose=False)
-    model = Net(workers=args.workers)
-    callbacks: list[L.Callback] = [Steps(args.hold_at_step, args.step_sleep)]
+    model = Net(workers=args.workers, custom_sampler=args.custom_sampler)
+    callbacks: list[L.Callback] = [Steps(args.hold_at_step, args.step_sleep, args.hold_rank)]
     if args.save_dir:
         callbacks.append(
             PreemptCallback(
@@ -136,7 +157,8 @@ def main() -> None:
     trainer = L.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
-        devices=1,
+        devices=args.ddp or 1,
+        strategy="ddp" if args.ddp else "auto",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -148,9 +170,12 @@ def main() -> None:
         callbacks=callbacks,
     )
     trainer.fit(model)
-    if args.final_out:
-        write_final(args.final_out, model, trainer)
-    print(f"done at step {trainer.global_step} pid {os.getpid()}", flush=True)
+    if args.final_out:  # under DDP each rank its own file, .rank<R> before the suffix (the losses are the rank's)
+        final = Path(args.final_out)
+        if trainer.world_size > 1:
+            final = final.with_suffix(f".rank{trainer.global_rank}{final.suffix}")
+        write_final(str(final), model, trainer)
+    print(f"done at step {trainer.global_step} pid {os.getpid()} rank {trainer.global_rank}", flush=True)
 
 
 if __name__ == "__main__":
