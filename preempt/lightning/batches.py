@@ -41,8 +41,14 @@ def resumable(loader: Any, make_sampler: Callable[..., Any], seed: int) -> Any:
     ``_update_dataloader`` remakes it, as Lightning does when it adds a distributed sampler.
     """
     from lightning.fabric.utilities.data import _update_dataloader
-    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
-    from torch.utils.data import SequentialSampler
+    from torch.utils.data import (
+        BatchSampler,
+        DataLoader,
+        DistributedSampler,
+        IterableDataset,
+        RandomSampler,
+        SequentialSampler,
+    )
 
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader

@@ -2,16 +2,21 @@
 
 The user's code is a plain LightningCLI; PreemptCallback comes from the YAML config alone (``trainer.callbacks``).
 ``FINAL_OUT`` in the environment: where the final model and optimizer tensors are written after ``fit``.
+``BLOCK_SIGNALS=1``: SIGTERM/USR1/USR2 blocked from the first statement, so that a SLURM warning that comes during
+the seconds of imports stays pending until the run installs its handlers (as train.py's --block_signals).
 """
 
-from __future__ import annotations
-
 import os
-import sys
-from pathlib import Path
+import signal
 
-import torch
-from lightning.pytorch.cli import LightningCLI
+if os.environ.get("BLOCK_SIGNALS") == "1":  # first, before any import that takes time
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2])
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_lightning import Net, write_final  # noqa: E402

@@ -1,0 +1,78 @@
+"""A LightningCLI job with PreemptCallback on the live SLURM cluster, salt's setting: --signal=B:USR1@N --requeue.
+
+The job (``slurm/lightning.sbatch``, ``--time=1``) has more work than one allocation holds. SLURM's SIGUSR1 comes
+before the time limit; the callback saves at the next optimizer step and requeues the job itself, once per stop;
+Lightning's own SLURM handler never saves (no ``hpc_ckpt_*``) nor requeues. The requeued job reruns the same
+command, resumes, and the final state equals a run outside SLURM under ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[lightning]')")
+
+from conftest import ROOT, Spawned, assert_same_final  # noqa: E402
+from slurmjobs import Cluster, slurm_cluster  # noqa: E402, F401
+
+pytestmark = pytest.mark.slurm
+
+CLI = ROOT / "tests" / "scripts" / "train_lightning_cli.py"
+CONFIG = """\
+seed_everything: 0
+trainer:
+  max_epochs: 3
+  accelerator: cpu
+  devices: 1
+  logger: false
+  default_root_dir: {root}
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  num_sanity_val_steps: 0
+  limit_val_batches: 0
+  callbacks:
+    - class_path: train_lightning.Steps
+      init_args: {{hold_at: null, step_sleep: {sleep}}}
+    - class_path: preempt.lightning.PreemptCallback
+      init_args: {{save_dir: {save_dir}, checkpoint_every_steps: 10, checkpoint_interval: null}}
+"""
+
+
+def config(d: Path, sleep: float) -> Path:
+    path = d / f"sleep_{sleep}.yaml"
+    path.write_text(CONFIG.format(root=d, sleep=sleep, save_dir=d / "run"))
+    return path
+
+
+def test_lightning_cli_job_requeues_itself_on_usr1_and_finishes_bit_exact(
+    slurm_cluster: Cluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ref = Spawned([sys.executable, str(CLI), "fit", "--config", str(config(ref_dir, 0.0))],
+                  {"FINAL_OUT": str(ref_dir / "final.safetensors")})  # fmt: skip
+    assert ref.finish() == 0, ref.output
+    # 36 steps of 1.3 s: ~47 s of work; one --time=1 allocation trains at most ~37 s before an @20 warning
+    final = tmp_path / "final.safetensors"
+    cmd = [sys.executable, str(CLI), "fit", "--config", str(config(tmp_path, 1.3))]
+    options = ["--time=1", "--signal=B:USR1@20", f"--export=ALL,BLOCK_SIGNALS=1,FINAL_OUT={final}"]
+    job = slurm_cluster.submit("lightning.sbatch", cmd, tmp_path / "job.out", options)
+    info = job.wait_done(timeout=300)
+    log = job.log
+    assert info["JobState"] == "COMPLETED", job.describe()
+    assert "DUE TO TIME LIMIT" not in log, f"the job reached its time limit\n{log}"
+    restarts = int(info["Restarts"])
+    assert restarts >= 1, log
+    assert len(re.findall(r"stopping on SIGUSR1", log)) == restarts, log
+    assert len(re.findall(r"the time-limit warning \(\d+ s before the job's end time\); requeued it", log)) == (
+        restarts
+    ), log
+    assert re.search(rf"restart {restarts} of job {job.id}: resumed from", log), log
+    assert "Handling auto-requeue signal" not in log and not list(tmp_path.rglob("hpc_ckpt_*")), log
+    assert_same_final(ref_dir / "final.safetensors", final)
