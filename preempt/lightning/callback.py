@@ -37,6 +37,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from .. import _log
 from ..data import rng
 from ..errors import PreemptError
 from ..run.config import RunConfig
@@ -44,10 +45,33 @@ from ..run.preemptible import PreemptibleRun
 from .batches import RunBatches, SourceSwap, resumable
 from .trainer_state import TrainerState
 
+log = _log.log
+
 # Options the callback sets itself (from the trainer), never the user.
 _OWN = ("model", "optimizer", "scheduler", "scaler", "clock")
 _OPTIONS = frozenset(f.name for f in dataclasses.fields(RunConfig))
 _MANY_EPOCHS = 1 << 31  # max_epochs=-1 (or None with max_steps): the run counts epochs without an end
+# The Lightning versions tested (pyproject.toml's extra, CI): older ones are refused, newer ones warned about.
+SUPPORTED = ((2, 5), (2, 6))
+
+
+def _check_version(version: str) -> None:
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return  # a development build: nothing to say
+    if found < SUPPORTED[0]:
+        raise PreemptError(
+            f"PreemptCallback: Lightning {version} is older than {'.'.join(map(str, SUPPORTED[0]))}, the oldest"
+            " supported (2.4 resumes inside gradient accumulation inexactly); pip install 'preempt[lightning]'"
+        )
+    if found > SUPPORTED[1]:
+        log.warning(
+            "PreemptCallback: Lightning %s is newer than the versions tested (up to %s.x); the callback reads two"
+            " private attributes of the trainer and says so if they are gone",
+            version,
+            ".".join(map(str, SUPPORTED[1])),
+        )
 
 
 class PreemptCallback(pl.Callback):
@@ -67,6 +91,7 @@ class PreemptCallback(pl.Callback):
     def __init__(
         self, save_dir: str | os.PathLike[str], *, track: Mapping[str, Any] | None = None, **options: Any
     ) -> None:
+        _check_version(pl.__version__)
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
             raise ValueError(f"PreemptCallback: save_dir: expected a directory path, got {save_dir!r}")
         own = sorted(set(options) & set(_OWN))

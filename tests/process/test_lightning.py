@@ -9,9 +9,11 @@ model, optimizer and losses must equal an uninterrupted run's under ``torch.equa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -221,3 +223,34 @@ def test_ddp_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_bit_e
         assert want.keys() == got.keys() and len(want) >= 30, sorted(want.keys() ^ got.keys())
         differing = [k for k in sorted(want) if not torch.equal(want[k], got[k])]
         assert not differing, f"rank {rank}: {len(differing)} of {len(want)} tensors differ: {differing[:8]}"
+
+
+def test_the_users_callbacks_and_logger_keep_working_and_the_commands_read_the_run(tmp_path):
+    """ModelCheckpoint (top 2 by val_loss), EarlyStopping, LearningRateMonitor and a CSVLogger beside the callback:
+    their state is kept across the stop (their final best score, kept files and wait count equal the uninterrupted
+    run's), and preempt ls, verify and report read the save_dir."""
+
+    def args(where: str) -> list[str]:
+        return ["--validate", "--user_callbacks", str(tmp_path / where)]
+
+    ref = Spawned(command(tmp_path / "ref_run", tmp_path / "ref.safetensors", args("ref_user")))
+    assert ref.finish() == 0, ref.output
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, args("user"), 16, signal.SIGTERM)  # epoch 1, batch 4: no validation is due after it
+    assert p.finish() == PREEMPTED, p.output
+    resume(save_dir, final, args("user"))
+    assert "model_checkpoint.best_model_score" in load_file(str(final)) and "early_stopping.wait_count" in load_file(
+        str(final)
+    )
+    assert_same_final(tmp_path / "ref.safetensors", final)
+    assert len(list((tmp_path / "user" / "ckpt").glob("*.ckpt"))) == 2
+    logged = list((tmp_path / "user" / "logs").rglob("metrics.csv"))
+    assert logged and all("lr-AdamW" in f.read_text().splitlines()[0] for f in logged), logged
+    for command_ in (["ls"], ["verify"]):
+        r = subprocess.run([sys.executable, "-m", "preempt", *command_, str(save_dir)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "preempt", "report", str(save_dir), "--json"], capture_output=True, text=True, check=True
+    )
+    report = json.loads(r.stdout)
+    assert report["processes"] == 2 and report["complete"] and report["final_step"] == 36, report

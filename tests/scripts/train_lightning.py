@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -122,6 +123,13 @@ def write_final(path: str, module: Net, trainer: L.Trainer) -> None:
     flatten("model", module.state_dict(), out)
     flatten("optimizer", trainer.optimizers[0].state_dict(), out)
     out["losses"] = torch.tensor(module.losses, dtype=torch.float64)
+    for cb in trainer.callbacks:  # the user's own callbacks' state at the end (--user_callbacks)
+        if isinstance(cb, L.callbacks.ModelCheckpoint) and cb.best_model_score is not None:
+            out["model_checkpoint.best_model_score"] = cb.best_model_score.detach().clone().reshape(())
+            out["model_checkpoint.kept"] = torch.tensor(len(cb.best_k_models))
+        if isinstance(cb, L.callbacks.EarlyStopping):
+            out["early_stopping.wait_count"] = torch.tensor(cb.wait_count)
+            out["early_stopping.best_score"] = cb.best_score.detach().clone().reshape(())
     save_file(out, path)
 
 
@@ -140,6 +148,11 @@ def main() -> None:
     p.add_argument("--ddp", type=int, default=None, help="strategy='ddp' with this many CPU processes (gloo)")
     p.add_argument("--hold_rank", type=int, default=0)
     p.add_argument("--custom_sampler", action="store_true", help="a RandomSampler subclass of the user's own")
+    p.add_argument(
+        "--user_callbacks",
+        default=None,
+        help="DIR: ModelCheckpoint (top 2 by val_loss), EarlyStopping, LearningRateMonitor and a CSVLogger, under DIR",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, workers=True, verbose=False)
@@ -154,13 +167,23 @@ def main() -> None:
                 async_save=not args.sync_save,
             )
         )
+    logger: Any = False
+    if args.user_callbacks:
+        where = Path(args.user_callbacks)
+        callbacks += [
+            L.callbacks.ModelCheckpoint(dirpath=where / "ckpt", monitor="val_loss", save_top_k=2),
+            L.callbacks.EarlyStopping(monitor="val_loss", patience=1000),
+            L.callbacks.LearningRateMonitor(logging_interval="step"),
+        ]
+        logger = L.loggers.CSVLogger(where / "logs", name="csv")
     trainer = L.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
         devices=args.ddp or 1,
         strategy="ddp" if args.ddp else "auto",
-        logger=False,
-        enable_checkpointing=False,
+        logger=logger,
+        enable_checkpointing=bool(args.user_callbacks),
+        log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
         accumulate_grad_batches=args.accumulate,

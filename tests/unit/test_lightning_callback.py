@@ -14,7 +14,7 @@ L = pytest.importorskip("lightning.pytorch", reason="Lightning is not installed 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from preempt.errors import UnsupportedStateError  # noqa: E402
+from preempt.errors import PreemptError, UnsupportedStateError  # noqa: E402
 from preempt.lightning import PreemptCallback  # noqa: E402
 
 
@@ -92,3 +92,15 @@ def test_a_hyper_parameter_that_json_cannot_hold_is_refused_by_name(tmp_path):
     with pytest.raises(UnsupportedStateError, match="hyper_parameters"):
         fit(tmp_path, Tiny(note=object()))
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_lightning_older_than_supported_is_refused_and_newer_is_said(caplog):
+    from preempt.lightning.callback import _check_version
+
+    with pytest.raises(PreemptError, match=r"Lightning 2\.4\.0 is older than 2\.5, the oldest supported"):
+        _check_version("2.4.0")
+    _check_version("2.5.0.post0")
+    _check_version("2.6.6")
+    assert "newer than the versions tested" not in caplog.text
+    _check_version("2.7.0")
+    assert "Lightning 2.7.0 is newer than the versions tested (up to 2.6.x)" in caplog.text
