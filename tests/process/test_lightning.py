@@ -81,6 +81,8 @@ def resume(save_dir: Path, final: Path, args: list[str]) -> Spawned:
         ([], 17, (1, 5)),
         # a sampler of the user's own, kept: the resumed epoch replays its first batches through the same workers
         (["--custom_sampler"], 17, (1, 5)),
+        # float16 autocast with the precision plugin's GradScaler, whose state (its growth tracker) is kept
+        (["--scaler"], 17, (1, 5)),
         # gradient accumulation (6 steps per epoch): the 9th optimizer step ends the 6th micro-batch of epoch 1
         (["--accumulate", "2"], 9, (1, 6)),
         # the epoch's last step: the resumed run starts the next epoch
@@ -88,7 +90,7 @@ def resume(save_dir: Path, final: Path, args: list[str]) -> Spawned:
         # a validation every 5 batches, and the stop at a step followed by one
         (["--validate"], 10, (0, 10)),
     ],
-    ids=["mid_epoch", "own_sampler", "accumulate_2", "epoch_end", "validation"],
+    ids=["mid_epoch", "own_sampler", "grad_scaler", "accumulate_2", "epoch_end", "validation"],
 )
 def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference, args, at, where):
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
@@ -111,6 +113,22 @@ def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference,
     else:
         assert not replayed, r.output
     assert not list(tmp_path.rglob("*.ckpt")) and not list(ROOT.glob("*.ckpt")), "no Lightning checkpoint is written"
+    if "--scaler" in args:
+        assert load_file(str(final))["scaler._growth_tracker"] == 36, "the scaler's state counts every step"
+    assert_same_final(reference(args), final)
+
+
+def test_a_stop_during_validation_lands_at_the_next_step_bit_exact(tmp_path, reference):
+    """The signal comes inside the second validation (after step 10): the validation finishes, the next training
+    step is the stop's, and the rerun equals the uninterrupted run."""
+    args = ["--validate"]
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = Spawned(command(save_dir, None, [*args, "--hold_in_validation", "2"]))
+    assert p.wait_for(r"^holding in validation 2 after step 10$", timeout=120), p.output
+    p.signal(signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    assert re.search(r"stopping on SIGTERM .* at step 11 \(epoch 0, batch 11\)", p.output), p.output
+    resume(save_dir, final, args)
     assert_same_final(reference(args), final)
 
 

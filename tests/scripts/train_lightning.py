@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, RandomSampler
 
@@ -50,6 +51,8 @@ class Net(L.LightningModule):
             torch.nn.Linear(dim, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 2)
         )
         self.losses: list[float] = []
+        self.validations = 0
+        self.hold_in_validation: int | None = None
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -60,6 +63,11 @@ class Net(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+        if batch_idx == 0:
+            self.validations += 1
+            if self.validations == self.hold_in_validation:  # --hold_in_validation: the signal comes during it
+                print(f"holding in validation {self.validations} after step {self.trainer.global_step}", flush=True)
+                wait_for_stop(self.trainer)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -111,11 +119,17 @@ class Steps(L.Callback):
         print(f"{rank}step {trainer.global_step} epoch {trainer.current_epoch} batch {batch_idx + 1}", flush=True)
         if self.steps == self.hold_at and trainer.global_rank == self.hold_rank:
             print(f"{rank}holding at step {trainer.global_step} pid {os.getpid()}", flush=True)
-            preempt = next(cb for cb in trainer.callbacks if isinstance(cb, PreemptCallback))
-            deadline = time.monotonic() + HOLD_LIMIT_S
-            while not preempt.run.stop_requested and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_for_stop(trainer)
             print(f"{rank}released at step {trainer.global_step}", flush=True)
+
+
+def wait_for_stop(trainer: L.Trainer) -> None:
+    """Until the run has been asked to stop (the test's signal), at most HOLD_LIMIT_S: the state is reached by the
+    signal; the short polls only let its handler run in the main thread."""
+    preempt = next(cb for cb in trainer.callbacks if isinstance(cb, PreemptCallback))
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not preempt.run.stop_requested and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def write_final(path: str, module: Net, trainer: L.Trainer) -> None:
@@ -123,6 +137,9 @@ def write_final(path: str, module: Net, trainer: L.Trainer) -> None:
     flatten("model", module.state_dict(), out)
     flatten("optimizer", trainer.optimizers[0].state_dict(), out)
     out["losses"] = torch.tensor(module.losses, dtype=torch.float64)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        flatten("scaler", scaler.state_dict(), out)
     for cb in trainer.callbacks:  # the user's own callbacks' state at the end (--user_callbacks)
         if isinstance(cb, L.callbacks.ModelCheckpoint) and cb.best_model_score is not None:
             out["model_checkpoint.best_model_score"] = cb.best_model_score.detach().clone().reshape(())
@@ -148,6 +165,8 @@ def main() -> None:
     p.add_argument("--ddp", type=int, default=None, help="strategy='ddp' with this many CPU processes (gloo)")
     p.add_argument("--hold_rank", type=int, default=0)
     p.add_argument("--custom_sampler", action="store_true", help="a RandomSampler subclass of the user's own")
+    p.add_argument("--hold_in_validation", type=int, default=None, help="N: the N-th validation holds until a stop")
+    p.add_argument("--scaler", action="store_true", help="float16 autocast with a GradScaler (on the CPU)")
     p.add_argument(
         "--user_callbacks",
         default=None,
@@ -157,6 +176,7 @@ def main() -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, workers=True, verbose=False)
     model = Net(workers=args.workers, custom_sampler=args.custom_sampler)
+    model.hold_in_validation = args.hold_in_validation
     callbacks: list[L.Callback] = [Steps(args.hold_at_step, args.step_sleep, args.hold_rank)]
     if args.save_dir:
         callbacks.append(
@@ -176,8 +196,12 @@ def main() -> None:
             L.callbacks.LearningRateMonitor(logging_interval="step"),
         ]
         logger = L.loggers.CSVLogger(where / "logs", name="csv")
+    plugins = []
+    if args.scaler:  # Lightning picks bf16 without a scaler on the CPU; a GradScaler whose state matters, given here
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8)))
     trainer = L.Trainer(
         max_epochs=args.epochs,
+        plugins=plugins,
         accelerator="cpu",
         devices=args.ddp or 1,
         strategy="ddp" if args.ddp else "auto",

@@ -104,3 +104,54 @@ def test_lightning_older_than_supported_is_refused_and_newer_is_said(caplog):
     assert "newer than the versions tested" not in caplog.text
     _check_version("2.7.0")
     assert "Lightning 2.7.0 is newer than the versions tested (up to 2.6.x)" in caplog.text
+
+
+class _Made:
+    """What resumable() asked for: a stand-in sampler that records its arguments."""
+
+    def __init__(self, dataset, **options) -> None:
+        self.dataset, self.options = dataset, options
+
+    def __iter__(self):
+        return iter(range(len(self.dataset)))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def test_a_loader_with_torchs_samplers_is_remade_with_the_runs_and_any_other_kept():
+    from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
+
+    from preempt.lightning.batches import resumable
+
+    data = TensorDataset(torch.arange(12.0))
+    shuffled = resumable(DataLoader(data, batch_size=4, shuffle=True, drop_last=True), _Made, 7)
+    assert isinstance(shuffled.sampler, _Made) and shuffled.sampler.options == {
+        "shuffle": True,
+        "seed": 7,
+        "drop_last": False,
+    }
+    assert shuffled.batch_size == 4 and shuffled.drop_last  # the rest of the loader as it was
+    ordered = resumable(DataLoader(data, batch_size=4), _Made, 7)
+    assert ordered.sampler.options["shuffle"] is False
+    ddp = DistributedSampler(data, num_replicas=2, rank=1, shuffle=False, seed=5, drop_last=True)
+    sharded = resumable(DataLoader(data, batch_size=2, sampler=ddp), _Made, 7)
+    assert sharded.sampler.options == {"shuffle": False, "seed": 5, "drop_last": True}
+
+    class Own(RandomSampler):
+        pass
+
+    for kept in (
+        DataLoader(data, sampler=Own(data)),  # a sampler of the user's own
+        DataLoader(data, sampler=RandomSampler(data, replacement=True)),  # draws with replacement
+        DataLoader(data, batch_sampler=[[0, 1], [2, 3]]),  # batches of the user's own
+    ):
+        assert resumable(kept, _Made, 7) is kept
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    stream = DataLoader(Stream(), batch_size=2)
+    assert resumable(stream, _Made, 7) is stream
+    assert resumable([1, 2, 3], _Made, 7) == [1, 2, 3]  # not a DataLoader
