@@ -3,10 +3,10 @@
 Lightning asks its data source (the LightningModule's or the datamodule's ``train_dataloader``, or the loader given
 to ``fit``) for the training loader and creates each epoch's iterator itself. For an exact resume the run must
 create that iterator (it restores the random state from just before it, seeds each sample's draws and starts at
-the saved batch: :mod:`preempt.run.data_cursor`). So, for the time of the fit, the source hands Lightning
-:class:`RunBatches` instead: it wraps the user's loader after Lightning's own processing (the distributed sampler
-under DDP, the workers' ``worker_init_fn``), has its length, shows its sampler (Lightning sets the sampler's epoch
-through it), and each ``iter()`` asks the run for the next epoch's batches.
+the saved batch: :mod:`preempt.run.data_cursor`). So, for the time of the fit, the source hands Lightning a
+:class:`~preempt.data.stand_in.RunBatches` instead: it wraps the user's loader after Lightning's own processing
+(the distributed sampler under DDP, the workers' ``worker_init_fn``), has its length, shows its sampler (Lightning
+sets the sampler's epoch through it), and each ``iter()`` asks the run for the next epoch's batches.
 
 A loader that samples with torch's own ``RandomSampler`` or ``SequentialSampler`` (``shuffle=True`` or ``False``), or
 Lightning's ``DistributedSampler`` under DDP, is remade with a
@@ -21,7 +21,7 @@ its ``instance`` is the LightningModule, the datamodule, or the loader itself, a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PreemptError
@@ -65,65 +65,6 @@ def resumable(loader: Any, make_sampler: Callable[..., Any], seed: int) -> Any:
     else:
         return loader
     return _update_dataloader(loader, make_sampler(loader.dataset, shuffle=shuffle, seed=seed, drop_last=drop_last))
-
-
-class RunBatches:
-    """Stands for the user's training loader in Lightning; each epoch's batches come from the run.
-
-    ``iter()`` returns a lazy iterator: the run opens the epoch at its first ``next()``, so an ``iter()`` that
-    Lightning makes only to check the loader is iterable (its ``_check_dataloader_iterable``) opens nothing.
-
-    Args:
-        loader: The user's loader, processed by Lightning (``_process_dataloader``).
-        open_epoch: Called with ``loader`` when an epoch's first batch is asked for; returns that epoch's iterator.
-    """
-
-    def __init__(self, loader: Iterable[Any], open_epoch: Callable[[Iterable[Any]], Iterator[Any]]) -> None:
-        self.loader = loader
-        self._open_epoch = open_epoch
-
-    def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]  # a TypeError says "no length", as Lightning expects
-
-    def __iter__(self) -> Iterator[Any]:
-        return _Epoch(self.loader, self._open_epoch)
-
-    @property
-    def sampler(self) -> Any:
-        return getattr(self.loader, "sampler", None)
-
-    @property
-    def batch_sampler(self) -> Any:
-        return getattr(self.loader, "batch_sampler", None)
-
-    @property
-    def dataset(self) -> Any:
-        return getattr(self.loader, "dataset", None)
-
-    @property
-    def batch_size(self) -> Any:
-        return getattr(self.loader, "batch_size", None)
-
-    @property
-    def num_workers(self) -> int:
-        return int(getattr(self.loader, "num_workers", 0))
-
-
-class _Epoch:
-    """One epoch's iterator, opened at the first ``next()``."""
-
-    def __init__(self, loader: Iterable[Any], open_epoch: Callable[[Iterable[Any]], Iterator[Any]]) -> None:
-        self._loader = loader
-        self._open_epoch = open_epoch
-        self._it: Iterator[Any] | None = None
-
-    def __iter__(self) -> _Epoch:
-        return self
-
-    def __next__(self) -> Any:
-        if self._it is None:
-            self._it = self._open_epoch(self._loader)
-        return next(self._it)
 
 
 class SourceSwap:

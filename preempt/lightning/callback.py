@@ -28,7 +28,6 @@ connector's saved "original" handlers are set to those from before the run, so b
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -39,17 +38,15 @@ import lightning.pytorch as pl
 
 from .. import _log
 from ..data import rng
+from ..data.stand_in import RunBatches
 from ..errors import PreemptError
-from ..run.config import RunConfig
+from ..run.config import integration_config
 from ..run.preemptible import PreemptibleRun
-from .batches import RunBatches, SourceSwap, resumable
+from .batches import SourceSwap, resumable
 from .trainer_state import TrainerState
 
 log = _log.log
 
-# Options the callback sets itself (from the trainer), never the user.
-_OWN = ("model", "optimizer", "scheduler", "scaler", "clock")
-_OPTIONS = frozenset(f.name for f in dataclasses.fields(RunConfig))
 _MANY_EPOCHS = 1 << 31  # max_epochs=-1 (or None with max_steps): the run counts epochs without an end
 # The Lightning versions tested (pyproject.toml's extra, CI): older ones are refused, newer ones warned about.
 SUPPORTED = ((2, 5), (2, 6))
@@ -94,18 +91,9 @@ class PreemptCallback(pl.Callback):
         _check_version(pl.__version__)
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
             raise ValueError(f"PreemptCallback: save_dir: expected a directory path, got {save_dir!r}")
-        own = sorted(set(options) & set(_OWN))
-        if own:
-            raise TypeError(f"PreemptCallback: {', '.join(own)}: set by the callback from the trainer, not an option")
-        unknown = sorted(set(options) - _OPTIONS)
-        if unknown:
-            raise TypeError(
-                f"PreemptCallback: unknown option(s) {', '.join(unknown)}; PreemptibleRun's options are"
-                f" {', '.join(sorted(_OPTIONS))}"
-            )
-        # Checks every value now. Passed straight on (**options), so that LightningCLI's parser (jsonargparse) reads
-        # the options' names and types from RunConfig: a YAML config's init_args are checked like Python's.
-        self.config = RunConfig(**options)
+        # Passed straight on (**options), so that LightningCLI's parser (jsonargparse) reads the options' names and
+        # types from RunConfig: a YAML config's init_args are checked like Python's.
+        self.config = integration_config("PreemptCallback", **options)
         self.save_dir = str(save_dir)
         self.options = dict(options)
         self.track = dict(track or {})

@@ -327,3 +327,26 @@ def _time_limit(value: float | str | None) -> float | None:
 
 
 RunConfig.__doc__ = (RunConfig.__doc__ or "").rstrip() + "\n" + OPTIONS_DOC
+
+
+# What a framework integration sets itself (from the framework's objects), never its user.
+INTEGRATION_OWN = ("model", "optimizer", "scheduler", "scaler", "clock")
+
+
+def integration_config(who: str, **options: Any) -> RunConfig:
+    """The :class:`RunConfig` of a framework integration's ``**options``, each checked now, named in the errors.
+
+    Raises:
+        TypeError: An option that PreemptibleRun does not take, or one the integration sets itself.
+        ValueError: An option's value out of its range.
+    """
+    own = sorted(set(options) & set(INTEGRATION_OWN))
+    if own:
+        raise TypeError(f"{who}: {', '.join(own)}: set from the framework's objects, not an option")
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(
+            f"{who}: unknown option(s) {', '.join(unknown)}; PreemptibleRun's options are {', '.join(sorted(names))}"
+        )
+    return RunConfig(**options)

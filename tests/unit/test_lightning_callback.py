@@ -33,7 +33,7 @@ def test_an_unknown_option_is_named():
 
 
 def test_the_parts_the_callback_sets_are_not_options():
-    with pytest.raises(TypeError, match="model, optimizer: set by the callback from the trainer"):
+    with pytest.raises(TypeError, match="model, optimizer: set from the framework's objects, not an option"):
         PreemptCallback("runs/x", model=torch.nn.Linear(1, 1), optimizer=None)
 
 
