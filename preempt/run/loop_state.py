@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.carry import follow_steps
 from ..checkpoint.manifest import Cursor
 from ..checkpoint.retention import RetentionPolicy
 from ..errors import CorruptCheckpointError
@@ -217,12 +218,14 @@ class LoopState:
         self.stepping, self.updated = False, True
 
     def watch(self, optimizer: Any) -> Any:
-        """Hooks :meth:`optimizer_stepping` and :meth:`optimizer_stepped` on ``optimizer``; returns a handle whose
-        ``remove()`` takes both off (None for no optimizer)."""
+        """Hooks :meth:`optimizer_stepping` and :meth:`optimizer_stepped` on ``optimizer``, and carry's
+        :func:`~preempt.checkpoint.carry.follow_steps`; returns a handle whose ``remove()`` takes them off (None for
+        no optimizer)."""
         if optimizer is None:
             return None
-        return _Hooks((optimizer.register_step_pre_hook(self.optimizer_stepping),
-                       optimizer.register_step_post_hook(self.optimizer_stepped)))  # fmt: skip
+        stepping = optimizer.register_step_pre_hook(self.optimizer_stepping)
+        stepped = optimizer.register_step_post_hook(self.optimizer_stepped)
+        return _Hooks((stepping, stepped, *follow_steps(optimizer)))
 
     def stepped(self) -> bool:
         """``run.step()``: one optimizer step done; True when the safe point must look (a threshold or a best)."""

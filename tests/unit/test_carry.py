@@ -517,3 +517,37 @@ def test_the_guard_racing_the_loop_carries_by_the_version_counters(monkeypatch, 
     with caplog.at_level(logging.WARNING, logger="preempt"):
         assert carry.confirm("base.safetensors", c) is False
     assert "behind autograd" in caplog.text
+
+
+def test_a_fused_optimizer_that_leaves_the_version_counters_is_seen_and_never_carried_stale(tmp_path):
+    """AdamW(fused=True) on the CPU writes parameters and moments without bumping their version counters (the HF
+    Trainer's default optimizer): the run's hook bumps them after such a step, so every checkpoint holds its own
+    step's weights and moments, none linked from the step before."""
+    from preempt import PreemptibleRun
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        model(torch.randn(2, 16)).sum().backward()
+        before = model.weight._version
+        opt.step()
+    except RuntimeError as e:  # a torch without fused AdamW on the CPU
+        pytest.skip(f"this torch has no fused AdamW on the CPU: {e}")
+    if model.weight._version != before:
+        pytest.skip("this torch's fused AdamW bumps the version counters itself: nothing to see here")
+    with PreemptibleRun(
+        tmp_path, model=model, optimizer=opt, checkpoint_interval=None, checkpoint_every_steps=1, async_save=False
+    ) as run:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 16)).square().mean().backward()
+            opt.step()
+            run.step()
+        live_model = {k: v.clone() for k, v in model.state_dict().items()}
+        live_moments = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    assert not same_inode(step_dir(tmp_path, 2) / MODEL, step_dir(tmp_path, 3) / MODEL)
+    _, loaded = CheckpointManager(tmp_path, owner=False).load(3)
+    assert all(torch.equal(loaded.model[k], v) for k, v in live_model.items()), "the checkpoint holds stale weights"
+    saved = loaded.tree["optimizer"]["state"][0]
+    assert all(torch.equal(saved[k], v) for k, v in live_moments.items()), "the checkpoint holds stale moments"
