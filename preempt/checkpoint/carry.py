@@ -18,9 +18,10 @@ a fresh version counter (a buffer reassigned every step would otherwise look unc
 
 **Optimizers that write behind the counters.** A fused optimizer kernel (``torch.optim.AdamW(fused=True)`` on the
 CPU, the Hugging Face Trainer's default optimizer) updates the parameters and its moments without bumping their
-version counters: its files would look unchanged after every step and be carried stale. :func:`follow_steps` hooks
-every optimizer of a run: after a step that left a parameter's counter as it was, it bumps the counters of all the
-optimizer's parameters and state (no data is touched), so that the step is seen.
+version counters: its files would look unchanged after every step and be carried stale.
+:func:`preempt.run.loop_state.follow_steps` hooks every optimizer of a run: after a step that left a parameter's
+counter as it was, it bumps the counters of all the optimizer's parameters and state (no data is touched), so that
+the step is seen.
 
 **What is not seen**, and guarded: a write through ``tensor.data`` (a tensor with a version counter of its own),
 through a NumPy view (``tensor.numpy()``), DLPack, or a raw pointer (a custom kernel, ``ctypes``) changes the
@@ -178,35 +179,6 @@ def decide(
     if shared >= carry_limit:
         return "write", f"a fresh copy: {shared} checkpoints share the last one"
     return "carry", "unchanged"
-
-
-def follow_steps(optimizer: Any) -> tuple[Any, Any]:
-    """Hooks on ``optimizer`` that make each of its steps visible to the version counters (see the module
-    docstring); returns the two handles. A step that bumped the first parameter with a gradient costs nothing more."""
-    import torch
-
-    watched: list[tuple[torch.Tensor, int]] = []
-
-    def before(opt: Any, args: Any, kwargs: Any) -> None:
-        watched.clear()
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    watched.append((p, p._version))
-                    return
-
-    def after(opt: Any, args: Any, kwargs: Any) -> None:
-        if not watched or watched[0][0]._version != watched[0][1]:
-            return
-        tensors = [p for group in opt.param_groups for p in group["params"]]
-        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        try:
-            torch.autograd.graph.increment_version(tensors)
-        except TypeError:  # torch before 2.4 takes one tensor at a time
-            for t in tensors:
-                torch.autograd.graph.increment_version(t)
-
-    return optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)
 
 
 def check_due(carried: int, check_every: int) -> bool:

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.carry import follow_steps
 from ..checkpoint.manifest import Cursor
 from ..checkpoint.retention import RetentionPolicy
 from ..errors import CorruptCheckpointError
@@ -218,8 +217,8 @@ class LoopState:
         self.stepping, self.updated = False, True
 
     def watch(self, optimizer: Any) -> Any:
-        """Hooks :meth:`optimizer_stepping` and :meth:`optimizer_stepped` on ``optimizer``, and carry's
-        :func:`~preempt.checkpoint.carry.follow_steps`; returns a handle whose ``remove()`` takes them off (None for
+        """Hooks :meth:`optimizer_stepping` and :meth:`optimizer_stepped` on ``optimizer``, and :func:`follow_steps`
+        (for carry); returns a handle whose ``remove()`` takes them off (None for
         no optimizer)."""
         if optimizer is None:
             return None
@@ -423,6 +422,34 @@ class LoopState:
             dirty=self.dirty,
             stop_at=stop_at,
         )
+
+
+def follow_steps(optimizer: Any) -> tuple[Any, Any]:
+    """Hooks on ``optimizer`` that make each of its steps visible to the version counters, for carrying unchanged
+    files (:mod:`preempt.checkpoint.carry`: a fused kernel writes without bumping them); returns the two handles. A
+    step that bumped the first parameter with a gradient costs nothing more."""
+    watched: list[tuple[torch.Tensor, int]] = []
+
+    def before(opt: Any, args: Any, kwargs: Any) -> None:
+        watched.clear()
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    watched.append((p, p._version))
+                    return
+
+    def after(opt: Any, args: Any, kwargs: Any) -> None:
+        if not watched or watched[0][0]._version != watched[0][1]:
+            return
+        tensors = [p for group in opt.param_groups for p in group["params"]]
+        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        try:
+            torch.autograd.graph.increment_version(tensors)
+        except TypeError:  # torch before 2.4 takes one tensor at a time
+            for t in tensors:
+                torch.autograd.graph.increment_version(t)
+
+    return optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)
 
 
 class _Hooks(tuple):
