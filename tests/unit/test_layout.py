@@ -20,10 +20,10 @@ PACKAGE = ROOT / "preempt"
 MAX_LINES = 600
 # The top level: the face (__init__), `python -m preempt`, and the leaves every part may import.
 TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "_log.py", "_version.py"}
-PARTS = {"checkpoint", "data", "cluster", "health", "mirror", "run", "cli", "supervise", "lightning"}
+PARTS = {"checkpoint", "data", "cluster", "health", "mirror", "run", "cli", "supervise", "lightning", "hf"}
 # The parts whose __init__ is the face a user imports (``from preempt.lightning import PreemptCallback``): a
 # framework's integration, imported only by who uses that framework.
-FACES = {"lightning"}
+FACES = {"lightning", "hf"}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:

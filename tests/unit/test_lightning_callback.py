@@ -21,7 +21,8 @@ from preempt.lightning import PreemptCallback  # noqa: E402
 def test_import_preempt_never_imports_a_framework():
     code = (
         "import sys, preempt, preempt.run.preemptible, preempt.cli.main\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in"
+        " ('lightning', 'pytorch_lightning', 'transformers', 'accelerate')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

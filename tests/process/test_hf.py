@@ -1,0 +1,143 @@
+"""The Hugging Face Trainer with preempt.hf.install: real transformers, real DataLoader workers, real signals.
+
+Each trial runs ``tests/scripts/train_hf.py``: a small GPT-2 with dropout, a random crop drawn in ``__getitem__`` in
+2 workers, a collator that draws random token noise, AdamW (the Trainer's default, fused on the CPU) with a cosine
+schedule and warm-up, 2 epochs of 24 steps. The process holds at a given optimizer step until the run has been asked
+to stop, so the signal lands there whatever the machine's speed; the stopped run is rerun with the same command and
+its final model and optimizer must equal an uninterrupted run's under ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+
+from conftest import ROOT, Spawned, assert_same_final  # noqa: E402
+
+from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
+
+SCRIPT = ROOT / "tests" / "scripts" / "train_hf.py"
+PREEMPTED = 75
+STOPPED = r"\[preempt\] stopping on (SIG\w+) .* at step (\d+) \(epoch (\d+), batch (\d+)\)"
+
+
+def command(save_dir: Path, final: Path | None, args: list[str]) -> list[str]:
+    cmd = [sys.executable, str(SCRIPT), "--save_dir", str(save_dir), *args]
+    return cmd + (["--final_out", str(final)] if final else [])
+
+
+_references: dict[tuple[str, ...], Path] = {}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    """The uninterrupted run's final state for the given arguments (preempt installed), made once per module."""
+
+    def get(args: list[str]) -> Path:
+        key = tuple(args)
+        if key not in _references:
+            d = tmp_path_factory.mktemp("hf_ref")
+            p = Spawned(command(d / "run", d / "final.safetensors", args))
+            assert p.finish() == 0, p.output
+            _references[key] = d / "final.safetensors"
+        return _references[key]
+
+    return get
+
+
+def stop_at(save_dir: Path, args: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
+    p = Spawned(command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
+    assert p.wait_for(rf"^holding at step {step}$", timeout=120), p.output
+    if group:
+        os.killpg(p.proc.pid, sig)
+    else:
+        p.signal(sig)
+    return p
+
+
+def resume(save_dir: Path, final: Path, args: list[str]) -> Spawned:
+    p = Spawned(command(save_dir, final, args))
+    assert p.finish() == 0, p.output
+    return p
+
+
+@pytest.mark.parametrize(
+    ("args", "at", "where"),
+    [
+        # mid-epoch 1: the run starts the epoch at its 7th batch, the workers' crops and the collator's noise seeded
+        # per sample
+        ([], 30, (1, 6)),
+        # gradient accumulation (12 steps per epoch): the 15th optimizer step ends the 6th micro-batch of epoch 1
+        (["--accumulate", "2"], 15, (1, 6)),
+        # the epoch's last step: the resumed run starts the next epoch
+        ([], 24, (0, 24)),
+    ],
+    ids=["mid_epoch", "accumulate_2", "epoch_end"],
+)
+def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference, args, at, where):
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, args, at, signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    stopped = re.search(STOPPED, p.output)
+    assert stopped, p.output
+    assert (stopped[1], int(stopped[2]), int(stopped[3]), int(stopped[4])) == ("SIGTERM", at, *where), p.output
+    info = CheckpointManager(save_dir, owner=False).list()[0]
+    assert info.step == at and info.status == "valid", info
+    r = resume(save_dir, final, args)
+    assert re.search(rf"resumed from \S+step_0*{at}: step {at}, epoch {where[0]}", r.output), r.output
+    steps = [int(s) for s in re.findall(r"^step (\d+) ", r.output, flags=re.M)]
+    assert steps[0] == at + 1 and steps == list(range(at + 1, steps[-1] + 1)), r.output
+    assert "replaying" not in r.output, r.output  # the sampler starts at the saved sample
+    assert not list((tmp_path / "hf_out").glob("checkpoint-*")), "the Trainer's own checkpoints are off"
+    assert_same_final(reference(args), final)
+
+
+def test_sigterm_to_the_process_group_with_the_workers_alive(tmp_path, reference):
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, [], 20, signal.SIGTERM, group=True)
+    assert p.finish() == PREEMPTED, p.output
+    resume(save_dir, final, [])
+    assert_same_final(reference([]), final)
+
+
+def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
+    args = ["--every_steps", "5", "--sync_save"]
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, args, 17, signal.SIGKILL)
+    assert p.finish() == -signal.SIGKILL, p.output
+    r = resume(save_dir, final, args)
+    assert re.search(r"resumed from \S+step_0*15: step 15, epoch 0", r.output), r.output
+    assert_same_final(reference(args), final)
+
+
+def test_a_completed_run_exits_0_at_once(tmp_path):
+    save_dir = tmp_path / "run"
+    resume(save_dir, tmp_path / "first.safetensors", ["--epochs", "1"])
+    again = Spawned(command(save_dir, None, ["--epochs", "1"]))
+    assert again.finish() == 0, again.output
+    assert "is complete" in again.output and not re.search(r"^step \d+ ", again.output, flags=re.M), again.output
+
+
+def test_peft_lora_carries_its_frozen_base_and_resumes_bit_exact(tmp_path, reference):
+    """A PeftModel (LoRA on the attention) under the Trainer: its frozen base (6 MiB here) is written by the first
+    checkpoint and carried by the next ones, which write the adapters, their moments and the rest (under 1 MiB)."""
+    args = ["--peft", "--width", "256", "--every_steps", "5", "--sync_save"]
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, args, 30, signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    infos = sorted(CheckpointManager(save_dir, owner=False).list(), key=lambda i: i.step)
+    assert [i.step for i in infos] == [25, 30], infos
+    for info in infos:
+        files = info.manifest.files
+        assert files["base.safetensors"].size > 5 << 20 and files["base.safetensors"].carried_from == 5, files
+        written = sum(f.size for f in files.values() if f.carried_from is None)
+        assert written < 1 << 20, f"step {info.step} wrote {written} bytes beside its carried base"
+    resume(save_dir, final, args)
+    assert_same_final(reference(args), final)

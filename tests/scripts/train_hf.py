@@ -1,0 +1,134 @@
+"""A small Hugging Face Trainer job for the HF tests: real transformers, real DataLoader workers, real signals.
+
+A GPT-2 built from a small config (dropout on), a map-style set whose ``__getitem__`` draws a random crop of a
+token stream, a collator that draws too (random token noise), in 2 DataLoader workers by default; AdamW with a
+cosine schedule and warm-up; 96 samples in batches of 4, so 24 steps per epoch, 2 epochs. ``preempt.hf.install``
+is the one added line. Every optimizer step prints ``step N epoch E``; ``--hold_at_step N`` makes the N-th step of
+this process wait, before the run's safe point, until the run has been asked to stop. At the end ``--final_out``
+gets the model's and the optimizer's tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import HOLD_LIMIT_S, flatten  # noqa: E402
+
+import preempt.hf  # noqa: E402
+
+VOCAB, CONTEXT = 64, 16
+
+
+class Crops(Dataset):
+    """Random crops of a fixed token stream: each ``__getitem__`` draws where its crop starts."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.stream = torch.randint(0, VOCAB, (4096,), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        start = int(torch.randint(0, len(self.stream) - CONTEXT, ()))
+        return {"input_ids": self.stream[start : start + CONTEXT].clone()}
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stacks the crops; replaces one token in twenty with a random one (a draw in the collator)."""
+    ids = torch.stack([item["input_ids"] for item in items])
+    noise = torch.rand(ids.shape) < 0.05
+    ids = torch.where(noise, torch.randint(0, VOCAB, ids.shape), ids)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+class Steps(transformers.TrainerCallback):
+    """Prints each optimizer step; holds at one until the run is asked to stop (--hold_at_step)."""
+
+    def __init__(self, hold_at: int | None) -> None:
+        self.hold_at = hold_at
+        self.steps = 0
+        self.driver = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+        print(f"step {state.global_step} epoch {state.epoch:.4f}", flush=True)
+        if self.steps == self.hold_at:
+            print(f"holding at step {state.global_step}", flush=True)
+            deadline = time.monotonic() + HOLD_LIMIT_S
+            while not self.driver.run.stop_requested and time.monotonic() < deadline:
+                time.sleep(0.005)
+            print(f"released at step {state.global_step}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--save_dir", required=True)
+    p.add_argument("--final_out", default=None)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--every_steps", type=int, default=None)
+    p.add_argument("--hold_at_step", type=int, default=None)
+    p.add_argument("--sync_save", action="store_true")
+    p.add_argument("--peft", action="store_true", help="a PEFT LoRA model (peft's get_peft_model)")
+    p.add_argument("--width", type=int, default=32, help="GPT-2's n_embd")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    transformers.set_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=CONTEXT, n_embd=args.width, n_layer=2, n_head=2, resid_pdrop=0.1, embd_pdrop=0.1
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    if args.peft:  # LoRA on the attention: the base is frozen, the adapters trained
+        import peft
+
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1, fan_in_fan_out=True)
+        model = peft.get_peft_model(model, lora)
+    steps = Steps(args.hold_at_step)
+    training = transformers.TrainingArguments(
+        output_dir=str(Path(args.save_dir).parent / "hf_out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=args.accumulate,
+        num_train_epochs=args.epochs,
+        learning_rate=1e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=3,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=args.workers,
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=training, train_dataset=Crops(96), data_collator=collate, callbacks=[steps]
+    )
+    steps.driver = preempt.hf.install(
+        trainer,
+        args.save_dir,
+        checkpoint_interval=None,
+        checkpoint_every_steps=args.every_steps,
+        async_save=not args.sync_save,
+    )
+    trainer.train()
+    if args.final_out:
+        out: dict[str, torch.Tensor] = {}
+        flatten("model", model.state_dict(), out)
+        flatten("optimizer", getattr(trainer.optimizer, "optimizer", trainer.optimizer).state_dict(), out)
+        save_file(out, args.final_out)
+    print(f"done at step {trainer.state.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

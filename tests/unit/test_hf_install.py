@@ -1,0 +1,75 @@
+"""preempt.hf.install in this process: what it refuses, at once and by name, and what it changes on the Trainer.
+(Stops and resumes: tests/process/test_hf.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+
+import torch  # noqa: E402
+
+import preempt.hf  # noqa: E402
+from preempt.errors import PreemptError  # noqa: E402
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.full((4,), float(i)), "labels": torch.tensor(i % 2)}
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x, labels=None):
+        logits = self.layer(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def trainer(tmp_path, **args) -> transformers.Trainer:
+    options = dict(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, disable_tqdm=True, **args)
+    return transformers.Trainer(
+        model=Tiny(), args=transformers.TrainingArguments(**options), train_dataset=Pairs(), eval_dataset=Pairs()
+    )
+
+
+def test_what_is_not_a_trainer_an_unknown_option_and_a_second_install_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="expected a transformers.Trainer"):
+        preempt.hf.install(object(), tmp_path / "run")
+    t = trainer(tmp_path)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) keep_lst"):
+        preempt.hf.install(t, tmp_path / "run", keep_lst=2)
+    with pytest.raises(TypeError, match="optimizer: set from the framework's objects"):
+        preempt.hf.install(t, tmp_path / "run", optimizer=None)
+    preempt.hf.install(t, tmp_path / "run")
+    with pytest.raises(PreemptError, match="installed on this Trainer already"):
+        preempt.hf.install(t, tmp_path / "run")
+
+
+def test_resume_from_checkpoint_is_refused_since_preempt_resumes_by_itself(tmp_path):
+    t = trainer(tmp_path)
+    preempt.hf.install(t, tmp_path / "run")
+    with pytest.raises(PreemptError, match="preempt resumes from .* by itself; call trainer.train"):
+        t.train(resume_from_checkpoint=True)
+
+
+def test_load_best_model_at_end_is_refused_with_what_to_use(tmp_path):
+    t = trainer(tmp_path, eval_strategy="steps", save_strategy="steps", load_best_model_at_end=True)
+    with pytest.raises(PreemptError, match="load_best_model_at_end needs the Trainer's own checkpoints"):
+        preempt.hf.install(t, tmp_path / "run")
+
+
+def test_save_steps_set_preempts_cadence_and_the_trainers_own_saving_is_off(tmp_path):
+    t = trainer(tmp_path, save_strategy="steps", save_steps=3, num_train_epochs=1, per_device_train_batch_size=2)
+    driver = preempt.hf.install(t, tmp_path / "run", log_file=False)
+    assert driver.options["checkpoint_every_steps"] == 3 and driver.options["checkpoint_interval"] is None
+    assert t.args.save_strategy == transformers.trainer_utils.SaveStrategy.NO
+    t.train()
+    steps = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run").glob("step_*"))
+    assert steps == [3, 4] and not list((tmp_path / "out").glob("checkpoint-*")), steps
+    assert (tmp_path / "run" / "complete.json").is_file()
