@@ -233,6 +233,12 @@ def install(
         raise TypeError(f"{WHO}: expected a transformers.Trainer (or a subclass), got {type(trainer).__name__}")
     if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
         raise ValueError(f"{WHO}: save_dir: expected a directory path, got {save_dir!r}")
+    missing = [name for name in _TAKEN if not callable(getattr(trainer, name, None))]
+    if missing:
+        raise PreemptError(
+            f"{WHO}: this Trainer (transformers {transformers.__version__}) has no {', '.join(missing)};"
+            " preempt.hf needs transformers 5 (pip install 'preempt[hf]')"
+        )
     if any(isinstance(cb, _Driver) for cb in trainer.callback_handler.callbacks):
         raise PreemptError(f"{WHO}: preempt is installed on this Trainer already")
     args = trainer.args

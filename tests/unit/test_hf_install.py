@@ -73,3 +73,10 @@ def test_save_steps_set_preempts_cadence_and_the_trainers_own_saving_is_off(tmp_
     steps = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run").glob("step_*"))
     assert steps == [3, 4] and not list((tmp_path / "out").glob("checkpoint-*")), steps
     assert (tmp_path / "run" / "complete.json").is_file()
+
+
+def test_a_trainer_without_the_methods_install_takes_over_is_refused_with_the_version(tmp_path):
+    t = trainer(tmp_path)
+    t._run_epoch = None  # as on a transformers 4 Trainer, which has no _run_epoch
+    with pytest.raises(PreemptError, match=r"has no _run_epoch; preempt.hf needs transformers 5"):
+        preempt.hf.install(t, tmp_path / "run")
