@@ -93,14 +93,16 @@ class _Driver(transformers.TrainerCallback):
             collator = trainer._get_collator_with_removed_columns(collator, description="Training")
         if isinstance(dataset, torch.utils.data.IterableDataset):
             raise PreemptError(f"{WHO}: an IterableDataset as train_dataset is not supported yet; use a map-style one")
-        if args.world_size > 1:
-            raise PreemptError(f"{WHO}: several processes (world size {args.world_size}) are not supported yet")
         seed = args.data_seed if args.data_seed is not None else args.seed
         workers = args.dataloader_num_workers
+        # under torchrun the sampler shards the order by rank, as the Trainer's own (through Accelerate) would
+        sampler = ResumableSampler(
+            dataset, shuffle=True, seed=seed, num_replicas=max(1, args.world_size), rank=args.process_index
+        )
         loader = DataLoader(
             dataset,
             batch_size=trainer._train_batch_size,
-            sampler=ResumableSampler(dataset, shuffle=True, seed=seed),
+            sampler=sampler,
             collate_fn=collator,
             num_workers=workers,
             pin_memory=args.dataloader_pin_memory,

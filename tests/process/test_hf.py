@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-from conftest import ROOT, Spawned, assert_same_final  # noqa: E402
+from conftest import ROOT, Spawned, assert_equal_finals, assert_same_final, ddp_finals, torchrun  # noqa: E402
 
 from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
 
@@ -54,7 +54,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
 
 def stop_at(save_dir: Path, args: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
     p = Spawned(command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
-    assert p.wait_for(rf"^holding at step {step}$", timeout=120), p.output
+    assert p.wait_for(rf"^holding at step {step} pid \d+$", timeout=120), p.output
     if group:
         os.killpg(p.proc.pid, sig)
     else:
@@ -141,3 +141,27 @@ def test_peft_lora_carries_its_frozen_base_and_resumes_bit_exact(tmp_path, refer
         assert written < 1 << 20, f"step {info.step} wrote {written} bytes beside its carried base"
     resume(save_dir, final, args)
     assert_same_final(reference(args), final)
+
+
+@pytest.mark.distributed
+def test_torchrun_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_bit_exact(tmp_path):
+    """torchrun --nproc_per_node=2 (DDP through the Trainer's Accelerate, gloo): rank 1 alone is signalled; the
+    ranks agree, both stop at its step with one checkpoint; each rank's model, optimizer and generator equal the
+    uninterrupted run's."""
+    args = ["--every_steps", "5"]
+    ref = torchrun(tmp_path / "ref_run", tmp_path / "ref.safetensors", args, script=SCRIPT)
+    assert ref.finish(timeout=240) == 0, ref.output
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = torchrun(save_dir, None, [*args, "--hold_at_step", "15", "--hold_rank", "1"], script=SCRIPT)
+    assert p.wait_for(r"^rank 1 holding at step 15 pid \d+$", timeout=240), p.output
+    os.kill(int(re.search(r"^rank 1 holding at step 15 pid (\d+)$", p.output, flags=re.M)[1]), signal.SIGTERM)
+    assert p.finish(timeout=240) != 0, p.output
+    assert re.search(r"stopping on a stop signal received by rank 1 at step 15 \(epoch 1, batch 3\)", p.output), (
+        p.output
+    )
+    info = CheckpointManager(save_dir, owner=False).list()[0]
+    assert info.step == 15 and {"rank_00001.json", "model.safetensors"} <= set(info.manifest.files), info
+    r = torchrun(save_dir, final, args, script=SCRIPT)
+    assert r.finish(timeout=240) == 0, r.output
+    assert re.search(r"resumed from \S+step_0*15: step 15, epoch 1", r.output), r.output
+    assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))

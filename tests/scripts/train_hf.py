@@ -11,6 +11,7 @@ gets the model's and the optimizer's tensors.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -54,16 +55,18 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 class Steps(transformers.TrainerCallback):
     """Prints each optimizer step; holds at one until the run is asked to stop (--hold_at_step)."""
 
-    def __init__(self, hold_at: int | None) -> None:
+    def __init__(self, hold_at: int | None, hold_rank: int = 0) -> None:
         self.hold_at = hold_at
+        self.hold_rank = hold_rank
         self.steps = 0
         self.driver = None
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps += 1
-        print(f"step {state.global_step} epoch {state.epoch:.4f}", flush=True)
-        if self.steps == self.hold_at:
-            print(f"holding at step {state.global_step}", flush=True)
+        rank = f"rank {args.process_index} " if args.world_size > 1 else ""
+        print(f"{rank}step {state.global_step} epoch {state.epoch:.4f}", flush=True)
+        if self.steps == self.hold_at and args.process_index == self.hold_rank:
+            print(f"{rank}holding at step {state.global_step} pid {os.getpid()}", flush=True)
             deadline = time.monotonic() + HOLD_LIMIT_S
             while not self.driver.run.stop_requested and time.monotonic() < deadline:
                 time.sleep(0.005)
@@ -82,6 +85,7 @@ def main() -> None:
     p.add_argument("--sync_save", action="store_true")
     p.add_argument("--peft", action="store_true", help="a PEFT LoRA model (peft's get_peft_model)")
     p.add_argument("--width", type=int, default=32, help="GPT-2's n_embd")
+    p.add_argument("--hold_rank", type=int, default=0, help="under torchrun: the rank that holds")
     args = p.parse_args()
     torch.set_num_threads(1)
     transformers.set_seed(0)
@@ -94,7 +98,7 @@ def main() -> None:
 
         lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1, fan_in_fan_out=True)
         model = peft.get_peft_model(model, lora)
-    steps = Steps(args.hold_at_step)
+    steps = Steps(args.hold_at_step, args.hold_rank)
     training = transformers.TrainingArguments(
         output_dir=str(Path(args.save_dir).parent / "hf_out"),
         per_device_train_batch_size=4,
@@ -122,12 +126,16 @@ def main() -> None:
         async_save=not args.sync_save,
     )
     trainer.train()
-    if args.final_out:
+    if args.final_out:  # under torchrun each rank its own file, .rank<R> before the suffix
         out: dict[str, torch.Tensor] = {}
         flatten("model", model.state_dict(), out)
         flatten("optimizer", getattr(trainer.optimizer, "optimizer", trainer.optimizer).state_dict(), out)
-        save_file(out, args.final_out)
-    print(f"done at step {trainer.state.global_step}", flush=True)
+        out["rng.torch"] = torch.get_rng_state()
+        final = Path(args.final_out)
+        if training.world_size > 1:
+            final = final.with_suffix(f".rank{training.process_index}{final.suffix}")
+        save_file(out, str(final))
+    print(f"done at step {trainer.state.global_step} rank {training.process_index}", flush=True)
 
 
 if __name__ == "__main__":
