@@ -39,6 +39,7 @@ class Components:
         Raises:
             TypeError: One is not (the message names it); ValueError: a bad name for a tracked object.
         """
+        optimizer = unwrapped(optimizer)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -58,6 +59,16 @@ class Components:
             raise ValueError(f"track: the name {name!r} is already tracked")
         check_stateful(f"track[{name!r}]", obj)
         self.tracked[name] = obj
+
+
+def unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (``accelerator.prepare(optimizer)``), else
+    ``optimizer`` itself. The wrapper is an Optimizer that never ran ``Optimizer.__init__`` (it has no step hooks);
+    it steps the inner one, skipping the step while gradients accumulate, and its state is the inner one's."""
+    inner = getattr(optimizer, "optimizer", None)
+    if type(optimizer).__module__.split(".")[0] == "accelerate" and isinstance(inner, torch.optim.Optimizer):
+        return inner
+    return optimizer
 
 
 def check_stateful(name: str, obj: Any) -> None:

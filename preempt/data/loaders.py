@@ -64,3 +64,14 @@ def length(loader: Any) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+def prepared_by_accelerate(loader: Any) -> str | None:
+    """The class name of a loader Accelerate made (``accelerator.prepare(loader)``), else None.
+
+    Such a loader cannot be replayed exactly: Accelerate replaces its sampler and makes the epoch's iterator lazily
+    in a generator of its own, after the run has set up each sample's random stream and the random state for it.
+    Recognised by the class's module, without importing Accelerate.
+    """
+    cls = type(loader)
+    return cls.__name__ if cls.__module__.split(".")[0] == "accelerate" else None

@@ -37,12 +37,12 @@ from ..checkpoint.commit import MANIFEST
 from ..checkpoint.manager import CheckpointInfo
 from ..checkpoint.manifest import Cursor
 from ..data import rng
-from ..data.loaders import find_sampler, length
+from ..data.loaders import find_sampler, length, prepared_by_accelerate
 from ..data.replay import LoaderFeed
 from ..data.resume_notice import ResumeFacts, describe, resume_notice, saved_workers
 from ..data.sampler import ResumableSampler
 from ..data.shield import LoaderGuard, shield_workers
-from ..errors import IncompatibleStateError
+from ..errors import IncompatibleStateError, PreemptError
 
 log = _log.log
 SEED_MASK = (1 << 53) - 1  # the run's seed, kept exact by any JSON reader
@@ -110,6 +110,14 @@ class DataCursor:
 
     def open(self, loader: Iterable[Any], epoch: int) -> tuple[Iterator[Any] | None, int]:
         """The epoch's iterator and the batch it starts at; None when a resumed epoch had no batch left."""
+        prepared = prepared_by_accelerate(loader)
+        if prepared is not None:
+            raise PreemptError(
+                f"run.batches(): the loader is Accelerate's {prepared} (accelerator.prepare(loader)), which replaces"
+                " its sampler and makes its iterator where the run cannot replay it exactly. Prepare only the model and"
+                " the optimizer; give run.batches() the DataLoader itself, made with sampler=run.sampler(...), and"
+                " move each batch to accelerator.device in the loop"
+            )
         shield_workers(loader, self.signals)
         feed = self._feed = self._feed_for(loader)
         found = find_sampler(loader)
