@@ -18,12 +18,13 @@ the Trainer's point         the run
                             batches done is kept, and the run (not the Trainer) skips them and restores the RNG
 ``on_step_end``             ``run.step()``, after the optimizer and scheduler steps, never inside gradient
                             accumulation: periodic checkpoints, and the stop (a checkpoint, exit code 75)
-``on_evaluate``             the random state put back as it was after the step before the evaluation
+``on_evaluate``             the random state put back as it was after the step before the evaluation; the metrics
+                            to ``run.report`` (a better ``best_metric`` saved, a stop taken after the evaluation)
 ``train``                   the run left when training ends (a final checkpoint, the run marked complete) or fails
 ==========================  ===========================================================================================
 
-The Trainer's own checkpoints are turned off (``save_strategy="no"``): preempt writes them. ``save_steps`` of a
-``save_strategy="steps"`` becomes ``checkpoint_every_steps`` when no cadence is given.
+The Trainer's own checkpoints are turned off (``save_strategy="no"``): preempt writes them, and the Trainer's saving
+arguments set preempt's options (:func:`_from_trainer_args`).
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ import transformers
 import transformers.trainer as hf_trainer
 from torch.utils.data import DataLoader
 
+from .. import _log
 from ..data import rng
 from ..data.sampler import ResumableSampler
 from ..data.stand_in import RunBatches
-from ..errors import PreemptError
+from ..errors import NoCheckpointError, PreemptError
 from ..run.config import integration_config
 from ..run.preemptible import PreemptibleRun
 from .trainer_state import TrainerProgress
 
+log = _log.log
 WHO = "preempt.hf.install"
 # What the Trainer is told to resume from in the resumed epoch: its count of the batches done is kept, and its
 # RNG load and batch skipping are the run's.
@@ -182,9 +185,14 @@ class _Driver(transformers.TrainerCallback):
         # kept here and put back when it ends, so that training draws alike whether a resumed run repeats it or not
         self._eval_rng = rng.capture()
 
-    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._eval_rng is not None and self.run is not None:
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        if self.run is None:
+            return
+        if self._eval_rng is not None:
             rng.restore(self._eval_rng)
+        numbers = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers:
+            self.run.report(numbers)  # a safe point: a better best_metric is saved now, a stop lands here
 
     # ------------------------------------------------------------------ the end
 
@@ -204,6 +212,20 @@ class _Driver(transformers.TrainerCallback):
             else:  # max_steps (or a callback) ended it inside an epoch: the final checkpoint holds that position
                 epochs.close()
         run.__exit__(None, None, None)
+        if self.trainer.args.load_best_model_at_end:
+            self._load_best(run)
+
+    def _load_best(self, run: PreemptibleRun) -> None:
+        """``load_best_model_at_end``: the model's weights from the best checkpoint by ``best_metric``."""
+        from ..checkpoint.manager import CheckpointManager
+
+        try:
+            info, loaded = CheckpointManager(self.save_dir, owner=False).load("best", weights_only=True)
+        except NoCheckpointError:
+            log.warning("%s: no checkpoint ranks best by %s; the model is the last one", WHO, run.config.best_metric)
+            return
+        self.trainer.model.load_state_dict(loaded.model)
+        log.info("loaded the best model: %s (%s %s)", info.path, run.config.best_metric, info.manifest.best_value)
 
 
 _TAKEN = ("train", "get_train_dataloader", "_init_training_state", "_run_epoch", "_load_rng_state")
@@ -244,14 +266,7 @@ def install(
     if any(isinstance(cb, _Driver) for cb in trainer.callback_handler.callbacks):
         raise PreemptError(f"{WHO}: preempt is installed on this Trainer already")
     args = trainer.args
-    if args.load_best_model_at_end:
-        raise PreemptError(
-            f"{WHO}: load_best_model_at_end needs the Trainer's own checkpoints, which preempt replaces; not supported"
-            " yet (keep the best with PreemptibleRun's keep_best and best_metric instead)"
-        )
-    cadence = {"checkpoint_interval", "checkpoint_every_steps", "checkpoints_per_epoch"} & set(options)
-    if not cadence and getattr(args.save_strategy, "value", args.save_strategy) == "steps" and args.save_steps:
-        options = {**options, "checkpoint_every_steps": int(args.save_steps), "checkpoint_interval": None}
+    options = {**_from_trainer_args(args, options), **options}
     integration_config(WHO, **options)
     args.save_strategy = transformers.trainer_utils.SaveStrategy.NO  # preempt writes the checkpoints
     driver = _Driver(trainer, str(save_dir), dict(options), dict(track or {}))
@@ -262,6 +277,30 @@ def install(
     trainer._run_epoch = driver.run_epoch
     trainer._load_rng_state = driver.load_rng_state
     return driver
+
+
+def _from_trainer_args(args: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """What the Trainer's saving arguments mean once preempt saves: options given to ``install`` win.
+
+    ``save_strategy="steps"`` with ``save_steps``: the cadence (``checkpoint_every_steps``) when none is given;
+    ``save_total_limit``: ``keep_last``; ``load_best_model_at_end`` with ``metric_for_best_model`` and
+    ``greater_is_better``: preempt keeps the best checkpoint by that evaluation metric (``best_metric``,
+    ``best_mode``, ``keep_best=1``), and the model is loaded from it when training ends.
+    """
+    out: dict[str, Any] = {}
+    cadence = {"checkpoint_interval", "checkpoint_every_steps", "checkpoints_per_epoch"} & set(options)
+    if not cadence and getattr(args.save_strategy, "value", args.save_strategy) == "steps" and args.save_steps:
+        out.update(checkpoint_every_steps=int(args.save_steps), checkpoint_interval=None)
+    if args.save_total_limit is not None:
+        out["keep_last"] = int(args.save_total_limit)
+    if args.load_best_model_at_end:
+        metric = args.metric_for_best_model or "loss"
+        out.update(
+            best_metric=metric if metric.startswith("eval_") else f"eval_{metric}",
+            best_mode="max" if args.greater_is_better else "min",
+            keep_best=max(1, int(options.get("keep_best", 1))),
+        )
+    return out
 
 
 @contextlib.contextmanager

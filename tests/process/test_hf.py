@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
@@ -165,3 +167,24 @@ def test_torchrun_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_
     assert r.finish(timeout=240) == 0, r.output
     assert re.search(r"resumed from \S+step_0*15: step 15, epoch 1", r.output), r.output
     assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
+
+
+def test_a_stop_during_evaluation_lands_after_it_and_the_best_model_is_loaded_at_the_end(tmp_path, reference):
+    """eval_strategy="steps" (every 6 steps) with load_best_model_at_end by eval_loss: the signal comes inside the
+    second evaluation; the evaluation finishes, its metrics reach the run, and the stop is taken there (step 12).
+    The rerun ends with the best checkpoint's weights loaded, as the uninterrupted run does."""
+    args = ["--eval"]
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = Spawned(command(save_dir, None, [*args, "--hold_in_eval", "2"]))
+    assert p.wait_for(r"^holding in evaluation 2 after step 12$", timeout=120), p.output
+    p.signal(signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    assert re.search(r"^evaluated at step 12: ", p.output, flags=re.M), p.output
+    assert re.search(r"stopping on SIGTERM .* at step 12 \(epoch 0, batch 12\)", p.output), p.output
+    r = resume(save_dir, final, args)
+    best = re.search(r"loaded the best model: \S+step_0*(\d+) \(eval_loss ", r.output)
+    assert best, r.output
+    assert_same_final(reference(args), final)
+    _, loaded = CheckpointManager(save_dir, owner=False).load(int(best[1]), weights_only=True)
+    got = load_file(str(final))
+    assert all(torch.equal(got[f"model.{k}"], v) for k, v in loaded.model.items()), "the model is the best one"

@@ -32,9 +32,9 @@ VOCAB, CONTEXT = 64, 16
 class Crops(Dataset):
     """Random crops of a fixed token stream: each ``__getitem__`` draws where its crop starts."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, seed: int = 3) -> None:
         self.n = n
-        self.stream = torch.randint(0, VOCAB, (4096,), generator=torch.Generator().manual_seed(3))
+        self.stream = torch.randint(0, VOCAB, (4096,), generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return self.n
@@ -52,12 +52,22 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def wait_for_stop(driver) -> None:
+    """Until the run has been asked to stop (the test's signal), at most HOLD_LIMIT_S."""
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not driver.run.stop_requested and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 class Steps(transformers.TrainerCallback):
     """Prints each optimizer step; holds at one until the run is asked to stop (--hold_at_step)."""
 
-    def __init__(self, hold_at: int | None, hold_rank: int = 0) -> None:
+    def __init__(self, hold_at: int | None, hold_rank: int = 0, hold_in_eval: int | None = None) -> None:
         self.hold_at = hold_at
         self.hold_rank = hold_rank
+        self.hold_in_eval = hold_in_eval
+        self.evaluations = 0
+        self.in_eval = 0
         self.steps = 0
         self.driver = None
 
@@ -67,10 +77,20 @@ class Steps(transformers.TrainerCallback):
         print(f"{rank}step {state.global_step} epoch {state.epoch:.4f}", flush=True)
         if self.steps == self.hold_at and args.process_index == self.hold_rank:
             print(f"{rank}holding at step {state.global_step} pid {os.getpid()}", flush=True)
-            deadline = time.monotonic() + HOLD_LIMIT_S
-            while not self.driver.run.stop_requested and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_for_stop(self.driver)
             print(f"released at step {state.global_step}", flush=True)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if self.in_eval == 0:  # the first batch of an evaluation
+            self.evaluations += 1
+            if self.evaluations == self.hold_in_eval:
+                print(f"holding in evaluation {self.evaluations} after step {state.global_step}", flush=True)
+                wait_for_stop(self.driver)
+        self.in_eval += 1
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.in_eval = 0
+        print(f"evaluated at step {state.global_step}: eval_loss {metrics['eval_loss']:.6f}", flush=True)
 
 
 def main() -> None:
@@ -86,6 +106,11 @@ def main() -> None:
     p.add_argument("--peft", action="store_true", help="a PEFT LoRA model (peft's get_peft_model)")
     p.add_argument("--width", type=int, default=32, help="GPT-2's n_embd")
     p.add_argument("--hold_rank", type=int, default=0, help="under torchrun: the rank that holds")
+    p.add_argument(
+        "--eval", action="store_true", help="an evaluation every 6 steps, the best model by eval_loss loaded at the end"
+    )
+    p.add_argument("--hold_in_eval", type=int, default=None, help="N: the N-th evaluation holds until a stop")
+    p.add_argument("--max_steps", type=int, default=-1)
     args = p.parse_args()
     torch.set_num_threads(1)
     transformers.set_seed(0)
@@ -98,7 +123,7 @@ def main() -> None:
 
         lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1, fan_in_fan_out=True)
         model = peft.get_peft_model(model, lora)
-    steps = Steps(args.hold_at_step, args.hold_rank)
+    steps = Steps(args.hold_at_step, args.hold_rank, args.hold_in_eval)
     training = transformers.TrainingArguments(
         output_dir=str(Path(args.save_dir).parent / "hf_out"),
         per_device_train_batch_size=4,
@@ -108,7 +133,13 @@ def main() -> None:
         lr_scheduler_type="cosine",
         warmup_steps=3,
         logging_steps=5,
-        save_strategy="no",
+        save_strategy="steps" if args.eval else "no",
+        save_steps=6,
+        eval_strategy="steps" if args.eval else "no",
+        eval_steps=6,
+        load_best_model_at_end=args.eval,
+        metric_for_best_model="loss",
+        max_steps=args.max_steps,
         report_to=[],
         dataloader_num_workers=args.workers,
         seed=0,
@@ -116,7 +147,12 @@ def main() -> None:
         disable_tqdm=True,
     )
     trainer = transformers.Trainer(
-        model=model, args=training, train_dataset=Crops(96), data_collator=collate, callbacks=[steps]
+        model=model,
+        args=training,
+        train_dataset=Crops(96),
+        eval_dataset=Crops(16, seed=9) if args.eval else None,
+        data_collator=collate,
+        callbacks=[steps],
     )
     steps.driver = preempt.hf.install(
         trainer,

@@ -58,10 +58,29 @@ def test_resume_from_checkpoint_is_refused_since_preempt_resumes_by_itself(tmp_p
         t.train(resume_from_checkpoint=True)
 
 
-def test_load_best_model_at_end_is_refused_with_what_to_use(tmp_path):
-    t = trainer(tmp_path, eval_strategy="steps", save_strategy="steps", load_best_model_at_end=True)
-    with pytest.raises(PreemptError, match="load_best_model_at_end needs the Trainer's own checkpoints"):
-        preempt.hf.install(t, tmp_path / "run")
+def test_the_trainers_saving_arguments_become_preempts_options(tmp_path):
+    t = trainer(
+        tmp_path,
+        eval_strategy="steps",
+        save_strategy="steps",
+        save_steps=4,
+        eval_steps=4,
+        save_total_limit=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="accuracy",
+        greater_is_better=True,
+    )
+    driver = preempt.hf.install(t, tmp_path / "run")
+    assert driver.options == {
+        "checkpoint_every_steps": 4,
+        "checkpoint_interval": None,
+        "keep_last": 3,
+        "best_metric": "eval_accuracy",
+        "best_mode": "max",
+        "keep_best": 1,
+    }
+    given = preempt.hf.install(trainer(tmp_path, save_total_limit=3), tmp_path / "other", keep_last=5)
+    assert given.options["keep_last"] == 5  # what install is given wins
 
 
 def test_save_steps_set_preempts_cadence_and_the_trainers_own_saving_is_off(tmp_path):
