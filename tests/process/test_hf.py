@@ -188,3 +188,32 @@ def test_a_stop_during_evaluation_lands_after_it_and_the_best_model_is_loaded_at
     _, loaded = CheckpointManager(save_dir, owner=False).load(int(best[1]), weights_only=True)
     got = load_file(str(final))
     assert all(torch.equal(got[f"model.{k}"], v) for k, v in loaded.model.items()), "the model is the best one"
+
+
+def test_max_steps_inside_an_epoch_and_tensorboard_across_a_stop(tmp_path):
+    """max_steps=30 ends training inside epoch 1: the final checkpoint holds that position and a rerun exits 0 at
+    once. report_to TensorBoard keeps working across the stop: the train loss is logged up to step 30."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[test]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = ["--max_steps", "30", "--tensorboard"]
+    env = {"TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb")}
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = Spawned(command(save_dir, None, [*args, "--hold_at_step", "17"]), env)
+    assert p.wait_for(r"^holding at step 17 pid \d+$", timeout=120), p.output
+    p.signal(signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    r = Spawned(command(save_dir, final, args), env)
+    assert r.finish() == 0, r.output
+    assert re.search(r"run complete: step 30, epoch 1;", r.output), r.output
+    info = CheckpointManager(save_dir, owner=False).list()[0]
+    assert (info.step, info.manifest.cursor.epoch, info.manifest.cursor.batch) == (30, 1, 6), info.manifest.cursor
+    again = Spawned(command(save_dir, None, args), env)
+    assert again.finish() == 0 and "is complete" in again.output, again.output
+    steps = set()
+    for events in (tmp_path / "tb").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if "train/loss" in acc.Tags()["scalars"]:
+            steps |= {e.step for e in acc.Scalars("train/loss")}
+    assert steps == {5, 10, 15, 20, 25, 30}, steps

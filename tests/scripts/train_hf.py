@@ -111,6 +111,7 @@ def main() -> None:
     )
     p.add_argument("--hold_in_eval", type=int, default=None, help="N: the N-th evaluation holds until a stop")
     p.add_argument("--max_steps", type=int, default=-1)
+    p.add_argument("--tensorboard", action="store_true", help="report_to TensorBoard (TENSORBOARD_LOGGING_DIR)")
     args = p.parse_args()
     torch.set_num_threads(1)
     transformers.set_seed(0)
@@ -140,7 +141,7 @@ def main() -> None:
         load_best_model_at_end=args.eval,
         metric_for_best_model="loss",
         max_steps=args.max_steps,
-        report_to=[],
+        report_to=["tensorboard"] if args.tensorboard else [],
         dataloader_num_workers=args.workers,
         seed=0,
         use_cpu=True,
