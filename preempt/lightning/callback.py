@@ -104,6 +104,7 @@ class PreemptCallback(pl.Callback):
         self._before: dict[int, Any] = {}  # the signal handlers from before the run
         self._handlers: dict[int, Any] = {}  # the run's
         self._val_rng: rng.RngState | None = None
+        self._loader: Iterable[Any] | None = None  # the training loader the run iterates (inside RunBatches)
 
     @property
     def state_key(self) -> str:
@@ -137,7 +138,7 @@ class PreemptCallback(pl.Callback):
         # the order's seed: seed_everything's (Lightning's distributed sampler uses it too), else the run's data seed,
         # which a checkpoint keeps
         seed = int(os.environ.get("PL_GLOBAL_SEED", run.data_seed))
-        processed = resumable(processed, run.sampler, seed)
+        processed = self._loader = resumable(processed, run.sampler, seed)
         return RunBatches(processed, lambda inner: self._open_epoch(trainer, inner))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -188,13 +189,7 @@ class PreemptCallback(pl.Callback):
         run, epochs = self.run, self._epochs
         if run is None or epochs is None:
             raise PreemptError("PreemptCallback: the training loader was iterated outside trainer.fit")
-        epoch = next(epochs, None)  # the previous epoch ends, this one begins: a safe point (a stop may land here)
-        while epoch is not None and epoch < trainer.current_epoch:
-            # Resumed from the last step of an epoch: Lightning goes on with the next one, the run finishes that
-            # epoch first (its batches are all done: nothing is iterated).
-            for _ in run.batches(loader):
-                raise PreemptError(f"PreemptCallback: Lightning left epoch {epoch} with batches left in the run's")
-            epoch = next(epochs, None)
+        epoch = self._catch_up(trainer.current_epoch)
         if epoch != trainer.current_epoch:
             raise PreemptError(
                 f"PreemptCallback: Lightning is in epoch {trainer.current_epoch}, the run in epoch {epoch};"
@@ -202,6 +197,24 @@ class PreemptCallback(pl.Callback):
                 " several iterations of it per epoch are not supported)"
             )
         return run.batches(loader)
+
+    def _catch_up(self, until: int) -> int | None:
+        """The run's next epoch of ``until`` or later (None: no epoch left); its epochs before ``until`` must have no
+        batch left. The previous epoch ends, the next begins: a safe point (a stop may land here).
+
+        Resumed from the last step of an epoch, Lightning goes on with the next one (or, after the last epoch's last
+        step, ends the fit without iterating the loader): the run finishes that epoch first, iterating nothing.
+        """
+        run, epochs = self.run, self._epochs
+        assert run is not None and epochs is not None
+        epoch = next(epochs, None)
+        while epoch is not None and epoch < until:
+            if self._loader is None:
+                raise PreemptError(f"PreemptCallback: the fit ended in epoch {epoch} without a training loader")
+            for _ in run.batches(self._loader):
+                raise PreemptError(f"PreemptCallback: Lightning left epoch {epoch} with batches left in the run's")
+            epoch = next(epochs, None)
+        return epoch
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -227,8 +240,10 @@ class PreemptCallback(pl.Callback):
         run, epochs = self.run, self._epochs
         if run is None or epochs is None:
             return
-        if trainer.fit_loop.epoch_progress.current.processed >= (trainer.max_epochs or 0) > 0:
-            for _ in epochs:  # every epoch ran: the run's last epoch boundary (a safe point)
+        max_epochs = trainer.max_epochs or 0
+        if trainer.fit_loop.epoch_progress.current.processed >= max_epochs > 0:
+            # every epoch ran: the run's last epoch boundary (a safe point)
+            if self._catch_up(max_epochs) is not None:
                 raise PreemptError("PreemptCallback: the run has epochs left after Lightning's last one")
         else:  # max_steps, should_stop (EarlyStopping), a time limit: the final checkpoint holds the epoch's position
             epochs.close()

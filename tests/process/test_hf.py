@@ -217,3 +217,13 @@ def test_max_steps_inside_an_epoch_and_tensorboard_across_a_stop(tmp_path):
         if "train/loss" in acc.Tags()["scalars"]:
             steps |= {e.step for e in acc.Scalars("train/loss")}
     assert steps == {5, 10, 15, 20, 25, 30}, steps
+
+
+def test_a_stop_at_the_last_step_resumes_to_completion(tmp_path, reference):
+    """Resumed at step 48 (epoch 1, batch 24 of 24): nothing is left to train; the run completes, bit-exact."""
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, [], 48, signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    r = resume(save_dir, final, [])
+    assert not re.search(r"^step \d+ ", r.output, flags=re.M) and "run complete: step 48, epoch 2" in r.output, r.output
+    assert_same_final(reference([]), final)

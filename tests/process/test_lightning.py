@@ -272,3 +272,16 @@ def test_the_users_callbacks_and_logger_keep_working_and_the_commands_read_the_r
     )
     report = json.loads(r.stdout)
     assert report["processes"] == 2 and report["complete"] and report["final_step"] == 36, report
+
+
+def test_a_stop_at_the_last_step_of_the_last_epoch_resumes_to_completion(tmp_path, reference):
+    """Resumed at step 36 (epoch 2, batch 12 of 12), Lightning ends the fit without asking for a batch: the run
+    finishes its epoch, marks the run complete, and the state is the uninterrupted run's (as under SLURM, whose
+    warning can land on any step)."""
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, [], 36, signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    assert re.search(r"stopping on SIGTERM .* at step 36 \(epoch 2, batch 12\)", p.output), p.output
+    r = resume(save_dir, final, [])
+    assert not re.search(r"^step \d+ ", r.output, flags=re.M) and "run complete: step 36, epoch 3" in r.output, r.output
+    assert_same_final(reference([]), final)
