@@ -55,8 +55,8 @@ def test_lightning_cli_job_requeues_itself_on_usr1_and_finishes_bit_exact(
 ) -> None:
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
-    ref = Spawned([sys.executable, str(CLI), "fit", "--config", str(config(ref_dir, 0.0))],
-                  {"FINAL_OUT": str(ref_dir / "final.safetensors")})  # fmt: skip
+    ref_cmd = [sys.executable, str(CLI), "fit", "--config", str(config(ref_dir, 0.0))]
+    ref = Spawned(ref_cmd, {"FINAL_OUT": str(ref_dir / "final.safetensors")})
     assert ref.finish() == 0, ref.output
     # 36 steps of 1.3 s: ~47 s of work; one --time=1 allocation trains at most ~37 s before an @20 warning
     final = tmp_path / "final.safetensors"
