@@ -32,30 +32,27 @@ keeping and SLURM's requeue: :mod:`preempt.run.stopping`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from .. import _log
 from ..checkpoint import state
-from ..checkpoint.carry import CarryOptions
 from ..checkpoint.lock import DirLock, StepBeacon
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.staging import payload_nbytes
 from ..cluster.environment import Environment, provenance
-from ..cluster.signals import DEFAULT_SIGNALS
 from ..data import rng
 from ..data.sampler import ResumableSampler
 from ..data.shield import shield_workers
-from ..errors import PREEMPTED_EXIT_CODE, PeerLost, PreemptError, RunComplete
+from ..errors import PeerLost, PreemptError, RunComplete
 from ..health.progress import check_epochs
-from .config import OPTIONS_DOC, RunConfig
+from .config import RunConfig, RunOptions
 from .data_cursor import DataCursor
 from .guarding import Health, OomStep
 from .loop_state import LoopState
@@ -74,7 +71,6 @@ __all__ = ["PreemptibleRun", "RunConfig", "SaveRecord"]
 log = _log.log
 _END = object()
 _REASONS = list(Reason)  # save reasons travel between ranks as index + 1
-_OPTIONS = frozenset(f.name for f in dataclasses.fields(RunConfig))
 
 
 def _view(part: str, name: str, doc: str) -> property:
@@ -100,9 +96,20 @@ class PreemptibleRun:
         scheduler: An LR scheduler (anything with state_dict/load_state_dict).
         scaler: A ``torch.amp.GradScaler``.
         track: Further objects with state_dict()/load_state_dict(), by name.
+        config: The options as one :class:`~preempt.run.config.RunConfig` (instead of ``**options``).
         clock: Monotonic clock (for tests).
-
-        **options: The options of :class:`RunConfig`, checked there:
+        **options: The options, each documented and checked in :mod:`preempt.run.config` by its group:
+            :class:`~preempt.run.config.SaveOptions` (``checkpoint_interval``, ``checkpoint_every_steps``,
+            ``checkpoints_per_epoch``, ``keep_last``, ``keep_best``, ``keep_every_steps``, ``best_metric``,
+            ``best_mode``, ``recycle_files``, ``carry_unchanged``, ``async_save``, ``lazy_snapshot``),
+            :class:`~preempt.run.config.StartOptions` (``auto_resume``, ``resume``, ``weights_only``, ``strict``,
+            ``exit_if_complete``, ``lock_timeout``), :class:`~preempt.run.config.StopOptions` (``signals``,
+            ``exit_code``, ``time_limit``, ``requeue``, ``max_restarts``, ``sync_every_steps``),
+            :class:`~preempt.run.config.ReportOptions` (``log_file``, ``progress_every_s``, ``log_level``,
+            ``monitor_gpu``, ``loggers``), :class:`~preempt.run.config.MirrorOptions` (``mirror``,
+            ``mirror_options``, ``mirror_deadline``) and :class:`~preempt.run.config.HealthOptions`
+            (``max_nonfinite``, ``nonfinite_lr_factor``, ``max_rollbacks``, ``max_oom``, ``emergency_save``).
+            They are read back as ``run.config.<name>``.
     """
 
     def __init__(
@@ -113,51 +120,19 @@ class PreemptibleRun:
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: state.Stateful | None = None,
         scaler: state.Stateful | None = None,
-        checkpoint_interval: float | None = 300.0,
-        checkpoint_every_steps: int | None = None,
-        checkpoints_per_epoch: int | None = None,
-        keep_last: int | None = 2,
-        keep_best: int = 0,
-        keep_every_steps: int | None = None,
-        best_metric: str | None = None,
-        best_mode: str = "min",
-        recycle_files: bool = True,
-        carry_unchanged: bool | CarryOptions = True,
-        auto_resume: bool = True,
-        resume: str | int | os.PathLike[str] | None = "latest",
-        weights_only: bool = False,
-        strict: bool = True,
         track: Mapping[str, state.Stateful] | None = None,
-        signals: Iterable[int] = DEFAULT_SIGNALS,
-        exit_code: int = PREEMPTED_EXIT_CODE,
-        exit_if_complete: bool = True,
-        lock_timeout: float = 0.0,
-        time_limit: float | str | None = None,
-        requeue: bool = True,
-        max_restarts: int | None = None,
-        async_save: bool = True,
-        lazy_snapshot: bool = False,
-        sync_every_steps: int = 1,
-        log_file: bool = True,
-        progress_every_s: float | None = 60.0,
-        log_level: str | None = None,
-        monitor_gpu: bool | float | None = None,
-        loggers: Iterable[Any] | None = (),
-        mirror: str | None = None,
-        mirror_options: Mapping[str, Any] | None = None,
-        mirror_deadline: float = 60.0,
-        max_nonfinite: int = 5,
-        nonfinite_lr_factor: float = 1.5,
-        max_rollbacks: int = 3,
-        max_oom: int = 3,
-        emergency_save: bool = True,
+        config: RunConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        **options: Unpack[RunOptions],
     ) -> None:
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
             raise ValueError(f"save_dir: expected a directory path, got {save_dir!r}")
         self.components = state.Components.checked(model, optimizer, scheduler, scaler, track)
-        options = {name: value for name, value in locals().items() if name in _OPTIONS}
-        cfg = self.config = RunConfig(**options)  # checks them all
+        if config is not None and options:
+            raise TypeError(f"PreemptibleRun: config= and options ({', '.join(sorted(options))}) given; pass one")
+        cfg = self.config = config if config is not None else RunConfig(**options)  # checks them all
+        if not isinstance(cfg, RunConfig):
+            raise TypeError(f"PreemptibleRun: config: expected a RunConfig, got {type(cfg).__name__}")
         self.save_dir = Path(save_dir)
         self.policy = cfg.save_policy()
         self.manager = CheckpointManager(save_dir, retention=cfg.retention(), carry_unchanged=cfg.carry)
@@ -178,7 +153,7 @@ class PreemptibleRun:
         self._flag = self.stopper.flag
         self.resumed_from: Path | None = None
         job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
-        self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=lock_timeout)
+        self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=cfg.lock_timeout)
         self._beacon = StepBeacon(self.save_dir)  # the lock holder's latest step, for whoever finds it dead
         self._starter: Starter | None = None
         self._entered = self._active = False
@@ -591,8 +566,3 @@ class PreemptibleRun:
 
     def _stop(self, peer: int = -1, requested: bool | None = None) -> None:
         self.stopper.stop(self.loop, checkpoint=self.saves.last_checkpoint, peer=peer, requested=requested)
-
-
-for _name in sorted(_OPTIONS - set(vars(PreemptibleRun))):  # the options read as attributes: run.time_limit, ...
-    setattr(PreemptibleRun, _name, _view("config", _name, f"The {_name} option (see RunConfig)."))
-PreemptibleRun.__doc__ = (PreemptibleRun.__doc__ or "").rstrip() + "\n" + OPTIONS_DOC  # help() shows every option

@@ -184,7 +184,7 @@ def test_progress_lines_have_an_eta_and_monitor_gpu_true_is_quiet_without_a_gpu(
     kw = dict(progress_every_s=1e-9, monitor_gpu=True)
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_interval=None, **kw) as run:
         loop(run, model, opt, sched, data, epochs=2)
-        assert run.monitor_gpu == 10.0
+        assert run.config.monitor_gpu == 10.0
     assert "ETA" in caplog.text and "/16 |" in caplog.text  # 2 epochs of 8 steps
     if not torch.cuda.is_available():
         assert "GPU monitor" in caplog.text or "NVML" in caplog.text

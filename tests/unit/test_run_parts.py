@@ -167,7 +167,48 @@ def test_the_config_normalises_and_hands_the_retention_to_the_manager(tmp_path):
     assert cfg.monitor_gpu == 10.0 and cfg.time_limit == 3600.0
     run = PreemptibleRun(tmp_path, keep_best=2, best_metric="loss", best_mode="max", keep_last=3)
     assert run.manager.retention == RetentionPolicy(keep_last=3, keep_best=2, metric="loss", mode="max")
-    assert "checkpoint_interval" in (PreemptibleRun.__doc__ or "") and "emergency_save" in (RunConfig.__doc__ or "")
+
+
+def test_each_option_is_declared_once_with_its_documentation_and_named_for_type_checkers():
+    import ast
+    import dataclasses
+    import inspect
+    import typing
+
+    from preempt.run import config
+
+    declared: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(config))
+    groups = {g.__name__ for g in config.GROUPS}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in groups):
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                name = node.target.id  # type: ignore[attr-defined]
+                assert name not in declared, f"{name} declared in two groups"
+                declared[name] = ast.unparse(node.annotation)
+                doc = body[i + 1] if i + 1 < len(body) else None
+                assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant), f"{cls.name}.{name}: no doc"
+    assert [f.name for f in dataclasses.fields(RunConfig)] == list(declared)  # the groups' order, each once
+    # The TypedDict for **options names exactly the same keywords with the same types.
+    hints = typing.get_type_hints(config.RunOptions)
+    assert list(hints) == list(declared)
+    fields = typing.get_type_hints(RunConfig)
+    assert all(hints[name] == fields[name] for name in declared)
+    # Nothing attached at import time: the run has no attribute per option, the docstrings are the source's.
+    assert not any(hasattr(PreemptibleRun, name) for name in declared)
+    assert "checkpoint_interval" in (PreemptibleRun.__init__.__doc__ or PreemptibleRun.__doc__ or "")
+
+
+def test_a_config_is_given_whole_or_as_options_never_both(tmp_path):
+    cfg = RunConfig(keep_last=5, log_file=False)
+    assert PreemptibleRun(tmp_path, config=cfg).config is cfg
+    with pytest.raises(TypeError, match="config= and options \\(keep_last\\) given"):
+        PreemptibleRun(tmp_path, config=cfg, keep_last=3)
+    with pytest.raises(TypeError, match="config: expected a RunConfig, got dict"):
+        PreemptibleRun(tmp_path, config={"keep_last": 3})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'keep_lsat'"):
+        PreemptibleRun(tmp_path, keep_lsat=3)  # type: ignore[call-arg]
 
 
 # ---------------------------------------------------------------------------- the stop's cause

@@ -143,8 +143,8 @@ def test_time_limit_stops_and_saves_before_the_deadline(tmp_path, caplog):
 
 
 def test_time_limit_accepts_slurm_durations_and_rejects_nonsense(tmp_path):
-    assert PreemptibleRun(tmp_path, time_limit="1-00:00:00").time_limit == 86400.0
-    assert PreemptibleRun(tmp_path, time_limit=90).time_limit == 90.0
+    assert PreemptibleRun(tmp_path, time_limit="1-00:00:00").config.time_limit == 86400.0
+    assert PreemptibleRun(tmp_path, time_limit=90).config.time_limit == 90.0
     for bad in (0, -1, float("inf"), "soon", True):
         with pytest.raises(ValueError, match="time_limit: expected a positive number of seconds"):
             PreemptibleRun(tmp_path, time_limit=bad)
