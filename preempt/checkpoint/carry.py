@@ -123,7 +123,7 @@ def summary(manifest: Any) -> str:
     if not carried:
         return ""
     nbytes = sum(d.size for d in carried.values())
-    steps = ", ".join(str(s) for s in sorted({d.carried_from for d in carried.values()}))  # type: ignore[misc]
+    steps = ", ".join(str(s) for s in sorted({d.carried_from for d in carried.values() if d.carried_from is not None}))
     written = sum(d.size for d in files.values()) - nbytes
     return f" ({_log.size(written)} written, {_log.size(nbytes)} carried from step {steps})"
 

@@ -14,6 +14,7 @@ sight (fast, atomic) and then deleted by a background thread.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import json
@@ -68,6 +69,17 @@ class CheckpointInfo:
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def valid(self) -> Manifest:
+        """The manifest of a checkpoint that discovery found valid.
+
+        Raises:
+            CorruptCheckpointError: The checkpoint was not found valid (no manifest to read).
+        """
+        if self.status != "valid" or self.manifest is None:
+            raise CorruptCheckpointError(f"{self.path}: {self.problem or 'not a valid checkpoint'}")
+        return self.manifest
 
 
 class CheckpointManager:
@@ -196,7 +208,7 @@ class CheckpointManager:
             )
         return CheckpointInfo(path, step, "valid", manifest)
 
-    def check_files(self, info: CheckpointInfo, files: Iterable[str] | None = None) -> list[FileCheck]:
+    def check_files(self, info: CheckpointInfo, files: Iterable[str] | None = None) -> builtins.list[FileCheck]:
         """Re-hashes and parses the checkpoint's files: one :class:`FileCheck` per file the manifest lists.
 
         Each file is hashed in its memory mapping (:func:`preempt.checkpoint.commit.read_file`):
@@ -218,7 +230,7 @@ class CheckpointManager:
             if wanted is None or name in wanted
         ]
 
-    def verify(self, info: CheckpointInfo, files: Iterable[str] | None = None) -> list[str]:
+    def verify(self, info: CheckpointInfo, files: Iterable[str] | None = None) -> builtins.list[str]:
         """Re-hashes (and parses) the checkpoint's files; one message per problem (empty: all good).
 
         Each message names the file's path, then what the manifest promises and
@@ -238,7 +250,7 @@ class CheckpointManager:
             log.warning("%s; moved to %s", problem, dest)
         return dest
 
-    def supersede(self, infos: Iterable[CheckpointInfo]) -> list[Path]:
+    def supersede(self, infos: Iterable[CheckpointInfo]) -> builtins.list[Path]:
         """Moves checkpoints of an abandoned timeline to ``superseded/`` (nothing is deleted)."""
         moved = []
         for info in infos:
@@ -249,7 +261,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
 
-    def candidates(self, selector: Selector, infos: list[CheckpointInfo] | None = None) -> list[CheckpointInfo]:
+    def candidates(
+        self, selector: Selector, infos: builtins.list[CheckpointInfo] | None = None
+    ) -> builtins.list[CheckpointInfo]:
         """Valid checkpoints in the order to try for ``selector`` (best first, see :func:`rank_best`).
 
         Raises:
@@ -321,10 +335,8 @@ class CheckpointManager:
                 f"{first.problem or first.path}. Not resumed from an older checkpoint instead: {first.name} may be"
                 " valid (to go on without it, move it out of the save_dir)"
             )
-        what = {"latest": "no valid checkpoint", "best": "no valid 'best' checkpoint"}.get(
-            selector,
-            f"no valid checkpoint at step {selector}",  # type: ignore[arg-type]
-        )
+        names = {"latest": "no valid checkpoint", "best": "no valid 'best' checkpoint"}
+        what = names[selector] if isinstance(selector, str) else f"no valid checkpoint at step {selector}"
         detail = f" ({len(tried)} corrupt: {'; '.join(tried)})" if tried else ""
         raise NoCheckpointError(f"{self.save_dir}: {what}{detail}", corrupt=tried)
 
@@ -378,9 +390,9 @@ class CheckpointManager:
         tree: dict[str, Any] = {}
         if not weights_only:
             tensors, _ = parse_tensors(bufs[state.STATE_FILE], info.path / state.STATE_FILE)
-            where = str(info.path / state.STATE_JSON)
+            json_where = str(info.path / state.STATE_JSON)
             try:
-                tree = codec.decode(codec.loads(bufs[state.STATE_JSON], where), tensors, where)
+                tree = codec.decode(codec.loads(bufs[state.STATE_JSON], json_where), tensors, json_where)
             except ValueError as e:
                 raise CorruptCheckpointError(str(e)) from None
             if not isinstance(tree, dict):
@@ -522,7 +534,7 @@ class CheckpointManager:
         a stop's save, which leaves the guard's hashing to the next checkpoint."""
         return self.carrier.plan(payload, step, urgent=urgent)
 
-    def loaded(self, info: CheckpointInfo, live: state.Payload) -> list[str]:
+    def loaded(self, info: CheckpointInfo, live: state.Payload) -> builtins.list[str]:
         """After a resume from ``info``: its tensor files that the live tensors (``live``, captured right after the
         load) match become what the next checkpoint may carry. Only checkpoints of this save_dir (a hard link into
         another run's directory would tie the two together). Returns the file names."""
@@ -533,7 +545,7 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- prune
 
-    def prune(self) -> list[int]:
+    def prune(self) -> builtins.list[int]:
         """Applies the retention policy to valid checkpoints; returns the pruned steps.
 
         Victims are renamed out of sight at once and deleted in the background.

@@ -25,7 +25,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, TYPE_CHECKING, TypeGuard
 
 import xxhash
 
@@ -160,37 +160,37 @@ class Manifest:
             raise ValueError(f"{where}: manifest checksum mismatch (recorded {checksum}, computed {actual})")
         r = _Reader(raw, where)
         files = {}
-        listed = r.dict("files")
+        listed = r.mapping("files")
         if len(listed) > MAX_FILES:
             raise ValueError(f"{where}: lists {len(listed)} files; a checkpoint holds at most {MAX_FILES}")
         for name, entry in listed.items():
             if not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or name == MANIFEST or ".." in name:
                 raise ValueError(f"{where}: file name {_short(name)} is not a plain file name inside the checkpoint")
             e = _Reader(entry, f"{where}: files[{name!r}]")
-            size = e.int("size", hi=MAX_FILE_BYTES)
-            digest = e.str("xxh3_128")
+            size = e.integer("size", hi=MAX_FILE_BYTES)
+            digest = e.text("xxh3_128")
             if not _HEX32_RE.fullmatch(digest):
                 raise ValueError(f"{where}: files[{name!r}].xxh3_128: expected 32 hex digits, found {_short(digest)}")
             origin = e.optional_int("carried_from") if "carried_from" in entry else None
             files[name] = FileDigest(size, digest, origin)
-        c = _Reader(r.dict("cursor"), f"{where}: cursor")
-        point = c.str("point")
+        c = _Reader(r.mapping("cursor"), f"{where}: cursor")
+        point = c.text("point")
         if point not in POINTS:
             raise ValueError(f"{where}: cursor.point: expected one of {POINTS}, found {_short(point)}")
         cursor = Cursor(
-            epoch=c.int("epoch"),
-            batch=c.int("batch"),
-            sample=c.int("sample", lo=-1),
+            epoch=c.integer("epoch"),
+            batch=c.integer("batch"),
+            sample=c.integer("sample", lo=-1),
             point=point,
-            batches_per_epoch=c.int("batches_per_epoch", lo=-1),
+            batches_per_epoch=c.integer("batches_per_epoch", lo=-1),
         )
         best = r.optional_dict("best")
         if best is not None:
             b = _Reader(best, f"{where}: best")
-            b.str("metric")
+            b.text("metric")
             b.float("value")
         created = r.float("created", lo=0.0, hi=MAX_CREATED, finite=True)
-        metrics = r.dict("metrics")
+        metrics = r.mapping("metrics")
         m = _Reader(metrics, f"{where}: metrics")
         for key in metrics:
             m.float(key)  # NaN and infinities are legitimate metric values (and an infinite "best")
@@ -198,17 +198,17 @@ class Manifest:
         _check_cursor_in_epoch(cursor, sampler, where)
         retention = _check_retention(r.optional_dict("retention"), where) if "retention" in raw else None
         return cls(
-            step=r.int("step"),
+            step=r.integer("step"),
             cursor=cursor,
-            reason=r.str("reason"),
+            reason=r.text("reason"),
             created=created,
             files=files,
             sampler=sampler,
             metrics=metrics,
             best=best,
-            is_best=r.bool("is_best"),
-            lineage=r.dict("lineage"),
-            provenance=r.dict("provenance"),
+            is_best=r.boolean("is_best"),
+            lineage=r.mapping("lineage"),
+            provenance=r.mapping("provenance"),
             retention=retention,
             format_version=version,
         )
@@ -228,7 +228,7 @@ class _Reader:
             raise ValueError(f"{self.where}: missing field {key!r}")
         return self.raw[key]
 
-    def int(self, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    def integer(self, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
         v = self._get(key)
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
             raise ValueError(f"{self.where}: field {key!r}: expected an integer in [{lo}, {hi}], found {_short(v)}")
@@ -249,32 +249,32 @@ class _Reader:
             raise ValueError(f"{self.where}: field {key!r}: expected {want}, found {_short(v)}")
         return f
 
-    def str(self, key: str) -> str:
+    def text(self, key: str) -> str:
         v = self._get(key)
         if not isinstance(v, str):
             raise ValueError(f"{self.where}: field {key!r}: expected a string, found {_short(v)}")
         return v
 
-    def bool(self, key: str) -> bool:
+    def boolean(self, key: str) -> bool:
         v = self._get(key)
         if not isinstance(v, bool):
             raise ValueError(f"{self.where}: field {key!r}: expected true or false, found {_short(v)}")
         return v
 
-    def dict(self, key: str) -> dict[str, Any]:
+    def mapping(self, key: str) -> dict[str, Any]:
         v = self._get(key)
         if not isinstance(v, dict):
             raise ValueError(f"{self.where}: field {key!r}: expected an object, found {type(v).__name__}")
         return v
 
     def optional_dict(self, key: str) -> dict[str, Any] | None:
-        return None if self._get(key) is None else self.dict(key)
+        return None if self._get(key) is None else self.mapping(key)
 
     def optional_int(self, key: str, lo: int = 0, hi: int = 1 << 62) -> int | None:
-        return None if self._get(key) is None else self.int(key, lo, hi)
+        return None if self._get(key) is None else self.integer(key, lo, hi)
 
     def optional_str(self, key: str) -> str | None:
-        return None if self._get(key) is None else self.str(key)
+        return None if self._get(key) is None else self.text(key)
 
 
 def retention_record(policy: RetentionPolicy) -> dict[str, Any]:
@@ -296,9 +296,9 @@ def _check_retention(raw: dict[str, Any] | None, where: str) -> dict[str, Any] |
     if raw is None:
         return None
     r = _Reader(raw, f"{where}: retention")
-    keep_best = r.int("keep_best")
+    keep_best = r.integer("keep_best")
     metric = r.optional_str("metric")
-    mode = r.str("mode")
+    mode = r.text("mode")
     if mode not in MODES:
         raise ValueError(f"{where}: retention.mode: expected one of {MODES}, found {_short(mode)}")
     if metric == "":
@@ -334,7 +334,7 @@ def _check_cursor_in_epoch(cursor: Cursor, sampler: dict[str, Any] | None, where
         )
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

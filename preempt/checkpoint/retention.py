@@ -165,7 +165,7 @@ def rank_best(infos: Iterable[Any], default_mode: str = "min") -> BestRanking:
         return BestRanking([], None, None)
 
     def ranking(c: Any) -> tuple[Any, Any]:
-        best = c.manifest.best or {}  # type: ignore[union-attr]
+        best = c.manifest.best or {}
         return best.get("metric"), best.get("mode", default_mode)
 
     metric, mode = ranking(marked[0])
@@ -173,5 +173,5 @@ def rank_best(infos: Iterable[Any], default_mode: str = "min") -> BestRanking:
         problem = f"{marked[0].path / MANIFEST}: best.mode: expected 'min' or 'max', found {mode!r:.80}"
         return BestRanking([], metric, None, problem)
     same = [c for c in marked if ranking(c) == (metric, mode)]
-    same.sort(key=lambda c: c.manifest.best_value, reverse=mode == "max")  # type: ignore[union-attr,return-value,arg-type]
+    same.sort(key=lambda c: c.manifest.best_value, reverse=mode == "max")
     return BestRanking(same, metric, mode)

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, TypedDict, cast
+from typing import Any, TypeGuard, TypedDict, cast
 
 from .. import _log
 from ..checkpoint.carry import CarryOptions
@@ -153,7 +153,7 @@ class StartOptions:
         if isinstance(r, int) and r < 0:
             raise ValueError(f"resume: a step number must be >= 0, got {r}")
         t = self.lock_timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+        if not _is_number(t) or not t >= 0:
             raise ValueError(f"lock_timeout: expected seconds >= 0, got {t!r}")
 
     @property
@@ -183,6 +183,11 @@ class StopOptions:
     """Under torch.distributed, the ranks agree on saving and stopping at every N-th ``run.step()`` (one small
     all-reduce on a gloo group; :mod:`preempt.cluster.distributed`). Larger N costs less per step and delays a stop
     and a periodic save by up to N-1 steps."""
+
+    @property
+    def time_limit_s(self) -> float | None:
+        """``time_limit`` in seconds (normalised when the options were made)."""
+        return cast("float | None", self.time_limit)
 
     def __post_init__(self) -> None:
         _set(self, "signals", tuple(self.signals))
@@ -227,13 +232,18 @@ class ReportOptions:
     objects with options. One run across restarts (:mod:`preempt.health.loggers`). Optional extras, imported only
     when asked for."""
 
+    @property
+    def gpu_every_s(self) -> float | None:
+        """``monitor_gpu`` in seconds, or None (normalised when the options were made)."""
+        return cast("float | None", self.monitor_gpu)
+
     def __post_init__(self) -> None:
         _set(self, "log_file", bool(self.log_file))
         gpu = self.monitor_gpu
         _set(self, "monitor_gpu", 10.0 if gpu is True else None if gpu is False else gpu)
         for name in ("progress_every_s", "monitor_gpu"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            if value is not None and (not _is_number(value) or not value > 0):
                 raise ValueError(f"{name}: expected a number of seconds > 0 or None, got {value!r}")
         level = self.log_level
         if level is not None and (not isinstance(level, str) or level.upper() not in LOG_LEVELS):
@@ -290,7 +300,7 @@ class HealthOptions:
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
         factor = self.nonfinite_lr_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+        if not _is_number(factor) or not factor > 1:
             raise ValueError(f"nonfinite_lr_factor: expected a number > 1, got {factor!r}")
 
 
@@ -356,8 +366,12 @@ class RunOptions(TypedDict, total=False):
     emergency_save: bool
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_mirror(url: object, options: object, deadline: object) -> None:
@@ -370,8 +384,7 @@ def _check_mirror(url: object, options: object, deadline: object) -> None:
             raise ValueError(f"mirror_options: expected a mapping of option names to values, got {type(options)}")
         if url is None:
             raise ValueError("mirror_options: given without mirror=; expected a mirror URL too")
-    bad = isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-    if bad or not math.isfinite(deadline) or deadline < 0:  # type: ignore[arg-type]
+    if not _is_number(deadline) or not math.isfinite(deadline) or deadline < 0:
         raise ValueError(f"mirror_deadline: expected a number of seconds >= 0, got {deadline!r}")
 
 
@@ -379,7 +392,7 @@ def _time_limit(value: float | str | None) -> float | None:
     if value is None:
         return None
     seconds = slurm.parse_duration(value) if isinstance(value, str) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+    if not _is_number(seconds) or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"time_limit: expected a positive number of seconds or '[D-]HH:MM:SS', got {value!r}")
     return float(seconds)
 

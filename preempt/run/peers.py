@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
@@ -35,6 +35,44 @@ class Deferred:
     """A checkpoint whose leader's files are still to be written by the background writer."""
 
     finish: Callable[[CheckpointManager, Payload, Manifest], CheckpointInfo]
+
+
+class Peers(Protocol):
+    """What the run asks of its peers, one process or many ranks: every part is given one of these."""
+
+    rank: int
+    world_size: int
+    leader: bool  # holds the lock, chooses the checkpoint, writes the replicated state and commits
+    alone: bool
+    every: int  # the ranks meet at every N-th run.step(); 0: when something may be due (one process)
+
+    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
+        """Every peer's stop request and save reason combined into one decision."""
+        ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """The leader's ``obj`` on every peer."""
+        ...
+
+    def all(self, flag: bool) -> bool:
+        """``flag`` is True on every peer."""
+        ...
+
+    def barrier(self) -> None: ...
+
+    def lost(self, error: BaseException | None) -> PeerLost | None:
+        """The :class:`PeerLost` that ``error``, escaping the loop, stands for, if any."""
+        ...
+
+    def writers(self) -> Peers:
+        """The peers of the background writers (collectives of their own, never interleaved with the loop's)."""
+        ...
+
+    def save(
+        self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
+    ) -> CheckpointInfo | Deferred | None:
+        """Commits a checkpoint; when ``defer``, returns what the background writer finishes with the staged copy."""
+        ...
 
 
 class Alone:
@@ -63,6 +101,10 @@ class Alone:
         """The :class:`PeerLost` that ``error``, escaping the loop, stands for: one process has no peers to lose."""
         return None
 
+    def writers(self) -> Alone:
+        """One process's writer needs no group of its own."""
+        return self
+
     def save(
         self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
     ) -> CheckpointInfo | Deferred | None:
@@ -72,7 +114,7 @@ class Alone:
         return manager.save(payload, manifest)
 
 
-class Ranks(Alone):
+class Ranks:
     """The ranks of torch.distributed (created collectively, on every rank)."""
 
     alone = False
@@ -117,6 +159,6 @@ class Ranks(Alone):
         return got
 
 
-def join(sync_every: int) -> Alone:
+def join(sync_every: int) -> Peers:
     """The peers of this process: the ranks when torch.distributed has more than one, else the process alone."""
     return Ranks(sync_every) if distributed.active() else Alone()

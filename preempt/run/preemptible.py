@@ -57,7 +57,7 @@ from .data_cursor import DataCursor
 from .guarding import Health, OomStep
 from .loop_state import LoopState
 from .mirroring import Mirroring
-from .peers import Alone, join
+from .peers import Alone, Peers, join
 from .reporting import Reporter
 from .restore import Starter, check_sharded
 from .save_plan import SaveRecord
@@ -148,7 +148,7 @@ class PreemptibleRun:
         self.saves.on_saved = self.reporter.checkpoint
         self.mirroring = Mirroring(cfg, self.manager, self.reporter, self.stopper, clock)  # inert without mirror=
         self.saves.on_durable = self.mirroring.chain(self.stopper.saved)
-        self.peers: Alone = Alone()
+        self.peers: Peers = Alone()
         self._every = 0  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
         self._flag = self.stopper.flag
         self.resumed_from: Path | None = None
@@ -282,7 +282,7 @@ class PreemptibleRun:
 
     # ----------------------------------------------------------------- exit
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         lost = self.peers.lost(exc) if self._active else None
         if lost is not None:  # another rank died during a collective of the loop's own: leave as in one of ours
             exc_type, exc = PeerLost, lost
@@ -310,7 +310,6 @@ class PreemptibleRun:
                 self._lock.release()
         if lost is not None:
             raise lost  # its __cause__ is the loop's error
-        return False
 
     def _finish(self) -> None:
         """Final checkpoint (when anything changed) and the completion marker."""

@@ -169,8 +169,8 @@ class Reporter:
         if cfg.loggers and self.rank == 0:
             self._loggers = Loggers(cfg.loggers)
             self._loggers.open(self.save_dir, step, resumed=resumed_from is not None)
-        if cfg.monitor_gpu is not None and self.rank == 0:
-            monitor = GPUMonitor(self.save_dir, cfg.monitor_gpu)
+        if cfg.gpu_every_s is not None and self.rank == 0:
+            monitor = GPUMonitor(self.save_dir, cfg.gpu_every_s)
             if monitor.available:
                 self._monitor = monitor.start()
 

@@ -30,7 +30,7 @@ from ..errors import CorruptCheckpointError, IncompatibleStateError, NoCheckpoin
 from .config import RunConfig
 from .data_cursor import SEED_MASK, DataCursor, Resume
 from .loop_state import LoopState, epoch_so_far
-from .peers import Alone
+from .peers import Peers
 from .resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
 from .save_policy import Reason
 from .save_scheduler import SaveScheduler
@@ -50,7 +50,7 @@ class Starter:
         manager: CheckpointManager,
         components: state.Components,
         parts: tuple[LoopState, DataCursor, Snapshot, SaveScheduler],
-        peers: Alone,
+        peers: Peers,
         env: Environment,
     ) -> None:
         self.config = config
@@ -74,7 +74,7 @@ class Starter:
 
     def _latest_request(self) -> Any:
         latest = next((c for c in self.manager.list() if c.status == "valid"), None)
-        return NO_CHECKPOINT if latest is None else latest.manifest.lineage.get("request")
+        return NO_CHECKPOINT if latest is None else latest.valid.lineage.get("request")
 
     def _request(self) -> dict[str, Any] | None:
         return request_of(self.config.resume, self.config.weights_only)
@@ -124,7 +124,7 @@ class Starter:
                 self._start_fresh({"request": None}, supersede=False)
                 return True
             return False
-        if request is not None and info.manifest.lineage.get("request") != request:
+        if request is not None and info.valid.lineage.get("request") != request:
             return False
         self.restore(info, loaded)
         return True
@@ -230,7 +230,7 @@ class Starter:
                 state.load_model(self.components.model, source.read(info, weights_only=True), strict=self.config.strict)
             self.resumed_from = info.path
             return
-        if state.rank_files(rank)[1] not in info.manifest.files:
+        if state.rank_files(rank)[1] not in info.valid.files:
             log.warning(
                 "rank %d: %s was written by fewer ranks; this rank starts from rank 0's random state", rank, path
             )

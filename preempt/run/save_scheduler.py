@@ -45,7 +45,7 @@ from ..cluster import sharded
 from ..cluster.signals import StopFlag
 from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, LockLostError, SaveFailed
 from .loop_state import LoopState
-from .peers import Alone, Deferred
+from .peers import Alone, Deferred, Peers
 from .save_plan import POSTPONABLE, STOPS, Job, SaveRecord, pick, plan, wake
 from .save_policy import Due, Reason
 from .snapshot import Snapshot
@@ -69,7 +69,7 @@ class SaveScheduler:
         snapshot: Snapshot,
         flag: StopFlag,
         *,
-        peers: Alone | None = None,
+        peers: Peers | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_durable: Callable[[float, float, int], None] | None = None,
         writer: Callable[[], Any] = BackgroundWriter,
@@ -79,7 +79,7 @@ class SaveScheduler:
         self.loop = loop
         self.snapshot = snapshot
         self.flag = flag
-        self.peers = peers or Alone()
+        self.peers: Peers = peers or Alone()
         self.clock = clock
         self.on_durable = on_durable  # (seconds, now, step) of each durable save
         self.on_saved: Callable[[SaveRecord, int], None] | None = None  # (record, bytes) of each durable save
@@ -223,6 +223,7 @@ class SaveScheduler:
                 return False
             if isinstance(got, Deferred):
                 write, lazy = got.finish, self.pending
+                assert staged is not None  # deferred only when a staged copy was asked for
 
                 def copy_then_write() -> CheckpointInfo:
                     if lazy is not None:
@@ -516,6 +517,7 @@ class SaveScheduler:
         shards = None
         if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
             payload, live = self.snapshot.content()
+            assert live is not None  # a shard stager exists only for sharded state
             shards = sharded.local_payload(live)
         nbytes = payload_nbytes(payload, stager.live) + (0 if shards is None else payload_nbytes(shards))
         available = host_memory_available()
@@ -570,7 +572,9 @@ class SaveScheduler:
     def _failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
         loop = self.loop
         self.failed += 1
-        code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+        code = (
+            f" ({errno.errorcode[error.errno]})" if error.errno is not None and error.errno in errno.errorcode else ""
+        )
         step = loop.global_step if step is None else step
         what = (
             f"could not write checkpoint step_{step:09d} ({reason.value}) in {self.manager.save_dir}:"

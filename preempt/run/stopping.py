@@ -210,8 +210,8 @@ class Stopper:
         limits = []  # (seconds left, what)
         if self.end_time is not None:
             limits.append((self.end_time - wall, f"SLURM job {self.env.slurm_job_id}"))
-        if self.config.time_limit is not None:
-            limits.append((self.config.time_limit, f"time_limit={self.config.time_limit:g} s"))
+        if self.config.time_limit_s is not None:
+            limits.append((self.config.time_limit_s, f"time_limit={self.config.time_limit_s:g} s"))
         if not limits:
             return
         left, what = min(limits)

@@ -7,6 +7,7 @@ the command line and environment of the next attempt. Pure functions, unit-teste
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -22,9 +23,19 @@ from ..errors import (
     SAVE_FAILED_EXIT_CODE,
 )
 
+
 # Causes of an attempt's end.
-COMPLETE, PREEMPTED, NONFINITE, OOM, FAILED = "complete", "preempted", "nonfinite", "oom", "failed"
-Cause = Literal["complete", "preempted", "nonfinite", "oom", "failed"]
+class Cause(enum.StrEnum):
+    """Why an attempt ended (a str: it is written as it is to the supervisor's JSON and log)."""
+
+    COMPLETE = "complete"
+    PREEMPTED = "preempted"
+    NONFINITE = "nonfinite"
+    OOM = "oom"
+    FAILED = "failed"
+
+
+COMPLETE, PREEMPTED, NONFINITE, OOM, FAILED = Cause
 
 _OWNED_ENV = (ENV_ATTEMPT, ENV_CAUSE, ENV_LR, ENV_LR_SCALE, ENV_BATCH_SIZE)
 
@@ -224,9 +235,9 @@ class SuperviseConfig:
             raise ValueError("no command: expected preempt supervise [OPTIONS] -- CMD [ARGS...]")
         if not math.isfinite(self.factor) or self.factor <= 1:
             raise ValueError(f"--factor: expected a number > 1, found {self.factor}")
-        for name, value in (("--max-retries", self.max_retries), ("--max-preemptions", self.max_preemptions)):
-            if value < 0:
-                raise ValueError(f"{name}: expected an integer >= 0, found {value}")
+        for name, count in (("--max-retries", self.max_retries), ("--max-preemptions", self.max_preemptions)):
+            if count < 0:
+                raise ValueError(f"{name}: expected an integer >= 0, found {count}")
         if not math.isfinite(self.grace) or self.grace < 0:
             raise ValueError(f"--grace: expected seconds >= 0, found {self.grace}")
         if not math.isfinite(self.min_lr) or self.min_lr < 0:
@@ -234,10 +245,11 @@ class SuperviseConfig:
         if self.min_batch_size < 1:
             raise ValueError(f"--min-batch-size: expected an integer >= 1, found {self.min_batch_size}")
         text = " ".join(self.cmd)
-        for option, value, placeholder in (
+        given: tuple[tuple[str, float | int | None, str], ...] = (
             ("--lr", self.lr, LR_PLACEHOLDER),
             ("--batch-size", self.batch_size, BATCH_SIZE_PLACEHOLDER),
-        ):
+        )
+        for option, value, placeholder in given:
             if value is None and placeholder in text:
                 raise ValueError(f"the command uses {placeholder} but {option} is not given: give {option} VALUE")
             if value is not None and placeholder not in text:
