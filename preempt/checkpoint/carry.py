@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import xxhash
 
 from .. import _log
+from .._torch_compat import version_counter
 from .commit import FileDigest
 
 if TYPE_CHECKING:
@@ -133,9 +134,8 @@ def fingerprint(t: torch.Tensor) -> Fingerprint | None:
 
     None for a tensor without a version counter (created under ``torch.inference_mode``): it is never carried.
     """
-    try:
-        version = t._version
-    except RuntimeError:
+    version = version_counter(t)
+    if version is None:
         return None
     return (t.data_ptr(), t.storage_offset(), version, tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device))
 
@@ -216,7 +216,7 @@ class Carry:
     tensors: dict[str, torch.Tensor]
     meta: dict[str, str]
     check: bool = False
-    versions: list[int] = dataclasses.field(default_factory=list)  # the tensors' version counters at the step
+    versions: list[int | None] = dataclasses.field(default_factory=list)  # the tensors' version counters at the step
 
 
 def confirm(name: str, carry: Carry) -> bool:
@@ -230,7 +230,7 @@ def confirm(name: str, carry: Carry) -> bool:
     got = digest_of(carry.tensors, carry.meta)
     if got.xxh3_128 == carry.digest.xxh3_128 and got.size == carry.digest.size:
         return True
-    if carry.versions and [t._version for t in carry.tensors.values()] != carry.versions:
+    if carry.versions and [version_counter(t) for t in carry.tensors.values()] != carry.versions:
         log.debug("%s: changed by the loop while the guard hashed it; carried by its version counters", name)
         return True
     log.warning(
@@ -300,7 +300,7 @@ class Carrier:
             )
             if action == "carry":
                 assert src is not None
-                versions = [t._version for t in tensors.values()]
+                versions = [version_counter(t) for t in tensors.values()]
                 carried[name] = Carry(src.path, src.digest, dict(tensors), dict(meta), versions=versions)
             elif src is not None:
                 log.debug("%s: written (%s)", name, why)

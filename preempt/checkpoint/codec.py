@@ -132,8 +132,8 @@ def loads(data: bytes | bytearray | memoryview | np.ndarray, where: str) -> Any:
             more than 4300 digits, nesting deeper than the stack allows. A
             pickle or a zip archive (``torch.save``) is named as such.
     """
-    if not isinstance(data, (bytes, bytearray)):
-        data = memoryview(data).tobytes()  # a NumPy buffer from commit.read_file
+    if isinstance(data, (memoryview, np.ndarray)):
+        data = data.tobytes()  # a NumPy buffer from commit.read_file
     try:
         if safe_io.json_depth(bytes(data)) > safe_io.MAX_DEPTH:  # before parsing: no RecursionError anywhere after
             raise ValueError(f"nested deeper than {safe_io.MAX_DEPTH} levels")

@@ -352,13 +352,13 @@ def read_file(path: str | os.PathLike[str], expected_size: int | None = None) ->
     if hasattr(mapped, "madvise"):
         mapped.madvise(mmap.MADV_SEQUENTIAL)
     buf = np.frombuffer(mapped, dtype=np.uint8)
-    return buf, FileDigest(size, xxhash.xxh3_128_hexdigest(buf))
+    return buf, FileDigest(size, xxhash.xxh3_128_hexdigest(buf.data))
 
 
 def _read_into_memory(f: Any, size: int, path: str | os.PathLike[str]) -> tuple[np.ndarray, FileDigest]:
     """``read_file`` without a mapping: the file read into a new array, hashed on the way."""
     buf = np.empty(size, dtype=np.uint8)  # MemoryError when it does not fit
-    view = memoryview(buf)
+    view = buf.data
     digest = xxhash.xxh3_128()
     done = 0
     while done < size:

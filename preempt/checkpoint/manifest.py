@@ -25,7 +25,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any, TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import xxhash
 

@@ -28,7 +28,10 @@ from typing import Any
 
 import torch
 
-Pair = tuple[str, torch.Tensor, torch.Tensor, int]  # (name, source, buffer, the source's version at the snapshot)
+from .._torch_compat import version_counter
+
+# (name, source, buffer, the source's version at the snapshot)
+Pair = tuple[str, torch.Tensor, torch.Tensor, int | None]
 
 
 class Verdict:
@@ -37,7 +40,7 @@ class Verdict:
     Pure: no stream or event is involved, so the unit tests decide it with CPU tensors.
     """
 
-    def __init__(self, sources: list[tuple[str, torch.Tensor, int]]) -> None:
+    def __init__(self, sources: list[tuple[str, torch.Tensor, int | None]]) -> None:
         self.sources = sources  # (name, tensor, its version counter when the snapshot was taken)
         self._lock = threading.Lock()
         self._decided = False
@@ -48,7 +51,7 @@ class Verdict:
         with self._lock:
             if not self._decided:
                 self._decided = True
-                self._moved = next((name for name, t, version in self.sources if t._version != version), None)
+                self._moved = next((name for name, t, version in self.sources if version_counter(t) != version), None)
             return self._moved
 
 

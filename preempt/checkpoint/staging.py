@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import version_counter
 from . import codec, direct_io, pinned, tensorfile
 from .side_stream import SideStreams, StreamedCopies, Verdict
 from .state import Payload
@@ -149,8 +150,8 @@ class Stager:
         # pageable memory would hold the host), and its CPU tensors (the optimizer's step counts) at the step, so that
         # the optimizer's hook never waits for the writer thread.
         stream = pin and any(device.startswith("cuda") for device, _ in later)
-        deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # the writer thread copies these
-        streamed: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # and the GPU's copy engine these
+        deferred: list[tuple[str, torch.Tensor, torch.Tensor, int | None]] = []  # the writer thread copies these
+        streamed: list[tuple[str, torch.Tensor, torch.Tensor, int | None]] = []  # and the GPU's copy engine these
         files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
         read_live = [
             (file, key, t.detach()) for file, carry in payload.carried.items() for key, t in carry.tensors.items()
@@ -170,7 +171,7 @@ class Stager:
                     src = t.detach()
                     cuda = src.device.type == "cuda"
                     if later and cuda == stream and source_key(src) in later:
-                        (streamed if cuda else deferred).append((f"{file}:{key}", src, buf, src._version))
+                        (streamed if cuda else deferred).append((f"{file}:{key}", src, buf, version_counter(src)))
                         continue
                     if cuda:
                         on_gpu.add(src.device)
@@ -187,9 +188,9 @@ class Stager:
             self._drop(gone)
         docs = {name: codec.dumps(doc) for name, doc in payload.json_files.items()}
         live = LiveTensors(read_live) if read_live else None
-        staged = Payload(tensor_files=files, json_files=docs, carried=payload.carried, live=live)  # carried: linked
+        copy = Payload(tensor_files=files, json_files=docs, carried=payload.carried, live=live)  # carried: linked
         lazy = LazyCopy(deferred, device_copies) if deferred or device_copies is not None else None
-        return staged, lazy
+        return copy, lazy
 
     def _pin(self, payload: Payload) -> bool:
         if self.pin_memory is not None:
@@ -259,11 +260,7 @@ class TornSnapshot(RuntimeError):
 
 def _versioned(t: torch.Tensor) -> bool:
     """The tensor keeps a version counter (not one made under ``torch.inference_mode``): changes to it are seen."""
-    try:
-        t._version  # noqa: B018  (reading it is the test)
-    except RuntimeError:
-        return False
-    return True
+    return version_counter(t) is not None
 
 
 class ChangedWhileWritten(TornSnapshot):
@@ -284,12 +281,12 @@ class LiveTensors:
     """
 
     def __init__(self, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
-        self.seen = [(file, key, t, t.data_ptr(), t._version) for file, key, t in tensors]
+        self.seen = [(file, key, t, t.data_ptr(), version_counter(t)) for file, key, t in tensors]
 
     def check(self, read: Collection[str]) -> None:
         """Raises :class:`ChangedWhileWritten` for the first changed tensor of the files in ``read``."""
         for file, key, t, ptr, version in self.seen:
-            if file in read and (t._version != version or t.data_ptr() != ptr):
+            if file in read and (version_counter(t) != version or t.data_ptr() != ptr):
                 raise ChangedWhileWritten(f"{file}:{key} was changed in place while the writer read it")
 
 
@@ -308,7 +305,7 @@ class LazyCopy:
     """
 
     def __init__(
-        self, pairs: list[tuple[str, torch.Tensor, torch.Tensor, int]], streamed: StreamedCopies | None = None
+        self, pairs: list[tuple[str, torch.Tensor, torch.Tensor, int | None]], streamed: StreamedCopies | None = None
     ) -> None:
         self.pairs = pairs  # (name, source, buffer, the source's version when the snapshot was taken)
         self.streamed = streamed  # the copies from a GPU, queued on a side stream (their pairs: streamed.pairs)

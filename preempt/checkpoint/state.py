@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import compiled_original
 from ..errors import IncompatibleStateError, UnsupportedStateError
 from . import codec
 from .commit import BASE_FILE, MODEL_FILE, STATE_FILE, STATE_JSON  # noqa: F401  (the names of a checkpoint's files)
@@ -64,8 +65,8 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while True:
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             model = model.module
-        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            model = model._orig_mod
+        elif (inner := compiled_original(model)) is not None:
+            model = inner
         else:
             return model
 

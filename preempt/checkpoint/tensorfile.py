@@ -70,7 +70,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def check_tensor(key: str, t: torch.Tensor) -> None:
@@ -155,8 +155,8 @@ def _one_buffer(tensors: Mapping[str, torch.Tensor], places: list[tuple[str, int
             return None
         if t.untyped_storage().data_ptr() != storage.data_ptr():
             return None
-    area = torch.empty(0, dtype=torch.uint8).set_(storage, base - storage.data_ptr(), (places[-1][2],))
-    return memoryview(area.numpy())
+    area = torch.empty(0, dtype=torch.uint8).set_(storage, base - storage.data_ptr(), (places[-1][2],), (1,))
+    return area.numpy().data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +216,7 @@ def restamped(buf: np.ndarray, header: Header, metadata: Mapping[str, str]) -> I
     for e in header.entries:
         doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
     yield _header_bytes(doc)
-    yield memoryview(buf[header.data_start :])
+    yield buf[header.data_start :].data
 
 
 def merged(parts: list[tuple[np.ndarray, Header]], metadata: Mapping[str, str]) -> Iterator[Any]:
@@ -245,7 +245,7 @@ def merged(parts: list[tuple[np.ndarray, Header]], metadata: Mapping[str, str]) 
     for name in order:
         buf, header, e = found[name]
         if e.end > e.begin:
-            yield memoryview(buf[header.data_start + e.begin : header.data_start + e.end])
+            yield buf[header.data_start + e.begin : header.data_start + e.end].data
 
 
 def parse(buf: np.ndarray, where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -356,11 +356,11 @@ def _validate_header(first: bytes, raw: bytes, size: int, where: str) -> Header:
             )
         entries.append(Entry(key, dtype, tuple(shape), offs[0], offs[1]))
     pos = 0
-    for e in _by_offset(entries):
-        if e.begin != pos:
-            what = "overlaps the previous entry" if e.begin < pos else f"leaves a hole at byte {pos}"
-            raise ValueError(f"{where}: entry {_short(e.name)} {what}")
-        pos = e.end
+    for entry in _by_offset(entries):
+        if entry.begin != pos:
+            what = "overlaps the previous entry" if entry.begin < pos else f"leaves a hole at byte {pos}"
+            raise ValueError(f"{where}: entry {_short(entry.name)} {what}")
+        pos = entry.end
     if pos != data_size:
         raise ValueError(f"{where}: {data_size - pos} bytes after the last tensor")
     return Header(entries, {str(k): v for k, v in metadata.items()}, data_start)

@@ -119,7 +119,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
                         f"{c.path}: would be kept but is damaged ({'; '.join(problems)}); nothing deleted."
                         " Move it aside or delete it by hand, then prune again",
                     )
-            deleted, leftovers = [], []
+            deleted: list[Any] = []  # the CheckpointInfo of each
+            leftovers: list[str] = []
             for p in plan["recycled"]:  # no checkpoint: the next save would have written over them
                 try:
                     commit.remove_tree(commit.trash(save_dir, Path(p["path"])))

@@ -102,7 +102,8 @@ def _rng_summary(tree: Any, header: Header, path: Path) -> dict[str, Any] | None
             out[snap] = None
             continue
         py, npy = s.get("python"), s.get("numpy")
-        cuda = s.get("cuda") if isinstance(s.get("cuda"), list) else []
+        cuda = s.get("cuda")
+        cuda = cuda if isinstance(cuda, list) else []
         out[snap] = {
             "python": {**digest(py.get("state")), "version": py.get("version")} if isinstance(py, dict) else None,
             "numpy": {**digest(npy.get("key")), "kind": npy.get("kind"), "pos": npy.get("pos")}

@@ -71,7 +71,7 @@ def ls(
     best = rank_best(infos)
     best_step = best.ranked[0].step if best.ranked else None
     done_name = done.get("checkpoint") if done else None
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in infos:
         m = c.manifest
         carried, origins = carried_bytes(c)

@@ -15,6 +15,7 @@ imported when one of them runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", type=_selector, nargs="?", metavar="STEP", help=f"{step_help}; default latest")
     p.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    report.add_parser(lambda *a: add(*a, mirror=True))
+    report.add_parser(functools.partial(add, mirror=True))
     where.add_pull_parser(sub, fmt, EXIT_CODES)
     return parser
 

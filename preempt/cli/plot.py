@@ -119,8 +119,8 @@ def _timeline_panel(ax: Any, report: timeline.Report, colours: list[str], drawn:
         seen = sorted(p.steps_seen)
         xs, ys = [t - t0 for t, _ in seen], [s for _, s in seen]
         drawn["timeline_points"] += len(xs)
-        label = safe_io.printable(f"process {p.index}: {p.stop_text().split(' (')[0]}")
-        label = label if len(ps) <= MAX_LEGEND else None  # beyond, the marks and the colours tell the processes apart
+        text = safe_io.printable(f"process {p.index}: {p.stop_text().split(' (')[0]}")
+        label = text if len(ps) <= MAX_LEGEND else None  # beyond, the marks and the colours tell the processes apart
         ax.plot(xs, ys, "-", color=colour, label=label, gid=f"timeline {p.index}")
         if p.end_estimated and seen:  # a killed process: to the step it reached, at its own pace
             ax.plot([xs[-1], p.end - t0], [ys[-1], p.end_step], ":", color=colour)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import dcp_storage_info, sharded_tensor_types
 from ..checkpoint import codec
 from ..checkpoint.manager import SHARDED_INDEX
 from ..checkpoint.state import Payload
@@ -65,14 +66,8 @@ def is_sharded(model: torch.nn.Module | None) -> bool:
     """The model's state dict holds DTensors (or ShardedTensors): one rank cannot write it alone."""
     if model is None:
         return False
-    from torch.distributed.tensor import DTensor
-
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover - older torch
-        ShardedTensor = DTensor  # noqa: N806
-
-    return any(isinstance(v, (DTensor, ShardedTensor)) for v in model.state_dict().values())
+    kinds = sharded_tensor_types()
+    return any(isinstance(v, kinds) for v in model.state_dict().values())
 
 
 def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
@@ -289,7 +284,6 @@ def _metadata_to_json(md: Any) -> dict[str, Any]:
 
 def _metadata_from_json(doc: Any, where: str) -> Any:
     """DCP's Metadata from our JSON index; anything unexpected is a ValueError naming ``where``."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         Metadata,
@@ -305,7 +299,7 @@ def _metadata_from_json(doc: Any, where: str) -> Any:
 
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
         raise ValueError(f"{where}: not a sharded-state index (format {_FORMAT!r} expected)")
-    entries = {}
+    entries: dict[str, Any] = {}
     for fqn, e in (doc.get("tensors") or {}).items():
         if not isinstance(e, dict) or e.get("dtype") not in _DTYPES:
             raise ValueError(
@@ -330,5 +324,5 @@ def _metadata_from_json(doc: Any, where: str) -> Any:
         offset = None if s.get("offset") is None else torch.Size(ints(s["offset"], "offset"))
         begin, length = ints([s.get("begin"), s.get("length")], "begin/length")
         index = MetadataIndex(s["fqn"], offset, s.get("index") if isinstance(s.get("index"), int) else None)
-        storage[index] = _StorageInfo(name, begin, length)
+        storage[index] = dcp_storage_info(name, begin, length)
     return Metadata(state_dict_metadata=entries, storage_data=storage, version=doc.get("version"))

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch.utils.data import BatchSampler
 
+from .. import _torch_compat
 from .sampler import ResumableSampler
 
 
@@ -21,13 +22,10 @@ def shutdown_workers(loader: Any) -> None:
 
     The run shuts them down itself when it ends, rather than leaving them to
     the loader's deletion or to the interpreter's exit. Uses the iterator's own
-    ``_shutdown_workers`` (private torch API; absent: nothing to do).
+    shutdown (:func:`preempt._torch_compat.shutdown_iterator`; absent: nothing to do).
     """
-    it = getattr(loader, "_iterator", None)
-    stop = getattr(it, "_shutdown_workers", None)
-    if callable(stop):
-        stop()
-        loader._iterator = None
+    if _torch_compat.shutdown_iterator(_torch_compat.loader_iterator(loader)):
+        _torch_compat.forget_iterator(loader)
 
 
 def find_sampler(loader: Any) -> tuple[ResumableSampler, int] | None:

@@ -55,14 +55,13 @@ import random
 import weakref
 from collections import namedtuple
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torch.utils.data._utils import worker as _torch_worker
 
-from .. import _log
+from .. import _log, _torch_compat
 from .loaders import index_sampler, shutdown_workers
 from .sampler import mix
 
@@ -202,7 +201,7 @@ class StatefulIterable(_Wrapper, IterableDataset):
             if self._real is None:  # the first epoch of this worker: torch's own numbering
                 self._real = info.id
             worker = self._real if plan is None else (self._real + plan.first) % info.num_workers
-            _act_as(info, worker)
+            _torch_compat.act_as_worker(worker)
         count = 0
         saved = plan.workers.get(worker) if plan is not None else None
         if saved is not None:
@@ -238,22 +237,6 @@ def set_epoch(dataset: Any, epoch: int) -> None:
         method(epoch)
 
 
-def _act_as(info: Any, worker: int) -> None:
-    """Makes ``get_worker_info()`` in this worker report ``worker`` as its id.
-
-    torch's WorkerInfo is frozen (a frozen dataclass since torch 2.8, a class
-    that refuses assignment before), so a new one replaces it.
-    """
-    if info.id == worker:
-        return
-    changes = {"id": worker, "seed": info.seed - info.id + worker}
-    if dataclasses.is_dataclass(info):
-        new = dataclasses.replace(info, **changes)
-    else:
-        new = _torch_worker.WorkerInfo(**{**{k: v for k, v in vars(info).items() if not k.startswith("_")}, **changes})
-    _torch_worker._worker_info = new
-
-
 class CollateWithState:
     """A ``collate_fn`` that returns the batch with the state of the worker that made it."""
 
@@ -264,7 +247,7 @@ class CollateWithState:
     def __call__(self, samples: Any) -> Stated:
         batch = self.collate(samples)
         info = get_worker_info()
-        dataset = info.dataset if info is not None else self.dataset
+        dataset = cast(StatefulIterable, info.dataset) if info is not None else self.dataset  # a worker's: the wrapper
         worker, state = dataset.snapshot()
         return Stated(batch, worker, state)
 
@@ -346,9 +329,7 @@ class LoaderFeed:
         module level) would hang the exit. So the run stops them when it ends.
         """
         it = self._iterator() if self._iterator is not None else None
-        stop = getattr(it, "_shutdown_workers", None)  # torch's own (private) shutdown; absent: nothing to do
-        if callable(stop):
-            stop()
+        _torch_compat.shutdown_iterator(it)  # not torch's iterator: nothing to stop
         shutdown_workers(loader)
 
     def plan(self, saved: Any, epoch: int) -> ResumePlan | None:
@@ -410,13 +391,13 @@ def _swapped(loader: DataLoader, wrapper: SeededDataset | StatefulIterable) -> I
     loader gets its own dataset back before anything else sees it.
     """
     dataset, collate = loader.dataset, loader.collate_fn
-    object.__setattr__(loader, "dataset", wrapper)
+    _torch_compat.set_dataset(loader, wrapper)
     if isinstance(wrapper, StatefulIterable):
         loader.collate_fn = CollateWithState(collate, wrapper)
     try:
         yield
     finally:
-        object.__setattr__(loader, "dataset", dataset)
+        _torch_compat.set_dataset(loader, dataset)
         loader.collate_fn = collate
 
 

@@ -17,12 +17,14 @@ import logging
 import math
 import random
 import struct
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard, cast
 
 import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
+
+Tensor = torch.Tensor  # (RngState has a field named torch)
 
 log = logging.getLogger("preempt")
 
@@ -33,8 +35,8 @@ class RngState:
 
     python: tuple[Any, ...]
     numpy: tuple[Any, ...]
-    torch: torch.Tensor
-    cuda: list[torch.Tensor]
+    torch: Tensor
+    cuda: list[Tensor]
 
 
 def capture() -> RngState:
@@ -42,7 +44,8 @@ def capture() -> RngState:
     cuda: list[torch.Tensor] = []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = list(torch.cuda.get_rng_state_all())
-    return RngState(random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state(), cuda)
+    numpy = cast("tuple[Any, ...]", np.random.get_state(legacy=True))  # legacy=True: always the tuple
+    return RngState(random.getstate(), numpy, torch.get_rng_state(), cuda)
 
 
 def restore(state: RngState) -> None:
@@ -177,7 +180,7 @@ def _key_words(words: list[int], where: str, field: str) -> list[int]:
     return words
 
 
-def _finite(v: Any) -> bool:
+def _finite(v: Any) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 

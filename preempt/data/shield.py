@@ -26,9 +26,8 @@ workers' seed from it once per process, which a resumed process does at another 
 started without the shield (the loader was iterated before the run) are restarted with it.
 
 :func:`shield_workers` (``run.protect(loader)``) shields one loader for good, outside the run's window too. Uses
-torch's private ``DataLoader._iterator`` and the iterator's ``_worker_init_fn``, ``_workers``, ``_shutdown``,
-``_workers_done_event`` and ``_index_queues`` (absent: nothing is restarted or released), and
-``signal_handling._set_worker_signal_handlers`` in a spawned worker.
+torch's private iterator and worker start-up, through :mod:`preempt._torch_compat` (absent: nothing is restarted or
+released).
 """
 
 from __future__ import annotations
@@ -42,9 +41,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from torch.utils.data._utils import signal_handling
 
-from .. import _log
+from .. import _log, _torch_compat
 from .loaders import shutdown_workers
 
 log = _log.log
@@ -76,9 +74,7 @@ class ShieldedWorkerInit:
         # A spawn or forkserver worker, before torch's worker loop: ignore the signals now, and again right after
         # torch installs its own handlers (the first thing its worker loop does).
         ignore(self.signals)
-        install = signal_handling._set_worker_signal_handlers
-        if not isinstance(install, _ThenIgnore):
-            signal_handling._set_worker_signal_handlers = _ThenIgnore(install, self.signals)
+        _torch_compat.wrap_worker_signal_handlers(lambda install: _ThenIgnore(install, self.signals), _ThenIgnore)
 
     def __call__(self, worker_id: int) -> None:
         ignore(self.signals)
@@ -117,27 +113,14 @@ def release_workers() -> int:
     ``_workers_done_event`` and puts ``None`` on each of its ``_index_queues`` itself: each worker leaves its loop
     when it reads it, and multiprocessing's join that follows returns.
     """
-    iterators = set(_ITERATORS) | {getattr(loader, "_iterator", None) for loader in _LOADERS}
-    asked = 0
-    for it in iterators:
-        if it is None or getattr(it, "_shutdown", True) or not getattr(it, "_workers", None):
-            continue
-        try:
-            it._workers_done_event.set()
-            for q in it._index_queues:
-                q.put(None)
-        except Exception:  # not torch's iterator as this module knows it, or its queues already closed
-            continue
-        asked += 1
-    return asked
+    iterators = set(_ITERATORS) | {_torch_compat.loader_iterator(loader) for loader in _LOADERS}
+    return sum(_torch_compat.workers_running(it) and _torch_compat.release_workers(it) for it in iterators)
 
 
 def _live_unshielded(loader: Any) -> bool:
     """The loader keeps persistent workers that were started without the shield."""
-    it = getattr(loader, "_iterator", None)
-    if it is None or getattr(it, "_shutdown", True) or not getattr(it, "_workers", None):
-        return False
-    return not isinstance(getattr(it, "_worker_init_fn", None), ShieldedWorkerInit)
+    it = _torch_compat.loader_iterator(loader)
+    return _torch_compat.workers_running(it) and not isinstance(_torch_compat.worker_init_of(it), ShieldedWorkerInit)
 
 
 def shield_workers(loader: Any, signals: Iterable[int]) -> Any:
@@ -204,7 +187,7 @@ def _guarded_iter(loader: Any) -> Any:
         return plain(loader)
     signals = active[-1].signals
     shield_workers(loader, signals)
-    first_persistent = loader.persistent_workers and loader._iterator is None
+    first_persistent = loader.persistent_workers and _torch_compat.loader_iterator(loader) is None
     kept = torch.get_rng_state() if first_persistent else None
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if hasattr(signal, "pthread_sigmask") else None
     try:

@@ -225,7 +225,7 @@ class RunLog:
             return
         how = "fresh" if resumed_from is None else f"resumed from {os.fspath(resumed_from)} at step {step}"
         msg = f"==== start ({how}) pid {os.getpid()} host {socket.gethostname()} ===="
-        record = _log.log.makeRecord(_log.log.name, logging.INFO, __file__, 0, msg, None, None)
+        record = _log.log.makeRecord(_log.log.name, logging.INFO, __file__, 0, msg, (), None)
         self._handler.handle(record)
 
     def replay(self, held: EarlyRecords) -> None:
@@ -236,7 +236,7 @@ class RunLog:
             self._handler.handle(record)
         if held.dropped:
             msg = f"... and {held.dropped} more records from before this file was open, not kept"
-            self._handler.handle(_log.log.makeRecord(_log.log.name, logging.WARNING, __file__, 0, msg, None, None))
+            self._handler.handle(_log.log.makeRecord(_log.log.name, logging.WARNING, __file__, 0, msg, (), None))
 
     def close(self) -> None:
         """Detaches and closes the file handler (or lifts the silence of a quiet rank). Idempotent."""

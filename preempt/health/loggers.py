@@ -205,7 +205,7 @@ def checked(loggers: Iterable[Any] | None) -> tuple[Any, ...]:
                 f" pip install 'preempt[{package}]'"
             )
         out.append(item)
-    names = [getattr(i, "name", None) for i in out if getattr(i, "name", None) is not None]
+    names: list[str] = [n for i in out if (n := getattr(i, "name", None)) is not None]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"loggers: {', '.join(twice)} listed twice")

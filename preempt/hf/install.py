@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -64,7 +64,7 @@ class _Driver(transformers.TrainerCallback):
         self.options = options
         self.track = track
         self.run: PreemptibleRun | None = None
-        self._epochs: Iterator[int] | None = None
+        self._epochs: Generator[int, None, None] | None = None
         self._eval_rng: rng.RngState | None = None
         self._num_epochs = 0
         self._originals = {name: getattr(trainer, name) for name in _TAKEN}
@@ -225,7 +225,7 @@ class _Driver(transformers.TrainerCallback):
             log.warning("%s: no checkpoint ranks best by %s; the model is the last one", WHO, run.config.best_metric)
             return
         self.trainer.model.load_state_dict(loaded.model)
-        log.info("loaded the best model: %s (%s %s)", info.path, run.config.best_metric, info.manifest.best_value)
+        log.info("loaded the best model: %s (%s %s)", info.path, run.config.best_metric, info.valid.best_value)
 
 
 _TAKEN = ("train", "get_train_dataloader", "_init_training_state", "_run_epoch", "_load_rng_state")

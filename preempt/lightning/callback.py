@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -99,7 +99,7 @@ class PreemptCallback(pl.Callback):
         self.track = dict(track or {})
         self.run: PreemptibleRun | None = None
         self._swap: SourceSwap | None = None
-        self._epochs: Iterator[int] | None = None
+        self._epochs: Generator[int, None, None] | None = None
         self._steps_seen = 0
         self._before: dict[int, Any] = {}  # the signal handlers from before the run
         self._handlers: dict[int, Any] = {}  # the run's

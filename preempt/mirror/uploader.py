@@ -271,9 +271,9 @@ class Uploader:
             log.debug("mirror %s: deleted step %d (retention)", self.store.display, step)
         self._seen(self.surveyor.survey() if uploaded else surveyed)
         for name in self.records:
-            data = _read_record(self.save_dir / name)
-            if data is not None:
-                self.store.put_text(name, data)
+            record = _read_record(self.save_dir / name)
+            if record is not None:
+                self.store.put_text(name, record)
         return uploaded
 
     def _seen(self, surveyed: Survey) -> None:

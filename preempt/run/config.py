@@ -19,7 +19,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeGuard, TypedDict, cast
+from typing import Any, TypedDict, TypeGuard, cast
 
 from .. import _log
 from ..checkpoint.carry import CarryOptions

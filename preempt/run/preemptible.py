@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -333,7 +333,7 @@ class PreemptibleRun:
 
     # ---------------------------------------------------------------- loop
 
-    def epochs(self, n: int, steps_per_epoch: int | None = None) -> Iterator[int]:
+    def epochs(self, n: int, steps_per_epoch: int | None = None) -> Generator[int, None, None]:
         """Yields epoch numbers from the resumed epoch up to ``n - 1``.
 
         Each boundary (before every epoch, and after the last) is a safe point. ``steps_per_epoch`` (the run.step()
@@ -361,7 +361,7 @@ class PreemptibleRun:
             self.stopper.epoch_done()
             loop.epoch_ended()
 
-    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+    def batches(self, loader: Iterable[Any]) -> Generator[Any, None, None]:
         """Yields the loader's batches for the current epoch, from the resumed batch on.
 
         Call once per epoch. The cursor counts batches the loop received, not

@@ -1,0 +1,143 @@
+"""The private parts of torch that preempt relies on, each behind one function named after what it does.
+
+torch promises nothing about these. ``tests/unit/test_torch_compat.py`` checks each one against the installed torch
+and fails naming the internal when a version changes it; CI runs that test with the oldest torch the project
+supports and with the newest. Where an internal is missing at run time, the function says so by its return value
+(nothing to stop, nothing to release) and the caller carries on as its documentation says.
+
+torch is imported inside the functions that need it: the checkpoint commands, which never import torch, reach
+:func:`version_counter` through :mod:`preempt.checkpoint.carry`.
+
+- ``Tensor._version``: autograd's version counter, bumped by every in-place operation (carrying, lazy copies).
+- ``OptimizedModule._orig_mod``: the module under ``torch.compile``'s wrapper.
+- ``torch.distributed._shard.sharded_tensor.ShardedTensor``: the older sharded tensor beside DTensor.
+- ``torch.utils.data._utils.worker._worker_info``: the worker's identity, which ``get_worker_info()`` returns.
+- ``DataLoader._iterator`` and the multi-process iterator's ``_shutdown_workers``, ``_shutdown``, ``_workers``,
+  ``_worker_init_fn``, ``_workers_done_event`` and ``_index_queues``: the workers a loader keeps.
+- ``torch.utils.data._utils.signal_handling._set_worker_signal_handlers``: what a worker installs first.
+- ``DataLoader.dataset`` set after construction (DataLoader's ``__setattr__`` refuses it).
+- ``torch.distributed.checkpoint.filesystem._StorageInfo``: where a DCP item lies in its file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# ----------------------------------------------------------------------------------------------- tensors and modules
+
+
+def version_counter(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (every in-place change through autograd's view bumps it); None for a tensor
+    without one (made under ``torch.inference_mode``)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
+def compiled_original(model: Any) -> torch.nn.Module | None:
+    """The module that ``torch.compile`` wrapped, when ``model`` is its wrapper; else None."""
+    if type(model).__name__ == "OptimizedModule":
+        inner = getattr(model, "_orig_mod", None)
+        if inner is not None:
+            return inner
+    return None
+
+
+def sharded_tensor_types() -> tuple[type, ...]:
+    """The tensor types whose values one rank cannot write alone: DTensor, and ShardedTensor where torch has it."""
+    from torch.distributed.tensor import DTensor
+
+    kinds: tuple[type, ...] = (DTensor,)
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - a torch without it
+        return kinds
+    return (*kinds, ShardedTensor)
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's record of where an item lies in a ``.distcp`` file (``filesystem._StorageInfo``)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
+# ------------------------------------------------------------------------------------------------- DataLoader workers
+
+
+def act_as_worker(worker: int) -> None:
+    """Makes ``get_worker_info()`` in this DataLoader worker report ``worker`` as its id (and the seed torch would
+    have given that worker). torch's WorkerInfo refuses assignment (a frozen dataclass since torch 2.8, a class with
+    a guarded ``__setattr__`` before), so a new one replaces it."""
+    from torch.utils.data._utils import worker as torch_worker
+
+    info = torch_worker._worker_info
+    if info is None or info.id == worker:
+        return
+    fields = {k: v for k, v in vars(info).items() if not k.startswith("_")}
+    fields.update(id=worker, seed=info.seed - info.id + worker)
+    torch_worker._worker_info = torch_worker.WorkerInfo(**fields)
+
+
+def loader_iterator(loader: Any) -> Any | None:
+    """The iterator a DataLoader keeps (its persistent workers'), or None."""
+    return getattr(loader, "_iterator", None)
+
+
+def forget_iterator(loader: Any) -> None:
+    """The DataLoader makes a new iterator (and new workers) at its next ``iter()``."""
+    if hasattr(loader, "_iterator"):
+        loader._iterator = None
+
+
+def shutdown_iterator(it: Any) -> bool:
+    """Stops an iterator's workers through torch's own shutdown; False when it has none (not torch's iterator)."""
+    stop = getattr(it, "_shutdown_workers", None)
+    if not callable(stop):
+        return False
+    stop()
+    return True
+
+
+def workers_running(it: Any) -> bool:
+    """The iterator has worker processes and has not been shut down."""
+    return it is not None and not getattr(it, "_shutdown", True) and bool(getattr(it, "_workers", None))
+
+
+def worker_init_of(it: Any) -> Any:
+    """The ``worker_init_fn`` an iterator started its workers with."""
+    return getattr(it, "_worker_init_fn", None)
+
+
+def release_workers(it: Any) -> bool:
+    """Tells an iterator's workers to leave their loop, as torch's shutdown does but without joining them (which
+    does nothing once the interpreter is exiting): sets ``_workers_done_event`` and puts None on each index queue.
+    False when that is not possible (not torch's iterator as known here, or its queues closed)."""
+    try:
+        it._workers_done_event.set()
+        for q in it._index_queues:
+            q.put(None)
+    except Exception:
+        return False
+    return True
+
+
+def wrap_worker_signal_handlers(wrap: Callable[[Callable[[], Any]], Callable[[], Any]], kind: type) -> None:
+    """Replaces the function a DataLoader worker calls first (to install torch's signal handlers) by ``wrap`` of it,
+    once: nothing is done when it already is an instance of ``kind``."""
+    from torch.utils.data._utils import signal_handling
+
+    install = signal_handling._set_worker_signal_handlers
+    if not isinstance(install, kind):
+        signal_handling._set_worker_signal_handlers = wrap(install)
+
+
+def set_dataset(loader: Any, dataset: Any) -> None:
+    """Sets a DataLoader's dataset after construction, which DataLoader's own ``__setattr__`` refuses (it protects a
+    running iterator; the caller swaps it only while making one)."""
+    object.__setattr__(loader, "dataset", dataset)
