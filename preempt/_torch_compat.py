@@ -21,6 +21,7 @@ torch is imported inside the functions that need it: the checkpoint commands, wh
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -79,9 +80,12 @@ def act_as_worker(worker: int) -> None:
     info = torch_worker._worker_info
     if info is None or info.id == worker:
         return
-    fields = {k: v for k, v in vars(info).items() if not k.startswith("_")}
-    fields.update(id=worker, seed=info.seed - info.id + worker)
-    torch_worker._worker_info = torch_worker.WorkerInfo(**fields)
+    seed = info.seed - info.id + worker
+    if dataclasses.is_dataclass(info):  # (with slots: no vars())
+        torch_worker._worker_info = dataclasses.replace(info, id=worker, seed=seed)
+    else:
+        fields: dict[str, Any] = {k: v for k, v in vars(info).items() if not k.startswith("_")}
+        torch_worker._worker_info = torch_worker.WorkerInfo(**{**fields, "id": worker, "seed": seed})
 
 
 def loader_iterator(loader: Any) -> Any | None:

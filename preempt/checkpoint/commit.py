@@ -78,13 +78,14 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from .. import _testing
 from . import direct_io, safe_io
 
 MANIFEST = "manifest.json"
@@ -115,24 +116,16 @@ STAGES = (
     "before_dir_fsync",  # step 6 done: renamed, save_dir not fsynced
     "committed",  # step 7 done: durable; nothing older deleted yet
 )
-_fault_hook: Callable[[str], None] | None = None
-
-
-def inject_fault(hook: Callable[[str], None] | None) -> None:
-    """Installs (or with None removes) a function called with each stage name; for tests."""
-    global _fault_hook
-    _fault_hook = hook
 
 
 def stage(name: str) -> None:
-    """Marks a protocol boundary (see :data:`STAGES`); calls the injected hook, if any.
+    """Marks a protocol boundary (see :data:`STAGES`), a fault point of :mod:`preempt._testing`.
 
     Before the rename, a write running under :func:`cancellable` whose event is set stops here.
     """
     if name in _CANCEL_POINTS:
         check_cancelled()
-    if _fault_hook is not None:
-        _fault_hook(name)
+    _testing.reach("commit", name, _cancel_event())
 
 
 class WriteCancelled(Exception):
@@ -157,13 +150,13 @@ def cancellable(event: threading.Event) -> Iterator[None]:
         _cancel.event = None
 
 
-def cancel_event() -> threading.Event | None:
-    """The event that cancels this thread's write (None outside :func:`cancellable`): a test can wait on it."""
+def _cancel_event() -> threading.Event | None:
+    """The event that cancels this thread's write (None outside :func:`cancellable`)."""
     return getattr(_cancel, "event", None)
 
 
 def check_cancelled() -> None:
-    event = cancel_event()
+    event = _cancel_event()
     if event is not None and event.is_set():
         raise WriteCancelled("the write was cancelled")
 

@@ -22,6 +22,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import _testing
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
 from . import commit, safe_io
 from .commit import MANIFEST, FileDigest
@@ -39,6 +40,7 @@ def read_manifest(path: Path) -> Manifest:
         CorruptCheckpointError: It does not parse or fails its checksum, or is not a regular file.
         CheckpointUnreadableError: It cannot be read for a reason of the environment (permission, memory, I/O).
     """
+    _testing.reach("load", path)
     try:
         regular_file(path)
         data = safe_io.read_bytes(path, MAX_MANIFEST_BYTES)

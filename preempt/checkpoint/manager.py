@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from .. import _testing
 from ..errors import CheckpointError, CheckpointUnreadableError, CorruptCheckpointError, NoCheckpointError
 from . import aside, commit, lock, recycle
 from . import completion as marker
@@ -35,7 +36,7 @@ from .commit import COMPLETE, MANIFEST, SUPERSEDED, FileDigest
 from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_manifest, read_verified
 from .manifest import Cursor, Manifest
 from .retention import BestRanking, Kept, RetentionPolicy, rank_best, select_kept  # noqa: F401  (rank_best: here too)
-from .write import write_payload  # noqa: F401  (called by name: a test replaces it here)
+from .write import write_payload
 
 if TYPE_CHECKING:  # torch: imported by the methods that read or write tensors, not by ls or verify
     import torch
@@ -470,6 +471,7 @@ class CheckpointManager:
         On any failure ``tmp`` is removed.
         """
         try:
+            _testing.reach("write", tmp)
             own = write_payload(tmp, payload)
         except BaseException as e:
             self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))

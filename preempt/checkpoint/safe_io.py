@@ -73,12 +73,33 @@ class UnsafeFileError(OSError):
 _RESOURCE_ERRNOS = frozenset(
     getattr(errno, name)
     for name in (
-        "EACCES", "EPERM", "ENOMEM", "EMFILE", "ENFILE", "EIO", "EAGAIN", "EINTR", "EBUSY", "ENOBUFS", "ETIMEDOUT",
-        "ESTALE", "ENOLCK", "ENODEV", "ENOTCONN", "ECONNRESET", "ECONNABORTED", "EHOSTDOWN", "EHOSTUNREACH",
-        "ENETDOWN", "ENETUNREACH", "EREMOTEIO", "ENOMEDIUM", "ETXTBSY",
+        "EACCES",
+        "EPERM",
+        "ENOMEM",
+        "EMFILE",
+        "ENFILE",
+        "EIO",
+        "EAGAIN",
+        "EINTR",
+        "EBUSY",
+        "ENOBUFS",
+        "ETIMEDOUT",
+        "ESTALE",
+        "ENOLCK",
+        "ENODEV",
+        "ENOTCONN",
+        "ECONNRESET",
+        "ECONNABORTED",
+        "EHOSTDOWN",
+        "EHOSTUNREACH",
+        "ENETDOWN",
+        "ENETUNREACH",
+        "EREMOTEIO",
+        "ENOMEDIUM",
+        "ETXTBSY",
     )
     if hasattr(errno, name)
-)  # fmt: skip
+)
 
 
 def resource_error(error: BaseException) -> bool:

@@ -3,7 +3,8 @@
 Owns the parser and ``main`` (``main``, the console script's target), exit codes and output (``output``),
 ``ls``/``verify``/``prune``/``export`` (``checkpoints``), ``inspect`` (``inspection``), the selector and formatting
 they share (``views``), what ``ls`` and ``verify`` show wherever the checkpoints are (``listing``), and ``preempt
-report`` (``report``) with the timeline and goodput it computes from a run's history (``timeline``, pure). The same
+report`` (``report``) with the timeline and goodput it computes from a run's history (``timeline``, pure) and
+its ``--plot`` (``plot``). The same
 commands on a run's mirror in object storage, and ``preempt pull`` (``remote``); what DIR names, a path or a URL,
 and ``--mirror-option`` (``where``). ``preempt supervise`` is parsed here and runs in
 :mod:`preempt.supervise.command`.

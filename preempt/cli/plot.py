@@ -126,15 +126,26 @@ def _timeline_panel(ax: Any, report: timeline.Report, colours: list[str], drawn:
             ax.plot([xs[-1], p.end - t0], [ys[-1], p.end_step], ":", color=colour)
         if p.checkpoints:
             ax.plot(
-                [c.t - t0 for c in p.checkpoints], [c.step for c in p.checkpoints], "|", color="black",
-                markersize=8, linestyle="none", label=once("checkpoint"),
-            )  # fmt: skip
+                [c.t - t0 for c in p.checkpoints],
+                [c.step for c in p.checkpoints],
+                "|",
+                color="black",
+                markersize=8,
+                linestyle="none",
+                label=once("checkpoint"),
+            )
         for t_from, s_from, t_to, s_to in p.recomputed:
             seg = [(t_from, s_from), *[(t, s) for t, s in seen if t_from < t < t_to], (t_to, s_to)]
             ax.plot(
-                [t - t0 for t, _ in seg], [s for _, s in seg], "-", color="red", linewidth=5, alpha=0.3,
-                label=once("recomputed later"), gid=f"recomputed {p.index}",
-            )  # fmt: skip
+                [t - t0 for t, _ in seg],
+                [s for _, s in seg],
+                "-",
+                color="red",
+                linewidth=5,
+                alpha=0.3,
+                label=once("recomputed later"),
+                gid=f"recomputed {p.index}",
+            )
         if p.index > 1:
             _mark(ax, p.started - t0, f"start {p.index}", colour, "--", 0.02)
         if p.how != "complete":

@@ -209,11 +209,14 @@ class Report:
         out = []
         for prev, gap in zip(self.processes, self.gaps_s, strict=False):  # a gap after each process but the last
             since = (
-                "exit line" if prev.exited is not None and prev.exited >= prev.end
-                else "end line" if prev.ended is not None
-                else "estimated end" if prev.end_estimated
+                "exit line"
+                if prev.exited is not None and prev.exited >= prev.end
+                else "end line"
+                if prev.ended is not None
+                else "estimated end"
+                if prev.end_estimated
                 else "last line"
-            )  # fmt: skip
+            )
             out.append({"after_process": prev.index, "s": gap, "from": since})
         return out
 

@@ -184,8 +184,10 @@ class Coordinator:
             _wait(dist.gather(data, pieces or None, dst=0, group=self.group, async_op=True))
         if self.rank != 0:
             return None
-        return [codec.loads(p[: int(s[0])].numpy().tobytes(), f"rank {r}'s part of a gather") for r, (p, s) in
-                enumerate(zip(pieces, sizes, strict=True))]  # fmt: skip
+        return [
+            codec.loads(p[: int(s[0])].numpy().tobytes(), f"rank {r}'s part of a gather")
+            for r, (p, s) in enumerate(zip(pieces, sizes, strict=True))
+        ]
 
     def barrier(self) -> None:
         with self._peers("a barrier"):

@@ -506,8 +506,10 @@ def iter_history(
     with io.FileIO(safe_io.open_fd(p), "rb", closefd=True) as f:
         for number, raw, size in _lines(f, MAX_LINE):
             if raw is None:
-                say(f"{safe_io.path_text(p)} line {number}: {size} bytes, over the {_log.size(MAX_LINE)} a history"
-                    " line may take; skipped")  # fmt: skip
+                say(
+                    f"{safe_io.path_text(p)} line {number}: {size} bytes, over the {_log.size(MAX_LINE)} a history"
+                    " line may take; skipped"
+                )
                 continue
             try:
                 doc = safe_io.load_json(raw, str(p))

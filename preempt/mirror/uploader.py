@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import _testing
 from .._log import duration
 from ..checkpoint import commit, files, safe_io
 from ..checkpoint.commit import MANIFEST, checkpoint_name, parse_checkpoint_name
@@ -41,20 +42,12 @@ from .survey import Survey, Surveyor
 
 log = logging.getLogger("preempt")
 
-# The boundaries of one checkpoint's upload where a test may inject a fault (:func:`inject_fault`).
+# The boundaries of one checkpoint's upload: the fault point "upload" of preempt._testing.
 STAGES = ("after_first_object", "before_manifest", "uploaded")
-_fault_hook: Callable[[str, int], None] | None = None
-
-
-def inject_fault(hook: Callable[[str, int], None] | None) -> None:
-    """Installs (or with None removes) a function called with each stage name and the step; for tests."""
-    global _fault_hook
-    _fault_hook = hook
 
 
 def _stage(name: str, step: int) -> None:
-    if _fault_hook is not None:
-        _fault_hook(name, step)
+    _testing.reach("upload", name, step)
 
 
 def backoff(failures: int, first: float, most: float) -> float:

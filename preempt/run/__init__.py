@@ -6,7 +6,8 @@ save, pure), ``save_plan`` (the scheduler's decisions, pure), ``config`` (every 
 ``loop_state`` (the counters: their only writer), ``data_cursor`` (where the data stands), ``snapshot`` (what a
 checkpoint holds), ``peers`` (one process or the ranks), ``save_scheduler`` (when and how a checkpoint is written),
 ``stopping`` (signals, walltime, requeue, the exit code), ``reporting`` (logs and progress), ``guarding`` (NaN
-rollbacks, OOM skips, emergency saves), ``resume_plan`` (where a run starts, pure) and ``restore`` (carrying it out).
+rollbacks, OOM skips, emergency saves), ``resume_plan`` (where a run starts, pure), ``restore`` (carrying it out)
+and ``mirroring`` (the mirror's pull on entering, its uploads, the stop's wait for them).
 preempt/README.md draws them.
 
 May import: :mod:`preempt.checkpoint`, :mod:`preempt.data`, :mod:`preempt.cluster`, :mod:`preempt.health` and the

@@ -208,8 +208,11 @@ class DataCursor:
         if kind is not None:
             positions = feed.plan(r.loader, epoch) is not None
             workers = saved_workers(r.loader)
-            self._say(ResumeFacts(self._describe(feed), kind, feed.stateful, workers, feed.num_workers, epoch, start,
-                                  positions))  # fmt: skip
+            self._say(
+                ResumeFacts(
+                    self._describe(feed), kind, feed.stateful, workers, feed.num_workers, epoch, start, positions
+                )
+            )
         rng.restore(r.rng_now)
         return it, start
 

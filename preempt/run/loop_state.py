@@ -143,9 +143,13 @@ def epoch_so_far(value: Any, where: str) -> EpochSoFar | None:
     if not isinstance(known, bool):
         raise bad("known", "true or false", known)
     return EpochSoFar(
-        epoch, float(seconds), processes, {k: [float(s), float(n)] for k, (s, n) in totals.items()},
-        tuple(evaluated), known,
-    )  # fmt: skip
+        epoch,
+        float(seconds),
+        processes,
+        {k: [float(s), float(n)] for k, (s, n) in totals.items()},
+        tuple(evaluated),
+        known,
+    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -375,9 +379,13 @@ class LoopState:
         self.dirty = True
 
     def restored(
-        self, step: int, cursor: Cursor, metrics: Mapping[str, float], best: dict[str, Any] | None,
+        self,
+        step: int,
+        cursor: Cursor,
+        metrics: Mapping[str, float],
+        best: dict[str, Any] | None,
         so_far: EpochSoFar | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Loaded from a checkpoint at ``step``; ``so_far``: its epoch as the processes before left it."""
         self.global_step = step
         self.epoch = cursor.epoch

@@ -247,8 +247,10 @@ class PreemptibleRun:
         if done is not None and starter.completed(done):
             log.info(
                 "%s is complete (step %s, epoch %s); nothing to do. Pass exit_if_complete=False to train further.",
-                self.save_dir, done.get("step"), done.get("epoch"),
-            )  # fmt: skip
+                self.save_dir,
+                done.get("step"),
+                done.get("epoch"),
+            )
             raise RunComplete(str(self.save_dir))
         self.stopper.check_restarts()
         self.snapshot.provenance = provenance(self.env)

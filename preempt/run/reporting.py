@@ -79,18 +79,30 @@ def epoch_line(
     evaluated = {k: v for k, v in means.items() if k in loop.evaluated}
     mine = 0.0 if loop.epoch_since is None else max(0.0, now - loop.epoch_since)
     return progress.epoch_summary(
-        loop.epoch, trained, mine, best, peak, evaluated=evaluated, processes=loop.epoch_processes_before + 1,
-        seconds=loop.epoch_seconds_before + mine, known=loop.epoch_known,
-    )  # fmt: skip
+        loop.epoch,
+        trained,
+        mine,
+        best,
+        peak,
+        evaluated=evaluated,
+        processes=loop.epoch_processes_before + 1,
+        seconds=loop.epoch_seconds_before + mine,
+        known=loop.epoch_known,
+    )
 
 
 class Reporter:
     """The run's log, history and monitor (see the module docstring)."""
 
     def __init__(
-        self, config: RunConfig, save_dir: Path, loop: LoopState, clock: Callable[[], float] = time.monotonic, *,
+        self,
+        config: RunConfig,
+        save_dir: Path,
+        loop: LoopState,
+        clock: Callable[[], float] = time.monotonic,
+        *,
         log_all_ranks: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.config = config
         self.save_dir = save_dir
         self.loop = loop

@@ -88,8 +88,11 @@ class Starter:
     def lead(self) -> None:
         """Chooses the starting state, loads it, and tells the other ranks (which then load it too)."""
         cfg = self.config
-        p = plan_start(fresh=cfg.starts_fresh, request=None if cfg.starts_fresh else self._request(),
-                       latest_request=NO_CHECKPOINT if cfg.starts_fresh else self._latest_request())  # fmt: skip
+        p = plan_start(
+            fresh=cfg.starts_fresh,
+            request=None if cfg.starts_fresh else self._request(),
+            latest_request=NO_CHECKPOINT if cfg.starts_fresh else self._latest_request(),
+        )
         if p.kind == "fresh":
             self._start_fresh({"request": None}, supersede=True)
         elif p.kind == "latest" and self._continue(p.request):
@@ -250,9 +253,11 @@ class Starter:
         return check_restored(
             loaded.tree,
             f"{info.path}/{state.STATE_JSON}",
-            {name: _class_name(obj) for name, obj in (("optimizer", c.optimizer), ("scheduler", c.scheduler),
-                                                       ("scaler", c.scaler))},
-        )  # fmt: skip
+            {
+                name: _class_name(obj)
+                for name, obj in (("optimizer", c.optimizer), ("scheduler", c.scheduler), ("scaler", c.scaler))
+            },
+        )
 
     def restore(self, info: CheckpointInfo, loaded: state.Loaded) -> None:
         """Puts a verified checkpoint's state into the components and the run's parts, once :meth:`check` passed."""

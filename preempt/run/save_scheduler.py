@@ -147,9 +147,13 @@ class SaveScheduler:
     def wake(self, due: Due, milestone_steps: int | None) -> Due:
         step = self.loop.global_step
         return wake(
-            due, step=step, milestone_steps=milestone_steps, postponed=self.postponed, job=self._blocking(),
+            due,
+            step=step,
+            milestone_steps=milestone_steps,
+            postponed=self.postponed,
+            job=self._blocking(),
             prepare_at=self.prepare_at,
-        )  # fmt: skip
+        )
 
     def finished(self) -> bool:
         """The job in flight has ended and its outcome waits to be taken."""
@@ -189,8 +193,12 @@ class SaveScheduler:
         state saved in the background): no rank waited for a write, so the ranks
         need not agree again before the loop goes on.
         """
-        how = plan(reason, job=None if self.job is None else self.job.kind, staging=self.stager is not None,
-                   writing=self._writing())  # fmt: skip
+        how = plan(
+            reason,
+            job=None if self.job is None else self.job.kind,
+            staging=self.stager is not None,
+            writing=self._writing(),
+        )
         if how.cancel:
             self.cancel()
         elif how.settle:

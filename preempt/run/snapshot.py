@@ -30,9 +30,15 @@ class Snapshot:
     """Builds the content of the run's checkpoints."""
 
     def __init__(
-        self, components: state.Components, loop: LoopState, data: DataCursor, *, rank: int = 0,
-        group_frozen: bool = False, clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+        self,
+        components: state.Components,
+        loop: LoopState,
+        data: DataCursor,
+        *,
+        rank: int = 0,
+        group_frozen: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.components = components
         self.clock = clock  # the run's: the epoch's seconds so far
         self.group_frozen = group_frozen  # the frozen base in a file of its own (preempt.checkpoint.carry)

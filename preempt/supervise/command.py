@@ -325,8 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     default = None if args.save_dir is None else args.save_dir.resolve() / LOG_NAME
     if inside and args.log is not None and args.log.parent.resolve() / args.log.name != default:
         # every other name in the save_dir belongs to the run (its lock, its logs, a checkpoint's file)
-        parser.error(f"--log {args.log}: is inside --save-dir {args.save_dir}; leave --log out (the events go to"
-                     f" {args.save_dir / LOG_NAME}) or give a file outside it")  # fmt: skip
+        parser.error(
+            f"--log {args.log}: is inside --save-dir {args.save_dir}; leave --log out (the events go to"
+            f" {args.save_dir / LOG_NAME}) or give a file outside it"
+        )
     if path is not None:
         try:
             log = open_log(path, in_save_dir=inside)  # closed below

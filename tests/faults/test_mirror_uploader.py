@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
+from preempt import _testing
 from preempt.checkpoint.commit import MANIFEST, checkpoint_name
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.checkpoint.retention import RetentionPolicy
 from preempt.errors import MirrorError
-from preempt.mirror.uploader import Uploader, inject_fault
+from preempt.mirror.uploader import Uploader
 
 
 class MemoryStore:
@@ -235,7 +236,7 @@ def test_a_step_saved_again_during_its_upload_is_uploaded_again_not_called_damag
             up.submit(4)  # as the run does once it is durable
 
     replaced: list[int] = []
-    inject_fault(replace_step_4)
+    _testing.install("upload", replace_step_4)
     try:
         with caplog.at_level(logging.WARNING, logger="preempt"):
             up.start()
@@ -243,7 +244,7 @@ def test_a_step_saved_again_during_its_upload_is_uploaded_again_not_called_damag
             assert up.wait_idle(60.0)
             assert up.wait_for(4, 0.0)  # the save of step 4 that save_dir holds now
     finally:
-        inject_fault(None)
+        _testing.install("upload", None)
         up.close()
     assert replaced == [4]
     assert not [r for r in caplog.records if "damaged" in r.getMessage()], caplog.text

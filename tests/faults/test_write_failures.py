@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import SAVE_FAILED_EXIT_CODE, CheckpointManager, CheckpointWriteError, PreemptibleRun, SaveFailed
+from preempt import SAVE_FAILED_EXIT_CODE, CheckpointManager, CheckpointWriteError, PreemptibleRun, SaveFailed, _testing
 from preempt.checkpoint import commit
 
 
@@ -40,16 +40,16 @@ def fail_at() -> Iterator:
     def install(stage: str, nth: int = 1, err: int = errno.EIO) -> None:
         seen = {"n": 0}
 
-        def hook(name: str) -> None:
+        def hook(name: str, cancel: object = None) -> None:
             if name == stage:
                 seen["n"] += 1
                 if seen["n"] == nth:
                     raise OSError(err, os.strerror(err))
 
-        commit.inject_fault(hook)
+        _testing.install("commit", hook)
 
     yield install
-    commit.inject_fault(None)
+    _testing.install("commit", None)
 
 
 def entries(d: Path) -> list[str]:
@@ -72,7 +72,7 @@ def test_failure_at_each_stage_keeps_the_previous_checkpoint(tmp_path, fail_at, 
     assert not m.verify(chosen)
     # The partial directory is gone at once, not at the next start: on a full disk its space is needed.
     assert [e for e in entries(tmp_path) if e.startswith(".tmp-")] == []
-    commit.inject_fault(None)
+    _testing.install("commit", None)
     info, _ = CheckpointManager(tmp_path).load("latest")
     assert info.step == chosen.step
 
@@ -146,12 +146,12 @@ def test_failed_interval_save_retries_at_the_next_interval_not_every_step(tmp_pa
     now = [0.0]
     seen = {"n": 0}
 
-    def always(name: str) -> None:
+    def always(name: str, cancel: object = None) -> None:
         if name == "before_manifest":
             seen["n"] += 1
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    commit.inject_fault(always)
+    _testing.install("commit", always)
     with caplog.at_level(logging.ERROR, logger="preempt"):
         with pytest.raises(CheckpointWriteError):  # the final save cannot be written either
             loop(tmp_path, checkpoint_interval=3.0, clock=lambda: now[0], tick=now)
@@ -173,7 +173,7 @@ def test_failed_save_at_a_stop_exits_74_naming_the_last_good_checkpoint(tmp_path
         r" .*step_000000006 \(step 6, .*\); the 2 step\(s\) since are lost; exiting with code 74",
         caplog.text,
     ), caplog.text
-    commit.inject_fault(None)
+    _testing.install("commit", None)
     run = loop(tmp_path, epochs=2, exit_if_complete=False)  # the rerun continues from step 6
     assert run.resumed_from is not None and run.resumed_from.name == "step_000000006"
     assert run.global_step == 12

@@ -26,8 +26,7 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-import preempt.checkpoint.manager
-from preempt import PreemptibleRun
+from preempt import PreemptibleRun, _testing
 from preempt.checkpoint import commit
 
 
@@ -243,8 +242,6 @@ def mirror_kill(spec: str) -> None:
     """--mirror_kill_at STAGE:STEP: the mirror's uploader SIGKILLs this process at STAGE of checkpoint STEP's
     upload (preempt.mirror.uploader.STAGES: "after_first_object" is after its first data object, before its
     manifest), printing ``mirror_kill STAGE STEP`` first."""
-    from preempt.mirror import uploader
-
     stage, step = spec.split(":")
 
     def hook(at: str, at_step: int) -> None:
@@ -252,7 +249,7 @@ def mirror_kill(spec: str) -> None:
             print(f"mirror_kill {at} {at_step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    uploader.inject_fault(hook)
+    _testing.install("upload", hook)
 
 
 def lazy_copy_at_stop() -> None:
@@ -286,6 +283,7 @@ POINTS = (*commit.STAGES, "load", "discard", *LOOP_POINTS)
 HOLD_LIMIT_S = 120.0  # a hold that nothing releases ends here, and the test that set it fails on what follows
 _counts: dict[str, int] = {}
 _counts_lock = threading.Lock()
+_writing = threading.local()  # the commit stage's cancel event, per writing thread
 _actions: list = []
 _runs: list[PreemptibleRun] = []  # the run, once entered: a hold waits for its stop flag
 
@@ -333,7 +331,7 @@ def signal_at(spec: str) -> None:
                 print(f"signal_at {point} {n} {sig.name}", flush=True)
                 os.kill(os.getpid(), sig)
                 if until_cancelled:
-                    event = commit.cancel_event()
+                    event = getattr(_writing, "cancel", None)
                     if event is not None and event.wait(HOLD_LIMIT_S):
                         commit.check_cancelled()  # raises WriteCancelled: the run cancelled this write
                     print(f"signal_at {point} {n}: the write was never cancelled", flush=True)
@@ -408,14 +406,13 @@ def act(action) -> None:
     _actions.append(action)
     if len(_actions) > 1:
         return
-    commit.inject_fault(reached)
-    original = preempt.checkpoint.manager.read_verified
 
-    def read_verified(path, expected):
-        reached("load")
-        return original(path, expected)
+    def at_commit(stage: str, cancel: threading.Event | None) -> None:
+        _writing.cancel = cancel  # the event that cancels this thread's write, for until_cancelled
+        reached(stage)
 
-    preempt.checkpoint.manager.read_verified = read_verified
+    _testing.install("commit", at_commit)
+    _testing.install("load", lambda path: reached("load"))
 
 
 def _number_or_text(value: str) -> float | str:

@@ -25,8 +25,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import HOLD_LIMIT_S, Synthetic, flatten, signal_at, wait_for_file  # noqa: E402
 
-import preempt.checkpoint.manager  # noqa: E402
-from preempt import PreemptibleRun  # noqa: E402
+from preempt import PreemptibleRun, _testing  # noqa: E402
 
 
 class Indexed(Synthetic):
@@ -46,21 +45,19 @@ def say(line: str) -> None:
 def fail_write(n: int) -> None:
     """Rank 0's n-th background write of its files fails as on a full disk; prints the checkpoint's step.
 
-    Replaces ``preempt.checkpoint.manager.write_payload``, which ``CheckpointManager.save_into`` calls (the background
-    writer's path; the synchronous distributed commit imports its own reference and is not affected).
+    The fault point ``write`` of ``preempt._testing``: reached by the background writer before it writes a
+    checkpoint's files (``CheckpointManager.save_into``), not by the synchronous distributed commit.
     """
-    write_payload = preempt.checkpoint.manager.write_payload
     calls = [0]
 
-    def failing(directory, payload):
+    def failing(directory):
         calls[0] += 1
         if calls[0] == n:
             step = int(directory.name.split("step_")[1].split("-")[0])
             say(f"rank 0 fail_write step {step}")
             raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
-        return write_payload(directory, payload)
 
-    preempt.checkpoint.manager.write_payload = failing
+    _testing.install("write", failing)
 
 
 def wait_file_in_restart(spec: str, rank: int) -> None:

@@ -1,7 +1,7 @@
 """PreemptibleRun(async_save=True): snapshots written by the background writer, in one process.
 
 The writer is held or made to fail at a chosen stage of the commit through
-``commit.inject_fault``, from inside the writer thread, so each test knows
+the fault point ``commit`` of ``preempt._testing``, from inside the writer thread, so each test knows
 exactly which save is in flight while the loop goes on.
 """
 
@@ -19,8 +19,7 @@ import torch
 from conftest import model_and_optimizer_tensors, read_into
 from torch.utils.data import DataLoader, TensorDataset
 
-from preempt import CheckpointManager, CheckpointWriteError, Preempted, PreemptibleRun
-from preempt.checkpoint import commit
+from preempt import CheckpointManager, CheckpointWriteError, Preempted, PreemptibleRun, _testing
 from preempt.checkpoint.staging import Stager
 
 WRITER = "preempt-writer"
@@ -60,7 +59,7 @@ class Gate:
         self.release = threading.Event()
         self.hits = 0
 
-    def __call__(self, stage: str) -> None:
+    def __call__(self, stage: str, cancel: object = None) -> None:
         if stage != self.stage or threading.current_thread().name != WRITER or self.hits >= self.times:
             return
         self.hits += 1
@@ -72,12 +71,12 @@ class Gate:
 
 @contextlib.contextmanager
 def gated(gate: Gate) -> Iterator[Gate]:
-    commit.inject_fault(gate)
+    _testing.install("commit", gate)
     try:
         yield gate
     finally:
         gate.release.set()
-        commit.inject_fault(None)
+        _testing.install("commit", None)
 
 
 def stepper(run, model, opt, data):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from preempt import _testing
 from preempt.checkpoint import carry, commit, recycle
 from preempt.checkpoint.carry import CarryOptions, decide, fingerprint
 from preempt.checkpoint.manager import CheckpointManager
@@ -411,12 +412,12 @@ def test_the_frozen_base_gets_no_staging_buffer_and_each_checkpoint_is_its_steps
 
 def writer_gate():
     """A fault point that holds the background writer after its first checkpoint's tensor files: (reached, release,
-    the function for commit.inject_fault). The test waits for ``reached`` and lets it go with ``release``."""
+    the hook for the fault point ``commit``). The test waits for ``reached`` and lets it go with ``release``."""
     import threading
 
     reached, release = threading.Event(), threading.Event()
 
-    def gate(stage: str) -> None:
+    def gate(stage: str, cancel: object = None) -> None:
         if stage == "after_tensor_files" and threading.current_thread().name == "preempt-writer":
             if not reached.is_set():
                 reached.set()
@@ -430,7 +431,7 @@ def test_a_base_changed_while_the_writer_reads_it_is_not_committed_and_is_copied
     that checkpoint would mix two states, so it is dropped with a warning, and the next one stages the base."""
     reached, release, gate = writer_gate()
     model, opt, run = lora_run(tmp_path, keep_last=None)
-    commit.inject_fault(gate)
+    _testing.install("commit", gate)
     try:
         with run:
             train(model, opt)
@@ -454,7 +455,7 @@ def test_a_base_changed_while_the_writer_reads_it_is_not_committed_and_is_copied
             run.wait_for_checkpoint(timeout=60)
             assert run.saves.buffer_nbytes >= sum(p.nbytes for p in model[0].parameters())  # the base is copied now
     finally:
-        commit.inject_fault(None)
+        _testing.install("commit", None)
         release.set()
     got = loaded_state(step_dir(tmp_path, 4))
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -472,7 +473,7 @@ def test_a_carried_file_changed_after_its_step_while_the_writer_runs_is_still_co
             train(model, opt)
             run.step()  # step 2: the base written
         run.wait_for_checkpoint(timeout=60)
-        commit.inject_fault(gate)
+        _testing.install("commit", gate)
         try:
             for _ in range(2):
                 train(model, opt)
@@ -484,7 +485,7 @@ def test_a_carried_file_changed_after_its_step_while_the_writer_runs_is_still_co
             release.set()
             assert run.wait_for_checkpoint(timeout=60) == step_dir(tmp_path, 4)
         finally:
-            commit.inject_fault(None)
+            _testing.install("commit", None)
             release.set()
     files = json.loads((step_dir(tmp_path, 4) / "manifest.json").read_text())["files"]
     assert files[BASE]["carried_from"] == 2

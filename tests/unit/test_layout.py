@@ -1,8 +1,8 @@
-"""The package's shape (issues 14 and 28): subpackages by part, modules of one concern, no import circles.
+"""The package's shape: subpackages by part, modules of one job each, no import circles.
 
 Which part may import which is written down as import-linter contracts in pyproject.toml (``lint-imports``, run by
-.ci/run); the tests here check what those contracts do not: circles between modules, the length of each module, and
-what the top level holds.
+.ci/run); the tests here check what those contracts do not: circles between modules, that each module says its one
+job and its part names it, that no formatting is switched off to pack a module, and what the top level holds.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "preempt"
-MAX_LINES = 600
 # The top level: the face (__init__), `python -m preempt`, and the leaves every part may import.
-TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "_log.py", "_version.py"}
+TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "_log.py", "_version.py", "_torch_compat.py", "_testing.py"}
 PARTS = {"checkpoint", "data", "cluster", "health", "mirror", "run", "cli", "supervise", "lightning", "hf"}
 # The parts whose __init__ is the face a user imports (``from preempt.lightning import PreemptCallback``): a
 # framework's integration, imported only by who uses that framework.
@@ -76,9 +75,27 @@ def test_no_import_circle():
     assert not cycles, [" -> ".join(c) for c in cycles]
 
 
-def test_modules_are_short():
-    long = {m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines, to be split by concern: {long}"
+def test_each_module_says_its_one_job_and_its_part_names_it():
+    """One job per module, as a map a reader can check: the module's docstring opens with it in one line, and the
+    part's ``__init__`` docstring, which says what the part owns, names the module beside its job."""
+    for path in sorted(modules().values()):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and doc.splitlines()[0].strip(), f"{path}: a docstring whose first line says what the module does"
+        part = path.parent
+        if part == PACKAGE or path.name == "__init__.py":
+            continue
+        owner = ast.get_docstring(ast.parse((part / "__init__.py").read_text())) or ""
+        assert f"``{path.stem}``" in owner, f"{part / '__init__.py'}: does not name ``{path.stem}`` and what it owns"
+
+
+def test_formatting_is_never_switched_off_to_pack_code():
+    packed = [
+        f"{p}:{i}"
+        for p in PACKAGE.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "fmt: " + "skip" in line or "fmt: " + "off" in line
+    ]
+    assert not packed, packed
 
 
 def test_the_top_level_holds_the_face_the_leaves_and_the_parts():

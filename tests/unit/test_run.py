@@ -22,6 +22,7 @@ from preempt import (
     PreemptibleRun,
     RunComplete,
     UnsupportedStateError,
+    _testing,
 )
 
 N, BATCH, EPOCHS = 40, 8, 3  # 5 batches per epoch, 15 steps
@@ -487,19 +488,18 @@ def test_every_checkpoint_corrupt_starts_fresh_loudly(tmp_path, uninterrupted, c
 
 def test_a_signal_during_a_checkpoint_write_stops_at_that_checkpoint(tmp_path):
     """The stop is decided again after a save: the signal that came during it needs no further step or save."""
-    from preempt.checkpoint import commit
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def hook(stage: str) -> None:
+    def hook(stage: str, cancel: object = None) -> None:
         if stage == "before_manifest":
             signal.raise_signal(signal.SIGTERM)  # a real signal, caught by the run, in the middle of the write
 
     run = PreemptibleRun(
         tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2, checkpoint_interval=None, async_save=False
     )
-    commit.inject_fault(hook)
+    _testing.install("commit", hook)
     try:
         with pytest.raises(Preempted) as stop, run:
             for _ in run.epochs(1):
@@ -509,6 +509,6 @@ def test_a_signal_during_a_checkpoint_write_stops_at_that_checkpoint(tmp_path):
                     opt.zero_grad()
                     run.step()
     finally:
-        commit.inject_fault(None)
+        _testing.install("commit", None)
     assert run.global_step == 2 and stop.value.checkpoint == str(tmp_path / "step_000000002")
     assert [c.manifest.reason for c in CheckpointManager(tmp_path, owner=False).list()] == ["steps"]

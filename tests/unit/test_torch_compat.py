@@ -1,0 +1,117 @@
+"""Each private part of torch that preempt relies on, checked against the installed torch.
+
+A failure here names the internal a torch version changed: fix :mod:`preempt._torch_compat` (and only it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from preempt import _torch_compat as compat
+
+
+def test_version_counter_moves_with_each_in_place_change_and_is_none_under_inference_mode():
+    t = torch.zeros(3)
+    before = compat.version_counter(t)
+    assert isinstance(before, int), f"Tensor._version: expected an int, torch {torch.__version__} gave {before!r}"
+    t.add_(1)
+    assert compat.version_counter(t) == before + 1, "Tensor._version no longer moves on an in-place change"
+    with torch.inference_mode():
+        frozen = torch.zeros(3)
+    assert compat.version_counter(frozen) is None, "an inference tensor's _version no longer raises RuntimeError"
+
+
+def test_the_module_under_torch_compile_is_found():
+    model = torch.nn.Linear(2, 2)
+    compiled = torch.compile(model)  # the wrapper only: nothing is compiled before a call
+    assert compat.compiled_original(compiled) is model, "OptimizedModule._orig_mod is gone or no longer the module"
+    assert compat.compiled_original(model) is None
+
+
+def test_sharded_tensor_types_include_dtensor():
+    from torch.distributed.tensor import DTensor
+
+    assert DTensor in compat.sharded_tensor_types()
+
+
+def test_dcp_storage_info_is_made_from_path_offset_and_length():
+    info = compat.dcp_storage_info("__0_0.distcp", 8, 16)
+    assert (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 8, 16), (
+        "torch.distributed.checkpoint.filesystem._StorageInfo changed its fields"
+    )
+
+
+class _Ids(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[int, int, int]:
+        before = get_worker_info()
+        compat.act_as_worker(7)
+        after = get_worker_info()
+        return before.id, after.id, after.seed - before.seed
+
+
+def test_a_worker_can_act_as_another_worker_id():
+    loader = DataLoader(_Ids(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    first = next(iter(loader))
+    assert [int(v) for v in first] == [0, 7, 7], (
+        "torch.utils.data._utils.worker._worker_info or WorkerInfo changed: the replay of iterable datasets needs both"
+    )
+
+
+def test_a_loader_keeps_its_persistent_iterator_which_shuts_down_and_is_forgotten():
+    loader = DataLoader(
+        list(range(8)), batch_size=2, num_workers=1, persistent_workers=True, multiprocessing_context="fork"
+    )
+    assert compat.loader_iterator(loader) is None
+    list(loader)
+    it = compat.loader_iterator(loader)
+    assert it is not None, "DataLoader._iterator no longer holds the persistent workers' iterator"
+    assert compat.workers_running(it), "the iterator's _shutdown/_workers no longer say its workers run"
+    assert compat.worker_init_of(it) is loader.worker_init_fn, "the iterator's _worker_init_fn is gone"
+    assert compat.shutdown_iterator(it), "the iterator's _shutdown_workers is gone"
+    assert not compat.workers_running(it)
+    compat.forget_iterator(loader)
+    assert compat.loader_iterator(loader) is None
+
+
+def test_the_workers_of_a_live_iterator_can_be_released_without_a_join():
+    loader = DataLoader(list(range(64)), batch_size=2, num_workers=1, multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    assert compat.release_workers(it), "the iterator's _workers_done_event or _index_queues are gone"
+    assert compat.shutdown_iterator(it)
+    assert not compat.release_workers(object())
+
+
+def test_the_worker_signal_hook_is_wrapped_once():
+    from torch.utils.data._utils import signal_handling
+
+    original = signal_handling._set_worker_signal_handlers
+    assert callable(original), "signal_handling._set_worker_signal_handlers is gone"
+
+    class Wrapped:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self):
+            return self.inner()
+
+    try:
+        compat.wrap_worker_signal_handlers(Wrapped, Wrapped)
+        compat.wrap_worker_signal_handlers(Wrapped, Wrapped)
+        hook = signal_handling._set_worker_signal_handlers
+        assert isinstance(hook, Wrapped) and hook.inner is original
+    finally:
+        signal_handling._set_worker_signal_handlers = original
+
+
+def test_a_loader_s_dataset_can_be_swapped_after_construction():
+    loader = DataLoader([1, 2, 3])
+    with pytest.raises(ValueError):
+        loader.dataset = [4]  # what DataLoader refuses, and why the swap goes around it
+    compat.set_dataset(loader, [4, 5, 6])  # (the sampler was made for three items)
+    assert loader.dataset == [4, 5, 6] and [int(b) for b in loader] == [4, 5, 6]
