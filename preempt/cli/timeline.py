@@ -221,7 +221,7 @@ class Report:
         return out
 
     def mirror(self) -> dict[str, Any] | None:
-        """How far behind the mirror was (issue 32): the most steps and seconds over the processes, where the last
+        """How far behind the mirror was: the most steps and seconds over the processes, where the last
         process that said stood at its end (``held``, ``behind_steps``, ``behind_s``), the outages; None: no mirror."""
         ends = [p.mirror for p in self.processes if p.mirror is not None]
         if not ends:

@@ -47,7 +47,7 @@ def rerun_is_exact(tmp_path, reference, stopped_at: int) -> None:
 def test_sigterm_before_a_writes_manifest_cancels_it_and_the_stop_saves_the_current_state(tmp_path, reference):
     """SIGTERM from the writer thread just before the second save's manifest; the writer then waits there until
     the run decides (``until_cancelled``). The loop has moved past that save's state, so its stop cancels the
-    write (its files removed, issue 16) and saves the current state; the cancelled step is not on disk."""
+    write (its files removed) and saves the current state; the cancelled step is not on disk."""
     out, held, stopped_at, manager = stopped_with_a_write_in_flight(tmp_path, "before_manifest:2:TERM:until_cancelled")
     assert "signal_at before_manifest 2 SIGTERM" in out, out
     cancelled = re.search(rf"the background write of step {held} \(steps\) was cancelled", out)

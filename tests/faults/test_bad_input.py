@@ -1,4 +1,4 @@
-"""Bad input (issue #3): hostile or mismatched checkpoints are refused with a clear error, never followed or run.
+"""Bad input: hostile or mismatched checkpoints are refused with a clear error, never followed or run.
 
 The attacker controls every byte of a checkpoint, so where an attack needs it the
 manifest is re-signed: the digests of swapped files are recomputed, then the

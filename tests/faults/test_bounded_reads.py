@@ -1,4 +1,4 @@
-"""Reading a checkpoint costs memory in proportion to what it holds, not a multiple of it (issue 30).
+"""Reading a checkpoint costs memory in proportion to what it holds, not a multiple of it.
 
 An honest 8 MB string in the user state made `preempt verify` use ~1 GB: the scan that measures a JSON document's
 nesting before it is parsed kept a backtracking frame per character of each string. Each command runs in a

@@ -1,4 +1,4 @@
-"""Checkpoints that share files (issue 29), with real processes and real signals: pruning, recycling and quarantine
+"""Checkpoints that share files, with real processes and real signals: pruning, recycling and quarantine
 must each leave every kept checkpoint whole although its frozen base is one inode with other checkpoints'.
 
 The training: train.py --lora (a frozen base of ~1.1 MiB with adapters inside it), a synchronous checkpoint at every

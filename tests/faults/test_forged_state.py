@@ -1,4 +1,4 @@
-"""Forged but well-formed state (issue #30): a checkpoint whose content was changed and whose manifest was re-signed.
+"""Forged but well-formed state: a checkpoint whose content was changed and whose manifest was re-signed.
 
 A re-signed manifest is what an attacker or a buggy tool produces: every digest matches, only the values are
 hostile. Each case forges one value of the newest checkpoint (step 3) of a real training (tests/scripts/train.py,

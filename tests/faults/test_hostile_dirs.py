@@ -1,4 +1,4 @@
-"""Hostile save directories (issue 15): the files around the checkpoints, planted by someone else.
+"""Hostile save directories: the files around the checkpoints, planted by someone else.
 
 For each case: no hang (an alarm turns one into a failure), no traceback from the tools, nothing read or
 written outside the save_dir, ``preempt verify`` exits 1 on damage, and the run resumes from the newest

@@ -1,4 +1,4 @@
-"""Hostile files, round 2 (issue #30): hard links, outputs inside the save_dir, resource errors taken for damage.
+"""Hostile files, round 2: hard links, outputs inside the save_dir, resource errors taken for damage.
 
 Each case builds a hostile save_dir from a real run's (test_bad_input's: checkpoints of steps 1 and 2) and hands it to
 :func:`sweep`, which runs every command of the command line and a resume (``tests/scripts/every_command.py``) in a
@@ -251,7 +251,7 @@ def test_a_copied_lock_names_its_directory_so_a_copy_is_neither_a_crash_here_nor
 def test_a_save_dir_replaced_under_a_running_run_gets_no_checkpoint_from_it(template, tmp_path):
     """``mv run run.old; cp -a run.old run`` while a run trains in ``run``: its lock is in run.old now and another
     run may lock ``run``; the stop's checkpoint is refused (LockLostError, saying why) instead of written into
-    ``run``, and nothing is written there (issue 31: before, exit 74 after a temporary directory was written)."""
+    ``run``, and nothing is written there (not exit 74 after a temporary directory was written)."""
     d = copy_of(template, tmp_path)
     model, opt, sched, data = build()
     with pytest.raises(LockLostError) as stop:

@@ -1,4 +1,4 @@
-"""Hostile surroundings, round 2 (issue #30): what ``preempt report`` reads, what the run reads from its environment,
+"""Hostile surroundings, round 2: what ``preempt report`` reads, what the run reads from its environment,
 and what a resume says before its train.log is open.
 
 * ``preempt report`` gives a report of every history it can read, whatever its lines hold: a line over the cap of a

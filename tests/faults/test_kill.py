@@ -194,7 +194,7 @@ def test_sigkill_at_random_moments_many(tmp_path, reference):
 
 
 def test_sigkill_while_a_cancelled_write_is_cleaned_up(tmp_path, reference):
-    """A stop cancels the background write in flight (issue 16); killed while its files are being removed.
+    """A stop cancels the background write in flight; killed while its files are being removed.
 
     The writer's second save sends SIGTERM before its manifest and waits there until the run cancels it (the stop,
     at the next step; the loop holds right after taking that save until the signal has come, so that it does not

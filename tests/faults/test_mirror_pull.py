@@ -1,6 +1,6 @@
 """The mirror's store and pull against a real S3 server (moto_server, tests/s3server.py): what a listing shows,
 errors that name the object and never the credentials, a pull that commits like a local save, a corrupt object
-detected and the older checkpoint used, a partial step never pulled (issue 32)."""
+detected and the older checkpoint used, a partial step never pulled."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The mirror's uploader, one pass at a time (``run_once``, no thread) against an in-memory store that records every
 operation and can be made to fail: the order of a checkpoint's objects, a local file damaged since its commit, a
 mirror that fails many passes (one warning, then "reachable again"), retention and debris, the run records
-(issue 32)."""
+."""
 
 from __future__ import annotations
 

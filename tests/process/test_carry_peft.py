@@ -1,4 +1,4 @@
-"""A Hugging Face model wrapped by peft and passed whole (issue 29): a tiny GPT-2 from its config, LoRA on its
+"""A Hugging Face model wrapped by peft and passed whole: a tiny GPT-2 from its config, LoRA on its
 attention, dropout on. Its checkpoints write what training changed (the adapters, their AdamW moments, the RNG), not
 the frozen base, and two SIGTERMs and a SIGKILL at different steps still end bit for bit as an uninterrupted run."""
 

@@ -129,7 +129,7 @@ def test_stateful_iterable_dataset_resumes_each_worker_where_it_stood(tmp_path, 
 def test_an_iterable_dataset_with_set_epoch_and_persistent_workers_resumes_exactly_in_its_second_epoch(
     tmp_path, reference
 ):
-    """The issue's trial: the stream's order changes with the epoch (set_epoch, called by the loop in the main process
+    """The trial: the stream's order changes with the epoch (set_epoch, called by the loop in the main process
     as users do), 2 persistent workers that keep their own copies of it. The run tells each worker the epoch, so the
     uninterrupted run's epoch 1 is epoch 1 in the workers too, and a run stopped inside epoch 1 resumes there exactly
     (before: the workers of the uninterrupted run stayed at epoch 0, the resumed ones were made at epoch 1, and 170

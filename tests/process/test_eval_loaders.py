@@ -1,5 +1,5 @@
 """Every DataLoader iterated inside the run is protected from the process group's stop signal, not only the loader of
-run.batches() (issue 31): an evaluation loader with workers, iterated by the loop itself between run.step() calls.
+run.batches(): an evaluation loader with workers, iterated by the loop itself between run.step() calls.
 
 ``timeout``, Ctrl+C and SLURM without ``B:`` signal the whole process group. The test does the same (``os.killpg``)
 while a worker of the evaluation loader holds inside ``__getitem__`` (tests/scripts/train.py ``--eval_hold``: the

@@ -1,4 +1,4 @@
-"""Evaluation in the loop, with real processes and real signals (issue 31, items 2 and 4).
+"""Evaluation in the loop, with real processes and real signals.
 
 tests/scripts/train.py evaluates after ``run.step()`` every 5 steps and at each epoch's end (``run.report``), keeps
 the best checkpoint by ``val_loss``, and records the training loss at every step. Each test stops it with a real

@@ -1,4 +1,4 @@
-"""examples/gpt2_iterable.py, issue 31's new user's script, stopped by real signals and resumed bit for bit.
+"""examples/gpt2_iterable.py, a new user's script, stopped by real signals and resumed bit for bit.
 
 A Hugging Face GPT-2 (2 layers, dropout on), AdamW, warm-up and cosine LambdaLR, 2 micro-batches per step,
 clipping; a stateful IterableDataset over 4 shard files split across 2 persistent DataLoader workers, masking
@@ -161,7 +161,7 @@ def test_sigterm_to_the_group_during_training(trials):
 
 @gpt2
 def test_sigterm_to_the_group_during_evaluation(trials):
-    """Stopped while the validation loader's workers are alive (issue 31, item 1): the evaluation finishes, the
+    """Stopped while the validation loader's workers are alive: the evaluation finishes, the
     stop is taken in its run.report() (step 4, the state after the evaluation), and the rerun ends bit-exact."""
     t = trials["eval"].result()
     assert "test hook: holding in eval 1 at step 4" in t.outputs[0], t.outputs[0]

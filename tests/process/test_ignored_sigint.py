@@ -1,4 +1,4 @@
-"""A run started in the background by a non-interactive shell inherits SIGINT ignored (issue 31).
+"""A run started in the background by a non-interactive shell inherits SIGINT ignored.
 
 POSIX shells without job control start ``cmd &`` with SIGINT and SIGQUIT ignored, and the process inherits it
 across exec. The run keeps it so (the shell asked for it) and says once, as it starts, that Ctrl+C does not reach

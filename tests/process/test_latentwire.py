@@ -27,7 +27,7 @@ TINY = [
     "--latent_len", "8", "--d_z", "32", "--log_every", "1", "--checkpoint_interval", "0",
 ]  # fmt: skip
 STEPS_PER_EPOCH, TOTAL = 12, 24
-# The flags issue #4 asks for (seed 001's), plus the ones the example adds.
+# The flags seed 001 asks for, plus the ones the example adds.
 REQUIRED_FLAGS = [
     "--samples", "--epochs", "--batch_size", "--latent_len", "--d_z", "--K", "--first_token_ce_weight",
     "--warm_anchor_text", "--save_dir", "--checkpoint_interval", "--auto_resume", "--debug",
@@ -134,7 +134,7 @@ def test_help_lists_every_flag(capsys):
     assert set(REQUIRED_FLAGS) <= parser_flags
     missing = [f for f in sorted(parser_flags) if f not in text]
     assert not missing, f"--help does not mention {missing}"
-    assert "--monitor_gpu" not in text  # comes with the GPU monitor (issue #8), not as a placeholder
+    assert "--monitor_gpu" not in text  # comes with the GPU monitor, not as a placeholder
     assert "our reading of seed 001" in text  # --K says how it is interpreted
 
 

@@ -1,4 +1,4 @@
-"""TensorBoard and W&B across a stop, a kill and the resume (issue 31): one run in each, every step once.
+"""TensorBoard and W&B across a stop, a kill and the resume: one run in each, every step once.
 
 TensorBoard is read back from its event files with tensorboard's own EventAccumulator (which applies the purge a
 resumed writer asks for); W&B runs offline (``WANDB_MODE=offline``) and its run files (``run-<id>.wandb``, records

@@ -1,4 +1,4 @@
-"""Checkpoints mirrored to a real S3 server (moto_server, tests/s3server.py) by real training processes (issue 32):
+"""Checkpoints mirrored to a real S3 server (moto_server, tests/s3server.py) by real training processes:
 a SIGTERM's checkpoint is in the mirror within the deadline and a new machine resumes from it bit for bit (an object
 corrupted in the mirror is detected and the older checkpoint used); a SIGKILL in the middle of an upload never leaves
 a checkpoint that looks complete, and a rerun uploads it, carried files by server-side copy; the server stopped

@@ -1,7 +1,7 @@
 """The checkpoint commands on a run's mirror, against a real S3 server (moto_server, tests/s3server.py): ``ls``,
 ``verify``, ``inspect`` and ``report`` given the mirror's URL say what they say of the save_dir the mirror copies;
 ``preempt pull URL DIR`` brings a checkpoint back bit for bit; an incomplete step is shown incomplete, a corrupted
-object makes verify fail naming it; errors are clear and never print a credential (issue 32)."""
+object makes verify fail naming it; errors are clear and never print a credential."""
 
 from __future__ import annotations
 

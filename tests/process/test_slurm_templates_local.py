@@ -1,4 +1,4 @@
-"""The job templates of slurm/ run by hand, outside SLURM, as the guide suggests for trying a job locally (issue 31).
+"""The job templates of slurm/ run by hand, outside SLURM, as the guide suggests for trying a job locally.
 
 ``bash slurm/job.sbatch python train.py ...`` must run the command as the job would, so that ``kill -TERM`` of the
 script's pid reaches python the way SLURM's ``B:`` warning does; before, ``set -eu`` stopped every template at its

@@ -197,7 +197,7 @@ def test_a_best_checkpoint_waits_for_the_write_in_flight(tmp_path):
 
 
 def test_stop_while_a_periodic_write_is_in_flight_cancels_it_and_saves_the_current_state_once(tmp_path, caplog):
-    """The stop does not wait for a stale write (issue 16): it is cancelled before its rename; the stop's save writes
+    """The stop does not wait for a stale write: it is cancelled before its rename; the stop's save writes
     over its files (recycling)."""
     model, opt, data = build()
     caplog.set_level(logging.DEBUG, logger="preempt")  # a routine background write would say "written" at DEBUG

@@ -1,4 +1,4 @@
-"""Carrying unchanged files (issue 29): what is decided, linked, guarded, loaded, pruned, recycled and shown."""
+"""Carrying unchanged files: what is decided, linked, guarded, loaded, pruned, recycled and shown."""
 
 from __future__ import annotations
 

@@ -586,7 +586,7 @@ def test_no_command_blocks_or_crashes_on_odd_files(tmp_path, capsys, name, kind)
     ids=lambda a: " ".join(a).replace("EXPORT", "out"),
 )
 def test_the_checkpoint_commands_never_import_torch(tmp_path, args):
-    """Reading headers and JSON needs no torch: these commands start in a fraction of a second (issue 16)."""
+    """Reading headers and JSON needs no torch: these commands start in a fraction of a second."""
     model, _ = saved(tmp_path / "run")
     script = (
         "import sys\nfrom preempt.cli.main import main\n"

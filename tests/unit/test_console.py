@@ -168,7 +168,7 @@ def test_metrics_keep_the_loops_order_after_a_resume():
 
 
 def test_a_resumed_start_says_what_it_loaded_in_one_line(tmp_path, caplog, monkeypatch):
-    """One line per start: what was loaded, from where, and what will be saved and kept (issue 31)."""
+    """One line per start: what was loaded, from where, and what will be saved and kept."""
     monkeypatch.delenv("PREEMPT_LOG_LEVEL", raising=False)
     tiny_run(tmp_path / "a")
     caplog.clear()

@@ -1,4 +1,4 @@
-"""The line an exception that escapes the loop leaves in the log says where it came from (issue 31): "during an
+"""The line an exception that escapes the loop leaves in the log says where it came from: "during an
 optimizer step" only when optimizer.step() had begun and not returned; after the step and before run.step(), it says
 so; between run.step() and the next batch (an evaluation) the state is a step boundary and gets its checkpoint."""
 

@@ -1,5 +1,5 @@
 """The lock's pure check of what a run locked against what the paths name now, and how an uncaught LockedError
-ends a process (issue 31). No threads, no sleeps; the hook is called as Python would call it."""
+ends a process. No threads, no sleeps; the hook is called as Python would call it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The loggers' decisions without TensorBoard or W&B: which loggers, which first step, which W&B id, and that a
-failing logger never stops a run (issue 31). Fake loggers record their calls; no thread, no sleep."""
+failing logger never stops a run. Fake loggers record their calls; no thread, no sleep."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Metrics recorded at the step they belong to: run.report() after run.step(), history points, the best checkpoint,
-and the epoch summary across processes (issue 31, items 2 and 4).
+and the epoch summary across processes.
 
 The pure decisions (what step a report belongs to, what a history point holds, the summary of an epoch that several
 processes ran) are called with made-up facts; the run-level tests train a few steps in this process.

@@ -1,5 +1,5 @@
 """What a command's DIR names (a local path, exactly as before, or a mirror's URL) and ``--mirror-option`` pairs
-(preempt.cli.where; issue 32). Pure: no server, no disk."""
+(preempt.cli.where). Pure: no server, no disk."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The mirror's pure decisions (preempt.mirror.plan) and the uploader's backoff, with made-up listings: no server,
-no thread, no clock (issue 32)."""
+no thread, no clock."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``preempt prune`` keeps what the run keeps: the retention each manifest records (issue 17).
+"""``preempt prune`` keeps what the run keeps: the retention each manifest records.
 
 A run started with ``keep_best=1`` and ``keep_every_steps=N`` records that in
 every manifest; ``preempt prune DIR --keep-last 1`` then keeps the run's best

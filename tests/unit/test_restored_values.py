@@ -1,4 +1,4 @@
-"""Unit tests for the checks of restored values (issue #30): what every generator, optimizer, scheduler and scaler
+"""Unit tests for the checks of restored values: what every generator, optimizer, scheduler and scaler
 accepts, decided by pure functions (preempt.data.rng.from_tree, preempt.checkpoint.hyperparams,
 preempt.run.restore.check_restored, preempt.checkpoint.completion).
 

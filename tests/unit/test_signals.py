@@ -244,7 +244,7 @@ def test_critical_section_unwinds_on_error():
 @pytest.mark.usefixtures("sigint_handled")  # ignored below; whatever it was is put back after
 def test_ignored_sigint_stays_ignored(caplog):
     """A SIGINT ignored by inheritance (``cmd &`` in a script) is kept so, and the install says it once, with how to
-    stop the run instead (issue 31: before, Ctrl+C was silently ignored)."""
+    stop the run instead (Ctrl+C is never silently ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     flag = StopFlag()
     try:
