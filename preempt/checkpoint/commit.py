@@ -1,7 +1,9 @@
 """The atomic commit of a checkpoint directory, and hashed file I/O.
 
-This module is the only place that writes into ``save_dir``. It knows nothing
-of torch or of signals: it moves bytes, digests and directory entries.
+Every checkpoint directory is made here, by the protocol below; the other files of a
+``save_dir`` (the lock, the completion marker, quarantined and recycled checkpoints)
+are written by their own modules with the same primitives. It knows nothing of torch
+or of signals: it moves bytes, digests and directory entries.
 
 Layout of ``save_dir``::
 
@@ -313,8 +315,8 @@ def read_file(path: str | os.PathLike[str], expected_size: int | None = None) ->
 
     The array is a private copy-on-write mapping of the file: hashing it reads
     the page cache (or the disk) directly, with no copy into fresh memory,
-    which on our machines is 10-20x faster than ``readinto`` a new buffer
-    once the file is cached. Writes to the array never reach the file.
+    much faster than ``readinto`` a new buffer once the file is cached
+    (``bench/bench_verify.py``). Writes to the array never reach the file.
     Callers that keep tensors beyond loading should copy them: the mapping
     pins the file's pages, and a file truncated by someone else while mapped
     would fault on access. Where the mapping is refused (``ENOMEM`` under an

@@ -213,8 +213,7 @@ class CheckpointManager:
         """Re-hashes and parses the checkpoint's files: one :class:`FileCheck` per file the manifest lists.
 
         Each file is hashed in its memory mapping (:func:`preempt.checkpoint.commit.read_file`):
-        as fast as ``cat`` reads it cold and faster warm, where ``readinto`` a 64 MiB
-        buffer was 3-10x slower (``python bench/bench_verify.py``). The same
+        no copy into fresh memory, unlike ``readinto`` a buffer (``python bench/bench_verify.py``). The same
         mapping is then parsed, so a re-signed file of another kind (a pickle)
         is reported even though its digest matches.
 

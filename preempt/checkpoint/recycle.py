@@ -2,8 +2,7 @@
 
 Writing a file into disk blocks that were never written is far slower on some
 disks than writing over blocks a file already holds (thin-provisioned virtual
-disks; on our VM, 512 MiB into a new file 2.1 s, over an existing one in place
-0.18 s: ``bench/README.md``), and the stop's checkpoint, written between
+disks: ``bench/README.md``), and the stop's checkpoint, written between
 SIGTERM and SIGKILL, is the write that must not pay it. So the manager keeps
 the files of one pruned checkpoint (or of a write a stop cancelled) as
 ``save_dir/.recycle-<tag>/`` instead of deleting them, and the next save

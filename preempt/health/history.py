@@ -51,12 +51,10 @@ killed (SIGKILL, an OOM kill), and is never interleaved with another
 writer's line. It is not fsynced: a machine crash can lose the last lines,
 which is fine for a history. A killed process can still leave a torn last
 line (a write cut by a full disk); the next :class:`History` starts on a fresh
-line, and :func:`read_history` skips lines that do not parse. Cost: about
-10-13 µs per :meth:`History.record` on our 2-core machines, idle
-(``bench/bench_history.py``): ``json.dumps`` ~7 µs, the ``write(2)`` ~2 µs.
-Buffering in user space would save only those ~2 µs and lose the last lines
-on a kill. A record with a NaN takes a slower path
-(tens of µs).
+line, and :func:`read_history` skips lines that do not parse. Most of a
+record's cost is ``json.dumps``, not the ``write(2)`` (``bench/bench_history.py``,
+figures in ``bench/README.md``): buffering in user space would save little and
+lose the last lines on a kill. A record with a NaN takes a slower path.
 
 Reading (:func:`iter_history`, :func:`read_history`) holds at most one line
 of :data:`MAX_LINE` bytes (1 MiB) and a 64 KiB read: a longer line (someone
