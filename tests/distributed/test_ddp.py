@@ -14,8 +14,8 @@ import signal
 
 import pytest
 import torch
-from conftest import DDP_ARGS as ARGS
-from conftest import (
+from helpers import DDP_ARGS as ARGS
+from helpers import (
     MiB,
     StoppedRun,
     assert_equal_finals,

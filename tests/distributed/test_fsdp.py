@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Spawned, StoppedRun
-from conftest import torchrun as _torchrun
+from helpers import Spawned, StoppedRun
+from helpers import torchrun as _torchrun
 from safetensors.torch import load_file
 
 from preempt.checkpoint.manager import CheckpointManager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from conftest import Spawned, assert_same_final, direct_io_supported, train_cmd
+from helpers import Spawned, assert_same_final, direct_io_supported, train_cmd
 
 from preempt.checkpoint.manager import CheckpointManager
 

@@ -14,7 +14,7 @@ import signal
 
 import pytest
 import torch
-from conftest import PREEMPTED, Spawned, assert_same_final, train_cmd
+from helpers import PREEMPTED, Spawned, assert_same_final, train_cmd
 
 from preempt import Preempted, PreemptibleRun
 from preempt.checkpoint.manager import CheckpointManager

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import PREEMPTED, Spawned, assert_same_final, flip_bit, in_step, run_interrupted, train_cmd
+from helpers import PREEMPTED, Spawned, assert_same_final, flip_bit, in_step, run_interrupted, train_cmd
 
 from preempt.checkpoint.recycle import PREFIX as POOL
 from preempt.cli.main import main as cli
@@ -96,7 +96,7 @@ def shares(a: Path, b: Path) -> bool:
 
 @pytest.fixture
 def held(tmp_path: Path) -> Iterator[Callable[[int], Spawned]]:
-    """``held(k)``: the training (on tmp_path/run), holding inside its own k-th step (conftest.in_step) until the
+    """``held(k)``: the training (on tmp_path/run), holding inside its own k-th step (helpers.in_step) until the
     test signals it. A process still running when the test ends (a failed assert) is killed."""
     procs: list[Spawned] = []
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Spawned, assert_same_final, train_cmd
+from helpers import Spawned, assert_same_final, train_cmd
 
 from preempt.checkpoint.manager import CheckpointManager
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Spawned, assert_same_final, train_cmd
+from helpers import Spawned, assert_same_final, train_cmd
 from safetensors.torch import load_file, save_file
 from test_bad_input import resign
 from test_hostile_files import copy_of, sweep

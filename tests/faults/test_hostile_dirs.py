@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import test_bad_input
 import torch
-from conftest import run_python
+from helpers import run_python
 from test_bad_input import STEP1, STEP2, build, forbidden, resign
 
 from preempt import PreemptibleRun

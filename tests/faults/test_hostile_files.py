@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import test_bad_input
 import torch
-from conftest import run_python
+from helpers import run_python
 from test_bad_input import STEP1, STEP2, build, tree_of
 from torch.utils.data import DataLoader
 
@@ -104,7 +104,7 @@ def sweep(
         for mode, (_, d, out, _, _) in cases.items()
     }
     run_env = None if env is None else {**os.environ, **env}
-    # Both modes at once; as root the process is forked from a server that has torch (conftest.run_python), dropped
+    # Both modes at once; as root the process is forked from a server that has torch (helpers.run_python), dropped
     # it starts fresh under setpriv.
     with ThreadPoolExecutor(len(modes)) as pool:
         futures = {

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Spawned, assert_same_final, train_cmd
+from helpers import Spawned, assert_same_final, train_cmd
 from safetensors.torch import load_file
 
 from preempt.checkpoint import commit

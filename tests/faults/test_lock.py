@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PREEMPTED, Spawned, train_cmd
+from helpers import PREEMPTED, Spawned, train_cmd
 
 from preempt import CheckpointManager, PreemptibleRun
 from preempt.checkpoint.lock import LOCK, STALE_AFTER_S, DirLock, LockedError

@@ -86,7 +86,7 @@ def test_a_frozen_base_on_the_gpu_is_carried_not_written_and_the_run_resumes_bit
     checkpoint carries it (a hard link, nothing staged, copied or written); the first carried one re-hashes the base
     from the GPU in the writer thread (the guard). The crash's rerun resumes from the last one and ends bit for bit
     as the run that never stopped."""
-    from conftest import MiB, assert_writes_what_changed
+    from helpers import MiB, assert_writes_what_changed
 
     ref = train(tmp_path / "ref", every=2, frozen=True, lazy=lazy)
     with pytest.raises(Crash):

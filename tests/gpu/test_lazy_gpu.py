@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_and_optimizer_tensors, read_into
+from helpers import model_and_optimizer_tensors, read_into
 
 from preempt import PreemptibleRun
 from preempt.checkpoint import pinned, state

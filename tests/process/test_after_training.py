@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, run_python
+from helpers import ROOT, run_python
 
 SCRIPT = """
 import sys, torch

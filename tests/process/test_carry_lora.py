@@ -7,7 +7,7 @@ import os
 import re
 import signal
 
-from conftest import PREEMPTED, MiB, assert_same_final, assert_writes_what_changed, in_step, run_interrupted
+from helpers import PREEMPTED, MiB, assert_same_final, assert_writes_what_changed, in_step, run_interrupted
 
 LORA = [
     "--lora",

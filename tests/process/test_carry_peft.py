@@ -10,7 +10,7 @@ import os
 import signal
 
 import pytest
-from conftest import PREEMPTED, MiB, assert_same_final, assert_writes_what_changed, in_step, run_interrupted
+from helpers import PREEMPTED, MiB, assert_same_final, assert_writes_what_changed, in_step, run_interrupted
 
 # A guard only (the test extra installs both): looked up, not imported, since importing them here would cost this
 # process ~5 s of CPU for nothing (the training processes import them)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PREEMPTED, Interrupt, Spawned, assert_same_final, in_step, run_interrupted, train_cmd
+from helpers import PREEMPTED, Interrupt, Spawned, assert_same_final, in_step, run_interrupted, train_cmd
 
 # 512 samples, batches of 16, 4 micro-batches per optimizer step: 32 batches and 8 steps per epoch, 24 steps.
 QUICKSTART = [

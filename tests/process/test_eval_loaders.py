@@ -19,7 +19,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import PREEMPTED, Spawned, assert_same_final, train_cmd
+from helpers import PREEMPTED, Spawned, assert_same_final, train_cmd
 
 # 16 steps in one epoch; an evaluation (64 samples, 4 batches, 2 workers) after every 5th step
 EVAL = ["--epochs", "1", "--samples", "256", "--eval_loader_every", "5"]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PREEMPTED, Interrupt, Spawned, assert_same_final, run_interrupted, run_python, train_cmd
+from helpers import PREEMPTED, Interrupt, Spawned, assert_same_final, run_interrupted, run_python, train_cmd
 
 from preempt.health.history import read_history
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import PREEMPTED, ROOT, Spawned, run_python
+from helpers import PREEMPTED, ROOT, Spawned, run_python
 
 from preempt import CheckpointManager
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import PREEMPTED, ROOT, Spawned, assert_same_final
+from helpers import PREEMPTED, ROOT, Spawned, assert_same_final
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 gpt2 = pytest.mark.skipif(

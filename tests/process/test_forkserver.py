@@ -18,7 +18,7 @@ from pathlib import Path
 import forkserver
 import pytest
 import rank_launcher
-from conftest import RANK_LAUNCHER, ROOT, Spawned, run_python
+from helpers import RANK_LAUNCHER, ROOT, Spawned, run_python
 
 pytestmark = pytest.mark.skipif(not forkserver.ENABLED, reason="PREEMPT_TEST_FORKSERVER=0: every process is fresh")
 HANG_S = 120  # a bound on waiting for a process's end, for a process that hangs
@@ -130,7 +130,7 @@ def test_a_timeout_kills_the_child(tmp_path: Path) -> None:
 
 def launched(script: Path, arg: str, **env: str) -> subprocess.Popen:
     """``python -u rank_launcher.py probe.py ARG`` started as torchrun's agent starts a rank (a session of its own, the
-    environment it gives its ranks), naming the servers as conftest's ``torchrun`` does."""
+    environment it gives its ranks), naming the servers as helpers' ``torchrun`` does."""
     ranks_env = {"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "probe", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     env = {**os.environ, "OMP_NUM_THREADS": "1", **rank_launcher.servers_named(), **ranks_env, **env}
     cmd = [sys.executable, "-u", str(RANK_LAUNCHER), str(script), arg]

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-from conftest import ROOT, Spawned, assert_equal_finals, assert_same_final, ddp_finals, torchrun  # noqa: E402
+from helpers import ROOT, Spawned, assert_equal_finals, assert_same_final, ddp_finals, torchrun  # noqa: E402
 
 from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
 

@@ -12,7 +12,7 @@ import re
 import shlex
 import signal
 
-from conftest import PREEMPTED, Spawned, train_cmd
+from helpers import PREEMPTED, Spawned, train_cmd
 
 
 def test_a_run_started_with_ampersand_by_a_script_says_ctrl_c_is_ignored_and_stops_on_sigterm(tmp_path):

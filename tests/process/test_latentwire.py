@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import PREEMPTED, ROOT, Spawned, assert_same_final, run_python
+from helpers import PREEMPTED, ROOT, Spawned, assert_same_final, run_python
 
 SCRIPT = ROOT / "examples" / "latentwire_train.py"
 EXAMPLE = [sys.executable, str(SCRIPT)]

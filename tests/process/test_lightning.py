@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[lightning]')")
 
-from conftest import ROOT, Spawned, assert_same_final, flip_bit  # noqa: E402
+from helpers import ROOT, Spawned, assert_same_final, flip_bit  # noqa: E402
 
 from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
 

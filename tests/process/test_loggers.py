@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from conftest import PREEMPTED, Spawned, in_step, train_cmd
+from helpers import PREEMPTED, Spawned, in_step, train_cmd
 
 tensorboard = pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

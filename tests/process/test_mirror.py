@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import s3server
-from conftest import PREEMPTED, Spawned, assert_same_final, free_port, run_python, train_cmd
+from helpers import PREEMPTED, Spawned, assert_same_final, free_port, run_python, train_cmd
 
 from preempt.checkpoint.commit import MANIFEST, checkpoint_name
 from preempt.health.history import read_history

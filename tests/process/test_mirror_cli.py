@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli, cli_json, small_run
+from helpers import cli, cli_json, small_run
 from s3server import put_checkpoint
 
 from preempt.checkpoint.commit import checkpoint_name

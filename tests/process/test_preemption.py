@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import (
+from helpers import (
     PREEMPTED,
     Interrupt,
     Spawned,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PREEMPTED, ROOT, TRAIN, run_python
+from helpers import PREEMPTED, ROOT, TRAIN, run_python
 
 # Each optimizer step sleeps this long: a floor for the productive time.
 STEP_SLEEP = 0.2

@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import PREEMPTED, ROOT, TRAIN, TRAIN_DDP, Spawned
+from helpers import PREEMPTED, ROOT, TRAIN, TRAIN_DDP, Spawned
 
 SLURM = ROOT / "slurm"
 SHORT = ["--epochs", "1", "--samples", "64"]

@@ -6,7 +6,7 @@ import math
 import re
 import sys
 
-from conftest import TRAIN, Spawned
+from helpers import TRAIN, Spawned
 
 
 def test_a_nan_restart_resumes_from_the_checkpoint_with_the_lower_lr(tmp_path):

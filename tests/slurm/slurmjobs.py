@@ -4,7 +4,7 @@ slurm/ to it.
 The cluster is the one ``.ci/run`` started; when none answers, the session starts it (and stops it at the
 end). Where it cannot be started (no root, no apt-get, no packages) every test here is skipped with the reason.
 
-(Not a conftest.py: the test modules import ``conftest`` by name, and a second conftest.py would replace it.)
+(Not a conftest.py: a second conftest.py beside the root one would take over its hooks for these tests.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TRAIN
+from helpers import ROOT, TRAIN
 
 SLURM = ROOT / "slurm"
 STATE_DIR = Path(os.environ.get("PREEMPT_SLURM_DIR", "/tmp/preempt-slurm"))

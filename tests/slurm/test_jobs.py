@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import DDP_ARGS, TRAIN_DDP, assert_equal_finals, assert_same_final, ddp_finals, free_port, torchrun
+from helpers import DDP_ARGS, TRAIN_DDP, assert_equal_finals, assert_same_final, ddp_finals, free_port, torchrun
 from slurmjobs import Cluster, Job, slurm_cluster, train_command, without_sleep  # noqa: F401
 
 from preempt.checkpoint.manager import CheckpointManager

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[lightning]')")
 
-from conftest import ROOT, Spawned, assert_same_final  # noqa: E402
+from helpers import ROOT, Spawned, assert_same_final  # noqa: E402
 from slurmjobs import Cluster, slurm_cluster  # noqa: E402, F401
 
 pytestmark = pytest.mark.slurm

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import TRAIN_DDP, assert_equal_finals, ddp_finals, free_port, torchrun
+from helpers import TRAIN_DDP, assert_equal_finals, ddp_finals, free_port, torchrun
 from slurmjobs import Cluster, Job, slurm_cluster  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]

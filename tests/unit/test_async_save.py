@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_and_optimizer_tensors, read_into
+from helpers import model_and_optimizer_tensors, read_into
 from torch.utils.data import DataLoader, TensorDataset
 
 from preempt import CheckpointManager, CheckpointWriteError, Preempted, PreemptibleRun, _testing

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from conftest import cli, cli_json, small_run
+from helpers import cli, cli_json, small_run
 from safetensors import safe_open
 from safetensors.torch import load_file
 

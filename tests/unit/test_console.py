@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FakeClock
 
 from preempt import PreemptibleRun
 from preempt.run.config import RunConfig
@@ -27,48 +28,40 @@ def test_the_total_counts_optimizer_steps_under_gradient_accumulation():
     assert total_steps((40, 1, 60), loop, batches_per_epoch=100, epochs=2) is None  # no batch seen yet
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_progress_comes_early_then_every_progress_every_s(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     loop = LoopState()
     reporter = Reporter(RunConfig(progress_every_s=60.0, log_file=False), tmp_path, loop, clock)
     reporter.start(None)
     waits = []
     for _ in range(6):
-        waits.append(reporter.next_at - clock.now)
-        clock.now = reporter.next_at
+        waits.append(reporter.next_at - clock.t)
+        clock.t = reporter.next_at
         loop.global_step += 10
         reporter.report(None, None)
     assert waits == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
     quick = Reporter(RunConfig(progress_every_s=2.0, log_file=False), tmp_path, LoopState(), clock)
     quick.start(None)
-    assert quick.next_at - clock.now == 2.0  # an explicit shorter period is kept from the start
+    assert quick.next_at - clock.t == 2.0  # an explicit shorter period is kept from the start
 
 
 def test_history_gets_metric_points_denser_than_the_progress_lines(tmp_path, caplog):
     """Each second for the first 100 s, then a hundredth of the process's age, never sparser than the lines."""
     assert [point_interval(a, 60.0) for a in (0.0, 99.0, 500.0, 5000.0, 1e5)] == [1.0, 1.0, 5.0, 50.0, 60.0]
     assert point_interval(500.0, 2.0) == 2.0
-    clock = Clock()
+    clock = FakeClock()
     loop = LoopState()
     reporter = Reporter(RunConfig(progress_every_s=60.0), tmp_path, loop, clock)
     reporter.start(None)
     points, lines = [], []
     with caplog.at_level(logging.INFO, logger="preempt"):
-        while clock.now < 1000.0 + 300.0:
-            clock.now = reporter.next_at
+        while clock.t < 1000.0 + 300.0:
+            clock.t = reporter.next_at
             loop.global_step += 1
             loop.metrics = {"loss": 1.0 / loop.global_step}
             caplog.clear()
             reporter.report(None, None)
-            lines += [clock.now - 1000.0 for r in caplog.records if r.getMessage().startswith("step ")]
+            lines += [clock.t - 1000.0 for r in caplog.records if r.getMessage().startswith("step ")]
     reporter.stop()
     for line in (tmp_path / "history.jsonl").read_text().splitlines():
         doc = json.loads(line)
@@ -81,7 +74,7 @@ def test_history_gets_metric_points_denser_than_the_progress_lines(tmp_path, cap
 
 
 def test_the_epoch_summary_shows_epoch_means(tmp_path, caplog):
-    clock = Clock()
+    clock = FakeClock()
     loop = LoopState()
     cfg = RunConfig(log_file=False)
     reporter = Reporter(cfg, tmp_path, loop, clock)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import direct_io_supported
+from helpers import direct_io_supported
 
 from preempt.checkpoint import commit, direct_io, state, tensorfile
 from preempt.checkpoint.manager import write_payload

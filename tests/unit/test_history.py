@@ -11,18 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FakeClock
 
 from preempt import _log
 from preempt.health.history import HISTORY_FILE, LOG_FILE, History, RunLog, read_history
 from preempt.health.progress import ETA_CAP_S, Progress, eta_seconds, fmt_number
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def strict_lines(path: Path) -> list[dict]:

@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from helpers import FakeClock
 from safetensors.torch import load_file
 
 from preempt import CheckpointManager, PreemptibleRun
@@ -25,14 +26,6 @@ from preempt.run.loop_state import LoopState, epoch_so_far, report_step
 from preempt.run.reporting import Reporter, epoch_line, point_metrics
 
 RETENTION = RetentionPolicy(keep_last=2, keep_best=1, metric="val_loss", mode="min")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def stepped(loop: LoopState, n: int = 1) -> None:
@@ -110,20 +103,20 @@ def test_a_history_point_holds_the_metrics_measured_at_its_step():
 
 
 def test_the_history_has_an_evaluation_once_at_its_step_not_at_every_point(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     loop = LoopState()
     reporter = Reporter(RunConfig(progress_every_s=60.0), tmp_path, loop, clock)
     reporter.start(None)
     loop.at_batch(0)
     for step in range(1, 21):
-        clock.now += 0.5  # a point every second: at every other step
+        clock.t += 0.5  # a point every second: at every other step
         loop.took_batch()
         loop.stepped()
         if step % 3 == 0:
             loop.record({"loss": 1.0 / step}, RETENTION)  # a training loss every third step
         if step == 5:
             reporter.measured(loop.report({"val_loss": 0.25}, RETENTION))
-        if clock.now >= reporter.next_at:
+        if clock.t >= reporter.next_at:
             reporter.report(None, None)
     reporter.stop()
     records = [d for d in read_history(tmp_path) if "event" not in d]
@@ -137,7 +130,7 @@ def test_the_history_has_an_evaluation_once_at_its_step_not_at_every_point(tmp_p
 
 def test_a_report_inside_a_step_is_said_once(tmp_path, caplog):
     loop = LoopState()
-    reporter = Reporter(RunConfig(log_file=False), tmp_path, loop, Clock())
+    reporter = Reporter(RunConfig(log_file=False), tmp_path, loop, FakeClock())
     reporter.start(None)
     loop.at_batch(0)
     stepped(loop, 49)

@@ -9,18 +9,11 @@ import re
 
 import pytest
 import torch
+from helpers import FakeClock
 from torch.utils.data import DataLoader, IterableDataset
 
 from preempt import PreemptibleRun
 from preempt.health.progress import Progress, check_epochs, planned_total
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_total_is_epochs_times_steps_per_epoch_when_given_else_the_measured_one():
@@ -31,14 +24,14 @@ def test_the_total_is_epochs_times_steps_per_epoch_when_given_else_the_measured_
 
 
 def test_an_unsized_loader_gets_a_total_and_an_eta():
-    clock = Clock()
+    clock = FakeClock()
     progress = Progress(planned_total(2, 10), every_s=0, clock=clock)
     assert progress.update(0, 0, 0, None) == "step 0/20 | epoch 0 batch 0"
-    clock.now += 10.0
+    clock.t += 10.0
     assert progress.update(5, 0, 5, None) == "step 5/20 | epoch 0 batch 5 | 2.00 s/step | ETA 30 s"
     no_total = Progress(planned_total(2, None), every_s=0, clock=clock)
     no_total.update(0, 0, 0, None)
-    clock.now += 10.0
+    clock.t += 10.0
     assert no_total.update(5, 0, 5, None) == "step 5 | epoch 0 batch 5 | 2.00 s/step"
 
 
@@ -65,7 +58,7 @@ class Stream(IterableDataset):
 
 
 def test_a_run_over_an_iterable_dataset_shows_its_total_and_eta(tmp_path, caplog):
-    clock = Clock()
+    clock = FakeClock()
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="steps_per_epoch"):
@@ -80,7 +73,7 @@ def test_a_run_over_an_iterable_dataset_shows_its_total_and_eta(tmp_path, caplog
                 model(x).sum().backward()
                 opt.step()
                 opt.zero_grad()
-                clock.now += 2.0  # 2 s per step
+                clock.t += 2.0  # 2 s per step
                 run.step()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines and all(re.match(r"step \d/8 \| epoch \d batch \d\b", line) for line in lines), lines

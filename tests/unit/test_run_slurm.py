@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FakeClock
 from torch.utils.data import DataLoader, TensorDataset
 
 from preempt import (
@@ -26,16 +27,6 @@ from preempt import (
 from preempt.cluster import slurm
 from preempt.cluster.slurm import JobInfo
 from preempt.errors import SlurmError
-
-
-class FakeClock:
-    """A monotonic clock that the loop advances by hand."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class FakeScontrol:

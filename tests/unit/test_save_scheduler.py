@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import FakeClock
 
 from preempt import CheckpointManager, CheckpointWriteError
 from preempt.checkpoint.components import Components
@@ -116,14 +117,6 @@ class FakeWriter:
         return value
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def scheduler(tmp_path, writer: FakeWriter, *, reserve: bool = True, **manager_options):
     """A scheduler whose buffers are sized; ``reserve``: the pool it then writes ahead is written (else in flight)."""
     torch.manual_seed(0)
@@ -132,7 +125,7 @@ def scheduler(tmp_path, writer: FakeWriter, *, reserve: bool = True, **manager_o
     data.seed = 1
     snapshot = Snapshot(Components(model), loop, data)
     manager = CheckpointManager(tmp_path, **{"keep_last": None, **manager_options})
-    saves = SaveScheduler(manager, loop, snapshot, StopFlag(()), clock=Clock(), writer=lambda: writer)
+    saves = SaveScheduler(manager, loop, snapshot, StopFlag(()), clock=FakeClock(0.0), writer=lambda: writer)
     saves.start(snapshot.capture(), optimizer_state_later=False)
     writer.finish()  # the buffers are sized
     saves.tend()

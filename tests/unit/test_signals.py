@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from helpers import FakeClock
 
 from preempt.cluster.signals import DEFAULT_SIGNALS, SIGINT_IGNORED, StopFlag, signal_name
 
@@ -36,15 +37,6 @@ def deliver(sig: int) -> None:
         time.sleep(0.001)  # the handler runs at the next bytecode boundary at the latest
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        self.t += 1.0
-        return self.t
-
-
 def test_signal_name():
     assert signal_name(15) == "SIGTERM"
     assert signal_name(signal.SIGUSR1) == "SIGUSR1"
@@ -54,7 +46,7 @@ def test_signal_name():
 
 def test_request_without_signals():
     """request() records the first stop (signal, time) and counts every later one."""
-    clock = FakeClock()
+    clock = FakeClock(100.0, tick=1.0)
     flag = StopFlag(clock=clock)
     assert (flag.requested, flag.signum, flag.received_at, flag.count) == (False, None, None, 0)
     flag.request()
@@ -65,7 +57,7 @@ def test_request_without_signals():
 
 
 def test_first_signal_number_is_kept():
-    flag = StopFlag(clock=FakeClock())
+    flag = StopFlag(clock=FakeClock(100.0, tick=1.0))
     flag.request(signal.SIGUSR1)
     flag.request(signal.SIGTERM)
     assert flag.signum == signal.SIGUSR1 and flag.count == 2 and flag.received_at == 101.0
@@ -86,7 +78,7 @@ def test_signals_are_validated_and_deduplicated():
 
 def test_sigterm_sets_the_flag():
     before = signal.getsignal(signal.SIGTERM)
-    flag = StopFlag(clock=FakeClock())
+    flag = StopFlag(clock=FakeClock(100.0, tick=1.0))
     try:
         assert flag.install() is True
         assert flag.installed

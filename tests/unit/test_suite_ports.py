@@ -1,13 +1,12 @@
-"""The suite's rendezvous ports (conftest.free_port): below the kernel's ephemeral range, one slice per xdist worker."""
+"""The suite's rendezvous ports (helpers.distributed.free_port): below the ephemeral range, one slice per worker."""
 
 from __future__ import annotations
 
 import itertools
 import socket
 
-import conftest
 import pytest
-from conftest import free_port, port_slice
+from helpers import distributed, free_port, port_slice
 
 
 def test_the_workers_slices_are_disjoint_and_below_the_ephemeral_range() -> None:
@@ -29,8 +28,8 @@ def test_free_port_skips_a_port_in_use(monkeypatch) -> None:
         probe.bind(("", 0))  # a second port known to be free once the probe closes
         taken, free = held.getsockname()[1], probe.getsockname()[1]
         probe.close()
-        monkeypatch.setattr(conftest, "_ports", [taken, free])
-        monkeypatch.setattr(conftest, "_turns", itertools.count(0))
+        monkeypatch.setattr(distributed, "_ports", [taken, free])
+        monkeypatch.setattr(distributed, "_turns", itertools.count(0))
         port = free_port()
     assert port == free
     with socket.socket() as s:
@@ -38,7 +37,7 @@ def test_free_port_skips_a_port_in_use(monkeypatch) -> None:
 
 
 def test_free_port_comes_from_this_workers_slice() -> None:
-    if not len(conftest._ports):
-        pytest.skip(f"this machine's ephemeral range starts at {conftest._ephemeral_low()}: no room below it")
-    assert free_port() in conftest._ports
-    assert free_port() < conftest._ephemeral_low()
+    if not len(distributed._ports):
+        pytest.skip(f"this machine's ephemeral range starts at {distributed._ephemeral_low()}: no room below it")
+    assert free_port() in distributed._ports
+    assert free_port() < distributed._ephemeral_low()
