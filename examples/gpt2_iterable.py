@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from preempt import PreemptibleRun
+from preempt import PreemptibleRun, _testing
 
 MASK = 0  # the byte that replaces a masked input byte; the text never contains it
 WORDS = (
@@ -221,6 +221,7 @@ class Hold:
             run.wait_for_checkpoint(HOLD_LIMIT_S)
         step = run.global_step + 1 if where == "step" else run.global_step  # the step being made, or the last one
         print(f"test hook: holding in {where} {self.k} at step {step}", flush=True)
+        _testing.emit("holding", point=where, n=self.k, step=step)  # what the tests wait for
         deadline = time.monotonic() + HOLD_LIMIT_S
         while not run.stop_requested and time.monotonic() < deadline:
             time.sleep(0.005)  # the signal's handler runs in this thread, between two sleeps

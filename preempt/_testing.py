@@ -1,4 +1,5 @@
-"""The test seam: every fault point of preempt, by name, and the hook a test installs there.
+"""The test seam: every fault point of preempt, by name, the hook a test installs there, and the events a process
+tells a test.
 
 Production code marks a point with :func:`reach`; a test, or a training script of the test suite, installs a hook
 with :func:`install` (or :func:`installed`, for a block) and makes the point fail, wait or count. With no hook
@@ -12,15 +13,26 @@ installed, reaching a point is one dictionary lookup. The points, and what their
 - ``"load"``: before a checkpoint file is read and verified on load: its path.
 - ``"upload"``: each stage of a mirror upload (:data:`preempt.mirror.uploader.STAGES`): the stage's name and the step.
 
+**Events.** With ``PREEMPT_TEST_EVENTS=1`` in its environment, a process writes each event of its run to its
+standard output as one line, ``@preempt-event {"event": KIND, ...}`` (JSON, written whole with one ``write(2)``): every
+marker of ``history.jsonl`` (start, resume, checkpoint, stop, complete, error, ...) and a few the history does not
+keep (``saving``, ``checkpoint_failed``, ``mirror_down``, ``mirror_up``). The test suite starts its processes with it
+and waits and asserts on these events, never on the wording of log lines; the suite's training scripts emit their
+own (``holding``, ``waiting``, ``step``) through :func:`emit` too. Without the variable, :func:`emit` returns at once.
+
 No torch; a leaf every part may import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+EVENTS_ENV = "PREEMPT_TEST_EVENTS"
+EVENT_PREFIX = "@preempt-event "
 Hook = Callable[..., None]
 POINTS = ("commit", "write", "load", "upload")
 _hooks: dict[str, Hook] = {}
@@ -55,3 +67,15 @@ def installed(point: str, hook: Hook) -> Iterator[None]:
         yield
     finally:
         install(point, None)
+
+
+def emit(kind: str, /, **fields: Any) -> None:
+    """Writes the event ``kind`` with ``fields`` to standard output, when ``PREEMPT_TEST_EVENTS=1`` (else nothing)."""
+    if os.environ.get(EVENTS_ENV) != "1":
+        return
+    doc = {"event": kind, **fields}
+    line = EVENT_PREFIX + json.dumps(doc, separators=(",", ":"), default=str) + "\n"
+    try:
+        os.write(1, line.encode())  # one write: never interleaved with another thread's line
+    except OSError:  # a closed stdout: the test has gone
+        pass

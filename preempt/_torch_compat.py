@@ -17,6 +17,7 @@ torch is imported inside the functions that need it: the checkpoint commands, wh
 - ``torch.utils.data._utils.signal_handling._set_worker_signal_handlers``: what a worker installs first.
 - ``DataLoader.dataset`` set after construction (DataLoader's ``__setattr__`` refuses it).
 - ``torch.distributed.checkpoint.filesystem._StorageInfo``: where a DCP item lies in its file.
+- DCP's ``save``/``load`` keyword ``no_dist`` and ``Metadata.version`` (public, but absent before torch 2.7).
 """
 
 from __future__ import annotations
@@ -59,6 +60,29 @@ def sharded_tensor_types() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover - a torch without it
         return kinds
     return (*kinds, ShardedTensor)
+
+
+def dcp_no_dist(function: Callable[..., Any], single_process: bool) -> dict[str, bool]:
+    """The keyword that tells DCP's ``save``/``load`` to run in one process, where it takes one (``no_dist``, since
+    torch 2.7); before, DCP decides that itself from whether torch.distributed is initialized, as this does."""
+    import inspect
+
+    return {"no_dist": single_process} if "no_dist" in inspect.signature(function).parameters else {}
+
+
+def dcp_metadata(state_dict_metadata: dict[str, Any], storage_data: dict[Any, Any], version: str | None) -> Any:
+    """DCP's ``Metadata`` of a checkpoint; its ``version`` only where torch's has the field (since torch 2.7)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    kept: dict[str, Any] = {"version": version} if "version" in {f.name for f in dataclasses.fields(Metadata)} else {}
+    return Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data, **kept)
+
+
+def dcp_metadata_version(metadata: Any) -> str | None:
+    """The DCP format version a ``Metadata`` records (None where torch's has no such field)."""
+    return getattr(metadata, "version", None)
 
 
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:

@@ -37,7 +37,13 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import dcp_storage_info, sharded_tensor_types
+from .._torch_compat import (
+    dcp_metadata,
+    dcp_metadata_version,
+    dcp_no_dist,
+    dcp_storage_info,
+    sharded_tensor_types,
+)
 from ..checkpoint import codec
 from ..checkpoint.manager import SHARDED_INDEX
 from ..checkpoint.state import Payload
@@ -145,7 +151,8 @@ def save(directory: Path, tensors: dict[str, Any], rank: int, group: Any = None)
     import torch.distributed.checkpoint as dcp
 
     with _single_process_quiet():
-        dcp.save(tensors, storage_writer=_writer(directory), no_dist=not _distributed(), process_group=group)
+        alone = dcp_no_dist(dcp.save, not _distributed())
+        dcp.save(tensors, storage_writer=_writer(directory), process_group=group, **alone)
     mine = [f"__{rank}_0.distcp"]
     if rank == 0:
         mine.append(METADATA)
@@ -168,7 +175,7 @@ def load_into(
         _materialize(optimizer)
     tensors, now = split_state(model, optimizer)
     with _single_process_quiet():
-        dcp.load(tensors, storage_reader=_reader(directory), no_dist=not _distributed())  # in place
+        dcp.load(tensors, storage_reader=_reader(directory), **dcp_no_dist(dcp.load, not _distributed()))  # in place
     if optimizer is None:
         return
     saved = rest["param_groups"]
@@ -185,7 +192,7 @@ def load_into(
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns that it assumes a single process, which is what no_dist asks for."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
         yield
 
 
@@ -279,14 +286,13 @@ def _metadata_to_json(md: Any) -> dict[str, Any]:
                 "length": info.length,
             }
         )
-    return {"format": _FORMAT, "version": md.version, "tensors": entries, "storage": storage}
+    return {"format": _FORMAT, "version": dcp_metadata_version(md), "tensors": entries, "storage": storage}
 
 
 def _metadata_from_json(doc: Any, where: str) -> Any:
     """DCP's Metadata from our JSON index; anything unexpected is a ValueError naming ``where``."""
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
-        Metadata,
         MetadataIndex,
         TensorProperties,
         TensorStorageMetadata,
@@ -325,4 +331,5 @@ def _metadata_from_json(doc: Any, where: str) -> Any:
         begin, length = ints([s.get("begin"), s.get("length")], "begin/length")
         index = MetadataIndex(s["fqn"], offset, s.get("index") if isinstance(s.get("index"), int) else None)
         storage[index] = dcp_storage_info(name, begin, length)
-    return Metadata(state_dict_metadata=entries, storage_data=storage, version=doc.get("version"))
+    version = doc.get("version")
+    return dcp_metadata(entries, storage, version if isinstance(version, str) else None)

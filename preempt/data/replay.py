@@ -90,8 +90,8 @@ def reseed(seed: int) -> None:
     """Seeds Python's ``random``, NumPy's global generator and torch's CPU generator from one 64-bit seed.
 
     ``torch.default_generator.manual_seed`` rather than ``torch.manual_seed``:
-    the latter also seeds every accelerator (far slower), and augmentation in a DataLoader runs on the CPU. NumPy's legacy seeding
-    takes 32 bits (the 64 are folded).
+    the latter also seeds every accelerator (far slower), and augmentation in a
+    DataLoader runs on the CPU. NumPy's legacy seeding takes 32 bits (the 64 are folded).
     """
     random.seed(seed)
     np.random.seed((seed ^ (seed >> 32)) & _MASK32)

@@ -83,7 +83,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .. import _log
+from .. import _log, _testing
 from ..checkpoint import safe_io
 
 LOG_FILE = "train.log"
@@ -420,6 +420,7 @@ class History:
         for k, v in fields.items():
             doc[k[:-1] if k.endswith("_") and len(k) > 1 else k] = v
         self._write(doc)
+        _testing.emit(kind, **{k: v for k, v in doc.items() if k != "event"})
 
     def _write(self, doc: dict[str, Any]) -> None:
         try:

@@ -313,7 +313,8 @@ class Reporter:
             self._monitor = None
         if self._history is not None:
             if event is not None:
-                self._history.marker(event, step=self.loop.global_step, **fields)
+                loop = self.loop
+                self._history.marker(event, step=loop.global_step, epoch=loop.epoch, batch=loop.batch, **fields)
             self._history.close()
             self._history = None
         if self._runlog is not None:

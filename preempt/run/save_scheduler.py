@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .. import _log
+from .. import _log, _testing
 from ..checkpoint import carry, commit, recycle, state
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
@@ -211,6 +211,7 @@ class SaveScheduler:
             t0 = self.clock()
             manifest = self.snapshot.manifest(reason, point, self.manager.retention)
             log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
+            _testing.emit("saving", step=manifest.step, reason=reason.value, background=background)
             payload, live = self.snapshot.content()
             # unchanged files are carried, not staged or written; a stop leaves the guard to the next checkpoint
             payload = self.manager.plan(payload, manifest.step, urgent=reason in STOPS)
@@ -588,6 +589,7 @@ class SaveScheduler:
             f"could not write checkpoint step_{step:09d} ({reason.value}) in {self.manager.save_dir}:"
             f" {error.strerror or error}{code}"
         )
+        _testing.emit("checkpoint_failed", step=step, reason=reason.value, errno=error.errno)
         info = self.last_info
         if info is None or info.manifest is None:
             last, last_good = "there is no earlier checkpoint", None

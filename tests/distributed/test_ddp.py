@@ -65,7 +65,7 @@ def test_sigterm_to_the_agent_resumes_bit_exact(tmp_path, reference, mode, stops
     extra = ["--sync_save"] if mode == "sync" else []
     for target in at:
         p = torchrun(save_dir, final, [*ARGS, *extra, "--step_sleep", "0.05"])
-        assert p.wait_for(rf"^rank 0 step {target} ", timeout=120), p.output
+        assert p.wait_event("step", rank=0, step=target, timeout=120), p.output
         p.signal(signal.SIGTERM)
         assert p.finish() != 0, p.output
         # torchrun's agent sends SIGTERM to both ranks; one that agreed to the stop before its own copy arrived says
@@ -230,7 +230,7 @@ def test_a_rank_that_dies_is_noticed_by_the_other_which_exits_80_and_the_rerun_r
     into PeerLost). Rank 0 is killed from outside, at whatever point the signal lands."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     ranks = ranks_by_hand(save_dir, final, [*ARGS, "--step_sleep", "0.2", *(["--die_at", "1:7"] if dies else [])])
-    assert ranks[dies].wait_for(rf"^rank {dies} step 6 ", timeout=120), ranks[dies].output
+    assert ranks[dies].wait_event("step", rank=dies, step=6, timeout=120), ranks[dies].output
     if not dies:
         ranks[dies].signal(signal.SIGKILL)
     assert ranks[dies].finish() == -signal.SIGKILL

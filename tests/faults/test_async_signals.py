@@ -83,7 +83,7 @@ def test_resume_from_a_checkpoint_the_background_writer_wrote_is_exact(tmp_path,
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     args = [*MODEL, "--every_steps", "8", "--step_sleep", "0.01"]
     first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
-    assert first.wait_for(r"\(steps\) written in .* in the background", count=2), first.output
+    assert first.wait_event("checkpoint", reason="steps", background=True, count=2), first.output
     first.signal(9)
     assert first.finish() == -9, first.output
     second = int(re.findall(r"step_(\d+) \(steps\) written in .* in the background", first.output)[1])

@@ -104,7 +104,7 @@ def held(tmp_path: Path) -> Iterator[Callable[[int], Spawned]]:
         it = in_step(step)
         p = Spawned(train_cmd(tmp_path / "run", tmp_path / "final.safetensors", [*ARGS, *it.args]))
         procs.append(p)
-        assert p.wait_for(it.after), p.output
+        assert p.wait_event(it.after.kind, **it.after.fields), p.output
         return p
 
     yield start

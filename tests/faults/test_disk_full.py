@@ -89,23 +89,23 @@ def test_periodic_saves_fail_on_a_full_disk_and_training_goes_on(small_fs, tmp_p
     # sleeps later, a dozen intervals) until it has room again
     waits = ["--settle_at", "saved:1", "--wait_file_at", f"saved:1:{filled},step:40:{freed}"]
     p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, "--no_recycle", *waits]), DEBUG)
-    assert p.wait_for(r"checkpoint \S+ \(interval\) written"), p.output
+    assert p.wait_event("checkpoint", reason="interval"), p.output
     filler = fill(small_fs)
     filled.touch()
     before = checkpoints(save_dir)
     # Training goes on through more than one failed interval.
-    assert p.wait_for(FAILED, count=2), p.output
+    assert p.wait_event("checkpoint_failed", errno=errno.ENOSPC, count=2), p.output
     after = checkpoints(save_dir)
     assert after == before, "a failed save must leave the older checkpoints as they were (none deleted for room)"
     assert partial(save_dir) == [], "the partial files of a failed save must be freed at once"
-    failures = [int(s) for s in re.findall(r"could not write checkpoint step_0*(\d+) \(interval\)", p.output)]
+    failures = [e["step"] for e in p.events_of("checkpoint_failed", reason="interval")]
     assert all(b > a + 1 for a, b in zip(failures, failures[1:], strict=False)), f"retried every step: {failures}"
     last_good = max(before)
     assert re.search(rf"the last good checkpoint is \S+step_0*{last_good} ", p.output), p.output
     filler.unlink()  # space again: the next interval's save succeeds
     freed.touch()
-    n_written = len(re.findall(r"\(interval\) written", p.output))
-    assert p.wait_for(r"\(interval\) written", count=n_written + 1), p.output
+    n_written = len(p.events_of("checkpoint", reason="interval"))
+    assert p.wait_event("checkpoint", reason="interval", count=n_written + 1), p.output
     assert p.finish() == 0, p.output
     assert_same_final(reference(MODEL), final)
 
@@ -115,7 +115,7 @@ def test_a_stop_whose_save_fails_exits_74_and_the_rerun_continues(small_fs, tmp_
     # the loop holds after its first checkpoint (durable) until the test's signal
     hold = ["--settle_at", "saved:1", "--hold_at", "saved:1"]
     p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, "--no_recycle", *hold]), DEBUG)
-    assert p.wait_for(r"checkpoint \S+ \(interval\) written"), p.output
+    assert p.wait_event("checkpoint", reason="interval"), p.output
     filler = fill(small_fs)
     before = checkpoints(save_dir)
     p.signal(signal.SIGTERM)
@@ -141,12 +141,13 @@ def test_with_recycling_a_full_disk_does_not_stop_the_checkpoints(small_fs, tmp_
     # sleeps later, about ten intervals) until the test's signal
     waits = ["--settle_at", "saved:3", "--wait_file_at", f"saved:3:{filled}", "--hold_at", "step:44"]
     p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, *waits]), DEBUG)
-    assert p.wait_for(r"checkpoint \S+ \(interval\) written", count=3), p.output  # one pruned: the pool
+    assert p.wait_event("checkpoint", reason="interval", count=3), p.output  # one pruned: the pool
     assert [e for e in os.listdir(save_dir) if e.startswith(".recycle-")], os.listdir(save_dir)
     fill(small_fs)
     filled.touch()
-    n_written = len(re.findall(r"\(interval\) written", p.output))
-    assert p.wait_for(r"\(interval\) written", count=n_written + 2), p.output  # written over the pool, in place
+    n_written = len(p.events_of("checkpoint", reason="interval"))
+    # written over the pool, in place
+    assert p.wait_event("checkpoint", reason="interval", count=n_written + 2), p.output
     p.signal(signal.SIGTERM)
     assert p.finish() == 75, p.output  # the stop's save too
     assert not re.search(FAILED, p.output), p.output

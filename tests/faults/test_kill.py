@@ -139,7 +139,7 @@ def kill_chain(
     expected_resume: int | None = None
     while True:
         p = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
-        if not p.wait_for(r"^start "):
+        if not p.wait_event("entered"):
             # The kill came after complete.json but before the script wrote --final_out: compare what the
             # final checkpoint holds instead.
             assert p.finish() == 0 and "is complete" in p.output, p.output
@@ -151,8 +151,7 @@ def kill_chain(
         # background writer is busy is postponed to a later step, so one given step may never be saved.
         target = (expected_resume or 0) + rnd.randint(1, 4)
         if kills < kills_left and target <= TOTAL_STEPS:
-            steps = "|".join(str(step) for step in range(target, TOTAL_STEPS + 1))
-            p.wait_for(rf"saving \S*step_0*(?:{steps})\b")
+            p.wait_event("saving", step=lambda s, target=target: s >= target)
             time.sleep(rnd.uniform(0.0, 0.02))
             p.signal(signal.SIGKILL)
         rc = p.finish()

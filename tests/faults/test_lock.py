@@ -30,7 +30,7 @@ def test_a_second_process_fails_fast_naming_the_holder_and_the_first_goes_on(tmp
     holds the lock when the second looks."""
     save_dir = tmp_path / "run"
     first = Spawned(train_cmd(save_dir, None, [*SLOW, "--epochs", "25"]))
-    assert first.wait_for(r"^step 2 "), first.output
+    assert first.wait_event("step", step=2), first.output
     t0 = time.monotonic()
     second = Spawned(train_cmd(save_dir, None, SLOW))
     assert second.finish() == 1, second.output
@@ -116,11 +116,11 @@ def test_a_save_dir_deleted_and_made_again_stops_the_orphan_and_the_new_run_keep
     if mode == "sync":
         orphan_args.append("--sync_save")
     orphan = Spawned(train_cmd(save_dir, None, [*args, *orphan_args]))
-    assert orphan.wait_for(r"^waiting at step 5$"), orphan.output
+    assert orphan.wait_event("waiting", point="step", n=5), orphan.output
     assert list(save_dir.glob("step_*")), orphan.output
     shutil.rmtree(save_dir)  # deleted; the new run's start makes it again
     new = Spawned(train_cmd(save_dir, None, [*args, *quiet, "--wait_file_at", f"step:5:{gate_b}"]))
-    assert new.wait_for(r"^waiting at step 5$"), new.output
+    assert new.wait_event("waiting", point="step", n=5), new.output
     before = {p.name: p.stat().st_ino for p in save_dir.iterdir()}
     gate_a.touch()  # the orphan goes on, to its next checkpoint
     assert orphan.finish() == 1, orphan.output
@@ -145,7 +145,7 @@ def test_a_save_dir_deleted_and_made_again_stops_the_orphan_and_the_new_run_keep
 def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path):
     save_dir = tmp_path / "run"
     first = Spawned(train_cmd(save_dir, None, [*SLOW, "--every_steps", "2"]))
-    assert first.wait_for(r"^step 5 "), first.output
+    assert first.wait_event("step", step=5), first.output
     first.signal(signal.SIGKILL)
     assert first.finish() == -signal.SIGKILL
     assert str(first.proc.pid) in (save_dir / LOCK).read_text(), "the dead holder's details stay in the file"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,8 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import forkserver
+
+from preempt import _testing
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
@@ -25,13 +29,50 @@ DDP_ARGS = ["--epochs", "2", "--samples", "192", "--every_steps", "4"]  # 12 ste
 PREEMPTED = 75
 
 
+def _event_of(line: str) -> dict[str, Any] | None:
+    """The event a line carries (``preempt._testing.emit``), wherever the line's prefix puts it; None for others."""
+    at = line.find(_testing.EVENT_PREFIX)
+    if at < 0:
+        return None
+    try:
+        event = json.loads(line[at + len(_testing.EVENT_PREFIX) :])
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def _matches(event: dict[str, Any], kind: str, fields: dict[str, Any]) -> bool:
+    """The event is ``kind`` and has each field as given (a callable given: the field's value satisfies it)."""
+    if event.get("event") != kind:
+        return False
+    return all(v(event.get(k)) if callable(v) else event.get(k) == v for k, v in fields.items())
+
+
+@dataclass(frozen=True)
+class On:
+    """An event a test waits for: its kind, and the fields it must have (``on("holding", point="step", n=3)``)."""
+
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def on(kind: str, **fields: Any) -> On:
+    return On(kind, fields)
+
+
 class Spawned:
-    """A child process whose merged stdout/stderr is collected line by line by a thread."""
+    """A child process whose merged stdout/stderr is collected line by line by a thread.
+
+    The child runs with ``PREEMPT_TEST_EVENTS=1``: the events of its run (``preempt._testing.emit``: the history's
+    markers, the training scripts' hold points) arrive as structured records in :attr:`events`, apart from its
+    other lines (:attr:`output`). Tests wait and assert on events (:meth:`wait_event`, :meth:`events_of`), never on
+    the wording of a log line.
+    """
 
     def __init__(self, cmd: Sequence[str], env: dict[str, str] | None = None, *, session: bool = False) -> None:
         """``session``: the child leads a session and process group of its own, which a test may signal whole
         (``os.killpg(p.proc.pid, sig)``, as ``timeout`` and SLURM do) without signalling pytest."""
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", _testing.EVENTS_ENV: "1", **(env or {})}
         self.proc: subprocess.Popen | forkserver.Forked
         if forkserver.forkable(cmd, full_env):  # python script.py / python -m module: forked from a server with torch
             self.proc = forkserver.start(cmd, full_env, ROOT, session=session)
@@ -46,6 +87,7 @@ class Spawned:
                 start_new_session=session,
             )
         self.lines: list[str] = []
+        self.events: list[dict[str, Any]] = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -53,8 +95,12 @@ class Spawned:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            event = _event_of(line)
             with self._cond:
-                self.lines.append(line.rstrip("\n"))
+                if event is None:
+                    self.lines.append(line.rstrip("\n"))
+                else:
+                    self.events.append(event)
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
@@ -77,6 +123,37 @@ class Spawned:
                 if left <= 0:
                     raise TimeoutError(f"no line matching {pattern!r} within {timeout} s:\n{self.output}")
                 self._cond.wait(min(left, 0.05))
+
+    def wait_event(self, kind: str, timeout: float = 60.0, count: int = 1, **fields: Any) -> dict[str, Any] | None:
+        """Blocks until the ``count``-th event ``kind`` whose ``fields`` are as given has come, and returns it; None
+        if the process ended first.
+
+        Raises:
+            TimeoutError: Not within ``timeout`` seconds (the process still runs), with its output and events.
+        """
+        seen = found = 0
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for event in self.events[seen:]:
+                    if _matches(event, kind, fields):
+                        found += 1
+                        if found >= count:
+                            return event
+                seen = len(self.events)
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no event {kind} {fields} within {timeout} s:\n{self.output}\nevents: {self.events}"
+                    )
+                self._cond.wait(min(left, 0.05))
+
+    def events_of(self, kind: str, **fields: Any) -> list[dict[str, Any]]:
+        """The events ``kind`` with ``fields`` as given, so far, in order."""
+        with self._cond:
+            return [e for e in self.events if _matches(e, kind, fields)]
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -137,11 +214,12 @@ class StoppedRun:
 
 @dataclass
 class Interrupt:
-    """Start the training (with ``args`` added for this process only), wait for ``after`` (a regex), wait ``delay``
-    s more, send ``sig``. A test that needs the signal to land at a given point holds the process there
-    (``args=("--hold_at", POINT)``, ``after=r"^holding at POINT"``) instead of counting on a delay."""
+    """Start the training (with ``args`` added for this process only), wait for the event ``after``, wait ``delay``
+    s more (the trials at random moments), send ``sig``. A test that needs the signal to land at a given point holds
+    the process there (``args=("--hold_at", "POINT:N")``, ``after=on("holding", point=POINT, n=N)``) instead of
+    counting on a delay."""
 
-    after: str = r"^start "
+    after: On = field(default_factory=lambda: on("entered"))
     delay: float = 0.0
     sig: int = signal.SIGTERM
     args: Sequence[str] = ()
@@ -150,15 +228,20 @@ class Interrupt:
 def in_step(k: int, sig: int = signal.SIGTERM) -> Interrupt:
     """``sig`` while the process holds inside the work of its own k-th step (before that step's ``run.step()``):
     a SIGTERM stops it at that step's safe point, however fast or slow the machine."""
-    return Interrupt(after=rf"^holding at step {k}$", sig=sig, args=("--hold_at", f"step:{k}"))
+    return Interrupt(after=on("holding", point="step", n=k), sig=sig, args=("--hold_at", f"step:{k}"))
 
 
 @dataclass
 class History:
-    """Return codes and outputs of every process of one interrupted run."""
+    """Return codes, outputs and events of every process of one interrupted run."""
 
     codes: list[int] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    events: list[list[dict[str, Any]]] = field(default_factory=list)
+
+    def count_events(self, kind: str, **fields: Any) -> int:
+        """How many events ``kind`` with ``fields`` as given the processes emitted, in all."""
+        return sum(_matches(e, kind, fields) for events in self.events for e in events)
 
     @property
     def text(self) -> str:
@@ -181,13 +264,14 @@ def run_interrupted(
     history = History()
     for i, it in enumerate(interrupts):
         p = Spawned(train_cmd(save_dir, final_out, [*args, *it.args]), env)
-        if p.wait_for(it.after):
+        if p.wait_event(it.after.kind, **it.after.fields):
             if it.delay:
                 time.sleep(it.delay)
             p.signal(it.sig)
         rc = p.finish()
         history.codes.append(rc)
         history.outputs.append(p.output)
+        history.events.append(list(p.events))
         if rc == 0:
             break
         if between is not None:
@@ -198,5 +282,6 @@ def run_interrupted(
         p = Spawned(train_cmd(save_dir, final_out, args), env)
         history.codes.append(p.finish())
         history.outputs.append(p.output)
+        history.events.append(list(p.events))
     assert history.codes[-1] == 0, f"the training never completed: codes {history.codes}\n{history.text}"
     return history

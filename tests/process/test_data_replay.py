@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import PREEMPTED, Interrupt, Spawned, assert_same_final, in_step, run_interrupted, train_cmd
+from helpers import PREEMPTED, Interrupt, Spawned, assert_same_final, in_step, on, run_interrupted, train_cmd
 
 # 512 samples, batches of 16, 4 micro-batches per optimizer step: 32 batches and 8 steps per epoch, 24 steps.
 QUICKSTART = [
@@ -72,7 +72,7 @@ def test_persistent_workers_exact_mid_epoch_and_at_an_epoch_boundary(tmp_path, r
     """persistent_workers=True, stopped inside an epoch and between epochs: equal to the run without them."""
     args = [*WORKERS2, "--persistent_workers"]
     # inside step 3; then in the resumed process's second end-of-epoch code (epoch 1's)
-    interrupts = [in_step(3), Interrupt(after=r"^holding at epoch_end 2$", args=("--hold_at", "epoch_end:2"))]
+    interrupts = [in_step(3), Interrupt(after=on("holding", point="epoch_end", n=2), args=("--hold_at", "epoch_end:2"))]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes[:2] == [PREEMPTED] * 2, h.text
     assert [b for _, b in stops(h.text)][0] != 0 and stops(h.text)[1] == (2, 0), stops(h.text)
@@ -87,7 +87,8 @@ def test_changing_the_number_of_workers_between_runs_stays_exact(tmp_path, refer
         held = ["--hold_at", hold] if hold else []
         p = Spawned(train_cmd(save_dir, final, [*QUICKSTART, "--num_workers", workers, *held]))
         if hold is not None:
-            assert p.wait_for(rf"^holding at {hold.replace(':', ' ')}$"), p.output
+            point, n = hold.split(":")
+            assert p.wait_event("holding", point=point, n=int(n)), p.output
             p.signal(signal.SIGTERM)
         assert p.finish() == (PREEMPTED if hold else 0), p.output
         outputs.append(p.output)

@@ -36,7 +36,7 @@ def test_sigterm_to_the_process_group_during_evaluation_stops_after_it_and_resum
     args = [*EVAL, "--eval_persistent"] if persistent else EVAL
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = Spawned(train_cmd(save_dir, final, [*args, "--eval_hold", str(tmp_path)]), session=True)
-    assert p.wait_for(r"^holding in an evaluation worker$"), p.output
+    assert p.wait_event("holding", point="evaluation worker"), p.output
     os.killpg(p.proc.pid, signal.SIGTERM)  # the main process and every worker of the evaluation loader
     (tmp_path / "go").touch()  # after the signal: the worker goes on
     assert p.finish() == PREEMPTED, p.output

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import PREEMPTED, Interrupt, Spawned, assert_same_final, run_interrupted, run_python, train_cmd
+from helpers import PREEMPTED, Interrupt, Spawned, assert_same_final, on, run_interrupted, run_python, train_cmd
 
 from preempt.health.history import read_history
 
@@ -46,7 +46,7 @@ def test_after_a_stop_the_epoch_summary_covers_the_whole_epoch(tmp_path, uninter
     end-of-epoch code (the evaluation) once, and goes on to epoch 1."""
     reference, ref_output = uninterrupted
     point, n = stop.split(":")
-    first = Interrupt(after=rf"^holding at {point} {n}$", args=("--hold_at", stop))
+    first = Interrupt(after=on("holding", point=point, n=int(n)), args=("--hold_at", stop))
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", ARGS, [first])
     assert h.codes == [PREEMPTED, 0], h.text
     rerun = h.outputs[1]
@@ -66,7 +66,7 @@ def test_a_stop_during_an_evaluation_saves_that_steps_best_and_inspect_agrees(tm
     step 10, best at step 10 (``preempt inspect`` says so); the history has each evaluation once, at its step."""
     reference, _ = uninterrupted
     run = tmp_path / "run"
-    during = Interrupt(after=r"^holding at eval 2$", args=("--hold_at", "eval:2"))
+    during = Interrupt(after=on("holding", point="eval", n=2), args=("--hold_at", "eval:2"))
     seen: dict[str, object] = {}
 
     def after_the_stop(_: int) -> None:  # before the rerun's later best checkpoints prune step 10

@@ -35,7 +35,7 @@ def test_quickstart_stopped_and_resumed_equals_uninterrupted(tmp_path):
     ref = run_python([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "ref")])
     assert ref.returncode == 0, ref.stderr
     p = Spawned([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "run")], {"PREEMPT_LOG_LEVEL": "DEBUG"})
-    p.wait_for(r"checkpoint .* \(interval\) written")
+    p.wait_event("checkpoint", reason="interval")
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     again = run_python([*QUICKSTART, *TINY, "--save_dir", str(tmp_path / "run")])

@@ -83,7 +83,7 @@ def trial(root: Path, hold: str | None, sig: int, args: Sequence[str] = (), pref
     t = Trial(root / "final.safetensors")
     held = ["--hold_at", hold] if hold else []
     p = Spawned(command(root, [*args, *held], prefix))
-    if hold and p.wait_for(r"^test hook: holding in ", timeout=WAIT_S):
+    if hold and p.wait_event("holding", timeout=WAIT_S):
         os.killpg(p.proc.pid, sig)
     t.codes.append(p.finish(WAIT_S))
     t.outputs.append(p.output)

@@ -56,7 +56,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
 
 def stop_at(save_dir: Path, args: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
     p = Spawned(command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
-    assert p.wait_for(rf"^holding at step {step} pid \d+$", timeout=120), p.output
+    assert p.wait_event("holding", point="step", n=step, timeout=120), p.output
     if group:
         os.killpg(p.proc.pid, sig)
     else:
@@ -155,7 +155,7 @@ def test_torchrun_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_
     assert ref.finish(timeout=240) == 0, ref.output
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = torchrun(save_dir, None, [*args, "--hold_at_step", "15", "--hold_rank", "1"], script=SCRIPT)
-    assert p.wait_for(r"^rank 1 holding at step 15 pid \d+$", timeout=240), p.output
+    assert p.wait_event("holding", point="step", n=15, rank=1, timeout=240), p.output
     os.kill(int(re.search(r"^rank 1 holding at step 15 pid (\d+)$", p.output, flags=re.M)[1]), signal.SIGTERM)
     assert p.finish(timeout=240) != 0, p.output
     assert re.search(r"stopping on a stop signal received by rank 1 at step 15 \(epoch 1, batch 3\)", p.output), (
@@ -176,7 +176,7 @@ def test_a_stop_during_evaluation_lands_after_it_and_the_best_model_is_loaded_at
     args = ["--eval"]
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = Spawned(command(save_dir, None, [*args, "--hold_in_eval", "2"]))
-    assert p.wait_for(r"^holding in evaluation 2 after step 12$", timeout=120), p.output
+    assert p.wait_event("holding", point="evaluation", n=2, step=12, timeout=120), p.output
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     assert re.search(r"^evaluated at step 12: ", p.output, flags=re.M), p.output
@@ -200,7 +200,7 @@ def test_max_steps_inside_an_epoch_and_tensorboard_across_a_stop(tmp_path):
     env = {"TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb")}
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = Spawned(command(save_dir, None, [*args, "--hold_at_step", "17"]), env)
-    assert p.wait_for(r"^holding at step 17 pid \d+$", timeout=120), p.output
+    assert p.wait_event("holding", point="step", n=17, timeout=120), p.output
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     r = Spawned(command(save_dir, final, args), env)

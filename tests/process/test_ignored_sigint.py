@@ -19,7 +19,7 @@ def test_a_run_started_with_ampersand_by_a_script_says_ctrl_c_is_ignored_and_sto
     save_dir = tmp_path / "run"
     cmd = shlex.join(train_cmd(save_dir, None, ["--hold_at", "step:3"]))
     p = Spawned(["sh", "-c", f"{cmd} & wait $!"])  # the shell's background job, as in a job script
-    assert p.wait_for(r"^holding at step 3$"), p.output
+    assert p.wait_event("holding", point="step", n=3), p.output
     said = re.findall(r"^\[preempt\] SIGINT is ignored in this process.*\(kill -TERM (\d+)\)", p.output, re.M)
     assert len(said) == 1, p.output
     pid = int(said[0])

@@ -60,7 +60,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
 def stop_at(save_dir: Path, args: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
     """Runs until optimizer step ``step`` of this process, signals it there (the whole group: ``group``)."""
     p = Spawned(command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
-    assert p.wait_for(rf"^holding at step {step} pid \d+$", timeout=120), p.output
+    assert p.wait_event("holding", point="step", n=step, timeout=120), p.output
     if group:
         os.killpg(p.proc.pid, sig)
     else:
@@ -124,7 +124,7 @@ def test_a_stop_during_validation_lands_at_the_next_step_bit_exact(tmp_path, ref
     args = ["--validate"]
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = Spawned(command(save_dir, None, [*args, "--hold_in_validation", "2"]))
-    assert p.wait_for(r"^holding in validation 2 after step 10$", timeout=120), p.output
+    assert p.wait_event("holding", point="validation", n=2, step=10, timeout=120), p.output
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     assert re.search(r"stopping on SIGTERM .* at step 11 \(epoch 0, batch 11\)", p.output), p.output
@@ -205,7 +205,7 @@ def test_lightning_cli_from_a_yaml_config_stops_on_sigusr1_and_resumes_bit_exact
     ref = cli(tmp_path, "ref", None, tmp_path / "ref.safetensors")
     assert ref.finish() == 0, ref.output
     p = cli(tmp_path, "run", 19, None)
-    assert p.wait_for(r"^holding at step 19 pid \d+$", timeout=120), p.output
+    assert p.wait_event("holding", point="step", n=19, timeout=120), p.output
     p.signal(signal.SIGUSR1)
     assert p.finish() == PREEMPTED, p.output
     assert re.search(r"stopping on SIGUSR1 .* at step 19 ", p.output), p.output
@@ -223,7 +223,7 @@ def test_ddp_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_bit_e
     args = ["--ddp", "2", "--every_steps", "5"]
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = Spawned(command(save_dir, None, [*args, "--hold_at_step", "8", "--hold_rank", "1"]))
-    assert p.wait_for(r"^rank 1 holding at step 8 pid \d+$", timeout=180), p.output
+    assert p.wait_event("holding", point="step", n=8, rank=1, timeout=180), p.output
     os.kill(int(re.search(r"^rank 1 holding at step 8 pid (\d+)$", p.output, flags=re.M)[1]), signal.SIGTERM)
     assert p.finish(timeout=180) == PREEMPTED, p.output
     assert re.search(r"stopping on a stop signal received by rank 1 at step 8 \(epoch 1, batch 2\)", p.output), p.output

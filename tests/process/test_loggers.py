@@ -71,7 +71,7 @@ def test_a_stop_and_resume_keep_one_tensorboard_log_and_one_wandb_run(tmp_path):
     args = [*ARGS, "--loggers", "tensorboard,wandb"]
     stop = in_step(11)
     first = Spawned(train_cmd(save_dir, None, [*args, *stop.args]), WANDB_ENV)
-    assert first.wait_for(stop.after), first.output
+    assert first.wait_event(stop.after.kind, **stop.after.fields), first.output
     first.signal(signal.SIGTERM)
     assert first.finish() == PREEMPTED, first.output
     second = Spawned(train_cmd(save_dir, None, args), WANDB_ENV)

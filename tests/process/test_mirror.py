@@ -49,7 +49,7 @@ def test_stop_is_mirrored_and_a_new_machine_resumes_from_the_mirror(tmp_path, re
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     args = [*REFERENCE, "--every_steps", "8", "--sync_save", "--mirror", mirror_url]
     p = Spawned(train_cmd(save_dir, final, [*args, "--hold_at", "step:20"]))
-    assert p.wait_for(r"^holding at step 20$")
+    assert p.wait_event("holding", point="step", n=20)
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     # SIGTERM -> the stop's checkpoint durable locally -> in the mirror within the deadline, and the line says so
@@ -90,7 +90,7 @@ def test_sigkill_mid_upload_never_looks_complete_and_carried_files_are_copied(tm
     # The same machine: it resumes from step 2 and holds in its first step until the mirror holds step 2.
     go = tmp_path / "go"
     p = Spawned(train_cmd(save_dir, None, [*args, "--wait_file_at", f"step:1:{go}"]))
-    assert p.wait_for(r"^waiting at step 1$")
+    assert p.wait_event("waiting", point="step", n=1)
     wait_until_held(store, 2)
     go.touch()
     assert p.finish() == 0, p.output
@@ -127,15 +127,15 @@ def test_server_stopped_mid_run_and_at_the_stop(tmp_path, monkeypatch):
         args += ["--mirror_options", json.dumps(fast), "--mirror_deadline", "3"]
         waits = ["--wait_file_at", f"step:3:{go1},step:8:{go2}", "--hold_at", "step:10"]
         p = Spawned(train_cmd(save_dir, None, [*args, *waits]))
-        assert p.wait_for(r"^waiting at step 3$")
+        assert p.wait_event("waiting", point="step", n=3)
         server.pause()
         go1.touch()
         # training goes on (it reaches step 8 with the server stopped) and says so once
-        assert p.wait_for(r"^waiting at step 8$") and p.wait_for(r"training goes on, uploads are retried")
+        assert p.wait_event("waiting", point="step", n=8) and p.wait_event("mirror_down")
         server.resume()
         go2.touch()
-        assert p.wait_for(r"mirror .* reachable again after .*, \d+ checkpoint\(s\) behind, caught up")
-        assert p.wait_for(r"^holding at step 10$")
+        assert p.wait_event("mirror_up")
+        assert p.wait_event("holding", point="step", n=10)
         before = p.output.split("reachable again")[0]
         assert before.count("training goes on, uploads are retried") == 1, p.output
         held = wait_until_held(MirrorStore(url), 9)  # the newest checkpoint before the hold, then the uploader idles

@@ -20,6 +20,7 @@ from helpers import (
     Interrupt,
     Spawned,
     assert_same_final,
+    on,
     run_interrupted,
     run_python,
     train_cmd,
@@ -46,12 +47,12 @@ AUGMENT0 = [*WORKERS0, "--augment"]
 def test_three_sigterms_at_random_points(tmp_path, reference, model_args):
     """Three SIGTERMs at random moments; each run saves and exits 75; the last rerun completes bit-exact."""
     rnd = random.Random(sum(map(ord, "".join(model_args))))
-    interrupts = [Interrupt(after=r"^step \d+", delay=rnd.uniform(0.0, 0.3)) for _ in range(3)]
+    interrupts = [Interrupt(after=on("step"), delay=rnd.uniform(0.0, 0.3)) for _ in range(3)]
     args = [*model_args, *PACE, "--every_steps", "5"]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes[:3] == [PREEMPTED] * 3, h.text
-    assert h.count(r"stopping on SIGTERM") == 3
-    assert h.count(r"resumed from .*step_\d+") >= 3
+    assert h.count_events("stop", cause="SIGTERM") == 3, h.events
+    assert h.count_events("resume") >= 3, h.events
     assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
 
@@ -63,9 +64,9 @@ def test_sigterm_during_first_step_between_epochs_and_during_a_save(tmp_path, re
     # first step, in its first end-of-epoch code, and before the manifest of its first save (a periodic one).
     args = [*model_args, "--every_steps", "3", "--sync_save"]
     interrupts = [
-        Interrupt(after=r"^holding at step 1$", args=("--hold_at", "step:1")),
-        Interrupt(after=r"^holding at epoch_end 1$", args=("--hold_at", "epoch_end:1")),
-        Interrupt(after=r"^holding at before_manifest 1$", args=("--hold_at", "before_manifest:1")),
+        Interrupt(after=on("holding", point="step", n=1), args=("--hold_at", "step:1")),
+        Interrupt(after=on("holding", point="epoch_end", n=1), args=("--hold_at", "epoch_end:1")),
+        Interrupt(after=on("holding", point="before_manifest", n=1), args=("--hold_at", "before_manifest:1")),
     ]
     h = run_interrupted(
         tmp_path / "run", tmp_path / "final.safetensors", args, interrupts, env={"PREEMPT_LOG_LEVEL": "DEBUG"}
@@ -91,7 +92,7 @@ def test_timeout_signal_term(tmp_path, reference):
     model_args = [*WORKERS2, "--augment"]  # the workers draw: their random state must survive the group's signal
     args = [*model_args, "--every_steps", "4"]
     p = Spawned(["timeout", "--signal=TERM", "600", *train_cmd(save_dir, final, [*args, "--hold_at", "step:6"])])
-    assert p.wait_for(r"^holding at step 6$"), p.output
+    assert p.wait_event("holding", point="step", n=6), p.output
     p.signal(signal.SIGALRM)  # the limit expires now: timeout sends SIGTERM to its process group
     assert p.finish() == 124, p.output  # timeout's exit code when its limit expired
     assert "stopping on SIGTERM" in p.output, p.output
@@ -107,10 +108,10 @@ def test_worker_randomness_replays_from_an_epoch_boundary(tmp_path, reference):
     (Mid-epoch stops, persistent workers and other worker counts: tests/process/test_data_replay.py.)"""
     model_args = [*WORKERS2, "--augment"]
     # the stopped process holds in its first end-of-epoch code until the signal has come
-    interrupts = [Interrupt(after=r"^holding at epoch_end 1$", args=("--hold_at", "epoch_end:1"))]
+    interrupts = [Interrupt(after=on("holding", point="epoch_end", n=1), args=("--hold_at", "epoch_end:1"))]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", model_args, interrupts)
     assert h.codes == [PREEMPTED, 0], h.text
-    assert h.count(r"stopping on SIGTERM .* \(epoch 1, batch 0\)") == 1, h.text
+    assert h.count_events("stop", cause="SIGTERM", epoch=1, batch=0) == 1, h.events
     assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
 
@@ -121,7 +122,7 @@ def test_sigkill_at_random_points(tmp_path, reference):
     """SIGKILL (no handler, no save) at random moments with a checkpoint every step: every rerun
     resumes from a valid checkpoint, and the end is still bit-exact."""
     rnd = random.Random(5)
-    interrupts = [Interrupt(after=r"^step \d+", delay=rnd.uniform(0.0, 0.25), sig=signal.SIGKILL) for _ in range(4)]
+    interrupts = [Interrupt(after=on("step"), delay=rnd.uniform(0.0, 0.25), sig=signal.SIGKILL) for _ in range(4)]
     args = [*WORKERS0, "--step_sleep", "0.04", "--every_steps", "1", "--keep_last", "2"]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes.count(-signal.SIGKILL) >= 3, h.text
@@ -154,7 +155,7 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path, reference, damage):
         break_newest.name = newest.name  # type: ignore[attr-defined]
 
     h = run_interrupted(
-        save_dir, tmp_path / "final.safetensors", args, [Interrupt(after=r"^step 2[0-9] ")], between=break_newest
+        save_dir, tmp_path / "final.safetensors", args, [Interrupt(after=on("step", step=20))], between=break_newest
     )
     rerun = h.outputs[1]
     bad = break_newest.name  # type: ignore[attr-defined]
@@ -170,7 +171,7 @@ def test_gradient_accumulation_saves_only_after_optimizer_steps(tmp_path, refere
     """With 3 micro-batches per optimizer step, checkpoints land on optimizer steps and resume exactly."""
     model_args = [*WORKERS0, "--accum", "3"]
     args = [*model_args, *PACE, "--every_steps", "2"]
-    interrupts = [Interrupt(after=r"^step \d+", delay=0.05)]
+    interrupts = [Interrupt(after=on("step"), delay=0.05)]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes == [PREEMPTED, 0], h.text
     batches = [int(b) for b in re.findall(r"resumed from .*batch (\d+)/", h.text)]
@@ -252,7 +253,7 @@ def test_save_dir_is_a_file(tmp_path: Path):
 PERSISTENT = """
 import sys, time, torch
 from torch.utils.data import DataLoader, TensorDataset
-from preempt import PreemptibleRun
+from preempt import PreemptibleRun, _testing
 data = TensorDataset(torch.randn(64, 4))
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -262,7 +263,7 @@ with PreemptibleRun(sys.argv[1], model=model, optimizer=opt, checkpoint_interval
     for epoch in run.epochs(3):
         for (x,) in run.batches(loader):
             model(x).sum().backward(); opt.step(); opt.zero_grad()
-            print(f"step {run.global_step + 1}", flush=True)
+            _testing.emit("step", step=run.global_step + 1)
             time.sleep(float(sys.argv[2]))
             run.step()
 """
@@ -276,6 +277,6 @@ def test_persistent_workers_do_not_hang_the_exit(tmp_path, stop):
     script.write_text(PERSISTENT)
     p = Spawned([sys.executable, str(script), str(tmp_path / "run"), "0.05" if stop else "0"])
     if stop:
-        assert p.wait_for(r"^step 10$")
+        assert p.wait_event("step", step=10)
         p.signal(signal.SIGTERM)
     assert p.finish(timeout=60) == (PREEMPTED if stop else 0), p.output

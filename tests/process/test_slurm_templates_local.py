@@ -34,7 +34,7 @@ def by_hand(template: str, *command: str, env: dict[str, str] | None = None) -> 
 def test_job_sbatch_by_hand_execs_python_so_a_sigterm_to_the_script_saves(tmp_path: Path):
     save_dir = tmp_path / "run"
     job = by_hand("job.sbatch", "python", str(TRAIN), "--save_dir", str(save_dir), *SHORT, "--hold_at", "step:2")
-    assert job.wait_for(r"^holding at step 2$"), job.output
+    assert job.wait_event("holding", point="step", n=2), job.output
     job.signal(signal.SIGTERM)  # the script's own pid: python, through the template's exec
     assert job.finish() == PREEMPTED, job.output
     assert "unbound variable" not in job.output

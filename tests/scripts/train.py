@@ -117,6 +117,7 @@ class EvalSet(Dataset):
             if not reached.exists():
                 reached.touch()
                 print("holding in an evaluation worker", flush=True)
+                _testing.emit("holding", point="evaluation worker", n=1)
                 deadline = time.monotonic() + HOLD_LIMIT_S
                 while not (Path(self.hold) / "go").exists() and time.monotonic() < deadline:
                     time.sleep(0.005)
@@ -329,6 +330,7 @@ def signal_at(spec: str) -> None:
         for at, count, sig, until_cancelled in plan:
             if (at, count) == (point, n):
                 print(f"signal_at {point} {n} {sig.name}", flush=True)
+                _testing.emit("signal_at", point=point, n=n, signal=sig.name)
                 os.kill(os.getpid(), sig)
                 if until_cancelled:
                     event = getattr(_writing, "cancel", None)
@@ -348,6 +350,7 @@ def hold_at(spec: str) -> None:
         if (point, n) not in plan:
             return
         print(f"holding at {point} {n}", flush=True)
+        _testing.emit("holding", point=point, n=n, pid=os.getpid())
         wait_for_stop()
         print(f"released at {point} {n}", flush=True)
 
@@ -367,6 +370,7 @@ def wait_file_at(spec: str) -> None:
         if path is None:
             return
         print(f"waiting at {point} {n}", flush=True)
+        _testing.emit("waiting", point=point, n=n)
         wait_for_file(path)
         print(f"went on at {point} {n}", flush=True)
 
@@ -609,6 +613,7 @@ def main() -> None:
             )
         lr = opt.param_groups[0]["lr"]
         print(f"start step {run.global_step} epoch {run.epoch} batch {run.batch} lr {lr!r}", flush=True)
+        _testing.emit("entered", step=run.global_step, epoch=run.epoch, batch=run.batch)
         first_attempt = os.environ.get("PREEMPT_SUPERVISE_ATTEMPT") == "1"
         started_at = run.global_step
         saved_at = -1  # the step of the last checkpoint taken by this process
@@ -640,6 +645,7 @@ def main() -> None:
                     time.sleep(args.first_step_sleep)
                 reached("step")
                 print(f"step {run.global_step + 1} epoch {epoch} batch {run.batch}", flush=True)
+                _testing.emit("step", step=run.global_step + 1, epoch=epoch, batch=run.batch)
                 run.step(metrics={"loss": loss.item()} if args.metrics else None)
                 if run.last_save is not None and run.last_save.step == run.global_step != saved_at:
                     saved_at = run.global_step

@@ -174,6 +174,7 @@ def main() -> None:
                     time.sleep(args.step_sleep)
                 ids = ",".join(map(str, idx.tolist()))
                 say(f"rank {rank} step {run.global_step + 1} epoch {run.epoch} batch {run.batch} idx {ids}")
+                _testing.emit("step", rank=rank, step=run.global_step + 1, epoch=run.epoch, batch=run.batch)
                 run.step()
                 if args.settle_saves:
                     settle(run, rank)

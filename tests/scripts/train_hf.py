@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import HOLD_LIMIT_S, flatten  # noqa: E402
 
 import preempt.hf  # noqa: E402
+from preempt import _testing  # noqa: E402
 
 VOCAB, CONTEXT = 64, 16
 
@@ -77,6 +78,7 @@ class Steps(transformers.TrainerCallback):
         print(f"{rank}step {state.global_step} epoch {state.epoch:.4f}", flush=True)
         if self.steps == self.hold_at and args.process_index == self.hold_rank:
             print(f"{rank}holding at step {state.global_step} pid {os.getpid()}", flush=True)
+            _testing.emit("holding", point="step", n=state.global_step, rank=args.process_index, pid=os.getpid())
             wait_for_stop(self.driver)
             print(f"released at step {state.global_step}", flush=True)
 
@@ -85,6 +87,7 @@ class Steps(transformers.TrainerCallback):
             self.evaluations += 1
             if self.evaluations == self.hold_in_eval:
                 print(f"holding in evaluation {self.evaluations} after step {state.global_step}", flush=True)
+                _testing.emit("holding", point="evaluation", n=self.evaluations, step=state.global_step)
                 wait_for_stop(self.driver)
         self.in_eval += 1
 

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, RandomSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import HOLD_LIMIT_S, Synthetic, flatten  # noqa: E402
 
+from preempt import _testing  # noqa: E402
 from preempt.lightning import PreemptCallback  # noqa: E402
 
 
@@ -67,6 +68,7 @@ class Net(L.LightningModule):
             self.validations += 1
             if self.validations == self.hold_in_validation:  # --hold_in_validation: the signal comes during it
                 print(f"holding in validation {self.validations} after step {self.trainer.global_step}", flush=True)
+                _testing.emit("holding", point="validation", n=self.validations, step=self.trainer.global_step)
                 wait_for_stop(self.trainer)
 
     def configure_optimizers(self):
@@ -119,6 +121,7 @@ class Steps(L.Callback):
         print(f"{rank}step {trainer.global_step} epoch {trainer.current_epoch} batch {batch_idx + 1}", flush=True)
         if self.steps == self.hold_at and trainer.global_rank == self.hold_rank:
             print(f"{rank}holding at step {trainer.global_step} pid {os.getpid()}", flush=True)
+            _testing.emit("holding", point="step", n=trainer.global_step, rank=trainer.global_rank, pid=os.getpid())
             wait_for_stop(trainer)
             print(f"{rank}released at step {trainer.global_step}", flush=True)
 
