@@ -15,7 +15,8 @@ torch is imported inside the functions that need it: the checkpoint commands, wh
 - ``DataLoader._iterator`` and the multi-process iterator's ``_shutdown_workers``, ``_shutdown``, ``_workers``,
   ``_worker_init_fn``, ``_workers_done_event`` and ``_index_queues``: the workers a loader keeps.
 - ``torch.utils.data._utils.signal_handling._set_worker_signal_handlers``: what a worker installs first.
-- ``DataLoader.dataset`` set after construction (DataLoader's ``__setattr__`` refuses it).
+- ``DataLoader.dataset`` set after construction (DataLoader's ``__setattr__`` refuses it), and ``DataLoader.__iter__``
+  replaced while a run is active.
 - ``torch.distributed.checkpoint.filesystem._StorageInfo``: where a DCP item lies in its file.
 - DCP's ``save``/``load`` keyword ``no_dist`` and ``Metadata.version`` (public, but absent before torch 2.7).
 """
@@ -163,6 +164,23 @@ def wrap_worker_signal_handlers(wrap: Callable[[Callable[[], Any]], Callable[[],
     install = signal_handling._set_worker_signal_handlers
     if not isinstance(install, kind):
         signal_handling._set_worker_signal_handlers = wrap(install)
+
+
+def dataloader_iter() -> Any:
+    """``DataLoader.__iter__`` as DataLoader's own class holds it now."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader.__dict__.get("__iter__")
+
+
+def set_dataloader_iter(function: Any) -> Any:
+    """Replaces ``DataLoader.__iter__`` (for every loader: the run's window shields the workers of each loader
+    iterated in it); returns the one it replaced."""
+    from torch.utils.data import DataLoader
+
+    previous = DataLoader.__dict__["__iter__"]
+    type.__setattr__(DataLoader, "__iter__", function)
+    return previous
 
 
 def set_dataset(loader: Any, dataset: Any) -> None:

@@ -47,8 +47,18 @@ def _finite(v: Any) -> bool:
     return x is not None and math.isfinite(x)
 
 
+def _where(test: Callable[[float], bool]) -> Rule:
+    """A finite real number (as :func:`_real` reads it) that passes ``test``."""
+
+    def rule(v: Any) -> bool:
+        x = _real(v)
+        return x is not None and math.isfinite(x) and test(x)
+
+    return rule
+
+
 def _at_least(lo: float) -> Rule:
-    return lambda v: _finite(v) and _real(v) >= lo  # type: ignore[operator]
+    return _where(lambda x: x >= lo)
 
 
 def _count(lo: int) -> Rule:
@@ -63,8 +73,7 @@ def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
 
 
-def _in_unit(v: Any) -> bool:
-    return _finite(v) and 0.0 <= _real(v) < 1.0  # type: ignore[operator]
+_in_unit = _where(lambda x: 0.0 <= x < 1.0)
 
 
 def _eps(v: Any) -> bool:
@@ -76,7 +85,7 @@ def _eps(v: Any) -> bool:
 
 def _etas(v: Any) -> bool:
     """Rprop: ``0 < etaminus < 1 < etaplus``."""
-    return _list_of(_finite, 2)(v) and 0.0 < _real(v[0]) < 1.0 < _real(v[1])  # type: ignore[operator]
+    return _list_of(_finite, 2)(v) and _where(lambda x: 0.0 < x < 1.0)(v[0]) and _where(lambda x: x > 1.0)(v[1])
 
 
 _NONNEG = _at_least(0.0)
@@ -94,7 +103,7 @@ _TORCH_GROUP: dict[str, tuple[Rule, str]] = {
     "momentum": (_NONNEG, "a finite number >= 0"),
     "dampening": (_finite, "a finite number"),
     "betas": (_list_of(_in_unit, 2), "a pair of numbers in [0, 1)"),
-    "rho": (lambda v: _finite(v) and 0.0 <= _real(v) <= 1.0, "a number in [0, 1]"),  # type: ignore[operator]
+    "rho": (_where(lambda x: 0.0 <= x <= 1.0), "a number in [0, 1]"),
     "lr_decay": (_NONNEG, "a finite number >= 0"),
     "initial_accumulator_value": (_NONNEG, "a finite number >= 0"),
     "momentum_decay": (_NONNEG, "a finite number >= 0"),
@@ -115,16 +124,16 @@ _SCHEDULER: dict[str, tuple[Rule, str]] = {
     "_last_lr": (_list_of(_NONNEG), "a list of finite numbers >= 0"),
     "min_lrs": (_list_of(_NONNEG), "a list of finite numbers >= 0"),
     "step_size": (_count(1), "an integer >= 1"),  # StepLR: last_epoch % step_size
-    "T_max": (lambda v: _finite(v) and _real(v) > 0, "a finite number > 0"),  # type: ignore[operator]
+    "T_max": (_where(lambda x: x > 0), "a finite number > 0"),
     "total_steps": (_count(1), "an integer >= 1"),
     "gamma": (_finite, "a finite number"),
     "eta_min": (_finite, "a finite number"),
 }
 # torch.amp.GradScaler: the asserts of its constructor, and a scale that can multiply a loss.
 _SCALER: dict[str, tuple[Rule, str]] = {
-    "scale": (lambda v: _finite(v) and _real(v) > 0, "a finite number > 0"),  # type: ignore[operator]
-    "growth_factor": (lambda v: _finite(v) and _real(v) > 1.0, "a finite number > 1"),  # type: ignore[operator]
-    "backoff_factor": (lambda v: _finite(v) and 0.0 < _real(v) < 1.0, "a number in (0, 1)"),  # type: ignore[operator]
+    "scale": (_where(lambda x: x > 0), "a finite number > 0"),
+    "growth_factor": (_where(lambda x: x > 1.0), "a finite number > 1"),
+    "backoff_factor": (_where(lambda x: 0.0 < x < 1.0), "a number in (0, 1)"),
     "growth_interval": (_count(1), "an integer >= 1"),
     "_growth_tracker": (_count(0), "an integer >= 0"),
 }

@@ -360,7 +360,8 @@ class DirLock:
             self._heartbeat.join()
             self._heartbeat = None
         with _HELD_GUARD:
-            _HELD.pop(self._key, None)  # type: ignore[arg-type]
+            if self._key is not None:
+                _HELD.pop(self._key, None)
             try:
                 os.ftruncate(fd, 0)  # an empty file after a clean exit: nobody died holding it
             except OSError as e:

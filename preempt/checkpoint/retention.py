@@ -99,8 +99,10 @@ def select_kept(policy: RetentionPolicy, checkpoints: Iterable[Kept]) -> set[int
     else:
         kept.update(c.step for c in items[: policy.keep_last])
     if policy.keep_best:
-        ranked = [c for c in items if c.best_value is not None and not math.isnan(c.best_value)]
-        ranked.sort(key=lambda c: c.best_value, reverse=policy.mode == "max")  # type: ignore[arg-type,return-value]
+        values = {c.step: c.best_value for c in items if c.best_value is not None and not math.isnan(c.best_value)}
+        ranked = sorted(
+            (c for c in items if c.step in values), key=lambda c: values[c.step], reverse=policy.mode == "max"
+        )
         kept.update(c.step for c in ranked[: policy.keep_best])
     if policy.keep_every_steps:
         kept.update(c.step for c in items if c.step % policy.keep_every_steps == 0)

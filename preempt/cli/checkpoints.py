@@ -159,7 +159,7 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     infos = manager.list()
     done = completion(manager)
     valid = [c for c in infos if c.status == "valid"]
-    recorded = valid[0].manifest.retention if valid else None  # type: ignore[union-attr]
+    recorded = valid[0].valid.retention if valid else None
     recorded_in = str(valid[0].path / commit.MANIFEST) if recorded is not None else None
     run = recorded or {}
     keep_best = run.get("keep_best", 0) if args.keep_best is None else args.keep_best
@@ -183,7 +183,7 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     )
     kept = select_kept(
         policy,
-        [Kept(c.step, c.manifest.best_value if c.step in rank else None, c.manifest.origins()) for c in valid],  # type: ignore[union-attr]
+        [Kept(c.step, c.valid.best_value if c.step in rank else None, c.valid.origins()) for c in valid],
     )
     why: dict[int, list[str]] = {}
     for i, c in enumerate(valid):

@@ -324,7 +324,7 @@ def cmd_ls(args: argparse.Namespace, mirror: Mirror) -> int:
 def cmd_verify(args: argparse.Namespace, mirror: Mirror) -> int:
     infos = mirror.infos()
     if args.step is not None:
-        infos = [resolve(mirror.url, infos, args.step)]  # type: ignore[arg-type]
+        infos = [resolve(mirror.url, infos, args.step)]
     if not infos:
         raise CommandFailed(EXIT_USAGE, f"{mirror.url}: no checkpoints (expected step_* objects under the prefix)")
     place = mirror.place()
@@ -334,7 +334,7 @@ def cmd_verify(args: argparse.Namespace, mirror: Mirror) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, mirror: Mirror) -> int:
-    info = resolve(mirror.url, mirror.infos(), "latest" if args.step is None else args.step)  # type: ignore[arg-type]
+    info = resolve(mirror.url, mirror.infos(), "latest" if args.step is None else args.step)
     inspection.inspectable(info)
     mirror.copy_for_inspect(info)
     return inspection.cmd_inspect(argparse.Namespace(**{**vars(args), "dir": mirror.tmp, "step": info.step}))

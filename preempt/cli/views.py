@@ -76,10 +76,11 @@ def carried_bytes(info: CheckpointInfo) -> tuple[int, list[int]]:
     if info.manifest is None:
         return 0, []
     carried = info.manifest.carried
-    return sum(d.size for d in carried.values()), sorted({d.carried_from for d in carried.values()})  # type: ignore[misc]
+    steps = {d.carried_from for d in carried.values() if d.carried_from is not None}
+    return sum(d.size for d in carried.values()), sorted(steps)
 
 
-def resolve(save_dir: Path, infos: list[CheckpointInfo], selector: int | str) -> CheckpointInfo:
+def resolve(save_dir: Path | str, infos: list[CheckpointInfo], selector: int | str) -> CheckpointInfo:
     """The checkpoint STEP names: a step (whatever its status), the newest valid one, or the best one.
 
     Raises:

@@ -208,11 +208,11 @@ class StatefulIterable(_Wrapper, IterableDataset):
                 self.inner.load_state_dict(saved["dataset"])
             count = int(saved["count"])
         self._worker, self._count = worker, count
-        seeding = info is not None and self.run_seed is not None
+        seed = self.run_seed if info is not None else None  # per-sample streams in the workers only
         it = iter(self.inner)
         while True:
-            if seeding:
-                reseed(stream_seed(self.run_seed, epoch, worker, count))  # type: ignore[arg-type]
+            if seed is not None:
+                reseed(stream_seed(seed, epoch, worker, count))
             try:
                 item = next(it)
             except StopIteration:

@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from .. import _log, _torch_compat
 from .loaders import shutdown_workers
@@ -162,8 +161,7 @@ class LoaderGuard:
         if self in active:
             return
         if not active:
-            LoaderGuard._plain = DataLoader.__dict__["__iter__"]
-            DataLoader.__iter__ = _guarded_iter  # type: ignore[method-assign]
+            LoaderGuard._plain = _torch_compat.set_dataloader_iter(_guarded_iter)
         active.append(self)
 
     def stop(self) -> None:
@@ -171,8 +169,8 @@ class LoaderGuard:
         if self not in active:
             return
         active.remove(self)
-        if not active and DataLoader.__dict__.get("__iter__") is _guarded_iter:  # left alone if patched after us
-            DataLoader.__iter__ = LoaderGuard._plain  # type: ignore[method-assign]
+        if not active and _torch_compat.dataloader_iter() is _guarded_iter:  # left alone if patched after us
+            _torch_compat.set_dataloader_iter(LoaderGuard._plain)
 
     @property
     def started(self) -> bool:

@@ -54,14 +54,22 @@ class Pulled:
     failed: tuple[str, ...] = ()  # newer complete steps that did not verify (one message each)
 
 
-def pull(store: MirrorStore, save_dir: str | os.PathLike[str], step: int | None = None, **kw: object) -> Path:
+def pull(
+    store: MirrorStore,
+    save_dir: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    newer_than: int | None = None,
+    replace: bool = False,
+) -> Path:
     """Downloads a complete checkpoint of the mirror into ``save_dir``; returns its path there.
 
     Args:
         store: The mirror.
         save_dir: The local directory (created when missing).
         step: That step; None: the newest complete one, falling back to older ones when one fails verification.
-        **kw: As :func:`pull_newest` (``newer_than``, ``replace``).
+        newer_than: As :func:`pull_newest` (with no ``step``).
+        replace: As :func:`pull_newest`.
 
     Raises:
         NoCheckpointError: The mirror holds no complete checkpoint (of that step), or none verified.
@@ -72,8 +80,8 @@ def pull(store: MirrorStore, save_dir: str | os.PathLike[str], step: int | None 
         surveyed = Surveyor(store).survey()
         if step not in surveyed.manifests:
             raise NoCheckpointError(f"mirror {store.display}: {_absent(surveyed, step)}")
-        return fetch(store, Path(save_dir), step, surveyed, **kw).path  # type: ignore[arg-type]
-    pulled = pull_newest(store, Path(save_dir), **kw)  # type: ignore[arg-type]
+        return fetch(store, Path(save_dir), step, surveyed, replace=replace).path
+    pulled = pull_newest(store, Path(save_dir), newer_than=newer_than, replace=replace)
     if pulled is None:
         raise NoCheckpointError(f"mirror {store.display}: no complete checkpoint")
     return pulled.path
@@ -212,8 +220,9 @@ def _absent(surveyed: Survey, step: int) -> str:
 
 
 def _size(n: int) -> str:
+    size = float(n)
     for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        if size < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
     return f"{n} bytes"

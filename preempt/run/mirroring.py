@@ -71,7 +71,8 @@ class Mirroring:
         from ..mirror import pull, store, survey
 
         cfg = self.config
-        mirror = store.MirrorStore(cfg.mirror, cfg.mirror_options)  # type: ignore[arg-type]
+        assert cfg.mirror is not None  # (on: a mirror was given)
+        mirror = store.MirrorStore(cfg.mirror, cfg.mirror_options)
         valid = [i.step for i in self.manager.list() if i.status == "valid"]
         local = max(valid, default=None)
         try:

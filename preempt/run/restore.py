@@ -98,7 +98,8 @@ class Starter:
         elif p.kind == "latest" and self._continue(p.request):
             pass
         else:
-            self._start_branch(p.request)  # type: ignore[arg-type]
+            assert p.request is not None  # a branch is a request's
+            self._start_branch(p.request)
         if not self._announced:
             self.announce(None if self.resumed_from is None else str(self.resumed_from))
 

@@ -116,7 +116,7 @@ NOTHING = Decision(False, False, None)
 
 
 def _epoch_slot(policy: SavePolicy, batch: int, batches_per_epoch: int) -> int:
-    return batch * policy.per_epoch // batches_per_epoch  # type: ignore[operator]
+    return batch * (policy.per_epoch or 0) // batches_per_epoch  # (asked only with per_epoch set)
 
 
 def decide(policy: SavePolicy, facts: SaveFacts) -> Decision:

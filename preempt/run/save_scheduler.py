@@ -314,12 +314,13 @@ class SaveScheduler:
 
     def _lazy_sources(self) -> set[SourceKey]:
         """The storages of the tensors that only ``optimizer.step()`` changes: the parameters and its state."""
-        c = self.snapshot.components
+        optimizer = self.snapshot.components.optimizer
+        assert optimizer is not None  # (lazy copies are asked for with an optimizer only)
         found: set[SourceKey] = set()
-        for group in c.optimizer.param_groups:  # type: ignore[union-attr]
+        for group in optimizer.param_groups:
             for p in group["params"]:
                 found.add(source_key(p))
-        for per_param in c.optimizer.state.values():  # type: ignore[union-attr]
+        for per_param in optimizer.state.values():
             for v in per_param.values():
                 if isinstance(v, torch.Tensor):
                     found.add(source_key(v))

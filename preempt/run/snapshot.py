@@ -85,7 +85,8 @@ class Snapshot:
         """The live tensors of the sharded model and optimizer as DCP writes them, and the optimizer's other state
         (:func:`sharded.split_state`: FSDP2's ``state_dict()``, read once per save)."""
         c = self.components
-        return sharded.split_state(state.unwrap_model(c.model), c.optimizer)  # type: ignore[arg-type]
+        assert c.model is not None  # (sharded: the model holds DTensors)
+        return sharded.split_state(state.unwrap_model(c.model), c.optimizer)
 
     def content(self) -> tuple[state.Payload, dict[str, Any] | None]:
         """What this process writes, and the live sharded tensors DCP writes for it (None: the state is not sharded).

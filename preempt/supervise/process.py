@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import IO
+from typing import IO, Any
 
 from .._log import duration
 from ..cluster.signals import DEFAULT_SIGNALS, signal_name
@@ -197,11 +197,11 @@ class Supervisor:
         if self.stop_signal is None:
             self.stop_signal = signum
 
-    def _install(self) -> dict[int, object]:
+    def _install(self) -> dict[int, Any]:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        previous: dict[int, object] = {}
+        previous: dict[int, Any] = {}
         for sig in DEFAULT_SIGNALS:
             handler = signal.getsignal(sig)
             if sig == signal.SIGINT and handler == signal.SIG_IGN:
@@ -214,10 +214,10 @@ class Supervisor:
         previous[-1] = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         return previous
 
-    def _restore(self, previous: dict[int, object]) -> None:
-        signal.set_wakeup_fd(previous.pop(-1))  # type: ignore[arg-type]
+    def _restore(self, previous: dict[int, Any]) -> None:
+        signal.set_wakeup_fd(previous.pop(-1))
         for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
