@@ -35,6 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -364,70 +365,38 @@ def _lower_priority(niceness: int) -> None:
 
 
 class BackgroundWriter:
-    """Runs one job at a time in a named daemon thread and keeps its result or its exception."""
+    """Runs one job at a time in a named daemon thread; each job is a :class:`concurrent.futures.Future` that holds
+    its result or its exception (never lost: whoever holds the future takes it)."""
 
     def __init__(self, name: str = "preempt-writer", niceness: int = 10) -> None:
         self.name = name
         self.niceness = niceness  # the thread yields the CPU to the training loop (Linux: per-thread nice)
-        self._thread: threading.Thread | None = None
-        self._done = threading.Event()
-        self._done.set()
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._collected = True
+        self._future: Future[Any] | None = None
 
     @property
     def busy(self) -> bool:
         """A job is running."""
-        return not self._done.is_set()
+        return self._future is not None and not self._future.done()
 
-    @property
-    def pending(self) -> bool:
-        """A job was submitted whose outcome :meth:`result` has not returned yet (running or finished)."""
-        return not self._collected
-
-    def submit(self, job: Callable[[], Any]) -> None:
-        """Starts ``job`` in the thread.
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        """Starts ``job`` in the thread; returns its future.
 
         Raises:
-            RuntimeError: The previous job's outcome was not collected with :meth:`result`.
+            RuntimeError: A job is still running (one at a time).
         """
-        if not self._collected:
-            raise RuntimeError("BackgroundWriter: collect the previous job's result before submitting another")
-        self._collected = False
-        self._result, self._error = None, None
-        self._done.clear()
-        self._thread = threading.Thread(target=self._run, args=(job,), name=self.name, daemon=True)
-        self._thread.start()
+        if self.busy:
+            raise RuntimeError(f"{self.name}: a job is still running; wait for its future before submitting another")
+        future: Future[Any] = Future()
+        future.set_running_or_notify_cancel()
+        self._future = future
+        threading.Thread(target=self._run, args=(job, future), name=self.name, daemon=True).start()
+        return future
 
-    def _run(self, job: Callable[[], Any]) -> None:
+    def _run(self, job: Callable[[], Any], future: Future[Any]) -> None:
         _lower_priority(self.niceness)
         try:
-            self._result = job()
+            result = job()
         except BaseException as e:  # kept for the loop; a thread's exception would otherwise only be printed
-            self._error = e
-        finally:
-            self._done.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Waits for the running job (up to ``timeout``) without collecting it; False if it still runs."""
-        return self._done.wait(timeout)
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Waits for the job (up to ``timeout``) and returns its result, or raises its exception.
-
-        Raises:
-            TimeoutError: Still running after ``timeout`` seconds.
-        """
-        if self._collected:
-            return None
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.name}: the write is still running after {timeout} s")
-        self._collected = True
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-        return self._result
+            future.set_exception(e)
+        else:
+            future.set_result(result)

@@ -57,7 +57,7 @@ from .data_cursor import DataCursor
 from .guarding import Health, OomStep
 from .loop_state import LoopState
 from .mirroring import Mirroring
-from .peers import Alone, Peers, join
+from .peers import join
 from .reporting import Reporter
 from .restore import Starter, check_sharded
 from .save_plan import SaveRecord
@@ -135,21 +135,49 @@ class PreemptibleRun:
             raise TypeError(f"PreemptibleRun: config: expected a RunConfig, got {type(cfg).__name__}")
         self.save_dir = Path(save_dir)
         self.policy = cfg.save_policy()
-        self.manager = CheckpointManager(save_dir, retention=cfg.retention(), carry_unchanged=cfg.carry)
+        sharded = check_sharded(cfg, self.components.model)
+        # This process alone, or the ranks of torch.distributed: under torchrun making the run is a collective.
+        peers = self.peers = join(cfg.sync_every_steps)
+        # rank 0 cleans, quarantines and prunes
+        self.manager = CheckpointManager(
+            save_dir, retention=cfg.retention(), carry_unchanged=cfg.carry, owner=peers.leader
+        )
         self.env = Environment.from_env()
-        self._clock = clock  # below: the parts, each of one concern; the run composes them
+        self._clock = clock  # below: the parts, each of one concern, each whole when made; the run composes them
         self.loop = LoopState()
         self.stopper = Stopper(cfg, self.env, self.save_dir, clock)
         self.data = DataCursor(self.stopper.flag.signals)
-        self.snapshot = Snapshot(self.components, self.loop, self.data, group_frozen=cfg.carry.enabled, clock=clock)
-        self.saves = SaveScheduler(self.manager, self.loop, self.snapshot, self.stopper.flag, clock=clock)
+        self.snapshot = Snapshot(
+            self.components,
+            self.loop,
+            self.data,
+            rank=peers.rank,
+            sharded=sharded,
+            group_frozen=cfg.carry.enabled,
+            clock=clock,
+        )
         self.health = Health(cfg, self.components, self.loop, self.snapshot)
-        self.reporter = Reporter(cfg, self.save_dir, self.loop, clock, log_all_ranks=self.env.log_all_ranks)
-        self.saves.on_saved = self.reporter.checkpoint
+        self.reporter = Reporter(
+            cfg,
+            self.save_dir,
+            self.loop,
+            clock,
+            rank=peers.rank,
+            world_size=peers.world_size,
+            log_all_ranks=self.env.log_all_ranks,
+        )
         self.mirroring = Mirroring(cfg, self.manager, self.reporter, self.stopper, clock)  # inert without mirror=
-        self.saves.on_durable = self.mirroring.chain(self.stopper.saved)
-        self.peers: Peers = Alone()
-        self._every = 0  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
+        self.saves = SaveScheduler(
+            self.manager,
+            self.loop,
+            self.snapshot,
+            self.stopper.flag,
+            peers=peers,
+            clock=clock,
+            on_durable=self.mirroring.chain(self.stopper.saved),
+            on_saved=self.reporter.checkpoint,
+        )
+        self._every = peers.every  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
         self._flag = self.stopper.flag
         self.resumed_from: Path | None = None
         job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
@@ -194,7 +222,6 @@ class PreemptibleRun:
             raise PreemptError("this PreemptibleRun was already entered; create a new one for another run")
         self._entered = True
         _log.setup(self.env.log_level or self.config.log_level)
-        self._join()
         self.reporter.hold(self.env.problems)  # until train.log is open: what the start says goes there too
         if not self.stopper.flag.install():
             log.warning(
@@ -222,18 +249,6 @@ class PreemptibleRun:
             raise
         self._begin(payload)
         return self
-
-    def _join(self) -> None:
-        """The run's peers: this process alone, or the ranks of torch.distributed (a collective)."""
-        cfg = self.config
-        self.snapshot.sharded = check_sharded(cfg, self.components.model)
-        peers = self.peers = join(cfg.sync_every_steps)
-        self._every = peers.every
-        self.snapshot.rank = self.reporter.rank = peers.rank
-        self.reporter.world_size = peers.world_size
-        self.saves.peers = peers
-        if not peers.leader:
-            self.manager.owner = False  # rank 0 cleans, quarantines and prunes
 
     def _lead(self, starter: Starter) -> state.Payload:
         """The process alone, or rank 0: takes the lock, chooses the starting state, tells the other ranks."""

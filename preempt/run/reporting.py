@@ -101,13 +101,15 @@ class Reporter:
         loop: LoopState,
         clock: Callable[[], float] = time.monotonic,
         *,
+        rank: int = 0,
+        world_size: int = 1,
         log_all_ranks: bool = False,
     ) -> None:
         self.config = config
         self.save_dir = save_dir
         self.loop = loop
         self.clock = clock
-        self.rank, self.world_size = 0, 1
+        self.rank, self.world_size = rank, world_size
         self.log_all_ranks = log_all_ranks  # PREEMPT_LOG_ALL_RANKS (preempt.cluster.environment): ranks > 0 log too
         self.next_at = float("inf")  # when report() has something to do: a progress line or a metric point
         self.epochs_total: int | None = None

@@ -2,7 +2,8 @@
 
 * :func:`pick` -- at a safe point: which save to take now, and which waits;
 * :func:`plan` -- for a save: wait for the job in flight first, cancel it? in the background?
-* :func:`wake` -- the step and time at which ``run.step()`` must look again.
+* :func:`wake` -- the step and time at which ``run.step()`` must look again;
+* :func:`outcome_of` -- what the end of a background job means, one :class:`Outcome` per handler.
 
 :class:`~preempt.run.save_scheduler.SaveScheduler` acts on them; they are unit-tested
 without threads (``tests/unit/test_save_scheduler.py``).
@@ -11,10 +12,16 @@ without threads (``tests/unit/test_save_scheduler.py``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import threading
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
+from ..checkpoint.commit import WriteCancelled
+from ..checkpoint.staging import ChangedWhileWritten, TornSnapshot
+from ..errors import LockLostError
 from .save_policy import Due, Reason
 
 POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
@@ -52,32 +59,81 @@ class SaveRecord:
         return self.path is not None
 
 
+class JobKind(enum.Enum):
+    """What the background writer does."""
+
+    PREPARE = "prepare"  # sizes (allocates and touches) the staging buffers
+    SAVE = "save"  # writes a staged snapshot: a checkpoint
+    RESERVE = "reserve"  # writes a pool of files ahead for the next save to write over (nobody's checkpoint)
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """What the background writer is doing: preparing buffers, or writing a staged snapshot."""
+    """The background writer's job in flight: what it is, and its future (its result or its error)."""
 
-    kind: str  # "prepare", "save" or "reserve"
-    record: SaveRecord | None = None
+    kind: JobKind
+    future: Future[Any]
+    record: SaveRecord | None = None  # a save's
+    reason: Reason | None = None  # a save's
     started: float = 0.0  # clock at the start of the save
     cancel: threading.Event | None = None  # set: the write stops before its rename (commit.cancellable)
+
+
+class Outcome(enum.Enum):
+    """What the end of a background job means; the scheduler has one handler for each."""
+
+    PREPARED = "prepared"  # the staging buffers are sized
+    PREPARE_FAILED = "prepare failed"  # they could not be: saves are synchronous from now on
+    RESERVED = "reserved"  # a pool is written ahead
+    RESERVE_FAILED = "reserve failed"  # it was not (cancelled, or the disk refused): nothing lost
+    WRITTEN = "written"  # the checkpoint is durable
+    TORN = "torn"  # a lazy snapshot changed before its copy was made: not written
+    CHANGED = "changed"  # a tensor read where it lives changed during the write: not committed
+    CANCELLED = "cancelled"  # a stop cancelled the write: the stop saves the current state
+    NOT_WRITTEN = "not written"  # the write failed for want of disk or I/O: training goes on
+    LOCK_LOST = "lock lost"  # the save_dir is no longer this run's
+    BROKEN = "broken"  # any other error: the run ends with it
+
+
+def outcome_of(kind: JobKind, error: BaseException | None) -> Outcome:
+    """What a job of ``kind`` that ended with ``error`` (None: it succeeded) means."""
+    if error is None:
+        return {JobKind.PREPARE: Outcome.PREPARED, JobKind.SAVE: Outcome.WRITTEN, JobKind.RESERVE: Outcome.RESERVED}[
+            kind
+        ]
+    if isinstance(error, ChangedWhileWritten):
+        return Outcome.CHANGED
+    if isinstance(error, TornSnapshot):
+        return Outcome.TORN
+    if kind is JobKind.RESERVE:
+        return Outcome.RESERVE_FAILED
+    if kind is JobKind.PREPARE:
+        return Outcome.PREPARE_FAILED
+    if isinstance(error, WriteCancelled):
+        return Outcome.CANCELLED
+    if isinstance(error, OSError):
+        return Outcome.NOT_WRITTEN
+    if isinstance(error, LockLostError):
+        return Outcome.LOCK_LOST
+    return Outcome.BROKEN
 
 
 # ---------------------------------------------------------------------------- the pure decisions
 
 
 def pick(
-    reason: Reason | None, *, job: str | None, staging: bool, postponed: Reason | None, dirty: bool
+    reason: Reason | None, *, job: JobKind | None, staging: bool, postponed: Reason | None, dirty: bool
 ) -> tuple[Reason | None, Reason | None]:
     """At a safe point: the save to take now (None: none) and the periodic save that stays postponed.
 
     Args:
         reason: What the save policy says is due (None: nothing).
-        job: The kind of the background job in flight, if any (``"save"``, ``"prepare"``, ``"reserve"``).
+        job: The kind of the background job in flight, if any.
         staging: Background saves are possible.
         postponed: A periodic save postponed earlier.
         dirty: The state changed since the last checkpoint.
     """
-    writing = job == "save"
+    writing = job is JobKind.SAVE
     if reason in POSTPONABLE and writing and staging:
         return None, reason
     if reason is None and postponed is not None and not writing and dirty:
@@ -100,11 +156,11 @@ class Plan:
     stage: bool = False  # written at once, from the staging buffers (STAGE_SYNCHRONOUS)
 
 
-def plan(reason: Reason, *, job: str | None, staging: bool, writing: Reason | None = None) -> Plan:
+def plan(reason: Reason, *, job: JobKind | None, staging: bool, writing: Reason | None = None) -> Plan:
     """How to write a save that is taken now.
 
     Args:
-        writing: The reason of the snapshot the writer is writing (when ``job`` is ``"save"``).
+        writing: The reason of the snapshot the writer is writing (when ``job`` is a save).
 
     A stop's save does not wait for a periodic write in flight: that snapshot is older than the state the stop
     saves, so it is cancelled (its partial files removed) and the stop's durable time is that of one write. A
@@ -115,9 +171,9 @@ def plan(reason: Reason, *, job: str | None, staging: bool, writing: Reason | No
     """
     background = staging and reason not in SYNCHRONOUS
     stage = staging and not background and STAGE_SYNCHRONOUS  # the job in flight is settled or cancelled first
-    if job == "reserve":
+    if job is JobKind.RESERVE:
         return Plan(settle=False, background=background, cancel=True, stage=stage)
-    if job == "save" and reason in STOPS and writing in POSTPONABLE:
+    if job is JobKind.SAVE and reason in STOPS and writing in POSTPONABLE:
         return Plan(settle=False, background=background, cancel=True, stage=stage)
     return Plan(settle=job is not None, background=background, stage=stage)
 

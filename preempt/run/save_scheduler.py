@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -32,26 +33,28 @@ from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.staging import (
     BackgroundWriter,
-    ChangedWhileWritten,
     LazyCopy,
     SourceKey,
     Stager,
-    TornSnapshot,
     host_memory_available,
     payload_nbytes,
     source_key,
 )
 from ..cluster import sharded
 from ..cluster.signals import StopFlag
-from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, LockLostError, SaveFailed
+from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .loop_state import LoopState
 from .peers import Alone, Deferred, Peers
-from .save_plan import POSTPONABLE, STOPS, Job, SaveRecord, pick, plan, wake
+from .save_plan import POSTPONABLE, STOPS, Job, JobKind, Outcome, SaveRecord, outcome_of, pick, plan, wake
 from .save_policy import Due, Reason
 from .snapshot import Snapshot
 
 log = _log.log
-_ROUTINE = frozenset({Reason.INTERVAL.value, Reason.STEPS.value, Reason.PER_EPOCH.value})
+_ROUTINE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
+# the outcomes of a save whose state is not on disk: the state is due again
+_NOT_ON_DISK = frozenset(
+    {Outcome.TORN, Outcome.CHANGED, Outcome.CANCELLED, Outcome.NOT_WRITTEN, Outcome.LOCK_LOST, Outcome.BROKEN}
+)
 
 MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
 
@@ -72,6 +75,7 @@ class SaveScheduler:
         peers: Peers | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_durable: Callable[[float, float, int], None] | None = None,
+        on_saved: Callable[[SaveRecord, int], None] | None = None,
         writer: Callable[[], Any] = BackgroundWriter,
         stager: Callable[[], Any] = Stager,
     ) -> None:
@@ -82,7 +86,7 @@ class SaveScheduler:
         self.peers: Peers = peers or Alone()
         self.clock = clock
         self.on_durable = on_durable  # (seconds, now, step) of each durable save
-        self.on_saved: Callable[[SaveRecord, int], None] | None = None  # (record, bytes) of each durable save
+        self.on_saved = on_saved  # (record, bytes) of each durable save
         self._new_writer, self._new_stager = writer, stager
         self.stager: Any = None  # Stager, while background saves are possible
         self.writer: Any = None  # BackgroundWriter
@@ -157,7 +161,7 @@ class SaveScheduler:
 
     def finished(self) -> bool:
         """The job in flight has ended and its outcome waits to be taken."""
-        return self.job is not None and not self.writer.busy
+        return self.job is not None and self.job.future.done()
 
     def tend(self) -> None:
         """Takes the outcome of a finished job; sizes the buffers for the optimizer once it has state."""
@@ -249,16 +253,16 @@ class SaveScheduler:
 
     def _blocking(self) -> bool:
         """A job is in flight that a periodic save waits for (a pool written ahead is cancelled instead)."""
-        return self.job is not None and self.job.kind != "reserve"
+        return self.job is not None and self.job.kind is not JobKind.RESERVE
 
     def _writing(self) -> Reason | None:
         job = self.job
-        return Reason(job.record.reason) if job is not None and job.record is not None else None
+        return job.reason if job is not None else None
 
     def before_stop(self) -> None:
         """At a stop: a periodic write of a state the loop has moved past is cancelled; any other job is waited for."""
         job = self.job
-        if job is not None and (job.kind == "reserve" or (self.loop.dirty and self._writing() in POSTPONABLE)):
+        if job is not None and (job.kind is JobKind.RESERVE or (self.loop.dirty and self._writing() in POSTPONABLE)):
             self.cancel()
         else:
             self.settle()
@@ -354,7 +358,6 @@ class SaveScheduler:
         self.last_save = record
         self.loop.taken(manifest.step, manifest.cursor, t1)
         event = threading.Event() if cancel else None
-        self.job = Job("save", record, t0, event)
 
         def job() -> CheckpointInfo:
             if event is None:
@@ -362,7 +365,7 @@ class SaveScheduler:
             with commit.cancellable(event):
                 return write()
 
-        self.writer.submit(job)
+        self.job = Job(JobKind.SAVE, self.writer.submit(job), record, reason, t0, event)
         log.debug("step %d staged in %s; writing in the background", manifest.step, _log.duration(t1 - t0))
 
     def wait(self, timeout: float | None = None) -> Path | None:
@@ -372,89 +375,96 @@ class SaveScheduler:
             TimeoutError: The write still runs after ``timeout`` seconds.
             CheckpointWriteError: The write failed other than for want of disk.
         """
-        if self.job is not None and self.job.kind != "reserve":  # a pool written ahead is nobody's checkpoint
-            if not self.writer.wait(timeout):
+        if self.job is not None and self.job.kind is not JobKind.RESERVE:  # a pool written ahead is nobody's checkpoint
+            if not futures.wait([self.job.future], timeout).done:
                 raise TimeoutError(f"the background write of a checkpoint still runs after {timeout} s")
             self.collect()
         return self.last_checkpoint
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Waits for the job in flight to end without taking its outcome (the next safe point takes it)."""
-        return self.writer is None or self.writer.wait(timeout)
+        return self.job is None or bool(futures.wait([self.job.future], timeout).done)
 
     def collect(self) -> None:
-        """Waits for the background job and takes its outcome.
+        """Waits for the background job and takes its outcome (:func:`~preempt.run.save_plan.outcome_of`): one
+        handler per :class:`~preempt.run.save_plan.Outcome`.
 
         Raises:
             CheckpointWriteError: A background write failed other than with an OSError.
+            LockLostError: The save_dir is no longer this run's.
         """
         job = self.job
         if job is None:
             return
         self.job = None
         lazy = None
-        if job.kind == "save":
+        if job.kind is JobKind.SAVE:
             lazy, self.pending = self.pending, None
         try:
-            result = self.writer.result()
+            result, error = job.future.result(), None
         except Exception as e:
-            if isinstance(e, ChangedWhileWritten):
-                self._changed(job, e)
-                return
-            if isinstance(e, TornSnapshot):
-                self._torn(job, e)
-                return
-            if job.kind == "reserve":
-                if not isinstance(e, commit.WriteCancelled):
-                    log.warning("%s: could not write a pool ahead for the saves: %r", self.manager.save_dir, e)
-                return
-            if job.kind == "prepare":
-                log.warning("async_save: could not allocate the staging buffers (%r); saving synchronously", e)
-                self.stager = None
-                return
-            assert job.record is not None
+            result, error = None, e
+        outcome = outcome_of(job.kind, error)
+        if outcome in _NOT_ON_DISK:
             self.loop.changed()  # that state is not on disk: a stop or the end must save again
             self.postponed = None  # a failed periodic write is retried when the next save is due
-            if isinstance(e, commit.WriteCancelled):
+        match outcome:
+            case Outcome.PREPARED:
+                self.prepare_s = (self.prepare_s or 0.0) + result
+                self.reserve_due = self.prepare_at is None  # sized for the whole state: its files' sizes are known
+            case Outcome.PREPARE_FAILED:
+                log.warning("async_save: could not allocate the staging buffers (%r); saving synchronously", error)
+                self.stager = None
+            case Outcome.RESERVED:
+                log.debug("%s written ahead in %s, for the next save to write over", result, self._since(job))
+            case Outcome.RESERVE_FAILED:
+                if not isinstance(error, commit.WriteCancelled):
+                    log.warning("%s: could not write a pool ahead for the saves: %r", self.manager.save_dir, error)
+            case Outcome.WRITTEN:
+                self._written(job, result, lazy)
+            case Outcome.TORN:
+                self._torn(job, error)
+            case Outcome.CHANGED:
+                self._changed(job, error)
+            case Outcome.CANCELLED:
                 log.info(
                     "the background write of step %d (%s) was cancelled after %s: the stop saves the current state",
-                    job.record.step,
-                    job.record.reason,
-                    _log.duration(self.clock() - job.started),
+                    *self._what(job),
+                    self._since(job),
                 )
-                return
-            if isinstance(e, OSError):
-                self._failed(Reason(job.record.reason), e, step=job.record.step)
-                return
-            if isinstance(e, LockLostError):
-                raise e  # the save_dir is no longer this run's: the run ends, nothing more is written there
-            last = self.last_checkpoint
-            raise CheckpointWriteError(
-                f"the background write of checkpoint step_{job.record.step:09d} in {self.manager.save_dir} failed:"
-                f" {e!r}; the last good checkpoint is {last or '(none)'}",
-                None if last is None else str(last),
-            ) from e
-        if job.kind == "prepare":
-            self.prepare_s = (self.prepare_s or 0.0) + result
-            self.reserve_due = self.prepare_at is None  # sized for the whole state: its files' sizes are known
-            return
-        if job.kind == "reserve":
-            log.debug(
-                "%s written ahead in %s, for the next save to write over",
-                result,
-                _log.duration(self.clock() - job.started),
-            )
-            return
-        info: CheckpointInfo = result
+            case Outcome.NOT_WRITTEN:
+                assert isinstance(error, OSError) and job.reason is not None and job.record is not None
+                self._failed(job.reason, error, step=job.record.step)
+            case Outcome.LOCK_LOST:
+                assert error is not None
+                raise error  # the save_dir is no longer this run's: the run ends, nothing more is written there
+            case Outcome.BROKEN:
+                last = self.last_checkpoint
+                raise CheckpointWriteError(
+                    f"the background write of checkpoint step_{self._what(job)[0]:09d} in {self.manager.save_dir}"
+                    f" failed: {error!r}; the last good checkpoint is {last or '(none)'}",
+                    None if last is None else str(last),
+                ) from error
+
+    def _since(self, job: Job) -> str:
+        return _log.duration(self.clock() - job.started)
+
+    @staticmethod
+    def _what(job: Job) -> tuple[int, str]:
+        """A save job's step and reason."""
+        assert job.record is not None
+        return job.record.step, job.record.reason
+
+    def _written(self, job: Job, info: CheckpointInfo, lazy: Any) -> None:
+        """A background checkpoint is durable."""
         assert job.record is not None
         now = self.clock()
         stall = job.record.stall_s + (lazy.waited if lazy is not None else 0.0)  # and the optimizer's wait, if lazy
         self.last_save = dataclasses.replace(job.record, stall_s=stall, write_s=now - job.started, path=info.path)
         self.last_info, self.last_checkpoint = info, info.path
         # Routine checkpoints written in the background say so at DEBUG: a run would print little else.
-        routine = job.record.reason in _ROUTINE
         log.log(
-            logging.DEBUG if routine else logging.INFO,
+            logging.DEBUG if job.reason in _ROUTINE else logging.INFO,
             "checkpoint %s (%s) written in %s in the background%s; the loop waited %s",
             info.path,
             job.record.reason,
@@ -466,12 +476,10 @@ class SaveScheduler:
         if self.on_durable is not None:
             self.on_durable(now - job.started, now, info.step)
 
-    def _torn(self, job: Job, error: TornSnapshot) -> None:
+    def _torn(self, job: Job, error: BaseException | None) -> None:
         """A lazy snapshot was changed before its copy was made: it is not written; copies are made at the step
         from now on, and the state is due again."""
         self.lazy = False
-        self.loop.changed()
-        self.postponed = None
         assert job.record is not None
         log.warning(
             "the checkpoint of step %d is not written: %s (something other than optimizer.step() changes it"
@@ -480,11 +488,9 @@ class SaveScheduler:
             error,
         )
 
-    def _changed(self, job: Job, error: ChangedWhileWritten) -> None:
+    def _changed(self, job: Job, error: BaseException | None) -> None:
         """A tensor the writer read where it lives was changed meanwhile: that checkpoint is not committed; the
         frozen base is copied at the step from now on, and the state is due again."""
-        self.loop.changed()
-        self.postponed = None
         assert job.record is not None
         if self.stager is not None:
             self.stager.live = frozenset()
@@ -511,7 +517,7 @@ class SaveScheduler:
             self._hook = None
         if self.job is None:
             return
-        if self.job.kind == "reserve":
+        if self.job.kind is JobKind.RESERVE:
             self.cancel()
             return
         try:
@@ -553,8 +559,7 @@ class SaveScheduler:
         # written at every start of the job for the rare checkpoint that writes the base afresh)
         files = {name: ts for name, (ts, _) in payload.tensor_files.items() if name not in stager.live}
         self.sizes = {name: sum(t.nbytes for t in ts.values()) for name, ts in files.items()}
-        self.job = Job("prepare")
-        writer.submit(job)
+        self.job = Job(JobKind.PREPARE, writer.submit(job))
 
     def idle(self) -> None:
         """At the end of a safe point: starts writing a pool ahead when one is due and the writer is free.
@@ -576,8 +581,7 @@ class SaveScheduler:
             with commit.cancellable(cancel):
                 return recycle.reserve(manager.save_dir, sizes)
 
-        self.job = Job("reserve", started=self.clock(), cancel=cancel)
-        self.writer.submit(job)
+        self.job = Job(JobKind.RESERVE, self.writer.submit(job), started=self.clock(), cancel=cancel)
 
     def _failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
         loop = self.loop

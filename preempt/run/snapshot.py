@@ -36,6 +36,7 @@ class Snapshot:
         data: DataCursor,
         *,
         rank: int = 0,
+        sharded: bool = False,
         group_frozen: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -45,7 +46,7 @@ class Snapshot:
         self.loop = loop
         self.data = data
         self.rank = rank
-        self.sharded = False  # the model's state is DTensors: its tensors go through DCP
+        self.sharded = sharded  # the model's state is DTensors: its tensors go through DCP
         self.user_state: dict[str, Any] = {}
         self.lr_scale = 1.0  # learning rates relative to the run's own (rollbacks, the supervisor)
         self.lineage: dict[str, Any] = {}  # the timeline: the resume request it follows, its source, its start

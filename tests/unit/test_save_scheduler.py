@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import errno
 import math
+from concurrent.futures import Future
 
 import pytest
 import torch
 from helpers import FakeClock
 
 from preempt import CheckpointManager, CheckpointWriteError
+from preempt.checkpoint.commit import WriteCancelled
 from preempt.checkpoint.components import Components
+from preempt.checkpoint.staging import ChangedWhileWritten, TornSnapshot
 from preempt.cluster.signals import StopFlag
+from preempt.errors import LockLostError
 from preempt.run.data_cursor import DataCursor
 from preempt.run.loop_state import LoopState
-from preempt.run.save_plan import pick, plan, wake
+from preempt.run.save_plan import JobKind, Outcome, outcome_of, pick, plan, wake
 from preempt.run.save_policy import Due, Reason
 from preempt.run.save_scheduler import SaveScheduler
 from preempt.run.snapshot import Snapshot
@@ -26,25 +30,25 @@ R = Reason
 
 @pytest.mark.parametrize("reason", [R.INTERVAL, R.STEPS, R.PER_EPOCH])
 def test_a_periodic_save_due_while_a_write_is_in_flight_is_postponed(reason):
-    assert pick(reason, job="save", staging=True, postponed=None, dirty=True) == (None, reason)
+    assert pick(reason, job=JobKind.SAVE, staging=True, postponed=None, dirty=True) == (None, reason)
 
 
 @pytest.mark.parametrize("reason", [R.BEST, R.MILESTONE, R.PREEMPT, R.WALLTIME])
 def test_best_milestone_and_stop_saves_are_taken_now_even_while_writing(reason):
-    assert pick(reason, job="save", staging=True, postponed=None, dirty=True) == (reason, None)
+    assert pick(reason, job=JobKind.SAVE, staging=True, postponed=None, dirty=True) == (reason, None)
 
 
 def test_buffer_sizing_in_flight_postpones_nothing():
-    assert pick(R.STEPS, job="prepare", staging=True, postponed=None, dirty=True) == (R.STEPS, None)
+    assert pick(R.STEPS, job=JobKind.PREPARE, staging=True, postponed=None, dirty=True) == (R.STEPS, None)
 
 
 def test_without_staging_nothing_is_postponed():
-    assert pick(R.STEPS, job="save", staging=False, postponed=None, dirty=True) == (R.STEPS, None)
+    assert pick(R.STEPS, job=JobKind.SAVE, staging=False, postponed=None, dirty=True) == (R.STEPS, None)
 
 
 def test_the_postponed_save_is_taken_once_the_write_ended_and_only_when_something_changed():
     assert pick(None, job=None, staging=True, postponed=R.INTERVAL, dirty=True) == (R.INTERVAL, R.INTERVAL)
-    assert pick(None, job="save", staging=True, postponed=R.INTERVAL, dirty=True) == (None, R.INTERVAL)
+    assert pick(None, job=JobKind.SAVE, staging=True, postponed=R.INTERVAL, dirty=True) == (None, R.INTERVAL)
     assert pick(None, job=None, staging=True, postponed=R.INTERVAL, dirty=False) == (None, R.INTERVAL)
     assert pick(None, job=None, staging=True, postponed=None, dirty=True) == (None, None)
 
@@ -57,7 +61,7 @@ def test_stop_final_branch_and_emergency_saves_are_synchronous(reason):
     sync = reason in (R.PREEMPT, R.WALLTIME, R.FINAL, R.BRANCH, R.EMERGENCY)
     assert plan(reason, job=None, staging=True).background is not sync
     assert plan(reason, job=None, staging=False).background is False
-    assert plan(reason, job="save", staging=True).settle and not plan(reason, job=None, staging=True).settle
+    assert plan(reason, job=JobKind.SAVE, staging=True).settle and not plan(reason, job=None, staging=True).settle
     # a synchronous save writes from the staging buffers where there are any
     assert plan(reason, job=None, staging=True).stage is sync and plan(reason, job=None, staging=False).stage is False
 
@@ -78,43 +82,46 @@ def test_wake_waits_for_the_write_then_takes_the_postponed_save_at_the_next_step
 # ---------------------------------------------------------------------------- the scheduler, with a fake writer
 
 
+class _HeldFuture(Future):
+    """A job's future that runs the job, in the test's thread, when the test says or when its result is asked."""
+
+    def __init__(self, job) -> None:
+        super().__init__()
+        self.job = job
+
+    def finish(self) -> None:
+        if self.done():
+            return
+        try:
+            self.set_result(self.job())
+        except BaseException as e:
+            self.set_exception(e)
+
+    def result(self, timeout=None):
+        self.finish()
+        return super().result(timeout)
+
+
 class FakeWriter:
     """The BackgroundWriter's interface; a job runs only when the test says (or when its result is asked)."""
 
     def __init__(self) -> None:
-        self.job = None
-        self.done = True
-        self.outcome: tuple[object, BaseException | None] = (None, None)
+        self.future: _HeldFuture | None = None
         self.submitted = 0
 
     @property
     def busy(self) -> bool:
-        return not self.done
+        return self.future is not None and not self.future.done()
 
-    def submit(self, job) -> None:
-        assert self.done and self.job is None, "a job was submitted while another was pending"
-        self.job, self.done = job, False
+    def submit(self, job) -> Future:
+        assert not self.busy, "a job was submitted while another was running"
+        self.future = _HeldFuture(job)
         self.submitted += 1
+        return self.future
 
     def finish(self) -> None:
-        try:
-            self.outcome = (self.job(), None)
-        except BaseException as e:
-            self.outcome = (None, e)
-        self.done = True
-
-    def wait(self, timeout=None) -> bool:
-        return self.done
-
-    def result(self, timeout=None):
-        if not self.done:
-            self.finish()
-        job, self.job = self.job, None
-        assert job is not None
-        value, error = self.outcome
-        if error is not None:
-            raise error
-        return value
+        assert self.future is not None
+        self.future.finish()
 
 
 def scheduler(tmp_path, writer: FakeWriter, *, reserve: bool = True, **manager_options):
@@ -146,7 +153,7 @@ def test_a_background_save_is_staged_then_written_and_a_periodic_one_waits_for_i
     assert saves.prepare_s is not None and saves.buffer_nbytes > 0
     loop.stepped()
     saves.save(R.STEPS, "step")
-    assert saves.job is not None and saves.job.kind == "save" and not loop.dirty
+    assert saves.job is not None and saves.job.kind is JobKind.SAVE and not loop.dirty
     assert saves.last_save.step == 1 and saves.last_save.background and not saves.last_save.durable
     assert on_disk(saves.manager) == []  # staged only
     before = model.weight.detach().clone()
@@ -214,7 +221,7 @@ def test_before_a_stop_a_write_of_the_current_state_is_awaited_not_cancelled(tmp
     ],
 )
 def test_only_a_stop_cancels_and_only_a_periodic_write(reason, writing, cancel):
-    p = plan(reason, job="save", staging=True, writing=writing)
+    p = plan(reason, job=JobKind.SAVE, staging=True, writing=writing)
     assert p.cancel is cancel and p.settle is not cancel
 
 
@@ -259,8 +266,8 @@ def test_a_failed_stop_save_raises_save_failed_with_the_last_good_checkpoint(tmp
 
 @pytest.mark.parametrize("reason", list(Reason))
 def test_any_save_cancels_a_pool_being_written_ahead(reason):
-    assert plan(reason, job="reserve", staging=True).cancel
-    assert pick(reason, job="reserve", staging=True, postponed=None, dirty=True) == (reason, None)
+    assert plan(reason, job=JobKind.RESERVE, staging=True).cancel
+    assert pick(reason, job=JobKind.RESERVE, staging=True, postponed=None, dirty=True) == (reason, None)
 
 
 def pool_files(directory) -> dict[str, tuple[int, int]]:
@@ -273,7 +280,7 @@ def test_once_the_buffers_are_sized_a_pool_of_the_states_files_is_written_and_th
 ):
     writer = FakeWriter()
     saves, loop, model = scheduler(tmp_path, writer, reserve=False)
-    assert saves.job is not None and saves.job.kind == "reserve"
+    assert saves.job is not None and saves.job.kind is JobKind.RESERVE
     assert saves.wait() is None and saves.job is not None  # waiting for a checkpoint does not wait for it
     writer.finish()
     saves.tend()
@@ -338,3 +345,27 @@ def test_a_pool_that_cannot_be_written_is_a_warning_and_leaves_nothing(tmp_path,
     saves.tend()
     assert saves.job is None and list(tmp_path.glob(".*")) == []
     assert "could not write a pool ahead" in caplog.text and "No space left" in caplog.text
+
+
+# ---------------------------------------------------------------------------- what a job's end means
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "outcome"),
+    [
+        (JobKind.PREPARE, None, Outcome.PREPARED),
+        (JobKind.SAVE, None, Outcome.WRITTEN),
+        (JobKind.RESERVE, None, Outcome.RESERVED),
+        (JobKind.PREPARE, MemoryError(), Outcome.PREPARE_FAILED),
+        (JobKind.RESERVE, OSError(errno.ENOSPC, "full"), Outcome.RESERVE_FAILED),
+        (JobKind.RESERVE, WriteCancelled(), Outcome.RESERVE_FAILED),
+        (JobKind.SAVE, WriteCancelled(), Outcome.CANCELLED),
+        (JobKind.SAVE, OSError(errno.ENOSPC, "full"), Outcome.NOT_WRITTEN),
+        (JobKind.SAVE, TornSnapshot("moved"), Outcome.TORN),
+        (JobKind.SAVE, ChangedWhileWritten("moved"), Outcome.CHANGED),  # (a TornSnapshot too: the narrower wins)
+        (JobKind.SAVE, LockLostError("gone"), Outcome.LOCK_LOST),
+        (JobKind.SAVE, ValueError("a bug"), Outcome.BROKEN),
+    ],
+)
+def test_each_end_of_a_job_has_one_outcome(kind, error, outcome):
+    assert outcome_of(kind, error) is outcome
