@@ -158,7 +158,12 @@ class Reporter:
             self._history = History(self.save_dir, rank=self.rank)
             if self._history.active:
                 exit_line_at_exit(self.save_dir)
-            facts: dict[str, Any] = {"pid": os.getpid(), "proc_start": process_start()}
+            facts: dict[str, Any] = {
+                "epoch": self.loop.epoch,
+                "batch": self.loop.batch,
+                "pid": os.getpid(),
+                "proc_start": process_start(),
+            }
             if self.crash is not None:
                 facts["crashed"] = self.crash
             if resumed_from is None:

@@ -130,7 +130,7 @@ def test_a_stop_whose_save_fails_exits_74_and_the_rerun_continues(small_fs, tmp_
     filler.unlink()
     rerun = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))
     assert rerun.finish() == 0, rerun.output
-    assert re.search(rf"resumed from \S+step_0*{last_good}: step {last_good},", rerun.output), rerun.output
+    assert rerun.events_of("resume", step=last_good), rerun.events
     assert_same_final(reference(MODEL), final)
 
 
@@ -154,5 +154,5 @@ def test_with_recycling_a_full_disk_does_not_stop_the_checkpoints(small_fs, tmp_
     stopped = max(checkpoints(save_dir))
     rerun = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))  # the disk is still full
     assert rerun.finish() == 0, rerun.output
-    assert re.search(rf"resumed from \S+step_0*{stopped}: step {stopped},", rerun.output), rerun.output
+    assert rerun.events_of("resume", step=stopped), rerun.events
     assert_same_final(reference(MODEL), final)

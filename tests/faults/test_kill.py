@@ -46,9 +46,10 @@ def whole_checkpoints(save_dir: Path) -> list[int]:
     return steps
 
 
-def resumed_step(output: str) -> int | None:
-    m = re.search(r"resumed from \S*step_(\d+): step (\d+)", output)
-    return int(m.group(2)) if m else None
+def resumed_step(p: Spawned) -> int | None:
+    """The step the process resumed from (its resume event), or None when it started fresh."""
+    resumed = p.events_of("resume")
+    return resumed[0]["step"] if resumed else None
 
 
 def leftovers(save_dir: Path) -> list[str]:
@@ -111,7 +112,7 @@ def test_sigkill_at_each_stage_of_the_commit(tmp_path, reference, stage, mode):
 
     rerun = Spawned(train_cmd(save_dir, final, [*MODEL, *sync, "--every_steps", "8"]))
     assert rerun.finish() == 0, rerun.output
-    assert resumed_step(rerun.output) == expected, rerun.output
+    assert resumed_step(rerun) == expected, rerun.output
     if stage == "after_replace":
         assert re.search(r"restored step_0+48 from an interrupted replacement", rerun.output), rerun.output
     assert leftovers(save_dir) == [], "the rerun did not clean the leftovers"
@@ -145,7 +146,7 @@ def kill_chain(
             assert p.finish() == 0 and "is complete" in p.output, p.output
             assert_same_model(save_dir, reference_final)
             return kills, mid_save
-        assert resumed_step(p.output) == expected_resume, (expected_resume, p.output)
+        assert resumed_step(p) == expected_resume, (expected_resume, p.output)
         # The first save at or after a random step of this run (past the end: let the chain complete), then a
         # random moment within about half a save's duration. "At or after": a save that falls due while the
         # background writer is busy is postponed to a later step, so one given step may never be saved.
@@ -213,6 +214,6 @@ def test_sigkill_while_a_cancelled_write_is_cleaned_up(tmp_path, reference):
 
     rerun = Spawned(train_cmd(save_dir, final, [*MODEL, "--every_steps", "8"]))
     assert rerun.finish() == 0, rerun.output
-    assert resumed_step(rerun.output) == 6, rerun.output
+    assert resumed_step(rerun) == 6, rerun.output
     assert leftovers(save_dir) == [], "the rerun did not clean the cancelled write's files"
     assert_same_final(reference(MODEL), final)

@@ -239,9 +239,13 @@ class History:
     outputs: list[str] = field(default_factory=list)
     events: list[list[dict[str, Any]]] = field(default_factory=list)
 
+    def events_of(self, kind: str, **fields: Any) -> list[dict[str, Any]]:
+        """The events ``kind`` with ``fields`` as given that the processes emitted, in order."""
+        return [e for events in self.events for e in events if _matches(e, kind, fields)]
+
     def count_events(self, kind: str, **fields: Any) -> int:
         """How many events ``kind`` with ``fields`` as given the processes emitted, in all."""
-        return sum(_matches(e, kind, fields) for events in self.events for e in events)
+        return len(self.events_of(kind, **fields))
 
     @property
     def text(self) -> str:

@@ -62,7 +62,7 @@ def test_worker_augmentation_exact_after_two_sigkills(tmp_path, reference):
     assert len(resumes(h.text)) == 2 and all(mid_epoch(b) for b in resumes(h.text)), h.text
     recomputed = re.findall(r"previous process died without stopping .* at step (\d+): the (\d+) step", h.text)
     assert len(recomputed) == 2, h.text
-    resumed_steps = [int(s) for s in re.findall(r"resumed from .*step_(\d+)", h.text)]
+    resumed_steps = [e["step"] for e in h.events_of("resume")]
     for (died, lost), resumed in zip(recomputed, resumed_steps, strict=True):
         assert int(died) - resumed == int(lost) >= 0, (died, lost, resumed)
     assert_same_final(reference(WORKERS2), tmp_path / "final.safetensors")

@@ -93,7 +93,7 @@ def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference,
     info = CheckpointManager(save_dir, owner=False).list()[0]
     assert info.step == at and info.status == "valid", info
     r = resume(save_dir, final, args)
-    assert re.search(rf"resumed from \S+step_0*{at}: step {at}, epoch {where[0]}", r.output), r.output
+    assert r.events_of("resume", step=at, epoch=where[0]), r.events
     steps = [int(s) for s in re.findall(r"^step (\d+) ", r.output, flags=re.M)]
     assert steps[0] == at + 1 and steps == list(range(at + 1, steps[-1] + 1)), r.output
     assert "replaying" not in r.output, r.output  # the sampler starts at the saved sample
@@ -115,7 +115,7 @@ def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
     p = stop_at(save_dir, args, 17, signal.SIGKILL)
     assert p.finish() == -signal.SIGKILL, p.output
     r = resume(save_dir, final, args)
-    assert re.search(r"resumed from \S+step_0*15: step 15, epoch 0", r.output), r.output
+    assert r.events_of("resume", step=15, epoch=0), r.events
     assert_same_final(reference(args), final)
 
 
@@ -156,16 +156,14 @@ def test_torchrun_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = torchrun(save_dir, None, [*args, "--hold_at_step", "15", "--hold_rank", "1"], script=SCRIPT)
     assert p.wait_event("holding", point="step", n=15, rank=1, timeout=240), p.output
-    os.kill(int(re.search(r"^rank 1 holding at step 15 pid (\d+)$", p.output, flags=re.M)[1]), signal.SIGTERM)
+    os.kill(p.events_of("holding", point="step", n=15, rank=1)[0]["pid"], signal.SIGTERM)
     assert p.finish(timeout=240) != 0, p.output
-    assert re.search(r"stopping on a stop signal received by rank 1 at step 15 \(epoch 1, batch 3\)", p.output), (
-        p.output
-    )
+    assert p.events_of("stop", cause="signal", step=15, epoch=1, batch=3), p.events  # (rank 1's signal)
     info = CheckpointManager(save_dir, owner=False).list()[0]
     assert info.step == 15 and {"rank_00001.json", "model.safetensors"} <= set(info.manifest.files), info
     r = torchrun(save_dir, final, args, script=SCRIPT)
     assert r.finish(timeout=240) == 0, r.output
-    assert re.search(r"resumed from \S+step_0*15: step 15, epoch 1", r.output), r.output
+    assert r.events_of("resume", step=15, epoch=1), r.events
     assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
 
 
@@ -180,7 +178,7 @@ def test_a_stop_during_evaluation_lands_after_it_and_the_best_model_is_loaded_at
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     assert re.search(r"^evaluated at step 12: ", p.output, flags=re.M), p.output
-    assert re.search(r"stopping on SIGTERM .* at step 12 \(epoch 0, batch 12\)", p.output), p.output
+    assert p.events_of("stop", cause="SIGTERM", step=12, epoch=0, batch=12), p.events
     r = resume(save_dir, final, args)
     best = re.search(r"loaded the best model: \S+step_0*(\d+) \(eval_loss ", r.output)
     assert best, r.output

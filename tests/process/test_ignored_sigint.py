@@ -27,5 +27,5 @@ def test_a_run_started_with_ampersand_by_a_script_says_ctrl_c_is_ignored_and_sto
     os.kill(pid, signal.SIGINT)  # what Ctrl+C would send: discarded by the kernel, the handler never sees it
     os.kill(pid, signal.SIGTERM)  # both pending together would be taken lowest number first: SIGINT would win
     assert p.finish() == PREEMPTED, p.output
-    assert re.search(r"^\[preempt\] stopping on SIGTERM .* at step 3 ", p.output, re.M), p.output
+    assert p.events_of("stop", cause="SIGTERM", step=3), p.events
     assert "Ctrl+C does not stop this run" in p.output and "exits 75, as Ctrl+C would" in p.output

@@ -102,7 +102,7 @@ def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference,
     info = CheckpointManager(save_dir, owner=False).list()[0]
     assert info.step == at and info.status == "valid", info
     r = resume(save_dir, final, args)
-    assert re.search(rf"resumed from \S+step_0*{at}: step {at}, epoch {where[0]}", r.output), r.output
+    assert r.events_of("resume", step=at, epoch=where[0]), r.events
     # the resumed process starts after the stopped step: no batch is trained twice, none skipped
     steps = [int(s) for s in re.findall(r"^step (\d+) ", r.output, flags=re.M)]
     assert steps[0] == at + 1 and steps == list(range(at + 1, steps[-1] + 1)), r.output
@@ -127,7 +127,7 @@ def test_a_stop_during_validation_lands_at_the_next_step_bit_exact(tmp_path, ref
     assert p.wait_event("holding", point="validation", n=2, step=10, timeout=120), p.output
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
-    assert re.search(r"stopping on SIGTERM .* at step 11 \(epoch 0, batch 11\)", p.output), p.output
+    assert p.events_of("stop", cause="SIGTERM", step=11, epoch=0, batch=11), p.events
     resume(save_dir, final, args)
     assert_same_final(reference(args), final)
 
@@ -147,7 +147,7 @@ def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
     p = stop_at(save_dir, args, 17, signal.SIGKILL)
     assert p.finish() == -signal.SIGKILL, p.output
     r = resume(save_dir, final, args)
-    assert re.search(r"resumed from \S+step_0*15: step 15, epoch 1", r.output), r.output
+    assert r.events_of("resume", step=15, epoch=1), r.events
     assert_same_final(reference(args), final)
 
 
@@ -158,7 +158,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_used(tmp_pat
     assert p.finish() == PREEMPTED, p.output
     flip_bit(save_dir / "step_000000017" / "model.safetensors")
     r = resume(save_dir, final, args)
-    assert re.search(r"resumed from \S+step_0*15: step 15", r.output), r.output
+    assert r.events_of("resume", step=15), r.events
     assert (save_dir / "quarantine").is_dir() and any((save_dir / "quarantine").iterdir()), r.output
     assert_same_final(reference(args), final)
 
@@ -208,11 +208,11 @@ def test_lightning_cli_from_a_yaml_config_stops_on_sigusr1_and_resumes_bit_exact
     assert p.wait_event("holding", point="step", n=19, timeout=120), p.output
     p.signal(signal.SIGUSR1)
     assert p.finish() == PREEMPTED, p.output
-    assert re.search(r"stopping on SIGUSR1 .* at step 19 ", p.output), p.output
+    assert p.events_of("stop", cause="SIGUSR1", step=19), p.events
     assert not list(tmp_path.rglob("hpc_ckpt_*")), "Lightning's own SLURM handler must not save"
     r = cli(tmp_path, "run", None, tmp_path / "final.safetensors")
     assert r.finish() == 0, r.output
-    assert re.search(r"resumed from \S+step_0*19: step 19", r.output), r.output
+    assert r.events_of("resume", step=19), r.events
     assert_same_final(tmp_path / "ref.safetensors", tmp_path / "final.safetensors")
 
 
@@ -224,14 +224,14 @@ def test_ddp_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_bit_e
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = Spawned(command(save_dir, None, [*args, "--hold_at_step", "8", "--hold_rank", "1"]))
     assert p.wait_event("holding", point="step", n=8, rank=1, timeout=180), p.output
-    os.kill(int(re.search(r"^rank 1 holding at step 8 pid (\d+)$", p.output, flags=re.M)[1]), signal.SIGTERM)
+    os.kill(p.events_of("holding", point="step", n=8, rank=1)[0]["pid"], signal.SIGTERM)
     assert p.finish(timeout=180) == PREEMPTED, p.output
-    assert re.search(r"stopping on a stop signal received by rank 1 at step 8 \(epoch 1, batch 2\)", p.output), p.output
+    assert p.events_of("stop", cause="signal", step=8, epoch=1, batch=2), p.events  # (rank 1's signal)
     info = CheckpointManager(save_dir, owner=False).list()[0]
     assert info.step == 8 and {"rank_00001.json", "model.safetensors"} <= set(info.manifest.files), info
     p = Spawned(command(save_dir, final, args))
     assert p.finish(timeout=180) == 0, p.output
-    assert re.search(r"resumed from \S+step_0*8: step 8, epoch 1", p.output), p.output
+    assert p.events_of("resume", step=8, epoch=1), p.events
     expected = reference(args)
     for rank in (0, 1):
         want = load_file(str(expected.with_suffix(f".rank{rank}.safetensors")))
@@ -281,7 +281,7 @@ def test_a_stop_at_the_last_step_of_the_last_epoch_resumes_to_completion(tmp_pat
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = stop_at(save_dir, [], 36, signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
-    assert re.search(r"stopping on SIGTERM .* at step 36 \(epoch 2, batch 12\)", p.output), p.output
+    assert p.events_of("stop", cause="SIGTERM", step=36, epoch=2, batch=12), p.events
     r = resume(save_dir, final, [])
     assert not re.search(r"^step \d+ ", r.output, flags=re.M) and "run complete: step 36, epoch 3" in r.output, r.output
     assert_same_final(reference([]), final)

@@ -126,7 +126,7 @@ def test_sigkill_at_random_points(tmp_path, reference):
     args = [*WORKERS0, "--step_sleep", "0.04", "--every_steps", "1", "--keep_last", "2"]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes.count(-signal.SIGKILL) >= 3, h.text
-    resumed = [int(s) for s in re.findall(r"resumed from .*step_(\d+)", h.text)]
+    resumed = [e["step"] for e in h.events_of("resume")]
     assert len(resumed) >= 3, h.text
     assert "corrupt" not in h.text and "quarantine" not in h.text, h.text
     assert not list((tmp_path / "run").glob(".tmp-*")), "a partial checkpoint was left behind"
@@ -174,7 +174,7 @@ def test_gradient_accumulation_saves_only_after_optimizer_steps(tmp_path, refere
     interrupts = [Interrupt(after=on("step"), delay=0.05)]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes == [PREEMPTED, 0], h.text
-    batches = [int(b) for b in re.findall(r"resumed from .*batch (\d+)/", h.text)]
+    batches = [e["batch"] for e in h.events_of("resume")]
     assert batches and all(b % 3 == 0 for b in batches), h.text
     assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
