@@ -300,7 +300,7 @@ class Reporter:
             self._loggers.close(code, preempted=isinstance(exc, Preempted))
             self._loggers = None
         if isinstance(exc, Preempted):
-            self.stop("stop", cause=exc.cause or None, code=exc.code, requeued=exc.requeued)
+            self.stop("stop", cause=exc.cause or None, code=exc.code, requeued=exc.requeued, checkpoint=exc.checkpoint)
         elif completed:
             self.stop("complete")
         else:

@@ -44,7 +44,8 @@ def test_sigterm_to_the_process_group_during_evaluation_stops_after_it_and_resum
     # the evaluation after step 5 finished; the stop was taken in its run.report() (README_PREEMPTION.md,
     # "Evaluation in the loop"), with a checkpoint of step 5 that holds the state after the evaluation
     assert re.search(r"^eval at step 5$", p.output, re.M), p.output
-    assert p.events_of("stop", cause="SIGTERM", step=5, epoch=0, batch=5)
+    stop = p.events_of("stop", cause="SIGTERM", step=5, epoch=0, batch=5)
+    assert stop and stop[0]["checkpoint"].endswith("step_000000005"), p.events
     rerun = Spawned(train_cmd(save_dir, final, args))
     assert rerun.finish() == 0, rerun.output
     assert re.search(r"resumed from .*step_000000005: step 5, epoch 0, batch 5", rerun.output), rerun.output
