@@ -20,10 +20,11 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -62,6 +63,35 @@ MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's 
 # ---------------------------------------------------------------------------- the scheduler
 
 
+class Writer(Protocol):
+    """What the scheduler asks of its background writer (:class:`~preempt.checkpoint.staging.BackgroundWriter`)."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def submit(self, job: Callable[[], Any]) -> Future[Any]: ...
+
+
+class Staging(Protocol):
+    """What the scheduler asks of its staging buffers (:class:`~preempt.checkpoint.staging.Stager`)."""
+
+    live: frozenset[str]  # files read where their tensors live, never copied
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def pinned(self) -> bool: ...
+
+    def prepare(self, payload: state.Payload) -> None: ...
+
+    def stage(self, payload: state.Payload) -> state.Payload: ...
+
+    def stage_lazily(
+        self, payload: state.Payload, later: Collection[SourceKey]
+    ) -> tuple[state.Payload, LazyCopy | None]: ...
+
+
 class SaveScheduler:
     """Writes the run's checkpoints (see the module docstring)."""
 
@@ -76,8 +106,8 @@ class SaveScheduler:
         clock: Callable[[], float] = time.monotonic,
         on_durable: Callable[[float, float, int], None] | None = None,
         on_saved: Callable[[SaveRecord, int], None] | None = None,
-        writer: Callable[[], Any] = BackgroundWriter,
-        stager: Callable[[], Any] = Stager,
+        writer: Callable[[], Writer] = BackgroundWriter,
+        stager: Callable[[], Staging] = Stager,
     ) -> None:
         self.manager = manager
         self.loop = loop
@@ -88,8 +118,8 @@ class SaveScheduler:
         self.on_durable = on_durable  # (seconds, now, step) of each durable save
         self.on_saved = on_saved  # (record, bytes) of each durable save
         self._new_writer, self._new_stager = writer, stager
-        self.stager: Any = None  # Stager, while background saves are possible
-        self.writer: Any = None  # BackgroundWriter
+        self.stager: Staging | None = None  # while background saves are possible
+        self.writer: Writer | None = None
         self.job: Job | None = None  # the writer's current job, until collected
         self.postponed: Reason | None = None
         self.prepare_at: int | None = None  # the step after which the buffers are sized for the optimizer
@@ -138,7 +168,7 @@ class SaveScheduler:
         elif not self.peers.leader:
             return
         self.stager, self.writer = self._new_stager(), self._new_writer()
-        if self.snapshot.group_frozen and hasattr(self.stager, "live"):
+        if self.snapshot.group_frozen:
             self.stager.live = frozenset({state.BASE_FILE})  # the frozen base is read where it lives, never copied
         optimizer = self.snapshot.components.optimizer
         if lazy and optimizer is not None and self.writers is None:
@@ -295,13 +325,22 @@ class SaveScheduler:
             files = info.manifest.files if info.manifest is not None else {}
             self.on_saved(self.last_save, sum(d.size for d in files.values()))
 
+    def _staging(self) -> Staging:
+        assert self.stager is not None  # (asked only while background saves are possible)
+        return self.stager
+
+    def _writer(self) -> Writer:
+        assert self.writer is not None  # (asked only after start())
+        return self.writer
+
     def _copy(self, payload: Any) -> Any:
         """The state copied into the staging buffers (lazily: see start()); None: save synchronously (from now on)."""
+        stager = self._staging()
         try:
             if self.lazy:
-                staged, self.pending = self.stager.stage_lazily(payload, self._lazy_sources())
+                staged, self.pending = stager.stage_lazily(payload, self._lazy_sources())
                 return staged
-            return self.stager.stage(payload)
+            return stager.stage(payload)
         except (MemoryError, RuntimeError) as e:  # e.g. pinned memory refused
             log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
             self.stager = None
@@ -311,7 +350,7 @@ class SaveScheduler:
         """For a synchronous save: ``payload`` copied into the staging buffers, whose files are then written without
         the page cache (see :data:`~preempt.run.save_plan.STAGE_SYNCHRONOUS`); the live payload where that fails."""
         try:
-            return self.stager.stage(payload)
+            return self._staging().stage(payload)
         except (MemoryError, RuntimeError) as e:
             log.warning("could not copy the state into the staging buffers (%s); writing it from the tensors", e)
             return payload
@@ -340,7 +379,7 @@ class SaveScheduler:
         the distributed commit (:func:`preempt.cluster.distributed.save_ranked`, DCP writing the staged pieces) with the
         other ranks' writers, on their own group. Not cancellable: a rank that left the commit's collectives alone
         would leave the others waiting; a stop waits for it instead."""
-        staged = self.stager.stage(payload)  # no fallback here: every rank must take the same path
+        staged = self._staging().stage(payload)  # no fallback here: every rank must take the same path
         shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)), self._shard_views)
         writers, manager, rank = self.writers, self.manager, self.peers.rank
 
@@ -365,7 +404,7 @@ class SaveScheduler:
             with commit.cancellable(event):
                 return write()
 
-        self.job = Job(JobKind.SAVE, self.writer.submit(job), record, reason, t0, event)
+        self.job = Job(JobKind.SAVE, self._writer().submit(job), record, reason, t0, event)
         log.debug("step %d staged in %s; writing in the background", manifest.step, _log.duration(t1 - t0))
 
     def wait(self, timeout: float | None = None) -> Path | None:
@@ -581,7 +620,7 @@ class SaveScheduler:
             with commit.cancellable(cancel):
                 return recycle.reserve(manager.save_dir, sizes)
 
-        self.job = Job(JobKind.RESERVE, self.writer.submit(job), started=self.clock(), cancel=cancel)
+        self.job = Job(JobKind.RESERVE, self._writer().submit(job), started=self.clock(), cancel=cancel)
 
     def _failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
         loop = self.loop
