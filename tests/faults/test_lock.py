@@ -59,7 +59,7 @@ def hold_lock(save_dir: Path, purpose: str = "other job") -> subprocess.Popen:
 
 
 def test_a_save_dir_held_by_another_process_ends_the_script_with_one_line_and_exit_1(tmp_path):
-    """Issue 31: the script raising out of PreemptibleRun(...) shows LockedError's message on one line, no
+    """The script raising out of PreemptibleRun(...) shows LockedError's message on one line, no
     traceback, exit status 1 (before: a traceback around the message)."""
     save_dir = tmp_path / "run"
     holder = hold_lock(save_dir)
@@ -100,7 +100,7 @@ def test_a_locked_error_caught_by_the_script_is_an_ordinary_exception(tmp_path):
 
 @pytest.mark.parametrize("mode", ["background", "sync"])
 def test_a_save_dir_deleted_and_made_again_stops_the_orphan_and_the_new_run_keeps_its_files(tmp_path, mode):
-    """Issue 31: a process still training in a save_dir that was deleted and made again under it (an orphan of a
+    """A process still training in a save_dir that was deleted and made again under it (an orphan of a
     cancelled job), while a new run uses the new directory: at its next checkpoint the orphan finds that the
     directory and lock file are not the ones it locked, writes nothing there and ends with one line (exit 1);
     the new run's files are untouched and it completes. Before: the orphan's checkpoint was written into the new
