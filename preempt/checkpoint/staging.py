@@ -372,11 +372,13 @@ class BackgroundWriter:
         self.name = name
         self.niceness = niceness  # the thread yields the CPU to the training loop (Linux: per-thread nice)
         self._future: Future[Any] | None = None
+        self._idle = threading.Event()  # no job runs (read at every run.step() while one does: no lock, unlike done())
+        self._idle.set()
 
     @property
     def busy(self) -> bool:
         """A job is running."""
-        return self._future is not None and not self._future.done()
+        return not self._idle.is_set()
 
     def submit(self, job: Callable[[], Any]) -> Future[Any]:
         """Starts ``job`` in the thread; returns its future.
@@ -389,6 +391,7 @@ class BackgroundWriter:
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()
         self._future = future
+        self._idle.clear()
         threading.Thread(target=self._run, args=(job, future), name=self.name, daemon=True).start()
         return future
 
@@ -400,3 +403,5 @@ class BackgroundWriter:
             future.set_exception(e)
         else:
             future.set_result(result)
+        finally:
+            self._idle.set()

@@ -191,7 +191,7 @@ class SaveScheduler:
 
     def finished(self) -> bool:
         """The job in flight has ended and its outcome waits to be taken."""
-        return self.job is not None and self.job.future.done()
+        return self.job is not None and self.writer is not None and not self.writer.busy
 
     def tend(self) -> None:
         """Takes the outcome of a finished job; sizes the buffers for the optimizer once it has state."""
