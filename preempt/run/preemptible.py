@@ -37,7 +37,7 @@ import os
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -65,6 +65,9 @@ from .save_policy import Reason, SaveFacts, decide, next_due
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
 from .stopping import Stopper
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # (typing's from Python 3.11)
 
 __all__ = ["PreemptibleRun", "RunConfig", "SaveRecord"]
 

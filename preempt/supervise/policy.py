@@ -25,8 +25,11 @@ from ..errors import (
 
 
 # Causes of an attempt's end.
-class Cause(enum.StrEnum):
+class Cause(str, enum.Enum):
     """Why an attempt ended (a str: it is written as it is to the supervisor's JSON and log)."""
+
+    def __str__(self) -> str:  # "oom", not "Cause.OOM", in f-strings on every Python
+        return str(self.value)
 
     COMPLETE = "complete"
     PREEMPTED = "preempted"
