@@ -371,7 +371,6 @@ class BackgroundWriter:
     def __init__(self, name: str = "preempt-writer", niceness: int = 10) -> None:
         self.name = name
         self.niceness = niceness  # the thread yields the CPU to the training loop (Linux: per-thread nice)
-        self._future: Future[Any] | None = None
         self._idle = threading.Event()  # no job runs (read at every run.step() while one does: no lock, unlike done())
         self._idle.set()
 
@@ -390,7 +389,6 @@ class BackgroundWriter:
             raise RuntimeError(f"{self.name}: a job is still running; wait for its future before submitting another")
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()
-        self._future = future
         self._idle.clear()
         threading.Thread(target=self._run, args=(job, future), name=self.name, daemon=True).start()
         return future

@@ -297,11 +297,15 @@ def reached(point: str) -> None:
         action(point, n)
 
 
-def wait_for_stop() -> None:
-    """Waits until the run has been asked to stop (the test's signal, or one this process sent itself), at most
-    HOLD_LIMIT_S: the state is reached by the signal, the short polls only let its handler run in the main thread."""
+def wait_for_stop(run=None) -> None:
+    """Waits until ``run`` (default: this script's) has been asked to stop (the test's signal, or one this process
+    sent itself), at most HOLD_LIMIT_S: the state is reached by the signal, the short polls only let its handler run
+    in the main thread. The other training scripts of the suite hold with this too."""
     deadline = time.monotonic() + HOLD_LIMIT_S
-    while not (_runs and _runs[0].stop_requested) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        held = run if run is not None else (_runs[0] if _runs else None)
+        if held is not None and held.stop_requested:
+            return
         time.sleep(0.005)
 
 

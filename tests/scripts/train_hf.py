@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import HOLD_LIMIT_S, flatten  # noqa: E402
+from train import flatten, wait_for_stop  # noqa: E402
 
 import preempt.hf  # noqa: E402
 from preempt import _testing  # noqa: E402
@@ -53,13 +52,6 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def wait_for_stop(driver) -> None:
-    """Until the run has been asked to stop (the test's signal), at most HOLD_LIMIT_S."""
-    deadline = time.monotonic() + HOLD_LIMIT_S
-    while not driver.run.stop_requested and time.monotonic() < deadline:
-        time.sleep(0.005)
-
-
 class Steps(transformers.TrainerCallback):
     """Prints each optimizer step; holds at one until the run is asked to stop (--hold_at_step)."""
 
@@ -79,7 +71,7 @@ class Steps(transformers.TrainerCallback):
         if self.steps == self.hold_at and args.process_index == self.hold_rank:
             print(f"{rank}holding at step {state.global_step} pid {os.getpid()}", flush=True)
             _testing.emit("holding", point="step", n=state.global_step, rank=args.process_index, pid=os.getpid())
-            wait_for_stop(self.driver)
+            wait_for_stop(self.driver.run)
             print(f"released at step {state.global_step}", flush=True)
 
     def on_prediction_step(self, args, state, control, **kwargs):
@@ -88,7 +80,7 @@ class Steps(transformers.TrainerCallback):
             if self.evaluations == self.hold_in_eval:
                 print(f"holding in evaluation {self.evaluations} after step {state.global_step}", flush=True)
                 _testing.emit("holding", point="evaluation", n=self.evaluations, step=state.global_step)
-                wait_for_stop(self.driver)
+                wait_for_stop(self.driver.run)
         self.in_eval += 1
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import HOLD_LIMIT_S, Synthetic, flatten  # noqa: E402
+from train import Synthetic, flatten, wait_for_stop  # noqa: E402
 
 from preempt import _testing  # noqa: E402
 from preempt.lightning import PreemptCallback  # noqa: E402
@@ -69,7 +69,7 @@ class Net(L.LightningModule):
             if self.validations == self.hold_in_validation:  # --hold_in_validation: the signal comes during it
                 print(f"holding in validation {self.validations} after step {self.trainer.global_step}", flush=True)
                 _testing.emit("holding", point="validation", n=self.validations, step=self.trainer.global_step)
-                wait_for_stop(self.trainer)
+                wait_for_stop(held_run(self.trainer))
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
@@ -122,17 +122,13 @@ class Steps(L.Callback):
         if self.steps == self.hold_at and trainer.global_rank == self.hold_rank:
             print(f"{rank}holding at step {trainer.global_step} pid {os.getpid()}", flush=True)
             _testing.emit("holding", point="step", n=trainer.global_step, rank=trainer.global_rank, pid=os.getpid())
-            wait_for_stop(trainer)
+            wait_for_stop(held_run(trainer))
             print(f"{rank}released at step {trainer.global_step}", flush=True)
 
 
-def wait_for_stop(trainer: L.Trainer) -> None:
-    """Until the run has been asked to stop (the test's signal), at most HOLD_LIMIT_S: the state is reached by the
-    signal; the short polls only let its handler run in the main thread."""
-    preempt = next(cb for cb in trainer.callbacks if isinstance(cb, PreemptCallback))
-    deadline = time.monotonic() + HOLD_LIMIT_S
-    while not preempt.run.stop_requested and time.monotonic() < deadline:
-        time.sleep(0.005)
+def held_run(trainer: L.Trainer):
+    """The PreemptibleRun of the trainer's PreemptCallback."""
+    return next(cb for cb in trainer.callbacks if isinstance(cb, PreemptCallback)).run
 
 
 def write_final(path: str, module: Net, trainer: L.Trainer) -> None:
