@@ -366,13 +366,20 @@ def _lower_priority(niceness: int) -> None:
 
 class BackgroundWriter:
     """Runs one job at a time in a named daemon thread; each job is a :class:`concurrent.futures.Future` that holds
-    its result or its exception (never lost: whoever holds the future takes it)."""
+    its result or its exception (never lost: whoever holds the future takes it).
+
+    The thread drops the job (and the tensors its closure holds) before the future is done, and whoever takes the
+    outcome joins it (:meth:`join`): no thread of ours outlives the run holding torch objects. One that did could
+    free them while the interpreter finalizes, where a thread that needs the GIL is ended with ``pthread_exit``:
+    unwinding through torch's C++ aborts the process ("terminate called without an active exception").
+    """
 
     def __init__(self, name: str = "preempt-writer", niceness: int = 10) -> None:
         self.name = name
         self.niceness = niceness  # the thread yields the CPU to the training loop (Linux: per-thread nice)
         self._idle = threading.Event()  # no job runs (read at every run.step() while one does: no lock, unlike done())
         self._idle.set()
+        self._thread: threading.Thread | None = None
 
     @property
     def busy(self) -> bool:
@@ -387,19 +394,33 @@ class BackgroundWriter:
         """
         if self.busy:
             raise RuntimeError(f"{self.name}: a job is still running; wait for its future before submitting another")
+        self.join()
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()
         self._idle.clear()
-        threading.Thread(target=self._run, args=(job, future), name=self.name, daemon=True).start()
+        # in a list the thread empties: the Thread's own arguments would hold the job until the thread ends
+        self._thread = threading.Thread(target=self._run, args=([job], future), name=self.name, daemon=True)
+        self._thread.start()
         return future
 
-    def _run(self, job: Callable[[], Any], future: Future[Any]) -> None:
+    def join(self) -> None:
+        """Waits until the thread of the last job has ended (its future is done first)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def _run(self, box: list[Callable[[], Any]], future: Future[Any]) -> None:
         _lower_priority(self.niceness)
+        job = box.pop()
+        error: BaseException | None = None
+        result: Any = None
         try:
             result = job()
         except BaseException as e:  # kept for the loop; a thread's exception would otherwise only be printed
-            future.set_exception(e)
+            error = e
+        del job  # released here, before anyone sees the future done
+        self._idle.set()
+        if error is not None:
+            future.set_exception(error)
         else:
             future.set_result(result)
-        finally:
-            self._idle.set()

@@ -71,6 +71,8 @@ class Writer(Protocol):
 
     def submit(self, job: Callable[[], Any]) -> Future[Any]: ...
 
+    def join(self) -> None: ...
+
 
 class Staging(Protocol):
     """What the scheduler asks of its staging buffers (:class:`~preempt.checkpoint.staging.Stager`)."""
@@ -443,6 +445,7 @@ class SaveScheduler:
             result, error = job.future.result(), None
         except Exception as e:
             result, error = None, e
+        self._writer().join()  # its thread has ended: it holds nothing of the state now
         outcome = outcome_of(job.kind, error)
         if outcome in _NOT_ON_DISK:
             self.loop.changed()  # that state is not on disk: a stop or the end must save again

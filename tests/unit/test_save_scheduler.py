@@ -107,7 +107,7 @@ class FakeWriter:
 
     def __init__(self) -> None:
         self.future: _HeldFuture | None = None
-        self.submitted = 0
+        self.submitted = self.joined = 0
 
     @property
     def busy(self) -> bool:
@@ -118,6 +118,10 @@ class FakeWriter:
         self.future = _HeldFuture(job)
         self.submitted += 1
         return self.future
+
+    def join(self) -> None:
+        assert self.future is not None and self.future.done(), "joined before the job's outcome was taken"
+        self.joined += 1
 
     def finish(self) -> None:
         assert self.future is not None
@@ -169,6 +173,7 @@ def test_a_background_save_is_staged_then_written_and_a_periodic_one_waits_for_i
     assert saves.pick(None) is R.STEPS  # the write that postponed it ended
     saves.save(R.STEPS, "step")
     assert saves.postponed is None and writer.submitted == 4  # prepare, the pool ahead, step 1, step 2
+    assert writer.joined == 3  # each job whose outcome was taken: its thread is gone
 
 
 def test_a_stop_cancels_a_periodic_write_in_flight_and_saves_synchronously(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -101,6 +102,29 @@ def test_writer_runs_one_job_at_a_time_and_its_future_keeps_the_result_or_the_er
     with pytest.raises(OSError, match="No space left"):
         failed.result(timeout=30)
     assert isinstance(failed.exception(), OSError)  # kept: whoever holds the future sees it
+
+
+def test_the_writer_thread_lets_go_of_the_job_before_its_future_is_done_and_join_waits_for_its_end():
+    """What the job's closure holds (the staged tensors) is released in the writer's thread before anyone sees the
+    future done, and after join() the thread is gone: none is left to free torch objects at interpreter exit."""
+    w = BackgroundWriter()
+    order: list[str] = []
+
+    class Held:
+        def __del__(self) -> None:
+            order.append(f"released in {threading.current_thread().name}")
+
+    def job_holding(held: Held, go: threading.Event) -> Callable[[], int]:
+        return lambda: 7 if go.wait(30) and held is not None else 0
+
+    go = threading.Event()
+    future = w.submit(job_holding(Held(), go))  # the writer holds the only reference
+    future.add_done_callback(lambda f: order.append("done"))  # run by the thread that sets the result
+    go.set()
+    assert future.result(timeout=30) == 7 and not w.busy
+    w.join()
+    assert order == ["released in preempt-writer", "done"]
+    assert not [t for t in threading.enumerate() if t.name == "preempt-writer"]
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
