@@ -18,6 +18,8 @@ torch is imported inside the functions that need it: the checkpoint commands, wh
 - ``DataLoader.dataset`` set after construction (DataLoader's ``__setattr__`` refuses it), and ``DataLoader.__iter__``
   replaced while a run is active.
 - ``torch.distributed.checkpoint.filesystem._StorageInfo``: where a DCP item lies in its file.
+- ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: where a DTensor's local piece lies in the
+  whole tensor (DCP's planner asks the same).
 - DCP's ``save``/``load`` keyword ``no_dist`` and ``Metadata.version`` (public, but absent before torch 2.7).
 """
 
@@ -61,6 +63,34 @@ def sharded_tensor_types() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover - a torch without it
         return kinds
     return (*kinds, ShardedTensor)
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """A DTensor's local tensor, as ``to_local()`` returns it but without its autograd function (``_local_tensor``)."""
+    import torch
+
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()
+
+
+def local_piece(t: Any) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A tensor's local piece and where it begins in the whole tensor: a DTensor's local shard and its offset
+    (``compute_local_shape_and_global_offset``); any other tensor is its own piece, at offset 0.
+
+    Raises:
+        ValueError: The DTensor's local tensor is not the piece its placements describe.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t, (0,) * t.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = dtensor_local(t)
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"a local piece of shape {tuple(local.shape)} where its placements say {tuple(shape)}")
+    return local, tuple(int(i) for i in offset)
 
 
 def dcp_no_dist(function: Callable[..., Any], single_process: bool) -> dict[str, bool]:

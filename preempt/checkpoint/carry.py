@@ -39,10 +39,12 @@ shared by ``carry_limit`` checkpoints is written afresh at the next one (a new i
 checkpoint that shares no file with the newest (:func:`preempt.checkpoint.retention.select_kept`), so that a
 damaged shared file always leaves an older valid checkpoint to fall back to.
 
-**Not covered.** Sharded (DCP) state is written by DCP into its own files every time: DCP's format has no notion
-of a file carried from another checkpoint, and its shards hold trained and frozen tensors together. Under DDP
-rank 0 writes the replicated state and carries as a single process does; the other ranks' files (their random
-state) change at every checkpoint anyway.
+**Many ranks.** Under DDP rank 0 writes the replicated state and carries as a single process does; the other ranks'
+files (their random state) change at every checkpoint anyway. Under FSDP2 (DTensor state) each rank puts its own
+pieces of the frozen base in a file of its own (``base_0000R.safetensors``, :func:`preempt.cluster.sharded.base_apart`)
+rather than in DCP's files, and carries it as one process carries ``base.safetensors``: each rank decides for its own
+file, so the ranks need no agreement on it; rank 0's commit tells the others that their files are durable
+(:meth:`preempt.checkpoint.manager.CheckpointManager.committed`).
 
 No disk here but :func:`exists`; the pure decisions (:func:`fingerprint`, :func:`decide`, :func:`check_due`) are
 unit-tested with made-up facts.

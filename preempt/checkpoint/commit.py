@@ -93,6 +93,7 @@ from . import direct_io, safe_io
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"  # the model's state_dict (without BASE_FILE's tensors)
 BASE_FILE = "base.safetensors"  # the model's frozen parameters that no optimizer holds (likely unchanged: carried)
+SHARD_BASE = "base_{rank:05d}.safetensors"  # sharded state: rank r's pieces of that base (preempt.cluster.sharded)
 STATE_FILE = "state.safetensors"  # every other tensor
 STATE_JSON = "state.json"  # everything else (no pickle)
 COMPLETE = "complete.json"

@@ -380,6 +380,10 @@ class CheckpointManager:
             wanted.append(state.BASE_FILE)
             bufs[state.BASE_FILE] = read_verified(info.path / state.BASE_FILE, manifest.files[state.BASE_FILE])
         model = {} if sharded else parse_tensors(bufs[state.MODEL_FILE], info.path / state.MODEL_FILE)[0]
+        shard_bases = []
+        for fname in sorted(f for f in manifest.files if sharded and state.is_shard_base_file(f)):
+            bufs[fname] = read_verified(info.path / fname, manifest.files[fname])  # the ranks' pieces of the base
+            shard_bases.append((str(info.path / fname), *parse_tensors(bufs[fname], info.path / fname)))
         if state.BASE_FILE in bufs:
             base = parse_tensors(bufs[state.BASE_FILE], info.path / state.BASE_FILE)[0]
             twice = sorted(model.keys() & base.keys())
@@ -418,7 +422,7 @@ class CheckpointManager:
         # copied into the model, and state.apply gives the optimizer's tensors their own memory unless
         # loading already moved them (to the parameters' GPU).
         mapped = tuple((b.ctypes.data, b.nbytes) for b in bufs.values() if isinstance(b, np.ndarray) and b.nbytes)
-        return state.Loaded(str(info.path), model, tree, mapped, sharded)
+        return state.Loaded(str(info.path), model, tree, mapped, sharded, tuple(shard_bases))
 
     # ------------------------------------------------------------------ save
 
@@ -528,6 +532,12 @@ class CheckpointManager:
         manifest = Manifest(step=step, cursor=Cursor(), reason=reason, created=time.time(), files={})
         payload = state.capture(components, run_state, group_frozen=self.carrier.enabled)
         return self.save(self.plan(payload, step), manifest)
+
+    def committed(self, info: CheckpointInfo) -> None:
+        """Another process (rank 0) committed ``info``, which holds files this one wrote: the next checkpoint may
+        carry them (:meth:`Carrier.durable`)."""
+        if info.manifest is not None:
+            self.carrier.durable(info.path, info.step, info.manifest.files)
 
     def plan(self, payload: state.Payload, step: int, *, urgent: bool = False) -> state.Payload:
         """``payload`` with its unchanged tensor files to be carried (:meth:`Carrier.plan`), at the step, before

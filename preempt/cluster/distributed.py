@@ -335,4 +335,6 @@ def save_ranked(
     if coord.rank == 0 or outcome[0] == "deferred":
         return result
     path = Path(outcome[1])
-    return CheckpointInfo(path, manifest.step, "valid", read_manifest(path / MANIFEST))
+    info = CheckpointInfo(path, manifest.step, "valid", read_manifest(path / MANIFEST))
+    manager.committed(info)  # this rank's files in it are durable: the next checkpoint may carry them
+    return info

@@ -19,6 +19,14 @@ is listed with its digest in the manifest and verified before DCP reads it.
 The optimizer's state is keyed by parameter name, so the same checkpoint
 loads into an unsharded model and optimizer on one process.
 
+The frozen base of a fine-tuning (parameters with ``requires_grad=False``
+that no optimizer holds) is not DCP's: each rank writes its local pieces of
+it into a tensor file of its own, with where each piece lies in the whole
+tensor (:func:`base_apart`), which the next checkpoint links while the pieces
+are unchanged (:mod:`preempt.checkpoint.carry`). Loading copies the pieces
+into whatever sharding the model has now, one process included
+(:func:`load_base`).
+
 In the background (``async_save``, under torch.distributed): each rank copies
 the local pieces into host buffers (:func:`local_payload`), DCP is handed
 DTensors rebuilt around those copies (:func:`staged`), and the ranks' writers
@@ -31,7 +39,7 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +50,11 @@ from .._torch_compat import (
     dcp_metadata_version,
     dcp_no_dist,
     dcp_storage_info,
+    dtensor_local,
+    local_piece,
     sharded_tensor_types,
 )
-from ..checkpoint import codec
+from ..checkpoint import codec, state
 from ..checkpoint.manager import SHARDED_INDEX
 from ..checkpoint.state import Payload
 
@@ -140,10 +150,7 @@ def staged(tensors: dict[str, Any], copy: Payload, cache: dict[str, Any] | None 
 def _local(v: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(v, DTensor):
-        return v
-    local = getattr(v, "_local_tensor", None)  # what to_local() returns, without its autograd function
-    return local if isinstance(local, torch.Tensor) else v.to_local()
+    return dtensor_local(v) if isinstance(v, DTensor) else v
 
 
 def save(directory: Path, tensors: dict[str, Any], rank: int, group: Any = None) -> list[str]:
@@ -160,12 +167,20 @@ def save(directory: Path, tensors: dict[str, Any], rank: int, group: Any = None)
 
 
 def load_into(
-    directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, rest: Any, where: str
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    rest: Any,
+    where: str,
+    bases: Sequence[tuple[str, dict[str, torch.Tensor], dict[str, str]]] = (),
 ) -> None:
     """Loads a sharded checkpoint into ``model`` and ``optimizer`` as they are sharded now (any world size).
 
+    ``bases``: the ranks' files of the frozen base (path, tensors, metadata), verified: their pieces are copied
+    into the model's tensors (:func:`load_base`), DCP reads the rest.
+
     Raises:
-        ValueError: The optimizer's saved groups do not match this one's.
+        ValueError: The optimizer's saved groups do not match this one's, or the base's pieces do not fit the model.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -174,8 +189,12 @@ def load_into(
             raise ValueError(f"{where}: sharded optimizer state: expected param_groups")
         _materialize(optimizer)
     tensors, now = split_state(model, optimizer)
+    pieces = base_pieces(bases)
+    for key in pieces:
+        tensors.pop(_MODEL + key, None)
     with _single_process_quiet():
         dcp.load(tensors, storage_reader=_reader(directory), **dcp_no_dist(dcp.load, not _distributed()))  # in place
+    load_base(model, pieces, f"{directory} (the ranks' {state.SHARD_BASE.format(rank=0).replace('00000', 'N')})")
     if optimizer is None:
         return
     saved = rest["param_groups"]
@@ -186,6 +205,130 @@ def load_into(
     names = {id(p): n for n, p in model.named_parameters()}
     for param, per_param in optimizer.state.items():
         per_param.update((rest.get("state") or {}).get(names[id(param)], {}))
+
+
+# ------------------------------------------------------------------ the frozen base, apart
+
+Box = tuple[tuple[int, int], ...]  # per dimension: (where it begins in the whole tensor, how many)
+# a frozen tensor's saved pieces, by key: (its whole shape, [(where a piece begins, the piece)])
+Pieces = dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]]
+
+
+def base_apart(
+    tensors: dict[str, Any], frozen: set[str]
+) -> tuple[dict[str, Any], tuple[dict[str, torch.Tensor], dict[str, str]] | None]:
+    """(``tensors`` without the frozen base; this rank's pieces of it as a tensor file, or None: there are none).
+
+    ``frozen``: the model's state-dict keys of the parameters no optimizer holds (:func:`state.frozen_keys`). Each
+    DTensor among them leaves DCP's files: its local piece goes into this rank's own file, whose metadata records
+    every tensor's whole shape and where the piece begins (:data:`LAYOUT`), so that any number of ranks can load it.
+    A frozen tensor that is not a DTensor (every rank holds all of it) stays with DCP, which writes it once.
+    """
+    from torch.distributed.tensor import DTensor
+
+    kept = dict(tensors)
+    pieces: dict[str, torch.Tensor] = {}
+    layout: dict[str, Any] = {}
+    for key in sorted(frozen):
+        v = tensors.get(_MODEL + key)
+        if not isinstance(v, DTensor):
+            continue
+        try:
+            local, offset = local_piece(v)
+        except ValueError:
+            continue  # a layout this cannot describe: DCP writes it
+        del kept[_MODEL + key]
+        pieces[key] = local
+        layout[key] = {"size": list(v.shape), "offset": list(offset)}
+    if not pieces:
+        return kept, None
+    return kept, (pieces, {"format": "pt", LAYOUT: json.dumps(layout, sort_keys=True, separators=(",", ":"))})
+
+
+LAYOUT = "preempt.layout"  # a base file's metadata: {key: {"size": whole shape, "offset": where its piece begins}}
+
+
+def base_pieces(
+    bases: Sequence[tuple[str, dict[str, torch.Tensor], dict[str, str]]],
+) -> Pieces:
+    """Every frozen tensor's whole shape and its saved pieces (offset, tensor), from the ranks' base files.
+
+    Raises:
+        ValueError: A file's layout is missing or does not describe its tensors (naming the file and the tensor),
+            or two files disagree on a tensor's shape or dtype.
+    """
+    out: Pieces = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for where, tensors, meta in bases:
+        try:
+            layout = json.loads(meta.get(LAYOUT, "null"))
+        except ValueError:
+            layout = None
+        if not isinstance(layout, dict) or set(layout) != set(tensors):
+            raise ValueError(f"{where}: its metadata {LAYOUT!r} does not list exactly the tensors the file holds")
+        for key, t in tensors.items():
+            entry = layout[key]
+            size = _ints(entry.get("size") if isinstance(entry, dict) else None, t.dim())
+            offset = _ints(entry.get("offset") if isinstance(entry, dict) else None, t.dim())
+            if size is None or offset is None or any(o + n > z for o, n, z in zip(offset, t.shape, size, strict=True)):
+                raise ValueError(f"{where}: {key!r}: a piece of shape {tuple(t.shape)} and layout {entry} does not fit")
+            whole, saved = out.setdefault(key, (size, []))
+            if whole != size or dtypes.setdefault(key, t.dtype) != t.dtype:
+                raise ValueError(f"{where}: {key!r}: {size} {t.dtype}, where another rank's file says {whole}")
+            saved.append((offset, t))
+    return out
+
+
+def _ints(x: Any, n: int) -> tuple[int, ...] | None:
+    if not isinstance(x, list) or len(x) != n or not all(type(i) is int and i >= 0 for i in x):
+        return None
+    return tuple(x)
+
+
+def overlap(a: tuple[int, ...], a_shape: Sequence[int], b: tuple[int, ...], b_shape: Sequence[int]) -> Box | None:
+    """Where the box of shape ``a_shape`` at ``a`` and the one of shape ``b_shape`` at ``b`` meet (None: nowhere)."""
+    box = []
+    for a0, an, b0, bn in zip(a, a_shape, b, b_shape, strict=True):
+        lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
+        if lo >= hi:
+            return None
+        box.append((lo, hi - lo))
+    return tuple(box)
+
+
+def load_base(model: torch.nn.Module, pieces: Pieces, where: str) -> None:
+    """Copies the saved pieces of the frozen base into the model's tensors as they are sharded now (each rank
+    its own piece of each; one process, the whole tensors).
+
+    Raises:
+        ValueError: A tensor the model lacks, of another shape or dtype, or pieces that do not cover this rank's.
+    """
+    if not pieces:
+        return
+    live = model.state_dict()
+    with torch.no_grad():
+        for key, (size, saved) in pieces.items():
+            target = live.get(key)
+            if not isinstance(target, torch.Tensor):
+                raise ValueError(f"{where}: holds {key!r}, which the model has not")
+            if tuple(target.shape) != size:
+                raise ValueError(f"{where}: {key!r} is {list(size)} there and {list(target.shape)} in the model")
+            local, offset = local_piece(target)
+            covered = 0
+            for at, t in saved:
+                if t.dtype != local.dtype:
+                    raise ValueError(f"{where}: {key!r} is {t.dtype} there and {local.dtype} in the model")
+                box = overlap(offset, local.shape, at, t.shape)
+                if box is None:
+                    continue
+                dst, src = local, t
+                for d, (lo, n) in enumerate(box):
+                    dst, src = dst.narrow(d, lo - offset[d], n), src.narrow(d, lo - at[d], n)
+                dst.copy_(src)
+                covered += src.numel()
+            if covered != local.numel():
+                have = local.numel()
+                raise ValueError(f"{where}: the pieces of {key!r} cover {covered} of this rank's {have} values")
 
 
 @contextlib.contextmanager

@@ -281,8 +281,8 @@ class Starter:
         self.loop.restored(m.step, c, m.metrics, m.best, epoch_so_far(tree.get("epoch"), str(info.path)))
         self.data.resume = Resume(info, c, rng_now, rng_epoch, m.sampler, data.get("loader"))
         self.saves.loaded(info)
-        if not loaded.sharded:  # the files the live tensors now match may be carried by the next checkpoint
-            self.manager.loaded(info, self.snapshot.tensors())
+        # the files the live tensors now match may be carried by the next checkpoint
+        self.manager.loaded(info, snap.base(snap.split()[0])[1] if snap.sharded else snap.tensors())
         self.resumed_from = info.path
         age = _log.duration(max(0.0, time.time() - m.created))
         of = f"/{c.batches_per_epoch}" if c.batches_per_epoch >= 0 else ""
@@ -308,7 +308,12 @@ class Starter:
         try:
             rest = (loaded.tree.get("sharded") or {}).get("optimizer")
             sharded.load_into(
-                info.path, state.unwrap_model(c.model), c.optimizer, rest, f"{info.path}/{state.STATE_JSON}"
+                info.path,
+                state.unwrap_model(c.model),
+                c.optimizer,
+                rest,
+                f"{info.path}/{state.STATE_JSON}",
+                loaded.shard_bases,
             )
         except (ValueError, KeyError, RuntimeError) as e:
             raise IncompatibleStateError(f"{info.path}: sharded state does not load: {e}") from e

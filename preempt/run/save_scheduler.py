@@ -171,7 +171,8 @@ class SaveScheduler:
             return
         self.stager, self.writer = self._new_stager(), self._new_writer()
         if self.snapshot.group_frozen:
-            self.stager.live = frozenset({state.BASE_FILE})  # the frozen base is read where it lives, never copied
+            # the frozen base is read where it lives, never copied
+            self.stager.live = frozenset({state.BASE_FILE, state.shard_base_file(self.peers.rank)})
         optimizer = self.snapshot.components.optimizer
         if lazy and optimizer is not None and self.writers is None:
             self.lazy = True

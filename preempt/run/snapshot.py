@@ -89,22 +89,41 @@ class Snapshot:
         assert c.model is not None  # (sharded: the model holds DTensors)
         return sharded.split_state(state.unwrap_model(c.model), c.optimizer)
 
+    def base(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], state.Payload]:
+        """Sharded state: (``tensors`` without the frozen base; this rank's file of its pieces, when grouped and any).
+
+        The base's pieces go into a tensor file of this rank's (:func:`sharded.base_apart`), which the next
+        checkpoint carries while they are unchanged, as one process carries ``base.safetensors``.
+        """
+        c = self.components
+        files: dict[str, Any] = {}
+        if self.group_frozen and c.model is not None:
+            tensors, base = sharded.base_apart(tensors, state.frozen_keys(c.model, c.optimizer))
+            if base is not None:
+                files[state.shard_base_file(self.rank)] = base
+        return tensors, state.Payload(tensor_files=files, json_files={})
+
     def content(self) -> tuple[state.Payload, dict[str, Any] | None]:
         """What this process writes, and the live sharded tensors DCP writes for it (None: the state is not sharded).
 
-        The files: everything on rank 0; under torch.distributed, only its RNG on the others.
+        The files: everything on rank 0; under torch.distributed, only its RNG on the others; with sharded state,
+        each rank's pieces of the frozen base besides (:meth:`base`).
         """
         split = self.split() if self.sharded else None
-        shards = None if split is None else split[0]
+        shards, base = None, state.Payload(tensor_files={}, json_files={})
+        if split is not None:
+            shards, base = self.base(split[0])
         if self.rank == 0:
-            return self.capture(split), shards
-        run_state = self.run_state()
-        own = state.capture(state.Components(), {"rng": run_state["rng"], "data": run_state["data"]})
-        tensors, meta = own.tensor_files[state.STATE_FILE]
-        tensor_file, json_file = state.rank_files(self.rank)
-        files = state.Payload(
-            tensor_files={tensor_file: (tensors, meta)}, json_files={json_file: own.json_files[state.STATE_JSON]}
-        )
+            files = self.capture(split)
+        else:
+            run_state = self.run_state()
+            own = state.capture(state.Components(), {"rng": run_state["rng"], "data": run_state["data"]})
+            tensors, meta = own.tensor_files[state.STATE_FILE]
+            tensor_file, json_file = state.rank_files(self.rank)
+            files = state.Payload(
+                tensor_files={tensor_file: (tensors, meta)}, json_files={json_file: own.json_files[state.STATE_JSON]}
+            )
+        files.tensor_files.update(base.tensor_files)
         return files, shards
 
     def manifest(self, reason: Reason, point: str, retention: RetentionPolicy | None = None) -> Manifest:

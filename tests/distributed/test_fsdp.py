@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Spawned, StoppedRun
+from helpers import MiB, Spawned, StoppedRun, assert_writes_what_changed
 from helpers import torchrun as _torchrun
 from safetensors.torch import load_file
 
@@ -91,3 +93,81 @@ def test_sharded_checkpoints_are_written_in_the_background_by_every_rank_and_res
     assert reference.keys() == got.keys()
     assert [k for k in reference if not torch.equal(reference[k], got[k])] == [], "not bit-exact"
     assert CheckpointManager(tmp_path / "other", owner=False).list()[0].manifest.lineage["source"] == str(source)
+
+
+# ---------------------------------------------------------------- fine-tuning: the frozen base carried by each rank
+
+LORA = ["--lora", "--keep_last", "1000"]  # a frozen base of ~4 MiB with trained adapters; every checkpoint kept
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final state of an uninterrupted LoRA run on 2 ranks."""
+    tmp = tmp_path_factory.mktemp("fsdp_lora_ref")
+    ref = torchrun(tmp / "ref", [*LORA, "--final_out", str(tmp / "ref.safetensors")])
+    assert ref.finish(timeout=180) == 0, ref.output
+    return load_file(str(tmp / "ref.safetensors"))
+
+
+def assert_bit_exact(want: dict[str, torch.Tensor], got_path: Path) -> None:
+    got = load_file(str(got_path))
+    assert want.keys() == got.keys(), sorted(want.keys() ^ got.keys())
+    assert [k for k in want if not torch.equal(want[k], got[k])] == [], "not bit-exact"
+
+
+def test_lora_each_rank_carries_its_pieces_of_the_base_and_a_sigterm_resumes_bit_exact_on_two_and_one(
+    tmp_path, lora_reference
+):
+    """FSDP2 on 2 ranks, a frozen base that no optimizer holds: each rank writes its pieces of it once
+    (base_0000R.safetensors), and every later checkpoint, the resumed run's too, links them and writes at most twice
+    what changed + 1 MiB. A SIGTERM to rank 1 stops both at step 7; the rerun on 2 ranks ends bit for bit as the
+    uninterrupted run, and 1 process loads from the same checkpoint what 2 ranks load, base included.
+
+    Would catch: the base written through DCP at every checkpoint, a rank that never learns its file is durable
+    (rank 1 would write its pieces every time), a base not restored (or restored only on 2 ranks)."""
+    save_dir = tmp_path / "run"
+    stopped = torchrun(save_dir, [*LORA, "--self_signal", "1:7"])
+    stopped.finish(timeout=180)
+    assert stopped.events_of("stop", step=7), (stopped.events, stopped.output)
+    one = tmp_path / "one"
+    shutil.copytree(save_dir, one, symlinks=True)
+
+    two = torchrun(save_dir, [*LORA, "--dump_start", str(tmp_path / "start2"), "--final_out", str(tmp_path / "f2")])
+    assert two.finish(timeout=180) == 0, two.output
+    assert two.events_of("resume", step=7), two.events
+    assert_bit_exact(lora_reference, tmp_path / "f2")
+
+    alone = torchrun(one, [*LORA, "--dump_start", str(tmp_path / "start1")], nproc=1)
+    assert alone.finish(timeout=180) == 0, alone.output
+    start2, start1 = load_file(str(tmp_path / "start2")), load_file(str(tmp_path / "start1"))
+    assert start2.keys() == start1.keys() and "model.0.base.weight" in start1
+    assert [k for k in start2 if not torch.equal(start2[k], start1[k])] == [], "1 process loaded other values"
+
+    ckpts = sorted(save_dir.glob("step_*"))
+    first = json.loads((ckpts[0] / "manifest.json").read_text())["files"]
+    bases = ["base_00000.safetensors", "base_00001.safetensors"]
+    assert all(name in first and "carried_from" not in first[name] for name in bases), first
+    assert sum((ckpts[0] / name).stat().st_size for name in bases) > 4 * MiB
+    dcp_keys = json.loads((ckpts[0] / "dcp_metadata.json").read_text())["tensors"]
+    assert not [k for k in dcp_keys if ".base." in k], dcp_keys  # the base is not DCP's
+    report = assert_writes_what_changed(ckpts, bases)  # a base written again (4 MiB) fails here
+    print("checkpoint, bytes written, bytes changed:", report)
+    from preempt.cli.main import main
+
+    assert main(["verify", str(save_dir)]) == 0
+
+
+def test_lora_a_sigkill_resumes_from_the_last_checkpoint_bit_exact(tmp_path, lora_reference):
+    """Rank 1 is killed (SIGKILL) before step 11, after the checkpoint of step 8 (synchronous saves: durable at the
+    step): rank 0 leaves without adding one, and the rerun on 2 ranks resumes from step 8, carrying the base
+    pieces, and ends bit for bit."""
+    save_dir = tmp_path / "run"
+    killed = torchrun(save_dir, [*LORA, "--sync_save", "--kill_at", "1:11"])
+    assert killed.finish(timeout=180) != 0, killed.output
+    assert [c.step for c in CheckpointManager(save_dir, owner=False).list()] == [8, 4], killed.output
+    rerun = torchrun(save_dir, [*LORA, "--sync_save", "--final_out", str(tmp_path / "f")])
+    assert rerun.finish(timeout=180) == 0, rerun.output
+    assert rerun.events_of("resume", step=8), rerun.events
+    assert_bit_exact(lora_reference, tmp_path / "f")
+    newest = CheckpointManager(save_dir, owner=False).list()[0]
+    assert all(newest.manifest.files[f"base_0000{r}.safetensors"].carried_from is not None for r in (0, 1))

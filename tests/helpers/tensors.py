@@ -33,11 +33,28 @@ def flip_bit(path: Path) -> None:
 
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every tensor file of a checkpoint (every rank's too), keyed ``file:key``."""
+    """Every tensor of every tensor file of a checkpoint (every rank's too), keyed ``file:key``; sharded state's
+    tensors that DCP wrote, whole, keyed ``dcp:key``."""
     out: dict[str, torch.Tensor] = {}
     for f in sorted(ckpt.glob("*.safetensors")):
         out.update({f"{f.name}:{k}": v for k, v in load_file(str(f)).items()})
+    if (ckpt / "dcp_metadata.json").is_file():
+        out.update({f"dcp:{k}": v for k, v in dcp_tensors(ckpt).items()})
     return out
+
+
+def dcp_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The tensors DCP wrote into a checkpoint of sharded state, whole (read in this process, by DCP's reader)."""
+    import torch.distributed.checkpoint as dcp
+
+    from preempt._torch_compat import dcp_no_dist
+    from preempt.cluster import sharded
+
+    doc = json.loads((ckpt / "dcp_metadata.json").read_text())
+    tensors = {k: torch.zeros(e["size"], dtype=getattr(torch, e["dtype"])) for k, e in doc["tensors"].items()}
+    with sharded._single_process_quiet():
+        dcp.load(tensors, storage_reader=sharded._reader(ckpt), **dcp_no_dist(dcp.load, True))
+    return tensors
 
 
 def model_and_optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -67,9 +84,12 @@ def changed_bytes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor
     )
 
 
-def assert_writes_what_changed(ckpts: Sequence[Path], carried: str = "base.safetensors") -> list[tuple[str, int, int]]:
-    """Each checkpoint after the first (in order) lists ``carried`` as carried (``carried_from`` in its manifest) and
-    wrote at most twice the bytes of the tensors that changed since the one before, plus 1 MiB (JSON, headers).
+def assert_writes_what_changed(
+    ckpts: Sequence[Path], carried: str | Sequence[str] = "base.safetensors"
+) -> list[tuple[str, int, int]]:
+    """Each checkpoint after the first (in order) lists ``carried`` (a file or several) as carried (``carried_from``
+    in its manifest) and wrote at most twice the bytes of the tensors that changed since the one before, plus 1 MiB
+    (JSON, headers).
 
     Written: the bytes of the files whose inode no checkpoint before it in ``ckpts`` holds (a hard link writes
     nothing). Returns ``(name, written, changed)`` of each, for the test's report.
@@ -89,7 +109,8 @@ def assert_writes_what_changed(ckpts: Sequence[Path], carried: str = "base.safet
             files = json.loads((ckpt / "manifest.json").read_text())["files"]
             changed = changed_bytes(previous, now)
             report.append((ckpt.name, written, changed))
-            assert files[carried].get("carried_from") is not None, (ckpt.name, files[carried], report)
+            for name in [carried] if isinstance(carried, str) else carried:
+                assert files[name].get("carried_from") is not None, (ckpt.name, name, files[name], report)
             assert written <= 2 * changed + MiB, (ckpt.name, written, changed, report)
         previous = now
     return report

@@ -2,7 +2,8 @@
 
 With one process (``--nproc_per_node=1``) the same model is left unsharded: a checkpoint written by 2 ranks
 then loads into it through DCP's resharding. ``--dump_start`` / ``--final_out`` write, from rank 0, the full
-(unsharded) model and optimizer state right after entering the run / at the end.
+(unsharded) model and optimizer state right after entering the run / at the end. ``--lora``: a fine-tuning, a frozen
+base of ~4 MiB with low-rank adapters beside it (only the adapters and the head train).
 """
 
 from __future__ import annotations
@@ -56,6 +57,28 @@ def slow_write(seconds: float) -> None:
     preempt.cluster.sharded.save = slow
 
 
+class Adapted(torch.nn.Module):
+    """A frozen linear layer and a trained low-rank update beside it (LoRA)."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(n_in, n_out)
+        self.base.requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(rank, n_in) / n_in**0.5)
+        self.b = torch.nn.Parameter(torch.zeros(n_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a.t()) @ self.b.t()
+
+
+def build(lora: bool) -> torch.nn.Module:
+    if lora:
+        return torch.nn.Sequential(
+            Adapted(16, 1024), torch.nn.ReLU(), Adapted(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 2)
+        )
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 2))
+
+
 _LAST_WORK: list[dist.Work] = []
 
 
@@ -69,6 +92,10 @@ def main() -> None:
     p.add_argument("--self_signal", default=None, help="RANK:STEP: that rank sends itself SIGTERM before that step")
     p.add_argument("--resume", default="latest")
     p.add_argument("--slow_write", type=float, default=0.0, help="background writes of the shards start this late")
+    p.add_argument("--lora", action="store_true", help="a frozen base of ~4 MiB with trained adapters")
+    p.add_argument("--keep_last", type=int, default=2)
+    p.add_argument("--kill_at", default=None, help="RANK:STEP: that rank SIGKILLs itself before that step")
+    p.add_argument("--sync_save", action="store_true", help="async_save=False")
     args = p.parse_args()
     if args.slow_write:
         slow_write(args.slow_write)
@@ -78,16 +105,23 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     data = Synthetic(128, 16, augment=False)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 2))
+    model = build(args.lora)
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     signal_rank, signal_step = map(int, args.self_signal.split(":")) if args.self_signal else (-1, -1)
+    kill_rank, kill_step = map(int, args.kill_at.split(":")) if args.kill_at else (-1, -1)
 
-    kw = dict(checkpoint_interval=None, checkpoint_every_steps=args.every_steps, resume=args.resume)
+    kw = dict(
+        checkpoint_interval=None,
+        checkpoint_every_steps=args.every_steps,
+        resume=args.resume,
+        keep_last=args.keep_last,
+        async_save=not args.sync_save,
+    )
     with PreemptibleRun(args.save_dir, model=model, optimizer=opt, **kw) as run:
         if args.dump_start:
             start = full_state(model, opt)
@@ -99,6 +133,8 @@ def main() -> None:
             for x, y in run.batches(loader):
                 if rank == signal_rank and run.global_step + 1 == signal_step:
                     os.kill(os.getpid(), 15)
+                if rank == kill_rank and run.global_step + 1 == kill_step:
+                    os.kill(os.getpid(), 9)
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 opt.zero_grad()
                 loss.backward()

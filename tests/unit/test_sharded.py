@@ -99,3 +99,67 @@ def test_a_save_reads_the_sharded_state_once(rank):
     from preempt.checkpoint import state
 
     assert (state.STATE_FILE if rank == 0 else state.rank_files(rank)[0]) in files.tensor_files
+
+
+# ---------------------------------------------------------------- the frozen base, apart
+
+
+def test_overlap_of_two_boxes():
+    assert sharded.overlap((0, 0), (4, 3), (2, 0), (4, 3)) == ((2, 2), (0, 3))
+    assert sharded.overlap((0,), (4,), (4,), (4,)) is None  # touching is not meeting
+    assert sharded.overlap((5, 0), (0, 3), (0, 0), (8, 3)) is None  # an empty piece meets nothing
+    assert sharded.overlap((), (), (), ()) == ()  # a scalar: the one element
+
+
+def pieces_of(whole: torch.Tensor, rows: list[int]) -> list[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
+    """``whole`` cut into pieces of ``rows`` rows, one file per piece (as ranks write them)."""
+    files, at = [], 0
+    for r, n in enumerate(rows):
+        layout = {"w": {"size": list(whole.shape), "offset": [at, 0]}}
+        files.append((f"base_{r:05d}.safetensors", {"w": whole[at : at + n]}, {sharded.LAYOUT: json.dumps(layout)}))
+        at += n
+    return files
+
+
+def test_the_pieces_of_two_ranks_load_whole_into_one_process():
+    whole = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+    sharded.load_base(model, sharded.base_pieces(pieces_of(whole, [3, 3])), "ckpt")
+    assert torch.equal(model.w, whole)
+    model.w.zero_()
+    sharded.load_base(model, sharded.base_pieces(pieces_of(whole, [4, 2, 0])), "ckpt")  # uneven, one rank empty
+    assert torch.equal(model.w, whole)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda files: files[1][2].clear(), "does not list exactly the tensors"),
+        (lambda files: files[1][2].update({sharded.LAYOUT: "{"}), "does not list exactly the tensors"),
+        (lambda files: files[1][2].update({sharded.LAYOUT: '{"w": {"size": [6, 4], "offset": [5, 0]}}'}), "not fit"),
+        (lambda files: files[1][2].update({sharded.LAYOUT: '{"w": {"size": [7, 4], "offset": [3, 0]}}'}), "another"),
+        (lambda files: files[1][2].update({sharded.LAYOUT: '{"w": {"size": [6, 4], "offset": [-3, 0]}}'}), "not fit"),
+        (lambda files: files[1][2].update({sharded.LAYOUT: '{"w": {"size": [6, 4], "offset": [true, 0]}}'}), "fit"),
+    ],
+    ids=["no_layout", "not_json", "past_the_end", "shapes_disagree", "negative", "not_an_integer"],
+)
+def test_a_base_file_whose_layout_does_not_describe_it_is_refused_naming_it(damage, message):
+    files = pieces_of(torch.ones(6, 4), [3, 3])
+    files = [(where, tensors, dict(meta)) for where, tensors, meta in files]
+    damage(files)
+    with pytest.raises(ValueError, match=message) as e:
+        sharded.base_pieces(files)
+    assert "base_00001.safetensors" in str(e.value)
+
+
+def test_pieces_that_do_not_fit_the_model_are_refused_naming_the_tensor():
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+    with pytest.raises(ValueError, match=r"'w' cover 12 of this rank's 24"):
+        sharded.load_base(model, sharded.base_pieces(pieces_of(torch.ones(6, 4), [3, 3])[:1]), "ckpt")  # one lost
+    with pytest.raises(ValueError, match=r"'w' is \[6, 4\] there and \[5, 4\]"):
+        model.w = torch.nn.Parameter(torch.zeros(5, 4), requires_grad=False)
+        sharded.load_base(model, sharded.base_pieces(pieces_of(torch.ones(6, 4), [3, 3])), "ckpt")
+    with pytest.raises(ValueError, match="holds 'w', which the model has not"):
+        sharded.load_base(torch.nn.Linear(2, 2), sharded.base_pieces(pieces_of(torch.ones(6, 4), [6])), "ckpt")

@@ -5,6 +5,9 @@ A failure here names the internal a torch version changed: fix :mod:`preempt._to
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
@@ -115,3 +118,36 @@ def test_a_loader_s_dataset_can_be_swapped_after_construction():
         loader.dataset = [4]  # what DataLoader refuses, and why the swap goes around it
     compat.set_dataset(loader, [4, 5, 6])  # (the sampler was made for three items)
     assert loader.dataset == [4, 5, 6] and [int(b) for b in loader] == [4, 5, 6]
+
+
+LOCAL_PIECE = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from preempt._torch_compat import local_piece
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+whole = torch.arange(20.0).reshape(5, 4)
+d = distribute_tensor(whole, init_device_mesh("cpu", (2,)), [Shard(0)])
+local, offset = local_piece(d)
+assert torch.equal(local, whole[offset[0] : offset[0] + local.shape[0]]), (rank, local, offset)
+print(offset, tuple(local.shape))
+dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_s_local_piece_and_where_it_begins(tmp_path):
+    """5 rows over 2 ranks: 3 rows at row 0, 2 at row 3 (2 real gloo processes); any other tensor is its own piece."""
+    script = tmp_path / "piece.py"
+    script.write_text(LOCAL_PIECE)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "store"), str(r)], stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    out = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], out
+    assert [line.strip() for line in out] == ["(0, 0) (3, 4)", "(3, 0) (2, 4)"]
+    t = torch.ones(2, 3)
+    assert compat.local_piece(t)[0] is t and compat.local_piece(t)[1] == (0, 0)
