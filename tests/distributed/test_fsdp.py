@@ -171,3 +171,21 @@ def test_lora_a_sigkill_resumes_from_the_last_checkpoint_bit_exact(tmp_path, lor
     assert_bit_exact(lora_reference, tmp_path / "f")
     newest = CheckpointManager(save_dir, owner=False).list()[0]
     assert all(newest.manifest.files[f"base_0000{r}.safetensors"].carried_from is not None for r in (0, 1))
+
+
+def test_a_base_piece_changed_behind_autograd_on_one_rank_is_found_by_the_guard_and_written(tmp_path):
+    """Rank 1 changes its piece of a frozen weight through ``.data`` (no version counter moves) after the checkpoint
+    of step 4. The guard, at that process's first carried checkpoint (step 8), hashes the pieces about to be carried:
+    rank 1's differ from its file, so it is written afresh (with the change) and a warning names it; rank 0's is
+    carried. Would catch: a rank that carries what its version counters say without the guard."""
+    save_dir = tmp_path / "run"
+    run = torchrun(save_dir, [*LORA, "--sync_save", "--poke_base", "1:6"])
+    assert run.finish(timeout=180) == 0, run.output
+    infos = {c.step: c for c in CheckpointManager(save_dir, owner=False).list()}
+    files = infos[8].manifest.files
+    assert files["base_00000.safetensors"].carried_from == 4, files
+    assert files["base_00001.safetensors"].carried_from is None, files
+    assert "base_00001.safetensors" in run.output and "behind autograd" in run.output, run.output
+    before = load_file(str(infos[4].path / "base_00001.safetensors"))["0.base.weight"]
+    after = load_file(str(infos[8].path / "base_00001.safetensors"))["0.base.weight"]
+    assert torch.equal(after[0, 0], before[0, 0] + 1.0) and torch.equal(after[1:], before[1:])  # float32 sums

@@ -96,6 +96,7 @@ def main() -> None:
     p.add_argument("--keep_last", type=int, default=2)
     p.add_argument("--kill_at", default=None, help="RANK:STEP: that rank SIGKILLs itself before that step")
     p.add_argument("--sync_save", action="store_true", help="async_save=False")
+    p.add_argument("--poke_base", default=None, help="RANK:STEP: that rank adds 1 to a frozen value through .data")
     args = p.parse_args()
     if args.slow_write:
         slow_write(args.slow_write)
@@ -114,6 +115,7 @@ def main() -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     signal_rank, signal_step = map(int, args.self_signal.split(":")) if args.self_signal else (-1, -1)
     kill_rank, kill_step = map(int, args.kill_at.split(":")) if args.kill_at else (-1, -1)
+    poke_rank, poke_step = map(int, args.poke_base.split(":")) if args.poke_base else (-1, -1)
 
     kw = dict(
         checkpoint_interval=None,
@@ -133,6 +135,10 @@ def main() -> None:
             for x, y in run.batches(loader):
                 if rank == signal_rank and run.global_step + 1 == signal_step:
                     os.kill(os.getpid(), 15)
+                if rank == poke_rank and run.global_step + 1 == poke_step:  # behind autograd: no version bump
+                    weight = model[0].base.weight
+                    local = weight.to_local() if hasattr(weight, "to_local") else weight
+                    local.data[0, 0] += 1.0
                 if rank == kill_rank and run.global_step + 1 == kill_step:
                     os.kill(os.getpid(), 9)
                 loss = torch.nn.functional.cross_entropy(model(x), y)
