@@ -8,8 +8,10 @@ installed, reaching a point is one dictionary lookup. The points, and what their
 - ``"commit"``: each stage of the commit protocol (:data:`preempt.checkpoint.commit.STAGES`): the stage's name and
   the event that cancels this write (None outside a cancellable background write). A hook may raise (a failed
   write at that stage) or wait on the event (until the run cancels the write).
-- ``"write"``: before the background writer writes a checkpoint's files (:meth:`CheckpointManager.save_into`): the
-  checkpoint's temporary directory. An ``OSError`` raised here is a failed write.
+- ``"write"``: before a process writes its files of a checkpoint: the background writer's
+  (:meth:`CheckpointManager.save_into`) and, under torch.distributed, each rank's in the distributed commit
+  (:func:`preempt.cluster.distributed.save_ranked`); called with the checkpoint's temporary directory. An ``OSError``
+  raised here is a failed write.
 - ``"load"``: before a checkpoint file is read and verified on load: its path.
 - ``"upload"``: each stage of a mirror upload (:data:`preempt.mirror.uploader.STAGES`): the stage's name and the step.
 

@@ -8,7 +8,8 @@ supports and with the newest. Where an internal is missing at run time, the func
 torch is imported inside the functions that need it: the checkpoint commands, which never import torch, reach
 :func:`version_counter` through :mod:`preempt.checkpoint.carry`.
 
-- ``Tensor._version``: autograd's version counter, bumped by every in-place operation (carrying, lazy copies).
+- ``Tensor._version``: autograd's version counter, bumped by every in-place operation (carrying, lazy copies); a
+  DTensor's local tensor keeps its own, which the DTensor's in-place operations leave as it was.
 - ``OptimizedModule._orig_mod``: the module under ``torch.compile``'s wrapper.
 - ``torch.distributed._shard.sharded_tensor.ShardedTensor``: the older sharded tensor beside DTensor.
 - ``torch.utils.data._utils.worker._worker_info``: the worker's identity, which ``get_worker_info()`` returns.
@@ -35,11 +36,16 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------------------- tensors and modules
 
 
+VERSION_OF = "_preempt_version_of"  # set on a DTensor's local piece: the DTensor whose version counter it has
+
+
 def version_counter(t: torch.Tensor) -> int | None:
     """The tensor's version counter (every in-place change through autograd's view bumps it); None for a tensor
-    without one (made under ``torch.inference_mode``)."""
+    without one (made under ``torch.inference_mode``). A DTensor's local piece (:func:`local_piece`) has its
+    DTensor's: an in-place operation on a DTensor (``optimizer.step()`` on FSDP2's parameters) runs on the local
+    tensor below autograd and bumps only the DTensor's counter."""
     try:
-        return int(t._version)
+        return int(getattr(t, VERSION_OF, t)._version)
     except RuntimeError:
         return None
 
@@ -90,6 +96,7 @@ def local_piece(t: Any) -> tuple[torch.Tensor, tuple[int, ...]]:
     local = dtensor_local(t)
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"a local piece of shape {tuple(local.shape)} where its placements say {tuple(shape)}")
+    setattr(local, VERSION_OF, t)  # its changes are counted by the DTensor (version_counter)
     return local, tuple(int(i) for i in offset)
 
 

@@ -41,10 +41,10 @@ damaged shared file always leaves an older valid checkpoint to fall back to.
 
 **Many ranks.** Under DDP rank 0 writes the replicated state and carries as a single process does; the other ranks'
 files (their random state) change at every checkpoint anyway. Under FSDP2 (DTensor state) each rank puts its own
-pieces of the frozen base in a file of its own (``base_0000R.safetensors``, :func:`preempt.cluster.sharded.base_apart`)
-rather than in DCP's files, and carries it as one process carries ``base.safetensors``: each rank decides for its own
-file, so the ranks need no agreement on it; rank 0's commit tells the others that their files are durable
-(:meth:`preempt.checkpoint.manager.CheckpointManager.committed`).
+pieces of the frozen base in a file of its own (``base_0000R.safetensors``,
+:func:`preempt.cluster.sharded.pieces_apart`) and carries it as one process carries ``base.safetensors``: each rank
+decides for its own file, so the ranks need no agreement on it; rank 0's commit tells the others that their files
+are durable (:meth:`preempt.checkpoint.manager.CheckpointManager.committed`).
 
 No disk here but :func:`exists`; the pure decisions (:func:`fingerprint`, :func:`decide`, :func:`check_due`) are
 unit-tested with made-up facts.

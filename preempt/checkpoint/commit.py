@@ -94,6 +94,7 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"  # the model's state_dict (without BASE_FILE's tensors)
 BASE_FILE = "base.safetensors"  # the model's frozen parameters that no optimizer holds (likely unchanged: carried)
 SHARD_BASE = "base_{rank:05d}.safetensors"  # sharded state: rank r's pieces of that base (preempt.cluster.sharded)
+SHARD_PIECES = "pieces_{rank:05d}.safetensors"  # sharded state: rank r's pieces of the model's and optimizer's rest
 STATE_FILE = "state.safetensors"  # every other tensor
 STATE_JSON = "state.json"  # everything else (no pickle)
 COMPLETE = "complete.json"

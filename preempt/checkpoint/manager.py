@@ -360,14 +360,14 @@ class CheckpointManager:
             problem = present(info.path / name, expected)
             if problem is not None:
                 raise CorruptCheckpointError(problem)
-        sharded = SHARDED_INDEX in manifest.files
+        sharded = SHARDED_INDEX in manifest.files or any(state.is_shard_file(f) for f in manifest.files)
         if sharded and weights_only:
             raise CorruptCheckpointError(
                 f"{info.path}: holds sharded state (FSDP/DTensor); weights_only loading of it is not supported"
             )
         wanted = [state.MODEL_FILE] if weights_only else [state.MODEL_FILE, state.STATE_FILE, state.STATE_JSON]
         if sharded:
-            # the model and optimizer tensors are DCP's pieces: every one must verify before DCP reads any
+            # the model and optimizer tensors are the ranks' pieces: every one must verify before any is read
             wanted = [state.STATE_FILE, state.STATE_JSON]
             for fname in sorted(f for f in manifest.files if f == SHARDED_INDEX or f.endswith(".distcp")):
                 read_verified(info.path / fname, manifest.files[fname])
@@ -380,10 +380,10 @@ class CheckpointManager:
             wanted.append(state.BASE_FILE)
             bufs[state.BASE_FILE] = read_verified(info.path / state.BASE_FILE, manifest.files[state.BASE_FILE])
         model = {} if sharded else parse_tensors(bufs[state.MODEL_FILE], info.path / state.MODEL_FILE)[0]
-        shard_bases = []
-        for fname in sorted(f for f in manifest.files if sharded and state.is_shard_base_file(f)):
-            bufs[fname] = read_verified(info.path / fname, manifest.files[fname])  # the ranks' pieces of the base
-            shard_bases.append((str(info.path / fname), *parse_tensors(bufs[fname], info.path / fname)))
+        pieces = []
+        for fname in sorted(f for f in manifest.files if sharded and state.is_shard_file(f)):
+            bufs[fname] = read_verified(info.path / fname, manifest.files[fname])  # the ranks' pieces
+            pieces.append((str(info.path / fname), *parse_tensors(bufs[fname], info.path / fname)))
         if state.BASE_FILE in bufs:
             base = parse_tensors(bufs[state.BASE_FILE], info.path / state.BASE_FILE)[0]
             twice = sorted(model.keys() & base.keys())
@@ -422,7 +422,7 @@ class CheckpointManager:
         # copied into the model, and state.apply gives the optimizer's tensors their own memory unless
         # loading already moved them (to the parameters' GPU).
         mapped = tuple((b.ctypes.data, b.nbytes) for b in bufs.values() if isinstance(b, np.ndarray) and b.nbytes)
-        return state.Loaded(str(info.path), model, tree, mapped, sharded, tuple(shard_bases))
+        return state.Loaded(str(info.path), model, tree, mapped, sharded, tuple(pieces))
 
     # ------------------------------------------------------------------ save
 

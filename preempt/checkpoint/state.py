@@ -43,7 +43,7 @@ import torch
 from .._torch_compat import compiled_original
 from ..errors import IncompatibleStateError, UnsupportedStateError
 from . import codec
-from .commit import BASE_FILE, MODEL_FILE, SHARD_BASE, STATE_FILE, STATE_JSON  # noqa: F401  (a checkpoint's files)
+from .commit import BASE_FILE, MODEL_FILE, SHARD_BASE, SHARD_PIECES, STATE_FILE, STATE_JSON  # noqa: F401
 from .components import Components, Stateful
 from .tensorfile import check_tensor
 
@@ -51,14 +51,15 @@ RANK_FILE = "rank_{rank:05d}.safetensors"  # rank r's own state in a distributed
 RANK_JSON = "rank_{rank:05d}.json"
 
 
-def shard_base_file(rank: int) -> str:
-    """The name of rank ``rank``'s pieces of the frozen base in a checkpoint of sharded state."""
-    return SHARD_BASE.format(rank=rank)
+def shard_files(rank: int) -> tuple[str, str]:
+    """The names of rank ``rank``'s files of pieces in a checkpoint of sharded state: of the frozen base (carried
+    while unchanged), and of the rest of the model and optimizer (:func:`preempt.cluster.sharded.pieces_apart`)."""
+    return SHARD_BASE.format(rank=rank), SHARD_PIECES.format(rank=rank)
 
 
-def is_shard_base_file(name: str) -> bool:
-    """``name`` is some rank's :func:`shard_base_file`."""
-    return re.fullmatch(r"base_\d{5,}\.safetensors", name) is not None
+def is_shard_file(name: str) -> bool:
+    """``name`` is one of some rank's :func:`shard_files`."""
+    return re.fullmatch(r"(base|pieces)_\d{5,}\.safetensors", name) is not None
 
 
 def rank_files(rank: int) -> tuple[str, str]:
@@ -181,7 +182,7 @@ class Loaded:
     tree: dict[str, Any]  # decoded state.json (empty for a weights-only read)
     mapped: tuple[tuple[int, int], ...] = ()  # (address, bytes) of file mappings the tensors may view
     sharded: bool = False  # model and optimizer tensors are DCP pieces in the checkpoint (preempt.cluster.sharded)
-    shard_bases: tuple[tuple[str, dict[str, torch.Tensor], dict[str, str]], ...] = ()  # (path, tensors, metadata)
+    pieces: tuple[tuple[str, dict[str, torch.Tensor], dict[str, str]], ...] = ()  # the ranks' (path, tensors, meta)
 
 
 def own_small_state(tree: dict[str, Any]) -> dict[str, Any]:

@@ -73,6 +73,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _testing
 from .._log import log
 from ..checkpoint import codec, commit
 from ..checkpoint.commit import MANIFEST
@@ -301,8 +302,11 @@ def save_ranked(
     tmp = Path(where)
     files, error = None, None
     try:
+        writes = not (defer and coord.rank == 0)  # a deferred rank 0 writes later (manager.save_into)
+        if writes:
+            _testing.reach("write", tmp)
         extra_names = extra(tmp) if extra is not None else []
-        files = {} if defer and coord.rank == 0 else write_payload(tmp, payload)
+        files = write_payload(tmp, payload) if writes else {}
         for fname in extra_names:
             files[fname] = commit.read_file(tmp / fname)[1]
     except Exception as e:

@@ -1,36 +1,30 @@
-"""Sharded state (FSDP2, DTensor): written and resharded by torch.distributed.checkpoint, inside our commit.
+"""Sharded state (FSDP2, DTensor): each rank's pieces in files of its own, inside our commit, loadable on any number
+of ranks.
 
-A model whose state dict holds DTensors (``fully_shard``, tensor parallelism)
-cannot be written by one rank: each rank holds a piece. Its model and
-optimizer tensors go through torch.distributed.checkpoint (DCP), whose
-planner writes each rank's pieces (``__<rank>_0.distcp``) and, on loading,
-reads whatever pieces the current sharding needs, on any number of ranks,
-one process included. Everything else (scheduler, scaler, tracked objects,
-the optimizer's param groups, RNG, cursor) goes the usual way (JSON and
-safetensors, :mod:`preempt.checkpoint.state`).
+A model whose state dict holds DTensors (``fully_shard``, tensor parallelism) cannot be written by one rank: each
+rank holds a piece. Each rank writes its local pieces of the model's and optimizer's tensors into safetensors files
+of its own, whose metadata says where each piece lies in the whole tensor (:func:`pieces_apart`):
+``base_0000R.safetensors`` for the frozen base of a fine-tuning (parameters with ``requires_grad=False`` that no
+optimizer holds), which the next checkpoint links while it is unchanged (:mod:`preempt.checkpoint.carry`), and
+``pieces_0000R.safetensors`` for the rest. A plain tensor (replicated, as the optimizer's step counts) is written by
+rank 0 alone. Loading copies into whatever sharding the model has now, one process included (:func:`load_pieces`).
+Writing them costs no collective beyond the commit's own: each rank writes its files, as under DDP.
 
-DCP's own index of the pieces is a pickle (``.metadata``), and this project
-opens no pickle: :class:`_Writer` and :class:`_Reader` keep DCP's data files
-and write the index as JSON instead (``dcp_metadata.json``), parsed strictly
-(only tensor entries, known dtypes, plain layout, no transforms). Only tensors
-are handed to DCP, so its data files hold raw tensor bytes only. Every file
-is listed with its digest in the manifest and verified before DCP reads it.
+What no file of pieces can describe (a replicated or partial DTensor, a ShardedTensor) goes through
+torch.distributed.checkpoint (DCP), whose planner writes each rank's pieces (``__<rank>_0.distcp``) and reads, on
+loading, whatever the current sharding needs; checkpoints written before the files of pieces existed hold every
+tensor there. DCP's own index of the pieces is a pickle (``.metadata``), and this project opens no pickle:
+:class:`_Writer` and :class:`_Reader` keep DCP's data files and write the index as JSON instead
+(``dcp_metadata.json``), parsed strictly (only tensor entries, known dtypes, plain layout, no transforms). Every
+file is listed with its digest in the manifest and verified before anything reads it.
 
-The optimizer's state is keyed by parameter name, so the same checkpoint
-loads into an unsharded model and optimizer on one process.
+Everything else (scheduler, scaler, tracked objects, the optimizer's param groups, RNG, cursor) goes the usual way
+(JSON and safetensors, :mod:`preempt.checkpoint.state`). The optimizer's state is keyed by parameter name, so the
+same checkpoint loads into an unsharded model and optimizer on one process.
 
-The frozen base of a fine-tuning (parameters with ``requires_grad=False``
-that no optimizer holds) is not DCP's: each rank writes its local pieces of
-it into a tensor file of its own, with where each piece lies in the whole
-tensor (:func:`base_apart`), which the next checkpoint links while the pieces
-are unchanged (:mod:`preempt.checkpoint.carry`). Loading copies the pieces
-into whatever sharding the model has now, one process included
-(:func:`load_base`).
-
-In the background (``async_save``, under torch.distributed): each rank copies
-the local pieces into host buffers (:func:`local_payload`), DCP is handed
-DTensors rebuilt around those copies (:func:`staged`), and the ranks' writers
-run DCP's collectives on a group of their own (``save(group=...)``).
+In the background (``async_save``, under torch.distributed): each rank copies its files into host buffers, and the
+ranks' writers run the commit's collectives on a group of their own; DCP's share, if any, is handed DTensors rebuilt
+around copies of their local pieces (:func:`staged`).
 """
 
 from __future__ import annotations
@@ -54,7 +48,7 @@ from .._torch_compat import (
     local_piece,
     sharded_tensor_types,
 )
-from ..checkpoint import codec, state
+from ..checkpoint import codec
 from ..checkpoint.manager import SHARDED_INDEX
 from ..checkpoint.state import Payload
 
@@ -172,12 +166,12 @@ def load_into(
     optimizer: torch.optim.Optimizer | None,
     rest: Any,
     where: str,
-    bases: Sequence[tuple[str, dict[str, torch.Tensor], dict[str, str]]] = (),
+    files: Sequence[tuple[str, dict[str, torch.Tensor], dict[str, str]]] = (),
 ) -> None:
     """Loads a sharded checkpoint into ``model`` and ``optimizer`` as they are sharded now (any world size).
 
-    ``bases``: the ranks' files of the frozen base (path, tensors, metadata), verified: their pieces are copied
-    into the model's tensors (:func:`load_base`), DCP reads the rest.
+    ``files``: the ranks' files of pieces (path, tensors, metadata), verified: their pieces are copied into the
+    live tensors (:func:`load_pieces`); DCP reads the rest, from a checkpoint that has DCP's files.
 
     Raises:
         ValueError: The optimizer's saved groups do not match this one's, or the base's pieces do not fit the model.
@@ -189,12 +183,17 @@ def load_into(
             raise ValueError(f"{where}: sharded optimizer state: expected param_groups")
         _materialize(optimizer)
     tensors, now = split_state(model, optimizer)
-    pieces = base_pieces(bases)
+    pieces = read_pieces(files)
     for key in pieces:
-        tensors.pop(_MODEL + key, None)
-    with _single_process_quiet():
-        dcp.load(tensors, storage_reader=_reader(directory), **dcp_no_dist(dcp.load, not _distributed()))  # in place
-    load_base(model, pieces, f"{directory} (the ranks' {state.SHARD_BASE.format(rank=0).replace('00000', 'N')})")
+        if key not in tensors:
+            raise ValueError(f"{directory}: holds {key!r}, which the model and optimizer have not")
+    rest_of = {k: v for k, v in tensors.items() if k not in pieces}
+    if rest_of and (directory / METADATA).is_file():
+        with _single_process_quiet():  # in place
+            dcp.load(rest_of, storage_reader=_reader(directory), **dcp_no_dist(dcp.load, not _distributed()))
+    elif rest_of:
+        raise ValueError(f"{directory}: holds no {sorted(rest_of)[0]!r}")
+    load_pieces(tensors, pieces, f"{directory} (the ranks' files of pieces)")
     if optimizer is None:
         return
     saved = rest["param_groups"]
@@ -207,51 +206,69 @@ def load_into(
         per_param.update((rest.get("state") or {}).get(names[id(param)], {}))
 
 
-# ------------------------------------------------------------------ the frozen base, apart
+# ------------------------------------------------------------------ each rank's pieces, in files of its own
 
 Box = tuple[tuple[int, int], ...]  # per dimension: (where it begins in the whole tensor, how many)
-# a frozen tensor's saved pieces, by key: (its whole shape, [(where a piece begins, the piece)])
+# the saved pieces of each tensor, by key: (its whole shape, [(where a piece begins, the piece)])
 Pieces = dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]]
+TensorFile = tuple[dict[str, torch.Tensor], dict[str, str]]  # tensors and metadata, as a payload holds a file
 
 
-def base_apart(
-    tensors: dict[str, Any], frozen: set[str]
-) -> tuple[dict[str, Any], tuple[dict[str, torch.Tensor], dict[str, str]] | None]:
-    """(``tensors`` without the frozen base; this rank's pieces of it as a tensor file, or None: there are none).
+def pieces_apart(
+    tensors: dict[str, Any], rank: int, frozen: set[str]
+) -> tuple[dict[str, Any], TensorFile | None, TensorFile | None]:
+    """(what is left for DCP; this rank's pieces of the frozen base; its pieces of the rest), as tensor files.
 
-    ``frozen``: the model's state-dict keys of the parameters no optimizer holds (:func:`state.frozen_keys`). Each
-    DTensor among them leaves DCP's files: its local piece goes into this rank's own file, whose metadata records
-    every tensor's whole shape and where the piece begins (:data:`LAYOUT`), so that any number of ranks can load it.
-    A frozen tensor that is not a DTensor (every rank holds all of it) stays with DCP, which writes it once.
+    A DTensor sharded on every mesh dimension (FSDP2's parameters and their optimizer state) contributes its local
+    piece; a plain tensor (replicated: every rank holds the same, as the optimizer's step counts) is written by
+    rank 0 alone, whole. Each file's metadata records every tensor's whole shape and where its piece begins
+    (:data:`LAYOUT`), so that any number of ranks can load them (:func:`load_pieces`). The frozen base
+    (``model.<key>`` for ``key`` in ``frozen``: :func:`state.frozen_keys`) goes into a file of its own, which the
+    next checkpoint carries while it is unchanged. Anything else (a replicated or partial DTensor, a ShardedTensor)
+    is left for DCP.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
-    kept = dict(tensors)
-    pieces: dict[str, torch.Tensor] = {}
-    layout: dict[str, Any] = {}
-    for key in sorted(frozen):
-        v = tensors.get(_MODEL + key)
-        if not isinstance(v, DTensor):
+    kept: dict[str, Any] = {}
+    files: tuple[dict[str, Any], dict[str, Any]] = ({}, {})  # (base, rest): key -> (piece, layout)
+    for key, v in tensors.items():
+        if isinstance(v, DTensor):
+            if not all(isinstance(p, Shard) for p in v.placements):
+                kept[key] = v
+                continue
+            try:
+                piece, offset = local_piece(v)
+            except ValueError:  # a layout this cannot describe
+                kept[key] = v
+                continue
+        elif type(v) is torch.Tensor:
+            if rank != 0:
+                continue
+            piece, offset = v, (0,) * v.dim()
+        else:
+            kept[key] = v
             continue
-        try:
-            local, offset = local_piece(v)
-        except ValueError:
-            continue  # a layout this cannot describe: DCP writes it
-        del kept[_MODEL + key]
-        pieces[key] = local
-        layout[key] = {"size": list(v.shape), "offset": list(offset)}
-    if not pieces:
-        return kept, None
-    return kept, (pieces, {"format": "pt", LAYOUT: json.dumps(layout, sort_keys=True, separators=(",", ":"))})
+        base = key.startswith(_MODEL) and key[len(_MODEL) :] in frozen
+        files[0 if base else 1][key] = (piece, {"size": list(v.shape), "offset": list(offset)})
+    base_file, rest_file = (_tensor_file(f) for f in files)
+    return kept, base_file, rest_file
 
 
-LAYOUT = "preempt.layout"  # a base file's metadata: {key: {"size": whole shape, "offset": where its piece begins}}
+def _tensor_file(entries: dict[str, tuple[torch.Tensor, dict[str, Any]]]) -> TensorFile | None:
+    if not entries:
+        return None
+    layout = {key: where for key, (_, where) in sorted(entries.items())}
+    meta = {"format": "pt", LAYOUT: json.dumps(layout, sort_keys=True, separators=(",", ":"))}
+    return {key: piece for key, (piece, _) in sorted(entries.items())}, meta
 
 
-def base_pieces(
+LAYOUT = "preempt.layout"  # a pieces file's metadata: {key: {"size": whole shape, "offset": where its piece begins}}
+
+
+def read_pieces(
     bases: Sequence[tuple[str, dict[str, torch.Tensor], dict[str, str]]],
 ) -> Pieces:
-    """Every frozen tensor's whole shape and its saved pieces (offset, tensor), from the ranks' base files.
+    """Every tensor's whole shape and its saved pieces (offset, tensor), from the ranks' files of pieces.
 
     Raises:
         ValueError: A file's layout is missing or does not describe its tensors (naming the file and the tensor),
@@ -296,28 +313,25 @@ def overlap(a: tuple[int, ...], a_shape: Sequence[int], b: tuple[int, ...], b_sh
     return tuple(box)
 
 
-def load_base(model: torch.nn.Module, pieces: Pieces, where: str) -> None:
-    """Copies the saved pieces of the frozen base into the model's tensors as they are sharded now (each rank
-    its own piece of each; one process, the whole tensors).
+def load_pieces(live: dict[str, Any], pieces: Pieces, where: str) -> None:
+    """Copies the saved pieces into the live tensors (keyed as :func:`split_state` keys them) as they are sharded
+    now: each rank its own piece of each, one process the whole tensors.
 
     Raises:
-        ValueError: A tensor the model lacks, of another shape or dtype, or pieces that do not cover this rank's.
+        ValueError: A tensor the run lacks, of another shape or dtype, or pieces that do not cover this rank's.
     """
-    if not pieces:
-        return
-    live = model.state_dict()
     with torch.no_grad():
         for key, (size, saved) in pieces.items():
             target = live.get(key)
             if not isinstance(target, torch.Tensor):
-                raise ValueError(f"{where}: holds {key!r}, which the model has not")
+                raise ValueError(f"{where}: holds {key!r}, which the model and optimizer have not")
             if tuple(target.shape) != size:
-                raise ValueError(f"{where}: {key!r} is {list(size)} there and {list(target.shape)} in the model")
+                raise ValueError(f"{where}: {key!r} is {list(size)} there and {list(target.shape)} here")
             local, offset = local_piece(target)
             covered = 0
             for at, t in saved:
                 if t.dtype != local.dtype:
-                    raise ValueError(f"{where}: {key!r} is {t.dtype} there and {local.dtype} in the model")
+                    raise ValueError(f"{where}: {key!r} is {t.dtype} there and {local.dtype} here")
                 box = overlap(offset, local.shape, at, t.shape)
                 if box is None:
                     continue

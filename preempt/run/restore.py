@@ -282,7 +282,7 @@ class Starter:
         self.data.resume = Resume(info, c, rng_now, rng_epoch, m.sampler, data.get("loader"))
         self.saves.loaded(info)
         # the files the live tensors now match may be carried by the next checkpoint
-        self.manager.loaded(info, snap.base(snap.split()[0])[1] if snap.sharded else snap.tensors())
+        self.manager.loaded(info, snap.pieces(snap.split()[0])[1] if snap.sharded else snap.tensors())
         self.resumed_from = info.path
         age = _log.duration(max(0.0, time.time() - m.created))
         of = f"/{c.batches_per_epoch}" if c.batches_per_epoch >= 0 else ""
@@ -313,7 +313,7 @@ class Starter:
                 c.optimizer,
                 rest,
                 f"{info.path}/{state.STATE_JSON}",
-                loaded.shard_bases,
+                loaded.pieces,
             )
         except (ValueError, KeyError, RuntimeError) as e:
             raise IncompatibleStateError(f"{info.path}: sharded state does not load: {e}") from e

@@ -172,7 +172,7 @@ class SaveScheduler:
         self.stager, self.writer = self._new_stager(), self._new_writer()
         if self.snapshot.group_frozen:
             # the frozen base is read where it lives, never copied
-            self.stager.live = frozenset({state.BASE_FILE, state.shard_base_file(self.peers.rank)})
+            self.stager.live = frozenset({state.BASE_FILE, state.shard_files(self.peers.rank)[0]})
         optimizer = self.snapshot.components.optimizer
         if lazy and optimizer is not None and self.writers is None:
             self.lazy = True
@@ -378,16 +378,18 @@ class SaveScheduler:
             self.pending.wait()
 
     def _save_sharded(self, reason: Reason, manifest: Manifest, t0: float, payload: Any, live: Any) -> None:
-        """Every rank copies its files and its pieces of the sharded state into its buffers; then its writer runs
-        the distributed commit (:func:`preempt.cluster.distributed.save_ranked`, DCP writing the staged pieces) with the
-        other ranks' writers, on their own group. Not cancellable: a rank that left the commit's collectives alone
-        would leave the others waiting; a stop waits for it instead."""
+        """Every rank copies its files (its pieces of the sharded state among them) into its buffers; then its writer
+        runs the distributed commit (:func:`preempt.cluster.distributed.save_ranked`; DCP writing the staged DTensors
+        that no file of pieces holds, if any) with the other ranks' writers, on their own group. Not cancellable: a
+        rank that left the commit's collectives alone would leave the others waiting; a stop waits for it instead."""
         staged = self._staging().stage(payload)  # no fallback here: every rank must take the same path
-        shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)), self._shard_views)
         writers, manager, rank = self.writers, self.manager, self.peers.rank
+        extra = None
+        if live is not None:
+            shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)), self._shard_views)
 
-        def extra(tmp: Path) -> list[str]:
-            return sharded.save(tmp, shards, rank, writers.coord.group)
+            def extra(tmp: Path) -> list[str]:
+                return sharded.save(tmp, shards, rank, writers.coord.group)
 
         self._submit(reason, manifest, t0, lambda: writers.save(manager, staged, manifest, extra, False), cancel=False)
 
@@ -576,8 +578,7 @@ class SaveScheduler:
         shards = None
         if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
             payload, live = self.snapshot.content()
-            assert live is not None  # a shard stager exists only for sharded state
-            shards = sharded.local_payload(live)
+            shards = None if live is None else sharded.local_payload(live)
         nbytes = payload_nbytes(payload, stager.live) + (0 if shards is None else payload_nbytes(shards))
         available = host_memory_available()
         if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:

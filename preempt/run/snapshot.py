@@ -89,30 +89,30 @@ class Snapshot:
         assert c.model is not None  # (sharded: the model holds DTensors)
         return sharded.split_state(state.unwrap_model(c.model), c.optimizer)
 
-    def base(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], state.Payload]:
-        """Sharded state: (``tensors`` without the frozen base; this rank's file of its pieces, when grouped and any).
+    def pieces(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], state.Payload]:
+        """Sharded state: (what is left for DCP; this rank's files of pieces, :func:`sharded.pieces_apart`).
 
-        The base's pieces go into a tensor file of this rank's (:func:`sharded.base_apart`), which the next
-        checkpoint carries while they are unchanged, as one process carries ``base.safetensors``.
+        The frozen base's pieces, in a file of their own when carrying is on, are carried by the next checkpoint
+        while unchanged, as one process carries ``base.safetensors``.
         """
         c = self.components
-        files: dict[str, Any] = {}
-        if self.group_frozen and c.model is not None:
-            tensors, base = sharded.base_apart(tensors, state.frozen_keys(c.model, c.optimizer))
-            if base is not None:
-                files[state.shard_base_file(self.rank)] = base
-        return tensors, state.Payload(tensor_files=files, json_files={})
+        frozen = state.frozen_keys(c.model, c.optimizer) if self.group_frozen and c.model is not None else set()
+        left, base, rest = sharded.pieces_apart(tensors, self.rank, frozen)
+        names = state.shard_files(self.rank)
+        files = {name: f for name, f in zip(names, (base, rest), strict=True) if f is not None}
+        return left, state.Payload(tensor_files=files, json_files={})
 
     def content(self) -> tuple[state.Payload, dict[str, Any] | None]:
         """What this process writes, and the live sharded tensors DCP writes for it (None: the state is not sharded).
 
         The files: everything on rank 0; under torch.distributed, only its RNG on the others; with sharded state,
-        each rank's pieces of the frozen base besides (:meth:`base`).
+        each rank's pieces of the model and optimizer besides (:meth:`pieces`).
         """
         split = self.split() if self.sharded else None
-        shards, base = None, state.Payload(tensor_files={}, json_files={})
+        shards, pieces = None, state.Payload(tensor_files={}, json_files={})
         if split is not None:
-            shards, base = self.base(split[0])
+            left, pieces = self.pieces(split[0])
+            shards = left or None  # DCP writes only what the ranks' files of pieces cannot hold
         if self.rank == 0:
             files = self.capture(split)
         else:
@@ -123,7 +123,7 @@ class Snapshot:
             files = state.Payload(
                 tensor_files={tensor_file: (tensors, meta)}, json_files={json_file: own.json_files[state.STATE_JSON]}
             )
-        files.tensor_files.update(base.tensor_files)
+        files.tensor_files.update(pieces.tensor_files)
         return files, shards
 
     def manifest(self, reason: Reason, point: str, retention: RetentionPolicy | None = None) -> Manifest:

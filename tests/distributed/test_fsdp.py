@@ -49,7 +49,8 @@ def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path, refer
     info = CheckpointManager(stopped.save_dir, owner=False).list()[0]
     assert info.step == 7
     files = set(info.manifest.files)
-    assert {"__0_0.distcp", "__1_0.distcp", "dcp_metadata.json", "rank_00001.json"} <= files, files
+    assert {"pieces_00000.safetensors", "pieces_00001.safetensors", "rank_00001.json"} <= files, files
+    assert not [f for f in files if f.endswith(".distcp") or f == "dcp_metadata.json"], "all in the files of pieces"
     assert not (info.path / ".metadata").exists(), "DCP's pickled index must not be written"
 
     run2, run1 = stopped.copy_to(tmp_path / "run"), stopped.copy_to(tmp_path / "run1")
@@ -83,7 +84,7 @@ def test_sharded_checkpoints_are_written_in_the_background_by_every_rank_and_res
     assert "stopping on a stop signal received by rank 1 at step 7 " in stopped.output, stopped.output
     infos = {c.step: c for c in CheckpointManager(stopped.save_dir, owner=False).list()}
     assert sorted(infos) == [4, 7] and infos[7].manifest.reason == "preempt"
-    assert {"__0_0.distcp", "__1_0.distcp", "dcp_metadata.json"} <= set(infos[4].manifest.files)
+    assert {"pieces_00000.safetensors", "pieces_00001.safetensors"} <= set(infos[4].manifest.files)
 
     source = stopped.copy_to(tmp_path / "src") / infos[4].path.name
     resumed = torchrun(tmp_path / "other", ["--resume", str(source), "--final_out", str(tmp_path / "f")])
@@ -148,8 +149,8 @@ def test_lora_each_rank_carries_its_pieces_of_the_base_and_a_sigterm_resumes_bit
     bases = ["base_00000.safetensors", "base_00001.safetensors"]
     assert all(name in first and "carried_from" not in first[name] for name in bases), first
     assert sum((ckpts[0] / name).stat().st_size for name in bases) > 4 * MiB
-    dcp_keys = json.loads((ckpts[0] / "dcp_metadata.json").read_text())["tensors"]
-    assert not [k for k in dcp_keys if ".base." in k], dcp_keys  # the base is not DCP's
+    trained = load_file(str(ckpts[0] / "pieces_00001.safetensors"))
+    assert "model.0.a" in trained and not [k for k in trained if ".base." in k], sorted(trained)  # the base apart
     report = assert_writes_what_changed(ckpts, bases)  # a base written again (4 MiB) fails here
     print("checkpoint, bytes written, bytes changed:", report)
     from preempt.cli.main import main
@@ -186,6 +187,6 @@ def test_a_base_piece_changed_behind_autograd_on_one_rank_is_found_by_the_guard_
     assert files["base_00000.safetensors"].carried_from == 4, files
     assert files["base_00001.safetensors"].carried_from is None, files
     assert "base_00001.safetensors" in run.output and "behind autograd" in run.output, run.output
-    before = load_file(str(infos[4].path / "base_00001.safetensors"))["0.base.weight"]
-    after = load_file(str(infos[8].path / "base_00001.safetensors"))["0.base.weight"]
+    before = load_file(str(infos[4].path / "base_00001.safetensors"))["model.0.base.weight"]
+    after = load_file(str(infos[8].path / "base_00001.safetensors"))["model.0.base.weight"]
     assert torch.equal(after[0, 0], before[0, 0] + 1.0) and torch.equal(after[1:], before[1:])  # float32 sums

@@ -12,6 +12,7 @@ import argparse
 import errno
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def fail_write(n: int) -> None:
     calls = [0]
 
     def failing(directory):
+        if threading.current_thread().name != "preempt-writer":
+            return  # a synchronous save's (the stop's): not a background write
         calls[0] += 1
         if calls[0] == n:
             step = int(directory.name.split("step_")[1].split("-")[0])

@@ -24,8 +24,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import Synthetic  # noqa: E402
 
-import preempt.cluster.sharded  # noqa: E402
-from preempt import PreemptibleRun  # noqa: E402
+from preempt import PreemptibleRun, _testing  # noqa: E402
 
 
 def say(line: str) -> None:
@@ -45,16 +44,16 @@ def full_state(model, opt) -> dict[str, torch.Tensor]:
 
 
 def slow_write(seconds: float) -> None:
-    """Each background write of the shards starts ``seconds`` late (the loop goes on meanwhile); prints its step."""
-    save = preempt.cluster.sharded.save
+    """Each background write of a checkpoint's files starts ``seconds`` late (the loop goes on meanwhile); prints
+    its step (the fault point "write" of preempt._testing)."""
 
-    def slow(directory, tensors, rank, group=None):
+    def slow(directory: Path) -> None:
         if threading.current_thread().name == "preempt-writer":
+            rank = dist.get_rank()
             say(f"rank {rank} slow_write {directory.name.split('step_')[1].split('-')[0].lstrip('0')}")
             time.sleep(seconds)
-        return save(directory, tensors, rank, group)
 
-    preempt.cluster.sharded.save = slow
+    _testing.install("write", slow)
 
 
 class Adapted(torch.nn.Module):

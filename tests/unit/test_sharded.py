@@ -75,8 +75,9 @@ def test_split_state_does_not_step_a_fresh_optimizer():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_save_reads_the_sharded_state_once(rank):
-    """Snapshot.content() gives the files and the live tensors DCP writes from one state_dict() (FSDP2 builds
-    hundreds of DTensors per read); the files hold the optimizer's other state from that same read on rank 0."""
+    """Snapshot.content() gives every file from one state_dict() (FSDP2 builds hundreds of DTensors per read): the
+    optimizer's other state from that same read on rank 0, and the tensors in the ranks' files of pieces. Plain
+    tensors (replicated: the same on every rank) are rank 0's to write; nothing is left for DCP."""
     from preempt.checkpoint.components import Components
     from preempt.run.data_cursor import DataCursor
     from preempt.run.loop_state import LoopState
@@ -93,12 +94,17 @@ def test_a_save_reads_the_sharded_state_once(rank):
     snapshot = Snapshot(Components(model, opt), LoopState(), data, rank=rank)
     snapshot.sharded = True  # what PreemptibleRun sets for a model of DTensors
     files, live = snapshot.content()
-    assert len(reads) == 1
-    assert live is not None and torch.equal(live["model.weight"], model.weight)
-    assert live["optim.weight.exp_avg"] is opt.state[model.weight]["exp_avg"]
+    assert len(reads) == 1 and live is None
     from preempt.checkpoint import state
 
     assert (state.STATE_FILE if rank == 0 else state.rank_files(rank)[0]) in files.tensor_files
+    pieces = files.tensor_files.get(state.shard_files(rank)[1])
+    if rank:
+        assert pieces is None
+        return
+    assert pieces is not None and torch.equal(pieces[0]["model.weight"], model.weight)
+    assert pieces[0]["optim.weight.exp_avg"] is opt.state[model.weight]["exp_avg"]
+    assert json.loads(pieces[1][sharded.LAYOUT])["model.weight"] == {"size": [2, 3], "offset": [0, 0]}
 
 
 # ---------------------------------------------------------------- the frozen base, apart
@@ -121,15 +127,18 @@ def pieces_of(whole: torch.Tensor, rows: list[int]) -> list[tuple[str, dict[str,
     return files
 
 
+def load(target: dict[str, torch.Tensor], files: list) -> None:
+    sharded.load_pieces(target, sharded.read_pieces(files), "ckpt")
+
+
 def test_the_pieces_of_two_ranks_load_whole_into_one_process():
     whole = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-    model = torch.nn.Module()
-    model.w = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
-    sharded.load_base(model, sharded.base_pieces(pieces_of(whole, [3, 3])), "ckpt")
-    assert torch.equal(model.w, whole)
-    model.w.zero_()
-    sharded.load_base(model, sharded.base_pieces(pieces_of(whole, [4, 2, 0])), "ckpt")  # uneven, one rank empty
-    assert torch.equal(model.w, whole)
+    target = {"w": torch.zeros(6, 4)}
+    load(target, pieces_of(whole, [3, 3]))
+    assert torch.equal(target["w"], whole)
+    target["w"].zero_()
+    load(target, pieces_of(whole, [4, 2, 0]))  # uneven, one rank's piece empty
+    assert torch.equal(target["w"], whole)
 
 
 @pytest.mark.parametrize(
@@ -149,17 +158,17 @@ def test_a_base_file_whose_layout_does_not_describe_it_is_refused_naming_it(dama
     files = [(where, tensors, dict(meta)) for where, tensors, meta in files]
     damage(files)
     with pytest.raises(ValueError, match=message) as e:
-        sharded.base_pieces(files)
+        sharded.read_pieces(files)
     assert "base_00001.safetensors" in str(e.value)
 
 
 def test_pieces_that_do_not_fit_the_model_are_refused_naming_the_tensor():
-    model = torch.nn.Module()
-    model.w = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+    ones = torch.ones(6, 4)
     with pytest.raises(ValueError, match=r"'w' cover 12 of this rank's 24"):
-        sharded.load_base(model, sharded.base_pieces(pieces_of(torch.ones(6, 4), [3, 3])[:1]), "ckpt")  # one lost
-    with pytest.raises(ValueError, match=r"'w' is \[6, 4\] there and \[5, 4\]"):
-        model.w = torch.nn.Parameter(torch.zeros(5, 4), requires_grad=False)
-        sharded.load_base(model, sharded.base_pieces(pieces_of(torch.ones(6, 4), [3, 3])), "ckpt")
-    with pytest.raises(ValueError, match="holds 'w', which the model has not"):
-        sharded.load_base(torch.nn.Linear(2, 2), sharded.base_pieces(pieces_of(torch.ones(6, 4), [6])), "ckpt")
+        load({"w": torch.zeros(6, 4)}, pieces_of(ones, [3, 3])[:1])  # one rank's file lost
+    with pytest.raises(ValueError, match=r"'w' is \[6, 4\] there and \[5, 4\] here"):
+        load({"w": torch.zeros(5, 4)}, pieces_of(ones, [3, 3]))
+    with pytest.raises(ValueError, match=r"'w' is torch.float32 there and torch.float64 here"):
+        load({"w": torch.zeros(6, 4, dtype=torch.float64)}, pieces_of(ones, [3, 3]))
+    with pytest.raises(ValueError, match="holds 'w', which the model and optimizer have not"):
+        load({"v": torch.zeros(6, 4)}, pieces_of(ones, [6]))

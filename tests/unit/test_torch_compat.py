@@ -124,20 +124,25 @@ LOCAL_PIECE = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from preempt._torch_compat import local_piece
+from preempt._torch_compat import local_piece, version_counter
 rank = int(sys.argv[2])
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
 whole = torch.arange(20.0).reshape(5, 4)
 d = distribute_tensor(whole, init_device_mesh("cpu", (2,)), [Shard(0)])
 local, offset = local_piece(d)
 assert torch.equal(local, whole[offset[0] : offset[0] + local.shape[0]]), (rank, local, offset)
+before = version_counter(local)
+with torch.no_grad():
+    d.add_(1.0)  # on the local tensor below autograd: only the DTensor's counter moves, and the piece reports it
+assert version_counter(local) == before + 1 == d._version and local._version == 0, (before, d._version)
 print(offset, tuple(local.shape))
 dist.destroy_process_group()
 """
 
 
 def test_a_dtensor_s_local_piece_and_where_it_begins(tmp_path):
-    """5 rows over 2 ranks: 3 rows at row 0, 2 at row 3 (2 real gloo processes); any other tensor is its own piece."""
+    """5 rows over 2 ranks: 3 rows at row 0, 2 at row 3 (2 real gloo processes), each piece's changes counted by its
+    DTensor's version counter; any other tensor is its own piece."""
     script = tmp_path / "piece.py"
     script.write_text(LOCAL_PIECE)
     ranks = [
