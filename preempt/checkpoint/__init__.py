@@ -6,6 +6,7 @@ the page cache (``direct_io``), broken or superseded checkpoints moved out of si
 the pruned checkpoint's files written over (``recycle``), a payload's files written or
 hard-linked when unchanged (``write``, ``carry``), which checkpoints are
 kept (``retention``, pure), what is in the files (``state``, ``codec``, ``tensorfile``, ``components``; no pickle),
+where each piece of a sharded tensor lies in the ranks' files of pieces (``pieces``, no torch),
 what torch's optimizers, schedulers and scalers accept of it (``hyperparams``, pure), when ``complete.json`` is
 believed (``completion``, pure),
 the staging buffers and the background writer (``staging``), host memory pinned for a GPU's copies exactly

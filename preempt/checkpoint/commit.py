@@ -122,6 +122,11 @@ STAGES = (
 )
 
 
+def is_shard_file(name: str) -> bool:
+    """``name`` is one of some rank's files of pieces (:data:`SHARD_BASE`, :data:`SHARD_PIECES`)."""
+    return re.fullmatch(r"(base|pieces)_\d{5,}\.safetensors", name) is not None
+
+
 def stage(name: str) -> None:
     """Marks a protocol boundary (see :data:`STAGES`), a fault point of :mod:`preempt._testing`.
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,7 +42,7 @@ import torch
 from .._torch_compat import compiled_original
 from ..errors import IncompatibleStateError, UnsupportedStateError
 from . import codec
-from .commit import BASE_FILE, MODEL_FILE, SHARD_BASE, SHARD_PIECES, STATE_FILE, STATE_JSON  # noqa: F401
+from .commit import BASE_FILE, MODEL_FILE, SHARD_BASE, SHARD_PIECES, STATE_FILE, STATE_JSON, is_shard_file  # noqa: F401
 from .components import Components, Stateful
 from .tensorfile import check_tensor
 
@@ -55,11 +54,6 @@ def shard_files(rank: int) -> tuple[str, str]:
     """The names of rank ``rank``'s files of pieces in a checkpoint of sharded state: of the frozen base (carried
     while unchanged), and of the rest of the model and optimizer (:func:`preempt.cluster.sharded.pieces_apart`)."""
     return SHARD_BASE.format(rank=rank), SHARD_PIECES.format(rank=rank)
-
-
-def is_shard_file(name: str) -> bool:
-    """``name`` is one of some rank's :func:`shard_files`."""
-    return re.fullmatch(r"(base|pieces)_\d{5,}\.safetensors", name) is not None
 
 
 def rank_files(rank: int) -> tuple[str, str]:

@@ -85,6 +85,11 @@ def _dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
     return by_name, {v: k for k, v in by_name.items()}
 
 
+def itemsize(dtype: str) -> int:
+    """The bytes of one element of the safetensors dtype ``dtype`` (a name a validated header holds)."""
+    return _ITEMSIZE[dtype]
+
+
 def dtype_name(dtype: torch.dtype) -> str | None:
     """The safetensors name of a torch dtype, or None when the format has none."""
     return _dtypes()[1].get(dtype)
@@ -155,7 +160,7 @@ def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
         t = tensors[key]
         check_tensor(key, t)
         header[key] = {"dtype": by_dtype[t.dtype], "shape": list(t.shape), "data_offsets": [begin, end]}
-    yield _header_bytes(header)
+    yield header_bytes(header)
     whole = _one_buffer(tensors, places)
     if whole is not None:
         yield whole
@@ -164,7 +169,7 @@ def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
         yield tensor_bytes(tensors[key])
 
 
-def _header_bytes(header: Mapping[str, Any]) -> bytes:
+def header_bytes(header: Mapping[str, Any]) -> bytes:
     """The length and the JSON of a header, padded with spaces so that the data starts on :data:`DATA_ALIGN`."""
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(8 + len(head)) % DATA_ALIGN)
@@ -245,7 +250,7 @@ def restamped(buf: np.ndarray, header: Header, metadata: Mapping[str, str]) -> I
     doc: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
     for e in header.entries:
         doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
-    yield _header_bytes(doc)
+    yield header_bytes(doc)
     yield buf[header.data_start :].data
 
 
@@ -271,7 +276,7 @@ def merged(parts: list[tuple[np.ndarray, Header]], metadata: Mapping[str, str]) 
         e = found[name][2]
         doc[name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.end - e.begin]}
         offset += e.end - e.begin
-    yield _header_bytes(doc)
+    yield header_bytes(doc)
     for name in order:
         buf, header, e = found[name]
         if e.end > e.begin:

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import _log
-from ..checkpoint import commit, safe_io
+from ..checkpoint import codec, commit, safe_io
 from ..checkpoint.commit import FileDigest
 from ..checkpoint.files import read_verified
 from ..checkpoint.lock import DirLock, LockedError
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
+from ..checkpoint.pieces import assembled
 from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
 from . import listing
@@ -320,22 +321,30 @@ def cmd_export(args: argparse.Namespace) -> int:
     src = info.path / MODEL_FILE
     if expected is None:
         raise CommandFailed(EXIT_DAMAGED, f"{info.path / commit.MANIFEST}: lists no {MODEL_FILE}")
+    shard_files = sorted(f for f in info.manifest.files if commit.is_shard_file(f))
     # The model's weights: model.safetensors, and the frozen base beside it when the run kept it apart
-    # (preempt.checkpoint.carry); the file written holds them all (standalone, whatever was carried).
+    # (preempt.checkpoint.carry); the file written holds them all (standalone, whatever was carried). Sharded state:
+    # the whole tensors put together from every rank's pieces.
     parts = []
     try:
-        for name in (MODEL_FILE, BASE_FILE):
+        for name in (MODEL_FILE, BASE_FILE, *shard_files):
             if name in info.manifest.files:
                 path = info.path / name
                 buf = read_verified(path, info.manifest.files[name])  # regular file, size and xxh3 as listed; mapped
-                parts.append((buf, tensorfile.validate(buf, str(path))))
-        buf, header = parts[0]
-        tensors = [e for _, h in parts for e in h.entries]
-        pieces = (
-            tensorfile.restamped(buf, header, _export_metadata(header.metadata, info, expected))
-            if len(parts) == 1
-            else tensorfile.merged(parts, _export_metadata(header.metadata, info, expected))
-        )
+                parts.append((buf, tensorfile.validate(buf, str(path)), str(path)))
+        buf, header, _ = parts[0]
+        metadata = _export_metadata(header.metadata, info, expected)
+        if shard_files:
+            _refuse_dcp_weights(info)
+            count, pieces = assembled([(where, b, h) for b, h, where in parts[1:]], "model.", metadata)
+            tensors: list[Any] = [None] * count
+        else:
+            tensors = [e for _, h, _ in parts for e in h.entries]
+            pieces = (
+                tensorfile.restamped(buf, header, metadata)
+                if len(parts) == 1
+                else tensorfile.merged([(b, h) for b, h, _ in parts], metadata)
+            )
         if len(parts) > 1:
             pieces = iter(list(pieces))  # two tensors of one name raise here, before anything is written
     except (CorruptCheckpointError, ValueError) as e:
@@ -358,6 +367,23 @@ def cmd_export(args: argparse.Namespace) -> int:
         size = _log.size(digest.size)
         print(f"wrote {out} ({len(tensors)} tensors, {size}, xxh3 {digest.xxh3_128}) from {info.path}")
     return EXIT_OK
+
+
+def _refuse_dcp_weights(info: CheckpointInfo) -> None:
+    """Sharded state of which DCP wrote some model weights (its pieces are pickles): not exported, said so."""
+    from ..checkpoint.manager import SHARDED_INDEX
+
+    if info.manifest is None or SHARDED_INDEX not in info.manifest.files:
+        return
+    where = info.path / SHARDED_INDEX
+    doc = codec.loads(read_verified(where, info.manifest.files[SHARDED_INDEX]).tobytes(), str(where))
+    held = sorted(k for k in (doc.get("tensors") or {}) if isinstance(k, str) and k.startswith("model."))
+    if held:
+        raise CommandFailed(
+            EXIT_USAGE,
+            f"{where}: torch.distributed.checkpoint wrote {held[0]!r} and {len(held) - 1} more model tensor(s),"
+            " which this command does not read; nothing written. Load the checkpoint in a run to export them",
+        )
 
 
 def _export_metadata(metadata: dict[str, str], info: CheckpointInfo, expected: FileDigest) -> dict[str, str]:

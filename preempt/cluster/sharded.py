@@ -50,6 +50,7 @@ from .._torch_compat import (
 )
 from ..checkpoint import codec
 from ..checkpoint.manager import SHARDED_INDEX
+from ..checkpoint.pieces import LAYOUT, Box, check_apart, layout_of, overlap
 from ..checkpoint.state import Payload
 
 METADATA = SHARDED_INDEX
@@ -208,7 +209,6 @@ def load_into(
 
 # ------------------------------------------------------------------ each rank's pieces, in files of its own
 
-Box = tuple[tuple[int, int], ...]  # per dimension: (where it begins in the whole tensor, how many)
 # the saved pieces of each tensor, by key: (its whole shape, [(where a piece begins, the piece)])
 Pieces = dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]]
 TensorFile = tuple[dict[str, torch.Tensor], dict[str, str]]  # tensors and metadata, as a payload holds a file
@@ -262,55 +262,30 @@ def _tensor_file(entries: dict[str, tuple[torch.Tensor, dict[str, Any]]]) -> Ten
     return {key: piece for key, (piece, _) in sorted(entries.items())}, meta
 
 
-LAYOUT = "preempt.layout"  # a pieces file's metadata: {key: {"size": whole shape, "offset": where its piece begins}}
-
-
-def read_pieces(
-    bases: Sequence[tuple[str, dict[str, torch.Tensor], dict[str, str]]],
-) -> Pieces:
-    """Every tensor's whole shape and its saved pieces (offset, tensor), from the ranks' files of pieces.
+def read_pieces(files: Sequence[tuple[str, dict[str, torch.Tensor], dict[str, str]]]) -> Pieces:
+    """Every tensor's whole shape and its saved pieces (offset, tensor), from the ranks' files of pieces (path,
+    tensors, metadata).
 
     Raises:
         ValueError: A file's layout is missing or does not describe its tensors (naming the file and the tensor),
-            or two files disagree on a tensor's shape or dtype.
+            two files disagree on a tensor's shape or dtype, or two pieces of a tensor overlap.
     """
     out: Pieces = {}
     dtypes: dict[str, torch.dtype] = {}
-    for where, tensors, meta in bases:
-        try:
-            layout = json.loads(meta.get(LAYOUT, "null"))
-        except ValueError:
-            layout = None
-        if not isinstance(layout, dict) or set(layout) != set(tensors):
-            raise ValueError(f"{where}: its metadata {LAYOUT!r} does not list exactly the tensors the file holds")
+    boxes: dict[str, list[Box]] = {}
+    for where, tensors, meta in files:
+        layout = layout_of(meta, {k: tuple(t.shape) for k, t in tensors.items()}, where)
         for key, t in tensors.items():
-            entry = layout[key]
-            size = _ints(entry.get("size") if isinstance(entry, dict) else None, t.dim())
-            offset = _ints(entry.get("offset") if isinstance(entry, dict) else None, t.dim())
-            if size is None or offset is None or any(o + n > z for o, n, z in zip(offset, t.shape, size, strict=True)):
-                raise ValueError(f"{where}: {key!r}: a piece of shape {tuple(t.shape)} and layout {entry} does not fit")
+            size, offset = layout[key]
             whole, saved = out.setdefault(key, (size, []))
             if whole != size or dtypes.setdefault(key, t.dtype) != t.dtype:
-                raise ValueError(f"{where}: {key!r}: {size} {t.dtype}, where another rank's file says {whole}")
+                raise ValueError(f"{where}: {key!r}: {list(size)} {t.dtype}, where another rank's file says {whole}")
+            if t.numel():
+                box = tuple(zip(offset, t.shape, strict=True))
+                check_apart(key, box, boxes.setdefault(key, []), where)
+                boxes[key].append(box)
             saved.append((offset, t))
     return out
-
-
-def _ints(x: Any, n: int) -> tuple[int, ...] | None:
-    if not isinstance(x, list) or len(x) != n or not all(type(i) is int and i >= 0 for i in x):
-        return None
-    return tuple(x)
-
-
-def overlap(a: tuple[int, ...], a_shape: Sequence[int], b: tuple[int, ...], b_shape: Sequence[int]) -> Box | None:
-    """Where the box of shape ``a_shape`` at ``a`` and the one of shape ``b_shape`` at ``b`` meet (None: nowhere)."""
-    box = []
-    for a0, an, b0, bn in zip(a, a_shape, b, b_shape, strict=True):
-        lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
-        if lo >= hi:
-            return None
-        box.append((lo, hi - lo))
-    return tuple(box)
 
 
 def load_pieces(live: dict[str, Any], pieces: Pieces, where: str) -> None:

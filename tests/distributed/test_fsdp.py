@@ -156,6 +156,12 @@ def test_lora_each_rank_carries_its_pieces_of_the_base_and_a_sigterm_resumes_bit
     from preempt.cli.main import main
 
     assert main(["verify", str(save_dir)]) == 0
+    out = tmp_path / "exported.safetensors"  # the whole weights put together from both ranks' pieces, no torch
+    assert main(["export", str(save_dir), "--out", str(out)]) == 0
+    exported, final = load_file(str(out)), load_file(str(tmp_path / "f2"))
+    weights = {k.removeprefix("model."): v for k, v in final.items() if k.startswith("model.")}
+    assert exported.keys() == weights.keys() and "0.base.weight" in exported
+    assert [k for k in weights if not torch.equal(weights[k], exported[k])] == []
 
 
 def test_lora_a_sigkill_resumes_from_the_last_checkpoint_bit_exact(tmp_path, lora_reference):

@@ -111,10 +111,12 @@ def test_a_save_reads_the_sharded_state_once(rank):
 
 
 def test_overlap_of_two_boxes():
-    assert sharded.overlap((0, 0), (4, 3), (2, 0), (4, 3)) == ((2, 2), (0, 3))
-    assert sharded.overlap((0,), (4,), (4,), (4,)) is None  # touching is not meeting
-    assert sharded.overlap((5, 0), (0, 3), (0, 0), (8, 3)) is None  # an empty piece meets nothing
-    assert sharded.overlap((), (), (), ()) == ()  # a scalar: the one element
+    from preempt.checkpoint.pieces import overlap
+
+    assert overlap((0, 0), (4, 3), (2, 0), (4, 3)) == ((2, 2), (0, 3))
+    assert overlap((0,), (4,), (4,), (4,)) is None  # touching is not meeting
+    assert overlap((5, 0), (0, 3), (0, 0), (8, 3)) is None  # an empty piece meets nothing
+    assert overlap((), (), (), ()) == ()  # a scalar: the one element
 
 
 def pieces_of(whole: torch.Tensor, rows: list[int]) -> list[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
@@ -150,8 +152,9 @@ def test_the_pieces_of_two_ranks_load_whole_into_one_process():
         (lambda files: files[1][2].update({sharded.LAYOUT: '{"w": {"size": [7, 4], "offset": [3, 0]}}'}), "another"),
         (lambda files: files[1][2].update({sharded.LAYOUT: '{"w": {"size": [6, 4], "offset": [-3, 0]}}'}), "not fit"),
         (lambda files: files[1][2].update({sharded.LAYOUT: '{"w": {"size": [6, 4], "offset": [true, 0]}}'}), "fit"),
+        (lambda files: files[1][2].update({sharded.LAYOUT: '{"w": {"size": [6, 4], "offset": [2, 0]}}'}), "overlaps"),
     ],
-    ids=["no_layout", "not_json", "past_the_end", "shapes_disagree", "negative", "not_an_integer"],
+    ids=["no_layout", "not_json", "past_the_end", "shapes_disagree", "negative", "not_an_integer", "overlapping"],
 )
 def test_a_base_file_whose_layout_does_not_describe_it_is_refused_naming_it(damage, message):
     files = pieces_of(torch.ones(6, 4), [3, 3])
@@ -172,3 +175,34 @@ def test_pieces_that_do_not_fit_the_model_are_refused_naming_the_tensor():
         load({"w": torch.zeros(6, 4, dtype=torch.float64)}, pieces_of(ones, [3, 3]))
     with pytest.raises(ValueError, match="holds 'w', which the model and optimizer have not"):
         load({"v": torch.zeros(6, 4)}, pieces_of(ones, [6]))
+
+
+def files_in_memory(tmp_path, files) -> list:
+    """``pieces_of``'s files written and read back as ``preempt export`` reads them (no torch)."""
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from preempt.checkpoint import tensorfile
+
+    out = []
+    for name, tensors, meta in files:
+        path = tmp_path / name
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+        buf = np.fromfile(path, dtype=np.uint8)
+        out.append((str(path), buf, tensorfile.validate(buf, str(path))))
+    return out
+
+
+def test_export_puts_whole_tensors_together_from_the_pieces_and_refuses_a_hole(tmp_path):
+    from safetensors.torch import load
+
+    from preempt.checkpoint.pieces import assembled
+
+    whole = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
+    renamed = [(n, {f"model.{k}": v for k, v in t.items()}, m) for n, t, m in pieces_of(whole, [4, 2])]
+    renamed = [(n, t, {sharded.LAYOUT: m[sharded.LAYOUT].replace('"w"', '"model.w"')}) for n, t, m in renamed]
+    count, pieces = assembled(files_in_memory(tmp_path, renamed), "model.", {"source": "test"})
+    got = load(b"".join(bytes(p) for p in pieces))
+    assert count == 1 and torch.equal(got["w"], whole)
+    with pytest.raises(ValueError, match=r"'model.w': the files of pieces hold 16 of its 24 values"):
+        assembled(files_in_memory(tmp_path, renamed[:1]), "model.", {})
