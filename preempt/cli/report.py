@@ -79,7 +79,9 @@ def add_parser(add: Any) -> None:
         "Reads DIR/history.jsonl (kept by the run unless log_file=False). Goodput: productive step time over the\n"
         "processes' wall time; the rest is start-up and restore, checkpoint stalls, and steps recomputed after a\n"
         "crash or a NaN rollback. --json keys: goodput, wall_s, productive_s, startup_s, checkpoint_stall_s,\n"
-        "lost_s, lost_steps, restarts, stops (each with its cause), timeline (one entry per process),\n"
+        "lost_s, lost_steps, restarts, stops (each with its cause), timeline (one entry per process; its\n"
+        "startup: before_run_s, restore_s, first_steps, first_steps_s, step_s, warmup_s: the start-up split where\n"
+        "the run was made, and its first steps against steady ones),\n"
         "nonfinite_metrics (per metric: count, first steps, values), notes (what was set aside: a line over 1 MiB,\n"
         "a time that is not a date between 1970 and 2200, a negative or absurd duration or count). Non-finite\n"
         'numbers are the strings "nan", "inf", "-inf" (strict JSON). --plot draws the run\'s timeline (steps\n'

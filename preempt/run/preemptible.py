@@ -128,6 +128,7 @@ class PreemptibleRun:
         clock: Callable[[], float] = time.monotonic,
         **options: Unpack[RunOptions],
     ) -> None:
+        self._made_at = time.time()  # a restart's start-up ends here and its restore begins (preempt report)
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
             raise ValueError(f"save_dir: expected a directory path, got {save_dir!r}")
         self.components = state.Components.checked(model, optimizer, scheduler, scaler, track)
@@ -294,7 +295,7 @@ class PreemptibleRun:
         self.health.apply_lr_scale(resumed=self.resumed_from is not None)
         opt = self.components.optimizer
         self._step_hook = self.loop.watch(opt)  # whether an optimizer step is under way, or done before run.step()
-        self.reporter.start(self.resumed_from, self._starter.resume_line)
+        self.reporter.start(self.resumed_from, self._starter.resume_line, made_at=self._made_at)
         self.mirroring.begin(self.saves.last_info)
         if self.config.async_save:
             self.saves.start(payload, optimizer_state_later=opt is not None, lazy=self.config.lazy_snapshot)

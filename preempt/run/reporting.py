@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -112,6 +113,7 @@ class Reporter:
         self.rank, self.world_size = rank, world_size
         self.log_all_ranks = log_all_ranks  # PREEMPT_LOG_ALL_RANKS (preempt.cluster.environment): ranks > 0 log too
         self.next_at = float("inf")  # when report() has something to do: a progress line or a metric point
+        self._first_step = False  # the first safe point after the start is still to be marked
         self.epochs_total: int | None = None
         self.steps_per_epoch: int | None = None  # run.epochs(n, steps_per_epoch=...): the total of an unsized loader
         self._runlog: RunLog | None = None
@@ -138,9 +140,11 @@ class Reporter:
         for problem in problems:
             log.warning("%s", problem)
 
-    def start(self, resumed_from: Path | None, resumed_how: str | None = None) -> None:
+    def start(self, resumed_from: Path | None, resumed_how: str | None = None, *, made_at: float | None = None) -> None:
         """train.log, history.jsonl, the progress line and the GPU monitor, as configured; the start line first
-        (``resumed_how``: what the restore loaded, in words, said in it: one line per start)."""
+        (``resumed_how``: what the restore loaded, in words, said in it: one line per start). ``made_at``: when the
+        run was made (wall clock): before it the process started up, after it the run restored; the first step done
+        after it is marked too (``first_step``), for ``preempt report``'s split of a restart."""
         cfg, step = self.config, self.loop.global_step
         self._base = (step, self.loop.epoch, self.loop.batch)
         self._point_step = step
@@ -164,6 +168,8 @@ class Reporter:
                 "pid": os.getpid(),
                 "proc_start": process_start(),
             }
+            if made_at is not None:
+                facts["made_at"] = round(made_at, 3)
             if self.crash is not None:
                 facts["crashed"] = self.crash
             if resumed_from is None:
@@ -185,6 +191,9 @@ class Reporter:
             if self._history is not None and self._history.active:
                 self._point_at = now + point_interval(0.0, cfg.progress_every_s)
             self.next_at = min(self._line_at, self._point_at)
+        if self._history is not None and self._history.active:
+            self._first_step = True
+            self.next_at = -math.inf  # the first safe point marks the first step(s) done (report)
         if cfg.loggers and self.rank == 0:
             self._loggers = Loggers(cfg.loggers)
             self._loggers.open(self.save_dir, step, resumed=resumed_from is not None)
@@ -194,7 +203,15 @@ class Reporter:
                 self._monitor = monitor.start()
 
     def report(self, batches_per_epoch: int | None, optimizer: torch.optim.Optimizer | None) -> None:
-        """A progress line in the log and a metric point in history.jsonl, each when it is due (see ``next_at``)."""
+        """A progress line in the log and a metric point in history.jsonl, each when it is due (see ``next_at``); at
+        the first safe point after the start, the ``first_step`` marker."""
+        if self._first_step and self.loop.global_step > self._base[0]:  # a step done since the start
+            self._first_step = False
+            if self._history is not None:
+                self._history.marker("first_step", step=self.loop.global_step)
+        if self.config.progress_every_s is None:
+            self.next_at = -math.inf if self._first_step else math.inf
+            return
         now, loop, every = self.clock(), self.loop, self.config.progress_every_s
         assert every is not None and self._progress is not None
         if now >= self._line_at:
@@ -227,7 +244,7 @@ class Reporter:
                 step_time_s=(now - t0) / steps if steps > 0 else None,
                 gpu_mem=self._gpu_memory(),
             )
-        self.next_at = min(self._line_at, self._point_at)
+        self.next_at = -math.inf if self._first_step else min(self._line_at, self._point_at)
 
     def measured(self, m: Measured) -> None:
         """A ``run.report()``: its own history point, at the step the metrics belong to."""

@@ -101,6 +101,11 @@ def test_report_json_tells_the_stops_the_lost_steps_and_a_goodput_that_adds_up(t
     assert per[1]["teardown_s"] == 0 and per[1]["exited"] is None and per[0]["exited"] == exits[0]
     assert [g["from"] for g in doc["between_processes"]][0] == "exit line"  # the killed one: its estimated end
     assert [p["start_step"] for p in per] == [0, 41, 60] and per[1]["end_step"] == 67
+    for p in per:  # each process's start-up split where the run was made, its first step marked by the run
+        split = p["startup"]
+        assert split["before_run_s"] + split["restore_s"] == pytest.approx(p["startup_s"], abs=1e-3), split
+        assert split["first_steps"] >= 1 and split["first_steps_s"] >= split["first_steps"] * STEP_SLEEP, split
+        assert split["step_s"] >= STEP_SLEEP and split["warmup_s"] >= 0, split
 
 
 def test_report_text_names_each_process_and_the_goodput(three_processes):

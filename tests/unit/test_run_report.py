@@ -172,3 +172,29 @@ def test_old_and_hostile_lines_never_raise():
 def test_nothing_to_tell():
     assert build([]).to_json()["goodput"] is None
     assert "no process" in render(build([]), "runs/x")[0]
+
+
+def test_a_restart_is_split_into_start_up_restore_and_the_first_steps_warm_up():
+    """made_at splits the start-up at the run's making; first_step says when the first step(s) ended, and the pace of
+    the later lines what a steady step costs. A history from before these fields leaves them unsaid (None)."""
+    lines = [
+        {"t": 100.0, "event": "resume", "step": 10, "pid": 1, "proc_start": 90.0, "made_at": 97.5},
+        {"t": 101.0, "event": "first_step", "step": 11},
+        {"t": 111.0, "step": 111, "epoch": 0, "metrics": {"loss": 1.0}},  # 100 steps in 10 s: 0.1 s each
+        {"t": 111.0, "event": "complete", "step": 111},
+    ]
+    (p,) = build(lines).processes
+    split = p.split()
+    assert split["before_run_s"] == 7.5 and split["restore_s"] == 2.5
+    assert split["first_steps"] == 1 and split["first_steps_s"] == 1.0
+    assert split["step_s"] == pytest.approx(0.1) and split["warmup_s"] == pytest.approx(0.9)
+    text = "\n".join(render(build(lines), "run"))
+    assert "#1 before the run 7.50 s, restore 2.50 s, first step 1.00 s (0.90 s beyond steady ones)" in text, text
+    assert build(lines).to_json()["timeline"][0]["startup"] == split
+
+    old = [line for line in lines if line.get("event") != "first_step"]
+    old[0] = {k: v for k, v in old[0].items() if k != "made_at"}
+    assert set(build(old).processes[0].split().values()) == {None}
+    assert "start-up of each process" not in "\n".join(render(build(old), "run"))
+    absurd = [{**lines[0], "made_at": 80.0}, *lines[1:]]  # before the process started: not a split
+    assert build(absurd).processes[0].split()["restore_s"] is None
