@@ -11,7 +11,8 @@ what torch's optimizers, schedulers and scalers accept of it (``hyperparams``, p
 believed (``completion``, pure),
 the staging buffers and the background writer (``staging``), host memory pinned for a GPU's copies exactly
 (``pinned``), a lazy snapshot's copies from a GPU on a side stream (``side_stream``), the directory's lock and step
-beacon (``lock``), and the one rule for every file opened inside a save_dir (``safe_io``).
+beacon (``lock``), a checkpoint's files asked of the disk before they are read (``readahead``), and the one rule
+for every file opened inside a save_dir (``safe_io``).
 
 May import: :mod:`preempt.errors`, :mod:`preempt._log`. Never the run, the data, the cluster, health, the CLI or the
 supervisor (import-linter contracts in pyproject.toml). ``ls``/``verify``/``inspect``/``prune``/``export`` use the

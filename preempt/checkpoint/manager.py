@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import _testing
 from ..errors import CheckpointError, CheckpointUnreadableError, CorruptCheckpointError, NoCheckpointError
-from . import aside, commit, lock, recycle
+from . import aside, commit, lock, readahead, recycle
 from . import completion as marker
 from .carry import Carrier, CarryOptions
 from .commit import COMPLETE, MANIFEST, SUPERSEDED, FileDigest
@@ -365,6 +365,9 @@ class CheckpointManager:
             raise CorruptCheckpointError(
                 f"{info.path}: holds sharded state (FSDP/DTensor); weights_only loading of it is not supported"
             )
+        # Every file to be read is asked of the disk now: the next is read while this one is hashed.
+        ahead = [state.MODEL_FILE, state.BASE_FILE] if weights_only else list(manifest.files)
+        readahead.warm(info.path / name for name in ahead if name in manifest.files)
         wanted = [state.MODEL_FILE] if weights_only else [state.MODEL_FILE, state.STATE_FILE, state.STATE_JSON]
         if sharded:
             # the model and optimizer tensors are the ranks' pieces: every one must verify before any is read
@@ -620,3 +623,16 @@ class CheckpointManager:
 
 def _kept(manifest: Manifest) -> Kept:
     return Kept(manifest.step, manifest.best_value, manifest.origins())
+
+
+def newest_files(save_dir: str | os.PathLike[str]) -> tuple[Path, list[Path]] | None:
+    """The newest valid checkpoint of ``save_dir`` (the one a run resumes from) and its files as its manifest lists
+    them; None when there is none or the directory cannot be read. Reads manifests only (``preempt prefetch``)."""
+    try:
+        infos = CheckpointManager(save_dir, owner=False).list()
+    except OSError:
+        return None
+    for info in infos:
+        if info.status == "valid" and info.manifest is not None:
+            return info.path, [info.path / name for name in info.manifest.files]
+    return None

@@ -56,18 +56,6 @@ def payload_nbytes(payload: Payload, skip: Collection[str] = ()) -> int:
     )
 
 
-def host_memory_available(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
-    """The kernel's estimate of memory available to new allocations (MemAvailable), bytes; None where unknown."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 class Stager:
     """Host buffers, one per tensor of a payload, reused from one snapshot to the next.
 

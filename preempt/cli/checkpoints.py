@@ -31,7 +31,7 @@ from ..checkpoint import codec, commit, safe_io
 from ..checkpoint.commit import FileDigest
 from ..checkpoint.files import read_verified
 from ..checkpoint.lock import DirLock, LockedError
-from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, newest_files, rank_best
 from ..checkpoint.pieces import assembled
 from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
@@ -423,8 +423,33 @@ def _checkpoint_as_dir(args: argparse.Namespace) -> None:
     args.dir, args.step = args.dir.parent, step
 
 
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    from ..checkpoint import readahead
+
+    t0 = time.monotonic()
+    found = newest_files(args.dir)
+    if found is None:
+        doc: dict[str, Any] = {"checkpoint": None, "files": 0, "bytes": 0, "seconds": 0.0}
+        message = f"{args.dir}: no valid checkpoint to read ahead"
+    else:
+        path, files = found
+        done = readahead.warm(files, read=not args.no_wait)
+        seconds = time.monotonic() - t0
+        doc = {"checkpoint": str(path), "files": done.files, "bytes": done.nbytes, "seconds": round(seconds, 3)}
+        doc["failed"] = list(done.failed)
+        how = "asked for" if args.no_wait else f"read in {_log.duration(seconds)}"
+        message = f"{path}: {done.files} file(s), {_log.size(done.nbytes)} {how}"
+        message += "".join(f"; not read: {f}" for f in done.failed)
+    if args.json:
+        emit(doc)
+    else:
+        print(message)
+    return EXIT_OK
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": cmd_ls,
+    "prefetch": cmd_prefetch,
     "verify": cmd_verify,
     "inspect": lambda args: _inspect(args),
     "prune": cmd_prune,

@@ -159,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", type=_selector, nargs="?", metavar="STEP", help=f"{step_help}; default latest")
     p.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p = add(
+        "prefetch",
+        "read the newest valid checkpoint into memory ahead of a restart (no torch)",
+        "For a job script: `preempt prefetch DIR &` before `python train.py`: the restore then reads from memory\n"
+        "what this read while the training process started (importing torch alone takes seconds). Reads what\n"
+        "the manifest lists, nothing else; changes nothing. Exit 0 also when DIR holds no valid checkpoint.",
+    )
+    p.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="only ask the kernel to read the files (posix_fadvise WILLNEED) and return at once",
+    )
     report.add_parser(functools.partial(add, mirror=True))
     where.add_pull_parser(sub, fmt, EXIT_CODES)
     return parser

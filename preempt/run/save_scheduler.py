@@ -32,12 +32,12 @@ from .. import _log, _testing
 from ..checkpoint import carry, commit, recycle, state
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
+from ..checkpoint.readahead import host_memory_available
 from ..checkpoint.staging import (
     BackgroundWriter,
     LazyCopy,
     SourceKey,
     Stager,
-    host_memory_available,
     payload_nbytes,
     source_key,
 )

@@ -252,7 +252,8 @@ def build_parser(
         "--save-dir",
         type=Path,
         metavar="DIR",
-        help=f"the run's save_dir: the events are appended to DIR/{LOG_NAME} (unless --log or --no-log)",
+        help=f"the run's save_dir: the events are appended to DIR/{LOG_NAME} (unless --log or --no-log), and its"
+        " newest valid checkpoint is read into memory as each attempt starts (the restore then reads from memory)",
     )
     log = parser.add_mutually_exclusive_group()
     log.add_argument(
@@ -338,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{option}: cannot append to the log ({found})")
     try:
         become_subreaper()
-        return Supervisor(config, log=log).run().code
+        return Supervisor(config, log=log, save_dir=args.save_dir).run().code
     finally:
         if log is not None:
             log.close()

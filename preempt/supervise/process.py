@@ -15,8 +15,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import IO, Any
 
 from .._log import duration
@@ -135,6 +137,8 @@ class Supervisor:
         stderr_fd: Where the child's stderr goes.
         err: Where the supervisor's own messages go (default ``sys.stderr``).
         clock: Monotonic clock.
+        save_dir: The run's save_dir: as each attempt starts, its newest valid checkpoint is read into the page
+            cache beside it (:mod:`preempt.checkpoint.readahead`), while the child imports torch.
     """
 
     def __init__(
@@ -147,8 +151,10 @@ class Supervisor:
         stderr_fd: int = 2,
         err: IO[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        save_dir: Path | None = None,
     ) -> None:
         self.config = config
+        self._save_dir = save_dir
         self._log = log
         self._environ = dict(os.environ if environ is None else environ)
         self._out = {"stdout": stdout_fd, "stderr": stderr_fd}
@@ -305,6 +311,7 @@ class Supervisor:
         scale = None if lr is None or cfg.lr is None else lr / cfg.lr
         env = child_env(self._environ, attempt=number, cause=cause, lr=lr, lr_scale=scale, batch_size=batch_size)
         start = self._clock()
+        self._read_ahead(number)
         try:
             proc = subprocess.Popen(
                 argv,
@@ -327,6 +334,20 @@ class Supervisor:
         died = f" (killed by {signal_name(-proc.returncode)})" if proc.returncode < 0 else ""
         self.event(f"attempt {number}: exit {code}{died} after {duration(seconds)}: {result}")
         return Attempt(number, tuple(argv), lr, batch_size, code, result, seconds, last, tuple(signalled))
+
+    def _read_ahead(self, number: int) -> None:
+        """The newest valid checkpoint of the save_dir read into memory in a thread, beside the child's start."""
+        if self._save_dir is None:
+            return
+        from ..checkpoint import readahead
+        from ..checkpoint.manager import newest_files
+
+        found = newest_files(self._save_dir)
+        if found is None:
+            return
+        path, files = found
+        threading.Thread(target=readahead.warm, args=(files,), kwargs={"read": True}, daemon=True).start()
+        self.event(f"attempt {number}: reading {path} ahead of its restore")
 
     def _pump(self, number: int, proc: subprocess.Popen[bytes]) -> tuple[Match | None, list[int]]:
         """Copies the child's output, forwards signals and cleans its group up, until all of it is gone.

@@ -585,6 +585,7 @@ def test_no_command_blocks_or_crashes_on_odd_files(tmp_path, capsys, name, kind)
         ["export", "--out", "EXPORT"],
         ["prune", "--keep-last", "1"],
         ["prune", "--keep-last", "1", "--yes"],
+        ["prefetch"],
     ],
     ids=lambda a: " ".join(a).replace("EXPORT", "out"),
 )
@@ -626,3 +627,39 @@ def test_inspect_and_export_still_read_tensors(tmp_path, capsys):
     assert code == 0 and "model.safetensors" in out
     code, _, _ = cli(capsys, "export", str(tmp_path / "run"), "--out", str(tmp_path / "w.safetensors"))
     assert code == 0 and set(load_file(str(tmp_path / "w.safetensors")))
+
+
+def test_prefetch_reads_the_newest_valid_checkpoint_s_listed_files_and_nothing_else(tmp_path, capsys):
+    """What the restore would read, every file its manifest lists, each read through once; the files of an older
+    or an invalid checkpoint and anything else in the save_dir are not; a save_dir without a valid checkpoint is no
+    error."""
+    from preempt.cli.main import main
+
+    saved(tmp_path / "run")
+    newest = sorted((tmp_path / "run").glob("step_*"))[-1]
+    (tmp_path / "run" / "step_000000009").mkdir()  # newer, but no manifest: not a checkpoint to read
+    listed = json.loads((newest / "manifest.json").read_text())["files"]
+    assert main(["prefetch", str(tmp_path / "run"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["checkpoint"] == str(newest) and doc["files"] == len(listed) and doc["failed"] == []
+    assert doc["bytes"] == sum(f["size"] for f in listed.values())
+    assert main(["prefetch", str(tmp_path / "missing")]) == 2  # no such directory: a usage error
+    capsys.readouterr()
+    (tmp_path / "empty").mkdir()
+    assert main(["prefetch", str(tmp_path / "empty"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] is None
+
+
+def test_supervise_reads_the_newest_checkpoint_ahead_as_each_attempt_starts(tmp_path):
+    """With --save-dir, the newest valid checkpoint is read into memory beside the child's start (said in the
+    supervisor's log); a save_dir without one is read nothing."""
+    saved(tmp_path / "run")
+    newest = sorted((tmp_path / "run").glob("step_*"))[-1]
+    cmd = [sys.executable, "-m", "preempt", "supervise", "--max-retries", "0"]
+    r = subprocess.run([*cmd, "--save-dir", str(tmp_path / "run"), "--", "true"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "run" / "supervise.log").read_text()
+    assert f"attempt 1: reading {newest} ahead of its restore" in log, log
+    (tmp_path / "fresh").mkdir()
+    r = subprocess.run([*cmd, "--save-dir", str(tmp_path / "fresh"), "--", "true"], capture_output=True, text=True)
+    assert r.returncode == 0 and "ahead" not in (tmp_path / "fresh" / "supervise.log").read_text(), r.stderr

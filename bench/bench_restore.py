@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""What a restart's restore costs: preempt's verified restore against a cold read of its files and the peers' loads.
+
+Run from the repository root (as root: the page cache is dropped before each cold trial)::
+
+    python bench/bench_restore.py                  # 1 GiB of model + AdamW state, 3 trials per row, cold and warm
+    python bench/bench_restore.py --gib 3 --trials 5
+
+The state (``bench_checkpoint.build_state``: a GPT-like model and AdamW's moments) is saved once four ways: a preempt
+checkpoint, a DCP checkpoint (no process group), one ``torch.save`` file and one safetensors file. Each trial is a
+fresh process that imports torch and builds the model and optimizer first (untimed), then times its load:
+
+* ``cat``: a cold read of the preempt checkpoint's files (``cat > /dev/null``): the floor;
+* ``preempt``: ``CheckpointManager.read`` (every byte hashed against the manifest) and ``state.apply``;
+* ``dcp``: ``torch.distributed.checkpoint.load`` into the state dicts and ``set_state_dict`` (verifies nothing);
+* ``torch_load``: ``torch.load(weights_only=True)`` and ``load_state_dict``;
+* ``st_xxh3``: ``safetensors.torch.load_file`` and an xxh3 of every tensor, then ``load_state_dict`` of the model.
+
+The resume rows time a whole process, from its start to its restore's end, started cold: ``preempt`` alone, and
+``preempt`` with ``preempt prefetch DIR`` started beside it (as the SLURM templates and ``preempt supervise`` do), so
+that the files are read while the child imports torch. Medians of ``--trials``; every row in the same run, the rows'
+order rotated from one trial to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+ROWS = ("cat", "preempt", "dcp", "torch_load", "st_xxh3")
+RESUMES = ("resume", "resume_prefetch")
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def prepare(work: Path, gib: float) -> int:
+    import safetensors.torch
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from bench_checkpoint import build_state, flat_tensors
+
+    from preempt import CheckpointManager
+
+    model, opt = build_state(gib)
+    manager = CheckpointManager(work / "preempt", keep_last=1)
+    manager.prepare()
+    manager.save_state(step=1, model=model, optimizer=opt)
+    kw = {"no_dist": True} if "no_dist" in dcp.save.__code__.co_varnames else {}
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(work / "dcp"), **kw)
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, work / "state.pt")
+    flat = flat_tensors(model, opt)
+    safetensors.torch.save_file(flat, str(work / "state.safetensors"))
+    os.sync()
+    return sum(t.numel() * t.element_size() for t in flat.values())
+
+
+def child(work: Path, gib: float, row: str) -> None:
+    """One trial in this fresh process: the model built (untimed), then the load timed; prints the seconds."""
+    t_import = time.time()
+    import torch
+    from bench_checkpoint import build_state
+
+    model, opt = build_state(gib)
+    if row in RESUMES:
+        t0 = float(os.environ["BENCH_T0"])  # the parent's clock when it started this process
+    else:
+        t0 = time.time()
+    if row in ("preempt", *RESUMES):
+        from preempt import CheckpointManager
+        from preempt.checkpoint import state
+
+        manager = CheckpointManager(work / "preempt", owner=False)
+        state.apply(state.Components(model, opt), manager.read(manager.list()[0]))
+    elif row == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        kw = {"no_dist": True} if "no_dist" in dcp.load.__code__.co_varnames else {}
+        dcp.load(sd, checkpoint_id=str(work / "dcp"), **kw)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    elif row == "torch_load":
+        sd = torch.load(work / "state.pt", weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+    elif row == "st_xxh3":
+        import safetensors.torch
+        import xxhash
+
+        flat = safetensors.torch.load_file(str(work / "state.safetensors"))
+        h = xxhash.xxh3_128()
+        for t in flat.values():
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
+        h.hexdigest()
+        model.load_state_dict({k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")})
+    print(json.dumps({"seconds": time.time() - t0, "import_to_load": t0 - t_import}))
+
+
+def trial(work: Path, gib: float, row: str, cold: bool) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    if row == "cat":
+        if cold:
+            drop_caches()
+        files = [str(p) for p in sorted((work / "preempt").glob("step_*/*"))]
+        t0 = time.perf_counter()
+        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+        return time.perf_counter() - t0
+    if cold:
+        drop_caches()
+    cmd = [sys.executable, __file__, "--child", row, "--gib", str(gib), "--work", str(work)]
+    helper = None
+    env["BENCH_T0"] = repr(time.time())
+    if row == "resume_prefetch":
+        prefetch = [sys.executable, "-m", "preempt", "prefetch", str(work / "preempt")]
+        helper = subprocess.Popen(prefetch, stdout=subprocess.DEVNULL)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
+    if helper is not None:
+        helper.wait()
+    return float(json.loads(out.strip().splitlines()[-1])["seconds"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--dir", default=str(HERE / "results"), help="where the four copies of the state are written")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(Path(args.work), args.gib, args.child)
+        return
+    if args.gib <= 0 or args.trials < 1:
+        p.error("--gib > 0, --trials >= 1")
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=args.dir, prefix="restore-"))
+    try:
+        nbytes = prepare(work, args.gib)
+        rows = [(r, cold) for cold in (True, False) for r in ROWS] + [(r, True) for r in RESUMES]
+        times: dict[tuple[str, bool], list[float]] = {k: [] for k in rows}
+        for i in range(args.trials + 1):  # the first round warms up the interpreter's files; not counted
+            order = rows[i % len(rows) :] + rows[: i % len(rows)]
+            for row, cold in order:
+                t = trial(work, args.gib, row, cold)
+                if i:
+                    times[(row, cold)].append(t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        floor = med[("cat", True)]
+        print(f"\nstate {nbytes / (1 << 30):.2f} GiB, medians of {args.trials} fresh processes\n")
+        print("| row | cold | vs a cold `cat` | warm |\n|---|---:|---:|---:|")
+        for r in ROWS:
+            print(f"| {r} | {med[(r, True)]:.2f} s | {med[(r, True)] / floor:.2f}x | {med[(r, False)]:.2f} s |")
+        print("\n| whole process, started cold: start to restored | seconds | vs a cold `cat` |\n|---|---:|---:|")
+        for r in RESUMES:
+            print(f"| {r} | {med[(r, True)]:.2f} s | {med[(r, True)] / floor:.2f}x |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
