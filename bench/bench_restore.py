@@ -12,13 +12,16 @@ fresh process that imports torch and builds the model and optimizer first (untim
 
 * ``cat``: a cold read of the preempt checkpoint's files (``cat > /dev/null``): the floor;
 * ``preempt``: ``CheckpointManager.read`` (every byte hashed against the manifest) and ``state.apply``;
+* ``preempt_no_ahead``: the same without asking for every file before reading the first (``readahead.warm`` made a
+  no-op in that process): what the read-ahead gains;
 * ``dcp``: ``torch.distributed.checkpoint.load`` into the state dicts and ``set_state_dict`` (verifies nothing);
 * ``torch_load``: ``torch.load(weights_only=True)`` and ``load_state_dict``;
 * ``st_xxh3``: ``safetensors.torch.load_file`` and an xxh3 of every tensor, then ``load_state_dict`` of the model.
 
-The resume rows time a whole process, from its start to its restore's end, started cold: ``preempt`` alone, and
-``preempt`` with ``preempt prefetch DIR`` started beside it (as the SLURM templates and ``preempt supervise`` do), so
-that the files are read while the child imports torch. Medians of ``--trials``; every row in the same run, the rows'
+The resume rows time a whole process, from its start to its restore's end, started cold, and the restore within
+it: ``preempt`` alone, and ``preempt`` with ``preempt prefetch DIR`` started beside it (as the SLURM templates and
+``preempt supervise`` do), so that the files are read while the child imports torch and builds its model. A warm
+trial reads its row's files once (untimed) first. Medians of ``--trials``; every row in the same run, the rows'
 order rotated from one trial to the next.
 """
 
@@ -38,7 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-ROWS = ("cat", "preempt", "dcp", "torch_load", "st_xxh3")
+ROWS = ("cat", "preempt", "preempt_no_ahead", "dcp", "torch_load", "st_xxh3")
 RESUMES = ("resume", "resume_prefetch")
 
 
@@ -76,13 +79,14 @@ def child(work: Path, gib: float, row: str) -> None:
     from bench_checkpoint import build_state
 
     model, opt = build_state(gib)
-    if row in RESUMES:
-        t0 = float(os.environ["BENCH_T0"])  # the parent's clock when it started this process
-    else:
-        t0 = time.time()
-    if row in ("preempt", *RESUMES):
+    t0 = time.time()
+    if row in ("preempt", "preempt_no_ahead", *RESUMES):
         from preempt import CheckpointManager
+        from preempt.checkpoint import manager as manager_module
         from preempt.checkpoint import state
+
+        if row == "preempt_no_ahead":
+            manager_module.readahead.warm = lambda *args, **kwargs: None  # type: ignore[assignment]
 
         manager = CheckpointManager(work / "preempt", owner=False)
         state.apply(state.Components(model, opt), manager.read(manager.list()[0]))
@@ -109,18 +113,36 @@ def child(work: Path, gib: float, row: str) -> None:
                 h.update(t.reshape(-1).view(torch.uint8).numpy())
         h.hexdigest()
         model.load_state_dict({k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")})
-    print(json.dumps({"seconds": time.time() - t0, "import_to_load": t0 - t_import}))
+    t1 = time.time()
+    # the load's seconds; for a resume row, from the process's start (the parent's clock) to the load's end
+    whole = t1 - float(os.environ["BENCH_T0"])
+    print(json.dumps({"seconds": whole if row in RESUMES else t1 - t0, "load": t1 - t0, "before": t0 - t_import}))
 
 
-def trial(work: Path, gib: float, row: str, cold: bool) -> float:
+READS = {  # what each row reads: read once, untimed, before a warm trial
+    "cat": ["preempt/step_*/*"],
+    "preempt": ["preempt/step_*/*"],
+    "preempt_no_ahead": ["preempt/step_*/*"],
+    "dcp": ["dcp/*"],
+    "torch_load": ["state.pt"],
+    "st_xxh3": ["state.safetensors"],
+}
+
+
+def trial(work: Path, gib: float, row: str, cold: bool) -> tuple[float, float]:
+    """(the row's seconds, the load's own seconds) of one trial."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    if not cold:
+        files = [str(p) for pattern in READS[row] for p in sorted(work.glob(pattern))]
+        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
     if row == "cat":
         if cold:
             drop_caches()
         files = [str(p) for p in sorted((work / "preempt").glob("step_*/*"))]
         t0 = time.perf_counter()
         subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        return took, took
     if cold:
         drop_caches()
     cmd = [sys.executable, __file__, "--child", row, "--gib", str(gib), "--work", str(work)]
@@ -132,7 +154,8 @@ def trial(work: Path, gib: float, row: str, cold: bool) -> float:
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     if helper is not None:
         helper.wait()
-    return float(json.loads(out.strip().splitlines()[-1])["seconds"])
+    doc = json.loads(out.strip().splitlines()[-1])
+    return float(doc["seconds"]), float(doc["load"])
 
 
 def main() -> None:
@@ -140,6 +163,7 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--dir", default=str(HERE / "results"), help="where the four copies of the state are written")
+    p.add_argument("--no-resume", action="store_true", help="leave out the resume rows (a preempt without prefetch)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -152,23 +176,29 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(dir=args.dir, prefix="restore-"))
     try:
         nbytes = prepare(work, args.gib)
-        rows = [(r, cold) for cold in (True, False) for r in ROWS] + [(r, True) for r in RESUMES]
+        resumes = () if args.no_resume else RESUMES
+        rows = [(r, cold) for cold in (True, False) for r in ROWS] + [(r, True) for r in resumes]
         times: dict[tuple[str, bool], list[float]] = {k: [] for k in rows}
+        loads: dict[tuple[str, bool], list[float]] = {k: [] for k in rows}
         for i in range(args.trials + 1):  # the first round warms up the interpreter's files; not counted
             order = rows[i % len(rows) :] + rows[: i % len(rows)]
             for row, cold in order:
-                t = trial(work, args.gib, row, cold)
+                t, load = trial(work, args.gib, row, cold)
                 if i:
                     times[(row, cold)].append(t)
+                    loads[(row, cold)].append(load)
         med = {k: statistics.median(v) for k, v in times.items()}
+        load_med = {k: statistics.median(v) for k, v in loads.items()}
         floor = med[("cat", True)]
         print(f"\nstate {nbytes / (1 << 30):.2f} GiB, medians of {args.trials} fresh processes\n")
         print("| row | cold | vs a cold `cat` | warm |\n|---|---:|---:|---:|")
         for r in ROWS:
             print(f"| {r} | {med[(r, True)]:.2f} s | {med[(r, True)] / floor:.2f}x | {med[(r, False)]:.2f} s |")
-        print("\n| whole process, started cold: start to restored | seconds | vs a cold `cat` |\n|---|---:|---:|")
-        for r in RESUMES:
-            print(f"| {r} | {med[(r, True)]:.2f} s | {med[(r, True)] / floor:.2f}x |")
+        print("\n| started cold | start to restored | of which the restore | restore vs a cold `cat` |")
+        print("|---|---:|---:|---:|")
+        for r in resumes:
+            load = load_med[(r, True)]
+            print(f"| {r} | {med[(r, True)]:.2f} s | {load:.2f} s | {load / floor:.2f}x |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
