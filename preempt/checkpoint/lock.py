@@ -498,6 +498,13 @@ def _listed(identities: dict[str, Any]) -> dict[str, list[int] | None]:
     return {k: None if v is None else [int(x) for x in v] for k, v in identities.items()}
 
 
+def holder(save_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Who holds ``save_dir``'s lock, as its lock file says (pid, host, since), or {} (none, or unreadable). Read
+    only: the ranks of a run compare what they see with what rank 0 wrote (one save_dir for all)."""
+    doc = _read_path(Path(save_dir) / LOCK)
+    return {k: doc.get(k) for k in ("pid", "host", "since")} if doc else {}
+
+
 def _read_path(path: Path) -> dict[str, Any]:
     """What the lock file at ``path`` says (a regular file, no symlink followed), or {}."""
     try:

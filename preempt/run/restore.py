@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _log
-from ..checkpoint import hyperparams, state
+from ..checkpoint import hyperparams, lock, state
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..cluster import distributed, sharded
 from ..cluster.environment import Environment
@@ -39,6 +39,12 @@ from .snapshot import Snapshot
 log = _log.log
 
 Checked = tuple[rng.RngState, rng.RngState | None]  # a checked checkpoint's RNG states: now, its epoch's start
+
+
+SHARED_SAVE_DIR = (
+    "every rank writes its files into the checkpoint rank 0 commits, so all ranks need one save_dir on a filesystem"
+    " they all see (nodes without a shared filesystem are not supported yet)"
+)
 
 
 class Starter:
@@ -134,14 +140,25 @@ class Starter:
         return True
 
     def announce(self, path: str | None) -> None:
-        """Rank 0 tells the others which checkpoint to load, and whether a resume request is being applied."""
-        self.peers.broadcast(("start", path, self._branching))
+        """Rank 0 tells the others which checkpoint to load, and whether a resume request is being applied, with
+        what its lock file says: every rank must see that same file (one save_dir for all, :meth:`follow`).
+
+        Raises:
+            PreemptError: Another rank does not see this save_dir as rank 0 does.
+        """
+        self.peers.broadcast(("start", path, self._branching, lock.holder(self.save_dir)))
         self._announced = True
+        if not self.peers.all(True):
+            raise PreemptError(
+                f"another rank does not see {self.save_dir} as rank 0 does (its lock file, written by rank 0, is not"
+                f" there or not the same): {SHARED_SAVE_DIR}"
+            )
 
     def refuse(self, error: BaseException) -> None:
         """The leader could not start: the other ranks learn it instead of waiting."""
         if not self._announced:
-            self.peers.broadcast(("complete" if isinstance(error, RunComplete) else "fail", repr(error), False))
+            kind = "complete" if isinstance(error, RunComplete) else "fail"
+            self.peers.broadcast((kind, repr(error), False, None))
 
     def _start_branch(self, request: dict[str, Any]) -> None:
         """Applies a resume request once: loads its checkpoint and starts a new timeline from it."""
@@ -211,11 +228,20 @@ class Starter:
 
     def follow(self) -> None:
         """A rank other than 0: loads the checkpoint rank 0 chose (in this save_dir or, for a request, another)."""
-        kind, detail, branch = self.peers.broadcast(None)
+        kind, detail, branch, holder = self.peers.broadcast(None)
         if kind == "complete":
             raise RunComplete(str(self.save_dir))
         if kind == "fail":
             raise PreemptError(f"rank 0 could not start the run in {self.save_dir}: {detail}")
+        seen = lock.holder(self.save_dir)
+        if not self.peers.all(seen == holder):
+            raise PreemptError(
+                f"rank {self.peers.rank} does not see {self.save_dir} as rank 0 does (rank 0's lock file says"
+                f" {lock.describe(holder)}; here {'there is none' if not seen else lock.describe(seen)}):"
+                f" {SHARED_SAVE_DIR}"
+                if seen != holder
+                else f"another rank does not see {self.save_dir} as rank 0 does: {SHARED_SAVE_DIR}"
+            )
         if detail is None:
             self.snapshot.lineage = {"request": None, "started": time.time()}
         else:

@@ -111,6 +111,7 @@ def main() -> None:
     )
     p.add_argument("--frozen", action="store_true", help="a frozen part of ~4 MiB before the trained layers")
     p.add_argument("--keep_last", type=int, default=2)
+    p.add_argument("--save_dir_per_rank", action="store_true", help="each rank its own SAVE_DIR/rank<R> (refused)")
     p.add_argument(
         "--wait_file_in_restart", default=None, help="N:FILE: in SLURM restart N, wait for FILE before the first step"
     )
@@ -139,7 +140,7 @@ def main() -> None:
         fail_write(args.fail_write)
 
     with PreemptibleRun(
-        args.save_dir,
+        f"{args.save_dir}/rank{rank}" if args.save_dir_per_rank else args.save_dir,
         model=ddp,
         optimizer=opt,
         scheduler=sched,
