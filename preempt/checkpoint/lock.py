@@ -145,6 +145,7 @@ class DirLock:
         self.timeout = timeout
         self.use_record_locks = use_record_locks
         self.previous: dict[str, Any] = {}  # what a dead holder left, when we took over from one
+        self.identity: dict[str, Any] = {}  # what this holder wrote in the lock file (pid, host, since), once held
         self._fd: int | None = None
         self._key: tuple[int, int] | None = None
         self._stop = threading.Event()
@@ -245,6 +246,7 @@ class DirLock:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "purpose": self.purpose}
         try:
             _write(fd, {**me, "start": _start_time(os.getpid()), "dir": self._dir})
+            self.identity = {k: me[k] for k in IDENTITY}
         except OSError as e:
             self.release()
             raise OSError(e.errno, f"cannot write the lock file: {e.strerror or e}", str(self.path)) from None
@@ -498,11 +500,17 @@ def _listed(identities: dict[str, Any]) -> dict[str, list[int] | None]:
     return {k: None if v is None else [int(x) for x in v] for k, v in identities.items()}
 
 
+IDENTITY = ("pid", "host", "since")  # what names a holder: the ranks of a run compare it (one save_dir for all)
+
+
 def holder(save_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Who holds ``save_dir``'s lock, as its lock file says (pid, host, since), or {} (none, or unreadable). Read
-    only: the ranks of a run compare what they see with what rank 0 wrote (one save_dir for all)."""
+    """Who holds ``save_dir``'s lock, as its lock file says (pid, host, since), or {} (none, or unreadable).
+
+    Never call it in the process that holds the lock: closing any descriptor of the lock file releases the
+    process's record locks on it (POSIX); the holder knows its own :attr:`DirLock.identity`.
+    """
     doc = _read_path(Path(save_dir) / LOCK)
-    return {k: doc.get(k) for k in ("pid", "host", "since")} if doc else {}
+    return {k: doc.get(k) for k in IDENTITY} if doc else {}
 
 
 def _read_path(path: Path) -> dict[str, Any]:

@@ -276,7 +276,7 @@ class PreemptibleRun:
         payload = self.snapshot.capture()  # unsupported state fails now
         self.stopper.read_slurm_job(self.snapshot.provenance)
         self.mirroring.enter(self.config.starts_fresh)  # a new machine: the mirror's newest checkpoint pulled
-        starter.lead()
+        starter.lead(self._lock.identity)
         if done is not None:
             self.manager.clear_complete()
         self.stopper.arm_walltime(payload_nbytes(payload), self.loop.global_step, self.peers.alone)

@@ -73,6 +73,7 @@ class Starter:
         self.died_at: int | None = None  # the step a previous holder reached before it died (None: unknown)
         self._announced = False
         self._branching = False
+        self._holder: dict[str, Any] = {}  # what rank 0 wrote in the lock file, sent with the start
         self._branch: tuple[dict[str, Any], CheckpointInfo, bool] | None = None  # the leader's new timeline
         self._branch_due = False  # a new timeline needs its first checkpoint
 
@@ -91,8 +92,10 @@ class Starter:
             return False
         return is_new_request(self._request(), self._latest_request())
 
-    def lead(self) -> None:
-        """Chooses the starting state, loads it, and tells the other ranks (which then load it too)."""
+    def lead(self, holder: dict[str, Any]) -> None:
+        """Chooses the starting state, loads it, and tells the other ranks (which then load it too); ``holder``:
+        what this process wrote in the lock file (``DirLock.identity``), which the others must see too."""
+        self._holder = holder
         cfg = self.config
         p = plan_start(
             fresh=cfg.starts_fresh,
@@ -146,7 +149,7 @@ class Starter:
         Raises:
             PreemptError: Another rank does not see this save_dir as rank 0 does.
         """
-        self.peers.broadcast(("start", path, self._branching, lock.holder(self.save_dir)))
+        self.peers.broadcast(("start", path, self._branching, self._holder))
         self._announced = True
         if not self.peers.all(True):
             raise PreemptError(
