@@ -34,12 +34,13 @@ def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory) -> StoppedRun:
-    """2 ranks, each writing its shards in the background (its writer made 0.4 s slow), rank 1 alone signalled
-    before step 7: a background checkpoint of step 4 and the stop's of step 7. Made once; each test takes a copy
+    """2 ranks, each writing its shards in the background (held until the loop has done the next step), rank 1
+    alone signalled before step 7: a background checkpoint of step 4 and the stop's of step 7. Made once; each test
+    takes a copy
     (a torchrun of two FSDP ranks costs 4.3 to 5.0 s of CPU here, its agent and ranks forked)."""
     save_dir = tmp_path_factory.mktemp("fsdp_stopped") / "run"
     env = {"PREEMPT_LOG_LEVEL": "DEBUG"}
-    run = _torchrun(save_dir, None, ["--slow_write", "0.4", "--self_signal", "1:7"], 2, script=SCRIPT, env=env)
+    run = _torchrun(save_dir, None, ["--slow_write", "--self_signal", "1:7"], 2, script=SCRIPT, env=env)
     run.finish(timeout=180)
     return StoppedRun(save_dir, run.output)
 
@@ -78,7 +79,7 @@ def test_sharded_checkpoints_are_written_in_the_background_by_every_rank_and_res
     lines = stopped.output.splitlines()
     written = [i for i, line in enumerate(lines) if "step_000000004 (steps) written in" in line]
     assert len(written) == 2 and all("in the background" in lines[i] for i in written), stopped.output
-    for rank in (0, 1):  # step 4's shards became durable after the loop had left step 4 (its writer sleeps 0.4 s)
+    for rank in (0, 1):  # step 4's shards became durable after the loop had done step 5 (the write is held until then)
         assert f"rank {rank} slow_write 4" in lines, stopped.output
         assert lines.index(f"rank {rank} step 5") < min(written), "the loop did not go on during the write"
     assert "stopping on a stop signal received by rank 1 at step 7 " in stopped.output, stopped.output

@@ -12,7 +12,6 @@ import argparse
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import Synthetic  # noqa: E402
+from train import HOLD_LIMIT_S, Synthetic  # noqa: E402
 
 from preempt import PreemptibleRun, _testing  # noqa: E402
 
@@ -43,17 +42,42 @@ def full_state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def slow_write(seconds: float) -> None:
-    """Each background write of a checkpoint's files starts ``seconds`` late (the loop goes on meanwhile); prints
-    its step (the fault point "write" of preempt._testing)."""
+class Progress:
+    """The loop's last step done, for the writer's hold: set by the loop, waited on by the fault point's hook."""
 
-    def slow(directory: Path) -> None:
-        if threading.current_thread().name == "preempt-writer":
-            rank = dist.get_rank()
-            say(f"rank {rank} slow_write {directory.name.split('step_')[1].split('-')[0].lstrip('0')}")
-            time.sleep(seconds)
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.step = 0
+        self.done = False
 
-    _testing.install("write", slow)
+    def stepped(self, step: int) -> None:
+        with self.cond:
+            self.step = step
+            self.cond.notify_all()
+
+    def end(self) -> None:
+        with self.cond:
+            self.done = True
+            self.cond.notify_all()
+
+
+PROGRESS = Progress()
+
+
+def hold_writes() -> None:
+    """Each background write of a checkpoint's files waits until the loop has done the step after the checkpoint's
+    (the fault point "write" of preempt._testing), so the loop has gone on during the write by construction; prints
+    the checkpoint's step."""
+
+    def hold(directory: Path) -> None:
+        if threading.current_thread().name != "preempt-writer":
+            return
+        step = int(directory.name.split("step_")[1].split("-")[0])
+        say(f"rank {dist.get_rank()} slow_write {step}")
+        with PROGRESS.cond:
+            PROGRESS.cond.wait_for(lambda: PROGRESS.step > step or PROGRESS.done, timeout=HOLD_LIMIT_S)
+
+    _testing.install("write", hold)
 
 
 class Adapted(torch.nn.Module):
@@ -90,7 +114,7 @@ def main() -> None:
     p.add_argument("--every_steps", type=int, default=4)
     p.add_argument("--self_signal", default=None, help="RANK:STEP: that rank sends itself SIGTERM before that step")
     p.add_argument("--resume", default="latest")
-    p.add_argument("--slow_write", type=float, default=0.0, help="background writes of the shards start this late")
+    p.add_argument("--slow_write", action="store_true", help="background writes wait for the loop's next step")
     p.add_argument("--lora", action="store_true", help="a frozen base of ~4 MiB with trained adapters")
     p.add_argument("--keep_last", type=int, default=2)
     p.add_argument("--kill_at", default=None, help="RANK:STEP: that rank SIGKILLs itself before that step")
@@ -98,7 +122,7 @@ def main() -> None:
     p.add_argument("--poke_base", default=None, help="RANK:STEP: that rank adds 1 to a frozen value through .data")
     args = p.parse_args()
     if args.slow_write:
-        slow_write(args.slow_write)
+        hold_writes()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -145,7 +169,9 @@ def main() -> None:
                 loss.backward()
                 opt.step()
                 say(f"rank {rank} step {run.global_step + 1}")
+                PROGRESS.stepped(run.global_step + 1)
                 run.step()
+    PROGRESS.end()
     final = full_state(model, opt)
     if args.final_out and rank == 0:
         save_file(final, args.final_out)
