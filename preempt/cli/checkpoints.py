@@ -337,9 +337,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         if shard_files:
             _refuse_dcp_weights(info)
             count, pieces = assembled([(where, b, h) for b, h, where in parts[1:]], "model.", metadata)
-            tensors: list[Any] = [None] * count
         else:
-            tensors = [e for _, h, _ in parts for e in h.entries]
+            count = sum(len(h.entries) for _, h, _ in parts)
             pieces = (
                 tensorfile.restamped(buf, header, metadata)
                 if len(parts) == 1
@@ -349,7 +348,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             pieces = iter(list(pieces))  # two tensors of one name raise here, before anything is written
     except (CorruptCheckpointError, ValueError) as e:
         raise CommandFailed(EXIT_DAMAGED, f"{e}; nothing written") from None
-    if not tensors:
+    if not count:
         raise CommandFailed(EXIT_USAGE, f"{src}: holds no model weights (saved without a model); nothing written")
     # The data is written straight from the verified mappings (one file: its layout and alignment unchanged): no torch.
     digest = _write_new(out, pieces, args.force)
@@ -357,7 +356,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         "source": str(info.path),
         "step": info.step,
         "out": str(out),
-        "tensors": len(tensors),
+        "tensors": count,
         "bytes": digest.size,
         "xxh3_128": digest.xxh3_128,
     }
@@ -365,7 +364,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         emit(doc)
     else:
         size = _log.size(digest.size)
-        print(f"wrote {out} ({len(tensors)} tensors, {size}, xxh3 {digest.xxh3_128}) from {info.path}")
+        print(f"wrote {out} ({count} tensors, {size}, xxh3 {digest.xxh3_128}) from {info.path}")
     return EXIT_OK
 
 

@@ -236,14 +236,14 @@ class Starter:
             raise RunComplete(str(self.save_dir))
         if kind == "fail":
             raise PreemptError(f"rank 0 could not start the run in {self.save_dir}: {detail}")
-        seen = lock.holder(self.save_dir)
+        seen = lock.holder(self.save_dir)  # (this rank holds no lock: reading the file releases nothing)
         if not self.peers.all(seen == holder):
+            if seen == holder:
+                raise PreemptError(f"another rank does not see {self.save_dir} as rank 0 does: {SHARED_SAVE_DIR}")
+            found = "there is none" if not seen else lock.describe(seen)
             raise PreemptError(
                 f"rank {self.peers.rank} does not see {self.save_dir} as rank 0 does (rank 0's lock file says"
-                f" {lock.describe(holder)}; here {'there is none' if not seen else lock.describe(seen)}):"
-                f" {SHARED_SAVE_DIR}"
-                if seen != holder
-                else f"another rank does not see {self.save_dir} as rank 0 does: {SHARED_SAVE_DIR}"
+                f" {lock.describe(holder)}; here {found}): {SHARED_SAVE_DIR}"
             )
         if detail is None:
             self.snapshot.lineage = {"request": None, "started": time.time()}
