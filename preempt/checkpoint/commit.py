@@ -101,7 +101,7 @@ COMPLETE = "complete.json"
 QUARANTINE = "quarantine"
 QUARANTINED = "quarantined-"  # a broken checkpoint set aside in place, where quarantine/ cannot be used
 SUPERSEDED = "superseded"
-_TMP = ".tmp-"
+TMP_PREFIX = ".tmp-"  # step 1's hidden directories
 _REPLACED = ".replaced-"
 _TRASH = ".trash-"
 _STEP_RE = re.compile(r"step_([0-9]+)", re.ASCII)  # used with fullmatch
@@ -397,7 +397,7 @@ def tag() -> str:
 
 def tmp_dir_path(save_dir: Path, name: str) -> Path:
     """The name of step 1's hidden directory for checkpoint ``name`` (unique to this process and call)."""
-    return save_dir / f"{_TMP}{name}-{tag()}"
+    return save_dir / f"{TMP_PREFIX}{name}-{tag()}"
 
 
 def new_tmp_dir(save_dir: Path, name: str) -> Path:
@@ -448,7 +448,7 @@ def write_atomic(path: Path, pieces: Iterable[Any], *, replace: bool = True) -> 
     Raises:
         FileExistsError: ``replace`` is False and ``path`` exists.
     """
-    tmp = path.with_name(f"{_TMP}{path.name}-{tag()}")
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{tag()}")
     try:
         digest = write_file(tmp, pieces)
         if replace:
@@ -527,7 +527,7 @@ def recover(save_dir: Path) -> Recovery:
     if out.restored:
         fsync_dir(save_dir)
     for entry in entries:
-        if entry.startswith((_TMP, _TRASH)):
+        if entry.startswith((TMP_PREFIX, _TRASH)):
             out.to_delete.append(save_dir / entry)
     return out
 

@@ -270,7 +270,7 @@ class CheckpointManager:
             NoCheckpointError: For "best", when the newest manifest's ``best.mode`` is neither min nor max.
         """
         infos = self.list() if infos is None else infos
-        valid = [c for c in infos if c.status == "valid"]
+        valid = [c for c in infos if c.status == "valid" and (c.manifest is None or c.manifest.part is None)]
         if selector == "latest":
             return valid
         if selector == "best":
@@ -449,6 +449,15 @@ class CheckpointManager:
         tmp = commit.tmp_dir_path(self.save_dir, commit.checkpoint_name(step))
         if reuse and self.owner and self.retention.recycle and recycle.take(self.save_dir, tmp):
             return tmp
+        tmp.mkdir()
+        return tmp
+
+    def new_tmp_dir_named(self, name: str) -> Path:
+        """Step 1 under a name another process chose (rank 0, for the part of a node with a save_dir of its own)."""
+        lock.check_held(self.save_dir)
+        if not name.startswith(commit.TMP_PREFIX) or "/" in name:
+            raise ValueError(f"{name!r} is not the name of a checkpoint's temporary directory")
+        tmp = self.save_dir / name
         tmp.mkdir()
         return tmp
 

@@ -68,6 +68,28 @@ class Cursor:
     batches_per_epoch: int = -1
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A node's part of a checkpoint whose ranks share no save_dir (nodes with disks of their own, joined by a mirror).
+
+    Each node's save_dir holds the files its ranks wrote, under a manifest listing just those (so that every local
+    check holds as for a whole checkpoint). Node 0's also lists, in ``elsewhere``, every other node's files with the
+    node that holds them: its :meth:`Manifest.whole` is the manifest uploaded to the mirror once every node's files
+    are there. A part is never loaded by itself; a resume pulls the whole checkpoint from the mirror.
+    """
+
+    node: int
+    nodes: int
+    elsewhere: dict[str, tuple[int, FileDigest]] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "nodes": self.nodes,
+            "elsewhere": {n: {**d.to_json(), "node": k} for n, (k, d) in sorted(self.elsewhere.items())},
+        }
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Manifest:
     """The parsed content of ``manifest.json``."""
@@ -85,7 +107,19 @@ class Manifest:
     provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
     # What the writing run keeps (:func:`retention_record`); None: unknown (an older manifest, or no run).
     retention: dict[str, Any] | None = None
+    part: Part | None = None  # this save_dir holds one node's part of the checkpoint (:class:`Part`)
     format_version: int = FORMAT_VERSION
+
+    @property
+    def whole(self) -> Manifest:
+        """The manifest of the whole checkpoint: this one when it is not a part; node 0's part with the other nodes'
+        files listed (what the mirror holds). A part of another node has no whole (ValueError)."""
+        if self.part is None:
+            return self
+        if self.part.node != 0:
+            raise ValueError(f"step {self.step}: node {self.part.node}'s part does not list the other nodes' files")
+        more = {n: d for n, (_, d) in self.part.elsewhere.items()}
+        return dataclasses.replace(self, files={**self.files, **more}, part=None)
 
     def origins(self) -> frozenset[tuple[str, int]]:
         """``(file, step that wrote its bytes)`` for every file: two checkpoints share an inode when they share a pair
@@ -122,6 +156,8 @@ class Manifest:
         }
         if self.retention is not None:  # absent rather than null: a manifest without it reads as before
             body["retention"] = self.retention
+        if self.part is not None:  # the same: a whole checkpoint's manifest has no "part"
+            body["part"] = self.part.to_json()
         body["checksum"] = xxhash.xxh3_128_hexdigest(dumps_json(body))
         return body
 
@@ -159,20 +195,11 @@ class Manifest:
         if checksum != actual:
             raise ValueError(f"{where}: manifest checksum mismatch (recorded {checksum}, computed {actual})")
         r = _Reader(raw, where)
-        files = {}
         listed = r.mapping("files")
         if len(listed) > MAX_FILES:
             raise ValueError(f"{where}: lists {len(listed)} files; a checkpoint holds at most {MAX_FILES}")
-        for name, entry in listed.items():
-            if not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or name == MANIFEST or ".." in name:
-                raise ValueError(f"{where}: file name {_short(name)} is not a plain file name inside the checkpoint")
-            e = _Reader(entry, f"{where}: files[{name!r}]")
-            size = e.integer("size", hi=MAX_FILE_BYTES)
-            digest = e.text("xxh3_128")
-            if not _HEX32_RE.fullmatch(digest):
-                raise ValueError(f"{where}: files[{name!r}].xxh3_128: expected 32 hex digits, found {_short(digest)}")
-            origin = e.optional_int("carried_from") if "carried_from" in entry else None
-            files[name] = FileDigest(size, digest, origin)
+        files = {name: _file_entry(name, entry, f"{where}: files") for name, entry in listed.items()}
+        part = _check_part(r.mapping("part"), files, where) if "part" in raw else None
         c = _Reader(r.mapping("cursor"), f"{where}: cursor")
         point = c.text("point")
         if point not in POINTS:
@@ -210,8 +237,42 @@ class Manifest:
             lineage=r.mapping("lineage"),
             provenance=r.mapping("provenance"),
             retention=retention,
+            part=part,
             format_version=version,
         )
+
+
+def _file_entry(name: Any, entry: Any, where: str) -> FileDigest:
+    """One listed file: a plain name inside the checkpoint, a bounded size, a digest."""
+    if not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or name == MANIFEST or ".." in name:
+        raise ValueError(f"{where}: file name {_short(name)} is not a plain file name inside the checkpoint")
+    e = _Reader(entry, f"{where}[{name!r}]")
+    size = e.integer("size", hi=MAX_FILE_BYTES)
+    digest = e.text("xxh3_128")
+    if not _HEX32_RE.fullmatch(digest):
+        raise ValueError(f"{where}[{name!r}].xxh3_128: expected 32 hex digits, found {_short(digest)}")
+    origin = e.optional_int("carried_from") if "carried_from" in entry else None
+    return FileDigest(size, digest, origin)
+
+
+def _check_part(raw: dict[str, Any], files: dict[str, FileDigest], where: str) -> Part:
+    """The ``part`` object: node numbers in range, the other nodes' files named as plain files apart from these."""
+    r = _Reader(raw, f"{where}: part")
+    nodes = r.integer("nodes", lo=2, hi=MAX_FILES)
+    node = r.integer("node", hi=nodes - 1)
+    listed = r.mapping("elsewhere")
+    if node != 0 and listed:
+        raise ValueError(f"{where}: part.elsewhere: only node 0's part lists other nodes' files, found node {node}")
+    if len(files) + len(listed) > MAX_FILES:
+        raise ValueError(f"{where}: lists {len(files) + len(listed)} files; a checkpoint holds at most {MAX_FILES}")
+    elsewhere = {}
+    for name, entry in listed.items():
+        digest = _file_entry(name, entry, f"{where}: part.elsewhere")
+        held = _Reader(entry, f"{where}: part.elsewhere[{name!r}]").integer("node", lo=1, hi=nodes - 1)
+        if name in files:
+            raise ValueError(f"{where}: part.elsewhere[{name!r}]: also listed among this node's files")
+        elsewhere[name] = (held, digest)
+    return Part(node, nodes, elsewhere)
 
 
 class _Reader:

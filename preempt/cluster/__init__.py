@@ -3,7 +3,8 @@
 Owns stop signals and the flag their handler sets (``signals``, no torch), SLURM: the job, its end time and the
 requeue rule (``slurm``, no torch), the environment read in one place (``environment``), the contract of
 ``preempt supervise`` read by the training process (``supervised``, no torch), the ranks' agreement and commit
-under torch.distributed (``distributed``), and FSDP/DTensor state through DCP (``sharded``).
+under torch.distributed (``distributed``), which node's save_dir each rank writes to when the nodes share none
+(``nodes``, no torch), and FSDP/DTensor state through DCP (``sharded``).
 
 May import: :mod:`preempt.checkpoint` (the ranks write and commit checkpoints), :mod:`preempt.errors`,
 :mod:`preempt._log`, :mod:`preempt._version`. Never the run, the data, health, the CLI or the supervisor

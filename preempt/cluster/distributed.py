@@ -79,9 +79,10 @@ from ..checkpoint import codec, commit
 from ..checkpoint.commit import MANIFEST
 from ..checkpoint.files import read_manifest
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, write_payload
-from ..checkpoint.manifest import Manifest
+from ..checkpoint.manifest import Manifest, Part
 from ..checkpoint.state import Payload
 from ..errors import CheckpointWriteError, PeerLost
+from .nodes import Nodes
 
 
 def active() -> bool:
@@ -141,6 +142,7 @@ class Coordinator:
         # and a synchronisation of the stream every step.
         self.group = None if self.backend == "gloo" and not own_group else dist.new_group(backend="gloo")
         self._buf = torch.zeros(3, dtype=torch.int64)
+        self.nodes: Nodes | None = None  # set when the ranks' nodes share no save_dir (preempt.cluster.nodes)
 
     def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
         """Combines every rank's stop flag with rank 0's save decision."""
@@ -250,9 +252,10 @@ class Deferred:
 
     tmp: Path
     files: dict[str, Any]  # the other ranks' files (name -> digest), durable in tmp
+    part: Part | None = None  # nodes without a shared save_dir: node 0's part, the other nodes' files listed
 
     def finish(self, manager: CheckpointManager, payload: Payload, manifest: Manifest) -> CheckpointInfo:
-        return manager.save_into(self.tmp, payload, manifest, self.files)
+        return manager.save_into(self.tmp, payload, dataclasses.replace(manifest, part=self.part), self.files)
 
 
 def _tensor_of(data: bytes) -> torch.Tensor:
@@ -290,6 +293,7 @@ def save_ranked(
             naming that rank; the partial directory is gone.
         CheckpointWriteError: Any other failure of some rank.
     """
+    nodes = coord.nodes
     tmp, error = None, None
     if coord.rank == 0:
         try:
@@ -300,6 +304,8 @@ def save_ranked(
     if where is None:
         raise _rebuild(error)
     tmp = Path(where)
+    if nodes is not None:  # each node's leader makes the directory of that name in its own save_dir
+        tmp = _node_tmp(manager, coord, nodes, tmp.name)
     files, error = None, None
     try:
         writes = not (defer and coord.rank == 0)  # a deferred rank 0 writes later (manager.save_into)
@@ -318,27 +324,95 @@ def save_ranked(
     if coord.rank == 0:
         assert got is not None
         errors = [e for _, e in got if e is not None]
-        listed: dict[str, Any] = {}
-        for rank_files_ in got:
-            listed.update({name: commit.FileDigest(**d) for name, d in (rank_files_[0] or {}).items()})
+        by_node = _by_node(got, nodes)
+        listed, part = by_node.pop(0), None
+        if nodes is not None:
+            elsewhere = {n: (k, d) for k, held in by_node.items() for n, d in held.items()}
+            part = Part(0, nodes.count, elsewhere)
         if errors:
             manager.discard(tmp)
             outcome = ("error", errors[0])
         elif defer:
-            result = Deferred(tmp, listed)
+            result = Deferred(tmp, listed, part)
             outcome = ("deferred", str(tmp))
         else:
             try:
-                result = manager.commit(tmp, manifest, listed)
+                result = manager.commit(tmp, dataclasses.replace(manifest, part=part), listed)
                 outcome = ("ok", str(result.path))
             except Exception as e:
                 outcome = ("error", _describe(e, 0))
+        if outcome[0] != "error":  # each other node's leader commits its part with its ranks' files
+            outcome = (*outcome, {k: {n: d.to_json() for n, d in held.items()} for k, held in by_node.items()})
     outcome = coord.broadcast(outcome)
     if outcome[0] == "error":
+        if nodes is not None and coord.rank != 0 and nodes.leads(coord.rank):
+            manager.discard(tmp)
         raise _rebuild(outcome[1])
+    if nodes is not None:
+        return _commit_part(manager, coord, nodes, manifest, tmp, outcome, result)
     if coord.rank == 0 or outcome[0] == "deferred":
         return result
     path = Path(outcome[1])
     info = CheckpointInfo(path, manifest.step, "valid", read_manifest(path / MANIFEST))
     manager.committed(info)  # this rank's files in it are durable: the next checkpoint may carry them
+    return info
+
+
+def _by_node(got: list[Any], nodes: Nodes | None) -> dict[int, dict[str, commit.FileDigest]]:
+    """The files every rank wrote (gathered on rank 0), by the node whose save_dir holds them (all: node 0)."""
+    count = 1 if nodes is None else nodes.count
+    by: dict[int, dict[str, commit.FileDigest]] = {k: {} for k in range(count)}
+    for rank, (sent, _) in enumerate(got):
+        held = by[0 if nodes is None else nodes.of[rank]]
+        held.update({name: commit.FileDigest(**d) for name, d in (sent or {}).items()})
+    return by
+
+
+def _node_tmp(manager: CheckpointManager, coord: Coordinator, nodes: Nodes, name: str) -> Path:
+    """Nodes without a shared save_dir: the directory ``name`` (rank 0's) in this rank's own save_dir, made by its
+    node's leader before any rank of that node writes into it (one agreement; a failure on any node fails all)."""
+    tmp, error = manager.save_dir / name, None
+    if coord.rank != 0 and nodes.leads(coord.rank):
+        try:
+            manager.new_tmp_dir_named(name)
+        except OSError as e:
+            error = e
+    if not coord.all(error is None):
+        if error is None and nodes.leads(coord.rank):  # rank 0's, or one another leader made
+            manager.discard(tmp)
+        raise error or CheckpointWriteError(f"rank {coord.rank}: another node could not make {name} in its save_dir")
+    return tmp
+
+
+def _commit_part(
+    manager: CheckpointManager,
+    coord: Coordinator,
+    nodes: Nodes,
+    manifest: Manifest,
+    tmp: Path,
+    outcome: Any,
+    result: CheckpointInfo | Deferred | None,
+) -> CheckpointInfo | Deferred | None:
+    """Nodes without a shared save_dir, once rank 0 committed (or deferred) node 0's part: every other node's leader
+    commits its part, then every rank learns that all parts are durable (one agreement). Returns as
+    :func:`save_ranked`: a part's leader gets its part, even when rank 0 finishes its own in the background."""
+    node, error = nodes.of[coord.rank], None
+    part: CheckpointInfo | None = None
+    if node != 0 and nodes.leads(coord.rank):
+        held = {n: commit.FileDigest(**d) for n, d in outcome[2].get(str(node), {}).items()}
+        try:
+            part = manager.commit(tmp, dataclasses.replace(manifest, part=Part(node, nodes.count)), held)
+        except Exception as e:
+            error = e
+    if not coord.all(error is None):
+        raise CheckpointWriteError(f"rank {coord.rank}: a node could not commit its part of step {manifest.step}")
+    if coord.rank == 0:
+        return result
+    if part is not None:
+        return part
+    if node == 0 and outcome[0] == "deferred":
+        return None  # rank 0 commits node 0's part in the background
+    path = Path(outcome[1]) if node == 0 else manager.save_dir / commit.checkpoint_name(manifest.step)
+    info = CheckpointInfo(path, manifest.step, "valid", read_manifest(path / MANIFEST))
+    manager.committed(info)
     return info

@@ -33,7 +33,7 @@ from .._log import duration
 from ..checkpoint import aside, commit, files
 from ..checkpoint.commit import MANIFEST, checkpoint_name
 from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
-from ..errors import CorruptCheckpointError, MirrorError, NoCheckpointError
+from ..errors import CorruptCheckpointError, MirrorError, NoCheckpointError, PreemptError
 from . import plan
 from .store import MirrorStore
 from .survey import Survey, Surveyor
@@ -155,7 +155,10 @@ def fetch(
         raise CorruptCheckpointError(f"{where}: changed since it was listed, or lists objects the mirror lacks")
     save_dir.mkdir(parents=True, exist_ok=True)
     final = save_dir / name
-    if final.exists() or final.is_symlink():
+    part = _part_here(final, manifest)
+    if part is not None:
+        pass  # this node's part of that save: its files are taken over, and it is replaced by the whole
+    elif final.exists() or final.is_symlink():
         if not replace:
             raise FileExistsError(f"{final} exists; move it away to pull step {step} from {store.display}")
         aside.quarantine(save_dir, final, f"{final}: replaced by the mirror's copy of step {step}")
@@ -164,7 +167,7 @@ def fetch(
         # the files side by side: one's digest and fdatasync overlap another's transfer (each large one is also
         # fetched in parallel parts by the client); the first failure is raised, the files not started are not
         with ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="preempt-pull") as pool:
-            jobs = [pool.submit(_download, store, step, f, e, tmp / f) for f, e in sorted(manifest.files.items())]
+            jobs = [pool.submit(_download, store, step, f, e, tmp / f, part) for f, e in sorted(manifest.files.items())]
             try:
                 for job in jobs:
                     job.result()
@@ -191,8 +194,26 @@ def fetch(
     return Pulled(path, step, total, seconds)
 
 
-def _download(store: MirrorStore, step: int, file: str, expected: commit.FileDigest, path: Path) -> None:
-    """Step 3 for one file: downloaded, checked, made durable; CorruptCheckpointError naming the object if not."""
+def _part_here(final: Path, whole: Manifest) -> Path | None:
+    """``final`` when it is this node's part of the save ``whole`` describes (same step and time, its files among the
+    whole's with the same digests): the pull takes its files over instead of downloading them."""
+    try:
+        here = files.read_manifest(final / MANIFEST)
+    except (OSError, ValueError, PreemptError):
+        return None
+    same = here.step == whole.step and here.created == whole.created
+    if here.part is None or not same or any(whole.files.get(n) != d for n, d in here.files.items()):
+        return None
+    return final
+
+
+def _download(
+    store: MirrorStore, step: int, file: str, expected: commit.FileDigest, path: Path, part: Path | None = None
+) -> None:
+    """Step 3 for one file: downloaded, checked, made durable; CorruptCheckpointError naming the object if not.
+    A file of this node's ``part`` of the same save is linked instead when it still has its digest."""
+    if part is not None and _reuse(part / file, expected, path):
+        return
     store.get(step, file, path, expected.size)
     files.regular_file(path)
     got = commit.hash_file(path)
@@ -208,6 +229,19 @@ def _download(store: MirrorStore, step: int, file: str, expected: commit.FileDig
         getattr(os, "fdatasync", os.fsync)(fd)
     finally:
         os.close(fd)
+
+
+def _reuse(local: Path, expected: commit.FileDigest, path: Path) -> bool:
+    """Hard-links ``local`` at ``path`` when it is a regular file with ``expected``'s size and digest."""
+    try:
+        files.regular_file(local)
+        got = commit.hash_file(local)
+        if (got.size, got.xxh3_128) != (expected.size, expected.xxh3_128):
+            return False
+        os.link(local, path)
+    except (OSError, CorruptCheckpointError):
+        return False
+    return True
 
 
 def _absent(surveyed: Survey, step: int) -> str:

@@ -78,6 +78,10 @@ class Uploader:
             ``uploaded``), ``mirror_down``, ``mirror_up``; from the uploader's thread.
         clock: Monotonic seconds (for tests).
         first_backoff, max_backoff: Seconds between tries while the mirror fails.
+        node: The ranks' nodes share no save_dir (:mod:`preempt.cluster.nodes`): this one's number. Node 0
+            uploads its part, then the whole checkpoint's manifest once the mirror lists every other node's files
+            (retrying every ``wait_parts`` seconds until then), and applies the retention; another node uploads
+            only its part of each checkpoint newer than the mirror's newest complete one.
     """
 
     def __init__(
@@ -91,6 +95,8 @@ class Uploader:
         clock: Callable[[], float] = time.monotonic,
         first_backoff: float = 1.0,
         max_backoff: float = 30.0,
+        node: int | None = None,
+        wait_parts: float = 0.5,
     ) -> None:
         self.store = store
         self.save_dir = Path(save_dir)
@@ -115,6 +121,10 @@ class Uploader:
         self._damaged: set[tuple[int, float]] = set()  # (step, created) of local checkpoints not to upload
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
+        self.node, self.wait_parts = node, wait_parts
+        self.lacking: dict[int, dict[int, list[str]]] = {}  # node 0: step -> node -> its files the mirror lacks
+        self._parts: dict[int, float] = {}  # another node: step -> ``created`` of the save whose part is up
+        self._sent: set[tuple[int, str, str]] = set()  # another node: (step, file, xxh3) uploaded or copied
 
     # ------------------------------------------------------------------ the run's side
 
@@ -148,6 +158,8 @@ class Uploader:
         created = None if local is None else local[0].created
 
         def held() -> bool:
+            if self.node:  # another node than 0: its part of that save is up
+                return step in self._parts and (created is None or self._parts[step] == created)
             return step in self.held and (created is None or self._held_saves.get(step) == created)
 
         with self._cond:
@@ -188,6 +200,7 @@ class Uploader:
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        waits = 0  # passes in a row that found other nodes' files missing
         try:
             while not self._closing.is_set():
                 with self._cond:
@@ -197,6 +210,11 @@ class Uploader:
                 if self._closing.is_set():
                     return
                 if self.run_once(target):
+                    if self.lacking:  # node 0: other nodes' parts not in the mirror yet; looked for again soon
+                        waits += 1
+                        self._closing.wait(backoff(waits, self.wait_parts, 8 * self.wait_parts))
+                        continue
+                    waits = 0
                     with self._cond:
                         self._done = submitted
                         self._cond.notify_all()
@@ -249,15 +267,20 @@ class Uploader:
         surveyed = self.surveyor.survey()
         self._seen(surveyed)
         local = self._local(target)
+        if self.node:
+            return self._pass_part(local, surveyed)
         uploaded = []
-        for step in plan.to_upload({s: m for s, (m, _) in local.items()}, surveyed.manifests):
+        self.lacking = {}
+        for step in plan.to_upload({s: m.whole for s, (m, _) in local.items()}, surveyed.manifests):
             manifest, data = local[step]
             if (step, manifest.created) in self._damaged:
                 continue
             if self._upload(manifest, data, surveyed):
+                whole = manifest.whole
                 uploaded.append(step)
-                surveyed.manifests[step] = manifest
-                surveyed.listing[step] = {**{n: d.size for n, d in manifest.files.items()}, MANIFEST: len(data)}
+                surveyed.manifests[step] = whole
+                sizes = {n: d.size for n, d in whole.files.items()}
+                surveyed.listing[step] = {**sizes, MANIFEST: len(whole.to_json() if manifest.part else data)}
                 self._seen(surveyed)
         for step in plan.deletions(self.retention, surveyed.listing, surveyed.manifests):
             self.store.delete_step(step)
@@ -268,6 +291,51 @@ class Uploader:
             if record is not None:
                 self.store.put_text(name, record)
         return uploaded
+
+    def _pass_part(self, local: dict[int, tuple[Manifest, bytes]], surveyed: Survey) -> list[int]:
+        """Another node than 0: the files of its part of each checkpoint newer than the mirror's newest complete
+        one, uploaded (or copied server-side when a complete step holds the same bytes); never a manifest."""
+        newest = max(surveyed.manifests, default=-1)
+        done = []
+        for step, (manifest, data) in sorted(local.items()):
+            if step <= newest or manifest.part is None or self._parts.get(step) == manifest.created:
+                continue
+            ckpt = self.save_dir / checkpoint_name(step)
+            for name, digest in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):
+                if (step, name, digest.xxh3_128) in self._sent:
+                    continue
+                source = plan.copy_source(name, digest, step, surveyed.manifests)
+                if source is not None and self._copy(source, name, step, digest.size):
+                    self.counts.copied_bytes += digest.size
+                elif self._put(ckpt / name, digest, manifest, data):
+                    self.counts.put_bytes += digest.size
+                else:
+                    break
+                self._sent.add((step, name, digest.xxh3_128))
+            else:
+                with self._cond:
+                    self._parts[step] = manifest.created
+                    self._cond.notify_all()
+                done.append(step)
+                self._event("mirror_part", uploaded=step, node=self.node)
+        return done
+
+    def _ready(self, whole: Manifest, here: Iterable[str], part: Any) -> bool:
+        """Node 0, before a whole checkpoint's manifest: every other node's files of it are in the mirror (their
+        sizes as listed); what is not is kept in :attr:`lacking` (the stop's line names the nodes)."""
+        listed = self.store.steps().get(whole.step, {})
+        lacking: dict[int, list[str]] = {}
+        for name, (node, digest) in sorted(part.elsewhere.items()):
+            if listed.get(name) != digest.size:
+                lacking.setdefault(node, []).append(name)
+        if lacking:
+            self.lacking[whole.step] = lacking
+        return not lacking
+
+    def lagging(self, step: int) -> str:
+        """Node 0: which nodes' files of ``step`` the mirror lacked when last looked at, in words ("" for none)."""
+        lacking = self.lacking.get(step, {})
+        return "; ".join(f"node {k} has not uploaded {', '.join(names)}" for k, names in sorted(lacking.items()))
 
     def _seen(self, surveyed: Survey) -> None:
         """What the mirror holds now: waiters woken, lags measured."""
@@ -307,7 +375,9 @@ class Uploader:
         first = True
         start, before = self.clock(), dataclasses.replace(self.counts)
         copies: list[plan.Action] = []
-        for action in plan.upload_actions(manifest, surveyed.listing.get(step), surveyed.manifests):
+        whole = manifest.whole  # node 0's part: the other nodes upload their files, this one the whole's manifest
+        body = data if whole is manifest else whole.to_json()
+        for action in plan.upload_actions(whole, surveyed.listing.get(step), surveyed.manifests):
             if action.kind == "delete":
                 store.delete(step, action.name)
                 continue
@@ -315,9 +385,11 @@ class Uploader:
                 if _read_manifest(ckpt) != (manifest, data):  # pruned or replaced meanwhile: not this save any more
                     log.debug("%s changed while it was uploaded; its manifest is not uploaded", ckpt)
                     return False
+                if manifest.part is not None and not self._ready(whole, manifest.files, manifest.part):
+                    return False
                 _stage("before_manifest", step)
-                store.put_bytes(step, MANIFEST, data)
-                self.surveyor.remember(manifest, len(data))
+                store.put_bytes(step, MANIFEST, body)
+                self.surveyor.remember(whole, len(body))
                 self.counts.uploaded += 1
                 _stage("uploaded", step)
                 now, c = self.clock(), self.counts
@@ -333,7 +405,12 @@ class Uploader:
                     behind_s=None if durable is None else round(now - durable, 3),
                 )
                 return True
+            if action.name not in manifest.files:  # another node's file: that node uploads it
+                continue
             expected = manifest.files[action.name]
+            sent = (step, action.name, expected.xxh3_128)
+            if sent in self._sent:  # up in an earlier pass that waited for the other nodes' files
+                continue
             if (
                 action.kind == "copy"
                 and action.source is not None
@@ -345,6 +422,8 @@ class Uploader:
                 return False
             else:
                 self.counts.put_bytes += expected.size
+            if manifest.part is not None:
+                self._sent.add(sent)
             if first:
                 first = False
                 _stage("after_first_object", step)

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any
 from .. import _log
 from ..checkpoint.commit import parse_checkpoint_name
 from ..checkpoint.manager import CheckpointManager
-from ..errors import MirrorError, PreemptError
+from ..errors import MirrorError, NoCheckpointError, PreemptError
 from ..health.history import HISTORY_FILE, LOG_FILE
 from .config import RunConfig
 
 if TYPE_CHECKING:
+    from ..cluster.nodes import Nodes
     from ..mirror.uploader import Uploader
     from .reporting import Reporter
     from .stopping import Stopper
@@ -73,7 +74,7 @@ class Mirroring:
         cfg = self.config
         assert cfg.mirror is not None  # (on: a mirror was given)
         mirror = store.MirrorStore(cfg.mirror, cfg.mirror_options)
-        valid = [i.step for i in self.manager.list() if i.status == "valid"]
+        valid = [i.step for i in self.manager.list() if i.status == "valid" and i.valid.part is None]
         local = max(valid, default=None)
         try:
             mirror.check()
@@ -114,6 +115,58 @@ class Mirroring:
             on_event=self.reporter.marker,
             clock=self.clock,
         )
+
+    def nodes(self, rank: int, nodes: Nodes) -> None:
+        """The ranks' nodes share no save_dir (:mod:`preempt.cluster.nodes`): rank 0's uploader waits for the other
+        nodes' files before each whole checkpoint's manifest; each other node's leader uploads its node's part."""
+        if not self.on:
+            return
+        node = nodes.of[rank]
+        if rank == 0:
+            assert self.uploader is not None  # (made at enter)
+            self.uploader.node = 0
+        elif nodes.leads(rank):
+            from ..mirror.uploader import Uploader
+
+            self.uploader = Uploader(
+                self._store(), self.manager.save_dir, self.manager.retention, clock=self.clock, node=node
+            )
+
+    def bring(self, step: int, created: float) -> None:
+        """Another node's leader, when the ranks' nodes share no save_dir: rank 0's chosen checkpoint (step, and the
+        time of its save) made whole in this node's save_dir: kept when it is there, else pulled from the mirror (the
+        files of this node's part of that save taken over, not downloaded).
+
+        Raises:
+            NoCheckpointError: The mirror does not hold that save whole; MirrorError: it cannot be reached.
+        """
+        from ..mirror import pull, survey
+
+        here = next((i for i in self.manager.list() if i.step == step and i.status == "valid"), None)
+        if here is not None and here.valid.part is None and here.valid.created == created:
+            return
+        store = self._store()
+        surveyed = survey.Surveyor(store).survey()
+        held = surveyed.manifests.get(step)
+        if held is None or held.created != created:
+            found = "no whole checkpoint of that step" if held is None else "another save of that step"
+            raise NoCheckpointError(
+                f"mirror {store.display}: rank 0 resumes from step {step}; the mirror holds {found}"
+            )
+        got = pull.fetch(store, self.manager.save_dir, step, surveyed, replace=True)
+        log.info(
+            "pulled step %d from %s for this node (%d bytes in %s)",
+            step,
+            store.display,
+            got.bytes,
+            _log.duration(got.seconds),
+        )
+
+    def _store(self) -> Any:
+        from ..mirror import store
+
+        assert self.config.mirror is not None  # (on)
+        return store.MirrorStore(self.config.mirror, self.config.mirror_options)
 
     def begin(self, newest: Any) -> None:
         """The run is on: the uploader starts, with the newest local checkpoint (``CheckpointInfo`` or None)."""
@@ -156,12 +209,13 @@ class Mirroring:
         limit = self.deadline()
         t0 = self.clock()
         if up.wait_for(step, limit):
-            said = f"mirror holds step {step} (the stop's checkpoint), uploaded {_log.duration(self.clock() - t0)}"
+            what = f"node {up.node}'s part of step {step}" if up.node else f"step {step}"
+            said = f"mirror holds {what} (the stop's checkpoint), uploaded {_log.duration(self.clock() - t0)}"
             said += " after it was durable"
         else:
             held = up.holds()
             which = "no checkpoint" if held is None else f"step {held}"
-            said = f"mirror holds {which}, not the stop's step {step}: {_unfinished(up, limit)}"
+            said = f"mirror holds {which}, not the stop's step {step}: {_unfinished(up, limit, step)}"
         self._end(step)
         return said
 
@@ -177,7 +231,9 @@ class Mirroring:
                 log.info("mirror holds step %d (the final checkpoint)", step)
                 up.wait_idle(limit - (self.clock() - t0))  # its retention and the run records too
             else:
-                log.warning("mirror holds step %s, not the final step %d: %s", up.holds(), step, _unfinished(up, limit))
+                log.warning(
+                    "mirror holds step %s, not the final step %d: %s", up.holds(), step, _unfinished(up, limit, step)
+                )
             self._end(step)
         up.close()
         self.uploader = None
@@ -203,8 +259,10 @@ class Mirroring:
         )
 
 
-def _unfinished(up: Uploader, limit: float) -> str:
-    """Why a checkpoint waited for is not in the mirror: its uploader ended (the error was logged) or the deadline."""
+def _unfinished(up: Uploader, limit: float, step: int) -> str:
+    """Why a checkpoint waited for is not in the mirror: its uploader ended (the error was logged) or the deadline
+    (and, on nodes that share no save_dir, which nodes' files were missing)."""
     if up.error is not None:
         return f"the uploader stopped ({type(up.error).__name__}: {up.error})"
-    return f"upload not finished in {_log.duration(limit)} (mirror_deadline)"
+    lagging = up.lagging(step)
+    return f"upload not finished in {_log.duration(limit)} (mirror_deadline){f': {lagging}' if lagging else ''}"

@@ -25,6 +25,7 @@ from ..checkpoint.manifest import Manifest
 from ..checkpoint.state import Payload
 from ..cluster import distributed
 from ..cluster.distributed import Agreement
+from ..cluster.nodes import Nodes
 from ..errors import PeerLost
 
 ExtraFiles = Callable[[Path], list[str]]  # a collective writer of more files into the checkpoint (DCP's shards)
@@ -45,6 +46,7 @@ class Peers(Protocol):
     leader: bool  # holds the lock, chooses the checkpoint, writes the replicated state and commits
     alone: bool
     every: int  # the ranks meet at every N-th run.step(); 0: when something may be due (one process)
+    nodes: Nodes | None  # the ranks' nodes when they share no save_dir (preempt.cluster.nodes), known once started
 
     def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
         """Every peer's stop request and save reason combined into one decision."""
@@ -56,6 +58,10 @@ class Peers(Protocol):
 
     def all(self, flag: bool) -> bool:
         """``flag`` is True on every peer."""
+        ...
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every peer's ``obj`` in rank order, on the leader (None elsewhere)."""
         ...
 
     def barrier(self) -> None: ...
@@ -83,6 +89,7 @@ class Alone:
     leader = True
     alone = True
     every = 0  # run.step() goes through the safe point when something may be due (Ranks: at fixed steps)
+    nodes: Nodes | None = None
 
     def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
         return Agreement(stop or walltime_stop, save, 0 if stop else -1)
@@ -93,6 +100,9 @@ class Alone:
     def all(self, flag: bool) -> bool:
         """``flag`` is True on every peer."""
         return flag
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return [obj]
 
     def barrier(self) -> None:
         pass
@@ -125,10 +135,20 @@ class Ranks:
         self.leader = self.rank == 0
         self.every = sync_every  # every rank must take the same path: the ranks meet at every N-th step
 
+    @property
+    def nodes(self) -> Nodes | None:
+        return self.coord.nodes
+
+    @nodes.setter
+    def nodes(self, value: Nodes | None) -> None:
+        self.coord.nodes = value
+
     def writers(self) -> Ranks:
         """The ranks' background writers: the same ranks on a gloo group of their own (created now, on every rank),
         so that their collectives never interleave with the loop's."""
-        return Ranks(self.every, own_group=True)
+        writers = Ranks(self.every, own_group=True)
+        writers.coord.nodes = self.coord.nodes  # (known once the run has started: the writers are made after)
+        return writers
 
     def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
         return self.coord.agree(stop, save, walltime_stop=walltime_stop)
@@ -138,6 +158,9 @@ class Ranks:
 
     def all(self, flag: bool) -> bool:
         return self.coord.all(flag)
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return self.coord.gather(obj)
 
     def barrier(self) -> None:
         self.coord.barrier()

@@ -234,6 +234,7 @@ class PreemptibleRun:
             )
         parts = (self.loop, self.data, self.snapshot, self.saves)
         starter = self._starter = Starter(self.config, self.manager, self.components, parts, self.peers, self.env)
+        starter.take_dir, starter.bring = self._take_dir, self.mirroring.bring
         try:
             if self.peers.leader:
                 payload = self._lead(starter)
@@ -241,6 +242,8 @@ class PreemptibleRun:
                 starter.follow()
                 self.snapshot.provenance = provenance(self.env)
                 payload = self.snapshot.capture()  # unsupported state fails now
+            if self.peers.nodes is not None:  # the ranks' nodes share no save_dir: each node's leader uploads its part
+                self.mirroring.nodes(self.peers.rank, self.peers.nodes)
             starter.finish_branch()
         except BaseException as e:
             if self.peers.leader:
@@ -281,6 +284,15 @@ class PreemptibleRun:
             self.manager.clear_complete()
         self.stopper.arm_walltime(payload_nbytes(payload), self.loop.global_step, self.peers.alone)
         return payload
+
+    def _take_dir(self) -> dict[str, Any]:
+        """A node's leader, when the ranks' nodes share no save_dir: takes its own as rank 0 takes its (the lock,
+        the recovery of leftovers); the lock's identity, for the node's other ranks to recognise."""
+        self.manager.check_dir()
+        self._lock.acquire()
+        self.manager.owner = True  # it cleans, quarantines and prunes its node's save_dir
+        self.manager.recover()
+        return self._lock.identity
 
     def _begin(self, payload: state.Payload) -> None:
         """The run is on: clocks, the staging buffers, logs and monitors, the first due points."""

@@ -14,16 +14,19 @@ on each candidate and falls back past one it refuses, as past a damaged one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import _log
 from ..checkpoint import hyperparams, lock, state
+from ..checkpoint.commit import parse_checkpoint_name
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
-from ..cluster import distributed, sharded
+from ..cluster import distributed, nodes, sharded
 from ..cluster.environment import Environment
 from ..data import rng
 from ..errors import CorruptCheckpointError, IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
@@ -43,7 +46,7 @@ Checked = tuple[rng.RngState, rng.RngState | None]  # a checked checkpoint's RNG
 
 SHARED_SAVE_DIR = (
     "every rank writes its files into the checkpoint rank 0 commits, so all ranks need one save_dir on a filesystem"
-    " they all see (nodes without a shared filesystem are not supported yet)"
+    " they all see, or, on nodes without a shared filesystem, a mirror (mirror=...)"
 )
 
 
@@ -76,6 +79,10 @@ class Starter:
         self._holder: dict[str, Any] = {}  # what rank 0 wrote in the lock file, sent with the start
         self._branch: tuple[dict[str, Any], CheckpointInfo, bool] | None = None  # the leader's new timeline
         self._branch_due = False  # a new timeline needs its first checkpoint
+        # Nodes without a shared save_dir (preempt.cluster.nodes), set by the run: a node leader takes its save_dir
+        # (the lock, the recovery; returns the lock's identity), and brings a whole checkpoint from the mirror.
+        self.take_dir: Callable[[], dict[str, Any]] | None = None
+        self.bring: Callable[[int, float], None] | None = None
 
     # ---------------------------------------------------------------- the leader
 
@@ -151,11 +158,9 @@ class Starter:
         """
         self.peers.broadcast(("start", path, self._branching, self._holder))
         self._announced = True
-        if not self.peers.all(True):
-            raise PreemptError(
-                f"another rank does not see {self.save_dir} as rank 0 does (its lock file, written by rank 0, is not"
-                f" there or not the same): {SHARED_SAVE_DIR}"
-            )
+        self._meet({})
+        if path is not None and self.peers.nodes is not None:
+            self._bring(Path(path))
 
     def refuse(self, error: BaseException) -> None:
         """The leader could not start: the other ranks learn it instead of waiting."""
@@ -236,20 +241,91 @@ class Starter:
             raise RunComplete(str(self.save_dir))
         if kind == "fail":
             raise PreemptError(f"rank 0 could not start the run in {self.save_dir}: {detail}")
-        seen = lock.holder(self.save_dir)  # (this rank holds no lock: reading the file releases nothing)
-        if not self.peers.all(seen == holder):
-            if seen == holder:
-                raise PreemptError(f"another rank does not see {self.save_dir} as rank 0 does: {SHARED_SAVE_DIR}")
-            found = "there is none" if not seen else lock.describe(seen)
-            raise PreemptError(
-                f"rank {self.peers.rank} does not see {self.save_dir} as rank 0 does (rank 0's lock file says"
-                f" {lock.describe(holder)}; here {found}): {SHARED_SAVE_DIR}"
-            )
+        self._meet(holder)
+        if detail is not None and self.peers.nodes is not None:
+            self._bring(Path(detail))
         if detail is None:
             self.snapshot.lineage = {"request": None, "started": time.time()}
         else:
             self._load_chosen(Path(detail), weights_only=branch and self.config.weights_only)
         self._branch_due = bool(branch)  # rank 0 moves the old timeline aside
+
+    # ---------------------------------------------------------------- how the ranks share the save_dir
+
+    def _meet(self, holder: dict[str, Any]) -> None:
+        """Every rank, once rank 0 has announced the start: whether the ranks share the save_dir (each sees rank 0's
+        lock file, ``holder``), and when they do not and a mirror is given, each node's leader takes its own save_dir
+        and every rank learns its node (:mod:`preempt.cluster.nodes`). Several collectives, at the start only.
+
+        Raises:
+            PreemptError: The save_dir is not shared and cannot be split by node (no mirror, no leader), on every rank.
+        """
+        peers, rank = self.peers, self.peers.rank
+        if peers.alone:
+            return
+        seen = {} if peers.leader else lock.holder(self.save_dir)  # (only rank 0 holds a lock yet)
+        found = "its lock file is missing" if not seen else f"its lock file says {lock.describe(seen)}"
+        view = nodes.View(peers.leader or seen == holder, os.environ.get("LOCAL_RANK", "0") == "0", found)
+        views = peers.gather(dataclasses.astuple(view))
+        planned = None if views is None else nodes.plan([nodes.View(*v) for v in views], mirror=self._mirror)
+        kind, leaders, problem = peers.broadcast(None if planned is None else dataclasses.astuple(planned))
+        if kind == "refused":
+            raise PreemptError(f"{self.save_dir}: {problem}: {SHARED_SAVE_DIR}")
+        if kind == "shared":
+            return
+        identity, error = (self._holder, "") if peers.leader else ({}, "")
+        if rank in leaders[1:]:
+            assert self.take_dir is not None  # (set by the run)
+            try:
+                identity = self.take_dir()
+            except Exception as e:
+                error = f"rank {rank} could not take {self.save_dir} for its node: {type(e).__name__}: {e}"
+        got = peers.gather((identity, error))
+        ids = peers.broadcast(None if got is None else [got[r][0] for r in leaders] + [e for _, e in got if e][:1])
+        if len(ids) > len(leaders):
+            raise PreemptError(ids[-1])
+        sees = None if rank in leaders else lock.holder(self.save_dir)  # now that each node's leader holds its own
+        views = peers.gather(sees)
+        grouped = None if views is None else nodes.assign(leaders, ids, views)
+        decided = peers.broadcast(None if grouped is None else grouped if isinstance(grouped, str) else grouped.of)
+        if isinstance(decided, str):
+            raise PreemptError(f"{self.save_dir}: {decided}: {SHARED_SAVE_DIR}")
+        peers.nodes = nodes.Nodes(tuple(decided), tuple(leaders))
+        if rank == 0:
+            log.info(
+                "the ranks' nodes do not share %s: %d nodes, each writes its part of every checkpoint and uploads it"
+                " to the mirror; a resume pulls the whole checkpoint from it",
+                self.save_dir,
+                peers.nodes.count,
+            )
+
+    @property
+    def _mirror(self) -> bool:
+        return self.config.mirror is not None
+
+    def _bring(self, path: Path) -> None:
+        """Nodes without a shared save_dir: each node's leader brings rank 0's chosen checkpoint (from the mirror,
+        unless its save_dir holds the same save whole); every rank then finds it whole in its own save_dir."""
+        peers = self.peers
+        assert peers.nodes is not None
+        created = None
+        if peers.leader:
+            info = next(c for c in self.manager.list() if c.path.name == path.name)
+            created = info.valid.created
+        created = peers.broadcast(created)
+        error = ""
+        if peers.rank != 0 and peers.nodes.leads(peers.rank):
+            assert self.bring is not None  # (set by the run)
+            try:
+                step = parse_checkpoint_name(path.name)
+                assert step is not None  # (rank 0's own checkpoint)
+                self.bring(step, created)
+            except Exception as e:
+                error = f"rank {peers.rank}: {type(e).__name__}: {e}"
+        errors = peers.gather(error)
+        said = peers.broadcast(None if errors is None else next((e for e in errors if e), ""))
+        if said:
+            raise PreemptError(f"a node could not bring {path.name} from the mirror: {said}")
 
     def _load_chosen(self, path: Path, *, weights_only: bool) -> None:
         here = path.parent.resolve() == self.save_dir.resolve()

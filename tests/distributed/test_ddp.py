@@ -288,14 +288,14 @@ def test_rank_0_carries_the_frozen_base_and_a_sigterm_resumes_bit_exact(tmp_path
 
 
 def test_ranks_that_do_not_share_the_save_dir_are_refused_by_every_rank_before_anything_is_loaded(tmp_path):
-    """Each rank given a save_dir of its own (as nodes without a shared filesystem would have): rank 1 does not see
-    the lock file rank 0 wrote, and both ranks leave at the start with one line saying so, no traceback of a
+    """Each rank given a save_dir of its own, without a mirror: rank 1 does not see the lock file rank 0 wrote, and
+    both ranks leave at the start with one line saying so and what such ranks need (a mirror), no traceback of a
     checkpoint that could not be found, nothing written in rank 1's directory."""
     p = torchrun(tmp_path / "run", None, [*ARGS, "--save_dir_per_rank"])
     assert p.finish() != 0, p.output
-    assert "rank 1 does not see " in p.output and "there is none" in p.output, p.output
-    assert "another rank does not see " in p.output, p.output  # rank 0 learns it too, at the same collective
-    assert "not supported yet" in p.output and "NoCheckpointError" not in p.output, p.output
+    said = "rank 1 does not see the save_dir as rank 0 does (its lock file is missing)"
+    assert p.output.count(said) == 2, p.output  # both ranks learn it at the same collective
+    assert "need a mirror (mirror=...)" in p.output and "NoCheckpointError" not in p.output, p.output
     assert not list((tmp_path / "run" / "rank1").glob("step_*")) and not list(
         (tmp_path / "run" / "rank0").glob("step_*")
     )

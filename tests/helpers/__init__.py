@@ -6,7 +6,15 @@ the events a training process emits. ``conftest.py`` keeps only the suite's hook
 
 from .cli import cli, cli_json, small_run
 from .clock import FakeClock
-from .distributed import assert_equal_finals, ddp_finals, free_port, port_slice, ranks_by_hand, torchrun
+from .distributed import (
+    assert_equal_finals,
+    ddp_finals,
+    free_port,
+    port_slice,
+    ranks_by_hand,
+    torchrun,
+    torchrun_nodes,
+)
 from .processes import (
     DDP_ARGS,
     PREEMPTED,
@@ -72,5 +80,6 @@ __all__ = [
     "run_python",
     "small_run",
     "torchrun",
+    "torchrun_nodes",
     "train_cmd",
 ]

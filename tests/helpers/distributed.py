@@ -100,6 +100,24 @@ def torchrun(
     return Spawned(cmd, env)
 
 
+def torchrun_nodes(
+    save_dirs: Sequence[Path], final: Path | None, args: Sequence[str], env: dict[str, str] | None = None
+) -> list[Spawned]:
+    """One ``torchrun --nnodes=N --node_rank=i --nproc_per_node=1`` per save_dir, meeting on the loopback address:
+    the ranks of several nodes, each with a save_dir of its own (as nodes without a shared filesystem)."""
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1", "PREEMPT_LOG_ALL_RANKS": "1", **(env or {})}
+    spawned = []
+    for node, save_dir in enumerate(save_dirs):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(save_dirs)}", f"--node_rank={node}"]
+        cmd += ["--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        cmd += [str(TRAIN_DDP), "--save_dir", str(save_dir), *args]
+        if final is not None:
+            cmd += ["--final_out", str(final)]
+        spawned.append(Spawned(cmd, env))
+    return spawned
+
+
 def ddp_finals(final: Path, nproc: int = 2) -> list[dict[str, torch.Tensor]]:
     """What each rank of train_ddp.py wrote at the end (``final.rank<R>.safetensors``)."""
     return [load_file(str(final.with_suffix(f".rank{r}{final.suffix}"))) for r in range(nproc)]

@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--frozen", action="store_true", help="a frozen part of ~4 MiB before the trained layers")
     p.add_argument("--keep_last", type=int, default=2)
     p.add_argument("--save_dir_per_rank", action="store_true", help="each rank its own SAVE_DIR/rank<R> (refused)")
+    p.add_argument("--mirror", default=None, help="mirror= (the AWS variables of the environment)")
     p.add_argument(
         "--wait_file_in_restart", default=None, help="N:FILE: in SLURM restart N, wait for FILE before the first step"
     )
@@ -150,6 +151,7 @@ def main() -> None:
         async_save=not args.sync_save,
         resume=int(args.resume) if args.resume.isdigit() else args.resume,
         weights_only=args.weights_only,
+        mirror=args.mirror,
     ) as run:
         run.user_state.setdefault("losses", [])
         seen = run.user_state.setdefault(f"seen_rank{rank}", [])  # rank 0's user_state is the one saved

@@ -411,3 +411,52 @@ def test_huge_values_are_cut_in_messages():
     with pytest.raises(ValueError, match=r"expected a string, found \['xxx.*\(1000004 characters\)") as e:
         Manifest.from_json(reseal(raw), WHERE)
     assert len(str(e.value)) < 400
+
+
+# ---------------------------------------------------------------- a node's part (nodes without a shared save_dir)
+
+ELSEWHERE = {
+    "rank_00001.json": (1, FileDigest(10, "cd" * 16)),
+    "pieces_00001.safetensors": (1, FileDigest(99, "ef" * 16, 4)),
+}
+
+
+def test_node_zero_part_round_trips_and_its_whole_lists_every_node_files():
+    m = make(part=mf.Part(0, 2, ELSEWHERE))
+    back = Manifest.from_json(m.to_json(), WHERE)
+    assert back == m
+    whole = back.whole
+    assert whole.part is None and set(whole.files) == {*m.files, *ELSEWHERE}
+    assert whole.files["pieces_00001.safetensors"].carried_from == 4
+    assert "part" not in body(whole)  # the mirror's manifest reads as a whole checkpoint's
+    assert make().whole == make()  # a whole checkpoint is its own whole
+
+
+def test_another_node_part_has_no_whole():
+    m = Manifest.from_json(make(part=mf.Part(1, 2)).to_json(), WHERE)
+    assert m.part == mf.Part(1, 2)
+    with pytest.raises(ValueError, match="node 1's part does not list the other nodes' files"):
+        m.whole
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ({"node": 2, "nodes": 2, "elsewhere": {}}, r"part: field 'node': expected an integer in \[0, 1\], found 2"),
+        ({"node": 0, "nodes": 1, "elsewhere": {}}, r"part: field 'nodes': expected an integer in \[2, "),
+        ({"node": 1, "nodes": 2, "elsewhere": {"x": {"size": 1, "xxh3_128": "ab" * 16, "node": 0}}}, "only node 0"),
+        ({"node": 0, "nodes": 2, "elsewhere": {"../x": {"size": 1, "xxh3_128": "ab" * 16, "node": 1}}}, "plain file"),
+        (
+            {"node": 0, "nodes": 2, "elsewhere": {"state.json": {"size": 1, "xxh3_128": "ab" * 16, "node": 1}}},
+            "also listed among this node's files",
+        ),
+        ({"node": 0, "nodes": 2, "elsewhere": {"x": {"size": 1, "xxh3_128": "ab" * 16, "node": 0}}}, "'node'"),
+        ({"node": 0, "nodes": 2}, "missing field 'elsewhere'"),
+        ([1], "part: expected an object|field 'part': expected an object"),
+    ],
+)
+def test_a_forged_part_is_refused_by_name(part, message):
+    raw = body()
+    raw["part"] = part
+    with pytest.raises(ValueError, match=message):
+        Manifest.from_json(reseal(raw), WHERE)

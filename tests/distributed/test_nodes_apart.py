@@ -1,0 +1,89 @@
+"""Nodes that share no save_dir, joined by a mirror: two torchrun agents (``--nnodes=2``, one gloo rank each, one per
+"node"), each rank given a save_dir of its own, and the mirror on a real S3-compatible server (tests/s3server.py).
+
+Each node writes its part of every checkpoint into its own save_dir and uploads it; rank 0 uploads the whole
+checkpoint's manifest once the mirror lists every node's files. A stop waits for that; with both save_dirs wiped, a
+new pair of nodes pulls the whole checkpoint from the mirror and ends ``torch.equal`` on every tensor against an
+uninterrupted run on a shared save_dir.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+from helpers import DDP_ARGS as ARGS
+from helpers import assert_equal_finals, ddp_finals, torchrun, torchrun_nodes
+
+from preempt.checkpoint.manager import CheckpointManager
+from preempt.cli.main import main
+from preempt.mirror.store import MirrorStore
+from preempt.mirror.survey import Surveyor
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
+    d = tmp_path_factory.mktemp("nodes_ref")
+    p = torchrun(d / "run", d / "final.safetensors", ARGS)
+    assert p.finish() == 0, p.output
+    return ddp_finals(d / "final.safetensors")
+
+
+def finish_all(nodes: list, timeout: float = 240) -> list[int]:
+    return [p.finish(timeout=timeout) for p in nodes]
+
+
+def test_nodes_without_a_shared_save_dir_stop_wipe_and_resume_from_the_mirror_bit_exact(
+    tmp_path, reference, mirror_url
+):
+    dirs, final = [tmp_path / "node0", tmp_path / "node1"], tmp_path / "final.safetensors"
+    args = [*ARGS, "--every_steps", "4", "--mirror", mirror_url]
+    nodes = torchrun_nodes(dirs, final, [*args, "--self_signal", "1:7"])
+    codes = finish_all(nodes)
+    output = "\n".join(p.output for p in nodes)
+    assert all(c != 0 for c in codes), output  # (torchrun's agent exits 1 when its rank exits 75)
+    # both ranks stopped at one step (rank 1's own SIGTERM, agreed), exit code 75
+    stops = re.findall(r"\[preempt\] stopping on .* at step (\d+) .*exit code 75", output)
+    assert len(stops) == 2 and stops[0] == stops[1], output
+    step = int(stops[0])
+    assert re.search(rf"mirror holds step {step} \(the stop's checkpoint\)", nodes[0].output), nodes[0].output
+    assert re.search(rf"mirror holds node 1's part of step {step}\b", nodes[1].output), nodes[1].output
+
+    # Each node's save_dir holds its part of the stop's checkpoint: node 1's lists only node 1's files.
+    parts = [CheckpointManager(d, owner=False).list()[0] for d in dirs]
+    assert [p.step for p in parts] == [step, step], parts
+    assert [p.valid.part.node for p in parts] == [0, 1]
+    node1 = set(parts[1].valid.files)
+    assert "rank_00001.json" in node1 and "model.safetensors" not in node1, node1
+    assert set(parts[0].valid.part.elsewhere) == node1 and "model.safetensors" in parts[0].valid.files
+    # The mirror holds the whole checkpoint: every node's files under one manifest, which verifies.
+    whole = Surveyor(MirrorStore(mirror_url)).survey().manifests[step]
+    assert whole.part is None and set(whole.files) == set(parts[0].valid.files) | node1
+    assert main(["verify", mirror_url]) == 0
+
+    for d in dirs:  # new machines: nothing on either disk
+        shutil.rmtree(d)
+    nodes = torchrun_nodes(dirs, final, args)
+    codes = finish_all(nodes)
+    output = "\n".join(p.output for p in nodes)
+    assert codes == [0, 0], output
+    assert len(re.findall(rf"resumed from \S+: step {step}\b", output)) == 2, output
+    assert "pulled step" in nodes[1].output, nodes[1].output
+    assert_equal_finals(reference, ddp_finals(final))
+
+
+def test_ranks_apart_without_a_mirror_are_refused_with_what_they_need(tmp_path):
+    """The same two nodes without ``mirror=``: every rank leaves at the start, saying that the nodes need a mirror,
+    with nothing written in either save_dir."""
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    nodes = torchrun_nodes(dirs, None, ARGS)
+    codes = finish_all(nodes)
+    output = "\n".join(p.output for p in nodes)
+    assert all(c != 0 for c in codes), output
+    assert output.count("does not see the save_dir as rank 0 does") >= 2, output
+    assert "need a mirror (mirror=...)" in output and "NoCheckpointError" not in output, output
+    assert not list(dirs[0].glob("step_*")) and not list(dirs[1].glob("step_*"))
