@@ -436,7 +436,7 @@ def test_another_node_part_has_no_whole():
     m = Manifest.from_json(make(part=mf.Part(1, 2)).to_json(), WHERE)
     assert m.part == mf.Part(1, 2)
     with pytest.raises(ValueError, match="node 1's part does not list the other nodes' files"):
-        m.whole
+        _ = m.whole
 
 
 @pytest.mark.parametrize(
