@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
+import math
 import os
 import threading
 import time
@@ -122,6 +123,8 @@ class Uploader:
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self.node, self.wait_parts = node, wait_parts
+        # parts written before this time (by an earlier process: a timeline the resume left) are never uploaded
+        self.since = -math.inf
         self.lacking: dict[int, dict[int, list[str]]] = {}  # node 0: step -> node -> its files the mirror lacks
         self._parts: dict[int, float] = {}  # another node: step -> ``created`` of the save whose part is up
         self._sent: set[tuple[int, str, str]] = set()  # another node: (step, file, xxh3) uploaded or copied
@@ -273,7 +276,7 @@ class Uploader:
         self.lacking = {}
         for step in plan.to_upload({s: m.whole for s, (m, _) in local.items()}, surveyed.manifests):
             manifest, data = local[step]
-            if (step, manifest.created) in self._damaged:
+            if (step, manifest.created) in self._damaged or (manifest.part and manifest.created < self.since):
                 continue
             if self._upload(manifest, data, surveyed):
                 whole = manifest.whole
@@ -298,7 +301,9 @@ class Uploader:
         newest = max(surveyed.manifests, default=-1)
         done = []
         for step, (manifest, data) in sorted(local.items()):
-            if step <= newest or manifest.part is None or self._parts.get(step) == manifest.created:
+            if step <= newest or manifest.part is None or manifest.created < self.since:
+                continue
+            if self._parts.get(step) == manifest.created:
                 continue
             ckpt = self.save_dir / checkpoint_name(step)
             for name, digest in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):

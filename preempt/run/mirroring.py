@@ -131,6 +131,10 @@ class Mirroring:
             self.uploader = Uploader(
                 self._store(), self.manager.save_dir, self.manager.retention, clock=self.clock, node=node
             )
+        if self.uploader is not None:
+            # A part an earlier process wrote and the mirror never completed belongs to a timeline this run left (it
+            # resumed from the mirror's newest whole checkpoint): uploading it could mix with this run's save of it.
+            self.uploader.since = time.time()
 
     def bring(self, step: int, created: float) -> None:
         """Another node's leader, when the ranks' nodes share no save_dir: rank 0's chosen checkpoint (step, and the

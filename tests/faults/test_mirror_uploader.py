@@ -271,3 +271,71 @@ def test_a_checkpoint_pruned_between_its_check_and_its_upload_is_skipped_and_the
     up.submit(4)
     assert up.run_once(4)
     assert (2, MANIFEST) not in store.objects and up.holds() == 4
+
+
+# ---------------------------------------------------------------- nodes without a shared save_dir
+
+
+def split(save_dir: Path, node1: set[str], dirs: list[Path]) -> None:
+    """Every checkpoint of ``save_dir`` as two nodes' parts (``node1``'s files on node 1, the rest on node 0), with
+    the manifests a distributed commit of nodes apart writes."""
+    import dataclasses
+
+    from preempt.checkpoint.files import read_manifest
+    from preempt.checkpoint.manifest import Part
+
+    for ckpt in sorted(save_dir.glob("step_*")):
+        whole = read_manifest(ckpt / MANIFEST)
+        mine = [{n: d for n, d in whole.files.items() if (n in node1) == (k == 1)} for k in (0, 1)]
+        parts = [
+            dataclasses.replace(whole, files=mine[0], part=Part(0, 2, {n: (1, d) for n, d in mine[1].items()})),
+            dataclasses.replace(whole, files=mine[1], part=Part(1, 2)),
+        ]
+        for d, files, part in zip(dirs, mine, parts, strict=True):
+            (d / ckpt.name).mkdir(parents=True)
+            for name in files:
+                shutil.copy(ckpt / name, d / ckpt.name / name)
+            (d / ckpt.name / MANIFEST).write_bytes(part.to_json())
+
+
+def test_nodes_apart_each_uploads_its_part_and_node_0_the_whole_manifest_once_all_are_up(tmp_path):
+    from preempt.mirror.survey import Surveyor
+
+    save(tmp_path / "whole", [2, 4])
+    dirs = [tmp_path / "n0", tmp_path / "n1"]
+    split(tmp_path / "whole", {"model.safetensors"}, dirs)
+    store = MemoryStore()
+    (up0, _), (up1, events1) = uploader(dirs[0], store, node=0), uploader(dirs[1], store, node=1)
+
+    # Node 0 first: its files go up, not the manifest, and it says which node's files are missing.
+    up0.submit(4)
+    assert up0.run_once(4)
+    assert (2, MANIFEST) not in store.objects and (4, MANIFEST) not in store.objects
+    assert up0.lagging(4) == "node 1 has not uploaded model.safetensors" and not up0.wait_for(4, 0.0)
+    assert not any(name == "model.safetensors" for _, _, name in store.ops)
+
+    # Node 1: its part's files only (never a manifest, never a record), then node 0 completes both steps.
+    store.ops.clear()
+    up1.submit(4)
+    assert up1.run_once(4)
+    assert store.ops == [("put", 2, "model.safetensors"), ("put", 4, "model.safetensors")], store.ops
+    assert up1.wait_for(4, 0.0) and [k for k, _ in events1] == ["mirror_part", "mirror_part"]
+    store.ops.clear()
+    assert up0.run_once(4)
+    assert ("put", 4, MANIFEST) in store.ops and not any(n == "model.safetensors" for _, _, n in store.ops)
+    assert up0.lagging(4) == "" and up0.wait_for(4, 0.0)
+    whole = Surveyor(store).survey().manifests[4]  # type: ignore[arg-type]
+    assert whole.part is None and whole.files == CheckpointManager(tmp_path / "whole").list()[0].valid.files
+
+
+def test_a_part_an_earlier_process_wrote_is_not_uploaded(tmp_path):
+    """A part whose save the mirror never completed belongs to a timeline the resumed run left: a node uploads only
+    the parts written since it started (its own process's)."""
+    save(tmp_path / "whole", [2])
+    dirs = [tmp_path / "n0", tmp_path / "n1"]
+    split(tmp_path / "whole", {"model.safetensors"}, dirs)
+    store = MemoryStore()
+    up1, _ = uploader(dirs[1], store, node=1)
+    up1.since = 1e11  # started after every save
+    up1.submit(2)
+    assert up1.run_once(2) and store.ops == []

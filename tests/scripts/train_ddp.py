@@ -89,7 +89,7 @@ _LAST_WORK: list[dist.Work] = []
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--save_dir", required=True)
+    p.add_argument("--save_dir", required=True, help="{node}: the SLURM node's name (a save_dir per node)")
     p.add_argument("--final_out", default=None)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=192)
@@ -112,6 +112,12 @@ def main() -> None:
     p.add_argument("--frozen", action="store_true", help="a frozen part of ~4 MiB before the trained layers")
     p.add_argument("--keep_last", type=int, default=2)
     p.add_argument("--save_dir_per_rank", action="store_true", help="each rank its own SAVE_DIR/rank<R> (refused)")
+    p.add_argument(
+        "--hold_until_stop",
+        type=int,
+        default=None,
+        help="in the first SLURM run, each rank holds before step N's run.step() until a stop was requested",
+    )
     p.add_argument("--mirror", default=None, help="mirror= (the AWS variables of the environment)")
     p.add_argument(
         "--wait_file_in_restart", default=None, help="N:FILE: in SLURM restart N, wait for FILE before the first step"
@@ -140,8 +146,9 @@ def main() -> None:
     if args.fail_write is not None and rank == 0:
         fail_write(args.fail_write)
 
+    save_dir = args.save_dir.replace("{node}", os.environ.get("SLURMD_NODENAME", "-"))
     with PreemptibleRun(
-        f"{args.save_dir}/rank{rank}" if args.save_dir_per_rank else args.save_dir,
+        f"{save_dir}/rank{rank}" if args.save_dir_per_rank else save_dir,
         model=ddp,
         optimizer=opt,
         scheduler=sched,
@@ -181,6 +188,11 @@ def main() -> None:
                 ids = ",".join(map(str, idx.tolist()))
                 say(f"rank {rank} step {run.global_step + 1} epoch {run.epoch} batch {run.batch} idx {ids}")
                 _testing.emit("step", rank=rank, step=run.global_step + 1, epoch=run.epoch, batch=run.batch)
+                if args.hold_until_stop == run.global_step + 1 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+                    say(f"rank {rank} holding at step {args.hold_until_stop}")
+                    deadline = time.monotonic() + HOLD_LIMIT_S
+                    while not run.stop_requested and time.monotonic() < deadline:
+                        time.sleep(0.05)
                 run.step()
                 if args.settle_saves:
                     settle(run, rank)

@@ -12,9 +12,11 @@ uninterrupted torchrun of the same training.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
+import s3server
 from helpers import TRAIN_DDP, assert_equal_finals, ddp_finals, free_port, torchrun
 from slurmjobs import Cluster, Job, slurm_cluster  # noqa: F401
 
@@ -103,4 +105,61 @@ def test_two_nodes_requeued_then_stopped_by_the_walltime_keeper(
     assert kinds == [False] * (2 * requeues) + [True] * 2, (stops, log)
     assert "DUE TO TIME LIMIT" not in log, log
 
+    assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
+
+
+# 320 samples, 8 per rank per step on 2 ranks: 20 steps per epoch, 40 in all; a checkpoint every 10 steps.
+APART_ARGS = ["--epochs", "2", "--samples", "320", "--every_steps", "10"]
+
+
+def test_two_nodes_with_save_dirs_of_their_own_resume_from_the_mirror_after_both_are_wiped(
+    slurm_cluster: Cluster,  # noqa: F811
+    tmp_path: Path,
+    mirror_url: str,
+    s3_endpoint: str,
+) -> None:
+    """Nodes that share only the mirror (the S3-compatible server of .ci/run): each node's rank writes to a save_dir
+    of its own (``{node}`` in the path), the job is requeued and held, both save_dirs are wiped (new machines), and
+    the released job resumes from the mirror on both nodes and ends bit-exact."""
+    nodes = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N").split()
+    if len(set(nodes)) < 2:
+        pytest.skip(f"the local cluster has {len(set(nodes))} node(s) ({nodes}); this test needs 2 (slurm/cluster.sh)")
+    ref = torchrun(tmp_path / "ref", tmp_path / "ref.safetensors", APART_ARGS)
+    assert ref.finish(timeout=240) == 0, ref.output
+
+    final = tmp_path / "final.safetensors"
+    args = [
+        *APART_ARGS,
+        "--step_sleep",
+        "0.3",
+        "--save_dir",
+        str(tmp_path / "{node}" / "run"),
+        "--final_out",
+        str(final),
+    ]
+    args += ["--mirror", mirror_url, "--hold_until_stop", "13"]
+    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=none", "--time=10"]
+    aws = ",".join(f"{k}={v}" for k, v in s3server.env(s3_endpoint).items())  # the job's environment is sbatch's
+    options.append(f"--export=ALL,GPUS_PER_NODE=1,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1,{aws}")
+    job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
+    job.wait_log(r"^rank [01] start step \d+ .* node n\d$", timeout=120, count=2)
+    job.wait_log(r"^rank [01] holding at step 13$", timeout=120, count=2)  # after the checkpoint of step 10
+    slurm_cluster.run("scontrol", "requeuehold", job.id)  # SIGTERM to both ranks; the job waits, held
+    job.wait("held", lambda: job.info().get("JobState") == "PENDING" and job.info().get("Restarts") == "1", timeout=120)
+    stops = re.findall(STOP, job.log, re.M)
+    assert len(stops) == 2 and stops[0][1] == stops[1][1] == "13", job.log
+    step = 13
+    assert re.search(rf"mirror holds step {step} \(the stop's checkpoint\)", job.log), job.log
+    assert re.search(rf"mirror holds node 1's part of step {step}\b", job.log), job.log
+    held = sorted(p.parent.parent.name for p in tmp_path.glob("n*/run/step_*"))
+    assert set(held) == {"n1", "n2"}, held  # each node wrote into its own save_dir
+    for d in tmp_path.glob("n*"):  # new machines: nothing on either disk
+        shutil.rmtree(d)
+
+    slurm_cluster.run("scontrol", "release", job.id)
+    info = job.wait_done(timeout=300)
+    log = job.log
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
+    assert len(re.findall(rf"restart 1 of job {job.id}: resumed from \S+: step {step}\b", log)) == 2, log
+    assert re.search(rf"pulled step {step} from ", log), log
     assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
