@@ -67,7 +67,8 @@ def ls(
     aside = {} if aside is None else aside
     pool = [] if pool is None else pool
     shown = place.shown
-    latest = next((c.step for c in infos if c.status == "valid"), None)
+    # a node's part of a checkpoint (nodes without a shared save_dir) is never loaded by itself: never "latest"
+    latest = next((c.step for c in infos if c.status == "valid" and c.valid.part is None), None)
     best = rank_best(infos)
     best_step = best.ranked[0].step if best.ranked else None
     done_name = done.get("checkpoint") if done else None
@@ -94,6 +95,7 @@ def ls(
                 "latest": c.step == latest,
                 "best": c.step == best_step,
                 "complete": c.name == done_name,
+                "part": None if m is None or m.part is None else {"node": m.part.node, "nodes": m.part.nodes},
                 "problem": None if c.problem is None else shown(c.problem),
             }
         )
@@ -120,6 +122,8 @@ def ls(
         table = [[*head, "status"]]
         for r in rows:
             marks = [m for m in ("latest", "best") if r[m]]  # the complete one is named below the table
+            if r["part"] is not None:
+                marks.append(f"node {r['part']['node']}'s part of {r['part']['nodes']}")
             table.append(
                 [
                     r["name"],

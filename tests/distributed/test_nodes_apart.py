@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import DDP_ARGS as ARGS
 from helpers import assert_equal_finals, ddp_finals, torchrun, torchrun_nodes
+from safetensors.torch import load_file
 
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.cli.main import main
@@ -38,7 +40,7 @@ def finish_all(nodes: list, timeout: float = 240) -> list[int]:
 
 
 def test_nodes_without_a_shared_save_dir_stop_wipe_and_resume_from_the_mirror_bit_exact(
-    tmp_path, reference, mirror_url
+    tmp_path, reference, mirror_url, capsys
 ):
     dirs, final = [tmp_path / "node0", tmp_path / "node1"], tmp_path / "final.safetensors"
     args = [*ARGS, "--every_steps", "4", "--mirror", mirror_url]
@@ -64,6 +66,10 @@ def test_nodes_without_a_shared_save_dir_stop_wipe_and_resume_from_the_mirror_bi
     whole = Surveyor(MirrorStore(mirror_url)).survey().manifests[step]
     assert whole.part is None and set(whole.files) == set(parts[0].valid.files) | node1
     assert main(["verify", mirror_url]) == 0
+    capsys.readouterr()
+    assert main(["ls", str(dirs[1])]) == 0 and main(["verify", str(dirs[1])]) == 0  # a part checks as it is
+    listed = capsys.readouterr().out
+    assert "node 1's part of 2" in listed and "latest" not in listed, listed  # never loaded by itself
 
     for d in dirs:  # new machines: nothing on either disk
         shutil.rmtree(d)
@@ -87,3 +93,36 @@ def test_ranks_apart_without_a_mirror_are_refused_with_what_they_need(tmp_path):
     assert output.count("does not see the save_dir as rank 0 does") >= 2, output
     assert "need a mirror (mirror=...)" in output and "NoCheckpointError" not in output, output
     assert not list(dirs[0].glob("step_*")) and not list(dirs[1].glob("step_*"))
+
+
+FSDP = Path(__file__).resolve().parent.parent / "scripts" / "train_fsdp.py"
+LORA = ["--lora", "--keep_last", "1000"]  # FSDP2 over a frozen base of ~4 MiB with trained adapters
+
+
+def test_sharded_lora_on_nodes_apart_carries_each_node_base_and_resumes_from_the_mirror_bit_exact(tmp_path, mirror_url):
+    """FSDP2 on two nodes that share no save_dir: each node's part holds its rank's files of pieces, its piece of the
+    frozen base written once and carried after (a hard link in its own save_dir, a server-side copy in the mirror);
+    both save_dirs wiped, the pair resumes from the mirror and ends ``torch.equal`` on every tensor."""
+    ref = torchrun(tmp_path / "ref", None, [*LORA, "--final_out", str(tmp_path / "ref.safetensors")], script=FSDP)
+    assert ref.finish(timeout=180) == 0, ref.output
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    args = [*LORA, "--mirror", mirror_url]
+    nodes = torchrun_nodes(dirs, None, [*args, "--self_signal", "1:7"], script=FSDP)
+    output = "\n".join(p.output for p in nodes) if all(c != 0 for c in finish_all(nodes)) else ""
+    assert re.search(r"mirror holds step 7 \(the stop's checkpoint\)", output), "\n".join(p.output for p in nodes)
+
+    parts = CheckpointManager(dirs[1], owner=False).list()
+    assert [p.step for p in parts] == [7, 4], parts
+    rank1 = {"base_00001.safetensors", "pieces_00001.safetensors", "rank_00001.json", "rank_00001.safetensors"}
+    assert set(parts[0].valid.files) == rank1  # rank 1's files, and nothing of rank 0's
+    assert parts[0].valid.files["base_00001.safetensors"].carried_from == 4  # written once, at step 4
+    whole = Surveyor(MirrorStore(mirror_url)).survey().manifests[7]
+    assert whole.files["base_00001.safetensors"].carried_from == 4 and "pieces_00000.safetensors" in whole.files
+
+    for d in dirs:
+        shutil.rmtree(d)
+    final = tmp_path / "final.safetensors"
+    nodes = torchrun_nodes(dirs, None, [*args, "--final_out", str(final)], script=FSDP)
+    assert finish_all(nodes) == [0, 0], "\n".join(p.output for p in nodes)
+    want, got = load_file(str(tmp_path / "ref.safetensors")), load_file(str(final))
+    assert want.keys() == got.keys() and [k for k in want if not torch.equal(want[k], got[k])] == []

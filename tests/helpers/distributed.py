@@ -101,7 +101,11 @@ def torchrun(
 
 
 def torchrun_nodes(
-    save_dirs: Sequence[Path], final: Path | None, args: Sequence[str], env: dict[str, str] | None = None
+    save_dirs: Sequence[Path],
+    final: Path | None,
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    script: Path = TRAIN_DDP,
 ) -> list[Spawned]:
     """One ``torchrun --nnodes=N --node_rank=i --nproc_per_node=1`` per save_dir, meeting on the loopback address:
     the ranks of several nodes, each with a save_dir of its own (as nodes without a shared filesystem)."""
@@ -111,7 +115,7 @@ def torchrun_nodes(
     for node, save_dir in enumerate(save_dirs):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(save_dirs)}", f"--node_rank={node}"]
         cmd += ["--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
-        cmd += [str(TRAIN_DDP), "--save_dir", str(save_dir), *args]
+        cmd += [str(script), "--save_dir", str(save_dir), *args]
         if final is not None:
             cmd += ["--final_out", str(final)]
         spawned.append(Spawned(cmd, env))

@@ -119,6 +119,7 @@ def main() -> None:
     p.add_argument("--keep_last", type=int, default=2)
     p.add_argument("--kill_at", default=None, help="RANK:STEP: that rank SIGKILLs itself before that step")
     p.add_argument("--sync_save", action="store_true", help="async_save=False")
+    p.add_argument("--mirror", default=None, help="mirror= (the AWS variables of the environment)")
     p.add_argument("--poke_base", default=None, help="RANK:STEP: that rank adds 1 to a frozen value through .data")
     args = p.parse_args()
     if args.slow_write:
@@ -146,6 +147,7 @@ def main() -> None:
         resume=args.resume,
         keep_last=args.keep_last,
         async_save=not args.sync_save,
+        mirror=args.mirror,
     )
     with PreemptibleRun(args.save_dir, model=model, optimizer=opt, **kw) as run:
         if args.dump_start:
