@@ -159,9 +159,10 @@ class Uploader:
         deadline = self.clock() + max(0.0, timeout)
         local = _read_manifest(self.save_dir / checkpoint_name(step))
         created = None if local is None else local[0].created
+        part = local is not None and local[0].part is not None
 
         def held() -> bool:
-            if self.node:  # another node than 0: its part of that save is up
+            if self.node and part:  # another node than 0: its part of that save is up
                 return step in self._parts and (created is None or self._parts[step] == created)
             return step in self.held and (created is None or self._held_saves.get(step) == created)
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _log
-from ..checkpoint.commit import parse_checkpoint_name
+from ..checkpoint.commit import MANIFEST, parse_checkpoint_name
+from ..checkpoint.files import read_manifest
 from ..checkpoint.manager import CheckpointManager
 from ..errors import MirrorError, NoCheckpointError, PreemptError
 from ..health.history import HISTORY_FILE, LOG_FILE
@@ -213,7 +214,11 @@ class Mirroring:
         limit = self.deadline()
         t0 = self.clock()
         if up.wait_for(step, limit):
-            what = f"node {up.node}'s part of step {step}" if up.node else f"step {step}"
+            what = (
+                f"node {up.node}'s part of step {step}"
+                if up.node and checkpoint is not None and _is_part(checkpoint)
+                else f"step {step}"
+            )
             said = f"mirror holds {what} (the stop's checkpoint), uploaded {_log.duration(self.clock() - t0)}"
             said += " after it was durable"
         else:
@@ -232,7 +237,8 @@ class Mirroring:
         if completed and step is not None:
             limit, t0 = self.deadline(), self.clock()
             if up.wait_for(step, limit):
-                log.info("mirror holds step %d (the final checkpoint)", step)
+                what = f"node {up.node}'s part of step {step}" if up.node and final.manifest.part else f"step {step}"
+                log.info("mirror holds %s (the final checkpoint)", what)
                 up.wait_idle(limit - (self.clock() - t0))  # its retention and the run records too
             else:
                 log.warning(
@@ -261,6 +267,14 @@ class Mirroring:
             put_bytes=c.put_bytes,
             copied_bytes=c.copied_bytes,
         )
+
+
+def _is_part(checkpoint: Path) -> bool:
+    """Whether the checkpoint at ``checkpoint`` is a node's part (nodes without a shared save_dir)."""
+    try:
+        return read_manifest(checkpoint / MANIFEST).part is not None
+    except (OSError, PreemptError):
+        return False
 
 
 def _unfinished(up: Uploader, limit: float, step: int) -> str:

@@ -122,10 +122,18 @@ class Starter:
     def completed(self, done: dict[str, Any]) -> bool:
         """Whether the run ends at once as complete: complete.json (``done``, believed by its manifest) is heeded
         (``exit_if_complete``, no new start or request) and the checkpoint it names loads and passes
-        :meth:`check`; one that does not is quarantined like any damaged checkpoint and the run goes on."""
+        :meth:`check` (node 0's part of it, on nodes without a shared save_dir: its files verify); one that does not
+        is quarantined like any damaged checkpoint and the run goes on."""
         cfg = self.config
         if not cfg.exit_if_complete or cfg.starts_fresh or self.new_request():
             return False
+        part = next((c for c in self.manager.list() if c.step == done["step"] and c.status == "valid"), None)
+        if part is not None and part.valid.part is not None:
+            # nodes without a shared save_dir: node 0's part of the final checkpoint, whose files are all here to check
+            problems = self.manager.verify(part)
+            if problems:
+                log.warning("%s/complete.json is not believed: %s; the run goes on", self.save_dir, problems[0])
+            return not problems
         try:
             self.manager.load(done["step"], check=self.check)
         except NoCheckpointError as e:
