@@ -80,6 +80,13 @@ def test_nodes_without_a_shared_save_dir_stop_wipe_and_resume_from_the_mirror_bi
     assert len(re.findall(rf"resumed from \S+: step {step}\b", output)) == 2, output
     assert "pulled step" in nodes[1].output, nodes[1].output
     assert_equal_finals(reference, ddp_finals(final))
+    assert "mirror holds node 1's part of step 24 (the final checkpoint)" in nodes[1].output, nodes[1].output
+
+    # Run again: node 0's part of the final checkpoint verifies, so the job is complete at once on every rank.
+    again = torchrun_nodes(dirs, None, args)
+    assert finish_all(again) == [0, 0]
+    output = "\n".join(p.output for p in again)
+    assert "is complete (step 24, epoch 2); nothing to do" in output and "not believed" not in output, output
 
 
 def test_ranks_apart_without_a_mirror_are_refused_with_what_they_need(tmp_path):
