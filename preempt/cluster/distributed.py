@@ -377,11 +377,20 @@ def _node_tmp(manager: CheckpointManager, coord: Coordinator, nodes: Nodes, name
             manager.new_tmp_dir_named(name)
         except OSError as e:
             error = e
-    if not coord.all(error is None):
+    first = _first_error(coord, error)
+    if first is not None:
         if error is None and nodes.leads(coord.rank):  # rank 0's, or one another leader made
             manager.discard(tmp)
-        raise error or CheckpointWriteError(f"rank {coord.rank}: another node could not make {name} in its save_dir")
+        raise first
     return tmp
+
+
+def _first_error(coord: Coordinator, error: BaseException | None) -> Exception | None:
+    """The first rank's error among every rank's (None: none failed), the same on every rank: an OSError (a periodic
+    save that fails for want of disk is skipped, by every rank alike) or a CheckpointWriteError."""
+    got = coord.gather(None if error is None else _describe(error, coord.rank))
+    first = coord.broadcast(None if got is None else next((e for e in got if e is not None), None))
+    return None if first is None else _rebuild(first)
 
 
 def _commit_part(
@@ -396,7 +405,8 @@ def _commit_part(
     """Nodes without a shared save_dir, once rank 0 committed (or deferred) node 0's part: every other node's leader
     commits its part, then every rank learns that all parts are durable (one agreement). Returns as
     :func:`save_ranked`: a part's leader gets its part, even when rank 0 finishes its own in the background."""
-    node, error = nodes.of[coord.rank], None
+    node = nodes.of[coord.rank]
+    error: Exception | None = None
     part: CheckpointInfo | None = None
     if node != 0 and nodes.leads(coord.rank):
         held = {n: commit.FileDigest(**d) for n, d in outcome[2].get(str(node), {}).items()}
@@ -404,8 +414,13 @@ def _commit_part(
             part = manager.commit(tmp, dataclasses.replace(manifest, part=Part(node, nodes.count)), held)
         except Exception as e:
             error = e
-    if not coord.all(error is None):
-        raise CheckpointWriteError(f"rank {coord.rank}: a node could not commit its part of step {manifest.step}")
+    first = _first_error(coord, error)
+    if first is not None:
+        if isinstance(result, Deferred):
+            manager.discard(result.tmp)
+        elif isinstance(result, CheckpointInfo):  # node 0's part of a checkpoint that will never be whole
+            manager.quarantine(result, f"{result.path}: another node could not commit its part ({first})")
+        raise first
     if coord.rank == 0:
         return result
     if part is not None:

@@ -16,6 +16,25 @@ from ..checkpoint.commit import MANIFEST, FileDigest
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
 
+PART_SUFFIX = ".part.json"  # node K's note that its part of a step's save is up: ``node_0000K.part.json``
+
+
+def part_note(node: int) -> str:
+    """The object name of node ``node``'s note in a step's directory (nodes without a shared save_dir)."""
+    return f"node_{node:05d}{PART_SUFFIX}"
+
+
+def part_note_body(created: float, files: Mapping[str, FileDigest]) -> dict[str, object]:
+    """What a node's note says: the save (its time) whose part is up, and the digest of each of its files."""
+    return {"created": created, "files": {n: d.xxh3_128 for n, d in sorted(files.items())}}
+
+
+def part_is_up(note: object, created: float, files: Mapping[str, FileDigest]) -> bool:
+    """Whether a node's note (parsed JSON) says that its part of the save made at ``created`` is up, with these
+    files: the sizes in a listing cannot tell one save's objects from another's of the same step."""
+    return note == part_note_body(created, files)
+
+
 DEFAULT_DEADLINE = 60.0  # seconds a stop waits for its checkpoint's upload (a spot VM's warning is 2 minutes)
 TIME_LEFT_SHARE = 0.5  # at most this part of the time left before the kill (SLURM's end, the walltime keeper's)
 
@@ -75,7 +94,8 @@ def upload_actions(
     present = present or {}
     if MANIFEST in present:
         actions.append(Action("delete", MANIFEST))
-    actions += [Action("delete", n) for n in sorted(present) if n != MANIFEST and n not in manifest.files]
+    stale = [n for n in sorted(present) if n != MANIFEST and n not in manifest.files and not n.endswith(PART_SUFFIX)]
+    actions += [Action("delete", n) for n in stale]
     for name, digest in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):
         source = copy_source(name, digest, manifest.step, mirrored)
         actions.append(Action("put", name) if source is None else Action("copy", name, source))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import logging
 import math
 import os
@@ -275,9 +276,14 @@ class Uploader:
             return self._pass_part(local, surveyed)
         uploaded = []
         self.lacking = {}
+        newest = max(surveyed.manifests, default=-1)
         for step in plan.to_upload({s: m.whole for s, (m, _) in local.items()}, surveyed.manifests):
             manifest, data = local[step]
-            if (step, manifest.created) in self._damaged or (manifest.part and manifest.created < self.since):
+            if (step, manifest.created) in self._damaged:
+                continue
+            # A part older than the mirror's newest whole checkpoint is not waited for (the other nodes skip it), nor
+            # one an earlier process wrote
+            if manifest.part and (step < newest or manifest.created < self.since):
                 continue
             if self._upload(manifest, data, surveyed):
                 whole = manifest.whole
@@ -302,9 +308,10 @@ class Uploader:
         newest = max(surveyed.manifests, default=-1)
         done = []
         for step, (manifest, data) in sorted(local.items()):
-            if step <= newest or manifest.part is None or manifest.created < self.since:
+            if step < newest or manifest.part is None or manifest.created < self.since:
                 continue
-            if self._parts.get(step) == manifest.created:
+            whole = surveyed.manifests.get(step)
+            if self._parts.get(step) == manifest.created or (whole is not None and whole.created == manifest.created):
                 continue
             ckpt = self.save_dir / checkpoint_name(step)
             for name, digest in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):
@@ -319,6 +326,8 @@ class Uploader:
                     break
                 self._sent.add((step, name, digest.xxh3_128))
             else:
+                note = plan.part_note_body(manifest.created, manifest.files)
+                self.store.put_bytes(step, plan.part_note(manifest.part.node), json.dumps(note).encode())
                 with self._cond:
                     self._parts[step] = manifest.created
                     self._cond.notify_all()
@@ -331,12 +340,27 @@ class Uploader:
         sizes as listed); what is not is kept in :attr:`lacking` (the stop's line names the nodes)."""
         listed = self.store.steps().get(whole.step, {})
         lacking: dict[int, list[str]] = {}
-        for name, (node, digest) in sorted(part.elsewhere.items()):
-            if listed.get(name) != digest.size:
-                lacking.setdefault(node, []).append(name)
+        by_node: dict[int, dict[str, commit.FileDigest]] = {}
+        for name, (node, digest) in part.elsewhere.items():
+            by_node.setdefault(node, {})[name] = digest
+        for node, held in sorted(by_node.items()):
+            if all(listed.get(n) == d.size for n, d in held.items()) and self._part_up(whole, node, held, listed):
+                continue
+            lacking[node] = sorted(n for n, d in held.items() if listed.get(n) != d.size) or [plan.part_note(node)]
         if lacking:
             self.lacking[whole.step] = lacking
         return not lacking
+
+    def _part_up(self, whole: Manifest, node: int, held: dict[str, commit.FileDigest], listed: dict[str, int]) -> bool:
+        """Node ``node``'s note says its part of this very save is up (not an earlier save's objects of the step)."""
+        name = plan.part_note(node)
+        if name not in listed:
+            return False
+        try:
+            note = safe_io.load_json(self.store.read(whole.step, name, MAX_MANIFEST_BYTES), name)
+        except (MirrorError, ValueError):
+            return False
+        return plan.part_is_up(note, whole.created, held)
 
     def lagging(self, step: int) -> str:
         """Node 0: which nodes' files of ``step`` the mirror lacked when last looked at, in words ("" for none)."""

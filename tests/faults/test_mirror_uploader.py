@@ -318,7 +318,8 @@ def test_nodes_apart_each_uploads_its_part_and_node_0_the_whole_manifest_once_al
     store.ops.clear()
     up1.submit(4)
     assert up1.run_once(4)
-    assert store.ops == [("put", 2, "model.safetensors"), ("put", 4, "model.safetensors")], store.ops
+    note = "node_00001.part.json"  # after each step's files: the note that this save's part is up
+    assert store.ops == [(k, s, n) for s in (2, 4) for k, n in (("put", "model.safetensors"), ("put", note))]
     assert up1.wait_for(4, 0.0) and [k for k, _ in events1] == ["mirror_part", "mirror_part"]
     store.ops.clear()
     assert up0.run_once(4)
@@ -339,3 +340,38 @@ def test_a_part_an_earlier_process_wrote_is_not_uploaded(tmp_path):
     up1.since = 1e11  # started after every save
     up1.submit(2)
     assert up1.run_once(2) and store.ops == []
+
+
+def test_a_step_saved_again_is_not_made_whole_from_the_other_node_objects_of_the_earlier_save(tmp_path):
+    """The final save of a step that a periodic save wrote too: the other node's objects of the earlier save have the
+    same names and sizes; node 0 publishes the new save's manifest only once that node's note names the new save."""
+    from preempt.mirror.survey import Surveyor
+
+    dirs = [tmp_path / "n0", tmp_path / "n1"]
+    store = MemoryStore()
+    (up0, _), (up1, _) = uploader(dirs[0], store, node=0), uploader(dirs[1], store, node=1)
+    save(tmp_path / "whole", [2])
+    split(tmp_path / "whole", {"model.safetensors"}, dirs)
+    for up in (up0, up1, up0):
+        up.submit(2)
+        assert up.run_once(2)
+    first = Surveyor(store).survey().manifests[2]  # type: ignore[arg-type]
+
+    for d in [tmp_path / "whole", *dirs]:  # the step saved again (another time, the same names and sizes)
+        shutil.rmtree(d)
+    save(tmp_path / "whole", [2])
+    split(tmp_path / "whole", {"model.safetensors"}, dirs)
+    up0.submit(2)
+    assert up0.run_once(2)
+    assert Surveyor(store).survey().manifests.get(2) is None  # the old manifest deleted first, no new one yet
+    assert up0.lagging(2) == "node 1 has not uploaded node_00001.part.json"
+    up1.submit(2)
+    assert up1.run_once(2) and up0.run_once(2)
+    second = Surveyor(store).survey().manifests[2]  # type: ignore[arg-type]
+    assert (
+        second.created != first.created and second.files == CheckpointManager(tmp_path / "whole").list()[0].valid.files
+    )
+    assert (
+        store.objects[(2, "model.safetensors")]
+        == (tmp_path / "whole" / checkpoint_name(2) / "model.safetensors").read_bytes()
+    )
