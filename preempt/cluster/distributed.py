@@ -341,8 +341,9 @@ def save_ranked(
                 outcome = ("ok", str(result.path))
             except Exception as e:
                 outcome = ("error", _describe(e, 0))
-        if outcome[0] != "error":  # each other node's leader commits its part with its ranks' files
-            outcome = (*outcome, {k: {n: d.to_json() for n, d in held.items()} for k, held in by_node.items()})
+        if outcome[0] != "error":  # each other node's leader commits its part with its ranks' files, as of this save
+            parts = {k: {n: d.to_json() for n, d in held.items()} for k, held in by_node.items()}
+            outcome = (*outcome, parts, manifest.created)
     outcome = coord.broadcast(outcome)
     if outcome[0] == "error":
         if nodes is not None and coord.rank != 0 and nodes.leads(coord.rank):
@@ -411,7 +412,9 @@ def _commit_part(
     if node != 0 and nodes.leads(coord.rank):
         held = {n: commit.FileDigest(**d) for n, d in outcome[2].get(str(node), {}).items()}
         try:
-            part = manager.commit(tmp, dataclasses.replace(manifest, part=Part(node, nodes.count)), held)
+            # rank 0's time of the save: the parts of one save carry one time, which the mirror's manifest has too
+            mine = dataclasses.replace(manifest, created=outcome[3], part=Part(node, nodes.count))
+            part = manager.commit(tmp, mine, held)
         except Exception as e:
             error = e
     first = _first_error(coord, error)
