@@ -170,15 +170,29 @@ def check_cancelled() -> None:
         raise WriteCancelled("the write was cancelled")
 
 
+MAX_STEP = 10**15 - 1  # the largest step a checkpoint holds: 15 digits; the writer, the names and manifests agree
+
+
 def checkpoint_name(step: int) -> str:
-    """``120`` -> ``"step_000000120"`` (sorts by step up to 10**9 steps)."""
+    """``120`` -> ``"step_000000120"`` (sorts by step up to 10**9 steps).
+
+    Raises:
+        ValueError: ``step`` is negative or beyond :data:`MAX_STEP` (no reader would accept that checkpoint).
+    """
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step {step}: a checkpoint's step is in [0, {MAX_STEP}]")
     return f"step_{step:09d}"
 
 
 def parse_checkpoint_name(name: str) -> int | None:
-    """The step of a checkpoint directory name, or None for other names."""
+    """The step of a checkpoint directory name, or None for other names: only the one name each step has
+    (``step_4``, ``step_0000000004`` or a step beyond :data:`MAX_STEP` are not checkpoints, so that no two
+    directories stand for one step)."""
     m = _STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
+    if m is None or len(m.group(1)) > 15:
+        return None
+    step = int(m.group(1))
+    return step if checkpoint_name(step) == name else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import xxhash
 
 from . import safe_io
-from .commit import MANIFEST, FileDigest, dumps_json
+from .commit import MANIFEST, MAX_STEP, FileDigest, dumps_json
 
 if TYPE_CHECKING:
     from .retention import RetentionPolicy
@@ -225,7 +225,7 @@ class Manifest:
         _check_cursor_in_epoch(cursor, sampler, where)
         retention = _check_retention(r.optional_dict("retention"), where) if "retention" in raw else None
         return cls(
-            step=r.integer("step"),
+            step=r.integer("step", hi=MAX_STEP),
             cursor=cursor,
             reason=r.text("reason"),
             created=created,
@@ -251,7 +251,7 @@ def _file_entry(name: Any, entry: Any, where: str) -> FileDigest:
     digest = e.text("xxh3_128")
     if not _HEX32_RE.fullmatch(digest):
         raise ValueError(f"{where}[{name!r}].xxh3_128: expected 32 hex digits, found {_short(digest)}")
-    origin = e.optional_int("carried_from") if "carried_from" in entry else None
+    origin = e.optional_int("carried_from", hi=MAX_STEP) if "carried_from" in entry else None
     return FileDigest(size, digest, origin)
 
 
