@@ -50,8 +50,26 @@ MAX_TEXT_BYTES = 256 << 20  # a run record read back (history.jsonl of a very lo
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # an object name inside a step, or a record
 
 
+def userinfo(url: str) -> str:
+    """The credentials in ``url`` (``user:secret``), or "". A secret may hold a ``/`` (about half of AWS secret keys
+    do), where ``urlsplit`` ends the host: the userinfo runs to the last ``@`` before the query when what comes
+    before that ``@`` holds a ``:``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return ""
+    head = rest.split("?", 1)[0].split("#", 1)[0]
+    before, at, _ = head.rpartition("@")
+    if at and (":" in before or "/" not in before):
+        return before
+    return ""
+
+
 def redact(url: str) -> str:
-    """``url`` without its userinfo (``user:secret@``) and without its query (a SAS token, a signature)."""
+    """``url`` without its userinfo (``user:secret@``, a secret with ``/`` in it too) and without its query (a SAS
+    token, a signature)."""
+    secret = userinfo(url)
+    if secret:
+        url = url.replace(secret + "@", "", 1)
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:
@@ -284,8 +302,10 @@ class MirrorStore:
         text = str(error) or type(error).__name__
         if not str(error) and "Timeout" in type(error).__name__:
             text = f"no answer within {self.op_timeout:g} s (mirror_options[{OP_TIMEOUT!r}], more for large objects)"
-        userinfo = urllib.parse.urlsplit(self.url).netloc.rpartition("@")[0] if "@" in self.url else ""
-        for secret in [*self._secrets, userinfo]:
+        credentials = userinfo(self.url)
+        # the whole userinfo, and each piece a client may quote apart (a secret's '/' splits it into bucket and key)
+        pieces = [p for p in re.split(r"[:/@]", credentials) if len(p) >= 4]
+        for secret in sorted({*self._secrets, credentials, *pieces}, key=len, reverse=True):
             if secret:
                 text = text.replace(secret, "***")
         return text[:2000]

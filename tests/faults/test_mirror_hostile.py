@@ -79,3 +79,24 @@ def test_the_writer_refuses_a_step_no_reader_accepts_and_a_manifest_beyond_it_is
     raw["checksum"] = xxhash.xxh3_128_hexdigest(dumps_json(raw))
     with pytest.raises(ValueError, match=r"field 'step': expected an integer in \[0, 999999999999999\]"):
         Manifest.from_json(json.dumps(raw).encode(), "m")
+
+
+SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"  # the form of an AWS secret key: a '/' in it
+
+
+@pytest.mark.parametrize("command", ["ls", "verify", "pull"])
+def test_a_secret_with_a_slash_in_the_url_is_never_printed(tmp_path, mirror_url, capsys, command):
+    """Defect 10: ``s3://KEY:SECRET@bucket/...`` where SECRET holds a '/': redaction read ``urlsplit().netloc``, which
+    ends at that '/', and the commands printed the secret. Every piece of it stays out of what they print."""
+    from preempt.cli.main import main
+    from preempt.mirror.store import redact
+
+    bucket_prefix = mirror_url.split("://", 1)[1]
+    url = f"s3://AKIAIOSFODNN7EXAMPLE:{SECRET}@{bucket_prefix}"
+    assert redact(url) == f"s3://{bucket_prefix}"
+    args = {"ls": ["ls", url], "verify": ["verify", url], "pull": ["pull", url, str(tmp_path / "new")]}[command]
+    main(args)
+    said = "".join(capsys.readouterr())
+    assert said, "the command said nothing"
+    for piece in (SECRET, *SECRET.split("/")):
+        assert piece not in said, said
