@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _log
+from .._secrets import scrub_argv
 
 END_TIMES = (1_000_000_000, 7_258_118_400)  # unix seconds, 2001-09-09 to 2200-01-01: a SLURM job's end lies between
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -205,7 +206,7 @@ def provenance(env: Environment) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "argv": list(sys.argv),
+        "argv": scrub_argv(sys.argv),  # secrets never recorded (preempt._secrets says the rule)
         "git": git_state(code_directory()),
         "slurm": env.slurm(),
     }

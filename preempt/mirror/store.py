@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._secrets import userinfo
 from ..checkpoint.commit import checkpoint_name, parse_checkpoint_name
 from ..errors import MirrorError
 
@@ -48,20 +49,6 @@ DEFAULT_OP_TIMEOUT = 20.0
 MIN_RATE = 1 << 20  # bytes per second: a slower transfer is taken for a hung one
 MAX_TEXT_BYTES = 256 << 20  # a run record read back (history.jsonl of a very long run)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # an object name inside a step, or a record
-
-
-def userinfo(url: str) -> str:
-    """The credentials in ``url`` (``user:secret``), or "". A secret may hold a ``/`` (about half of AWS secret keys
-    do), where ``urlsplit`` ends the host: the userinfo runs to the last ``@`` before the query when what comes
-    before that ``@`` holds a ``:``."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return ""
-    head = rest.split("?", 1)[0].split("#", 1)[0]
-    before, at, _ = head.rpartition("@")
-    if at and (":" in before or "/" not in before):
-        return before
-    return ""
 
 
 def redact(url: str) -> str:

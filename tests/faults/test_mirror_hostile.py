@@ -1,6 +1,6 @@
 """What a forged or shared bucket can put in the mirror, through a real S3-compatible server (moto_server,
-tests/s3server.py): objects the run itself never writes, with valid checksums where it matters. Each test names the
-defect of issue 51 it covers; a valid checkpoint is never lost to any of them."""
+tests/s3server.py): objects the run itself never writes, with valid checksums where it matters. A valid checkpoint
+is never lost to any of them."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def saved(save_dir, steps):
 
 
 def test_aliases_of_a_step_are_not_that_step_and_the_pull_works(tmp_path, mirror_url):
-    """Defect 2: ``step_4/`` and ``step_03/`` beside ``step_000000004/`` were merged into step 4 (and 3): the pull
+    """``step_4/`` and ``step_03/`` beside ``step_000000004/`` were merged into step 4 (and 3): the pull
     failed with a FileNotFoundError. Only the one name of each step is a step; the others are ignored."""
     local = tmp_path / "local"
     saved(local, [4])
@@ -62,7 +62,7 @@ def test_aliases_of_a_step_are_not_that_step_and_the_pull_works(tmp_path, mirror
     ],
 )
 def test_one_name_per_step_and_the_largest_step_is_one_constant(name, step):
-    """Defect 14: a run resumed from a (re-signed) step 2^62 wrote steps its own parser rejected. Names, manifests and
+    """a run resumed from a (re-signed) step 2^62 wrote steps its own parser rejected. Names, manifests and
     the writer now share MAX_STEP: the writer refuses a step no reader would accept."""
     assert parse_checkpoint_name(name) == step
     if step is not None:
@@ -86,7 +86,7 @@ SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"  # the form of an AWS secret
 
 @pytest.mark.parametrize("command", ["ls", "verify", "pull"])
 def test_a_secret_with_a_slash_in_the_url_is_never_printed(tmp_path, mirror_url, capsys, command):
-    """Defect 10: ``s3://KEY:SECRET@bucket/...`` where SECRET holds a '/': redaction read ``urlsplit().netloc``, which
+    """``s3://KEY:SECRET@bucket/...`` where SECRET holds a '/': redaction read ``urlsplit().netloc``, which
     ends at that '/', and the commands printed the secret. Every piece of it stays out of what they print."""
     from preempt.cli.main import main
     from preempt.mirror.store import redact

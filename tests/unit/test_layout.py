@@ -19,7 +19,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "preempt"
 # The top level: the face (__init__), `python -m preempt`, and the leaves every part may import.
-TOP_LEVEL = {"__init__.py", "__main__.py", "errors.py", "_log.py", "_version.py", "_torch_compat.py", "_testing.py"}
+TOP_LEVEL = {
+    "__init__.py",
+    "__main__.py",
+    "errors.py",
+    "_log.py",
+    "_version.py",
+    "_torch_compat.py",
+    "_testing.py",
+    "_secrets.py",
+}
 PARTS = {"checkpoint", "data", "cluster", "health", "mirror", "run", "cli", "supervise", "lightning", "hf"}
 # The parts whose __init__ is the face a user imports (``from preempt.lightning import PreemptCallback``): a
 # framework's integration, imported only by who uses that framework.
