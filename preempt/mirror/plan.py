@@ -124,16 +124,29 @@ def deletions(
     *,
     pull_pending: bool = False,
     busy: Iterable[int] = (),
+    trusted: Iterable[int] | None = None,
 ) -> list[int]:
     """The steps to delete from the mirror: the run's retention applied to the mirror's complete checkpoints as
     to save_dir (never the newest complete one), and debris (an incomplete step older than the newest complete: an
     upload that died). Nothing while a pull decision is pending; never a step in ``busy`` (being uploaded).
 
+    A bucket may be shared or forged: only the steps up to the newest one the run trusts (it wrote it, or holds the
+    same save locally) are counted and deleted; a step newer than that, which the run never verified, is neither
+    kept in its place nor deleted.
+
     Args:
         policy: The run's retention.
         listing: Every step in the mirror (objects and sizes).
         mirrored: The manifest of each complete step.
+        trusted: The steps the run trusts (None: all of them).
     """
+    if trusted is not None:
+        trusted = [s for s in trusted if s in mirrored]
+        newest_trusted = max(trusted, default=None)
+        if newest_trusted is None:
+            return []
+        mirrored = {s: m for s, m in mirrored.items() if s <= newest_trusted}
+        listing = {s: o for s, o in listing.items() if s <= newest_trusted}
     if pull_pending or not mirrored:
         return []
     kept = select_kept(policy, (Kept(s, m.best_value) for s, m in mirrored.items()))

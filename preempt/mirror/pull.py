@@ -95,9 +95,14 @@ def pull_newest(
     replace: bool = False,
     surveyed: Survey | None = None,
     clock: Callable[[], float] = time.monotonic,
+    check: Callable[[Path], object] | None = None,
 ) -> Pulled | None:
     """The newest complete checkpoint of the mirror that verifies, newer than ``newer_than``, pulled into
     ``save_dir``; None when the mirror has none newer.
+
+    ``check``: called with each pulled checkpoint's path; a CorruptCheckpointError from it (a file whose digest
+    matches its forged manifest but whose format does not hold: a pickle, an absurd tensor, a JSON bomb) moves that
+    checkpoint to ``quarantine/`` and the next older one is tried, as for a digest that does not match.
 
     Raises:
         NoCheckpointError: There were candidates and none verified (each one's reason in ``corrupt``).
@@ -108,6 +113,8 @@ def pull_newest(
     for step in plan.pull_candidates(surveyed.manifests, newer_than):
         try:
             got = fetch(store, save_dir, step, surveyed, replace=replace, clock=clock)
+            if check is not None:
+                _checked(save_dir, got.path, check)
         except CorruptCheckpointError as e:
             failed.append(str(e))
             log.warning("%s; trying the next older checkpoint of the mirror", e)
@@ -192,6 +199,15 @@ def fetch(
         duration(seconds),
     )
     return Pulled(path, step, total, seconds)
+
+
+def _checked(save_dir: Path, path: Path, check: Callable[[Path], object]) -> None:
+    """``check(path)``; a pulled checkpoint it refuses is moved to ``quarantine/`` before the error goes on."""
+    try:
+        check(path)
+    except CorruptCheckpointError as e:
+        aside.quarantine(save_dir, path, f"{e}; pulled from the mirror")
+        raise
 
 
 def _part_here(final: Path, whole: Manifest) -> Path | None:

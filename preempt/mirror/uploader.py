@@ -129,6 +129,7 @@ class Uploader:
         self.lacking: dict[int, dict[int, list[str]]] = {}  # node 0: step -> node -> its files the mirror lacks
         self._parts: dict[int, float] = {}  # another node: step -> ``created`` of the save whose part is up
         self._sent: set[tuple[int, str, str]] = set()  # another node: (step, file, xxh3) uploaded or copied
+        self.wrote: set[int] = set()  # the steps this process uploaded (retention trusts them)
 
     # ------------------------------------------------------------------ the run's side
 
@@ -288,11 +289,14 @@ class Uploader:
             if self._upload(manifest, data, surveyed):
                 whole = manifest.whole
                 uploaded.append(step)
+                self.wrote.add(step)
                 surveyed.manifests[step] = whole
                 sizes = {n: d.size for n, d in whole.files.items()}
                 surveyed.listing[step] = {**sizes, MANIFEST: len(whole.to_json() if manifest.part else data)}
                 self._seen(surveyed)
-        for step in plan.deletions(self.retention, surveyed.listing, surveyed.manifests):
+        ours = {s for s, m in surveyed.manifests.items() if s in local and local[s][0].whole == m}
+        trusted = self.wrote | ours  # a step it never wrote or holds is neither counted nor deleted
+        for step in plan.deletions(self.retention, surveyed.listing, surveyed.manifests, trusted=trusted):
             self.store.delete_step(step)
             log.debug("mirror %s: deleted step %d (retention)", self.store.display, step)
         self._seen(self.surveyor.survey() if uploaded else surveyed)

@@ -27,7 +27,7 @@ from .. import _log
 from ..checkpoint.commit import MANIFEST, parse_checkpoint_name
 from ..checkpoint.files import read_manifest
 from ..checkpoint.manager import CheckpointManager
-from ..errors import MirrorError, NoCheckpointError, PreemptError
+from ..errors import CorruptCheckpointError, MirrorError, NoCheckpointError, PreemptError
 from ..health.history import HISTORY_FILE, LOG_FILE
 from .config import RunConfig
 
@@ -94,7 +94,15 @@ class Mirroring:
                 " fresh (auto_resume=False or resume=None): give it another mirror prefix, or delete those"
             )
         if surveyed is not None and not starts_fresh:
-            got = pull.pull_newest(mirror, self.manager.save_dir, newer_than=local, replace=True, surveyed=surveyed)
+            try:
+                got = pull.pull_newest(
+                    mirror, self.manager.save_dir, newer_than=local, replace=True, surveyed=surveyed, check=self._read
+                )
+            except NoCheckpointError as e:
+                if local is None:
+                    raise
+                log.warning("%s; resuming from save_dir's step %d", e, local)
+                got = None
             if got is not None:
                 log.info(
                     "save_dir %s had %s; resuming from the mirror's step %d (%d bytes in %s)",
@@ -172,6 +180,14 @@ class Mirroring:
 
         assert self.config.mirror is not None  # (on)
         return store.MirrorStore(self.config.mirror, self.config.mirror_options)
+
+    def _read(self, path: Path) -> None:
+        """A pulled checkpoint read and checked as a local one is before it is resumed from (its files' format, not
+        only their digests): CorruptCheckpointError when it does not hold."""
+        info = next((i for i in self.manager.list() if i.path == path), None)
+        if info is None or info.status != "valid":
+            raise CorruptCheckpointError(f"{path}: {'gone' if info is None else info.problem}")
+        self.manager.read(info)
 
     def begin(self, newest: Any) -> None:
         """The run is on: the uploader starts, with the newest local checkpoint (``CheckpointInfo`` or None)."""

@@ -5,13 +5,15 @@ is never lost to any of them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import xxhash
 from s3server import put_checkpoint
 
-from preempt.checkpoint.commit import MAX_STEP, checkpoint_name, dumps_json, parse_checkpoint_name
+from preempt import PreemptibleRun
+from preempt.checkpoint.commit import MANIFEST, MAX_STEP, checkpoint_name, dumps_json, parse_checkpoint_name
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.checkpoint.manifest import Cursor, Manifest
 from preempt.mirror.pull import pull
@@ -100,3 +102,72 @@ def test_a_secret_with_a_slash_in_the_url_is_never_printed(tmp_path, mirror_url,
     assert said, "the command said nothing"
     for piece in (SECRET, *SECRET.split("/")):
         assert piece not in said, said
+
+
+def forge(store: MirrorStore, source: Path, step: int, files: dict[str, bytes]) -> None:
+    """A step the run never wrote: ``source``'s checkpoint with ``files`` replaced, its manifest re-signed (the digests
+    and the checksum recomputed, as anyone with the bucket can), uploaded as ``step``."""
+    raw = json.loads((source / MANIFEST).read_bytes())
+    for name, data in files.items():
+        raw["files"][name] = {"size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
+    raw["step"] = step
+    raw.pop("checksum")
+    raw["checksum"] = xxhash.xxh3_128_hexdigest(dumps_json(raw))
+    for f in source.iterdir():
+        if f.name != MANIFEST:
+            store.put_bytes(step, f.name, files.get(f.name, f.read_bytes()))
+    store.put_bytes(step, MANIFEST, json.dumps(raw).encode())
+
+
+def train(save_dir: Path, mirror: str, steps: int) -> tuple[int, int | None]:
+    """A small run with ``mirror=``: (the step it started from, the step it resumed from or None)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    every = {"checkpoint_every_steps": 1, "checkpoint_interval": None, "exit_if_complete": False}
+    with PreemptibleRun(save_dir, model=model, optimizer=opt, mirror=mirror, **every) as run:
+        start = run.global_step
+        resumed = None if run.resumed_from is None else int(run.resumed_from.name.split("_")[1])
+        for _ in range(steps):
+            loss = model(torch.randn(4, 8)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            run.step()
+    return start, resumed
+
+
+def test_a_forged_newer_step_whose_files_match_their_digests_is_refused_and_the_older_genuine_one_resumed(
+    tmp_path, mirror_url
+):
+    """A newer step whose model.safetensors is a pickle, with a re-signed manifest whose digests match: it was pulled,
+    the run found no valid checkpoint, started fresh, and its retention deleted the mirror's genuine step. The pulled
+    checkpoint is now checked as a local one (format included), set aside, and the genuine older one resumed."""
+    local = tmp_path / "local"
+    train(local, None, 2)
+    store = MirrorStore(mirror_url)
+    store.check()
+    put_checkpoint(store, local, 2)
+    forge(store, local / checkpoint_name(2), 9, {"model.safetensors": b"\x80\x04\x95" + b"cos\nsystem\n" * 8})
+    start, resumed = train(tmp_path / "new", mirror_url, 1)
+    assert (start, resumed) == (2, 2)
+    assert list((tmp_path / "new" / "quarantine").iterdir())  # the forged one set aside locally
+    # Retention on the mirror counts only the steps the run trusts: the forged step 9 (newer, never verified) neither
+    # displaces the genuine step 2 nor is deleted by the run; keep_last=2 keeps 2 and the new 3.
+    assert sorted(store.steps()) == [2, 3, 9]
+
+
+def test_a_damaged_newer_step_in_the_mirror_does_not_stop_a_run_with_valid_local_checkpoints(tmp_path, mirror_url):
+    """Local steps 1-3 valid, the mirror holds only a damaged step 10: the run exited 1 (NoCheckpointError). It now
+    says so and resumes from the local step 3."""
+    train(tmp_path / "run", None, 3)
+    store = MirrorStore(mirror_url)
+    store.check()
+    ckpt = tmp_path / "run" / checkpoint_name(3)
+    forge(store, ckpt, 10, {})  # (the manifest of step 10 lists the intact files' digests)
+    for f in ckpt.iterdir():
+        if f.name != MANIFEST:
+            data = f.read_bytes()
+            store.put_bytes(10, f.name, data[:-1] + bytes([data[-1] ^ 1]))
+    start, resumed = train(tmp_path / "run", mirror_url, 1)
+    assert (start, resumed) == (3, 3)

@@ -128,6 +128,18 @@ def test_deletions_apply_the_runs_retention_and_clear_debris():
     assert plan.deletions(keep_every, {s: objects(m) for s, m in ms.items()}, ms) == []
 
 
+def test_deletions_never_count_or_delete_steps_newer_than_the_newest_the_run_trusts():
+    """Forged complete-looking steps 1000 and 1001 in a shared bucket, keep_last=2: retention deleted the genuine
+    steps 6 and 8, and a new machine could not resume. Only the steps up to the newest trusted one count."""
+    keep2 = RetentionPolicy(keep_last=2)
+    ms = {s: manifest(s) for s in (2, 4, 6, 8, 1000, 1001)}
+    listing = {s: objects(m) for s, m in ms.items()} | {1002: {"model.safetensors": 3}}
+    assert plan.deletions(keep2, listing, ms) == [2, 4, 6, 8]  # all trusted: the forged steps displace 6 and 8
+    assert plan.deletions(keep2, listing, ms, trusted={6, 8}) == [2, 4]
+    assert plan.deletions(keep2, listing, ms, trusted=set()) == []  # nothing verified: nothing deleted
+    assert plan.deletions(keep2, listing, ms, trusted={999}) == []  # (a trusted step the mirror lacks counts not)
+
+
 @pytest.mark.parametrize(
     ("deadline", "left", "expected"),
     [(60.0, None, 60.0), (60.0, 40.0, 20.0), (10.0, 100.0, 10.0), (60.0, -5.0, 0.0), (0.0, None, 0.0)],
