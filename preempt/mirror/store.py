@@ -30,6 +30,7 @@ from typing import Any
 
 from .._secrets import userinfo
 from ..checkpoint.commit import checkpoint_name, parse_checkpoint_name
+from ..checkpoint.safe_io import printable
 from ..errors import MirrorError
 
 # Our own option, taken out of ``mirror_options`` before the rest goes to fsspec: create a missing bucket
@@ -295,7 +296,7 @@ class MirrorStore:
         for secret in sorted({*self._secrets, credentials, *pieces}, key=len, reverse=True):
             if secret:
                 text = text.replace(secret, "***")
-        return text[:2000]
+        return printable(text[:2000])  # a server's words: no control character reaches a log or a terminal
 
 
 def _leaves(value: Any) -> Iterator[Any]:

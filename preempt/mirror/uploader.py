@@ -259,11 +259,11 @@ class Uploader:
         if self.down_since is not None:
             held = self.holds()
             log.info(
-                "mirror %s reachable again after %s, %d checkpoint(s) behind, caught up (it holds step %s)",
+                "mirror %s reachable again after %s, %d checkpoint(s) behind, caught up (it holds %s)",
                 self.store.display,
                 duration(now - self.down_since),
                 len(uploaded),
-                held,
+                "no checkpoint" if held is None else f"step {held}",
             )
             self._event("mirror_up", down_s=round(now - self.down_since, 3), behind=len(uploaded), held=held)
             self.down_since = None

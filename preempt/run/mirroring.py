@@ -257,9 +257,9 @@ class Mirroring:
                 log.info("mirror holds %s (the final checkpoint)", what)
                 up.wait_idle(limit - (self.clock() - t0))  # its retention and the run records too
             else:
-                log.warning(
-                    "mirror holds step %s, not the final step %d: %s", up.holds(), step, _unfinished(up, limit, step)
-                )
+                held = up.holds()
+                which = "no checkpoint" if held is None else f"step {held}"
+                log.warning("mirror holds %s, not the final step %d: %s", which, step, _unfinished(up, limit, step))
             self._end(step)
         up.close()
         self.uploader = None

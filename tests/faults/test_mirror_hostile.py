@@ -171,3 +171,16 @@ def test_a_damaged_newer_step_in_the_mirror_does_not_stop_a_run_with_valid_local
             store.put_bytes(10, f.name, data[:-1] + bytes([data[-1] ^ 1]))
     start, resumed = train(tmp_path / "run", mirror_url, 1)
     assert (start, resumed) == (3, 3)
+
+
+def test_a_server_error_text_reaches_no_log_with_control_characters(mirror_url):
+    """Server text reached train.log and stderr unescaped (C1 control characters from an error message). Every
+    error of the store is scrubbed and escaped before it becomes a MirrorError's text."""
+    from preempt.errors import MirrorError
+
+    store = MirrorStore(mirror_url)
+    with pytest.raises(MirrorError) as caught:
+        with store._op("read", "x"):
+            raise OSError("denied \x9b31m\x1b]0;owned\x07 by the server\x85")
+    text = str(caught.value)
+    assert text.isprintable() and "\\x9b31m" in text and "\\x1b]0;owned\\x07" in text, text
