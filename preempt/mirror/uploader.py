@@ -112,6 +112,7 @@ class Uploader:
         self.held: set[int] = set()  # the complete steps of the mirror, as last seen
         self._held_saves: dict[int, float] = {}  # step -> its manifest's ``created``: which save of it the mirror holds
         self.error: BaseException | None = None  # an unexpected error that ended the thread (logged)
+        self.local_error: Exception | None = None  # the local error of the latest pass, which is retried
         self.failures = 0  # passes failed in a row
         self.down_since: float | None = None
         self._cond = threading.Condition()
@@ -236,24 +237,44 @@ class Uploader:
     def run_once(self, target: int | None) -> bool:
         """One pass (the module's steps 1-3) for the checkpoints up to step ``target``; whether it completed.
 
-        A MirrorError makes the pass fail (the first of a series is warned about); any other error propagates.
+        A MirrorError makes the pass fail (the first of a series is warned about); so does a local error (a file,
+        memory, a bug: said once, with its type), retried like the mirror's.
         """
         start = self.clock()
         try:
             uploaded = self._pass(target)
         except MirrorError as e:
+            return self._failed(e, start)
+        except Exception as e:  # a local error (a file, memory, a bug): this pass fails, the next one retries
             self.failures += 1
-            if self.down_since is None:
-                self.down_since = start
+            if self.local_error is None:
                 log.warning(
-                    "%s; training goes on, uploads are retried (every %s at most) and catch up when it answers",
+                    "the mirror's uploader met a local error (%s: %s); training goes on, the upload is retried",
+                    type(e).__name__,
                     e,
-                    duration(self.max_backoff),
                 )
-                self._event("mirror_down", error=str(e)[:500])
-            else:
-                log.debug("mirror still failing (%d tries): %s", self.failures, e)
+            self.local_error = e
             return False
+        self.local_error = None
+        return self._succeeded(uploaded)
+
+    def _failed(self, e: MirrorError, start: float) -> bool:
+        """A pass the mirror failed: the first of a series is warned about, the others go to the debug log."""
+        self.failures += 1
+        if self.down_since is None:
+            self.down_since = start
+            log.warning(
+                "%s; training goes on, uploads are retried (every %s at most) and catch up when it answers",
+                e,
+                duration(self.max_backoff),
+            )
+            self._event("mirror_down", error=str(e)[:500])
+        else:
+            log.debug("mirror still failing (%d tries): %s", self.failures, e)
+        return False
+
+    def _succeeded(self, uploaded: list[int]) -> bool:
+        """A pass that completed: a mirror that was down is said to be back, with how far behind it was."""
         self.failures = 0
         now = self.clock()
         if self.down_since is not None:

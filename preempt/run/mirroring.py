@@ -298,5 +298,7 @@ def _unfinished(up: Uploader, limit: float, step: int) -> str:
     (and, on nodes that share no save_dir, which nodes' files were missing)."""
     if up.error is not None:
         return f"the uploader stopped ({type(up.error).__name__}: {up.error})"
+    if up.local_error is not None:
+        return f"its uploads fail here ({type(up.local_error).__name__}: {up.local_error}), retried until the deadline"
     lagging = up.lagging(step)
     return f"upload not finished in {_log.duration(limit)} (mirror_deadline){f': {lagging}' if lagging else ''}"

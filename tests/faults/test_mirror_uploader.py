@@ -375,3 +375,30 @@ def test_a_step_saved_again_is_not_made_whole_from_the_other_node_objects_of_the
         store.objects[(2, "model.safetensors")]
         == (tmp_path / "whole" / checkpoint_name(2) / "model.safetensors").read_bytes()
     )
+
+
+def test_a_local_error_fails_one_pass_said_once_and_the_next_pass_uploads(tmp_path, caplog, monkeypatch):
+    """The uploader's thread ended on any unexpected local error, and the mirror received nothing more in that
+    process. A local error now fails the pass, said once with its type, and the next pass retries."""
+    save_dir = tmp_path / "run"
+    save(save_dir, [2])
+    store = MemoryStore()
+    up, _ = uploader(save_dir, store)
+    real, calls = up._local, []
+
+    def failing(target):
+        calls.append(target)
+        if len(calls) <= 2:
+            raise MemoryError("cannot allocate the manifest")
+        return real(target)
+
+    monkeypatch.setattr(up, "_local", failing)
+    up.submit(2)
+    with caplog.at_level(logging.WARNING, logger="preempt"):
+        assert not up.run_once(2) and not up.run_once(2)
+        assert up.run_once(2)
+    said = [r.getMessage() for r in caplog.records if "local error" in r.getMessage()]
+    assert said == [
+        "the mirror's uploader met a local error (MemoryError: cannot allocate the manifest); training goes on, the upload is retried"
+    ]
+    assert (2, MANIFEST) in store.objects and up.local_error is None
