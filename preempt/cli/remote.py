@@ -151,8 +151,8 @@ class Mirror:
         with contextlib.suppress(FileNotFoundError):
             local.unlink()
         if name in self.listing.get(step, {}):
-            try:
-                self.store.get(step, name, local)
+            try:  # (the listed size: a large object's download gets its time, op_timeout + size / MIN_RATE)
+                self.store.get(step, name, local, self.listing[step][name])
             except MirrorError as e:
                 with contextlib.suppress(FileNotFoundError):
                     local.unlink()

@@ -184,3 +184,27 @@ def test_a_server_error_text_reaches_no_log_with_control_characters(mirror_url):
             raise OSError("denied \x9b31m\x1b]0;owned\x07 by the server\x85")
     text = str(caught.value)
     assert text.isprintable() and "\\x9b31m" in text and "\\x1b]0;owned\\x07" in text, text
+
+
+def test_verify_url_gives_each_object_the_time_of_its_size(tmp_path, mirror_url, monkeypatch):
+    """``verify URL`` downloaded every object within the time of an empty one (op_timeout): a valid 256 MiB object
+    failed as UNREADABLE on a slow link where ``pull`` of it succeeded. Each download is now given its listed size,
+    from which its time budget grows as pull's does."""
+    from preempt.cli.main import main
+
+    local = tmp_path / "local"
+    saved(local, [2])
+    store = MirrorStore(mirror_url)
+    store.check()
+    put_checkpoint(store, local, 2)
+    sizes: dict[str, int] = {}
+    real = MirrorStore.get
+
+    def get(self, step, name, path, size=0):
+        sizes[name] = size
+        return real(self, step, name, path, size)
+
+    monkeypatch.setattr(MirrorStore, "get", get)
+    assert main(["verify", mirror_url]) == 0
+    ckpt = local / checkpoint_name(2)
+    assert sizes == {f.name: f.stat().st_size for f in ckpt.iterdir() if f.name != MANIFEST}
