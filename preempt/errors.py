@@ -88,7 +88,13 @@ class CheckpointUnreadableError(CheckpointError):
     ``quarantine/`` or deleted, and a resume stops with this error rather
     than fall back past it to an older checkpoint. The message names the path
     and the cause (see :func:`preempt.checkpoint.safe_io.resource_error`).
+    Uncaught, it ends the process with that message on one line of stderr,
+    as :class:`LockedError` does: the message is the whole story.
     """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        shown_plainly()
 
 
 class CheckpointWriteError(CheckpointError):
@@ -307,12 +313,13 @@ class RunComplete(SystemExit):
 
 # ---------------------------------------------------------------- how an uncaught error ends the process
 
-_PLAIN = (LockedError,)  # errors whose message is the whole story: one line, no traceback
+_PLAIN = (LockedError, CheckpointUnreadableError)  # errors whose message is the whole story: one line, no traceback
 _previous_hook: Any = None
 
 
 def shown_plainly() -> None:
-    """Makes an uncaught :class:`LockedError` end the process with one line on stderr (exit status 1).
+    """Makes an uncaught :class:`LockedError` or :class:`CheckpointUnreadableError` end the process with one line on
+    stderr (exit status 1).
 
     Installs a ``sys.excepthook`` once, chained to the one it replaces, which
     handles every other exception as before. Python exits with status 1 after

@@ -87,6 +87,18 @@ def test_an_uncaught_locked_error_is_one_line_on_stderr(capsys, monkeypatch):
     assert capsys.readouterr().err == "[preempt] error: runs/x is in use by pid 7 on host n1 since yesterday\n"
 
 
+def test_an_uncaught_unreadable_checkpoint_is_one_line_on_stderr_too(capsys, monkeypatch):
+    """A checkpoint that cannot be read (permission, memory, I/O) ended the run in a traceback, where a locked
+    save_dir gets one clear line; its message names the path and the cause, which is the whole story too."""
+    from preempt.errors import CheckpointUnreadableError
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    error = CheckpointUnreadableError("runs/x/step_000000002/model.safetensors: Permission denied (EACCES)")
+    sys.excepthook(CheckpointUnreadableError, error, None)
+    said = capsys.readouterr().err
+    assert said == "[preempt] error: runs/x/step_000000002/model.safetensors: Permission denied (EACCES)\n"
+
+
 def test_other_uncaught_errors_go_to_the_hook_that_was_there(capsys, monkeypatch):
     seen = []
     monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(value))
