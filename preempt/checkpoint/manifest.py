@@ -39,6 +39,9 @@ FORMAT = "preempt-checkpoint"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILES = 1 << 16  # files a manifest may list: every rank's and every DCP shard's, with room to spare
+# values a manifest's JSON may hold, checked before it is parsed: ~6 per listed file, with room for the rest (a
+# compact 60 MiB document of empty objects would otherwise cost about 1.7 GB to parse)
+MAX_VALUES = 1 << 20
 MAX_FILE_BYTES = 1 << 50  # 1 PiB: larger claims are corruption, not data
 _FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # used with fullmatch
 _HEX32_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
@@ -180,7 +183,7 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ValueError(f"{where}: {len(data)} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
         # Nesting is checked before parsing (a deep document would break the checksum's re-encoding too).
-        raw = safe_io.load_json(data, where)
+        raw = safe_io.load_json(data, where, max_values=MAX_VALUES)
         if raw.get("format") != FORMAT:
             raise ValueError(f"{where}: expected format {FORMAT!r}, found {_short(raw.get('format'))}")
         version = raw.get("format_version")

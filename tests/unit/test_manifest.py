@@ -460,3 +460,19 @@ def test_a_forged_part_is_refused_by_name(part, message):
     raw["part"] = part
     with pytest.raises(ValueError, match=message):
         Manifest.from_json(reseal(raw), WHERE)
+
+
+def test_a_compact_document_of_many_empty_values_is_refused_before_it_is_parsed():
+    """A manifest under the byte cap made of ``{}`` by the million cost ``ls`` 1.7 GB to parse (60 MiB): how many
+    values a manifest holds is counted first, and more than a checkpoint's manifest could need is refused."""
+    import tracemalloc
+
+    data = b'{"files": [' + b"{}," * 4_000_000 + b'{}], "x": "a,b,[{"}'
+    tracemalloc.start()
+    with pytest.raises(ValueError, match=r"JSON of up to \d+ values; at most 1048576 expected"):
+        Manifest.from_json(data, WHERE)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 6 * len(data), peak  # the scan's copies of the text, never the parsed objects (~80 bytes each)
+    # (commas and brackets inside strings are not values: a real manifest with its strings is far below the bound)
+    assert mf.safe_io._values(mf.safe_io._STRINGS.sub(b"", make().to_json())) < 100
