@@ -130,7 +130,9 @@ class Uploader:
         self.lacking: dict[int, dict[int, list[str]]] = {}  # node 0: step -> node -> its files the mirror lacks
         self._parts: dict[int, float] = {}  # another node: step -> ``created`` of the save whose part is up
         self._sent: set[tuple[int, str, str]] = set()  # another node: (step, file, xxh3) uploaded or copied
-        self.wrote: set[int] = set()  # the steps this process uploaded (retention trusts them)
+        # The steps whose objects the run knows: this process uploaded them, or pulled and checked them. Only these are
+        # copy sources, and the newest of them bounds retention: a shared or forged bucket's claims are not trusted.
+        self.verified: set[int] = set()
 
     # ------------------------------------------------------------------ the run's side
 
@@ -298,7 +300,8 @@ class Uploader:
             return self._pass_part(local, surveyed)
         uploaded = []
         self.lacking = {}
-        newest = max(surveyed.manifests, default=-1)
+        trusted = {s: m for s, m in surveyed.manifests.items() if s in self.verified}
+        newest = max(trusted, default=-1)
         for step in plan.to_upload({s: m.whole for s, (m, _) in local.items()}, surveyed.manifests):
             manifest, data = local[step]
             if (step, manifest.created) in self._damaged:
@@ -307,17 +310,17 @@ class Uploader:
             # one an earlier process wrote
             if manifest.part and (step < newest or manifest.created < self.since):
                 continue
-            if self._upload(manifest, data, surveyed):
+            if self._upload(manifest, data, surveyed, trusted):
                 whole = manifest.whole
                 uploaded.append(step)
-                self.wrote.add(step)
-                surveyed.manifests[step] = whole
+                self.verified.add(step)
+                trusted[step] = surveyed.manifests[step] = whole
                 sizes = {n: d.size for n, d in whole.files.items()}
                 surveyed.listing[step] = {**sizes, MANIFEST: len(whole.to_json() if manifest.part else data)}
                 self._seen(surveyed)
         ours = {s for s, m in surveyed.manifests.items() if s in local and local[s][0].whole == m}
-        trusted = self.wrote | ours  # a step it never wrote or holds is neither counted nor deleted
-        for step in plan.deletions(self.retention, surveyed.listing, surveyed.manifests, trusted=trusted):
+        counted = self.verified | ours  # a step it never wrote, pulled or holds is neither counted nor deleted
+        for step in plan.deletions(self.retention, surveyed.listing, surveyed.manifests, trusted=counted):
             self.store.delete_step(step)
             log.debug("mirror %s: deleted step %d (retention)", self.store.display, step)
         self._seen(self.surveyor.survey() if uploaded else surveyed)
@@ -330,7 +333,9 @@ class Uploader:
     def _pass_part(self, local: dict[int, tuple[Manifest, bytes]], surveyed: Survey) -> list[int]:
         """Another node than 0: the files of its part of each checkpoint newer than the mirror's newest complete
         one, uploaded (or copied server-side when a complete step holds the same bytes); never a manifest."""
-        newest = max(surveyed.manifests, default=-1)
+        # the whole steps this node knows: those it uploaded its part of, and one it pulled
+        trusted = {s: m for s, m in surveyed.manifests.items() if s in self.verified or self._parts.get(s) == m.created}
+        newest = max(trusted, default=-1)
         done = []
         for step, (manifest, data) in sorted(local.items()):
             if step < newest or manifest.part is None or manifest.created < self.since:
@@ -342,7 +347,7 @@ class Uploader:
             for name, digest in sorted(manifest.files.items(), key=lambda item: (-item[1].size, item[0])):
                 if (step, name, digest.xxh3_128) in self._sent:
                     continue
-                source = plan.copy_source(name, digest, step, surveyed.manifests)
+                source = plan.copy_source(name, digest, step, trusted)
                 if source is not None and self._copy(source, name, step, digest.size):
                     self.counts.copied_bytes += digest.size
                 elif self._put(ckpt / name, digest, manifest, data):
@@ -423,8 +428,9 @@ class Uploader:
                 out[step] = read
         return out
 
-    def _upload(self, manifest: Manifest, data: bytes, surveyed: Survey) -> bool:
-        """One checkpoint, in :func:`plan.upload_actions`'s order; whether its manifest went up."""
+    def _upload(self, manifest: Manifest, data: bytes, surveyed: Survey, trusted: dict[int, Manifest]) -> bool:
+        """One checkpoint, in :func:`plan.upload_actions`'s order; whether its manifest went up. Objects are copied
+        server-side only from ``trusted`` steps."""
         step, store = manifest.step, self.store
         ckpt = self.save_dir / checkpoint_name(step)
         first = True
@@ -432,7 +438,7 @@ class Uploader:
         copies: list[plan.Action] = []
         whole = manifest.whole  # node 0's part: the other nodes upload their files, this one the whole's manifest
         body = data if whole is manifest else whole.to_json()
-        for action in plan.upload_actions(whole, surveyed.listing.get(step), surveyed.manifests):
+        for action in plan.upload_actions(whole, surveyed.listing.get(step), trusted):
             if action.kind == "delete":
                 store.delete(step, action.name)
                 continue

@@ -59,6 +59,7 @@ class Mirroring:
         self.uploader: Uploader | None = None
         self.pulled: dict[str, Any] | None = None  # the pull at enter, for history.jsonl once it is open
         self._ended = False  # the mirror_end marker is written (at the stop, or at the end)
+        self._brought: set[int] = set()  # another node's leader: the step it pulled (bring)
         if config.mirror is not None:
             stopper.on_stop = self.at_stop
 
@@ -124,6 +125,8 @@ class Mirroring:
             on_event=self.reporter.marker,
             clock=self.clock,
         )
+        if self.pulled is not None:  # its objects were checked as they came: a copy source, counted by retention
+            self.uploader.verified.add(self.pulled["step"])
 
     def nodes(self, rank: int, nodes: Nodes) -> None:
         """The ranks' nodes share no save_dir (:mod:`preempt.cluster.nodes`): rank 0's uploader waits for the other
@@ -140,6 +143,7 @@ class Mirroring:
             self.uploader = Uploader(
                 self._store(), self.manager.save_dir, self.manager.retention, clock=self.clock, node=node
             )
+            self.uploader.verified |= self._brought
         if self.uploader is not None:
             # A part an earlier process wrote and the mirror never completed belongs to a timeline this run left (it
             # resumed from the mirror's newest whole checkpoint): uploading it could mix with this run's save of it.
@@ -167,6 +171,7 @@ class Mirroring:
                 f"mirror {store.display}: rank 0 resumes from step {step}; the mirror holds {found}"
             )
         got = pull.fetch(store, self.manager.save_dir, step, surveyed, replace=True)
+        self._brought.add(step)
         log.info(
             "pulled step %d from %s for this node (%d bytes in %s)",
             step,

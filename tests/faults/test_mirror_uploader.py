@@ -5,6 +5,7 @@ mirror that fails many passes (one warning, then "reachable again"), retention a
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import shutil
@@ -399,6 +400,30 @@ def test_a_local_error_fails_one_pass_said_once_and_the_next_pass_uploads(tmp_pa
         assert up.run_once(2)
     said = [r.getMessage() for r in caplog.records if "local error" in r.getMessage()]
     assert said == [
-        "the mirror's uploader met a local error (MemoryError: cannot allocate the manifest); training goes on, the upload is retried"
+        "the mirror's uploader met a local error (MemoryError: cannot allocate the manifest); training goes on,"
+        " the upload is retried"
     ]
     assert (2, MANIFEST) in store.objects and up.local_error is None
+
+
+def test_a_forged_step_claiming_the_bytes_the_run_will_write_is_never_a_copy_source(tmp_path):
+    """A forged step listing model.safetensors with the size and digest the run's next checkpoint will have made the
+    uploader copy the forged object server-side instead of uploading: the mirror held junk under a manifest that said
+    otherwise. Only steps this process uploaded (or pulled and checked) are copy sources."""
+    from preempt.checkpoint.files import read_manifest
+
+    save_dir = tmp_path / "run"
+    save(save_dir, [2, 4])
+    store = MemoryStore()
+    genuine = read_manifest(save_dir / checkpoint_name(4) / MANIFEST)
+    for name, digest in genuine.files.items():  # step 3: every file claimed with step 4's digests, junk bytes
+        store.objects[(3, name)] = b"\0" * digest.size
+    forged = dataclasses.replace(genuine, step=3)
+    store.objects[(3, MANIFEST)] = forged.to_json()
+    shutil.rmtree(save_dir / checkpoint_name(2))  # (only step 4 to upload: no step of this process to copy from)
+    up, _ = uploader(save_dir, store)
+    up.submit(4)
+    assert up.run_once(4)
+    assert not [op for op in store.ops if op[0] == "copy"], store.ops
+    for name in genuine.files:
+        assert store.objects[(4, name)] == (save_dir / checkpoint_name(4) / name).read_bytes(), name
