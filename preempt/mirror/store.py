@@ -47,6 +47,7 @@ S3_RETRIES = 2  # s3fs's own retry loop around each call (S3FileSystem.retries: 
 # forever when the server is stopped or the network black-holes the connection.
 OP_TIMEOUT = "op_timeout"
 DEFAULT_OP_TIMEOUT = 20.0
+MAX_KEYS = 1 << 20  # objects a listing of the prefix may hold
 MIN_RATE = 1 << 20  # bytes per second: a slower transfer is taken for a hung one
 MAX_TEXT_BYTES = 256 << 20  # a run record read back (history.jsonl of a very long run)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # an object name inside a step, or a record
@@ -182,8 +183,7 @@ class MirrorStore:
         One listing of the prefix (paginated by the client). Objects deeper than one level, or with other names,
         are ignored.
         """
-        with self._op("list", None):
-            found = self.fs.find(self.root, detail=True, **self._limit())
+        found = self._list_s3() if self.protocol in ("s3", "s3a") and self._async else self._find()
         out: dict[int, dict[str, int]] = {}
         prefix = self.root + "/"
         for path, info in found.items():
@@ -196,6 +196,35 @@ class MirrorStore:
             if step is not None:
                 out.setdefault(step, {})[parts[1]] = int(info.get("size") or 0)
         return out
+
+    def _find(self) -> dict[str, Any]:
+        with self._op("list", None):
+            found: dict[str, Any] = self.fs.find(self.root, detail=True, **self._limit())
+        return found
+
+    def _list_s3(self) -> dict[str, Any]:
+        """The prefix listed page by page, each page with the time of one operation (a listing of many pages that
+        all answer is never "no answer"), and at most :data:`MAX_KEYS` objects (a bucket's count is not ours to
+        pay for without end)."""
+        bucket, _, prefix = self.root.partition("/")
+        found: dict[str, Any] = {}
+        token: str | None = None
+        while True:
+            page: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{prefix}/" if prefix else "", "MaxKeys": 1000}
+            if token:
+                page["ContinuationToken"] = token
+            with self._op("list", None):
+                got = self.fs.call_s3("list_objects_v2", **page, **self._limit())
+            for obj in got.get("Contents") or ():
+                found[f"{bucket}/{obj['Key']}"] = {"size": obj.get("Size", 0), "type": "file"}
+            if len(found) > MAX_KEYS:
+                raise MirrorError(
+                    f"mirror {self.display}: more than {MAX_KEYS} objects under the prefix; a run's mirror holds far"
+                    " fewer (give the run a prefix of its own)"
+                )
+            token = got.get("NextContinuationToken")
+            if not got.get("IsTruncated") or not token:
+                return found
 
     def read(self, step: int | None, name: str, limit: int) -> bytes:
         """The bytes of one object, at most ``limit`` (more is an error, read no further than ``limit + 1``)."""

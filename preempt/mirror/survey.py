@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+from concurrent.futures import ThreadPoolExecutor
 
 from ..checkpoint.commit import MANIFEST
 from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
@@ -40,6 +41,10 @@ class Survey:
         return max(self.manifests) if self.manifests else None
 
 
+READERS = 8  # manifests read at once by a survey
+SMALL_MANIFEST = 1 << 20  # bytes: a manifest read beside others (a checkpoint of a few hundred files)
+
+
 class Surveyor:
     """Lists the mirror and reads the manifests, remembering those it read (by step and size)."""
 
@@ -57,15 +62,20 @@ class Surveyor:
         listing = self.store.steps()
         manifests: dict[int, Manifest] = {}
         problems: dict[int, str] = {}
+        unread = [(s, o[MANIFEST]) for s, o in listing.items() if MANIFEST in o and (s, o[MANIFEST]) not in self._seen]
+        # Many small manifests are read side by side (a prefix of thousands of steps costs what its slowest reads do);
+        # a large one alone, so that parsing several never holds more than one large document at once.
+        small = [k for k in unread if k[1] <= SMALL_MANIFEST]
+        with ThreadPoolExecutor(min(READERS, max(1, len(small))), thread_name_prefix="preempt-survey") as pool:
+            read = list(zip(small, pool.map(lambda k: self._read(*k), small), strict=True))
+        read += [(k, self._read(*k)) for k in unread if k[1] > SMALL_MANIFEST]
+        for key, got in read:
+            if got is not None:
+                self._seen[key] = got
         for step, objects in listing.items():
             if MANIFEST not in objects:
                 continue
-            key = (step, objects[MANIFEST])
-            got = self._seen.get(key)
-            if got is None:
-                got = self._read(step, objects[MANIFEST])
-                if got is not None:
-                    self._seen[key] = got
+            got = self._seen.get((step, objects[MANIFEST]))
             if isinstance(got, str):
                 problems[step] = got
             elif got is not None and plan.is_complete(objects, got):

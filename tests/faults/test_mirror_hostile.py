@@ -208,3 +208,30 @@ def test_verify_url_gives_each_object_the_time_of_its_size(tmp_path, mirror_url,
     assert main(["verify", mirror_url]) == 0
     ckpt = local / checkpoint_name(2)
     assert sizes == {f.name: f.stat().st_size for f in ckpt.iterdir() if f.name != MANIFEST}
+
+
+def test_a_listing_of_many_pages_gives_each_page_its_own_time_and_is_bounded(mirror_url, monkeypatch):
+    """100k keys made ``ls`` exit 4 saying "no answer within 20 s" though every page answered: one timeout covered
+    the whole pagination. Each page now has the time of one operation, and a prefix of more objects than a run's
+    mirror could hold is refused by name instead of listed without end."""
+    import preempt.mirror.store as store_module
+    from preempt.errors import MirrorError
+
+    store = MirrorStore(mirror_url, {"op_timeout": 7})
+    store.check()
+    for i in range(1001):  # two pages of the server's 1000 keys
+        store.put_bytes(1, f"junk_{i:05d}", b"x")
+    pages: list[float] = []
+    real = store.fs.call_s3
+
+    def call_s3(method, *args, **kwargs):
+        if method == "list_objects_v2":
+            pages.append(kwargs["timeout"])
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "call_s3", call_s3)
+    assert len(store.steps()[1]) == 1001
+    assert pages == [7.0, 7.0]  # each page its own operation's time
+    monkeypatch.setattr(store_module, "MAX_KEYS", 1000)
+    with pytest.raises(MirrorError, match=r"more than 1000 objects under the prefix"):
+        store.steps()
