@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
+import time
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -229,7 +230,7 @@ class MirrorStore:
     def read(self, step: int | None, name: str, limit: int) -> bytes:
         """The bytes of one object, at most ``limit`` (more is an error, read no further than ``limit + 1``)."""
         with self._op("read", self.where(step, name)):
-            data = self.fs.cat_file(self.key(step, name), start=0, end=limit + 1, **self._limit(limit))
+            data = self._cat(self.key(step, name), 0, limit + 1)
         if len(data) > limit:
             raise MirrorError(f"mirror {self.where(step, name)}: larger than {limit} bytes, the most accepted")
         return bytes(data)
@@ -237,7 +238,36 @@ class MirrorStore:
     def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of one object (one ranged GET, bounded like every operation)."""
         with self._op(f"read bytes {start}-{end} of", self.where(step, name)):
-            return bytes(self.fs.cat_file(self.key(step, name), start=start, end=end, **self._limit(end - start)))
+            return self._cat(self.key(step, name), start, end)
+
+    def _cat(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object. From S3, streamed and capped: a server that ignores the Range or
+        sends more than asked is cut off after ``end - start`` bytes (with no Content-Length, a client that reads
+        the whole answer would take all it sends), and one slower than MIN_RATE after op_timeout (:class:`Paced`)."""
+        if not (self.protocol in ("s3", "s3a") and self._async):
+            return bytes(self.fs.cat_file(key, start=start, end=end, **self._limit(end - start)))
+        from fsspec.asyn import sync
+
+        bucket, _, name = key.partition("/")
+        paced = Paced(end - start, self.op_timeout)
+
+        async def stream() -> bytes:
+            try:
+                got = await self.fs._call_s3("get_object", Bucket=bucket, Key=name, Range=f"bytes={start}-{end - 1}")
+            except OSError as e:
+                if "range is not satisfiable" in str(e).lower() or "InvalidRange" in str(e):
+                    return b""  # an empty object, or one shorter than ``start``
+                raise
+            body, out = got["Body"], bytearray()
+            try:
+                while chunk := await body.read(1 << 16):
+                    out += chunk
+                    paced.relative_update(len(chunk))
+            finally:
+                body.close()
+            return bytes(out)
+
+        return bytes(sync(self.fs.loop, stream, **self._limit(end - start)))
 
     def put(self, local_path: str | Path, step: int, name: str) -> int:
         """Uploads a local file (multipart and parallel where the client does it, s3fs above 50 MiB); its size."""
@@ -257,7 +287,8 @@ class MirrorStore:
         does it); the caller checks its size and digest: a transfer cut off mid-way leaves a short or wrong file,
         never a trusted one."""
         with self._op("download", self.where(step, name)):
-            self.fs.get_file(self.key(step, name), str(local_path), **self._limit(size))
+            paced = Paced(size, self.op_timeout) if size else None
+            self.fs.get_file(self.key(step, name), str(local_path), **self._limit(size), **_callback(paced))
 
     def copy(self, src_step: int, name: str, dst_step: int, size: int = 0) -> None:
         """Server-side copy of ``step_src/name`` to ``step_dst/name``: no byte goes through this machine."""
@@ -326,6 +357,44 @@ class MirrorStore:
             if secret:
                 text = text.replace(secret, "***")
         return printable(text[:2000])  # a server's words: no control character reaches a log or a terminal
+
+
+class Paced:
+    """A transfer's guard, told of each chunk (an fsspec callback's ``relative_update``): more than ``cap`` bytes, or
+    slower than MIN_RATE once ``grace`` seconds have passed (measured on what arrived, never on what a listing or a
+    manifest declares), ends it with a MirrorError. A drip of one byte a second is cut off after ``grace``."""
+
+    def __init__(self, cap: int, grace: float, clock: Any = time.monotonic) -> None:
+        self.cap, self.grace, self.clock = cap, grace, clock
+        self.start, self.total = clock(), 0
+
+    def relative_update(self, inc: int = 1) -> None:
+        self.total += inc
+        if self.total > self.cap:
+            raise MirrorError(f"the server sent more than the {self.cap} bytes asked for")
+        elapsed = self.clock() - self.start
+        if elapsed > self.grace + self.total / MIN_RATE:
+            raise MirrorError(
+                f"{self.total} bytes in {elapsed:.1f} s: slower than {MIN_RATE >> 20} MiB/s after {self.grace:g} s"
+                f" (mirror_options[{OP_TIMEOUT!r}])"
+            )
+
+    # the rest of fsspec's Callback interface, unused here
+    def set_size(self, size: Any) -> None:
+        pass
+
+    def absolute_update(self, value: int) -> None:
+        self.relative_update(value - self.total)
+
+    def branched(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def call(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _callback(paced: Paced | None) -> dict[str, Any]:
+    return {} if paced is None else {"callback": paced}
 
 
 def _leaves(value: Any) -> Iterator[Any]:

@@ -5,6 +5,7 @@ is never lost to any of them."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from preempt import PreemptibleRun
 from preempt.checkpoint.commit import MANIFEST, MAX_STEP, checkpoint_name, dumps_json, parse_checkpoint_name
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.checkpoint.manifest import Cursor, Manifest
+from preempt.errors import MirrorError
 from preempt.mirror.pull import pull
 from preempt.mirror.store import MirrorStore
 
@@ -235,3 +237,55 @@ def test_a_listing_of_many_pages_gives_each_page_its_own_time_and_is_bounded(mir
     monkeypatch.setattr(store_module, "MAX_KEYS", 1000)
     with pytest.raises(MirrorError, match=r"more than 1000 objects under the prefix"):
         store.steps()
+
+
+@pytest.fixture
+def relayed(s3_endpoint, mirror_url):
+    """(start a relay: mode, targets, **kw) -> the mirror's URL as seen through it, and its options)."""
+    import s3relay
+
+    opened = []
+
+    def start(mode, targets, **kw):
+        r = s3relay.relay(s3_endpoint, mode, targets, **kw)
+        server = r.__enter__()
+        opened.append(r)
+        return server, {"endpoint_url": server.endpoint, "op_timeout": 2}
+
+    yield start
+    for r in opened:
+        r.__exit__(None, None, None)
+
+
+def test_a_server_that_sends_more_than_asked_is_cut_off_at_the_cap(tmp_path, mirror_url, relayed):
+    """A server that answers a ranged manifest read, or a 4 KiB object, with gigabytes and no Content-Length: ``ls``
+    used 3.1 GB and ``pull`` wrote 2 GiB before its size check. Reads are streamed and cut off at what was asked."""
+    local = tmp_path / "local"
+    saved(local, [2])
+    put_checkpoint(MirrorStore(mirror_url), local, 2)
+    server, options = relayed("oversize", ("manifest.json", "state.json"), extra=256 << 20)
+    store = MirrorStore(mirror_url, options)
+    with pytest.raises(MirrorError, match="larger than|more than the"):
+        store.read(2, MANIFEST, 64 << 20)
+    # the cap (64 MiB) and what the sockets' buffers took before the client hung up: never the 256 MiB on offer
+    assert server.sent < 80 << 20, server.sent
+    sent = server.sent
+    with pytest.raises(MirrorError, match="more than the"):
+        store.get(2, "state.json", tmp_path / "state.json", (local / checkpoint_name(2) / "state.json").stat().st_size)
+    assert server.sent - sent < 16 << 20 and (tmp_path / "state.json").stat().st_size < 1 << 20
+
+
+def test_a_dripping_server_is_cut_off_by_the_rate_of_what_arrived_not_by_the_declared_size(
+    tmp_path, mirror_url, relayed
+):
+    """A listing and manifest declaring 2^40 bytes with a 1 byte/s drip gave ``pull`` about 12 days. The time a
+    transfer may take is measured on what arrives: slower than 1 MiB/s after op_timeout (here 2 s), it ends."""
+    server, options = relayed("drip", ("model.safetensors",), interval=0.05)
+    store = MirrorStore(mirror_url, options)
+    store.put_bytes(2, "model.safetensors", b"x" * 4096)
+    t0 = time.monotonic()
+    with pytest.raises(MirrorError, match=r"slower than 1 MiB/s after 2 s"):
+        store.get(2, "model.safetensors", tmp_path / "m", 1 << 40)  # declared: 1 TiB
+    assert time.monotonic() - t0 < 60  # (an upper bound; the cut comes after 2 s of drip)
+    with pytest.raises(MirrorError, match=r"slower than 1 MiB/s after 2 s"):
+        store.read(2, "model.safetensors", 1 << 20)
