@@ -259,6 +259,10 @@ def read_bytes(path: str | os.PathLike[str], limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class TooManyValues(ValueError):
+    """A JSON document holds more values than its reader accepts (counted before parsing, :func:`load_json`)."""
+
+
 def json_depth(data: bytes) -> int:
     """The deepest nesting of arrays and objects in a JSON text (strings skipped); no recursion."""
     return _depth(_STRINGS.sub(b"", data))
@@ -304,7 +308,7 @@ def load_json(
     if depth > max_depth:
         raise ValueError(f"{printable(where)}: JSON nested {depth} levels deep; at most {max_depth} expected")
     if max_values is not None and (values := _values(bare)) > max_values:
-        raise ValueError(f"{printable(where)}: JSON of up to {values} values; at most {max_values} expected")
+        raise TooManyValues(f"{printable(where)}: JSON of up to {values} values; at most {max_values} expected")
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:

@@ -29,6 +29,7 @@ from .output import EXIT_DAMAGED, EXIT_OK, EXIT_UNREADABLE, CommandFailed, emit
 from .views import fmt_table, fmt_utc, fmt_when, resolve
 
 _MAX_STATE_JSON = 1 << 30  # state.json larger than this is not summarised by inspect
+MAX_STATE_VALUES = 1 << 21  # nor one of more values: parsing a compact [{}, {}, ...] costs ~80 bytes a byte
 _MAX_RNG_TENSOR = 1 << 20  # an RNG state is a few KiB; anything larger is not one
 
 
@@ -163,9 +164,12 @@ def _state_summary(info: CheckpointInfo, state_header: Header | None) -> tuple[d
         return out, [f"{jpath}: {expected.size} bytes; not summarised (limit {_MAX_STATE_JSON})"]
     try:
         data = read_verified(jpath, expected).tobytes()  # refuses what is not a regular file
-        tree = safe_io.load_json(data, str(jpath), expect=None)  # depth checked before parsing
+        # depth and size of what parsing would make checked before parsing
+        tree = safe_io.load_json(data, str(jpath), expect=None, max_values=MAX_STATE_VALUES)
     except CorruptCheckpointError as e:
         return out, [str(e)]
+    except safe_io.TooManyValues as e:
+        return out, [f"{e}: not summarised"]
     except ValueError as e:
         return out, [f"matches its digest but is not valid JSON: {e}"]
     if not isinstance(tree, dict):

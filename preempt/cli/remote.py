@@ -189,7 +189,9 @@ class Mirror:
         if STATE_JSON in m.files and m.files[STATE_JSON].size <= _MAX_STATE_JSON:
             path = self.fetch(info.step, STATE_JSON)
             with contextlib.suppress(OSError, ValueError):
-                state_json = safe_io.load_json(path.read_bytes(), str(path), expect=None)
+                state_json = safe_io.load_json(
+                    path.read_bytes(), str(path), expect=None, max_values=inspection.MAX_STATE_VALUES
+                )
         for name in (MODEL_FILE, BASE_FILE, STATE_FILE):
             if name not in m.files:
                 continue

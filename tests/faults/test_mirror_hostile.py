@@ -289,3 +289,26 @@ def test_a_dripping_server_is_cut_off_by_the_rate_of_what_arrived_not_by_the_dec
     assert time.monotonic() - t0 < 60  # (an upper bound; the cut comes after 2 s of drip)
     with pytest.raises(MirrorError, match=r"slower than 1 MiB/s after 2 s"):
         store.read(2, "model.safetensors", 1 << 20)
+
+
+def test_inspect_does_not_parse_a_state_json_of_millions_of_empty_values(tmp_path, mirror_url, capsys):
+    """A 60 MiB state.json of ``{}`` by the million, its digest re-signed, cost ``inspect`` 1.7 GB. It is counted
+    before it is parsed, and left unsummarised; the mirror's inspect says the same."""
+    import tracemalloc
+
+    from preempt.cli.main import main
+
+    local = tmp_path / "local"
+    saved(local, [2])
+    ckpt = local / checkpoint_name(2)
+    junk = b"[" + b"{}," * 3_000_000 + b"{}]"
+    store = MirrorStore(mirror_url)
+    store.check()
+    forge(store, ckpt, 2, {"state.json": junk})
+    tracemalloc.start()
+    main(["inspect", mirror_url])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    said = "".join(capsys.readouterr())
+    assert "values; at most 2097152 expected: not summarised" in said, said
+    assert peak < 20 * len(junk), peak  # a few copies of the text, never ~80 bytes per byte
