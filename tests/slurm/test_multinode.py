@@ -3,10 +3,11 @@ rank on each, the rendezvous across the nodes.
 
 The nodes n1 and n2 are slurmds of their own on this machine (slurm/cluster.sh): SLURM allocates them to the job as
 two nodes, srun starts a task on each through that node's daemon, and a requeue tears down and restarts the job on
-both. The job is requeued with ``scontrol requeue`` (once; twice under -m slow) and then meets its time limit once: a
-one-minute job with no warning signal, which only rank 0's walltime keeper sees coming; the ranks agree on that stop
-at one step, and rank 0 requeues the job. The final state of each rank must equal, tensor for tensor, that of an
-uninterrupted torchrun of the same training.
+both. The job is requeued with ``scontrol requeue`` (once; twice under -m slow), the last time held and given a
+one-minute limit before it is released (the runs before have ten minutes, however slowly the machine starts them),
+and then meets that limit once, with no warning signal: only rank 0's walltime keeper sees it coming; the ranks agree
+on that stop at one step, and rank 0 requeues the job. The final state of each rank must equal, tensor for tensor,
+that of an uninterrupted torchrun of the same training.
 """
 
 from __future__ import annotations
@@ -38,12 +39,19 @@ def steps_of_rank0(job: Job) -> int:
     return len(re.findall(r"^rank 0 step \d+ ", job.log, re.M))
 
 
-def requeue_after_steps(job: Job, restarts: int, steps: int) -> None:
-    """Waits until run ``restarts`` has both ranks on two nodes and ``steps`` more steps done; requeues it."""
+def requeue_after_steps(job: Job, restarts: int, steps: int, *, limit: str | None = None) -> None:
+    """Waits until run ``restarts`` has both ranks on two nodes and ``steps`` more steps done; requeues it (held,
+    given the time ``limit``, then released, when a limit is given)."""
     job.wait_log(r"^rank [01] start step \d+ .* node n\d$", timeout=120, count=2 * (restarts + 1))
     before = steps_of_rank0(job)
     job.wait("steps after the start", lambda: steps_of_rank0(job) >= before + steps, timeout=90)
-    job.requeue()
+    if limit is None:
+        job.requeue()
+    else:
+        job.cluster.run("scontrol", "requeuehold", job.id)
+        job.wait("held", lambda: job.info().get("Restarts") == str(restarts + 1), timeout=120)
+        job.cluster.run("scontrol", "update", f"JobId={job.id}", f"TimeLimit={limit}")
+        job.cluster.run("scontrol", "release", job.id)
     job.wait_running(timeout=60, restarts=restarts + 1)
 
 
@@ -62,11 +70,13 @@ def test_two_nodes_requeued_then_stopped_by_the_walltime_keeper(
     final, raised = tmp_path / "final.safetensors", tmp_path / "limit_raised"
     args = [*ARGS, "--step_sleep", "0.3", "--save_dir", str(tmp_path / "run"), "--final_out", str(final)]
     args += ["--wait_file_in_restart", f"{requeues}:{raised}"]
-    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=none", "--time=1", "--signal=TERM@0"]
+    # Ten minutes for the runs before the last requeue, whatever the machine's speed; the last requeue holds the job
+    # and gives it one minute, which the run after it reads when it starts.
+    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=none", "--time=10", "--signal=TERM@0"]
     options.append(f"--export=ALL,GPUS_PER_NODE=1,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1")
     job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
     for restarts in range(requeues):
-        requeue_after_steps(job, restarts=restarts, steps=4)
+        requeue_after_steps(job, restarts=restarts, steps=4, limit="1" if restarts == requeues - 1 else None)
     # The run after the last requeue has read its end time when its walltime keeper says when the job ends; its
     # ranks then wait before their first step, so no stop can come, until the test has raised the job's limit to 10
     # minutes. That keeper still stops the run at the old end and requeues the job, and the next run finishes well
