@@ -26,6 +26,12 @@ ranks share) and the ranks agree, at every safe point, on what to do:
   rank's writer thread, on a :class:`Coordinator` of its own group
   (``own_group=True``), so the writers' collectives and the loop's never share
   a group.
+* **Nodes without a shared save_dir** (``Coordinator.nodes``, :mod:`preempt.cluster.nodes`; a mirror is then
+  required): each node's leader makes rank 0's temporary directory, by its name, in its own save_dir, and every
+  rank writes into its node's; rank 0 commits node 0's part (a manifest of its node's files that also lists every
+  other node's, :class:`~preempt.checkpoint.manifest.Part`), then each other node's leader commits its part, stamped
+  with rank 0's time of the save. Each of those two steps is one agreement: a failure on any node fails the save on
+  every rank alike (an OSError when it is one, so a periodic save is skipped everywhere).
 * **What each rank writes.** The replicated state (DDP: the model, the
   optimizer, scheduler, scaler, tracked objects, ``run.user_state``) is written
   once, by rank 0, with rank 0's random generators. Every other rank writes its
