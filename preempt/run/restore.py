@@ -273,7 +273,8 @@ class Starter:
             return
         seen = {} if peers.leader else lock.holder(self.save_dir)  # (only rank 0 holds a lock yet)
         found = "its lock file is missing" if not seen else f"its lock file says {lock.describe(seen)}"
-        view = nodes.View(peers.leader or seen == holder, os.environ.get("LOCAL_RANK", "0") == "0", found)
+        local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0"  # torchrun's, else srun's
+        view = nodes.View(peers.leader or seen == holder, local == "0", found)
         views = peers.gather(dataclasses.astuple(view))
         planned = None if views is None else nodes.plan([nodes.View(*v) for v in views], mirror=self._mirror)
         kind, leaders, problem = peers.broadcast(None if planned is None else dataclasses.astuple(planned))
