@@ -5,7 +5,8 @@ with one of the relay's ``targets``, which the relay answers as told (``mode``):
 
 * ``"oversize"`` -- the object's bytes, then ``extra`` bytes of junk, with no Content-Length and the Range asked
   for ignored (the connection's end marks the body's): a server that answers a 4 KiB read with gigabytes;
-* ``"drip"`` -- the object's real headers, then its body one byte every ``interval`` seconds.
+* ``"drip"`` -- the object's real headers, then its body one byte every ``interval`` seconds;
+* ``"error"`` -- a 403 whose S3 error message holds ``message`` (control characters, a terminal's escapes).
 
 ``sent`` counts the body bytes the relay managed to write for those GETs before the client hung up: what a capped
 reader let through.
@@ -27,10 +28,19 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host
 class Relay(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, upstream: str, mode: str, targets: tuple[str, ...], *, extra: int = 0, interval: float = 0.2):
+    def __init__(
+        self,
+        upstream: str,
+        mode: str,
+        targets: tuple[str, ...],
+        *,
+        extra: int = 0,
+        interval: float = 0.2,
+        message: str = "",
+    ):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.upstream = upstream.split("://", 1)[1]
-        self.mode, self.targets, self.extra, self.interval = mode, targets, extra, interval
+        self.mode, self.targets, self.extra, self.interval, self.message = mode, targets, extra, interval, message
         self.sent = 0
         self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
 
@@ -69,6 +79,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _misbehave(self, resp: http.client.HTTPResponse, data: bytes) -> None:
         relay = self.server
+        if relay.mode == "error":
+            body = (
+                '<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+                f"<Message>{relay.message}</Message></Error>"
+            ).encode()
+            self.send_response(403)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         self.send_response(200)
         for k, v in resp.getheaders():
             if k.lower() not in _HOP and k.lower() != "content-range":

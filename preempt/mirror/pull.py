@@ -24,6 +24,7 @@ import dataclasses
 import errno
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ from .survey import Survey, Surveyor
 log = logging.getLogger("preempt")
 
 PULL_THREADS = 4  # files downloaded at once
+ROOM_MARGIN = 256 << 20  # bytes a pull leaves free on the disk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +171,7 @@ def fetch(
         if not replace:
             raise FileExistsError(f"{final} exists; move it away to pull step {step} from {store.display}")
         aside.quarantine(save_dir, final, f"{final}: replaced by the mirror's copy of step {step}")
+    _room(save_dir, manifest, where, part)
     tmp = commit.new_tmp_dir(save_dir, name)
     try:
         # the files side by side: one's digest and fdatasync overlap another's transfer (each large one is also
@@ -199,6 +202,19 @@ def fetch(
         duration(seconds),
     )
     return Pulled(path, step, total, seconds)
+
+
+def _room(save_dir: Path, manifest: Manifest, where: str, part: Path | None) -> None:
+    """The bytes a pull would write fit the disk (with a margin): the manifest declares the sizes, so a forged one
+    could otherwise fill the disk the run writes its checkpoints to. CorruptCheckpointError (the next older step is
+    tried) naming the need and the room."""
+    need = sum(d.size for n, d in manifest.files.items() if part is None or not (part / n).exists())
+    free = shutil.disk_usage(save_dir).free
+    if need > free - ROOM_MARGIN:
+        raise CorruptCheckpointError(
+            f"{where}: declares {_size(need)} to download; {save_dir} has {_size(free)} free (keeping"
+            f" {_size(ROOM_MARGIN)} spare)"
+        )
 
 
 def _checked(save_dir: Path, path: Path, check: Callable[[Path], object]) -> None:

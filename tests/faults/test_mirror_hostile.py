@@ -175,17 +175,17 @@ def test_a_damaged_newer_step_in_the_mirror_does_not_stop_a_run_with_valid_local
     assert (start, resumed) == (3, 3)
 
 
-def test_a_server_error_text_reaches_no_log_with_control_characters(mirror_url):
-    """Server text reached train.log and stderr unescaped (C1 control characters from an error message). Every
-    error of the store is scrubbed and escaped before it becomes a MirrorError's text."""
-    from preempt.errors import MirrorError
-
-    store = MirrorStore(mirror_url)
+def test_a_server_error_text_reaches_no_log_with_control_characters(mirror_url, relayed):
+    """Server text reached train.log and stderr unescaped (C1 control characters from an error message). A server
+    whose error message holds a terminal's C1 escapes (CSI, OSC, ST: what XML lets an S3 error carry): the
+    MirrorError's text, which the logs and commands print, holds them escaped."""
+    bucket = mirror_url.split("://", 1)[1].split("/", 1)[0]
+    _, options = relayed("error", (bucket,), message="denied \x9b31m\x9d0;owned\x9c by the server\x85")
     with pytest.raises(MirrorError) as caught:
-        with store._op("read", "x"):
-            raise OSError("denied \x9b31m\x1b]0;owned\x07 by the server\x85")
+        MirrorStore(mirror_url, options).steps()  # the listing's GET of the bucket answered with that error
     text = str(caught.value)
-    assert text.isprintable() and "\\x9b31m" in text and "\\x1b]0;owned\\x07" in text, text
+    assert "denied" in text and text.isprintable(), text
+    assert "\\x9b31m" in text and "\\x9d0;owned\\x9c" in text, text
 
 
 def test_verify_url_gives_each_object_the_time_of_its_size(tmp_path, mirror_url, monkeypatch):
@@ -339,3 +339,21 @@ def test_a_survey_reads_small_manifests_side_by_side():
             return bodies[step]
 
     assert sorted(Surveyor(Store()).survey().manifests) == list(range(8))  # type: ignore[arg-type]
+
+
+def test_a_pull_never_downloads_more_than_the_disk_can_take(tmp_path):
+    """A manifest (and a lying listing) declaring a terabyte: the bytes a pull may write are bounded by the disk it
+    writes to, not by what the manifest says. The step is refused before any download, naming the need and the
+    room, and the pull goes on to the next older one."""
+    from preempt.checkpoint.commit import FileDigest
+    from preempt.errors import CorruptCheckpointError
+    from preempt.mirror import pull as pull_module
+
+    def declaring(size):
+        digest = FileDigest(size, "ab" * 16)
+        return Manifest(step=9, cursor=Cursor(), reason="x", created=1.0, files={"model.safetensors": digest})
+
+    where = "s3://b/run/step_000000009/manifest.json"
+    with pytest.raises(CorruptCheckpointError, match=r"declares 1048576\.0 GiB to download; .* \(keeping 256\.0 MiB"):
+        pull_module._room(tmp_path, declaring(1 << 50), where, None)
+    pull_module._room(tmp_path, declaring(1 << 10), where, None)
