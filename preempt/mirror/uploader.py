@@ -82,8 +82,8 @@ class Uploader:
         first_backoff, max_backoff: Seconds between tries while the mirror fails.
         node: The ranks' nodes share no save_dir (:mod:`preempt.cluster.nodes`): this one's number. Node 0
             uploads its part, then the whole checkpoint's manifest once the mirror lists every other node's files
-            (retrying every ``wait_parts`` seconds until then), and applies the retention; another node uploads
-            only its part of each checkpoint newer than the mirror's newest complete one.
+            (looking again after ``wait_parts`` seconds, doubling up to 20 times that), and applies the retention;
+            another node uploads only its part of each checkpoint newer than the newest complete one it knows.
     """
 
     def __init__(
@@ -98,7 +98,7 @@ class Uploader:
         first_backoff: float = 1.0,
         max_backoff: float = 30.0,
         node: int | None = None,
-        wait_parts: float = 0.5,
+        wait_parts: float = 0.2,
     ) -> None:
         self.store = store
         self.save_dir = Path(save_dir)
@@ -221,7 +221,7 @@ class Uploader:
                 if self.run_once(target):
                     if self.lacking:  # node 0: other nodes' parts not in the mirror yet; looked for again soon
                         waits += 1
-                        self._closing.wait(backoff(waits, self.wait_parts, 8 * self.wait_parts))
+                        self._closing.wait(backoff(waits, self.wait_parts, 20 * self.wait_parts))
                         continue
                     waits = 0
                     with self._cond:
