@@ -250,12 +250,11 @@ class Starter:
         if kind == "fail":
             raise PreemptError(f"rank 0 could not start the run in {self.save_dir}: {detail}")
         self._meet(holder)
-        if detail is not None and self.peers.nodes is not None:
-            self._bring(Path(detail))
         if detail is None:
             self.snapshot.lineage = {"request": None, "started": time.time()}
         else:
-            self._load_chosen(Path(detail), weights_only=branch and self.config.weights_only)
+            chosen = Path(detail) if self.peers.nodes is None else self._bring(Path(detail))
+            self._load_chosen(chosen, weights_only=branch and self.config.weights_only)
         self._branch_due = bool(branch)  # rank 0 moves the old timeline aside
 
     # ---------------------------------------------------------------- how the ranks share the save_dir
@@ -312,16 +311,20 @@ class Starter:
     def _mirror(self) -> bool:
         return self.config.mirror is not None
 
-    def _bring(self, path: Path) -> None:
-        """Nodes without a shared save_dir: each node's leader brings rank 0's chosen checkpoint (from the mirror,
-        unless its save_dir holds the same save whole); every rank then finds it whole in its own save_dir."""
+    def _bring(self, path: Path) -> Path:
+        """Nodes without a shared save_dir: each node's leader brings rank 0's chosen checkpoint of rank 0's save_dir
+        (from the mirror, unless its save_dir holds the same save whole); returns where this rank loads it from: its
+        own save_dir's copy (the nodes' save_dirs may have other paths), or, for a checkpoint of another run's
+        directory that a resume request names, that path as it is."""
         peers = self.peers
         assert peers.nodes is not None
         created = None
-        if peers.leader:
+        if peers.leader and path.parent.resolve() == self.save_dir.resolve():
             info = next(c for c in self.manager.list() if c.path.name == path.name)
             created = info.valid.created
         created = peers.broadcast(created)
+        if created is None:
+            return path
         error = ""
         if peers.rank != 0 and peers.nodes.leads(peers.rank):
             assert self.bring is not None  # (set by the run)
@@ -335,6 +338,7 @@ class Starter:
         said = peers.broadcast(None if errors is None else next((e for e in errors if e), ""))
         if said:
             raise PreemptError(f"a node could not bring {path.name} from the mirror: {said}")
+        return self.save_dir / path.name
 
     def _load_chosen(self, path: Path, *, weights_only: bool) -> None:
         here = path.parent.resolve() == self.save_dir.resolve()

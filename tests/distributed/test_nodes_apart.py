@@ -19,6 +19,7 @@ from helpers import DDP_ARGS as ARGS
 from helpers import assert_equal_finals, ddp_finals, torchrun, torchrun_nodes
 from safetensors.torch import load_file
 
+from preempt.checkpoint.commit import checkpoint_name
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.cli.main import main
 from preempt.mirror.store import MirrorStore
@@ -80,6 +81,8 @@ def test_nodes_without_a_shared_save_dir_stop_wipe_and_resume_from_the_mirror_bi
     assert codes == [0, 0], output
     assert len(re.findall(rf"resumed from \S+: step {step}\b", output)) == 2, output
     assert "pulled step" in nodes[1].output, nodes[1].output
+    # each rank loads its own node's copy (the nodes' save_dirs have other paths here, as they may on a cluster)
+    assert f"resumed from {dirs[1] / checkpoint_name(step)}: " in nodes[1].output, nodes[1].output
     assert_equal_finals(reference, ddp_finals(final))
     assert "mirror holds node 1's part of step 24 (the final checkpoint)" in nodes[1].output, nodes[1].output
 

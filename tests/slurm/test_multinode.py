@@ -172,4 +172,6 @@ def test_two_nodes_with_save_dirs_of_their_own_resume_from_the_mirror_after_both
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
     assert len(re.findall(rf"restart 1 of job {job.id}: resumed from \S+: step {step}\b", log)) == 2, log
     assert re.search(rf"pulled step {step} from ", log), log
+    # each rank resumed from its own node's save_dir (their paths differ, as they may on a cluster)
+    assert set(re.findall(r"resumed from \S+/(n\d)/run/step_", log)) == {"n1", "n2"}, log
     assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
