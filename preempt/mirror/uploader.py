@@ -424,7 +424,8 @@ class Uploader:
             if step is None or (target is not None and step > target):
                 continue
             read = _read_manifest(self.save_dir / name)
-            if read is not None and read[0].step == step:
+            # a part another node wrote here (the nodes' roles are the rendezvous's, not the disks'): not this node's
+            if read is not None and read[0].step == step and (read[0].part is None or read[0].part.node == self.node):
                 out[step] = read
         return out
 

@@ -427,3 +427,19 @@ def test_a_forged_step_claiming_the_bytes_the_run_will_write_is_never_a_copy_sou
     assert not [op for op in store.ops if op[0] == "copy"], store.ops
     for name in genuine.files:
         assert store.objects[(4, name)] == (save_dir / checkpoint_name(4) / name).read_bytes(), name
+
+
+def test_a_part_another_node_wrote_in_this_save_dir_is_left_alone(tmp_path):
+    """Which node a machine is, is the rendezvous's to say: a requeued job may make rank 0 of the machine that was
+    node 1, whose save_dir holds node 1's parts. Node 0's uploader read every local part as its own, its whole
+    manifest raised, and every pass failed; now a part of another node is not this uploader's."""
+    save(tmp_path / "whole", [2, 4])
+    dirs = [tmp_path / "n0", tmp_path / "n1"]
+    split(tmp_path / "whole", {"model.safetensors"}, dirs)
+    shutil.rmtree(dirs[0] / checkpoint_name(4))
+    shutil.copytree(dirs[1] / checkpoint_name(4), dirs[0] / checkpoint_name(4))  # node 1's part, on this disk
+    store = MemoryStore()
+    up0, _ = uploader(dirs[0], store, node=0)
+    up0.submit(4)
+    assert up0.run_once(4) and up0.local_error is None
+    assert ("put", 2, "base.safetensors") in store.ops and not [op for op in store.ops if op[1] == 4], store.ops
