@@ -66,9 +66,10 @@ class Surveyor:
         # Many small manifests are read side by side (a prefix of thousands of steps costs what its slowest reads do);
         # a large one alone, so that parsing several never holds more than one large document at once.
         small = [k for k in unread if k[1] <= SMALL_MANIFEST]
-        with ThreadPoolExecutor(min(READERS, max(1, len(small))), thread_name_prefix="preempt-survey") as pool:
-            read = list(zip(small, pool.map(lambda k: self._read(*k), small), strict=True))
-        read += [(k, self._read(*k)) for k in unread if k[1] > SMALL_MANIFEST]
+        read = [(k, self._read(*k)) for k in unread if k[1] > SMALL_MANIFEST or len(small) == 1]
+        if len(small) > 1:  # (a pass that finds one new manifest, the usual case, starts no thread)
+            with ThreadPoolExecutor(min(READERS, len(small)), thread_name_prefix="preempt-survey") as pool:
+                read += list(zip(small, pool.map(lambda k: self._read(*k), small), strict=True))
         for key, got in read:
             if got is not None:
                 self._seen[key] = got
