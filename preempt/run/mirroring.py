@@ -71,11 +71,9 @@ class Mirroring:
         """The leader, before the start plan: open the mirror, pull its newest checkpoint when save_dir lacks it."""
         if not self.on:
             return
-        from ..mirror import pull, store, survey
+        from ..mirror import pull, survey
 
-        cfg = self.config
-        assert cfg.mirror is not None  # (on: a mirror was given)
-        mirror = store.MirrorStore(cfg.mirror, cfg.mirror_options)
+        mirror = self._store()
         valid = [i.step for i in self.manager.list() if i.status == "valid" and i.valid.part is None]
         local = max(valid, default=None)
         try:
