@@ -8,13 +8,17 @@ Run from the repository root (as root: the page cache is dropped before each col
 
 The state (``bench_checkpoint.build_state``: a GPT-like model and AdamW's moments) is saved once four ways: a preempt
 checkpoint, a DCP checkpoint (no process group), one ``torch.save`` file and one safetensors file. Each trial is a
-fresh process that imports torch and builds the model and optimizer first (untimed), then times its load:
+fresh process that imports torch and builds the model and an optimizer without state first (untimed), as a process
+that resumes has them, then times its load:
 
-* ``cat``: a cold read of the preempt checkpoint's files (``cat > /dev/null``): the floor;
+* ``cat``: a cold read of the preempt checkpoint's files (``cat > /dev/null``): the floor the issue set;
+* ``dd_direct``: the same files read by ``dd bs=32M iflag=direct`` one after the other (the files under 1 MiB
+  without it): the disk's own speed without the page cache (warm, it reads the disk again);
 * ``preempt``: ``CheckpointManager.read`` (every byte hashed against the manifest) and ``state.apply``;
-* ``preempt_no_ahead``: the same without asking for every file before reading the first (``readahead.warm`` made a
-  no-op in that process): what the read-ahead gains;
-* ``dcp``: ``torch.distributed.checkpoint.load`` into the state dicts and ``set_state_dict`` (verifies nothing);
+* ``preempt_buffered``: the same, every file read through the page cache as when it is there already
+  (``direct_io.cached`` made to say so in that process): what reading ``O_DIRECT`` gains;
+* ``dcp``: ``get_state_dict`` (which makes the optimizer's state), ``torch.distributed.checkpoint.load`` into it and
+  ``set_state_dict`` (verifies nothing);
 * ``torch_load``: ``torch.load(weights_only=True)`` and ``load_state_dict``;
 * ``st_xxh3``: ``safetensors.torch.load_file`` and an xxh3 of every tensor, then ``load_state_dict`` of the model.
 
@@ -41,7 +45,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-ROWS = ("cat", "preempt", "preempt_no_ahead", "dcp", "torch_load", "st_xxh3")
+ROWS = ("cat", "dd_direct", "preempt", "preempt_buffered", "dcp", "torch_load", "st_xxh3")
 RESUMES = ("resume", "resume_prefetch")
 
 
@@ -56,6 +60,7 @@ def prepare(work: Path, gib: float) -> int:
     import torch
     import torch.distributed.checkpoint as dcp
     from bench_checkpoint import build_state, flat_tensors
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from preempt import CheckpointManager
 
@@ -64,7 +69,8 @@ def prepare(work: Path, gib: float) -> int:
     manager.prepare()
     manager.save_state(step=1, model=model, optimizer=opt)
     kw = {"no_dist": True} if "no_dist" in dcp.save.__code__.co_varnames else {}
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(work / "dcp"), **kw)
+    model_sd, optim_sd = get_state_dict(model, opt)  # keyed by name, as the resuming process asks for them
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(work / "dcp"), **kw)
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, work / "state.pt")
     flat = flat_tensors(model, opt)
     safetensors.torch.save_file(flat, str(work / "state.safetensors"))
@@ -79,22 +85,23 @@ def child(work: Path, gib: float, row: str) -> None:
     from bench_checkpoint import build_state
 
     model, opt = build_state(gib)
+    opt.state.clear()  # as in a process that resumes: its optimizer has taken no step yet
     t0 = time.time()
-    if row in ("preempt", "preempt_no_ahead", *RESUMES):
+    if row in ("preempt", "preempt_buffered", *RESUMES):
         from preempt import CheckpointManager
-        from preempt.checkpoint import manager as manager_module
-        from preempt.checkpoint import state
+        from preempt.checkpoint import direct_io, state
 
-        if row == "preempt_no_ahead":
-            manager_module.readahead.warm = lambda *args, **kwargs: None  # type: ignore[assignment]
+        if row == "preempt_buffered":  # as if every file were in the page cache: read through it
+            direct_io.cached = lambda *args, **kwargs: True  # type: ignore[assignment]
 
         manager = CheckpointManager(work / "preempt", owner=False)
         state.apply(state.Components(model, opt), manager.read(manager.list()[0]))
     elif row == "dcp":
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        model_sd, optim_sd = get_state_dict(model, opt)  # makes the optimizer's state for DCP to load into
+        sd = {"model": model_sd, "optim": optim_sd}
         kw = {"no_dist": True} if "no_dist" in dcp.load.__code__.co_varnames else {}
         dcp.load(sd, checkpoint_id=str(work / "dcp"), **kw)
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
@@ -122,7 +129,8 @@ def child(work: Path, gib: float, row: str) -> None:
 READS = {  # what each row reads: read once, untimed, before a warm trial
     "cat": ["preempt/step_*/*"],
     "preempt": ["preempt/step_*/*"],
-    "preempt_no_ahead": ["preempt/step_*/*"],
+    "dd_direct": ["preempt/step_*/*"],
+    "preempt_buffered": ["preempt/step_*/*"],
     "dcp": ["dcp/*"],
     "torch_load": ["state.pt"],
     "st_xxh3": ["state.safetensors"],
@@ -135,12 +143,16 @@ def trial(work: Path, gib: float, row: str, cold: bool) -> tuple[float, float]:
     if not cold:
         files = [str(p) for pattern in READS[row] for p in sorted(work.glob(pattern))]
         subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
-    if row == "cat":
+    if row in ("cat", "dd_direct"):
         if cold:
             drop_caches()
         files = [str(p) for p in sorted((work / "preempt").glob("step_*/*"))]
         t0 = time.perf_counter()
-        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+        if row == "cat":
+            subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+        for f in files if row == "dd_direct" else ():
+            direct = ["iflag=direct"] if os.path.getsize(f) >= 1 << 20 else []  # as preempt reads them
+            subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=32M", *direct], capture_output=True, check=True)
         took = time.perf_counter() - t0
         return took, took
     if cold:
@@ -164,6 +176,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--dir", default=str(HERE / "results"), help="where the four copies of the state are written")
     p.add_argument("--no-resume", action="store_true", help="leave out the resume rows (a preempt without prefetch)")
+    p.add_argument("--rows", default=",".join(ROWS), help="the load rows to time (cat and dd_direct always are)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -177,7 +190,8 @@ def main() -> None:
     try:
         nbytes = prepare(work, args.gib)
         resumes = () if args.no_resume else RESUMES
-        rows = [(r, cold) for cold in (True, False) for r in ROWS] + [(r, True) for r in resumes]
+        chosen = [r for r in ROWS if r in ("cat", "dd_direct", *args.rows.split(","))]
+        rows = [(r, cold) for cold in (True, False) for r in chosen] + [(r, True) for r in resumes]
         times: dict[tuple[str, bool], list[float]] = {k: [] for k in rows}
         loads: dict[tuple[str, bool], list[float]] = {k: [] for k in rows}
         for i in range(args.trials + 1):  # the first round warms up the interpreter's files; not counted
@@ -189,16 +203,26 @@ def main() -> None:
                     loads[(row, cold)].append(load)
         med = {k: statistics.median(v) for k, v in times.items()}
         load_med = {k: statistics.median(v) for k, v in loads.items()}
-        floor = med[("cat", True)]
+        floor, direct = med[("cat", True)], med[("dd_direct", True)]
+
+        def paired(r: str, base: str, of: dict[tuple[str, bool], list[float]] = times) -> float:
+            """The median of the rounds' ratios: each trial against the same round's cold ``base``."""
+            return statistics.median(a / b for a, b in zip(of[(r, True)], times[(base, True)], strict=True))
+
         print(f"\nstate {nbytes / (1 << 30):.2f} GiB, medians of {args.trials} fresh processes\n")
-        print("| row | cold | vs a cold `cat` | warm |\n|---|---:|---:|---:|")
-        for r in ROWS:
-            print(f"| {r} | {med[(r, True)]:.2f} s | {med[(r, True)] / floor:.2f}x | {med[(r, False)]:.2f} s |")
-        print("\n| started cold | start to restored | of which the restore | restore vs a cold `cat` |")
+        print("| row | cold | vs a cold `cat` (paired) | vs `dd` direct (paired) | warm |\n|---|---:|---:|---:|---:|")
+        for r in chosen:
+            cold = med[(r, True)]
+            print(
+                f"| {r} | {cold:.2f} s | {cold / floor:.2f}x ({paired(r, 'cat'):.2f}x) |"
+                f" {cold / direct:.2f}x ({paired(r, 'dd_direct'):.2f}x) | {med[(r, False)]:.2f} s |"
+            )
+        print("\n| started cold | start to restored | of which the restore | restore vs a cold `cat` (paired) |")
         print("|---|---:|---:|---:|")
         for r in resumes:
             load = load_med[(r, True)]
-            print(f"| {r} | {med[(r, True)]:.2f} s | {load:.2f} s | {load / floor:.2f}x |")
+            ratio = paired(r, "cat", loads)
+            print(f"| {r} | {med[(r, True)]:.2f} s | {load:.2f} s | {load / floor:.2f}x ({ratio:.2f}x) |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,8 +1,9 @@
 """The checkpoint: what is on disk and how it gets there, with no notion of a training loop.
 
 Owns the manager (``manager``: choose, load, verify, prune), one file checked against its manifest entry
-(``files``), the manifest, the atomic commit protocol (``commit``, written down in its docstring), writes that bypass
-the page cache (``direct_io``), broken or superseded checkpoints moved out of sight, never deleted (``aside``),
+(``files``, several read at once by a restore), the manifest, the atomic commit protocol (``commit``, written down
+in its docstring), writes and a cold restore's reads that bypass the page cache (``direct_io``), broken or
+superseded checkpoints moved out of sight, never deleted (``aside``),
 the pruned checkpoint's files written over (``recycle``), a payload's files written or
 hard-linked when unchanged (``write``, ``carry``), which checkpoints are
 kept (``retention``, pure), what is in the files (``state``, ``codec``, ``tensorfile``, ``components``; no pickle),

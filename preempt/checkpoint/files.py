@@ -19,17 +19,21 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _testing
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
-from . import commit, safe_io
+from . import commit, readahead, safe_io
 from .commit import MANIFEST, FileDigest
 from .manifest import MAX_MANIFEST_BYTES, Manifest
 
 if TYPE_CHECKING:
     import torch
+
+READERS = 4  # files of one checkpoint read at once by a restore
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -56,8 +60,9 @@ def read_manifest(path: Path) -> Manifest:
         raise CorruptCheckpointError(str(e)) from None
 
 
-def read_verified(path: Path, expected: FileDigest) -> Any:
-    """The bytes of a checkpoint file, after checking size and digest.
+def read_verified(path: Path, expected: FileDigest, *, keep: bool = False, direct: bool = True) -> Any:
+    """The bytes of a checkpoint file, after checking size and digest: mapped, or, with ``keep``, in memory of this
+    process's own (:func:`preempt.checkpoint.commit.read_file`).
 
     Raises:
         CorruptCheckpointError: Missing, not a regular file, another size or digest.
@@ -65,7 +70,7 @@ def read_verified(path: Path, expected: FileDigest) -> Any:
     """
     try:
         regular_file(path)
-        buf, got = commit.read_file(path, expected.size)
+        buf, got = commit.read_file(path, expected.size, keep=keep, direct=direct)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: missing") from None
     except ValueError as e:
@@ -74,6 +79,55 @@ def read_verified(path: Path, expected: FileDigest) -> Any:
         raise _read_error(path, e) from None
     _compare(path, expected, got)
     return buf
+
+
+def read_all(
+    where: Path,
+    files: Mapping[str, FileDigest],
+    kept: Sequence[str],
+    checked: Sequence[str] = (),
+    *,
+    direct: bool = True,
+) -> dict[str, Any]:
+    """Reads and verifies files of the checkpoint directory ``where``, several side by side; the bytes of ``kept``.
+
+    The files of ``kept`` are read into memory of this process's own (their bytes are returned by name; a large
+    one not in the page cache is read ``O_DIRECT`` unless not ``direct``, :func:`preempt.checkpoint.commit.read_file`),
+    those of
+    ``checked`` mapped, and dropped once verified: these are asked of the disk before the first file is read
+    (:func:`preempt.checkpoint.readahead.warm`). Up to :data:`READERS` files are read at once, the largest first:
+    the reads and the hashing let go of the GIL, so the disk reads one file while another is hashed, and a disk
+    that serves several reads at once gets them.
+
+    Raises:
+        CorruptCheckpointError: A file is missing from the manifest or from the disk, or has another size or
+            digest. When several fail, the error is the first one's in the order of ``checked``, then ``kept``,
+            whatever order the reads end in.
+        CheckpointUnreadableError: As :func:`read_verified`.
+    """
+    order = [(name, False) for name in checked] + [(name, True) for name in kept]
+    for name, _ in order:
+        if name not in files:
+            raise CorruptCheckpointError(f"{where / MANIFEST}: lists no {name}")
+    readahead.warm(where / name for name, keep in order if not (keep and direct))  # those read direct: not cached
+
+    def one(item: tuple[str, bool]) -> Any:
+        name, keep = item
+        return read_verified(where / name, files[name], keep=keep, direct=direct)
+
+    if len(order) == 1:
+        buf = one(order[0])
+        return {order[0][0]: buf} if order[0][1] else {}
+    largest = sorted(order, key=lambda item: -files[item[0]].size)
+    with ThreadPoolExecutor(min(READERS, len(order)), thread_name_prefix="preempt-read") as pool:
+        futures = {item: pool.submit(one, item) for item in largest}
+        try:
+            bufs = {item: futures[item].result() for item in order}
+        except BaseException:
+            for future in futures.values():
+                future.cancel()
+            raise
+    return {name: buf for (name, keep), buf in bufs.items() if keep}
 
 
 def _read_error(path: Path, error: OSError | MemoryError) -> CorruptCheckpointError | CheckpointUnreadableError:

@@ -28,8 +28,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("preempt")
 
 
-def write_payload(directory: Path, payload: Payload) -> dict[str, FileDigest]:
-    """Writes (or links) a payload's files into ``directory``, each one durable; returns their manifest entries."""
+def write_payload(directory: Path, payload: Payload, *, durable: bool = True) -> dict[str, FileDigest]:
+    """Writes (or links) a payload's files into ``directory``; returns their manifest entries.
+
+    ``durable``: the files written are synced together before this returns (:func:`commit.sync_together`);
+    without it the caller syncs them with the manifest (:func:`commit.commit_dir`). A linked file is durable
+    already."""
     from . import codec, tensorfile
 
     files: dict[str, FileDigest] = {}
@@ -46,13 +50,21 @@ def write_payload(directory: Path, payload: Payload) -> dict[str, FileDigest]:
                 code = errno.errorcode.get(e.errno or 0, "")
                 log.debug("%s: cannot link %s (%s %s); writing it", directory / fname, carry.source, code, e.strerror)
         read.add(fname)
-        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(carry.tensors, carry.meta), recycle=True)
+        pieces = tensorfile.pieces(carry.tensors, carry.meta)
+        files[fname] = commit.write_file(directory / fname, pieces, recycle=True, sync=False)
     for fname, (tensors, meta) in payload.tensor_files.items():
-        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta), recycle=True)
+        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta), recycle=True, sync=False)
     commit.stage("after_tensor_files")
     if payload.live is not None:
         payload.live.check(read)  # the tensors read where they live are as when the snapshot was taken
     for fname, doc in payload.json_files.items():
         data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
-        files[fname] = commit.write_file(directory / fname, [data], recycle=True)
+        files[fname] = commit.write_file(directory / fname, [data], recycle=True, sync=False)
+    if durable:
+        commit.sync_together(directory / fname for fname in written(files))
     return files
+
+
+def written(files: dict[str, FileDigest]) -> list[str]:
+    """The names of ``files`` that were written, not linked (a linked file's entry says where it was carried from)."""
+    return [fname for fname, digest in files.items() if digest.carried_from is None]

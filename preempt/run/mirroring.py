@@ -190,7 +190,7 @@ class Mirroring:
         info = next((i for i in self.manager.list() if i.path == path), None)
         if info is None or info.status != "valid":
             raise CorruptCheckpointError(f"{path}: {'gone' if info is None else info.problem}")
-        self.manager.read(info)
+        self.manager.read(info, direct=False)  # through the page cache: the restore reads it again from there
 
     def begin(self, newest: Any) -> None:
         """The run is on: the uploader starts, with the newest local checkpoint (``CheckpointInfo`` or None)."""

@@ -135,7 +135,7 @@ class Starter:
                 log.warning("%s/complete.json is not believed: %s; the run goes on", self.save_dir, problems[0])
             return not problems
         try:
-            self.manager.load(done["step"], check=self.check)
+            self.manager.load(done["step"], check=self.check, direct=self.peers.alone)
         except NoCheckpointError as e:
             log.warning("%s/complete.json is not believed: %s; the run goes on", self.save_dir, e)
             return False
@@ -144,7 +144,8 @@ class Starter:
     def _continue(self, request: dict[str, Any] | None) -> bool:
         """Loads the newest valid checkpoint; False when the request's timeline must be branched after all."""
         try:
-            info, loaded = self.manager.load("latest", check=self.check)
+            # alone, large files are read past the page cache; with other ranks, through it: they read it next
+            info, loaded = self.manager.load("latest", check=self.check, direct=self.peers.alone)
         except NoCheckpointError as e:
             if e.corrupt:
                 log.warning("%s; starting fresh (the broken checkpoints are in %s/quarantine)", e, self.save_dir)
@@ -349,14 +350,15 @@ class Starter:
             raise NoCheckpointError(f"rank {rank}: {path}, chosen by rank 0, is not a valid checkpoint")
         if weights_only:
             if self.components.model is not None:
-                state.load_model(self.components.model, source.read(info, weights_only=True), strict=self.config.strict)
+                loaded = source.read(info, weights_only=True, direct=self.peers.alone)
+                state.load_model(self.components.model, loaded, strict=self.config.strict)
             self.resumed_from = info.path
             return
         if state.rank_files(rank)[1] not in info.valid.files:
             log.warning(
                 "rank %d: %s was written by fewer ranks; this rank starts from rank 0's random state", rank, path
             )
-        self.restore(info, source.read(info, rank=rank))
+        self.restore(info, source.read(info, rank=rank, direct=self.peers.alone))
 
     def load_tracked(self, name: str, obj: state.Stateful) -> None:
         """``run.track()`` inside the run: the restored checkpoint's state of ``name``, loaded into ``obj`` at once."""

@@ -354,3 +354,61 @@ def test_fsync_dir(tmp_path):
     commit.fsync_dir(tmp_path)
     with pytest.raises(FileNotFoundError):
         commit.fsync_dir(tmp_path / "absent")
+
+
+def _synced(monkeypatch, barrier=None):
+    """Records what commit makes durable (files by name, directories by path); with ``barrier``, each sync waits at
+    it: syncs issued one after another would never meet there (the barrier breaks on its timeout)."""
+    import threading
+
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def sync_file(fd):
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if barrier is not None:
+            barrier.wait()
+        with lock:
+            done.append(Path(name).name)
+
+    real_dir = commit.fsync_dir
+
+    def sync_dir(path):
+        if barrier is not None and Path(path).name.startswith(commit.TMP_PREFIX):  # a checkpoint's, not the save_dir
+            barrier.wait()
+        with lock:
+            done.append(f"dir:{Path(path).name}")
+        real_dir(path)
+
+    monkeypatch.setattr(commit, "_fdatasync", sync_file)
+    monkeypatch.setattr(commit, "fsync_dir", sync_dir)
+    return done
+
+
+def test_a_checkpoint_syncs_its_files_and_directory_together_then_the_save_dir(tmp_path, monkeypatch):
+    import threading
+
+    import torch
+
+    from preempt import CheckpointManager
+
+    manager = CheckpointManager(tmp_path)
+    manager.prepare()
+    model = torch.nn.Linear(8, 8)
+    # model.safetensors, state.safetensors, state.json, manifest.json and the temporary directory: issued together
+    done = _synced(monkeypatch, threading.Barrier(5, timeout=60))
+    info = manager.save_state(step=1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    first = sorted(done[:5])
+    assert first[0].startswith(f"dir:{commit.TMP_PREFIX}step_000000001")
+    assert first[1:] == ["manifest.json", "model.safetensors", "state.json", "state.safetensors"]
+    assert done[5:] == [f"dir:{tmp_path.name}"]  # after the rename, the save_dir's entry
+    assert manager.verify(info) == []
+
+
+def test_sync_together_raises_the_first_failure_after_waiting_for_the_others(tmp_path):
+    ok = tmp_path / "ok"
+    ok.write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="absent"):
+        commit.sync_together([ok, tmp_path / "absent", tmp_path / "absent2"], [tmp_path])
+    commit.sync_together([ok], [tmp_path])
+    commit.sync_together([], [])

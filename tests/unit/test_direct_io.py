@@ -1,4 +1,5 @@
-"""Writes that bypass the page cache (preempt.checkpoint.direct_io): the pure choice of each write, then real files."""
+"""Writes and reads that bypass the page cache (preempt.checkpoint.direct_io): the pure choice of each write, then
+real files."""
 
 from __future__ import annotations
 
@@ -142,3 +143,133 @@ def test_a_direct_write_the_kernel_refuses_is_written_through_the_page_cache_and
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == data.tobytes() * 2
     assert sink.direct_bytes == 0 and tried == [data.nbytes]  # the second write went straight to the page cache
+
+
+# ------------------------------------------------------------------ a restore's reads
+
+
+def _uncached_file(path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` durably, then has the kernel drop its clean pages: the file is cold."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if _cached(path):
+        pytest.skip(f"{path.parent} keeps its files in memory (tmpfs): no cold file to read")
+
+
+def _cached(path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return direct_io.cached(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def test_a_restore_reads_a_cold_file_past_the_page_cache_and_maps_a_cached_one(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 3 * MB + 100, dtype=np.uint8).tobytes()
+    path = tmp_path / "state.safetensors"
+    _uncached_file(path, data)
+    want = commit.FileDigest(len(data), __import__("xxhash").xxh3_128_hexdigest(data))
+
+    buf, got = commit.read_file(path, len(data), keep=True)
+    assert bytes(buf) == data and got == want
+    assert buf.flags.writeable and not commit.is_mapping(buf)
+    assert _cached(path) == (not direct_io_supported(tmp_path))  # read direct: still not in the page cache
+
+    path.read_bytes()  # now it is (as after preempt prefetch)
+    assert _cached(path)
+    again, got = commit.read_file(path, len(data), keep=True)  # mapped: the page cache has it
+    assert bytes(again) == data and got == want and commit.is_mapping(again)
+
+    mapped, got = commit.read_file(path, len(data))  # to check a file only: its mapping, no copy
+    assert commit.is_mapping(mapped) and got == want
+
+
+def test_a_file_read_without_o_direct_is_read_through_the_page_cache(tmp_path, monkeypatch):
+    data = bytes(range(256)) * (2 * MB // 256) + b"end"
+    path = tmp_path / "f"
+    _uncached_file(path, data)
+    monkeypatch.setattr(direct_io, "_O_DIRECT", 0)  # a system without the flag
+    buf, got = commit.read_file(path, len(data), keep=True)
+    assert bytes(buf) == data and got == commit.hash_file(path) and commit.is_mapping(buf)
+    assert _cached(path)
+
+
+def test_a_file_too_large_for_the_memory_available_is_mapped_not_read_direct(tmp_path, monkeypatch):
+    from preempt.checkpoint import readahead
+
+    data = b"z" * (2 * MB)
+    path = tmp_path / "f"
+    _uncached_file(path, data)
+    monkeypatch.setattr(readahead, "host_memory_available", lambda *a: 2 * MB)  # the file would take all of it
+    buf, got = commit.read_file(path, len(data), keep=True)
+    assert bytes(buf) == data and commit.is_mapping(buf)
+
+
+def test_a_direct_read_the_kernel_refuses_says_so_before_reading_anything(tmp_path):
+    data = b"x" * (2 * MB)
+    path = tmp_path / "f"
+    _uncached_file(path, data)
+    if not direct_io_supported(tmp_path):
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    view = memoryview(aligned(2 * MB))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(direct_io.DirectRefused):
+            list(direct_io.read_whole(fd, view, len(data), chunk=direct_io.BLOCK + 1))  # not whole blocks: EINVAL
+        pieces = list(direct_io.read_whole(fd, view, len(data), chunk=MB))  # the descriptor is as it was
+    finally:
+        os.close(fd)
+    assert [p.nbytes for p in pieces] == [MB, MB] and bytes(view) == data
+
+
+def test_a_direct_read_asks_for_memory_of_whole_aligned_blocks(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"y" * 5000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="whole blocks"):
+            list(direct_io.read_whole(fd, memoryview(aligned(5000)), 5000))  # 5000 bytes: the last block cut
+        with pytest.raises(ValueError, match="starts on a block"):
+            list(direct_io.read_whole(fd, memoryview(aligned(8192 + 1))[1:], 5000))
+    finally:
+        os.close(fd)
+
+
+def test_a_restored_checkpoint_was_read_past_the_page_cache_and_is_equal(tmp_path):
+    from preempt import CheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    info = manager.save_state(step=1, model=model, optimizer=opt)
+    big = [info.path / name for name in ("model.safetensors", "state.safetensors")]
+    for path in big:
+        _uncached_file(path, path.read_bytes())
+
+    model2 = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 3))
+    opt2 = torch.optim.AdamW(model2.parameters())
+    _, loaded = manager.load("latest")
+    moment = loaded.tree["optimizer"]["state"][0]["exp_avg"]
+    state.apply(state.Components(model2, opt2), loaded)
+    supported = direct_io_supported(tmp_path)
+    assert [_cached(p) for p in big] == [not supported] * 2
+    if supported:  # read into memory of its own: the optimizer keeps it as it is, no copy
+        assert all(size < direct_io.MIN_DIRECT for _, size in loaded.mapped)  # only the small JSON is mapped
+        assert opt2.state[model2[0].weight]["exp_avg"].data_ptr() == moment.data_ptr()
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for k, v in opt.state_dict()["state"][0].items():
+        assert torch.equal(v, opt2.state_dict()["state"][0][k]), k
+
+
+@pytest.mark.parametrize(
+    ("resident", "pages", "want"), [(0, 10, False), (5, 10, False), (6, 10, True), (10, 10, True), (0, 0, False)]
+)
+def test_a_file_mostly_in_the_page_cache_is_read_through_it(resident, pages, want):
+    assert direct_io.through_cache(resident, pages) is want
