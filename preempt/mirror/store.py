@@ -25,12 +25,14 @@ import errno
 import re
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from .._secrets import userinfo
-from ..checkpoint.commit import checkpoint_name, parse_checkpoint_name
+from ..checkpoint.commit import FileDigest, checkpoint_name, parse_checkpoint_name
 from ..checkpoint.safe_io import printable
 from ..errors import MirrorError
 
@@ -50,6 +52,7 @@ OP_TIMEOUT = "op_timeout"
 DEFAULT_OP_TIMEOUT = 20.0
 MAX_KEYS = 1 << 20  # objects a listing of the prefix may hold
 MIN_RATE = 1 << 20  # bytes per second: a slower transfer is taken for a hung one
+DOWNLOAD_CHUNK = 1 << 20  # bytes asked of a download's stream at a time (it hands what has arrived, up to this)
 MAX_TEXT_BYTES = 256 << 20  # a run record read back (history.jsonl of a very long run)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # an object name inside a step, or a record
 
@@ -242,33 +245,44 @@ class MirrorStore:
             return self._cat(self.key(step, name), start, end)
 
     def _cat(self, key: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of an object. From S3, streamed and capped: a server that ignores the Range or
-        sends more than asked is cut off after ``end - start`` bytes (with no Content-Length, a client that reads
-        the whole answer would take all it sends), and one slower than MIN_RATE after op_timeout (:class:`Paced`)."""
-        if not (self.protocol in ("s3", "s3a") and self._async):
+        """Bytes ``[start, end)`` of an object. From S3, streamed and capped (:meth:`_stream`)."""
+        if not self._streams:
             return bytes(self.fs.cat_file(key, start=start, end=end, **self._limit(end - start)))
+        out = bytearray()
+        self._stream(key, start, end, out.extend, 1 << 16)
+        return bytes(out)
+
+    @property
+    def _streams(self) -> bool:
+        """Whether objects are read here, chunk by chunk (an async S3 client), rather than by the client's calls."""
+        return self.protocol in ("s3", "s3a") and self._async
+
+    def _stream(self, key: str, start: int, end: int, sink: Callable[[bytes], object], chunk: int) -> None:
+        """Hands ``sink`` the bytes ``[start, end)`` of an S3 object as they arrive, capped: a server that ignores
+        the Range or sends more than asked is cut off after ``end - start`` bytes (with no Content-Length, a client
+        that reads the whole answer would take all it sends), and one slower than MIN_RATE after op_timeout
+        (:class:`Paced`). An empty object, or one shorter than ``start``, hands nothing."""
         from fsspec.asyn import sync
 
         bucket, _, name = key.partition("/")
         paced = Paced(end - start, self.op_timeout, self.clock)
 
-        async def stream() -> bytes:
+        async def stream() -> None:
             try:
                 got = await self.fs._call_s3("get_object", Bucket=bucket, Key=name, Range=f"bytes={start}-{end - 1}")
             except OSError as e:
                 if "range is not satisfiable" in str(e).lower() or "InvalidRange" in str(e):
-                    return b""  # an empty object, or one shorter than ``start``
+                    return
                 raise
-            body, out = got["Body"], bytearray()
+            body = got["Body"]
             try:
-                while chunk := await body.read(1 << 16):
-                    out += chunk
-                    paced.relative_update(len(chunk))
+                while data := await body.read(chunk):
+                    paced.relative_update(len(data))
+                    sink(data)
             finally:
                 body.close()
-            return bytes(out)
 
-        return bytes(sync(self.fs.loop, stream, **self._limit(end - start)))
+        sync(self.fs.loop, stream, **self._limit(end - start))
 
     def put(self, local_path: str | Path, step: int, name: str) -> int:
         """Uploads a local file (multipart and parallel where the client does it, s3fs above 50 MiB); its size."""
@@ -283,13 +297,29 @@ class MirrorStore:
             self.fs.pipe_file(self.key(step, name), bytes(data), **self._limit(len(data)))
         return len(data)
 
-    def get(self, step: int, name: str, local_path: str | Path, size: int = 0) -> None:
-        """Downloads one object (of about ``size`` bytes) into a local file (ranged and parallel where the client
-        does it); the caller checks its size and digest: a transfer cut off mid-way leaves a short or wrong file,
-        never a trusted one."""
+    def get(self, step: int, name: str, local_path: str | Path, size: int = 0) -> FileDigest | None:
+        """Downloads one object (of about ``size`` bytes) into a new local file; the caller checks its size and
+        digest: a transfer cut off mid-way leaves a short or wrong file, never a trusted one.
+
+        From S3 the object is streamed here, capped at ``size`` bytes (:meth:`_stream`), and hashed as it is
+        written: the size and xxh3 of what was written are returned, and the file is not read again. Other
+        clients write the file themselves (ranged and parallel where they do it), and None is returned."""
         with self._op("download", self.where(step, name)):
+            if self._streams and size:
+                digest, written = xxhash.xxh3_128(), 0
+                with open(local_path, "wb") as f:
+
+                    def sink(data: bytes) -> None:
+                        nonlocal written
+                        f.write(data)
+                        digest.update(data)
+                        written += len(data)
+
+                    self._stream(self.key(step, name), 0, size, sink, DOWNLOAD_CHUNK)
+                return FileDigest(written, digest.hexdigest())
             paced = Paced(size, self.op_timeout, self.clock) if size else None
             self.fs.get_file(self.key(step, name), str(local_path), **self._limit(size), **_callback(paced))
+            return None
 
     def copy(self, src_step: int, name: str, dst_step: int, size: int = 0) -> None:
         """Server-side copy of ``step_src/name`` to ``step_dst/name``: no byte goes through this machine."""

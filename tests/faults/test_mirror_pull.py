@@ -98,3 +98,28 @@ def test_missing_bucket_and_credentials_kept_out(tmp_path, mirror_url):
     with pytest.raises(MirrorError) as e:
         store.steps()
     assert "cannot list" in str(e.value) and secret not in str(e.value)
+
+
+def test_a_pull_hashes_each_object_as_it_is_written_and_never_reads_it_again(tmp_path, mirror_url, monkeypatch):
+    from preempt.checkpoint import commit
+    from preempt.mirror import pull as pull_module
+
+    local = tmp_path / "local"
+    saved(local, [2])
+    store = MirrorStore(mirror_url)
+    store.check()
+    put_checkpoint(store, local, 2)
+
+    def read_again(path):
+        raise AssertionError(f"{path} was read again after its download")
+
+    monkeypatch.setattr(pull_module.commit, "hash_file", read_again)
+    got = pull(store, tmp_path / "new")
+    same_tree(local / checkpoint_name(2), got)
+
+    # The digest is of what was written: a forged object is still refused, by the digest computed on the way.
+    monkeypatch.setattr(pull_module.commit, "hash_file", commit.hash_file)
+    size = store.steps()[2]["state.safetensors"]
+    store.put_bytes(2, "state.safetensors", b"\1" * size)
+    with pytest.raises(NoCheckpointError, match="state.safetensors: xxh3 mismatch"):
+        pull(store, tmp_path / "forged")
