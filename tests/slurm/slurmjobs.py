@@ -1,14 +1,16 @@
 """A live SLURM cluster of two nodes on this machine (slurm/cluster.sh) and helpers to submit the templates in
 slurm/ to it.
 
-The cluster is the one ``.ci/run`` started; when none answers, the session starts it (and stops it at the
-end). Where it cannot be started (no root, no apt-get, no packages) every test here is skipped with the reason.
+The cluster is the one ``.ci/run`` started; when none answers, a session starts it, and the last session to use it
+stops it (:func:`slurm_cluster`). Where it cannot be started (no root, no apt-get, no packages) every test here is
+skipped with the reason.
 
 (Not a conftest.py: a second conftest.py beside the root one would take over its hooks for these tests.)
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
@@ -150,25 +152,50 @@ class Job:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[Cluster]:
+    """The cluster, started by the first session that finds none answering, stopped by the last session to leave
+    it (several sessions at once: pytest-xdist's workers, or two runs of the suite). One session starts it while the
+    others wait at a lock; each holds a shared lock on a file of users while it runs; the one that can then take
+    that lock alone, at its end, is the last, and stops the cluster if a session started it (never one that
+    ``.ci/run`` started). Two sessions starting it at once wrote its configuration twice ("Duplicated NodeName"),
+    and the first to end stopped it under the other's jobs."""
     cluster = Cluster(STATE_DIR / "slurm.conf")
-    started = False
-    if not cluster.answers():
+    users = open(f"{STATE_DIR}.users", "a+")  # noqa: SIM115 (held for the session)
+    fcntl.flock(users, fcntl.LOCK_SH)
+    try:
+        with open(f"{STATE_DIR}.start", "a+") as gate:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            if not cluster.answers():
+                _start(cluster)
+                STARTED_BY_TESTS.touch()
+        yield cluster
+    finally:
         try:
-            r = subprocess.run(
-                [str(SLURM / "cluster.sh"), "start"], capture_output=True, text=True, timeout=300, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"the local SLURM cluster could not be started (slurm/cluster.sh start: {e})")
-        if r.returncode != 0 or not cluster.answers():
-            said = (r.stderr or r.stdout).strip().splitlines()[-3:]
-            pytest.skip(
-                f"the local SLURM cluster could not be started (slurm/cluster.sh start: exit {r.returncode}:"
-                f" {' / '.join(said)})"
-            )
-        started = True
-    yield cluster
-    if started:
-        subprocess.run([str(SLURM / "cluster.sh"), "stop"], capture_output=True, timeout=120, check=False)
+            fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the last session using it
+        except BlockingIOError:
+            pass
+        else:
+            if STARTED_BY_TESTS.exists():
+                subprocess.run([str(SLURM / "cluster.sh"), "stop"], capture_output=True, timeout=120, check=False)
+                STARTED_BY_TESTS.unlink(missing_ok=True)
+        users.close()
+
+
+STARTED_BY_TESTS = Path(f"{STATE_DIR}.started-by-tests")  # a session started the cluster: the last one stops it
+
+
+def _start(cluster: Cluster) -> None:
+    """slurm/cluster.sh start; the test is skipped with the reason when it cannot be started."""
+    try:
+        start = [str(SLURM / "cluster.sh"), "start"]
+        r = subprocess.run(start, capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"the local SLURM cluster could not be started (slurm/cluster.sh start: {e})")
+    if r.returncode != 0 or not cluster.answers():
+        said = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        pytest.skip(
+            f"the local SLURM cluster could not be started (slurm/cluster.sh start: exit {r.returncode}:"
+            f" {' / '.join(said)})"
+        )
 
 
 def train_command(save_dir: Path, final_out: Path, args: Sequence[str]) -> list[str]:
