@@ -5,6 +5,7 @@ Run from the repository root (as root: the page cache is dropped before each col
 
     python bench/bench_restore.py                  # 1 GiB of model + AdamW state, 3 trials per row, cold and warm
     python bench/bench_restore.py --gib 3 --trials 5
+    python bench/bench_restore.py --rows preempt --no-resume --ranks   # 1 rank against 2, with the floors
 
 The state (``bench_checkpoint.build_state``: a GPT-like model and AdamW's moments) is saved once four ways: a preempt
 checkpoint, a DCP checkpoint (no process group), one ``torch.save`` file and one safetensors file. Each trial is a
@@ -24,7 +25,9 @@ that resumes has them, then times its load:
 
 The resume rows time a whole process, from its start to its restore's end, started cold, and the restore within
 it: ``preempt`` alone, and ``preempt`` with ``preempt prefetch DIR`` started beside it (as the SLURM templates and
-``preempt supervise`` do), so that the files are read while the child imports torch and builds its model. A warm
+``preempt supervise`` do), so that the files are read while the child imports torch and builds its model. With
+``--ranks``, ``PreemptibleRun`` is also entered under torchrun by one rank and by two ranks on this machine (each
+builds the whole model: replicated state, as under DDP), timed from a barrier to the slowest rank's restore. A warm
 trial reads its row's files once (untimed) first. Medians of ``--trials``; every row in the same run, the rows'
 order rotated from one trial to the next.
 """
@@ -32,6 +35,7 @@ order rotated from one trial to the next.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -47,6 +51,7 @@ sys.path.insert(0, str(HERE))
 
 ROWS = ("cat", "dd_direct", "preempt", "preempt_buffered", "dcp", "torch_load", "st_xxh3")
 RESUMES = ("resume", "resume_prefetch")
+RANKED = ("run_1rank", "run_2ranks")  # PreemptibleRun entered under torchrun: 1 rank, then 2 ranks on this machine
 
 
 def drop_caches() -> None:
@@ -74,8 +79,38 @@ def prepare(work: Path, gib: float) -> int:
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, work / "state.pt")
     flat = flat_tensors(model, opt)
     safetensors.torch.save_file(flat, str(work / "state.safetensors"))
+    with contextlib.suppress(SystemExit):  # a run's own checkpoint (random state, loop), for the --ranks rows
+        from preempt import PreemptibleRun
+
+        with PreemptibleRun(work / "run", model=model, optimizer=opt) as run:
+            run.step()
+            run.request_stop()
+            run.step()  # the stop's checkpoint, then SystemExit
     os.sync()
     return sum(t.numel() * t.element_size() for t in flat.values())
+
+
+def ranked_child(work: Path, gib: float) -> None:
+    """One rank of a ``run_*`` trial (under torchrun): the model built (untimed), then ``PreemptibleRun`` entered
+    (the lock, the choice of the checkpoint, every rank's restore) timed from a barrier; left by SystemExit, so
+    that it saves nothing. Prints this rank's seconds."""
+    import torch.distributed as dist
+    from bench_checkpoint import build_state
+
+    from preempt import PreemptibleRun
+
+    dist.init_process_group("gloo")
+    model, opt = build_state(gib)
+    opt.state.clear()
+    dist.barrier()
+    t0 = time.time()
+    try:
+        with PreemptibleRun(work / "run", model=model, optimizer=opt):
+            took = time.time() - t0
+            print(json.dumps({"rank": dist.get_rank(), "seconds": took}), flush=True)
+            raise SystemExit(0)
+    finally:
+        dist.destroy_process_group()
 
 
 def child(work: Path, gib: float, row: str) -> None:
@@ -158,6 +193,13 @@ def trial(work: Path, gib: float, row: str, cold: bool) -> tuple[float, float]:
     if cold:
         drop_caches()
     cmd = [sys.executable, __file__, "--child", row, "--gib", str(gib), "--work", str(work)]
+    if row in RANKED:
+        ranks = 2 if row == "run_2ranks" else 1
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        cmd = [*torchrun, __file__, "--child", "ranked", "--gib", str(gib), "--work", str(work)]
+        lines = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout.splitlines()
+        took = max(float(json.loads(line)["seconds"]) for line in lines if line.startswith('{"rank"'))
+        return took, took
     helper = None
     env["BENCH_T0"] = repr(time.time())
     if row == "resume_prefetch":
@@ -176,10 +218,14 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--dir", default=str(HERE / "results"), help="where the four copies of the state are written")
     p.add_argument("--no-resume", action="store_true", help="leave out the resume rows (a preempt without prefetch)")
+    p.add_argument("--ranks", action="store_true", help="also PreemptibleRun entered by 1 rank and by 2 (torchrun)")
     p.add_argument("--rows", default=",".join(ROWS), help="the load rows to time (cat and dd_direct always are)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child == "ranked":
+        ranked_child(Path(args.work), args.gib)
+        return
     if args.child:
         child(Path(args.work), args.gib, args.child)
         return
@@ -191,7 +237,8 @@ def main() -> None:
         nbytes = prepare(work, args.gib)
         resumes = () if args.no_resume else RESUMES
         chosen = [r for r in ROWS if r in ("cat", "dd_direct", *args.rows.split(","))]
-        rows = [(r, cold) for cold in (True, False) for r in chosen] + [(r, True) for r in resumes]
+        ranked = RANKED if args.ranks else ()
+        rows = [(r, cold) for cold in (True, False) for r in chosen] + [(r, True) for r in (*resumes, *ranked)]
         times: dict[tuple[str, bool], list[float]] = {k: [] for k in rows}
         loads: dict[tuple[str, bool], list[float]] = {k: [] for k in rows}
         for i in range(args.trials + 1):  # the first round warms up the interpreter's files; not counted
@@ -217,12 +264,20 @@ def main() -> None:
                 f"| {r} | {cold:.2f} s | {cold / floor:.2f}x ({paired(r, 'cat'):.2f}x) |"
                 f" {cold / direct:.2f}x ({paired(r, 'dd_direct'):.2f}x) | {med[(r, False)]:.2f} s |"
             )
-        print("\n| started cold | start to restored | of which the restore | restore vs a cold `cat` (paired) |")
-        print("|---|---:|---:|---:|")
+        if resumes:
+            print("\n| started cold | start to restored | of which the restore | restore vs a cold `cat` (paired) |")
+            print("|---|---:|---:|---:|")
         for r in resumes:
             load = load_med[(r, True)]
             ratio = paired(r, "cat", loads)
             print(f"| {r} | {med[(r, True)]:.2f} s | {load:.2f} s | {load / floor:.2f}x ({ratio:.2f}x) |")
+        if ranked:
+            one, two = med[("run_1rank", True)], med[("run_2ranks", True)]
+            print("\n| started cold, under torchrun | PreemptibleRun entered (slowest rank) | vs 1 rank (paired) |")
+            print("|---|---:|---:|")
+            print(f"| 1 rank | {one:.2f} s | 1.00x |")
+            ratio = paired("run_2ranks", "run_1rank")
+            print(f"| 2 ranks, one machine | {two:.2f} s | {two / one:.2f}x ({ratio:.2f}x) |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
