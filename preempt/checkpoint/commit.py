@@ -390,7 +390,7 @@ def read_file(
       at least :data:`direct_io.MIN_DIRECT` bytes that is not in the page cache is read ``O_DIRECT`` into memory of
       this process's own and hashed piece by piece as it lands (:func:`direct_io.read_whole`): the device writes
       the memory the bytes end in, nothing is copied, and no page cache grows. On the VM of ``bench/README.md`` a
-      cold restore of 1 GiB took 1.21 s so, 1.70 s mapped. A file in the page cache (read ahead by
+      cold restore of 1 GiB took 1.32 s so, 1.61 s mapped (one run). A file in the page cache (read ahead by
       ``preempt prefetch``, or by another rank) is mapped: that was faster there (0.40 s against 0.76 s read into
       new memory), and so is a file larger than :data:`KEEP_SHARE` of the memory available
       (:func:`keeps_in_memory`), whose pages can be dropped and read again under pressure.
@@ -452,12 +452,13 @@ def is_mapping(buf: np.ndarray) -> bool:
 
 
 def _fresh(size: int, *, populate: bool = True) -> np.ndarray:
-    """``size`` bytes of memory of this process's own, its pages faulted in at once where the system can.
+    """``size`` bytes of memory of this process's own, page-aligned; with ``populate``, its pages faulted in at once
+    where the system can (for ``read`` to copy into; a direct read's device writes every page itself).
 
     Not ``np.empty``: NumPy asks for transparent huge pages, and where the kernel compacts memory to find them
-    (``defrag`` set to ``madvise``, its default) a restore into memory that the process has fragmented building its
-    model spent 5-7 s instead of 0.5-1 s for 700 MB on the VM (``bench/README.md``). Faulting every page in one call
-    (``MAP_POPULATE``) cost less than letting ``read`` fault them one by one.
+    (``defrag`` set to ``madvise``, its default), reading 700 MB into such memory in a process that had just built a
+    1 GiB model took 4-7 s on the VM of ``bench/README.md`` (3.7-4.8 s of it in the kernel), against 0.5-1.5 s
+    without huge pages (measured while this was written, 2-6 runs each).
     """
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     try:

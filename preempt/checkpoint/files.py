@@ -61,8 +61,8 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def read_verified(path: Path, expected: FileDigest, *, keep: bool = False, direct: bool = True) -> Any:
-    """The bytes of a checkpoint file, after checking size and digest: mapped, or, with ``keep``, in memory of this
-    process's own (:func:`preempt.checkpoint.commit.read_file`).
+    """The bytes of a checkpoint file, after checking size and digest: mapped, or, with ``keep`` and ``direct``, read
+    past the page cache into memory of this process's own when large and cold (:func:`commit.read_file`).
 
     Raises:
         CorruptCheckpointError: Missing, not a regular file, another size or digest.
@@ -91,13 +91,12 @@ def read_all(
 ) -> dict[str, Any]:
     """Reads and verifies files of the checkpoint directory ``where``, several side by side; the bytes of ``kept``.
 
-    The files of ``kept`` are read into memory of this process's own (their bytes are returned by name; a large
-    one not in the page cache is read ``O_DIRECT`` unless not ``direct``, :func:`preempt.checkpoint.commit.read_file`),
-    those of
-    ``checked`` mapped, and dropped once verified: these are asked of the disk before the first file is read
-    (:func:`preempt.checkpoint.readahead.warm`). Up to :data:`READERS` files are read at once, the largest first:
-    the reads and the hashing let go of the GIL, so the disk reads one file while another is hashed, and a disk
-    that serves several reads at once gets them.
+    The bytes of the files of ``kept`` are returned by name: a large one not in the page cache read ``O_DIRECT``
+    into memory of this process's own (with ``direct``), any other mapped
+    (:func:`preempt.checkpoint.commit.read_file`). Those of ``checked`` are mapped, and dropped once verified. What
+    is mapped is asked of the disk before the first file is read (:func:`preempt.checkpoint.readahead.warm`). Up to
+    :data:`READERS` files are read at once, the largest first: the reads and the hashing let go of the GIL, so the
+    disk reads one file while another is hashed, and a disk that serves several reads at once gets them.
 
     Raises:
         CorruptCheckpointError: A file is missing from the manifest or from the disk, or has another size or
