@@ -6,7 +6,9 @@ with one of the relay's ``targets``, which the relay answers as told (``mode``):
 * ``"oversize"`` -- the object's bytes, then ``extra`` bytes of junk, with no Content-Length and the Range asked
   for ignored (the connection's end marks the body's): a server that answers a 4 KiB read with gigabytes;
 * ``"drip"`` -- the object's real headers, then its body one byte every ``interval`` seconds;
-* ``"error"`` -- a 403 whose S3 error message holds ``message`` (control characters, a terminal's escapes).
+* ``"error"`` -- a 403 whose S3 error message holds ``message`` (control characters, a terminal's escapes);
+* ``"cut"`` -- the first ``cuts`` such GETs answered with their real headers and half their body, then the
+  connection closed (a transfer cut off mid-way); later ones passed through. ``ranges`` records the Range of each.
 
 ``sent`` counts the body bytes the relay managed to write for those GETs before the client hung up: what a capped
 reader let through.
@@ -37,11 +39,14 @@ class Relay(http.server.ThreadingHTTPServer):
         extra: int = 0,
         interval: float = 0.2,
         message: str = "",
+        cuts: int = 1,
     ):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.upstream = upstream.split("://", 1)[1]
         self.mode, self.targets, self.extra, self.interval, self.message = mode, targets, extra, interval, message
         self.sent = 0
+        self.cuts = cuts
+        self.ranges: list[str | None] = []
         self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
 
 
@@ -59,13 +64,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         conn = http.client.HTTPConnection(self.server.upstream, timeout=30)
         target = self.command == "GET" and self.path.split("?", 1)[0].endswith(self.server.targets)
         if target:
+            self.server.ranges.append(self.headers.get("Range"))
+        if target and self.server.mode != "cut":
             headers.pop("Range", None)
             headers.pop("range", None)
         conn.request(self.command, self.path, body=body, headers={**headers, "Host": self.server.upstream})
         resp = conn.getresponse()
         data = resp.read()
         conn.close()
-        if target and resp.status < 300:
+        if target and resp.status < 300 and (self.server.mode != "cut" or self.server.cuts > 0):
             self._misbehave(resp, data)
             return
         self.send_response(resp.status)
@@ -89,6 +96,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+            return
+        if relay.mode == "cut":
+            relay.cuts -= 1
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in _HOP:
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            self.wfile.write(data[: len(data) // 2])
+            relay.sent += len(data) // 2
             return
         self.send_response(200)
         for k, v in resp.getheaders():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import re
 import time
 import urllib.parse
@@ -51,8 +52,10 @@ S3_RETRIES = 2  # s3fs's own retry loop around each call (S3FileSystem.retries: 
 OP_TIMEOUT = "op_timeout"
 DEFAULT_OP_TIMEOUT = 20.0
 MAX_KEYS = 1 << 20  # objects a listing of the prefix may hold
+log = logging.getLogger("preempt")
 MIN_RATE = 1 << 20  # bytes per second: a slower transfer is taken for a hung one
 DOWNLOAD_CHUNK = 1 << 20  # bytes asked of a download's stream at a time (it hands what has arrived, up to this)
+RESUMES = 4  # times a download cut off mid-way is taken up again from where it stopped (as s3fs's get retries)
 MAX_TEXT_BYTES = 256 << 20  # a run record read back (history.jsonl of a very long run)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # an object name inside a step, or a record
 
@@ -99,6 +102,7 @@ class MirrorStore:
         self.url = url
         self.display = redact(url)
         self.clock = time.monotonic  # what a transfer's pace is measured by (a test's own clock too)
+        self.sleep = time.sleep  # the pause before a cut-off download is taken up again
         opts = dict(options or {})
         self.create_bucket = bool(opts.pop(CREATE_BUCKET, False))
         self.op_timeout = float(opts.pop(OP_TIMEOUT, DEFAULT_OP_TIMEOUT))
@@ -315,7 +319,15 @@ class MirrorStore:
                         digest.update(data)
                         written += len(data)
 
-                    self._stream(self.key(step, name), 0, size, sink, DOWNLOAD_CHUNK)
+                    for attempt in range(RESUMES + 1):  # a transfer cut off mid-way goes on from where it stopped
+                        try:
+                            self._stream(self.key(step, name), written, size, sink, DOWNLOAD_CHUNK)
+                            break
+                        except _cut_off() as e:
+                            if attempt == RESUMES or written >= size:
+                                raise
+                            log.debug("%s: cut off after %d bytes (%s); going on", self.where(step, name), written, e)
+                            self.sleep(min(0.1 * 2**attempt, 2.0))
                 return FileDigest(written, digest.hexdigest())
             paced = Paced(size, self.op_timeout, self.clock) if size else None
             self.fs.get_file(self.key(step, name), str(local_path), **self._limit(size), **_callback(paced))
@@ -412,6 +424,14 @@ class Paced:
 
     def set_size(self, size: Any) -> None:
         """(s3fs tells a download's Content-Length; the cap is ours, not the server's)"""
+
+
+def _cut_off() -> tuple[type[BaseException], ...]:
+    """The errors of a transfer cut off mid-way (s3fs's retryable ones, less the timeouts: a transfer out of time
+    is not taken up again)."""
+    from s3fs.core import S3_RETRYABLE_ERRORS
+
+    return tuple(e for e in S3_RETRYABLE_ERRORS if not issubclass(e, TimeoutError))
 
 
 def _callback(paced: Paced | None) -> dict[str, Any]:

@@ -361,3 +361,21 @@ def test_a_pull_never_downloads_more_than_the_disk_can_take(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"declares 1048576\.0 GiB to download; .* \(keeping 256\.0 MiB"):
         pull_module._room(tmp_path, declaring(1 << 50), where, None)
     pull_module._room(tmp_path, declaring(1 << 10), where, None)
+
+
+def test_a_download_cut_off_mid_way_goes_on_from_where_it_stopped(tmp_path, mirror_url, relayed):
+    """A connection closed mid-body (a flaky network, a restarted proxy): the pull asks for the rest of the object,
+    from the byte where it stopped, and the file verifies; s3fs's own get did the same, which the streamed download
+    must keep."""
+    local = tmp_path / "local"
+    saved(local, [2])
+    put_checkpoint(MirrorStore(mirror_url), local, 2)
+    server, options = relayed("cut", ("model.safetensors",), cuts=2)
+    store = MirrorStore(mirror_url, options)
+    store.sleep = lambda seconds: None
+    got = pull(store, tmp_path / "new")
+    assert (got / "model.safetensors").read_bytes() == (local / checkpoint_name(2) / "model.safetensors").read_bytes()
+    size = (got / "model.safetensors").stat().st_size
+    # the whole object asked for, then the rest from where each cut left it: never from the start again
+    starts = [int(r.split("=")[1].split("-")[0]) for r in server.ranges]
+    assert server.cuts == 0 and len(starts) == 3 and starts[0] == 0 and 0 < starts[1] < starts[2] < size, starts
