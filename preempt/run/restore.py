@@ -244,7 +244,11 @@ class Starter:
     # ---------------------------------------------------------------- a follower
 
     def follow(self) -> None:
-        """A rank other than 0: loads the checkpoint rank 0 chose (in this save_dir or, for a request, another)."""
+        """A rank other than 0: loads the checkpoint rank 0 chose (in this save_dir or, for a request, another).
+
+        It reads the one rank 0 most likely chooses first, at the same time as rank 0 (:meth:`_read_ahead`), so that
+        the ranks load together rather than one after the other."""
+        ahead = self._read_ahead()
         kind, detail, branch, holder = self.peers.broadcast(None)
         if kind == "complete":
             raise RunComplete(str(self.save_dir))
@@ -255,7 +259,7 @@ class Starter:
             self.snapshot.lineage = {"request": None, "started": time.time()}
         else:
             chosen = Path(detail) if self.peers.nodes is None else self._bring(Path(detail))
-            self._load_chosen(chosen, weights_only=branch and self.config.weights_only)
+            self._load_chosen(chosen, weights_only=branch and self.config.weights_only, ahead=ahead)
         self._branch_due = bool(branch)  # rank 0 moves the old timeline aside
 
     # ---------------------------------------------------------------- how the ranks share the save_dir
@@ -341,7 +345,30 @@ class Starter:
             raise PreemptError(f"a node could not bring {path.name} from the mirror: {said}")
         return self.save_dir / path.name
 
-    def _load_chosen(self, path: Path, *, weights_only: bool) -> None:
+    def _read_ahead(self) -> tuple[CheckpointInfo, state.Loaded] | None:
+        """A rank other than 0, before rank 0 names the checkpoint: the newest valid one of the save_dir, read and
+        verified as rank 0 reads it (through the page cache: the disk reads it once for both), or None.
+
+        Only when rank 0 will most likely choose it: no fresh start or resume request. Used only when rank 0 names
+        the same save (its path, time and digests: :func:`_same_save`); read in vain when rank 0 chooses another (a
+        newer one from the mirror, an older one when this one fails rank 0's checks, another on a node whose
+        save_dir is its own), and dropped: the chosen one is then read as before. Nothing here moves or changes a
+        checkpoint, and a failure is only a read ahead not made."""
+        if self.config.starts_fresh or self._request() is not None:
+            return None
+        try:
+            info = next((c for c in self.manager.list() if c.status == "valid" and c.valid.part is None), None)
+            if info is None:
+                return None
+            return info, self.manager.read(info, rank=self.peers.rank, direct=False)
+        except Exception as e:  # damaged, gone meanwhile (rank 0 set it aside), unreadable: rank 0 decides
+            why = f"{type(e).__name__}: {e}"
+            log.debug("rank %d: no checkpoint read ahead of rank 0's choice (%s)", self.peers.rank, why)
+            return None
+
+    def _load_chosen(
+        self, path: Path, *, weights_only: bool, ahead: tuple[CheckpointInfo, state.Loaded] | None = None
+    ) -> None:
         here = path.parent.resolve() == self.save_dir.resolve()
         source = self.manager if here else CheckpointManager(path.parent, owner=False)
         info = next((c for c in source.list() if c.path.resolve() == path.resolve()), None)
@@ -358,6 +385,10 @@ class Starter:
             log.warning(
                 "rank %d: %s was written by fewer ranks; this rank starts from rank 0's random state", rank, path
             )
+        if ahead is not None and _same_save(ahead[0], info):
+            log.debug("rank %d: %s was read while rank 0 chose it", rank, path)
+            self.restore(info, ahead[1])
+            return
         self.restore(info, source.read(info, rank=rank, direct=self.peers.alone))
 
     def load_tracked(self, name: str, obj: state.Stateful) -> None:
@@ -457,6 +488,13 @@ class Starter:
 
 
 # ---------------------------------------------------------------- the boundary
+
+
+def _same_save(a: CheckpointInfo, b: CheckpointInfo) -> bool:
+    """Whether two listings name the same save: one path, one manifest (its time and its files' digests)."""
+    if a.path.resolve() != b.path.resolve() or a.manifest is None or b.manifest is None:
+        return False
+    return a.manifest.created == b.manifest.created and a.manifest.files == b.manifest.files
 
 
 def check_sharded(config: RunConfig, model: Any) -> bool:

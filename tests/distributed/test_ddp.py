@@ -75,9 +75,11 @@ def test_sigterm_to_the_agent_resumes_bit_exact(tmp_path, reference, mode, stops
         assert len(stops) == 2 and stops[0] == stops[1], f"seed {seed}: both ranks must stop at one step\n{p.output}"
         info = CheckpointManager(save_dir, owner=False).list()[0]
         assert info.step == int(stops[0]) and set(info.manifest.files) >= {"rank_00001.json", "model.safetensors"}
-    p = torchrun(save_dir, final, ARGS)
+    p = torchrun(save_dir, final, ARGS, env={"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert p.finish() == 0, p.output
     assert re.search(r"resumed from \S+ step \d+", p.output) or "resumed from" in p.output, p.output
+    # rank 1 read the checkpoint while rank 0 chose it, and loaded what it had read (bit-exact below)
+    assert re.search(rf"rank 1: \S+/step_{info.step:09d} was read while rank 0 chose it", p.output), p.output
     assert_equal_finals(reference, ddp_finals(final))
 
 
