@@ -375,6 +375,31 @@ def test_staging_buffers_are_prepared_in_the_background_for_the_optimizer_state(
             run.step()
 
 
+def test_a_resumed_run_sizes_its_buffers_for_the_restored_optimizer_before_its_first_step(tmp_path):
+    """The optimizer of a resumed run has its moments from the restore: the buffers are sized for them as the run
+    starts, not once its first step has run (the first checkpoint after a resume finds them ready)."""
+    model, opt, data = build()
+    with (
+        pytest.raises(Preempted),
+        PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_interval=None) as run,
+    ):
+        next(run.epochs(1))
+        steps(run, model, opt, data, 2)
+        run.request_stop()
+        run.step()  # the stop's checkpoint, at step 3
+    model, opt, _ = build()
+    assert not opt.state
+    with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_interval=None) as run:
+        assert opt.state and run.global_step == 3  # restored
+        run.wait_for_checkpoint()  # the sizing started at the start is done
+        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        assert run.saves.buffer_nbytes >= 3 * state_bytes  # weights + exp_avg + exp_avg_sq, before any step
+        assert run.saves.prepare_at is None  # and not sized again after the first step
+        run.request_stop()
+        with pytest.raises(Preempted):
+            run.step()
+
+
 def test_a_new_jobs_writer_writes_a_pool_ahead_and_its_first_checkpoint_writes_over_it(tmp_path):
     """The real writer thread: once the buffers are sized for the optimizer's state, the pool appears; the first
     checkpoint's files are the pool's files (same inodes), and its state is that of its step, bit for bit."""
