@@ -168,7 +168,7 @@ def _resident(fd: int, size: int) -> tuple[int, int] | None:
             del view
         if failed:
             return None
-        return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()), pages
+        return int((np.frombuffer(bytes(vec), dtype=np.uint8) & 1).sum()), pages
     finally:
         mapped.close()
 

@@ -310,13 +310,10 @@ class PreemptibleRun:
         self.reporter.start(self.resumed_from, self._starter.resume_line, made_at=self._made_at)
         self.mirroring.begin(self.saves.last_info)
         if self.config.async_save:
-            # A restored optimizer has its state already: the buffers are sized for it now, not after the first step
-            # (the payload was captured before the restore, to refuse unsupported state early).
-            restored = opt is not None and bool(opt.state)
-            if restored:
-                payload = self.snapshot.capture()
-            later = opt is not None and not restored
-            self.saves.start(payload, optimizer_state_later=later, lazy=self.config.lazy_snapshot)
+            restored = opt is not None and bool(opt.state)  # a resumed optimizer: its moments are there already
+            self.saves.start(
+                payload, optimizer_state_later=opt is not None, restored=restored, lazy=self.config.lazy_snapshot
+            )
         self._recompute_due()
 
     # ----------------------------------------------------------------- exit

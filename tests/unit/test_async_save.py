@@ -375,9 +375,9 @@ def test_staging_buffers_are_prepared_in_the_background_for_the_optimizer_state(
             run.step()
 
 
-def test_a_resumed_run_sizes_its_buffers_for_the_restored_optimizer_before_its_first_step(tmp_path):
-    """The optimizer of a resumed run has its moments from the restore: the buffers are sized for them as the run
-    starts, not once its first step has run (the first checkpoint after a resume finds them ready)."""
+def test_a_resumed_run_sizes_its_buffers_once_for_the_restored_optimizer_at_its_first_step(tmp_path):
+    """The optimizer of a resumed run has its moments from the restore: the buffers are sized for them once, at the
+    first step boundary (not at the start, while other ranks may still be restoring, and not twice)."""
     model, opt, data = build()
     with (
         pytest.raises(Preempted),
@@ -387,14 +387,17 @@ def test_a_resumed_run_sizes_its_buffers_for_the_restored_optimizer_before_its_f
         steps(run, model, opt, data, 2)
         run.request_stop()
         run.step()  # the stop's checkpoint, at step 3
-    model, opt, _ = build()
+    model, opt, data = build()
     assert not opt.state
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_interval=None) as run:
         assert opt.state and run.global_step == 3  # restored
-        run.wait_for_checkpoint()  # the sizing started at the start is done
+        assert run.saves.job is None and run.saves.buffer_nbytes == 0  # nothing sized at the start
+        next(run.epochs(1))
+        steps(run, model, opt, data, 1)  # the first step boundary: sized for the whole state
+        run.wait_for_checkpoint()
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        assert run.saves.buffer_nbytes >= 3 * state_bytes  # weights + exp_avg + exp_avg_sq, before any step
-        assert run.saves.prepare_at is None  # and not sized again after the first step
+        assert run.saves.buffer_nbytes >= 3 * state_bytes  # weights + exp_avg + exp_avg_sq
+        assert run.saves.prepare_at is None  # and not sized again
         run.request_stop()
         with pytest.raises(Preempted):
             run.step()
