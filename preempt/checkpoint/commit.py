@@ -375,7 +375,7 @@ def _create(path: str | os.PathLike[str]) -> int:
 
 
 def read_file(
-    path: str | os.PathLike[str], expected_size: int | None = None, *, keep: bool = False, direct: bool = True
+    path: str | os.PathLike[str], expected_size: int | None = None, *, direct: bool = False
 ) -> tuple[np.ndarray, FileDigest]:
     """The whole file as a writable uint8 array, and its digest.
 
@@ -386,7 +386,7 @@ def read_file(
       (``bench/bench_verify.py``). Writes to the array never reach the file. The mapping pins the file's pages,
       and a file truncated by someone else while mapped would fault on access: callers that keep tensors beyond
       loading copy them (:func:`preempt.checkpoint.state.apply`).
-    * With ``keep`` and ``direct`` (a restore, whose tensors become the optimizer's state as they are), a file of
+    * With ``direct`` (a restore, whose tensors become the optimizer's state as they are), a file of
       at least :data:`direct_io.MIN_DIRECT` bytes that is not in the page cache is read ``O_DIRECT`` into memory of
       this process's own and hashed piece by piece as it lands (:func:`direct_io.read_whole`): the device writes
       the memory the bytes end in, nothing is copied, and no page cache grows. On the VM of ``bench/README.md`` a
@@ -402,9 +402,9 @@ def read_file(
     Args:
         path: The file (never followed if a symlink, never opened if a FIFO: :func:`safe_io.open_fd`).
         expected_size: When given, a file of another size is not read at all.
-        keep: The caller keeps the bytes (a restore): read a large file not in the page cache ``O_DIRECT``.
-        direct: False: never ``O_DIRECT``, so that other processes of this machine find the file in the page
-            cache (the other ranks, which read it next).
+        direct: The caller keeps the bytes (a process alone restoring): a large file not in the page cache is read
+            ``O_DIRECT``. False where other processes of this machine read the file next (the other ranks find it
+            in the page cache), or where it is only checked.
 
     Raises:
         OSError: The file cannot be opened or read.
@@ -417,7 +417,7 @@ def read_file(
             raise ValueError(f"size {size} bytes, manifest says {expected_size}")
         if size == 0:
             return np.zeros(0, dtype=np.uint8), FileDigest(0, xxhash.xxh3_128_hexdigest(b""))
-        if keep and direct and size >= direct_io.MIN_DIRECT and not direct_io.cached(f.fileno(), size):
+        if direct and size >= direct_io.MIN_DIRECT and not direct_io.cached(f.fileno(), size):
             if keeps_in_memory(size, readahead.host_memory_available()):
                 try:
                     return _read_direct(f.fileno(), size)

@@ -60,9 +60,9 @@ def read_manifest(path: Path) -> Manifest:
         raise CorruptCheckpointError(str(e)) from None
 
 
-def read_verified(path: Path, expected: FileDigest, *, keep: bool = False, direct: bool = True) -> Any:
-    """The bytes of a checkpoint file, after checking size and digest: mapped, or, with ``keep`` and ``direct``, read
-    past the page cache into memory of this process's own when large and cold (:func:`commit.read_file`).
+def read_verified(path: Path, expected: FileDigest, *, direct: bool = False) -> Any:
+    """The bytes of a checkpoint file, after checking size and digest: mapped, or, with ``direct``, read past the
+    page cache into memory of this process's own when large and cold (:func:`commit.read_file`).
 
     Raises:
         CorruptCheckpointError: Missing, not a regular file, another size or digest.
@@ -70,7 +70,7 @@ def read_verified(path: Path, expected: FileDigest, *, keep: bool = False, direc
     """
     try:
         regular_file(path)
-        buf, got = commit.read_file(path, expected.size, keep=keep, direct=direct)
+        buf, got = commit.read_file(path, expected.size, direct=direct)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: missing") from None
     except ValueError as e:
@@ -112,7 +112,7 @@ def read_all(
 
     def one(item: tuple[str, bool]) -> Any:
         name, keep = item
-        return read_verified(where / name, files[name], keep=keep, direct=direct)
+        return read_verified(where / name, files[name], direct=keep and direct)
 
     if len(order) == 1:
         buf = one(order[0])

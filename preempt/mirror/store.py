@@ -37,6 +37,8 @@ from ..checkpoint.commit import FileDigest, checkpoint_name, parse_checkpoint_na
 from ..checkpoint.safe_io import printable
 from ..errors import MirrorError
 
+log = logging.getLogger("preempt")
+
 # Our own option, taken out of ``mirror_options`` before the rest goes to fsspec: create a missing bucket
 # (the tests do; a production bucket is made by its owner, with its policies).
 CREATE_BUCKET = "create_bucket"
@@ -52,7 +54,6 @@ S3_RETRIES = 2  # s3fs's own retry loop around each call (S3FileSystem.retries: 
 OP_TIMEOUT = "op_timeout"
 DEFAULT_OP_TIMEOUT = 20.0
 MAX_KEYS = 1 << 20  # objects a listing of the prefix may hold
-log = logging.getLogger("preempt")
 MIN_RATE = 1 << 20  # bytes per second: a slower transfer is taken for a hung one
 DOWNLOAD_CHUNK = 1 << 20  # bytes asked of a download's stream at a time (it hands what has arrived, up to this)
 RESUMES = 4  # times a download cut off mid-way is taken up again from where it stopped (as s3fs's get retries)

@@ -310,10 +310,7 @@ class PreemptibleRun:
         self.reporter.start(self.resumed_from, self._starter.resume_line, made_at=self._made_at)
         self.mirroring.begin(self.saves.last_info)
         if self.config.async_save:
-            restored = opt is not None and bool(opt.state)  # a resumed optimizer: its moments are there already
-            self.saves.start(
-                payload, optimizer_state_later=opt is not None, restored=restored, lazy=self.config.lazy_snapshot
-            )
+            self.saves.start(payload, optimizer_state_later=opt is not None, lazy=self.config.lazy_snapshot)
         self._recompute_due()
 
     # ----------------------------------------------------------------- exit

@@ -148,10 +148,10 @@ class SaveScheduler:
     def buffer_nbytes(self) -> int:
         return 0 if self.stager is None else self.stager.nbytes
 
-    def start(self, payload: Any, *, optimizer_state_later: bool, restored: bool = False, lazy: bool = False) -> None:
+    def start(self, payload: Any, *, optimizer_state_later: bool, lazy: bool = False) -> None:
         """Background saves from now: the buffers are sized for ``payload`` in the background.
 
-        ``restored``: the optimizer's state was restored (a resume). The buffers are then sized once, for the whole
+        An optimizer that has state already was restored (a resume). The buffers are then sized once, for the whole
         state, at the first step (``payload`` was captured before the restore, without the moments): not now, while
         the other ranks may still be restoring on the same cores (sizing 1 GiB at the start made two ranks' restore
         on the 2-core VM take 6.03 s instead of 2.05 s), and not twice.
@@ -182,8 +182,8 @@ class SaveScheduler:
         if lazy and optimizer is not None and self.writers is None:
             self.lazy = True
             self._hook = optimizer.register_step_pre_hook(self._optimizer_stepping)
-        if restored:
-            self.prepare_at = self.loop.global_step  # at the first step boundary, sized for the restored state
+        if optimizer is not None and optimizer.state:  # restored: sized at the first step boundary, for all of it
+            self.prepare_at = self.loop.global_step
             return
         self._prepare(payload)
         if optimizer_state_later:

@@ -173,14 +173,14 @@ def test_a_restore_reads_a_cold_file_past_the_page_cache_and_maps_a_cached_one(t
     _uncached_file(path, data)
     want = commit.FileDigest(len(data), __import__("xxhash").xxh3_128_hexdigest(data))
 
-    buf, got = commit.read_file(path, len(data), keep=True)
+    buf, got = commit.read_file(path, len(data), direct=True)
     assert bytes(buf) == data and got == want
     assert buf.flags.writeable and not commit.is_mapping(buf)
     assert _cached(path) == (not direct_io_supported(tmp_path))  # read direct: still not in the page cache
 
     path.read_bytes()  # now it is (as after preempt prefetch)
     assert _cached(path)
-    again, got = commit.read_file(path, len(data), keep=True)  # mapped: the page cache has it
+    again, got = commit.read_file(path, len(data), direct=True)  # mapped: the page cache has it
     assert bytes(again) == data and got == want and commit.is_mapping(again)
 
     mapped, got = commit.read_file(path, len(data))  # to check a file only: its mapping, no copy
@@ -192,7 +192,7 @@ def test_a_file_read_without_o_direct_is_read_through_the_page_cache(tmp_path, m
     path = tmp_path / "f"
     _uncached_file(path, data)
     monkeypatch.setattr(direct_io, "_O_DIRECT", 0)  # a system without the flag
-    buf, got = commit.read_file(path, len(data), keep=True)
+    buf, got = commit.read_file(path, len(data), direct=True)
     assert bytes(buf) == data and got == commit.hash_file(path) and commit.is_mapping(buf)
     assert _cached(path)
 
@@ -204,7 +204,7 @@ def test_a_file_too_large_for_the_memory_available_is_mapped_not_read_direct(tmp
     path = tmp_path / "f"
     _uncached_file(path, data)
     monkeypatch.setattr(readahead, "host_memory_available", lambda *a: 2 * MB)  # the file would take all of it
-    buf, got = commit.read_file(path, len(data), keep=True)
+    buf, got = commit.read_file(path, len(data), direct=True)
     assert bytes(buf) == data and commit.is_mapping(buf)
 
 
