@@ -457,7 +457,7 @@ def _fresh(size: int, *, populate: bool = True) -> np.ndarray:
 
     Not ``np.empty``: NumPy asks for transparent huge pages, and where the kernel compacts memory to find them
     (``defrag`` set to ``madvise``, its default), reading 700 MB into such memory in a process that had just built a
-    1 GiB model took 4-7 s on the VM of ``bench/README.md`` (3.7-4.8 s of it in the kernel), against 0.5-1.5 s
+    1 GiB model took 4-7 s on the VM of ``bench/README.md`` (3.7-4.8 s of it in the kernel), against 0.5-2.3 s
     without huge pages (measured while this was written, 2-6 runs each).
     """
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
