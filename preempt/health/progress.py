@@ -60,12 +60,17 @@ def eta_seconds(remaining_steps: int, steps_per_s: float | None) -> float | None
     return min(remaining_steps / steps_per_s, ETA_CAP_S)
 
 
-def check_epochs(n: object, steps_per_epoch: object = None) -> None:
-    """The arguments of ``run.epochs(n, steps_per_epoch=...)``, checked.
+def check_epochs(n: object, steps_per_epoch: object = None, max_steps: object = None) -> None:
+    """The arguments of ``run.epochs(n, steps_per_epoch=..., max_steps=...)``, checked.
 
     Raises:
-        ValueError: ``n`` is not an integer >= 0, or ``steps_per_epoch`` is neither None nor an integer >= 1.
+        ValueError: ``n`` is not an integer >= 0, or ``steps_per_epoch`` is neither None nor an integer >= 1, or
+            ``max_steps`` neither None nor an integer >= 0.
     """
+    if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0):
+        raise ValueError(
+            f"epochs: max_steps: expected None or an integer >= 0 (the loop's last global step), got {max_steps!r}"
+        )
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ValueError(f"epochs: expected an integer >= 0, got {n!r}")
     if steps_per_epoch is not None and (
@@ -77,18 +82,22 @@ def check_epochs(n: object, steps_per_epoch: object = None) -> None:
         )
 
 
-def planned_total(epochs: int | None, steps_per_epoch: int | None, measured: int | None = None) -> int | None:
+def planned_total(
+    epochs: int | None, steps_per_epoch: int | None, measured: int | None = None, max_steps: int | None = None
+) -> int | None:
     """The run's last global step, for ``step N/T`` and the ETA; None when it cannot be known.
 
     ``epochs * steps_per_epoch`` when the loop said how many ``run.step()`` calls an epoch has
     (``run.epochs(n, steps_per_epoch=...)``, for a loader without a length such as an IterableDataset's); otherwise
-    ``measured``, the caller's estimate from the loader's length and the steps per batch seen so far.
+    ``measured``, the caller's estimate from the loader's length and the steps per batch seen so far. A loop that
+    ends at a step count (``run.epochs(n, max_steps=...)``, a framework's ``max_steps``) ends there if that comes first.
     """
-    if epochs is None:
-        return None
-    if steps_per_epoch is not None:
-        return epochs * steps_per_epoch
-    return measured
+    planned = None
+    if epochs is not None:
+        planned = epochs * steps_per_epoch if steps_per_epoch is not None else measured
+    if max_steps is None:
+        return planned
+    return max_steps if planned is None else min(planned, max_steps)
 
 
 class Progress:

@@ -9,6 +9,14 @@ type (a class, a ``Namespace``) is refused by the codec with a message naming it
 The model, optimizers, schedulers and the precision plugin's scaler are the run's own components; Lightning's
 ``state_dict`` entry and the RNG states are the run's too.
 
+A datamodule of Lightning 2.x has ``state_dict``/``load_state_dict`` but no ``on_save_checkpoint`` hooks (1.x had
+them, and a user's class may still define them): each hook is called only where the object has it.
+
+The hyper-parameters are a record, not state: the module that resumes is built by the user's code with its own. So
+they never block a run: what JSON can hold is kept as it is, and anything else (a ``torch.nn.Module`` given to
+``save_hyperparameters()``, a ``functools.partial`` optimizer factory, a class) is recorded by its type and import
+path (:func:`hyper_parameters`), with one warning naming the keys.
+
 On load, the fit loop's counters are loaded through ``fit_loop.load_state_dict``, which marks the loops as
 restarting: Lightning then continues the epoch after the last step, exactly as after its own mid-epoch
 checkpoint. The hyper-parameters are kept for reading (``preempt inspect``, ``export``), not loaded: the module
@@ -17,8 +25,11 @@ that resumes was built with its own.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .. import _log
 from ..errors import IncompatibleStateError
 
 if TYPE_CHECKING:
@@ -26,6 +37,48 @@ if TYPE_CHECKING:
 
 # The keys of one Lightning state; the format's version, for a later change of it.
 VERSION = 1
+_DEPTH = 16  # deeper hyper-parameters are recorded by type (the codec refuses JSON past 64 levels)
+
+
+def _path(obj: Any) -> str:
+    """``torch.nn.modules.linear.Linear`` for a class or an instance of it; a function's qualified name."""
+    target = obj if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+    module = getattr(target, "__module__", None) or "?"
+    return f"{module}.{getattr(target, '__qualname__', type(target).__name__)}"
+
+
+def _record(value: Any) -> str:
+    """What a value JSON cannot hold is recorded as: its kind and import path, never its contents."""
+    if isinstance(value, functools.partial):
+        return f"<functools.partial of {_path(value.func)}>"
+    if isinstance(value, type):
+        return f"<class {_path(value)}>"
+    if callable(value) and hasattr(value, "__qualname__") and not hasattr(value, "state_dict"):
+        return f"<function {_path(value)}>"
+    return f"<{_path(value)}>"
+
+
+def hyper_parameters(hparams: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The hyper-parameters as JSON can hold them, and the keys recorded by type instead (dotted, in order).
+
+    Strings, numbers, booleans, None, lists, tuples and string-keyed dicts of these are kept;
+    anything else (modules, partials, classes, tensors, ``Namespace``) becomes a string naming its type and import
+    path. Pure: nothing is called on the values.
+    """
+    recorded: list[str] = []
+
+    def keep(value: Any, key: str, depth: int) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if depth < _DEPTH and isinstance(value, (list, tuple)):
+            return [keep(v, f"{key}[{i}]", depth + 1) for i, v in enumerate(value)]
+        if depth < _DEPTH and isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            return {k: keep(v, f"{key}.{k}", depth + 1) for k, v in value.items()}
+        recorded.append(key)
+        return _record(value)
+
+    kept = {str(k): keep(v, str(k), 1) for k, v in hparams.items()}
+    return kept, recorded
 
 
 class TrainerState:
@@ -41,6 +94,19 @@ class TrainerState:
         self.trainer = trainer
         self.module = module
         self.skip = skip
+        self._told: set[str] = set()  # hyper-parameters already said to be recorded by type
+
+    def _hyper_parameters(self) -> dict[str, Any]:
+        kept, recorded = hyper_parameters(self.module.hparams)
+        new = [key for key in recorded if key not in self._told]
+        if new:
+            self._told.update(new)
+            _log.log.warning(
+                "Lightning hyper-parameters %s are kept in checkpoints by type and import path only (JSON cannot hold"
+                " them, and preempt never pickles); resuming does not need them: your code builds the module",
+                ", ".join(new),
+            )
+        return kept
 
     def _callbacks(self) -> list[Any]:
         return [cb for cb in self.trainer.callbacks if cb is not self.skip]
@@ -58,8 +124,8 @@ class TrainerState:
         extras: dict[str, Any] = {}
         self.module.on_save_checkpoint(extras)  # what the user's module adds to a Lightning checkpoint
         dm_extras: dict[str, Any] = {}
-        if datamodule is not None:
-            datamodule.on_save_checkpoint(dm_extras)
+        if datamodule is not None and callable(getattr(datamodule, "on_save_checkpoint", None)):
+            datamodule.on_save_checkpoint(dm_extras)  # Lightning 1.x's hook, still defined by some datamodules
         return {
             "version": VERSION,
             "lightning_version": lightning.__version__,
@@ -68,7 +134,7 @@ class TrainerState:
             "fit_loop": trainer.fit_loop.state_dict(),
             "callbacks": callbacks,
             "datamodule": datamodule.state_dict() if datamodule is not None else None,
-            "hyper_parameters": dict(self.module.hparams),
+            "hyper_parameters": self._hyper_parameters(),
             "module_extras": extras,
             "datamodule_extras": dm_extras,
         }
@@ -94,4 +160,10 @@ class TrainerState:
         if state["module_extras"]:
             self.module.on_load_checkpoint(dict(state["module_extras"]))
         if datamodule is not None and state["datamodule_extras"]:
-            datamodule.on_load_checkpoint(dict(state["datamodule_extras"]))
+            hook = getattr(datamodule, "on_load_checkpoint", None)
+            if not callable(hook):
+                raise IncompatibleStateError(
+                    f"Lightning state: the checkpoint holds what {type(datamodule).__name__}.on_save_checkpoint added,"
+                    " and this datamodule has no on_load_checkpoint to take it"
+                )
+            hook(dict(state["datamodule_extras"]))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping
 from pathlib import Path
@@ -50,9 +51,9 @@ from ..cluster.environment import Environment, provenance
 from ..data import rng
 from ..data.sampler import ResumableSampler
 from ..data.shield import shield_workers
-from ..errors import PeerLost, PreemptError, RunComplete
+from ..errors import CHECK_ENDED_EXIT_CODE, PeerLost, Preempted, PreemptError, RunComplete
 from ..health.progress import check_epochs
-from .config import RunConfig, RunOptions
+from .config import RunConfig, RunOptions, checked_config
 from .data_cursor import DataCursor
 from .guarding import Health, OomStep
 from .loop_state import LoopState
@@ -137,6 +138,11 @@ class PreemptibleRun:
         cfg = self.config = config if config is not None else RunConfig(**options)  # checks them all
         if not isinstance(cfg, RunConfig):
             raise TypeError(f"PreemptibleRun: config: expected a RunConfig, got {type(cfg).__name__}")
+        self.env = Environment.from_env()
+        self._check = check = self.env.check  # inside `preempt check`: its scratch save_dir, its saves and stops
+        if check is not None:
+            save_dir, cfg = check.save_dir, checked_config(cfg)
+            self.config = cfg
         self.save_dir = Path(save_dir)
         self.policy = cfg.save_policy()
         sharded = check_sharded(cfg, self.components.model)
@@ -146,7 +152,6 @@ class PreemptibleRun:
         self.manager = CheckpointManager(
             save_dir, retention=cfg.retention(), carry_unchanged=cfg.carry, owner=peers.leader
         )
-        self.env = Environment.from_env()
         self._clock = clock  # below: the parts, each of one concern, each whole when made; the run composes them
         self.loop = LoopState()
         self.stopper = Stopper(cfg, self.env, self.save_dir, clock)
@@ -192,6 +197,7 @@ class PreemptibleRun:
         self._batches_epoch = -1  # the epoch whose batches() has started
         self._due_time = math.inf  # before this, run.step() does not look (the loop holds the step and batch ones)
         self._step_hook: Any = None
+        self._check_steps = frozenset() if check is None else check.saves | check.stops | {check.last}
 
     # ---------------------------------------------------------------- what a user reads
 
@@ -366,15 +372,20 @@ class PreemptibleRun:
 
     # ---------------------------------------------------------------- loop
 
-    def epochs(self, n: int, steps_per_epoch: int | None = None) -> Generator[int, None, None]:
+    def epochs(
+        self, n: int, steps_per_epoch: int | None = None, *, max_steps: int | None = None
+    ) -> Generator[int, None, None]:
         """Yields epoch numbers from the resumed epoch up to ``n - 1``.
 
         Each boundary (before every epoch, and after the last) is a safe point. ``steps_per_epoch`` (the run.step()
-        calls of one epoch) gives the progress line a total and an ETA where the loader has no length.
+        calls of one epoch) gives the progress line a total and an ETA where the loader has no length; ``max_steps``
+        (a loop that ends at that global step when it comes before the last epoch's end: the loop itself breaks
+        there) is the total when it comes first.
         """
-        check_epochs(n, steps_per_epoch)
+        check_epochs(n, steps_per_epoch, max_steps)
         self._check_active("epochs")
-        self.reporter.epochs_total, self.reporter.steps_per_epoch = n, steps_per_epoch
+        reporter = self.reporter
+        reporter.epochs_total, reporter.steps_per_epoch, reporter.max_steps = n, steps_per_epoch, max_steps
         loop = self.loop
         while True:
             rng_now = self.data.resume_at_epoch(loop.epoch)
@@ -446,6 +457,8 @@ class PreemptibleRun:
             loop.record(metrics, self.manager.retention)
             self.reporter.log_metrics(metrics)
             look = look or loop.best_pending
+        if self._check is not None and step in self._check_steps:
+            self._check_point(step)
         # The ranks meet at every sync_every_steps-th step, all together; alone, only when something may be due.
         if self._every:
             if step % self._every == 0:
@@ -595,6 +608,25 @@ class PreemptibleRun:
                 saves.save(Reason.PREEMPT, point)
             self._stop(peer=agreed.signal_rank, requested=requested)
         self._recompute_due()
+
+    def _check_point(self, step: int) -> None:
+        """A step ``preempt check`` named: its checkpoint, then the stop there (as a signal's), a SIGKILL once that
+        checkpoint is durable, or the end of the check (a stop whose exit code says so, the run not complete)."""
+        check = self._check
+        assert check is not None
+        if step in check.saves or step == check.last or (check.kill and step in check.stops):
+            self.saves.save(Reason.STEPS, "step")  # synchronous inside a check: durable on every rank when it returns
+        if check.kill and step in check.stops:
+            self.peers.broadcast(None)  # every rank's files are written before any rank dies
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == check.last or step in check.stops:
+            self.stopper.flag.request(None)
+            try:
+                self._safe_point("step")
+            except Preempted as e:
+                if step == check.last:
+                    e.code = CHECK_ENDED_EXIT_CODE
+                raise
 
     def _stop(self, peer: int = -1, requested: bool | None = None) -> None:
         self.stopper.stop(self.loop, checkpoint=self.saves.last_checkpoint, peer=peer, requested=requested)

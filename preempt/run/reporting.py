@@ -116,6 +116,7 @@ class Reporter:
         self._first_step = False  # the first safe point after the start is still to be marked
         self.epochs_total: int | None = None
         self.steps_per_epoch: int | None = None  # run.epochs(n, steps_per_epoch=...): the total of an unsized loader
+        self.max_steps: int | None = None  # run.epochs(n, max_steps=...): the loop ends at that step if not before
         self._runlog: RunLog | None = None
         self._held: EarlyRecords | None = None  # what the logger says from the run's entry to start()
         self._history: History | None = None
@@ -219,7 +220,7 @@ class Reporter:
             self._line_at = now + self._interval
             bpe, n = batches_per_epoch, self.epochs_total
             measured = total_steps(self._base, loop, bpe, n) if bpe and n is not None else None
-            self._progress.total_steps = planned_total(n, self.steps_per_epoch, measured)
+            self._progress.total_steps = planned_total(n, self.steps_per_epoch, measured, self.max_steps)
             line = self._progress.update(loop.global_step, loop.epoch, loop.batch, bpe, loop.metrics)
             self._progress.every_s = self._interval
             if line and self.rank == 0:

@@ -3,6 +3,8 @@ Lightning's state refused where it cannot be stored without pickle. (Stops and r
 
 from __future__ import annotations
 
+import functools
+import json
 import signal
 import subprocess
 import sys
@@ -14,7 +16,7 @@ L = pytest.importorskip("lightning.pytorch", reason="Lightning is not installed 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from preempt.errors import PreemptError, UnsupportedStateError  # noqa: E402
+from preempt.errors import PreemptError  # noqa: E402
 from preempt.lightning import PreemptCallback  # noqa: E402
 
 
@@ -46,7 +48,7 @@ def test_a_bad_value_is_refused_when_the_callback_is_made():
 
 
 class Tiny(L.LightningModule):
-    def __init__(self, note: object = "plain") -> None:
+    def __init__(self, note: object = "plain", factory: object = None, steps: object = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.layer = torch.nn.Linear(4, 2)
@@ -89,10 +91,31 @@ def test_after_fit_the_signals_and_the_data_source_are_as_before(tmp_path):
     assert (tmp_path / "run" / "complete.json").is_file()
 
 
-def test_a_hyper_parameter_that_json_cannot_hold_is_refused_by_name(tmp_path):
-    with pytest.raises(UnsupportedStateError, match="hyper_parameters"):
-        fit(tmp_path, Tiny(note=object()))
+def test_a_hyper_parameter_that_json_cannot_hold_is_recorded_by_type_with_one_warning(tmp_path, caplog):
+    net = torch.nn.Linear(2, 2)
+    trainer = fit(tmp_path, Tiny(note=net, factory=functools.partial(torch.optim.AdamW, lr=1e-3), steps=[1, 2]))
+    assert trainer.global_step == 4
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    told = [r.getMessage() for r in caplog.records if "hyper-parameters" in r.getMessage()]
+    assert len(told) == 1 and "note, factory" in told[0], told  # once, naming the keys, not once per checkpoint
+    newest = max((tmp_path / "run").glob("step_*"))
+    hp = _find(json.loads((newest / "state.json").read_text()), "hyper_parameters")
+    assert hp["note"] == "<torch.nn.modules.linear.Linear>"
+    assert hp["factory"] == "<functools.partial of torch.optim.adamw.AdamW>"
+    assert hp["steps"] == [1, 2]
+
+
+def _find(tree, key):
+    """The value under ``key`` anywhere in a JSON tree."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        tree = list(tree.values())
+    for v in tree if isinstance(tree, list) else ():
+        found = _find(v, key)
+        if found is not None:
+            return found
+    return None
 
 
 def test_lightning_older_than_supported_is_refused_and_newer_is_said(caplog):

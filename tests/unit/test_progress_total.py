@@ -23,6 +23,15 @@ def test_the_total_is_epochs_times_steps_per_epoch_when_given_else_the_measured_
     assert planned_total(3, None) is None and planned_total(None, 10) is None
 
 
+def test_max_steps_is_the_total_when_it_comes_first():
+    assert planned_total(8, 8, max_steps=40) == 40  # "step 33/64" was shown for a run that ends at 40
+    assert planned_total(2, 8, max_steps=40) == 16  # the epochs end first
+    assert planned_total(None, None, max_steps=40) == 40  # max_epochs=-1: the steps alone
+    assert planned_total(3, None, measured=17, max_steps=12) == 12
+    with pytest.raises(ValueError, match=re.escape("epochs: max_steps: expected None or an integer >= 0")):
+        check_epochs(2, None, -1)
+
+
 def test_an_unsized_loader_gets_a_total_and_an_eta():
     clock = FakeClock()
     progress = Progress(planned_total(2, 10), every_s=0, clock=clock)
@@ -78,3 +87,15 @@ def test_a_run_over_an_iterable_dataset_shows_its_total_and_eta(tmp_path, caplog
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines and all(re.match(r"step \d/8 \| epoch \d batch \d\b", line) for line in lines), lines
     assert any(re.search(r"\| 2.00 s/step \| ETA [\d.]+ s$", line) for line in lines), lines
+    caplog.clear()
+    with PreemptibleRun(tmp_path / "capped", model=model, optimizer=opt, **options) as run:
+        for _ in run.epochs(2, steps_per_epoch=4, max_steps=5):
+            for x in run.batches(DataLoader(Stream(), batch_size=2)):
+                clock.t += 2.0
+                run.step()
+                if run.global_step == 5:
+                    break
+            if run.global_step == 5:
+                break
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines and all(re.match(r"step \d/5 \|", line) for line in lines), lines
