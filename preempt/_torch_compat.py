@@ -224,3 +224,10 @@ def set_dataset(loader: Any, dataset: Any) -> None:
     """Sets a DataLoader's dataset after construction, which DataLoader's own ``__setattr__`` refuses (it protects a
     running iterator; the caller swaps it only while making one)."""
     object.__setattr__(loader, "dataset", dataset)
+
+
+def set_samplers(loader: Any, sampler: Any, batch_sampler: Any) -> None:
+    """Sets a DataLoader's sampler and batch sampler after construction (refused by its ``__setattr__`` as above),
+    before any iterator of it is made: the DataLoader inside a loader Accelerate prepared gets preempt's order."""
+    object.__setattr__(loader, "sampler", sampler)
+    object.__setattr__(loader, "batch_sampler", batch_sampler)

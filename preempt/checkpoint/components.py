@@ -39,6 +39,8 @@ class Components:
         Raises:
             TypeError: One is not (the message names it); ValueError: a bad name for a tracked object.
         """
+        if scaler is None:
+            scaler = accelerate_scaler(optimizer)
         optimizer = unwrapped(optimizer)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -66,9 +68,27 @@ def unwrapped(optimizer: Any) -> Any:
     ``optimizer`` itself. The wrapper is an Optimizer that never ran ``Optimizer.__init__`` (it has no step hooks);
     it steps the inner one, skipping the step while gradients accumulate, and its state is the inner one's."""
     inner = getattr(optimizer, "optimizer", None)
-    if type(optimizer).__module__.split(".")[0] == "accelerate" and isinstance(inner, torch.optim.Optimizer):
+    if _accelerated(optimizer) and isinstance(inner, torch.optim.Optimizer):
         return inner
     return optimizer
+
+
+def _accelerated(optimizer: Any) -> bool:
+    return type(optimizer).__module__.split(".")[0] == "accelerate"
+
+
+def accelerate_scaler(optimizer: Any) -> Any:
+    """The GradScaler of Accelerate's fp16 mixed precision (``AcceleratedOptimizer.scaler``), else None: saved and
+    restored as the run's scaler when none is given."""
+    scaler = getattr(optimizer, "scaler", None) if _accelerated(optimizer) else None
+    return scaler if callable(getattr(scaler, "state_dict", None)) else None
+
+
+def gradient_sync(optimizer: Any) -> Any:
+    """Accelerate's gradient state (``AcceleratedOptimizer.gradient_state``), whose ``sync_gradients`` says whether
+    the micro-batch that just ran ended an accumulation (``accelerator.accumulate``); None for another optimizer."""
+    gradients = getattr(optimizer, "gradient_state", None) if _accelerated(optimizer) else None
+    return gradients if hasattr(gradients, "sync_gradients") else None
 
 
 def check_stateful(name: str, obj: Any) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import multiprocessing
 import random
 import weakref
@@ -257,9 +258,13 @@ class LoaderFeed:
     Args:
         loader: The DataLoader (anything else is iterated as it is).
         run_seed: The run's seed for iterable datasets' per-sample streams.
+        inner: The DataLoader inside ``loader`` when ``loader`` wraps one and makes its iterator lazily, at its first
+            batch (Accelerate's prepared loaders, :mod:`preempt.data.prepared`): its dataset is the one wrapped, and
+            ``loader``'s first batch is taken while the generators are kept.
     """
 
-    def __init__(self, loader: Any, run_seed: int) -> None:
+    def __init__(self, loader: Any, run_seed: int, inner: Any = None) -> None:
+        self._inner = inner
         self.kind = "plain"
         self.stateful = False
         self.dataset_name = type(getattr(loader, "dataset", None)).__name__  # for messages
@@ -295,6 +300,9 @@ class LoaderFeed:
         """The epoch's iterator; for an iterable dataset, ``saved`` (from :meth:`state`) says where to continue."""
         self._current = epoch
         if self._wrapper is None:
+            if self._inner is not None:
+                with _generators_kept():
+                    return _started(self._keep(iter(loader)))
             return self._keep(iter(loader))
         self._epoch.value = epoch
         if self.kind == "iterable":
@@ -305,8 +313,10 @@ class LoaderFeed:
             self._wrapper.plan = plan
             if plan is not None:
                 self._workers, self._next = dict(plan.workers), plan.first
-        with _generators_kept(), _swapped(loader, self._wrapper):
+        with _generators_kept(), _swapped(loader if self._inner is None else self._inner, self._wrapper):
             it = self._keep(iter(loader))
+            if self._inner is not None:
+                it = _started(it)
         if self.kind == "seeded":
             return _kept_per_batch(it) if self.num_workers == 0 else it
         return self._received(it)
@@ -329,7 +339,7 @@ class LoaderFeed:
         """
         it = self._iterator() if self._iterator is not None else None
         _torch_compat.shutdown_iterator(it)  # not torch's iterator: nothing to stop
-        shutdown_workers(loader)
+        shutdown_workers(loader if self._inner is None else self._inner)
 
     def plan(self, saved: Any, epoch: int) -> ResumePlan | None:
         """The resume plan for ``saved``, when it is of this epoch and this many workers; else None."""
@@ -398,6 +408,16 @@ def _swapped(loader: DataLoader, wrapper: SeededDataset | StatefulIterable) -> I
     finally:
         _torch_compat.set_dataset(loader, dataset)
         loader.collate_fn = collate
+
+
+def _started(it: Iterator[Any]) -> Iterator[Any]:
+    """``it`` with its first item taken now: a generator that makes the DataLoader's iterator at its first batch (it
+    draws the workers' seed from torch's generator, and Accelerate's synchronises generators) does it here."""
+    try:
+        first = next(it)
+    except StopIteration:
+        return iter(())
+    return itertools.chain((first,), it)
 
 
 def _kept_per_batch(it: Iterator[Any]) -> Iterator[Any]:

@@ -21,6 +21,8 @@ the sampler at the saved sample, and then restores the current state, so the
 loop's own draws (dropout, noise) continue exactly. Draws inside the loader
 (augmentation in workers) are seeded per sample, and an iterable dataset's
 workers continue from their saved positions: :mod:`preempt.data.replay`.
+A loader Accelerate prepared gets preempt's order put inside it and is iterated itself, started at the saved batch
+(:mod:`preempt.data.prepared`).
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from ..checkpoint.manager import CheckpointInfo
 from ..checkpoint.manifest import Cursor
 from ..data import rng
 from ..data.loaders import find_sampler, length, prepared_by_accelerate
+from ..data.prepared import Prepared, take_over
 from ..data.replay import LoaderFeed
 from ..data.resume_notice import ResumeFacts, describe, resume_notice, saved_workers
 from ..data.sampler import ResumableSampler
 from ..data.shield import LoaderGuard, shield_workers
-from ..errors import IncompatibleStateError, PreemptError
+from ..errors import IncompatibleStateError
 
 log = _log.log
 SEED_MASK = (1 << 53) - 1  # the run's seed, kept exact by any JSON reader
@@ -76,6 +79,8 @@ class DataCursor:
         # Loaders seen by open(), each with what replaying it exactly needs; their persistent workers stop at exit.
         self._feeds: weakref.WeakKeyDictionary[Any, LoaderFeed] = weakref.WeakKeyDictionary()
         self._feed: LoaderFeed | None = None  # the current epoch's
+        # Accelerate's prepared loaders, each with preempt's order put inside it at its first epoch
+        self._prepared: weakref.WeakKeyDictionary[Any, Prepared] = weakref.WeakKeyDictionary()
         self._boundary_workers: int | None = None  # num_workers recorded by a checkpoint at an epoch boundary
         self.guard = LoaderGuard(self.signals)  # every DataLoader iterated while the run is active: workers shielded
 
@@ -110,14 +115,8 @@ class DataCursor:
 
     def open(self, loader: Iterable[Any], epoch: int) -> tuple[Iterator[Any] | None, int]:
         """The epoch's iterator and the batch it starts at; None when a resumed epoch had no batch left."""
-        prepared = prepared_by_accelerate(loader)
-        if prepared is not None:
-            raise PreemptError(
-                f"run.batches(): the loader is Accelerate's {prepared} (accelerator.prepare(loader)), which replaces"
-                " its sampler and makes its iterator where the run cannot replay it exactly. Prepare only the model and"
-                " the optimizer; give run.batches() the DataLoader itself, made with sampler=run.sampler(...), and"
-                " move each batch to accelerator.device in the loop"
-            )
+        if prepared_by_accelerate(loader) is not None:
+            return self._open_prepared(loader, epoch)
         shield_workers(loader, self.signals)
         feed = self._feed = self._feed_for(loader)
         found = find_sampler(loader)
@@ -138,6 +137,44 @@ class DataCursor:
             self._say(ResumeFacts(self._describe(feed), feed.kind, feed.stateful, saved, feed.num_workers, epoch, 0))
         return feed.iterate(loader, epoch), 0
 
+    def _open_prepared(self, loader: Any, epoch: int) -> tuple[Iterator[Any] | None, int]:
+        """:meth:`open` for a loader Accelerate prepared (:mod:`preempt.data.prepared`): preempt's order inside it,
+        the loader itself iterated (its device placement, sharding and end of data are Accelerate's)."""
+        prep = self._prepared.get(loader)
+        if prep is None:
+            prep = self._prepared[loader] = take_over(loader)  # refuses at once what cannot resume exactly
+        shield_workers(prep.base, self.signals)
+        feed = self._feed = self._feed_for(loader, prep.base)
+        self._sampler, self._samples_per_batch = prep.sampler, prep.samples_per_batch
+        self.batches_per_epoch = length(loader)
+        self._sample_offset = 0
+        r = self.resume
+        if r is None or r.cursor.point != "step" or r.cursor.epoch != epoch:
+            self._epoch_rng = rng.capture()
+            self._boundary_workers = None
+            prep.begin_epoch(epoch)
+            return feed.iterate(loader, epoch), 0
+        self.resume = None
+        c = r.cursor
+        self._check_sampler(r, prep.sampler)
+        spb = prep.samples_per_batch
+        if c.batch and c.sample >= 0 and c.sample != min(c.batch * spb, prep.sampler.total):
+            raise IncompatibleStateError(
+                f"{r.info.path}/{MANIFEST}: batch {c.batch} ended at sample {c.sample} of the epoch, which is"
+                f" {spb} samples per batch (all processes') no longer gives; Accelerate's loader changed its batch"
+                " size or its number of processes, and its sharding cannot continue where it stopped"
+            )
+        self._epoch_rng = r.rng_epoch_start
+        if self.batches_per_epoch is not None and c.batch >= self.batches_per_epoch:
+            rng.restore(r.rng_now)  # the epoch was finished; nothing to iterate
+            return None, c.batch
+        if r.rng_epoch_start is not None:
+            rng.restore(r.rng_epoch_start)
+        prep.begin_epoch(epoch, c.batch)  # O(1): the batch sampler starts there, nothing before is read
+        it = feed.iterate(loader, epoch)
+        rng.restore(r.rng_now)
+        return it, c.batch
+
     @staticmethod
     def _describe(feed: LoaderFeed) -> str:
         return describe(feed.kind, feed.dataset_name, feed.num_workers, feed.is_loader)
@@ -148,15 +185,16 @@ class DataCursor:
         if notice is not None:
             log.log(*notice)
 
-    def _feed_for(self, loader: Iterable[Any]) -> LoaderFeed:
-        """The loader's LoaderFeed, made at its first epoch (a list or another plain iterable gets a passing one)."""
+    def _feed_for(self, loader: Iterable[Any], inner: Any = None) -> LoaderFeed:
+        """The loader's LoaderFeed, made at its first epoch (a list or another plain iterable gets a passing one);
+        ``inner``: the DataLoader inside a prepared loader."""
         assert self.seed is not None
         try:
             feed = self._feeds.get(loader)
         except TypeError:  # not weakly referable: nothing to keep between epochs
-            return LoaderFeed(loader, self.seed)
+            return LoaderFeed(loader, self.seed, inner)
         if feed is None:
-            feed = self._feeds[loader] = LoaderFeed(loader, self.seed)
+            feed = self._feeds[loader] = LoaderFeed(loader, self.seed, inner)
         return feed
 
     def _resume_iterator(

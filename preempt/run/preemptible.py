@@ -44,6 +44,7 @@ import torch
 
 from .. import _log
 from ..checkpoint import state
+from ..checkpoint.components import gradient_sync
 from ..checkpoint.lock import DirLock, StepBeacon
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.staging import payload_nbytes
@@ -133,6 +134,7 @@ class PreemptibleRun:
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
             raise ValueError(f"save_dir: expected a directory path, got {save_dir!r}")
         self.components = state.Components.checked(model, optimizer, scheduler, scaler, track)
+        self._sync = gradient_sync(optimizer)  # Accelerate's: run.step() counts only the steps that synchronise
         if config is not None and options:
             raise TypeError(f"PreemptibleRun: config= and options ({', '.join(sorted(options))}) given; pass one")
         cfg = self.config = config if config is not None else RunConfig(**options)  # checks them all
@@ -445,12 +447,20 @@ class PreemptibleRun:
 
         Call it as the last statement of the loop body, after ``optimizer.step()``.
         May write a checkpoint; after a stop signal, saves and raises Preempted.
+        Inside Accelerate's ``accelerator.accumulate(model)`` (the optimizer given was prepared by Accelerate), a
+        micro-batch whose gradients were not synchronised is not a step: nothing is counted or saved there, and its
+        metrics are recorded at the step counted last.
 
         Args:
             metrics: Numbers to record at this step; the one named ``best_metric``
                 decides "best" checkpoints.
         """
         loop = self.loop
+        if self._sync is not None and not self._sync.sync_gradients:
+            if metrics is not None:
+                loop.record(metrics, self.manager.retention)
+                self.reporter.log_metrics(metrics)
+            return
         look = loop.stepped()
         step = loop.global_step
         if metrics is not None:

@@ -1,5 +1,10 @@
-"""A loop written with Accelerate inside PreemptibleRun: a loader from ``accelerator.prepare`` is refused at once with
-what to change, and the loop written as the message says runs (real Accelerate, no mock)."""
+"""Loops written with Accelerate inside PreemptibleRun, everything through ``accelerator.prepare`` (real Accelerate, no
+mock): the prepared loader is driven by the run (preempt's order, Accelerate's sharding, index for index), a stop
+lands only where the gradients were synchronised, and the rerun is bit-exact; what cannot be exact is refused at once.
+
+The processes and signals (SIGTERM, SIGKILL, workers, two processes) are in tests/process/test_accelerate.py and
+tests/distributed/test_accelerate_ranks.py.
+"""
 
 from __future__ import annotations
 
@@ -8,79 +13,208 @@ import pytest
 accelerate = pytest.importorskip("accelerate", reason="Accelerate is not installed (pip install -e '.[hf]')")
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from accelerate.data_loader import BatchSamplerShard, skip_first_batches  # noqa: E402
+from accelerate.utils import DataLoaderConfiguration  # noqa: E402
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, TensorDataset  # noqa: E402
 
 from preempt import PreemptibleRun  # noqa: E402
+from preempt.data.prepared import ShardedBatches  # noqa: E402
+from preempt.data.sampler import ResumableSampler  # noqa: E402
 from preempt.errors import PreemptError  # noqa: E402
 
 
-def parts():
+@pytest.fixture(autouse=True)
+def fresh_accelerate():
+    """Accelerate keeps one state per process (its mixed precision, its gradient state): each test makes its own."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_sharded_batches_are_accelerate_s_index_for_index_from_any_batch():
+    """Every (samples, batch size, processes, split, even, drop_last) up to small sizes, every process, every start:
+    the index lists of BatchSamplerShard over a BatchSampler (a BatchSampler alone for one process), and its len."""
+    tried = 0
+    for n in range(0, 23):
+        sampler = ResumableSampler(n, shuffle=True, seed=3)
+        sampler.set_epoch(2)
+        for bs in (1, 2, 3, 4):
+            for w in (1, 2, 3):
+                for split in (False, True):
+                    if split and bs % w:
+                        continue
+                    for even in (True, False):
+                        for drop_last in (False, True):
+                            for p in range(w):
+                                inner = BatchSampler(sampler, bs, drop_last)
+                                ref = inner if w == 1 else BatchSamplerShard(inner, w, p, split, even)
+                                want = list(ref)
+                                ours = ShardedBatches(
+                                    sampler,
+                                    bs,
+                                    drop_last,
+                                    num_processes=w,
+                                    process_index=p,
+                                    split_batches=split,
+                                    even_batches=even,
+                                )
+                                assert list(ours) == want and len(ours) == len(ref), (n, bs, w, p, split, even)
+                                for k in range(len(want) + 1):
+                                    ours.start_at(k)
+                                    assert list(ours) == want[k:], (n, bs, w, p, split, even, drop_last, k)
+                                tried += 1
+    assert tried > 1000
+
+
+class Noisy(Dataset):
+    """Each sample with a random draw inside ``__getitem__`` (augmentation): it replays only with per-sample
+    streams."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.x, self.y = torch.randn(n, 4, generator=g), torch.arange(n) % 2
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return {"x": self.x[i] + 0.1 * torch.randn(4), "y": self.y[i]}
+
+
+def train(save_dir, stop_at: int | None, *, accumulate: int = 2, precision: str = "bf16", dispatch: bool = False):
+    """The issue's loop on a tiny model: everything through accelerator.prepare, dropout, a draw per step. ``stop_at``:
+    a stop requested in the micro-batch before that step is counted (the run saves and leaves at that step)."""
+    config = DataLoaderConfiguration(dispatch_batches=dispatch) if dispatch else None
+    accelerator = accelerate.Accelerator(
+        cpu=True, gradient_accumulation_steps=accumulate, mixed_precision=precision, dataloader_config=config
+    )
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
-    return model, torch.optim.SGD(model.parameters(), lr=0.1), data
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    train_loader = DataLoader(Noisy(26), batch_size=3, shuffle=True)
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    counted = []
+    with PreemptibleRun(save_dir, model=model, optimizer=optimizer, scheduler=scheduler, log_file=False) as run:
+        for _ in run.epochs(3):
+            for batch in run.batches(train_loader):
+                assert batch["x"].device == accelerator.device
+                if stop_at is not None and run.global_step + 1 == stop_at:
+                    run.request_stop()
+                with accelerator.accumulate(model):
+                    loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"]) + torch.randn(()) * 1e-3
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                run.step()
+                counted.append(run.global_step)
+    out = {f"model.{k}": v for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    inner = optimizer.optimizer
+    out.update({f"opt.{i}.{k}": v for i, s in inner.state.items() for k, v in s.items() if torch.is_tensor(v)})
+    out["rng"] = torch.get_rng_state()
+    return out, counted
 
 
-def test_a_prepared_loader_is_refused_with_what_to_change(tmp_path):
+@pytest.mark.parametrize(
+    ("accumulate", "precision", "dispatch", "stop_at"),
+    [(2, "bf16", False, 4), (1, "no", False, 11), (2, "no", True, 9)],
+    ids=["accumulate2-bf16", "plain", "dispatcher-accumulate2"],
+)
+def test_the_prepared_loop_resumes_bit_exact(tmp_path, accumulate, precision, dispatch, stop_at):
+    """26 samples in batches of 3: 9 batches an epoch. With accumulation 2 a step every 2 batches and at the epoch's
+    last one (Accelerate syncs there): 5 steps an epoch; stops mid-epoch 0 and mid-epoch 1."""
+    want, counted = train(tmp_path / "whole", None, accumulate=accumulate, precision=precision, dispatch=dispatch)
+    per_epoch = 9 if accumulate == 1 else 5
+    assert counted[-1] == 3 * per_epoch
+    if accumulate == 2:  # a micro-batch is not a step: the count moves at batches 2, 4, 6, 8 and 9 of each epoch
+        assert counted[:9] == [0, 1, 1, 2, 2, 3, 3, 4, 5], counted[:9]
+    with pytest.raises(SystemExit) as stopped:
+        train(tmp_path / "run", stop_at, accumulate=accumulate, precision=precision, dispatch=dispatch)
+    assert stopped.value.code == 75
+    got, counted = train(tmp_path / "run", None, accumulate=accumulate, precision=precision, dispatch=dispatch)
+    assert counted[0] == stop_at + (accumulate == 1 or stop_at % per_epoch != 0), counted[:3]
+    assert want.keys() == got.keys()
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ: {differ}"
+
+
+def test_a_stop_never_lands_between_micro_batches(tmp_path):
+    """A stop requested in the first micro-batch of a step waits for the step's second: the checkpoint is at a step
+    the optimizer took, its cursor after the batch that synchronised."""
+    with pytest.raises(SystemExit):
+        train(tmp_path / "run", 2)  # requested before batch 3 (the first micro-batch of step 2)
+    manifests = sorted((tmp_path / "run").glob("step_*/manifest.json"))
+    assert len(manifests) == 1
+    import json
+
+    m = json.loads(manifests[0].read_text())
+    assert m["step"] == 2 and m["cursor"]["batch"] == 4, m["cursor"]
+
+
+def parts(dataset, **loader_options):
     accelerator = accelerate.Accelerator(cpu=True)
-    model, opt, data = parts()
-    model, opt = accelerator.prepare(model, opt)
-    with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_interval=None, log_file=False) as run:
-        loader = accelerator.prepare(DataLoader(data, batch_size=4, sampler=run.sampler(data, seed=1)))
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, accelerator.prepare(DataLoader(dataset, **loader_options))
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from (torch.zeros(4) for _ in range(8))
+
+
+class Pairs(BatchSampler):
+    """A batch sampler of the user's (bucketing, say)."""
+
+
+DATA = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda: parts(Stream(), batch_size=4), "IterableDataset"),
+        (lambda: parts(DATA, sampler=ResumableSampler(DATA, num_replicas=2), batch_size=4), "sharded"),
+        (lambda: parts(DATA, batch_sampler=Pairs(range(16), 4, False)), "not torch's BatchSampler"),
+        (lambda: parts(DATA, sampler=torch.utils.data.RandomSampler(DATA, replacement=True)), "replacement"),
+        (lambda: parts(DATA, sampler=torch.utils.data.SubsetRandomSampler(range(8))), "SubsetRandomSampler"),
+    ],
+    ids=["iterable", "sharded-sampler", "batch-sampler", "replacement", "subset"],
+)
+def test_what_cannot_be_exact_is_refused_at_once_with_the_reason(tmp_path, make, why):
+    model, optimizer, loader = make()
+    with PreemptibleRun(tmp_path, model=model, optimizer=optimizer, log_file=False) as run:
         for _ in run.epochs(1):
-            refused = r"Accelerate's DataLoaderShard .*give run.batches\(\) the DataLoader"
-            with pytest.raises(PreemptError, match=refused):
+            with pytest.raises(PreemptError, match=f"cannot resume exactly: .*{why}"):
                 next(iter(run.batches(loader)))
             break
 
 
-def test_the_loop_as_the_message_says_runs_to_the_end(tmp_path):
-    accelerator = accelerate.Accelerator(cpu=True)
-    model, opt, data = parts()
-    model, opt = accelerator.prepare(model, opt)
-    with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_interval=None, log_file=False) as run:
-        loader = DataLoader(data, batch_size=4, sampler=run.sampler(data, seed=1))
-        for _ in run.epochs(2):
-            for x, y in run.batches(loader):
-                x, y = x.to(accelerator.device), y.to(accelerator.device)
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                opt.zero_grad()
-                accelerator.backward(loss)
-                opt.step()
-                run.step()
-    assert run.global_step == 8 and (tmp_path / "complete.json").is_file()
+def test_a_loader_from_skip_first_batches_is_refused(tmp_path):
+    model, optimizer, loader = parts(DATA, batch_size=4)
+    with PreemptibleRun(tmp_path, model=model, optimizer=optimizer, log_file=False) as run:
+        for _ in run.epochs(1):
+            with pytest.raises(PreemptError, match="skip_first_batches"):
+                next(iter(run.batches(skip_first_batches(loader, 1))))
+            break
 
 
-def train_with_accelerate(save_dir, stop_at: int | None) -> dict[str, torch.Tensor]:
-    """The loop as the message says, with dropout; ``stop_at``: a stop requested before that step (the run saves
-    and leaves there, as on a signal). Returns the model's and the optimizer's tensors at the end."""
-    accelerator = accelerate.Accelerator(cpu=True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    data = TensorDataset(torch.randn(24, 4, generator=torch.Generator().manual_seed(5)), torch.arange(24) % 2)
-    model, opt = accelerator.prepare(model, opt)
-    with PreemptibleRun(save_dir, model=model, optimizer=opt, checkpoint_interval=None, log_file=False) as run:
-        loader = DataLoader(data, batch_size=4, sampler=run.sampler(data, seed=1))
-        for _ in run.epochs(2):
-            for x, y in run.batches(loader):
-                if run.global_step + 1 == stop_at:
-                    run.request_stop()
-                loss = torch.nn.functional.cross_entropy(model(x.to(accelerator.device)), y.to(accelerator.device))
-                opt.zero_grad()
-                accelerator.backward(loss)
-                opt.step()
-                run.step()
-    inner = opt.optimizer
-    out = {f"model.{k}": v for k, v in model.state_dict().items()}
-    out.update({f"opt.{i}.{k}": v for i, s in inner.state.items() for k, v in s.items() if torch.is_tensor(v)})
-    return out
-
-
-def test_the_loop_as_the_message_says_resumes_bit_exact(tmp_path):
-    want = train_with_accelerate(tmp_path / "whole", None)
-    with pytest.raises(SystemExit) as stopped:
-        train_with_accelerate(tmp_path / "run", 8)  # mid-epoch 1 (6 steps per epoch)
-    assert stopped.value.code == 75
-    got = train_with_accelerate(tmp_path / "run", None)
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+def test_the_order_is_preempt_s_and_the_user_s_sampler_is_kept(tmp_path):
+    """shuffle=True becomes ResumableSampler(seed=0): epoch e's order is run.sampler()'s; a ResumableSampler given
+    to the DataLoader is used as it is (its seed)."""
+    for sampler, seed in ((None, 0), (ResumableSampler(DATA, seed=9), 9)):
+        options = {"shuffle": True} if sampler is None else {"sampler": sampler}
+        model, optimizer, loader = parts(DATA, batch_size=4, **options)
+        seen = []
+        with PreemptibleRun(tmp_path / str(seed), model=model, optimizer=optimizer, log_file=False) as run:
+            for epoch in run.epochs(2):
+                for _x, _y in run.batches(loader):
+                    seen.append(epoch)
+                    run.step()
+                order = ResumableSampler(DATA, seed=seed).order(epoch)
+                assert loader.base_dataloader.sampler.order(epoch).tolist() == order.tolist()
+        assert seen == [0] * 4 + [1] * 4
