@@ -138,8 +138,8 @@ def transfers(ckpt: Path, bucket: str, scratch: Path) -> dict[str, Callable[[int
     """Each method as ``prepare(round) -> timed()``: prepare (untimed) readies a fresh prefix or directory."""
     import s3fs
 
-    from preempt.checkpoint import commit
-    from preempt.checkpoint.commit import MANIFEST
+    from preempt.checkpoint import hashed_io
+    from preempt.checkpoint.names import MANIFEST
     from preempt.checkpoint.retention import RetentionPolicy
     from preempt.mirror import pull as pulling
     from preempt.mirror.store import MirrorStore
@@ -181,7 +181,7 @@ def transfers(ckpt: Path, bucket: str, scratch: Path) -> dict[str, Callable[[int
 
         def run() -> None:
             for p in files:
-                commit.hash_file(p)
+                hashed_io.hash_file(p)
             fs.put([str(p) for p in files], [f"{prefix}/{p.name}" for p in files])
 
         return run
@@ -193,7 +193,7 @@ def transfers(ckpt: Path, bucket: str, scratch: Path) -> dict[str, Callable[[int
         def run() -> None:
             fs.get([f"{bucket}/source/{ckpt.name}/{p.name}" for p in files], [str(target / p.name) for p in files])
             for p in files:
-                commit.hash_file(target / p.name)
+                hashed_io.hash_file(target / p.name)
                 fd = os.open(target / p.name, os.O_RDONLY)
                 try:
                     os.fdatasync(fd)

@@ -13,9 +13,9 @@ per round, the order rotating, so that drift on a shared disk hits all alike):
 
 * ``cat``: ``cat FILES > /dev/null``, the reading reference;
 * ``verify (in-process)``: ``preempt.cli.main.main(["verify", DIR])``, output discarded;
-* the ways a verify can hash the same files: ``commit.read_file`` (the file's
+* the ways a verify can hash the same files: ``hashed_io.read_file`` (the file's
   private mmap, hashed in place: what verify uses), ``readinto`` a 1 MiB buffer,
-  and ``commit.hash_file`` (``readinto`` a 64 MiB buffer);
+  and ``hashed_io.hash_file`` (``readinto`` a 64 MiB buffer);
 * then, in rounds of their own, ``verify (subprocess)``: ``python -m preempt verify DIR``,
   interpreter start and imports included, and ``python -c "import preempt"``: that
   start-up cost alone. They run apart because, cold, the read right after a
@@ -112,7 +112,7 @@ def read_1mib(path: Path) -> str:
 
 def methods(ckpt: Path, files: list[Path]) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], Any]]]:
     """The in-process group and the process-start group (timed in separate rounds)."""
-    from preempt.checkpoint import commit
+    from preempt.checkpoint import hashed_io
     from preempt.cli import main as cli
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -144,9 +144,9 @@ def methods(ckpt: Path, files: list[Path]) -> tuple[dict[str, Callable[[], Any]]
     hashing = {
         "cat FILES > /dev/null": cat,
         "preempt verify, in-process": verify_in_process,
-        "mmap + xxh3 (commit.read_file)": loop(lambda p: commit.read_file(p)[1]),
+        "mmap + xxh3 (hashed_io.read_file)": loop(lambda p: hashed_io.read_file(p)[1]),
         "readinto 1 MiB + xxh3": loop(read_1mib),
-        "readinto 64 MiB + xxh3 (commit.hash_file)": loop(commit.hash_file),
+        "readinto 64 MiB + xxh3 (hashed_io.hash_file)": loop(hashed_io.hash_file),
     }
     starting = {
         "cat FILES > /dev/null": cat,

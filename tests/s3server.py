@@ -102,7 +102,7 @@ def new_bucket(endpoint: str) -> str:
 def put_checkpoint(store: Any, save_dir: Path, step: int, *, manifest: bool = True) -> None:
     """A local checkpoint's files into ``store`` (a MirrorStore) as the uploader puts them: the data objects first,
     the manifest last (or not at all: an upload cut off)."""
-    from preempt.checkpoint.commit import MANIFEST, checkpoint_name
+    from preempt.checkpoint.names import MANIFEST, checkpoint_name
 
     ckpt = save_dir / checkpoint_name(step)
     for f in sorted(ckpt.iterdir()):

@@ -16,8 +16,8 @@ import logging
 import os
 from pathlib import Path
 
-from . import commit
-from .commit import QUARANTINE, QUARANTINED
+from . import hashed_io, names
+from .names import QUARANTINE, QUARANTINED
 
 log = logging.getLogger("preempt")
 
@@ -40,7 +40,7 @@ def move_aside(save_dir: Path, path: Path, where: str, name: str | None = None) 
         dest = dest_dir / f"{name}.{n}"
         n += 1
     os.rename(path, dest)
-    commit.fsync_dir(save_dir)
+    hashed_io.fsync_dir(save_dir)
     return dest
 
 
@@ -53,10 +53,10 @@ def quarantine(save_dir: Path, path: Path, problem: str, name: str | None = None
         return move_aside(save_dir, path, QUARANTINE, name)
     except OSError as e:
         first = e
-    dest = save_dir / f"{QUARANTINED}{name}-{commit.tag()}"
+    dest = save_dir / f"{QUARANTINED}{name}-{names.tag()}"
     try:
         os.rename(path, dest)
-        commit.fsync_dir(save_dir)
+        hashed_io.fsync_dir(save_dir)
     except OSError as e:
         log.warning("%s; left in place: cannot move it aside (%s; %s)", problem, first, e)
         return None

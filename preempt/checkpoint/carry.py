@@ -3,7 +3,7 @@
 Fine-tuning trains a few tensors beside a large frozen model. :func:`preempt.checkpoint.state.capture` puts the
 model's frozen parameters that no optimizer holds in a file of their own (``base.safetensors``), so that a file is
 either wholly unchanged or rewritten; this module decides, per tensor file, whether it changed since the copy
-this process last made durable, and the commit (:func:`preempt.checkpoint.commit.link_file`) then makes the new
+this process last made durable, and the commit (:func:`preempt.checkpoint.hashed_io.link_file`) then makes the new
 checkpoint's file a hard link to that copy: not copied, not hashed again, not written. Every checkpoint directory
 stays complete (its manifest lists every file, with size and digest); ``ls``, ``verify``, load and ``export``
 follow no reference.
@@ -63,7 +63,7 @@ import xxhash
 
 from .. import _log
 from .._torch_compat import version_counter
-from .commit import FileDigest
+from .hashed_io import FileDigest
 
 if TYPE_CHECKING:
     import torch

@@ -133,7 +133,7 @@ def loads(data: bytes | bytearray | memoryview | np.ndarray, where: str) -> Any:
             pickle or a zip archive (``torch.save``) is named as such.
     """
     if isinstance(data, (memoryview, np.ndarray)):
-        data = data.tobytes()  # a NumPy buffer from commit.read_file
+        data = data.tobytes()  # a NumPy buffer from hashed_io.read_file
     try:
         if safe_io.json_depth(bytes(data)) > safe_io.MAX_DEPTH:  # before parsing: no RecursionError anywhere after
             raise ValueError(f"nested deeper than {safe_io.MAX_DEPTH} levels")

@@ -27,7 +27,7 @@ Where a filesystem refuses ``O_DIRECT`` (the flag, or a write with it: EINVAL or
 EOPNOTSUPP), the file is written through the page cache from there on; nothing fails.
 
 A restore reads the large files it keeps the same way (:func:`read_whole`, from
-:func:`preempt.checkpoint.commit.read_file`): the device writes straight into the memory the
+:func:`preempt.checkpoint.hashed_io.read_file`): the device writes straight into the memory the
 tensors end in. A file already in the page cache (``preempt prefetch`` read it ahead) is read from
 there instead (:func:`cached`), and a filesystem that refuses ``O_DIRECT`` is read through it.
 """

@@ -5,7 +5,7 @@ Damage is content that does not match its digest or its format (or a file missin
 that fails for a reason of the environment (:func:`safe_io.resource_error`: permission denied, out of memory, too
 many open files, an I/O error) is not damage: it is a :class:`~preempt.errors.CheckpointUnreadableError`, or the
 status ``"unreadable"``, never a reason to move a checkpoint aside. A file whose mapping is refused is hashed
-streamed (:func:`preempt.checkpoint.commit.hash_file`), so that a file larger than memory still verifies.
+streamed (:func:`preempt.checkpoint.hashed_io.hash_file`), so that a file larger than memory still verifies.
 
 Nothing is followed or opened before ``lstat`` says it is a regular file (a symlink could point out of the
 checkpoint; opening a FIFO blocks forever). Used by :mod:`preempt.checkpoint.manager` (load, verify, list) and the
@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _testing
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
-from . import commit, readahead, safe_io
-from .commit import MANIFEST, FileDigest
+from . import commit, deleter, hashed_io, readahead, safe_io
+from .hashed_io import FileDigest
 from .manifest import MAX_MANIFEST_BYTES, Manifest
+from .names import MANIFEST
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +63,7 @@ def read_manifest(path: Path) -> Manifest:
 
 def read_verified(path: Path, expected: FileDigest, *, direct: bool = False) -> Any:
     """The bytes of a checkpoint file, after checking size and digest: mapped, or, with ``direct``, read past the
-    page cache into memory of this process's own when large and cold (:func:`commit.read_file`).
+    page cache into memory of this process's own when large and cold (:func:`hashed_io.read_file`).
 
     Raises:
         CorruptCheckpointError: Missing, not a regular file, another size or digest.
@@ -70,7 +71,7 @@ def read_verified(path: Path, expected: FileDigest, *, direct: bool = False) -> 
     """
     try:
         regular_file(path)
-        buf, got = commit.read_file(path, expected.size, direct=direct)
+        buf, got = hashed_io.read_file(path, expected.size, direct=direct)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: missing") from None
     except ValueError as e:
@@ -93,7 +94,7 @@ def read_all(
 
     The bytes of the files of ``kept`` are returned by name: a large one not in the page cache read ``O_DIRECT``
     into memory of this process's own (with ``direct``), any other mapped
-    (:func:`preempt.checkpoint.commit.read_file`). Those of ``checked`` are mapped, and dropped once verified. What
+    (:func:`preempt.checkpoint.hashed_io.read_file`). Those of ``checked`` are mapped, and dropped once verified. What
     is mapped is asked of the disk before the first file is read (:func:`preempt.checkpoint.readahead.warm`). Up to
     :data:`READERS` files are read at once, the largest first: the reads and the hashing let go of the GIL, so the
     disk reads one file while another is hashed, and a disk that serves several reads at once gets them.
@@ -264,9 +265,9 @@ def check_file(path: Path, expected: FileDigest) -> FileCheck:
     buf = None
     try:
         try:
-            buf, got = commit.read_file(path)
+            buf, got = hashed_io.read_file(path)
         except MemoryError:  # neither mapped nor read whole: stream it
-            got = commit.hash_file(path)
+            got = hashed_io.hash_file(path)
     except (OSError, MemoryError) as e:
         return bad(_status(path, e), _message(path, e))
     try:
@@ -311,7 +312,7 @@ def discard_tmp(tmp: Path) -> None:
     """Removes a partial checkpoint's temporary directory; what cannot be removed now goes at the next start."""
     commit.stage("discard")  # not a stage of the protocol: where tests kill a failed or cancelled write's cleanup
     try:
-        commit.remove_tree(tmp)
+        deleter.remove_tree(tmp)
     except OSError as e:
         logging.getLogger("preempt").warning(
             "could not remove the partial checkpoint %s: %s (removed at the next start)", tmp, e

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import _testing
 from ..errors import CheckpointError, CheckpointUnreadableError, CorruptCheckpointError, NoCheckpointError
-from . import aside, commit, lock, recycle
+from . import aside, cancel, commit, deleter, hashed_io, lock, names, recycle
 from . import completion as marker
 from .carry import Carrier, CarryOptions
-from .commit import COMPLETE, MANIFEST, SUPERSEDED, FileDigest
 from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_all, read_manifest
+from .hashed_io import FileDigest
 from .manifest import Cursor, Manifest
+from .names import COMPLETE, MANIFEST, SUPERSEDED
 from .retention import BestRanking, Kept, RetentionPolicy, rank_best, select_kept  # noqa: F401  (rank_best: here too)
 from .write import write_payload, written
 
@@ -132,7 +133,7 @@ class CheckpointManager:
         )
         self.owner = owner
         self.completion_problem: str | None = None  # why complete.json was ignored, by the last completion()
-        self._deleter = commit.Deleter()
+        self._deleter = deleter.Deleter()
         self._index: dict[int, Kept] = {}
         self._indexed = False
 
@@ -180,7 +181,7 @@ class CheckpointManager:
             return []
         found = []
         for entry in os.listdir(self.save_dir):
-            step = commit.parse_checkpoint_name(entry)
+            step = names.parse_checkpoint_name(entry)
             if step is not None:
                 found.append(self._inspect(self.save_dir / entry, step))
         found.sort(key=lambda c: c.step, reverse=True)
@@ -210,7 +211,7 @@ class CheckpointManager:
     def check_files(self, info: CheckpointInfo, files: Iterable[str] | None = None) -> builtins.list[FileCheck]:
         """Re-hashes and parses the checkpoint's files: one :class:`FileCheck` per file the manifest lists.
 
-        Each file is hashed in its memory mapping (:func:`preempt.checkpoint.commit.read_file`):
+        Each file is hashed in its memory mapping (:func:`preempt.checkpoint.hashed_io.read_file`):
         no copy into fresh memory, unlike ``readinto`` a buffer (``python bench/bench_verify.py``). The same
         mapping is then parsed, so a re-signed file of another kind (a pickle)
         is reported even though its digest matches.
@@ -337,8 +338,8 @@ class CheckpointManager:
                 f"{first.problem or first.path}. Not resumed from an older checkpoint instead: {first.name} may be"
                 " valid (to go on without it, move it out of the save_dir)"
             )
-        names = {"latest": "no valid checkpoint", "best": "no valid 'best' checkpoint"}
-        what = names[selector] if isinstance(selector, str) else f"no valid checkpoint at step {selector}"
+        missing = {"latest": "no valid checkpoint", "best": "no valid 'best' checkpoint"}
+        what = missing[selector] if isinstance(selector, str) else f"no valid checkpoint at step {selector}"
         detail = f" ({len(tried)} corrupt: {'; '.join(tried)})" if tried else ""
         raise NoCheckpointError(f"{self.save_dir}: {what}{detail}", corrupt=tried)
 
@@ -429,7 +430,7 @@ class CheckpointManager:
         # The tensors view the files' bytes, read O_DIRECT into memory of this process's own or mapped: the model's
         # weights are copied into the model; the optimizer's tensors become its state as they are, but those that
         # view a mapping, which state.apply gives memory of their own unless loading moved them (to a GPU).
-        mapped = tuple((b.ctypes.data, b.nbytes) for b in bufs.values() if b.nbytes and commit.is_mapping(b))
+        mapped = tuple((b.ctypes.data, b.nbytes) for b in bufs.values() if b.nbytes and hashed_io.is_mapping(b))
         return state.Loaded(str(info.path), model, tree, mapped, sharded, tuple(pieces))
 
     # ------------------------------------------------------------------ save
@@ -448,10 +449,10 @@ class CheckpointManager:
         """Step 1 of the commit protocol for a checkpoint of ``step``: recycled files when there are some.
 
         ``reuse=False`` for a directory that others' code writes into (DCP's
-        shards): only :func:`commit.write_file` knows how to write over a recycled file.
+        shards): only :func:`hashed_io.write_file` knows how to write over a recycled file.
         """
         lock.check_held(self.save_dir)  # nothing written into a save_dir replaced under the run holding it
-        tmp = commit.tmp_dir_path(self.save_dir, commit.checkpoint_name(step))
+        tmp = commit.tmp_dir_path(self.save_dir, names.checkpoint_name(step))
         if reuse and self.owner and self.retention.recycle and recycle.take(self.save_dir, tmp):
             return tmp
         tmp.mkdir()
@@ -460,7 +461,7 @@ class CheckpointManager:
     def new_tmp_dir_named(self, name: str) -> Path:
         """Step 1 under a name another process chose (rank 0, for the part of a node with a save_dir of its own)."""
         lock.check_held(self.save_dir)
-        if not name.startswith(commit.TMP_PREFIX) or "/" in name:
+        if not name.startswith(names.TMP_PREFIX) or "/" in name:
             raise ValueError(f"{name!r} is not the name of a checkpoint's temporary directory")
         tmp = self.save_dir / name
         tmp.mkdir()
@@ -494,7 +495,7 @@ class CheckpointManager:
             _testing.reach("write", tmp)
             own = write_payload(tmp, payload, durable=False)  # synced with the manifest, all at once
         except BaseException as e:
-            self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))
+            self.discard(tmp, cancelled=isinstance(e, cancel.WriteCancelled))
             raise
         return self.commit(tmp, manifest, {**(files or {}), **own}, unsynced=written(own))
 
@@ -507,7 +508,7 @@ class CheckpointManager:
         On failure before the rename ``tmp`` is removed; a checkpoint that was
         renamed into place stays (its files are all durable).
         """
-        name = commit.checkpoint_name(manifest.step)
+        name = names.checkpoint_name(manifest.step)
         if not self._indexed:
             self.list()
         ours = manifest.step in self._index  # any other step_N there is quarantined below, never deleted
@@ -515,11 +516,11 @@ class CheckpointManager:
             commit.stage("before_manifest")
             manifest = dataclasses.replace(manifest, files=dict(files))
             recycle.drop_extra(tmp, [*files, MANIFEST])  # a recycled directory's files the new one does not list
-            commit.write_file(tmp / MANIFEST, [manifest.to_json()], recycle=True, sync=False)
+            hashed_io.write_file(tmp / MANIFEST, [manifest.to_json()], recycle=True, sync=False)
             lock.check_held(self.save_dir)  # the save_dir moved or replaced under the run holding it: no rename
             final, replaced = commit.commit_dir(self.save_dir, tmp, name, [tmp / f for f in (*unsynced, MANIFEST)])
         except BaseException as e:
-            self.discard(tmp, cancelled=isinstance(e, commit.WriteCancelled))
+            self.discard(tmp, cancelled=isinstance(e, cancel.WriteCancelled))
             raise
         self.carrier.durable(final, manifest.step, manifest.files)
         if replaced is not None and ours:
@@ -591,7 +592,7 @@ class CheckpointManager:
         doomed = []
         recycled = not self.retention.recycle
         for s in sorted(victims, reverse=True):  # the newest victim is the likeliest to match the next save's files
-            path = self.save_dir / commit.checkpoint_name(s)
+            path = self.save_dir / names.checkpoint_name(s)
             del self._index[s]
             if not path.is_dir():
                 continue
@@ -635,7 +636,7 @@ class CheckpointManager:
         path = self.save_dir / COMPLETE
         if path.exists():
             path.unlink()
-            commit.fsync_dir(self.save_dir)
+            hashed_io.fsync_dir(self.save_dir)
 
 
 def _kept(manifest: Manifest) -> Kept:

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import xxhash
 
 from . import safe_io
-from .commit import MANIFEST, MAX_STEP, FileDigest, dumps_json
+from .hashed_io import FileDigest, dumps_json
+from .names import MANIFEST, MAX_STEP
 
 if TYPE_CHECKING:
     from .retention import RetentionPolicy

@@ -9,7 +9,7 @@ the files of one pruned checkpoint (or of a write a stop cancelled) as
 renames that directory to its temporary name (step 1 of the commit protocol,
 :mod:`preempt.checkpoint.commit`) and writes over the files in place.
 
-Nothing trusts a recycled file's content or kind: :func:`preempt.checkpoint.commit.write_file`
+Nothing trusts a recycled file's content or kind: :func:`preempt.checkpoint.hashed_io.write_file`
 opens each one without following links and writes into it only when it is a
 regular file of ours with one link (else it is removed and a new file made),
 and truncates it to what was written; :func:`drop_extra` removes what the new
@@ -36,7 +36,7 @@ import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from . import commit, lock
+from . import cancel, commit, deleter, hashed_io, lock, names
 
 PREFIX = ".recycle-"
 
@@ -94,13 +94,13 @@ def take(save_dir: Path, tmp: Path) -> bool:
             continue
         if own_dir(tmp):
             return True
-        commit.remove_tree(tmp)  # swapped for something else between the check and the rename: not written into
+        deleter.remove_tree(tmp)  # swapped for something else between the check and the rename: not written into
     return False
 
 
 def give(save_dir: Path, path: Path) -> Path:
     """Renames a pruned or cancelled checkpoint directory to a ``.recycle-`` name, for the next save."""
-    target = save_dir / f"{PREFIX}{commit.tag()}"
+    target = save_dir / f"{PREFIX}{names.tag()}"
     os.rename(path, target)
     return target
 
@@ -108,26 +108,26 @@ def give(save_dir: Path, path: Path) -> Path:
 def reserve(save_dir: Path, sizes: Mapping[str, int]) -> Path:
     """Writes a pool ahead: ``sizes`` (file name -> bytes) as files of zeros, fdatasynced; returns the pool.
 
-    Cancellable (:func:`preempt.checkpoint.commit.cancellable`): what was written by then
-    becomes the pool, and :class:`~preempt.checkpoint.commit.WriteCancelled` propagates.
+    Cancellable (:func:`preempt.checkpoint.cancel.cancellable`): what was written by then
+    becomes the pool, and :class:`~preempt.checkpoint.cancel.WriteCancelled` propagates.
     Any other failure (a full disk) removes what was written.
     """
     lock.check_held(save_dir)  # never into a save_dir replaced under the run (preempt.checkpoint.lock)
     tmp = commit.new_tmp_dir(save_dir, "reserve")
     try:
         for name, size in sizes.items():
-            commit.write_file(tmp / name, _zeros(size))
-    except commit.WriteCancelled:
+            hashed_io.write_file(tmp / name, _zeros(size))
+    except cancel.WriteCancelled:
         give(save_dir, tmp)
         raise
     except BaseException:
-        commit.remove_tree(tmp)
+        deleter.remove_tree(tmp)
         raise
     return give(save_dir, tmp)
 
 
 def _zeros(size: int) -> Iterator[memoryview]:
-    block = memoryview(bytes(min(size, commit.WRITE_CHUNK)))
+    block = memoryview(bytes(min(size, hashed_io.WRITE_CHUNK)))
     while size > 0:
         yield block[: min(size, block.nbytes)]
         size -= block.nbytes
@@ -138,4 +138,4 @@ def drop_extra(tmp: Path, keep: Iterable[str]) -> None:
     wanted = set(keep)
     for entry in os.listdir(tmp):
         if entry not in wanted:
-            commit.remove_tree(tmp / entry)
+            deleter.remove_tree(tmp / entry)

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .commit import MANIFEST
+from .names import MANIFEST
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

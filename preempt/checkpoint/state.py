@@ -42,8 +42,8 @@ import torch
 from .._torch_compat import compiled_original
 from ..errors import IncompatibleStateError, UnsupportedStateError
 from . import codec
-from .commit import BASE_FILE, MODEL_FILE, SHARD_BASE, SHARD_PIECES, STATE_FILE, STATE_JSON, is_shard_file  # noqa: F401
 from .components import Components, Stateful
+from .names import BASE_FILE, MODEL_FILE, SHARD_BASE, SHARD_PIECES, STATE_FILE, STATE_JSON, is_shard_file  # noqa: F401
 from .tensorfile import check_tensor
 
 RANK_FILE = "rank_{rank:05d}.safetensors"  # rank r's own state in a distributed checkpoint (its RNG)

@@ -2,7 +2,7 @@
 
 The writer streams each tensor's bytes straight from its memory (no
 serialisation into one big buffer first) so that a save runs at the speed of
-the disk; :func:`preempt.checkpoint.commit.write_file` hashes them on the way. The files
+the disk; :func:`preempt.checkpoint.hashed_io.write_file` hashes them on the way. The files
 are standard safetensors: ``safetensors.torch.load_file`` reads them.
 
 The reader parses a file that has already been read into memory and verified,
@@ -146,7 +146,7 @@ def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     The header is padded so that the data starts at a multiple of
     :data:`DATA_ALIGN`. Tensors that lie in one buffer exactly as in the file
     (a staged snapshot: :class:`preempt.checkpoint.staging.Stager`) are yielded as that
-    one buffer, which :func:`preempt.checkpoint.commit.write_file` can write without the
+    one buffer, which :func:`preempt.checkpoint.hashed_io.write_file` can write without the
     page cache; any others one by one, straight from their memory.
     """
     if sys.byteorder != "little":

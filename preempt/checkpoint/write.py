@@ -1,8 +1,8 @@
 """Step 2 of the commit protocol for a payload: its files into a checkpoint's temporary directory.
 
-Each tensor file is written (:func:`preempt.checkpoint.commit.write_file`, hashed on the way, fdatasynced), or,
+Each tensor file is written (:func:`preempt.checkpoint.hashed_io.write_file`, hashed on the way, fdatasynced), or,
 when carried unchanged (:mod:`preempt.checkpoint.carry`), hard-linked from the previous checkpoint
-(:func:`preempt.checkpoint.commit.link_file`): its manifest entry is the source's size and digest with
+(:func:`preempt.checkpoint.hashed_io.link_file`): its manifest entry is the source's size and digest with
 ``carried_from``. A link that cannot be made (another filesystem, no hard links, too many links, the source
 pruned meanwhile), or one whose content the guard finds changed (:func:`preempt.checkpoint.carry.confirm`), is
 written from the tensors the plan kept. The tensors of a staged payload that were read where they live (the files
@@ -18,9 +18,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import commit
+from . import cancel, commit, hashed_io
 from .carry import confirm
-from .commit import FileDigest
+from .hashed_io import FileDigest
 
 if TYPE_CHECKING:
     from .state import Payload
@@ -31,7 +31,7 @@ log = logging.getLogger("preempt")
 def write_payload(directory: Path, payload: Payload, *, durable: bool = True) -> dict[str, FileDigest]:
     """Writes (or links) a payload's files into ``directory``; returns their manifest entries.
 
-    ``durable``: the files written are synced together before this returns (:func:`commit.sync_together`);
+    ``durable``: the files written are synced together before this returns (:func:`hashed_io.sync_together`);
     without it the caller syncs them with the manifest (:func:`commit.commit_dir`). A linked file is durable
     already."""
     from . import codec, tensorfile
@@ -41,27 +41,29 @@ def write_payload(directory: Path, payload: Payload, *, durable: bool = True) ->
     for fname, carry in payload.carried.items():
         if not carry.check or confirm(str(directory / fname), carry):
             try:
-                commit.link_file(carry.source, directory / fname, carry.digest.size)
+                hashed_io.link_file(carry.source, directory / fname, carry.digest.size)
                 files[fname] = carry.digest
                 continue
-            except commit.WriteCancelled:
+            except cancel.WriteCancelled:
                 raise
             except OSError as e:
                 code = errno.errorcode.get(e.errno or 0, "")
                 log.debug("%s: cannot link %s (%s %s); writing it", directory / fname, carry.source, code, e.strerror)
         read.add(fname)
         pieces = tensorfile.pieces(carry.tensors, carry.meta)
-        files[fname] = commit.write_file(directory / fname, pieces, recycle=True, sync=False)
+        files[fname] = hashed_io.write_file(directory / fname, pieces, recycle=True, sync=False)
     for fname, (tensors, meta) in payload.tensor_files.items():
-        files[fname] = commit.write_file(directory / fname, tensorfile.pieces(tensors, meta), recycle=True, sync=False)
+        files[fname] = hashed_io.write_file(
+            directory / fname, tensorfile.pieces(tensors, meta), recycle=True, sync=False
+        )
     commit.stage("after_tensor_files")
     if payload.live is not None:
         payload.live.check(read)  # the tensors read where they live are as when the snapshot was taken
     for fname, doc in payload.json_files.items():
         data = doc if isinstance(doc, bytes) else codec.dumps(doc)  # a staged snapshot is encoded already
-        files[fname] = commit.write_file(directory / fname, [data], recycle=True, sync=False)
+        files[fname] = hashed_io.write_file(directory / fname, [data], recycle=True, sync=False)
     if durable:
-        commit.sync_together(directory / fname for fname in written(files))
+        hashed_io.sync_together(directory / fname for fname in written(files))
     return files
 
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import _log
-from ..checkpoint import codec, commit, safe_io
-from ..checkpoint.commit import FileDigest
+from ..checkpoint import codec, commit, deleter, hashed_io, names, safe_io
 from ..checkpoint.files import read_verified
+from ..checkpoint.hashed_io import FileDigest
 from ..checkpoint.lock import DirLock, LockedError
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, newest_files, rank_best
 from ..checkpoint.pieces import assembled
@@ -124,7 +124,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             leftovers: list[str] = []
             for p in plan["recycled"]:  # no checkpoint: the next save would have written over them
                 try:
-                    commit.remove_tree(commit.trash(save_dir, Path(p["path"])))
+                    deleter.remove_tree(commit.trash(save_dir, Path(p["path"])))
                 except OSError as e:
                     leftovers.append(f"{p['path']}: {e}")
             for c in plan["delete"]:
@@ -136,11 +136,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
                     raise CommandFailed(EXIT_USAGE, msg) from None
                 deleted.append(c)
                 try:
-                    commit.remove_tree(trashed)
+                    deleter.remove_tree(trashed)
                 except OSError as e:  # out of sight already; the next run start deletes it
                     leftovers.append(f"{trashed}: {e}")
             if deleted or plan["recycled"]:
-                commit.fsync_dir(save_dir)
+                hashed_io.fsync_dir(save_dir)
     except LockedError as e:
         raise CommandFailed(EXIT_LOCKED, f"{e} Nothing deleted.") from None
     except OSError as e:
@@ -161,7 +161,7 @@ def _plan_prune(save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     done = completion(manager)
     valid = [c for c in infos if c.status == "valid"]
     recorded = valid[0].valid.retention if valid else None
-    recorded_in = str(valid[0].path / commit.MANIFEST) if recorded is not None else None
+    recorded_in = str(valid[0].path / names.MANIFEST) if recorded is not None else None
     run = recorded or {}
     keep_best = run.get("keep_best", 0) if args.keep_best is None else args.keep_best
     every = run.get("keep_every_steps") if args.keep_every_steps is None else args.keep_every_steps
@@ -315,13 +315,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         code = EXIT_UNREADABLE if info.status == "unreadable" else EXIT_DAMAGED
         raise CommandFailed(code, f"{info.problem}; cannot export from it")
     from ..checkpoint import tensorfile
-    from ..checkpoint.commit import BASE_FILE, MODEL_FILE
+    from ..checkpoint.names import BASE_FILE, MODEL_FILE
 
     expected = info.manifest.files.get(MODEL_FILE)
     src = info.path / MODEL_FILE
     if expected is None:
-        raise CommandFailed(EXIT_DAMAGED, f"{info.path / commit.MANIFEST}: lists no {MODEL_FILE}")
-    shard_files = sorted(f for f in info.manifest.files if commit.is_shard_file(f))
+        raise CommandFailed(EXIT_DAMAGED, f"{info.path / names.MANIFEST}: lists no {MODEL_FILE}")
+    shard_files = sorted(f for f in info.manifest.files if names.is_shard_file(f))
     # The model's weights: model.safetensors, and the frozen base beside it when the run kept it apart
     # (preempt.checkpoint.carry); the file written holds them all (standalone, whatever was carried). Sharded state:
     # the whole tensors put together from every rank's pieces.
@@ -412,8 +412,8 @@ def _checkpoint_as_dir(args: argparse.Namespace) -> None:
         CommandFailed: For ``ls`` and ``prune``, which work on a whole save_dir, or when
             STEP names another checkpoint than DIR.
     """
-    step = commit.parse_checkpoint_name(args.dir.name)
-    if step is None or any(commit.parse_checkpoint_name(p) is not None for p in os.listdir(args.dir)):
+    step = names.parse_checkpoint_name(args.dir.name)
+    if step is None or any(names.parse_checkpoint_name(p) is not None for p in os.listdir(args.dir)):
         return
     if not hasattr(args, "step"):
         raise CommandFailed(EXIT_USAGE, f"{args.dir}: is one checkpoint; expected its save_dir ({args.dir.parent})")

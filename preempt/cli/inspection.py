@@ -17,11 +17,11 @@ from typing import Any
 import xxhash
 
 from .. import _log
-from ..checkpoint import commit, safe_io, tensorfile
-from ..checkpoint.commit import BASE_FILE, MODEL_FILE, STATE_FILE, STATE_JSON
+from ..checkpoint import names, safe_io, tensorfile
 from ..checkpoint.files import read_verified, regular_file, unreadable
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
+from ..checkpoint.names import BASE_FILE, MODEL_FILE, STATE_FILE, STATE_JSON
 from ..checkpoint.retention import best_note
 from ..checkpoint.tensorfile import Entry, Header
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
@@ -159,7 +159,7 @@ def _state_summary(info: CheckpointInfo, state_header: Header | None) -> tuple[d
     expected = m.files.get(STATE_JSON)
     jpath = info.path / STATE_JSON
     if expected is None:
-        return out, [f"{info.path / commit.MANIFEST}: lists no {STATE_JSON}"]
+        return out, [f"{info.path / names.MANIFEST}: lists no {STATE_JSON}"]
     if expected.size > _MAX_STATE_JSON:
         return out, [f"{jpath}: {expected.size} bytes; not summarised (limit {_MAX_STATE_JSON})"]
     try:
@@ -399,8 +399,8 @@ def _print_inspect(
         print(f"tracked: {', '.join(st['tracked'])}")
     p = m.provenance
     if p:
-        names = ("preempt", "torch", "numpy", "safetensors", "python", "cuda")
-        versions = ", ".join(f"{k} {p[k]}" for k in names if p.get(k))
+        packages = ("preempt", "torch", "numpy", "safetensors", "python", "cuda")
+        versions = ", ".join(f"{k} {p[k]}" for k in packages if p.get(k))
         print(f"provenance: {versions}")
         git = p.get("git")  # what a manifest holds here is not checked: any JSON type may come
         git_s = f"{git.get('commit')}{' (dirty)' if git.get('dirty') else ''}" if isinstance(git, dict) else "unknown"

@@ -39,12 +39,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _log
-from ..checkpoint import commit, safe_io, tensorfile
-from ..checkpoint.commit import BASE_FILE, MANIFEST, MODEL_FILE, STATE_FILE, STATE_JSON
+from ..checkpoint import names, safe_io, tensorfile
 from ..checkpoint.files import check_file, read_manifest
 from ..checkpoint.lock import DirLock, LockedError
 from ..checkpoint.manager import CheckpointInfo
 from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
+from ..checkpoint.names import BASE_FILE, MANIFEST, MODEL_FILE, STATE_FILE, STATE_JSON
 from ..errors import CheckpointError, CorruptCheckpointError, MirrorError
 from . import inspection, listing, report
 from .output import EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, CommandFailed, emit
@@ -97,7 +97,7 @@ class Mirror:
     def _info(self, step: int, objects: dict[str, int]) -> CheckpointInfo:
         from ..mirror.plan import is_complete
 
-        path = self.tmp / commit.checkpoint_name(step)
+        path = self.tmp / names.checkpoint_name(step)
         mpath = path / MANIFEST
         if MANIFEST not in objects:
             held = f"{len(objects)} object(s), {_log.size(sum(objects.values()))}"
@@ -146,7 +146,7 @@ class Mirror:
 
     def fetch(self, step: int, name: str) -> Path:
         """The object downloaded to ``tmp/step_N/name`` (nothing there when it is missing from the mirror)."""
-        local = self.tmp / commit.checkpoint_name(step) / name
+        local = self.tmp / names.checkpoint_name(step) / name
         local.parent.mkdir(exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             local.unlink()
@@ -283,7 +283,7 @@ def _checkpoint_as_url(args: argparse.Namespace) -> str:
 
     url: str = args.dir
     parent, _, last = url.rstrip("/").rpartition("/")
-    step = commit.parse_checkpoint_name(last)
+    step = names.parse_checkpoint_name(last)
     if step is None or args.command in ("report", "pull") or "://" not in parent:
         return url
     if not hasattr(args, "step"):

@@ -12,9 +12,9 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.commit import QUARANTINE, QUARANTINED, SUPERSEDED
 from ..checkpoint.files import present
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, rank_best
+from ..checkpoint.names import QUARANTINE, QUARANTINED, SUPERSEDED
 from ..checkpoint.recycle import file_bytes, pools
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
 from .output import EXIT_DAMAGED, EXIT_UNREADABLE, EXIT_USAGE, CommandFailed

@@ -81,11 +81,11 @@ import torch.distributed as dist
 
 from .. import _testing
 from .._log import log
-from ..checkpoint import codec, commit
-from ..checkpoint.commit import MANIFEST
+from ..checkpoint import codec, hashed_io, names
 from ..checkpoint.files import read_manifest
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, write_payload
 from ..checkpoint.manifest import Manifest, Part
+from ..checkpoint.names import MANIFEST
 from ..checkpoint.state import Payload
 from ..errors import CheckpointWriteError, PeerLost
 from .nodes import Nodes
@@ -320,7 +320,7 @@ def save_ranked(
         extra_names = extra(tmp) if extra is not None else []
         files = write_payload(tmp, payload) if writes else {}
         for fname in extra_names:
-            files[fname] = commit.read_file(tmp / fname)[1]
+            files[fname] = hashed_io.read_file(tmp / fname)[1]
     except Exception as e:
         error = _describe(e, coord.rank)
     sent = None if files is None else {name: d.to_json() for name, d in files.items()}
@@ -365,13 +365,13 @@ def save_ranked(
     return info
 
 
-def _by_node(got: list[Any], nodes: Nodes | None) -> dict[int, dict[str, commit.FileDigest]]:
+def _by_node(got: list[Any], nodes: Nodes | None) -> dict[int, dict[str, hashed_io.FileDigest]]:
     """The files every rank wrote (gathered on rank 0), by the node whose save_dir holds them (all: node 0)."""
     count = 1 if nodes is None else nodes.count
-    by: dict[int, dict[str, commit.FileDigest]] = {k: {} for k in range(count)}
+    by: dict[int, dict[str, hashed_io.FileDigest]] = {k: {} for k in range(count)}
     for rank, (sent, _) in enumerate(got):
         held = by[0 if nodes is None else nodes.of[rank]]
-        held.update({name: commit.FileDigest(**d) for name, d in (sent or {}).items()})
+        held.update({name: hashed_io.FileDigest(**d) for name, d in (sent or {}).items()})
     return by
 
 
@@ -416,7 +416,7 @@ def _commit_part(
     error: Exception | None = None
     part: CheckpointInfo | None = None
     if node != 0 and nodes.leads(coord.rank):
-        held = {n: commit.FileDigest(**d) for n, d in outcome[2].get(str(node), {}).items()}
+        held = {n: hashed_io.FileDigest(**d) for n, d in outcome[2].get(str(node), {}).items()}
         try:
             # rank 0's time of the save: the parts of one save carry one time, which the mirror's manifest has too
             mine = dataclasses.replace(manifest, created=outcome[3], part=Part(node, nodes.count))
@@ -436,7 +436,7 @@ def _commit_part(
         return part
     if node == 0 and outcome[0] == "deferred":
         return None  # rank 0 commits node 0's part in the background
-    path = Path(outcome[1]) if node == 0 else manager.save_dir / commit.checkpoint_name(manifest.step)
+    path = Path(outcome[1]) if node == 0 else manager.save_dir / names.checkpoint_name(manifest.step)
     info = CheckpointInfo(path, manifest.step, "valid", read_manifest(path / MANIFEST))
     manager.committed(info)
     return info

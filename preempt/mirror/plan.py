@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from ..checkpoint.commit import MANIFEST, FileDigest
+from ..checkpoint.hashed_io import FileDigest
 from ..checkpoint.manifest import Manifest
+from ..checkpoint.names import MANIFEST
 from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
 
 PART_SUFFIX = ".part.json"  # node K's note that its part of a step's save is up: ``node_0000K.part.json``

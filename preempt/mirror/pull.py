@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .._log import duration
-from ..checkpoint import aside, commit, files
-from ..checkpoint.commit import MANIFEST, checkpoint_name
+from ..checkpoint import aside, commit, deleter, files, hashed_io
 from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
+from ..checkpoint.names import MANIFEST, checkpoint_name
 from ..errors import CorruptCheckpointError, MirrorError, NoCheckpointError, PreemptError
 from . import plan
 from .store import MirrorStore
@@ -185,13 +185,13 @@ def fetch(
                 for job in jobs:
                     job.cancel()
         total = sum(e.size for e in manifest.files.values())
-        commit.write_file(tmp / MANIFEST, [data])
+        hashed_io.write_file(tmp / MANIFEST, [data])
         path, replaced = commit.commit_dir(save_dir, tmp, name)
     except BaseException:
         files.discard_tmp(tmp)
         raise
     if replaced is not None:  # a step_N that appeared meanwhile; ours is committed
-        commit.remove_tree(replaced)
+        deleter.remove_tree(replaced)
     seconds = clock() - start
     log.info(
         "pulled step %d from %s: %d files, %s in %s",
@@ -240,7 +240,7 @@ def _part_here(final: Path, whole: Manifest) -> Path | None:
 
 
 def _download(
-    store: MirrorStore, step: int, file: str, expected: commit.FileDigest, path: Path, part: Path | None = None
+    store: MirrorStore, step: int, file: str, expected: hashed_io.FileDigest, path: Path, part: Path | None = None
 ) -> None:
     """Step 3 for one file: downloaded, checked, made durable; CorruptCheckpointError naming the object if not.
     A file of this node's ``part`` of the same save is linked instead when it still has its digest."""
@@ -249,7 +249,7 @@ def _download(
     got = store.get(step, file, path, expected.size)  # hashed as it was written, where the store streams it
     files.regular_file(path)
     if got is None:
-        got = commit.hash_file(path)
+        got = hashed_io.hash_file(path)
     if got.size != expected.size:
         raise CorruptCheckpointError(f"{store.where(step, file)}: size {got.size} bytes, manifest says {expected.size}")
     if got.xxh3_128 != expected.xxh3_128:
@@ -264,11 +264,11 @@ def _download(
         os.close(fd)
 
 
-def _reuse(local: Path, expected: commit.FileDigest, path: Path) -> bool:
+def _reuse(local: Path, expected: hashed_io.FileDigest, path: Path) -> bool:
     """Hard-links ``local`` at ``path`` when it is a regular file with ``expected``'s size and digest."""
     try:
         files.regular_file(local)
-        got = commit.hash_file(local)
+        got = hashed_io.hash_file(local)
         if (got.size, got.xxh3_128) != (expected.size, expected.xxh3_128):
             return False
         os.link(local, path)

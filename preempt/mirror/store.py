@@ -33,7 +33,8 @@ from typing import Any
 import xxhash
 
 from .._secrets import userinfo
-from ..checkpoint.commit import FileDigest, checkpoint_name, parse_checkpoint_name
+from ..checkpoint.hashed_io import FileDigest
+from ..checkpoint.names import checkpoint_name, parse_checkpoint_name
 from ..checkpoint.safe_io import printable
 from ..errors import MirrorError
 
@@ -346,7 +347,7 @@ class MirrorStore:
 
     def delete_step(self, step: int) -> None:
         """Deletes every object of one step; the manifest first, so that the step never looks complete meanwhile."""
-        from ..checkpoint.commit import MANIFEST
+        from ..checkpoint.names import MANIFEST
 
         self.delete(step, MANIFEST)
         path = f"{self.root}/{checkpoint_name(step)}"

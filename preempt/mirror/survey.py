@@ -10,8 +10,8 @@ import dataclasses
 import errno
 from concurrent.futures import ThreadPoolExecutor
 
-from ..checkpoint.commit import MANIFEST
 from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
+from ..checkpoint.names import MANIFEST
 from ..errors import MirrorError
 from . import plan
 from .store import MirrorStore

@@ -33,9 +33,9 @@ from typing import Any
 
 from .. import _testing
 from .._log import duration
-from ..checkpoint import commit, files, safe_io
-from ..checkpoint.commit import MANIFEST, checkpoint_name, parse_checkpoint_name
+from ..checkpoint import files, hashed_io, safe_io
 from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
+from ..checkpoint.names import MANIFEST, checkpoint_name, parse_checkpoint_name
 from ..checkpoint.retention import RetentionPolicy
 from ..errors import CorruptCheckpointError, MirrorError
 from . import plan
@@ -370,7 +370,7 @@ class Uploader:
         sizes as listed); what is not is kept in :attr:`lacking` (the stop's line names the nodes)."""
         listed = self.store.steps().get(whole.step, {})
         lacking: dict[int, list[str]] = {}
-        by_node: dict[int, dict[str, commit.FileDigest]] = {}
+        by_node: dict[int, dict[str, hashed_io.FileDigest]] = {}
         for name, (node, digest) in part.elsewhere.items():
             by_node.setdefault(node, {})[name] = digest
         for node, held in sorted(by_node.items()):
@@ -381,7 +381,9 @@ class Uploader:
             self.lacking[whole.step] = lacking
         return not lacking
 
-    def _part_up(self, whole: Manifest, node: int, held: dict[str, commit.FileDigest], listed: dict[str, int]) -> bool:
+    def _part_up(
+        self, whole: Manifest, node: int, held: dict[str, hashed_io.FileDigest], listed: dict[str, int]
+    ) -> bool:
         """Node ``node``'s note says its part of this very save is up (not an earlier save's objects of the step)."""
         name = plan.part_note(node)
         if name not in listed:
@@ -500,12 +502,12 @@ class Uploader:
             return False  # the source went (retention, another process): upload it instead
         return True
 
-    def _put(self, path: Path, expected: commit.FileDigest, manifest: Manifest, data: bytes) -> bool:
+    def _put(self, path: Path, expected: hashed_io.FileDigest, manifest: Manifest, data: bytes) -> bool:
         """The local file checked against the manifest, then uploaded; False when it does not match: said once, as
         damage, unless the checkpoint was replaced or pruned meanwhile (a new save of its step is submitted anew)."""
         try:
             files.regular_file(path)
-            got = commit.hash_file(path)
+            got = hashed_io.hash_file(path)
         except FileNotFoundError:
             return False  # pruned meanwhile
         except (OSError, CorruptCheckpointError) as e:

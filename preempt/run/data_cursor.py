@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from .. import _log
-from ..checkpoint.commit import MANIFEST
 from ..checkpoint.manager import CheckpointInfo
 from ..checkpoint.manifest import Cursor
+from ..checkpoint.names import MANIFEST
 from ..data import rng
 from ..data.loaders import find_sampler, length, prepared_by_accelerate
 from ..data.prepared import Prepared, take_over

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _log
-from ..checkpoint.commit import MANIFEST, parse_checkpoint_name
 from ..checkpoint.files import read_manifest
 from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.names import MANIFEST, parse_checkpoint_name
 from ..errors import CorruptCheckpointError, MirrorError, NoCheckpointError, PreemptError
 from ..health.history import HISTORY_FILE, LOG_FILE
 from .config import RunConfig

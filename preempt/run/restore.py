@@ -24,8 +24,8 @@ from typing import Any
 
 from .. import _log
 from ..checkpoint import hyperparams, lock, state
-from ..checkpoint.commit import parse_checkpoint_name
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..checkpoint.names import parse_checkpoint_name
 from ..cluster import distributed, nodes, sharded
 from ..cluster.environment import Environment
 from ..data import rng

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.commit import MANIFEST, parse_checkpoint_name
+from ..checkpoint.names import MANIFEST, parse_checkpoint_name
 from ..errors import NoCheckpointError
 
 NO_CHECKPOINT = object()  # the save_dir holds no valid checkpoint

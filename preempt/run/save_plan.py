@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.commit import WriteCancelled
+from ..checkpoint.cancel import WriteCancelled
 from ..checkpoint.staging import ChangedWhileWritten, TornSnapshot
 from ..errors import LockLostError
 from .save_policy import Due, Reason
@@ -76,7 +76,7 @@ class Job:
     record: SaveRecord | None = None  # a save's
     reason: Reason | None = None  # a save's
     started: float = 0.0  # clock at the start of the save
-    cancel: threading.Event | None = None  # set: the write stops before its rename (commit.cancellable)
+    cancel: threading.Event | None = None  # set: the write stops before its rename (cancel.cancellable)
 
 
 class Outcome(enum.Enum):

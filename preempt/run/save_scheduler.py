@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import torch
 
 from .. import _log, _testing
-from ..checkpoint import carry, commit, recycle, state
+from ..checkpoint import carry, recycle, state
+from ..checkpoint.cancel import WriteCancelled, cancellable
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.readahead import host_memory_available
@@ -414,7 +415,7 @@ class SaveScheduler:
         def job() -> CheckpointInfo:
             if event is None:
                 return write()
-            with commit.cancellable(event):
+            with cancellable(event):
                 return write()
 
         self.job = Job(JobKind.SAVE, self._writer().submit(job), record, reason, t0, event)
@@ -471,7 +472,7 @@ class SaveScheduler:
             case Outcome.RESERVED:
                 log.debug("%s written ahead in %s, for the next save to write over", result, self._since(job))
             case Outcome.RESERVE_FAILED:
-                if not isinstance(error, commit.WriteCancelled):
+                if not isinstance(error, WriteCancelled):
                     log.warning("%s: could not write a pool ahead for the saves: %r", self.manager.save_dir, error)
             case Outcome.WRITTEN:
                 self._written(job, result, lazy)
@@ -630,7 +631,7 @@ class SaveScheduler:
         cancel = threading.Event()
 
         def job() -> Path:
-            with commit.cancellable(cancel):
+            with cancellable(cancel):
                 return recycle.reserve(manager.save_dir, sizes)
 
         self.job = Job(JobKind.RESERVE, self._writer().submit(job), started=self.clock(), cancel=cancel)

@@ -19,8 +19,8 @@ from helpers import DDP_ARGS as ARGS
 from helpers import assert_equal_finals, ddp_finals, torchrun, torchrun_nodes
 from safetensors.torch import load_file
 
-from preempt.checkpoint.commit import checkpoint_name
 from preempt.checkpoint.manager import CheckpointManager
+from preempt.checkpoint.names import checkpoint_name
 from preempt.cli.main import main
 from preempt.mirror.store import MirrorStore
 from preempt.mirror.survey import Surveyor

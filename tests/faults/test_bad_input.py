@@ -48,7 +48,7 @@ from preempt import (
     PreemptibleRun,
     ResumableSampler,
 )
-from preempt.checkpoint.commit import dumps_json, hash_file
+from preempt.checkpoint.hashed_io import dumps_json, hash_file
 from preempt.cli import main as cli
 
 N, BATCH = 40, 8  # 5 batches per epoch

@@ -15,9 +15,10 @@ import xxhash
 from s3server import put_checkpoint
 
 from preempt import PreemptibleRun
-from preempt.checkpoint.commit import MANIFEST, MAX_STEP, checkpoint_name, dumps_json, parse_checkpoint_name
+from preempt.checkpoint.hashed_io import dumps_json
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.checkpoint.manifest import Cursor, Manifest
+from preempt.checkpoint.names import MANIFEST, MAX_STEP, checkpoint_name, parse_checkpoint_name
 from preempt.errors import MirrorError
 from preempt.mirror.pull import pull
 from preempt.mirror.store import MirrorStore
@@ -349,7 +350,7 @@ def test_a_pull_never_downloads_more_than_the_disk_can_take(tmp_path):
     """A manifest (and a lying listing) declaring a terabyte: the bytes a pull may write are bounded by the disk it
     writes to, not by what the manifest says. The step is refused before any download, naming the need and the
     room, and the pull goes on to the next older one."""
-    from preempt.checkpoint.commit import FileDigest
+    from preempt.checkpoint.hashed_io import FileDigest
     from preempt.errors import CorruptCheckpointError
     from preempt.mirror import pull as pull_module
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from s3server import put_checkpoint
 
-from preempt.checkpoint.commit import MANIFEST, checkpoint_name
 from preempt.checkpoint.manager import CheckpointManager
+from preempt.checkpoint.names import MANIFEST, checkpoint_name
 from preempt.errors import MirrorError, NoCheckpointError
 from preempt.mirror.pull import pull, pull_newest
 from preempt.mirror.store import MirrorStore
@@ -101,7 +101,7 @@ def test_missing_bucket_and_credentials_kept_out(tmp_path, mirror_url):
 
 
 def test_a_pull_hashes_each_object_as_it_is_written_and_never_reads_it_again(tmp_path, mirror_url, monkeypatch):
-    from preempt.checkpoint import commit
+    from preempt.checkpoint import hashed_io
     from preempt.mirror import pull as pull_module
 
     local = tmp_path / "local"
@@ -113,12 +113,12 @@ def test_a_pull_hashes_each_object_as_it_is_written_and_never_reads_it_again(tmp
     def read_again(path):
         raise AssertionError(f"{path} was read again after its download")
 
-    monkeypatch.setattr(pull_module.commit, "hash_file", read_again)
+    monkeypatch.setattr(pull_module.hashed_io, "hash_file", read_again)
     got = pull(store, tmp_path / "new")
     same_tree(local / checkpoint_name(2), got)
 
     # The digest is of what was written: a forged object is still refused, by the digest computed on the way.
-    monkeypatch.setattr(pull_module.commit, "hash_file", commit.hash_file)
+    monkeypatch.setattr(pull_module.hashed_io, "hash_file", hashed_io.hash_file)
     size = store.steps()[2]["state.safetensors"]
     store.put_bytes(2, "state.safetensors", b"\1" * size)
     with pytest.raises(NoCheckpointError, match="state.safetensors: xxh3 mismatch"):

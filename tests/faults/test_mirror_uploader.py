@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from preempt import _testing
-from preempt.checkpoint.commit import MANIFEST, checkpoint_name
 from preempt.checkpoint.manager import CheckpointManager
+from preempt.checkpoint.names import MANIFEST, checkpoint_name
 from preempt.checkpoint.retention import RetentionPolicy
 from preempt.errors import MirrorError
 from preempt.mirror.uploader import Uploader

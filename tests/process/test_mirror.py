@@ -19,7 +19,7 @@ from pathlib import Path
 import s3server
 from helpers import PREEMPTED, Spawned, assert_same_final, free_port, run_python, train_cmd
 
-from preempt.checkpoint.commit import MANIFEST, checkpoint_name
+from preempt.checkpoint.names import MANIFEST, checkpoint_name
 from preempt.health.history import read_history
 from preempt.mirror.store import MirrorStore
 from preempt.mirror.survey import Surveyor

@@ -13,7 +13,7 @@ import pytest
 from helpers import cli, cli_json, small_run
 from s3server import put_checkpoint
 
-from preempt.checkpoint.commit import checkpoint_name
+from preempt.checkpoint.names import checkpoint_name
 from preempt.mirror.store import MirrorStore
 
 

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from preempt import PreemptibleRun, _testing
-from preempt.checkpoint import commit
+from preempt.checkpoint import cancel, commit
 
 
 class Synthetic(Dataset):
@@ -339,7 +339,7 @@ def signal_at(spec: str) -> None:
                 if until_cancelled:
                     event = getattr(_writing, "cancel", None)
                     if event is not None and event.wait(HOLD_LIMIT_S):
-                        commit.check_cancelled()  # raises WriteCancelled: the run cancelled this write
+                        cancel.check_cancelled()  # raises WriteCancelled: the run cancelled this write
                     print(f"signal_at {point} {n}: the write was never cancelled", flush=True)
 
     act(action)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from preempt import _testing
-from preempt.checkpoint import carry, commit, recycle
+from preempt.checkpoint import carry, deleter, hashed_io, names, recycle
 from preempt.checkpoint.carry import CarryOptions, decide, fingerprint
 from preempt.checkpoint.manager import CheckpointManager
 from preempt.checkpoint.manifest import Cursor, Manifest
@@ -53,7 +53,7 @@ def same_inode(a: Path, b: Path) -> bool:
 
 
 def step_dir(d: Path, step: int) -> Path:
-    return d / commit.checkpoint_name(step)
+    return d / names.checkpoint_name(step)
 
 
 # ----------------------------------------------------------------------------- the pure decisions
@@ -159,7 +159,7 @@ def test_a_link_that_fails_writes_the_file(tmp_path, monkeypatch, caplog):
     def no_links(*a, **k):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(commit.os, "link", no_links)
+    monkeypatch.setattr(hashed_io.os, "link", no_links)
     caplog.set_level(logging.DEBUG, logger="preempt")
     info = m.save_state(step=2, model=model, optimizer=opt)
     assert not same_inode(step_dir(tmp_path, 1) / BASE, info.path / BASE)
@@ -177,7 +177,7 @@ def test_a_source_pruned_between_plan_and_write_is_written(tmp_path):
 
     payload = m.plan(state.capture(state.Components(model, opt), {}, group_frozen=True), 2)
     assert BASE in payload.carried
-    commit.remove_tree(step_dir(tmp_path, 1))  # gone meanwhile (ENOENT at the link)
+    deleter.remove_tree(step_dir(tmp_path, 1))  # gone meanwhile (ENOENT at the link)
     manifest = Manifest(step=2, cursor=Cursor(), reason="manual", created=1.0, files={})
     info = m.save(payload, manifest)
     assert info.manifest.files[BASE].carried_from is None and m.verify(info) == []
@@ -214,7 +214,7 @@ def test_recycling_never_writes_into_a_file_a_kept_checkpoint_links(tmp_path):
     # step 2 was pruned into the pool meanwhile; its base (once shared) still holds step 1-2's bytes
     digest = two.manifest.files[BASE]
     (pool,) = recycle.pools(tmp_path)
-    assert commit.hash_file(pool / BASE) == digest
+    assert hashed_io.hash_file(pool / BASE) == digest
     assert CheckpointManager(tmp_path).verify(three) == []
 
 
@@ -231,7 +231,7 @@ def test_a_flipped_bit_in_the_newest_shared_file_leaves_an_older_checkpoint(tmp_
     flip(step_dir(tmp_path, 4) / BASE)  # damages 3 as well
     info, loaded = CheckpointManager(tmp_path).load("latest")
     assert info.step == 2
-    assert sorted(p.name for p in (tmp_path / "quarantine").iterdir()) == [commit.checkpoint_name(s) for s in (3, 4)]
+    assert sorted(p.name for p in (tmp_path / "quarantine").iterdir()) == [names.checkpoint_name(s) for s in (3, 4)]
     assert CheckpointManager(tmp_path).verify(info) == []
 
 
@@ -243,7 +243,7 @@ def test_quarantine_moves_only_the_damaged_checkpoint(tmp_path):
         m.save_state(step=step, model=model, optimizer=opt)
     flip(step_dir(tmp_path, 2) / MODEL)  # its own file, not the shared base
     info, _ = CheckpointManager(tmp_path).load("latest")
-    assert info.step == 1 and (tmp_path / "quarantine" / commit.checkpoint_name(2) / BASE).is_file()
+    assert info.step == 1 and (tmp_path / "quarantine" / names.checkpoint_name(2) / BASE).is_file()
     assert CheckpointManager(tmp_path).verify(info) == []  # its base, one inode with the quarantined one, is whole
 
 
@@ -287,7 +287,7 @@ def test_a_buffer_replaced_at_the_same_address_is_not_taken_for_unchanged():
     t = torch.zeros(1024)
     payload = state.Payload({"x.safetensors": ({"t": t}, {})}, {})
     carrier.plan(payload, 1)
-    carrier.durable(Path("/nowhere"), 1, {"x.safetensors": commit.FileDigest(1, "0" * 32)})
+    carrier.durable(Path("/nowhere"), 1, {"x.safetensors": hashed_io.FileDigest(1, "0" * 32)})
     ptr = t.data_ptr()
     del t, payload
     fresh = torch.ones(1024)
@@ -298,7 +298,7 @@ def test_a_buffer_replaced_at_the_same_address_is_not_taken_for_unchanged():
 
 
 def test_manifest_round_trip_keeps_carried_from():
-    files = {MODEL: commit.FileDigest(10, "a" * 32), BASE: commit.FileDigest(20, "b" * 32, 3)}
+    files = {MODEL: hashed_io.FileDigest(10, "a" * 32), BASE: hashed_io.FileDigest(20, "b" * 32, 3)}
     m = Manifest(step=5, cursor=Cursor(), reason="steps", created=1.0, files=files)
     back = Manifest.from_json(m.to_json(), "manifest.json")
     assert back.files[BASE].carried_from == 3 and back.files[MODEL].carried_from is None
@@ -343,12 +343,12 @@ def test_the_guard_is_left_to_the_writer_and_a_stop_never_waits_for_it():
     t = torch.zeros(16)
     payload = state.Payload({BASE: ({"w": t}, {})}, {})
     carrier.plan(payload, 1)
-    carrier.durable(Path("/nowhere"), 1, {BASE: commit.FileDigest(1, "0" * 32)})
+    carrier.durable(Path("/nowhere"), 1, {BASE: hashed_io.FileDigest(1, "0" * 32)})
 
     def plan(step: int, urgent: bool = False) -> bool:
         planned = carrier.plan(payload, step, urgent=urgent)
         assert BASE in planned.carried and not planned.tensor_files
-        carrier.durable(Path("/nowhere"), step, {BASE: commit.FileDigest(1, "0" * 32, 1)})
+        carrier.durable(Path("/nowhere"), step, {BASE: hashed_io.FileDigest(1, "0" * 32, 1)})
         return planned.carried[BASE].check
 
     assert carry.exists  # (the source's presence is faked below)
@@ -498,7 +498,9 @@ def test_the_guard_racing_the_loop_carries_by_the_version_counters(monkeypatch, 
     nothing about the step's content (the counters, unchanged at the step, do), so the file is carried, with no
     warning; a mismatch without a counter that moved is a change behind autograd, written and warned about."""
     t = torch.zeros(4)
-    c = carry.Carry(Path("/nowhere"), commit.FileDigest(0, "0" * 32), {"w": t}, {}, check=True, versions=[t._version])
+    c = carry.Carry(
+        Path("/nowhere"), hashed_io.FileDigest(0, "0" * 32), {"w": t}, {}, check=True, versions=[t._version]
+    )
     real = carry.digest_of
 
     def during_the_hash(tensors, meta):

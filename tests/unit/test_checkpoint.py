@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from preempt import CheckpointManager, CorruptCheckpointError, IncompatibleStateError, NoCheckpointError
-from preempt.checkpoint import commit, state
+from preempt.checkpoint import commit, hashed_io, state
 from preempt.errors import CheckpointError
 
 
@@ -143,7 +143,7 @@ def test_failed_write_leaves_previous_checkpoint_and_no_partial(tmp_path, monkey
     m = CheckpointManager(tmp_path, recycle_files=recycle, carry_unchanged=False)  # every file written, to fail
     m.prepare()
     m.save_state(step=1, model=model, optimizer=opt)
-    real_write, real_commit = commit.write_file, commit.commit_dir
+    real_write, real_commit = hashed_io.write_file, commit.commit_dir
 
     def write(path, pieces, **kw):
         if Path(path).name == fail_on:
@@ -155,7 +155,7 @@ def test_failed_write_leaves_previous_checkpoint_and_no_partial(tmp_path, monkey
             raise OSError(5, "Input/output error")
         return real_commit(*a)
 
-    monkeypatch.setattr(commit, "write_file", write)
+    monkeypatch.setattr(hashed_io, "write_file", write)
     monkeypatch.setattr(commit, "commit_dir", commit_dir)
     with pytest.raises(OSError):
         m.save_state(step=2, model=model, optimizer=opt)

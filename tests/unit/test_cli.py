@@ -536,10 +536,10 @@ def test_dir_may_name_one_checkpoint(tmp_path, capsys):
 
 
 def test_verify_a_checkpoint_pruned_meanwhile_is_not_damage(tmp_path, capsys, monkeypatch):
-    from preempt.checkpoint import commit
+    from preempt.checkpoint import commit, hashed_io
 
     saved(tmp_path)
-    read_file = commit.read_file
+    read_file = hashed_io.read_file
 
     def pruned_by_a_run(path, *a):
         victim = tmp_path / "step_000000002"
@@ -547,7 +547,7 @@ def test_verify_a_checkpoint_pruned_meanwhile_is_not_damage(tmp_path, capsys, mo
             commit.trash(tmp_path, victim)  # what a training's prune does
         return read_file(path, *a)
 
-    monkeypatch.setattr(commit, "read_file", pruned_by_a_run)
+    monkeypatch.setattr(hashed_io, "read_file", pruned_by_a_run)
     rc, doc = cli_json(capsys, "verify", tmp_path)
     assert rc == 0 and doc["ok"]
     assert {c["step"]: c["status"] for c in doc["checkpoints"]} == {3: "valid", 2: "gone", 1: "valid"}

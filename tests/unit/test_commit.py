@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from preempt.checkpoint import aside, commit
-from preempt.checkpoint.commit import FileDigest
+from preempt.checkpoint import aside, commit, deleter, hashed_io, names
+from preempt.checkpoint.hashed_io import FileDigest
 
 
 def _bytes(n: int, seed: int = 0) -> bytes:
@@ -25,11 +25,11 @@ def test_write_file_digest_matches_hash_file_and_xxhash(tmp_path):
     pieces = [b"abc", bytearray(b"def"), memoryview(b"ghij"), np.arange(5, dtype=np.int32), _bytes(1000)]
     expected = b"abc" + b"def" + b"ghij" + np.arange(5, dtype=np.int32).tobytes() + _bytes(1000)
     path = tmp_path / "f.bin"
-    d = commit.write_file(path, pieces)
+    d = hashed_io.write_file(path, pieces)
     assert path.read_bytes() == expected
     assert d == FileDigest(len(expected), xxhash.xxh3_128_hexdigest(expected))
-    assert commit.hash_file(path) == d
-    buf, d2 = commit.read_file(path)
+    assert hashed_io.hash_file(path) == d
+    buf, d2 = hashed_io.read_file(path)
     assert d2 == d
     assert buf.dtype == np.uint8 and buf.tobytes() == expected
 
@@ -37,18 +37,18 @@ def test_write_file_digest_matches_hash_file_and_xxhash(tmp_path):
 def test_write_file_accepts_multidimensional_and_typed_buffers(tmp_path):
     arr = np.arange(12, dtype=np.float64).reshape(3, 4)
     mv = memoryview(np.arange(3, dtype=np.int16))
-    d = commit.write_file(tmp_path / "g.bin", [arr, mv])
+    d = hashed_io.write_file(tmp_path / "g.bin", [arr, mv])
     data = arr.tobytes() + np.arange(3, dtype=np.int16).tobytes()
     assert (tmp_path / "g.bin").read_bytes() == data
     assert d.size == len(data) == 96 + 6
 
 
 def test_write_file_empty(tmp_path):
-    d = commit.write_file(tmp_path / "e", [])
+    d = hashed_io.write_file(tmp_path / "e", [])
     assert d == FileDigest(0, xxhash.xxh3_128_hexdigest(b""))
-    assert commit.write_file(tmp_path / "e2", [b"", b""]) == d
-    assert commit.hash_file(tmp_path / "e") == d
-    buf, d3 = commit.read_file(tmp_path / "e", expected_size=0)
+    assert hashed_io.write_file(tmp_path / "e2", [b"", b""]) == d
+    assert hashed_io.hash_file(tmp_path / "e") == d
+    buf, d3 = hashed_io.read_file(tmp_path / "e", expected_size=0)
     assert buf.size == 0 and d3 == d
 
 
@@ -56,7 +56,7 @@ def test_write_file_never_overwrites(tmp_path):
     path = tmp_path / "x"
     path.write_bytes(b"old")
     with pytest.raises(FileExistsError):
-        commit.write_file(path, [b"new"])
+        hashed_io.write_file(path, [b"new"])
     assert path.read_bytes() == b"old"
 
 
@@ -74,7 +74,7 @@ def test_many_small_pieces_are_coalesced(tmp_path, monkeypatch):
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", counting_write)
-    d = commit.write_file(tmp_path / "c.bin", pieces)
+    d = hashed_io.write_file(tmp_path / "c.bin", pieces)
     monkeypatch.undo()
     assert (tmp_path / "c.bin").read_bytes() == expected
     assert d == FileDigest(len(expected), xxhash.xxh3_128_hexdigest(expected))
@@ -86,18 +86,18 @@ def test_partial_writes_and_small_chunks(tmp_path, monkeypatch):
     """Short writes from the OS and tiny chunk sizes still produce the exact file and digest."""
     real_write = os.write
     monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:3]))
-    monkeypatch.setattr(commit, "WRITE_CHUNK", 7)
-    monkeypatch.setattr(commit, "_COALESCE", 5)
+    monkeypatch.setattr(hashed_io, "WRITE_CHUNK", 7)
+    monkeypatch.setattr(hashed_io, "_COALESCE", 5)
     pieces = [_bytes(n, seed=n) for n in (0, 1, 4, 5, 6, 13, 50, 2)]
     expected = b"".join(pieces)
-    d = commit.write_file(tmp_path / "p.bin", pieces)
+    d = hashed_io.write_file(tmp_path / "p.bin", pieces)
     monkeypatch.setattr(os, "write", real_write)
     assert (tmp_path / "p.bin").read_bytes() == expected
     assert d == FileDigest(len(expected), xxhash.xxh3_128_hexdigest(expected))
     # read_file and hash_file with a 7-byte chunk exercise their loops too.
-    buf, d2 = commit.read_file(tmp_path / "p.bin", expected_size=len(expected))
+    buf, d2 = hashed_io.read_file(tmp_path / "p.bin", expected_size=len(expected))
     assert buf.tobytes() == expected and d2 == d
-    assert commit.hash_file(tmp_path / "p.bin") == d
+    assert hashed_io.hash_file(tmp_path / "p.bin") == d
 
 
 def test_read_file_wrong_size_raises_without_reading(tmp_path, monkeypatch):
@@ -111,28 +111,28 @@ def test_read_file_wrong_size_raises_without_reading(tmp_path, monkeypatch):
         def empty(*a, **k):
             raise AssertionError("read_file allocated a buffer for a file of the wrong size")
 
-    monkeypatch.setattr(commit, "np", NoAlloc)
+    monkeypatch.setattr(hashed_io, "np", NoAlloc)
     with pytest.raises(ValueError, match="size 10 bytes, manifest says 11"):
-        commit.read_file(path, expected_size=11)
+        hashed_io.read_file(path, expected_size=11)
     with pytest.raises(ValueError, match="size 10 bytes, manifest says 0"):
-        commit.read_file(path, expected_size=0)
+        hashed_io.read_file(path, expected_size=0)
     monkeypatch.undo()
-    buf, d = commit.read_file(path, expected_size=10)
+    buf, d = hashed_io.read_file(path, expected_size=10)
     assert buf.tobytes() == b"0123456789" and d.size == 10
 
 
 def test_read_file_missing_raises_oserror(tmp_path):
     with pytest.raises(FileNotFoundError):
-        commit.read_file(tmp_path / "nope")
+        hashed_io.read_file(tmp_path / "nope")
 
 
 def test_digest_detects_a_flipped_bit(tmp_path):
     data = bytearray(_bytes(4096, seed=9))
-    d = commit.write_file(tmp_path / "a", [data])
+    d = hashed_io.write_file(tmp_path / "a", [data])
     data[1234] ^= 0x10
     (tmp_path / "b").write_bytes(data)
-    assert commit.hash_file(tmp_path / "b").xxh3_128 != d.xxh3_128
-    assert commit.hash_file(tmp_path / "b").size == d.size
+    assert hashed_io.hash_file(tmp_path / "b").xxh3_128 != d.xxh3_128
+    assert hashed_io.hash_file(tmp_path / "b").size == d.size
 
 
 def test_file_digest_to_json():
@@ -140,7 +140,7 @@ def test_file_digest_to_json():
 
 
 def test_dumps_json_is_canonical():
-    assert commit.dumps_json({"b": [1, 2.5], "a": {"y": None, "x": float("nan")}}) == (
+    assert hashed_io.dumps_json({"b": [1, 2.5], "a": {"y": None, "x": float("nan")}}) == (
         b'{"a":{"x":NaN,"y":null},"b":[1,2.5]}'
     )
 
@@ -150,14 +150,14 @@ def test_dumps_json_is_canonical():
 
 @pytest.mark.parametrize("step, name", [(0, "step_000000000"), (120, "step_000000120"), (10**9, "step_1000000000")])
 def test_checkpoint_name(step, name):
-    assert commit.checkpoint_name(step) == name
-    assert commit.parse_checkpoint_name(name) == step
+    assert names.checkpoint_name(step) == name
+    assert names.parse_checkpoint_name(name) == step
 
 
 def test_checkpoint_names_sort_by_step():
     steps = random.Random(1).sample(range(10**9), 200)
-    names = [commit.checkpoint_name(s) for s in steps]
-    assert [commit.parse_checkpoint_name(n) for n in sorted(names)] == sorted(steps)
+    spelled = [names.checkpoint_name(s) for s in steps]
+    assert [names.parse_checkpoint_name(n) for n in sorted(spelled)] == sorted(steps)
 
 
 @pytest.mark.parametrize(
@@ -182,7 +182,7 @@ def test_checkpoint_names_sort_by_step():
     ],
 )
 def test_parse_checkpoint_name_rejects_other_names(name):
-    assert commit.parse_checkpoint_name(name) is None
+    assert names.parse_checkpoint_name(name) is None
 
 
 # ------------------------------------------------------------------ commit_dir
@@ -190,8 +190,8 @@ def test_parse_checkpoint_name_rejects_other_names(name):
 
 def _make_tmp(save_dir: Path, name: str, content: bytes) -> Path:
     tmp = commit.new_tmp_dir(save_dir, name)
-    commit.write_file(tmp / "data.bin", [content])
-    commit.write_file(tmp / commit.MANIFEST, [b"{}"])
+    hashed_io.write_file(tmp / "data.bin", [content])
+    hashed_io.write_file(tmp / names.MANIFEST, [b"{}"])
     return tmp
 
 
@@ -200,7 +200,7 @@ def test_new_tmp_dir_is_hidden_and_unique(tmp_path):
     b = commit.new_tmp_dir(tmp_path, "step_000000001")
     assert a != b and a.is_dir() and b.is_dir()
     assert a.name.startswith(".tmp-step_000000001-") and a.parent == tmp_path
-    assert commit.parse_checkpoint_name(a.name) is None
+    assert names.parse_checkpoint_name(a.name) is None
 
 
 def test_commit_dir_creates_final(tmp_path):
@@ -277,7 +277,7 @@ def test_recover_after_crash_between_rename_steps(tmp_path):
     """Simulates death after step 5 (old renamed aside) and before step 6 (tmp renamed in): the old one is back."""
     commit.commit_dir(tmp_path, _make_tmp(tmp_path, "step_000000007", b"valid"), "step_000000007")
     tmp = _make_tmp(tmp_path, "step_000000007", b"half")
-    aside = tmp_path / f".replaced-step_000000007-{commit.tag()}"
+    aside = tmp_path / f".replaced-step_000000007-{names.tag()}"
     os.rename(tmp_path / "step_000000007", aside)  # step 5, then the process dies
     rec = commit.recover(tmp_path)
     assert rec.restored == ["step_000000007"]
@@ -300,7 +300,7 @@ def test_write_atomic_creates_and_replaces(tmp_path):
     commit.write_atomic(path, [b'{"a": 1}'])
     assert path.read_bytes() == b'{"a": 1}'
     d = commit.write_atomic(path, [b"sec", b"ond"])
-    assert path.read_bytes() == b"second" and d == commit.hash_file(path)
+    assert path.read_bytes() == b"second" and d == hashed_io.hash_file(path)
     assert os.listdir(tmp_path) == ["complete.json"]
 
 
@@ -317,7 +317,7 @@ def test_move_aside_never_overwrites(tmp_path):
     dests = []
     for i in range(3):
         src = _dir(tmp_path / "step_000000004", f"v{i}".encode())
-        dests.append(aside.move_aside(tmp_path, src, commit.QUARANTINE))
+        dests.append(aside.move_aside(tmp_path, src, names.QUARANTINE))
         assert not src.exists()
     q = tmp_path / "quarantine"
     assert dests == [q / "step_000000004", q / "step_000000004.1", q / "step_000000004.2"]
@@ -331,29 +331,29 @@ def test_trash_hides_then_remove_tree_deletes(tmp_path):
     t = commit.trash(tmp_path, src)
     assert t.parent == tmp_path and t.name.startswith(".trash-step_000000002-")
     assert not src.exists() and (t / "sub" / "f").exists()
-    assert commit.parse_checkpoint_name(t.name) is None
-    commit.remove_tree(t)
+    assert names.parse_checkpoint_name(t.name) is None
+    deleter.remove_tree(t)
     assert not t.exists()
     f = tmp_path / "file"
     f.write_bytes(b"")
-    commit.remove_tree(f)
+    deleter.remove_tree(f)
     assert not f.exists()
-    commit.remove_tree(tmp_path / "missing")  # no error
+    deleter.remove_tree(tmp_path / "missing")  # no error
 
 
 def test_remove_tree_does_not_follow_symlinks(tmp_path):
     target = _dir(tmp_path / "keep")
     link = tmp_path / "link"
     link.symlink_to(target)
-    commit.remove_tree(link)
+    deleter.remove_tree(link)
     assert not link.exists() and not link.is_symlink()
     assert (target / "data.bin").exists()
 
 
 def test_fsync_dir(tmp_path):
-    commit.fsync_dir(tmp_path)
+    hashed_io.fsync_dir(tmp_path)
     with pytest.raises(FileNotFoundError):
-        commit.fsync_dir(tmp_path / "absent")
+        hashed_io.fsync_dir(tmp_path / "absent")
 
 
 def _synced(monkeypatch, barrier=None):
@@ -371,17 +371,17 @@ def _synced(monkeypatch, barrier=None):
         with lock:
             done.append(Path(name).name)
 
-    real_dir = commit.fsync_dir
+    real_dir = hashed_io.fsync_dir
 
     def sync_dir(path):
-        if barrier is not None and Path(path).name.startswith(commit.TMP_PREFIX):  # a checkpoint's, not the save_dir
+        if barrier is not None and Path(path).name.startswith(names.TMP_PREFIX):  # a checkpoint's, not the save_dir
             barrier.wait()
         with lock:
             done.append(f"dir:{Path(path).name}")
         real_dir(path)
 
-    monkeypatch.setattr(commit, "_fdatasync", sync_file)
-    monkeypatch.setattr(commit, "fsync_dir", sync_dir)
+    monkeypatch.setattr(hashed_io, "_fdatasync", sync_file)
+    monkeypatch.setattr(hashed_io, "fsync_dir", sync_dir)
     return done
 
 
@@ -399,7 +399,7 @@ def test_a_checkpoint_syncs_its_files_and_directory_together_then_the_save_dir(t
     done = _synced(monkeypatch, threading.Barrier(5, timeout=60))
     info = manager.save_state(step=1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     first = sorted(done[:5])
-    assert first[0].startswith(f"dir:{commit.TMP_PREFIX}step_000000001")
+    assert first[0].startswith(f"dir:{names.TMP_PREFIX}step_000000001")
     assert first[1:] == ["manifest.json", "model.safetensors", "state.json", "state.safetensors"]
     assert done[5:] == [f"dir:{tmp_path.name}"]  # after the rename, the save_dir's entry
     assert manager.verify(info) == []
@@ -409,6 +409,6 @@ def test_sync_together_raises_the_first_failure_after_waiting_for_the_others(tmp
     ok = tmp_path / "ok"
     ok.write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="absent"):
-        commit.sync_together([ok, tmp_path / "absent", tmp_path / "absent2"], [tmp_path])
-    commit.sync_together([ok], [tmp_path])
-    commit.sync_together([], [])
+        hashed_io.sync_together([ok, tmp_path / "absent", tmp_path / "absent2"], [tmp_path])
+    hashed_io.sync_together([ok], [tmp_path])
+    hashed_io.sync_together([], [])

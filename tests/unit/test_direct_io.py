@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import direct_io_supported
 
-from preempt.checkpoint import commit, direct_io, state, tensorfile
+from preempt.checkpoint import direct_io, hashed_io, state, tensorfile
 from preempt.checkpoint.manager import write_payload
 from preempt.checkpoint.staging import Stager
 
@@ -106,7 +106,7 @@ def test_a_staged_checkpoint_bypasses_the_page_cache_and_reads_back_equal(tmp_pa
         back = load_file(tmp_path / name)  # the safetensors library reads the padded header
         assert back.keys() == tensors.keys()
         assert all(torch.equal(back[k], t) for k, t in tensors.items())
-        assert commit.hash_file(tmp_path / name) == digests[name]
+        assert hashed_io.hash_file(tmp_path / name) == digests[name]
 
 
 def test_tensors_that_are_not_one_buffer_are_written_one_by_one():
@@ -171,20 +171,20 @@ def test_a_restore_reads_a_cold_file_past_the_page_cache_and_maps_a_cached_one(t
     data = np.random.default_rng(0).integers(0, 256, 3 * MB + 100, dtype=np.uint8).tobytes()
     path = tmp_path / "state.safetensors"
     _uncached_file(path, data)
-    want = commit.FileDigest(len(data), __import__("xxhash").xxh3_128_hexdigest(data))
+    want = hashed_io.FileDigest(len(data), __import__("xxhash").xxh3_128_hexdigest(data))
 
-    buf, got = commit.read_file(path, len(data), direct=True)
+    buf, got = hashed_io.read_file(path, len(data), direct=True)
     assert bytes(buf) == data and got == want
-    assert buf.flags.writeable and not commit.is_mapping(buf)
+    assert buf.flags.writeable and not hashed_io.is_mapping(buf)
     assert _cached(path) == (not direct_io_supported(tmp_path))  # read direct: still not in the page cache
 
     path.read_bytes()  # now it is (as after preempt prefetch)
     assert _cached(path)
-    again, got = commit.read_file(path, len(data), direct=True)  # mapped: the page cache has it
-    assert bytes(again) == data and got == want and commit.is_mapping(again)
+    again, got = hashed_io.read_file(path, len(data), direct=True)  # mapped: the page cache has it
+    assert bytes(again) == data and got == want and hashed_io.is_mapping(again)
 
-    mapped, got = commit.read_file(path, len(data))  # to check a file only: its mapping, no copy
-    assert commit.is_mapping(mapped) and got == want
+    mapped, got = hashed_io.read_file(path, len(data))  # to check a file only: its mapping, no copy
+    assert hashed_io.is_mapping(mapped) and got == want
 
 
 def test_a_file_read_without_o_direct_is_read_through_the_page_cache(tmp_path, monkeypatch):
@@ -192,8 +192,8 @@ def test_a_file_read_without_o_direct_is_read_through_the_page_cache(tmp_path, m
     path = tmp_path / "f"
     _uncached_file(path, data)
     monkeypatch.setattr(direct_io, "_O_DIRECT", 0)  # a system without the flag
-    buf, got = commit.read_file(path, len(data), direct=True)
-    assert bytes(buf) == data and got == commit.hash_file(path) and commit.is_mapping(buf)
+    buf, got = hashed_io.read_file(path, len(data), direct=True)
+    assert bytes(buf) == data and got == hashed_io.hash_file(path) and hashed_io.is_mapping(buf)
     assert _cached(path)
 
 
@@ -204,8 +204,8 @@ def test_a_file_too_large_for_the_memory_available_is_mapped_not_read_direct(tmp
     path = tmp_path / "f"
     _uncached_file(path, data)
     monkeypatch.setattr(readahead, "host_memory_available", lambda *a: 2 * MB)  # the file would take all of it
-    buf, got = commit.read_file(path, len(data), direct=True)
-    assert bytes(buf) == data and commit.is_mapping(buf)
+    buf, got = hashed_io.read_file(path, len(data), direct=True)
+    assert bytes(buf) == data and hashed_io.is_mapping(buf)
 
 
 def test_a_direct_read_the_kernel_refuses_says_so_before_reading_anything(tmp_path):

@@ -8,8 +8,8 @@ import threading
 import pytest
 import xxhash
 
-from preempt.checkpoint import commit, files
-from preempt.checkpoint.commit import FileDigest
+from preempt.checkpoint import files, hashed_io
+from preempt.checkpoint.hashed_io import FileDigest
 from preempt.errors import CorruptCheckpointError
 
 
@@ -43,12 +43,12 @@ def test_of_several_damaged_files_the_first_in_order_is_named_whatever_ends_firs
 def test_the_files_are_read_side_by_side(tmp_path, monkeypatch):
     listed = _files(tmp_path, {f"f{i}": bytes([i]) * 100 for i in range(files.READERS)})
     meet = threading.Barrier(files.READERS, timeout=60)  # read one after the other, they would never all meet here
-    real = commit.read_file
+    real = hashed_io.read_file
 
     def read(path, *args, **kwargs):
         meet.wait()
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(commit, "read_file", read)
+    monkeypatch.setattr(hashed_io, "read_file", read)
     got = files.read_all(tmp_path, listed, sorted(listed))
     assert {name: bytes(buf) for name, buf in got.items()} == {f"f{i}": bytes([i]) * 100 for i in range(files.READERS)}

@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from preempt.checkpoint import manifest as mf
-from preempt.checkpoint.commit import FileDigest, dumps_json
+from preempt.checkpoint.hashed_io import FileDigest, dumps_json
 from preempt.checkpoint.manifest import Cursor, Manifest
 
 WHERE = "runs/x/step_000000120/manifest.json"

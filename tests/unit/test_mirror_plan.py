@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from preempt.checkpoint.commit import MANIFEST, FileDigest
+from preempt.checkpoint.hashed_io import FileDigest
 from preempt.checkpoint.manifest import Cursor, Manifest
+from preempt.checkpoint.names import MANIFEST
 from preempt.checkpoint.retention import RetentionPolicy
 from preempt.mirror import plan
 from preempt.mirror.store import check_name, redact

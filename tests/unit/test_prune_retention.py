@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from preempt import PreemptibleRun
-from preempt.checkpoint.commit import dumps_json
+from preempt.checkpoint.hashed_io import dumps_json
 from preempt.checkpoint.manifest import Cursor, Manifest, retention_record
 from preempt.checkpoint.retention import RetentionPolicy
 from preempt.checkpoint.safe_io import MAX_DEPTH

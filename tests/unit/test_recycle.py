@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_checkpoint import objects
 
-from preempt.checkpoint import commit, recycle
+from preempt.checkpoint import cancel, hashed_io, recycle
 from preempt.checkpoint.manager import CheckpointManager
 
 pytestmark = pytest.mark.timeout(60)  # a FIFO opened the wrong way blocks forever: fail instead
@@ -144,13 +144,13 @@ def test_never_more_than_one_checkpoint_of_extra_space(tmp_path, monkeypatch):
     m = CheckpointManager(tmp_path, keep_last=2)
     m.prepare()
     seen = []
-    real = commit.write_file
+    real = hashed_io.write_file
 
     def counting(path, pieces, **kw):
         seen.append(len([e for e in os.listdir(tmp_path) if not e.startswith(".trash-")]))
         return real(path, pieces, **kw)
 
-    monkeypatch.setattr(commit, "write_file", counting)
+    monkeypatch.setattr(hashed_io, "write_file", counting)
     for step in range(1, 8):
         m.save_state(step=step, model=model, optimizer=opt)
         m.wait(10)
@@ -199,7 +199,7 @@ def test_a_cancelled_write_is_kept_for_the_next_save_and_a_failed_one_is_not(tmp
     m.save_state(step=1, model=model, optimizer=opt)
     stop = threading.Event()
     stop.set()  # as a stop does to a periodic write in flight
-    with commit.cancellable(stop), pytest.raises(commit.WriteCancelled):
+    with cancel.cancellable(stop), pytest.raises(cancel.WriteCancelled):
         m.save_state(step=2, model=model, optimizer=opt)
     pool = pool_of(tmp_path)  # the cancelled write's files (nothing was pruned yet)
     inode = os.stat(pool / "model.safetensors").st_ino
@@ -207,14 +207,14 @@ def test_a_cancelled_write_is_kept_for_the_next_save_and_a_failed_one_is_not(tmp
     assert os.stat(info.path / "model.safetensors").st_ino == inode and m.verify(info) == []
     assert names(tmp_path) == ["step_000000001", "step_000000002"]
 
-    real = commit.write_file
+    real = hashed_io.write_file
 
     def full(path, pieces, **kw):
         if Path(path).name == "state.json":
             raise OSError(28, "No space left on device")
         return real(path, pieces, **kw)
 
-    monkeypatch.setattr(commit, "write_file", full)
+    monkeypatch.setattr(hashed_io, "write_file", full)
     with pytest.raises(OSError):
         m.save_state(step=3, model=model, optimizer=opt)
     assert names(tmp_path) == ["step_000000001", "step_000000002"]  # a failed write's space goes back at once
@@ -233,7 +233,7 @@ def test_a_cancelled_write_gives_back_what_it_took_and_one_pool_stays(tmp_path):
     (tmp_path / ".recycle-part" / "model.safetensors").write_bytes(b"x" * 10)
     stop = threading.Event()
     stop.set()
-    with commit.cancellable(stop), pytest.raises(commit.WriteCancelled):
+    with cancel.cancellable(stop), pytest.raises(cancel.WriteCancelled):
         m.save_state(step=3, model=model, optimizer=opt)  # takes the whole pool, is cancelled, gives it back
     assert m.wait(10)
     (pool,) = recycle.pools(tmp_path)  # one pool: the one with the most to write over

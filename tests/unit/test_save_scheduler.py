@@ -11,7 +11,7 @@ import torch
 from helpers import FakeClock
 
 from preempt import CheckpointManager, CheckpointWriteError
-from preempt.checkpoint.commit import WriteCancelled
+from preempt.checkpoint.cancel import WriteCancelled
 from preempt.checkpoint.components import Components
 from preempt.checkpoint.staging import ChangedWhileWritten, TornSnapshot
 from preempt.cluster.signals import StopFlag
@@ -345,7 +345,7 @@ def test_a_pool_that_cannot_be_written_is_a_warning_and_leaves_nothing(tmp_path,
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("preempt.checkpoint.commit.write_file", full)
+    monkeypatch.setattr("preempt.checkpoint.hashed_io.write_file", full)
     writer.finish()
     saves.tend()
     assert saves.job is None and list(tmp_path.glob(".*")) == []

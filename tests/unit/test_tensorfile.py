@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch as st
 import torch
 
-from preempt.checkpoint import commit, tensorfile
+from preempt.checkpoint import hashed_io, tensorfile
 
 DTYPES = sorted(tensorfile._dtypes()[0].items())  # every dtype of the table that this torch has
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -20,8 +20,8 @@ INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def write_and_parse(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None):
     """The real path: stream to disk with write_file, read back verified, parse."""
-    written = commit.write_file(path, tensorfile.pieces(tensors, meta))
-    buf, read = commit.read_file(path, expected_size=written.size)
+    written = hashed_io.write_file(path, tensorfile.pieces(tensors, meta))
+    buf, read = hashed_io.read_file(path, expected_size=written.size)
     assert read == written
     return tensorfile.parse(buf, str(path))
 
@@ -153,8 +153,8 @@ def test_empty_file_round_trip(tmp_path):
 def test_parse_returns_views_into_the_buffer(tmp_path):
     """No copy: tensors alias the verified buffer."""
     path = tmp_path / "a.safetensors"
-    commit.write_file(path, tensorfile.pieces({"x": torch.arange(4, dtype=torch.int32)}))
-    buf, _ = commit.read_file(path)
+    hashed_io.write_file(path, tensorfile.pieces({"x": torch.arange(4, dtype=torch.int32)}))
+    buf, _ = hashed_io.read_file(path)
     out, _ = tensorfile.parse(buf, str(path))
     start = buf.ctypes.data
     assert start <= out["x"].data_ptr() < start + buf.size
@@ -184,7 +184,7 @@ def test_our_files_load_with_safetensors(tmp_path, name, dtype):
         "t": random_tensor(dtype, (3, 5), seed=4).t(),
     }
     path = tmp_path / "ours.safetensors"
-    commit.write_file(path, tensorfile.pieces(tensors, {"format": "pt"}))
+    hashed_io.write_file(path, tensorfile.pieces(tensors, {"format": "pt"}))
     loaded = st.load_file(str(path))
     assert loaded.keys() == tensors.keys()
     for k, t in tensors.items():
@@ -204,7 +204,7 @@ def test_safetensors_files_parse_with_ours(tmp_path, name, dtype):
     }
     path = tmp_path / "theirs.safetensors"
     st.save_file(tensors, str(path), metadata={"k": "v"})
-    buf, _ = commit.read_file(path)
+    buf, _ = hashed_io.read_file(path)
     out, meta = tensorfile.parse(buf, str(path))
     assert meta == {"k": "v"}
     assert out.keys() == tensors.keys()
@@ -267,7 +267,7 @@ def _rejects(buf: np.ndarray, message: str) -> None:
 def test_read_header_reads_the_header_alone(tmp_path):
     """Entries in header order, offsets from the data area, metadata; the data itself is never read."""
     path = tmp_path / "m.safetensors"
-    commit.write_file(
+    hashed_io.write_file(
         path, tensorfile.pieces({"b": torch.ones(2, 3), "a": torch.zeros(4, dtype=torch.int8)}, {"k": "v"})
     )
     header = tensorfile.read_header(path)
