@@ -4,7 +4,9 @@ Owns stop signals and the flag their handler sets (``signals``, no torch), SLURM
 requeue rule (``slurm``, no torch), the environment read in one place (``environment``), the contract of
 ``preempt supervise`` read by the training process (``supervised``, no torch), the ranks' agreement and commit
 under torch.distributed (``distributed``), which node's save_dir each rank writes to when the nodes share none
-(``nodes``, no torch), and FSDP/DTensor state through DCP (``sharded``).
+(``nodes``, no torch), FSDP/DTensor state through DCP (``sharded``), the cloud's advance notices read from its
+metadata service by a thread (``notices``, no torch, the standard library's HTTP client only), and the grace from a
+stop's signal to the kill, where it comes from and whether a stop fits in it (``grace``, no torch).
 
 May import: :mod:`preempt.checkpoint` (the ranks write and commit checkpoints), :mod:`preempt.errors`,
 :mod:`preempt._log`, :mod:`preempt._version`. Never the run, the data, health, the CLI or the supervisor
