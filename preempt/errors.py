@@ -39,6 +39,9 @@ Exit codes (documented in README.md too):
   because another rank went away (it died, or its node did). Nothing is
   saved then (a checkpoint needs every rank's files); the last checkpoint
   stands and a rerun of all ranks continues from it.
+* ``81``  :data:`CHECK_ENDED_EXIT_CODE`: inside ``preempt check`` only, the
+  run reached the check's last step: its checkpoint is written and the run
+  is not marked complete (:mod:`preempt.cli.check`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ NONFINITE_EXIT_CODE = 78
 OOM_EXIT_CODE = 79
 # A rank lost its peers: rerun every rank (the job, not this process alone).
 PEER_LOST_EXIT_CODE = 80
+# Inside `preempt check`: the run reached the check's last step (its state is saved for the comparison).
+CHECK_ENDED_EXIT_CODE = 81
 
 
 class PreemptError(Exception):
@@ -255,28 +260,17 @@ class Preempted(SystemExit):
         checkpoint: The directory of the checkpoint that holds the state.
         requeued: This process requeued its SLURM job.
         cause: What asked for the stop, for people and ``preempt report``:
-            a signal's name (``"SIGTERM"``), ``"walltime"``, ``"request"`` or a cloud's notice
-            (``"aws notice: spot instance-action: terminate"``).
-        timing: The stop's seconds, where known: ``durable_s`` (from its signal or notice to its checkpoint
-            durable), ``grace_s`` (to the kill), ``margin_s`` (grace minus durable; to the deadline for walltime).
+            a signal's name (``"SIGTERM"``), ``"walltime"`` or ``"request"``.
     """
 
     def __init__(
-        self,
-        code: int,
-        signum: int | None,
-        checkpoint: str | None,
-        *,
-        requeued: bool = False,
-        cause: str = "",
-        timing: dict[str, float] | None = None,
+        self, code: int, signum: int | None, checkpoint: str | None, *, requeued: bool = False, cause: str = ""
     ):
         super().__init__(code)
         self.signum = signum
         self.checkpoint = checkpoint
         self.requeued = requeued
         self.cause = cause
-        self.timing = dict(timing or {})
 
 
 class SaveFailed(SystemExit):

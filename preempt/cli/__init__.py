@@ -6,7 +6,8 @@ they share (``views``), what ``ls`` and ``verify`` show wherever the checkpoints
 report`` (``report``) with the timeline and goodput it computes from a run's history (``timeline``, pure) and
 its ``--plot`` (``plot``). The same
 commands on a run's mirror in object storage, and ``preempt pull`` (``remote``); what DIR names, a path or a URL,
-and ``--mirror-option`` (``where``). ``preempt supervise`` is parsed here and runs in
+and ``--mirror-option`` (``where``). ``preempt check`` (``check``): a command run straight and stopped, their states
+compared (it runs COMMAND; torch only inside its comparison). ``preempt supervise`` is parsed here and runs in
 :mod:`preempt.supervise.command`.
 
 May import: every part but the run (the commands read what a run left on disk or in its mirror; they never run

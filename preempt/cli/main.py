@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..checkpoint import safe_io  # no torch
 from ..supervise import command as supervise
-from . import report, where
+from . import check, report, where
 from .output import EXIT_CODES, EXIT_DAMAGED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, CommandFailed, emit
 
 __all__ = ["EXIT_CODES", "EXIT_DAMAGED", "EXIT_LOCKED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Defined once, in preempt.supervise.command, and only listed here: main() hands `supervise ...` to supervise.main
     # before this parser runs, since supervise splits its arguments at "--" itself (CMD's options are not ours).
     supervise.build_parser(commands=sub)
+    check.build_parser(commands=sub)  # likewise: main() hands `check ...` to check.main (COMMAND follows "--")
 
     def add(name: str, help: str, epilog: str, mirror: bool = False) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help, epilog=f"{epilog}\n\n{EXIT_CODES}", formatter_class=fmt)
@@ -198,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["supervise"]:
         return supervise.main(argv[1:])
+    if argv[:1] == ["check"]:
+        return check.main(argv[1:])
     args = build_parser().parse_args(argv)
     if where.is_url(args.dir) or args.command == "pull":
         from . import remote  # the mirror's client (fsspec) is imported when the mirror is opened

@@ -1,13 +1,15 @@
 """Facts about the process's surroundings, read in one place.
 
 Environment variables are read only here (:meth:`Environment.from_env`), each
-checked, and never written. Provenance (versions, the code's git commit) is gathered once
+checked, and never written. ``PREEMPT_CHECK`` (:class:`CheckSpec`) is how ``preempt check`` drives a run.
+Provenance (versions, the code's git commit) is gathered once
 per run, because ``git status`` can take a while in a large repository.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import platform
@@ -24,7 +26,6 @@ from .._secrets import scrub_argv
 END_TIMES = (1_000_000_000, 7_258_118_400)  # unix seconds, 2001-09-09 to 2200-01-01: a SLURM job's end lies between
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 _MOST = 2**63 - 1
-NOTICE_PLATFORMS = ("aws", "gce", "azure")  # the platforms whose advance notices preempt.cluster.notices reads
 
 
 class _Reader:
@@ -80,49 +81,75 @@ class _Reader:
         self._bad(name, f"one of {', '.join(_log.LEVELS)}", "ignored (the level stays as configured)")
         return None
 
-    def seconds(self, name: str) -> float | None:
-        """A number of seconds >= 0 (a grace, a timeout)."""
-        text = self.text(name)
-        if text is None:
-            return None
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if 0 <= value < 1e9:  # False for NaN and inf
-            return value
-        self._bad(name, "a number of seconds >= 0", "ignored")
-        return None
-
-    def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
-        text = self.text(name)
-        if text is None or text.lower() in allowed:
-            return None if text is None else text.lower()
-        self._bad(name, f"one of {', '.join(allowed)}", "ignored")
-        return None
-
-    def url(self, name: str) -> str | None:
-        """An http:// URL (a metadata service's endpoint)."""
-        text = self.text(name)
-        if text is None or (text.startswith("http://") and len(text) > 7 and text.isascii() and " " not in text):
-            return text
-        self._bad(name, "an http:// URL", "the platform's own address is used")
-        return None
-
-    def host(self, name: str) -> str | None:
-        """A host[:port], no scheme (``GCE_METADATA_HOST``, as google-auth reads it)."""
-        text = self.text(name)
-        if text is None or (text.isascii() and not any(c in text for c in "/ @?#")):
-            return text
-        self._bad(name, "a host or host:port, no scheme or path", "the platform's own address is used")
-        return None
-
     def flag(self, name: str) -> bool:
         text = (self.text(name) or "").lower()
         if text in _ON or text in _OFF:
             return text in _ON
         self._bad(name, "1 or 0 (true/false, yes/no, on/off)", "taken as 0")
         return False
+
+
+CHECK_VARIABLE = "PREEMPT_CHECK"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckSpec:
+    """What ``preempt check`` (:mod:`preempt.cli.check`) asks of a run, through ``PREEMPT_CHECK`` (JSON).
+
+    Inside a check the run writes its checkpoints to ``save_dir`` whatever path the script names, keeps them all,
+    writes them synchronously, and mirrors, logs to W&B/TensorBoard and requeues nothing
+    (:func:`preempt.run.config.checked_config`).
+
+    Attributes:
+        save_dir: The check's scratch directory, in place of the script's own save_dir.
+        saves: The steps at which the run writes a checkpoint (in ``run.step()``), for the comparison.
+        stops: The steps at which the run stops (each reached once: a rerun resumes past it).
+        kill: How it stops there: False, the run's normal stop (as ``request_stop()``, exit code 75); True, the
+            process kills itself with SIGKILL once that step's checkpoint is durable.
+        last: The step at which the run stops for good: it writes a checkpoint and leaves as on a stop, with
+            exit code :data:`preempt.errors.CHECK_ENDED_EXIT_CODE`, the run not marked complete.
+    """
+
+    save_dir: str
+    saves: frozenset[int]
+    stops: frozenset[int]
+    kill: bool
+    last: int
+
+    def to_env(self) -> str:
+        """The value of ``PREEMPT_CHECK`` that :meth:`parse` reads back."""
+        return json.dumps(
+            {
+                "save_dir": self.save_dir,
+                "saves": sorted(self.saves),
+                "stops": sorted(self.stops),
+                "kill": self.kill,
+                "last": self.last,
+            }
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> CheckSpec:
+        """Raises ValueError naming what is wrong (the spec is written by ``preempt check``, never by hand)."""
+        try:
+            tree = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{CHECK_VARIABLE}: not JSON ({e})") from None
+        if not isinstance(tree, dict) or set(tree) != {"save_dir", "saves", "stops", "kill", "last"}:
+            raise ValueError(f"{CHECK_VARIABLE}: expected save_dir, saves, stops, kill and last, found {text!r}")
+
+        def steps(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+        save_dir, saves, stops, kill, last = (tree[k] for k in ("save_dir", "saves", "stops", "kill", "last"))
+        if not isinstance(save_dir, str) or not save_dir:
+            raise ValueError(f"{CHECK_VARIABLE}: save_dir: expected a directory path, found {save_dir!r}")
+        for name, value in (("saves", saves), ("stops", stops)):
+            if not isinstance(value, list) or not all(steps(v) for v in value):
+                raise ValueError(f"{CHECK_VARIABLE}: {name}: expected a list of steps >= 1, found {value!r}")
+        if not isinstance(kill, bool) or not steps(last) or any(s >= last for s in stops):
+            raise ValueError(f"{CHECK_VARIABLE}: expected kill true/false and stops before last, found {text!r}")
+        return cls(save_dir=save_dir, saves=frozenset(saves), stops=frozenset(stops), kill=kill, last=last)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,17 +171,7 @@ class Environment:
             (srun), else None. Only rank 0 (or None) requeues a SLURM job.
         log_level: ``PREEMPT_LOG_LEVEL``, e.g. ``DEBUG``; upper case.
         log_all_ranks: ``PREEMPT_LOG_ALL_RANKS`` (1/0): ranks other than 0 log too.
-        local_rank: ``LOCAL_RANK`` (torchrun), else ``SLURM_LOCALID`` (srun), else None: the rank on its node.
-        notices: ``PREEMPT_NOTICES``: ``aws``, ``gce`` or ``azure`` (:mod:`preempt.cluster.notices`).
-        grace_s: ``PREEMPT_GRACE_S``: seconds from a stop's signal to the kill (:mod:`preempt.cluster.grace`).
-        aws_metadata_endpoint: ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` (as botocore reads it): the instance metadata
-            service's URL.
-        gce_metadata_host: ``GCE_METADATA_HOST`` (as google-auth reads it): the metadata server's host[:port].
-        azure_metadata_endpoint: ``PREEMPT_AZURE_METADATA_ENDPOINT``: Azure's instance metadata service's URL.
-        torchelastic: ``TORCHELASTIC_RUN_ID`` is set: a worker of torchrun.
-        torchrun_shutdown_timeout: ``PET_SHUTDOWN_TIMEOUT`` (torchrun's ``--shutdown-timeout`` given as a
-            variable), else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; seconds, and the variable's name.
-        slurm_partition: ``SLURM_JOB_PARTITION``: where SLURM's GraceTime of a preemption is read.
+        check: ``PREEMPT_CHECK``: what ``preempt check`` asks of this run (:class:`CheckSpec`), None outside one.
         problems: One line per variable whose value was not used, naming it, its value and what was expected.
     """
 
@@ -166,31 +183,21 @@ class Environment:
     rank: int | None = None
     log_level: str | None = None
     log_all_ranks: bool = False
-    local_rank: int | None = None
-    notices: str | None = None
-    grace_s: float | None = None
-    aws_metadata_endpoint: str | None = None
-    gce_metadata_host: str | None = None
-    azure_metadata_endpoint: str | None = None
-    torchelastic: bool = False
-    torchrun_shutdown_timeout: tuple[float, str] | None = None
-    slurm_partition: str | None = None
+    check: CheckSpec | None = None
     problems: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Environment:
-        """Reads and checks the variables of ``environ`` (default ``os.environ``); pure: it logs nothing."""
+        """Reads and checks the variables of ``environ`` (default ``os.environ``); pure: it logs nothing.
+
+        Raises:
+            ValueError: ``PREEMPT_CHECK`` is set but malformed: unlike the others it is not ignored, since without
+                it the run would write to the script's own save_dir.
+        """
         read = _Reader(os.environ if environ is None else environ)
+        check = read.text(CHECK_VARIABLE)
         rank = read.integer("RANK")
         procid = read.integer("SLURM_PROCID")
-        local_rank = read.integer("LOCAL_RANK")
-        localid = read.integer("SLURM_LOCALID")
-        shutdown = None
-        for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):  # torchrun's own precedence
-            seconds = read.seconds(name)
-            if seconds is not None and shutdown is None:
-                shutdown = (seconds, name)
-        partition = read.text("SLURM_JOB_PARTITION")
         return cls(
             slurm_job_id=read.job_id("SLURM_JOB_ID"),
             slurm_array_job_id=read.job_id("SLURM_ARRAY_JOB_ID"),
@@ -200,15 +207,7 @@ class Environment:
             rank=rank if rank is not None else procid,
             log_level=read.level("PREEMPT_LOG_LEVEL"),
             log_all_ranks=read.flag("PREEMPT_LOG_ALL_RANKS"),
-            local_rank=local_rank if local_rank is not None else localid,
-            notices=read.choice("PREEMPT_NOTICES", NOTICE_PLATFORMS),
-            grace_s=read.seconds("PREEMPT_GRACE_S"),
-            aws_metadata_endpoint=read.url("AWS_EC2_METADATA_SERVICE_ENDPOINT"),
-            gce_metadata_host=read.host("GCE_METADATA_HOST"),
-            azure_metadata_endpoint=read.url("PREEMPT_AZURE_METADATA_ENDPOINT"),
-            torchelastic=read.text("TORCHELASTIC_RUN_ID") is not None,
-            torchrun_shutdown_timeout=shutdown,
-            slurm_partition=partition if partition is not None and partition.replace("-", "_").isidentifier() else None,
+            check=None if check is None else CheckSpec.parse(check),
             problems=tuple(read.problems),
         )
 

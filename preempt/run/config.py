@@ -25,7 +25,6 @@ from .. import _log
 from ..checkpoint.carry import CarryOptions
 from ..checkpoint.retention import RetentionPolicy
 from ..cluster import slurm
-from ..cluster.environment import NOTICE_PLATFORMS
 from ..cluster.signals import DEFAULT_SIGNALS
 from ..errors import PREEMPTED_EXIT_CODE
 from ..health import loggers as metric_loggers
@@ -184,14 +183,6 @@ class StopOptions:
     """Under torch.distributed, the ranks agree on saving and stopping at every N-th ``run.step()`` (one small
     all-reduce on a gloo group; :mod:`preempt.cluster.distributed`). Larger N costs less per step and delays a stop
     and a periodic save by up to N-1 steps."""
-    notices: str | None = None
-    """``"aws"``, ``"gce"`` or ``"azure"``: a thread polls that platform's metadata service for an advance notice
-    (a spot interruption, a preemption, a scheduled eviction or termination) and the run stops at its next step as
-    on SIGTERM (:mod:`preempt.cluster.notices`). None: ``PREEMPT_NOTICES`` if set, else nothing is ever probed."""
-    grace: float | None = None
-    """Seconds from a stop's signal to the kill (Kubernetes' ``terminationGracePeriodSeconds``, ...). The run warns
-    once when its measured stop would not fit. None: ``PREEMPT_GRACE_S``, else what the run can read (torchrun's
-    shutdown timeout, SLURM's KillWait: :mod:`preempt.cluster.grace`)."""
 
     @property
     def time_limit_s(self) -> float | None:
@@ -208,11 +199,6 @@ class StopOptions:
             raise ValueError(f"max_restarts: expected an integer >= 0 or None, got {self.max_restarts!r}")
         if not _is_int(self.sync_every_steps) or self.sync_every_steps < 1:
             raise ValueError(f"sync_every_steps: expected an integer >= 1, got {self.sync_every_steps!r}")
-        if self.notices is not None and self.notices not in NOTICE_PLATFORMS:
-            raise ValueError(f"notices: expected one of {', '.join(NOTICE_PLATFORMS)} or None, got {self.notices!r}")
-        g = self.grace
-        if g is not None and (not _is_number(g) or not math.isfinite(g) or g <= 0):
-            raise ValueError(f"grace: expected a number of seconds > 0 or None, got {g!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -365,8 +351,6 @@ class RunOptions(TypedDict, total=False):
     requeue: bool
     max_restarts: int | None
     sync_every_steps: int
-    notices: str | None
-    grace: float | None
     log_file: bool
     progress_every_s: float | None
     log_level: str | None
@@ -411,6 +395,33 @@ def _time_limit(value: float | str | None) -> float | None:
     if not _is_number(seconds) or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"time_limit: expected a positive number of seconds or '[D-]HH:MM:SS', got {value!r}")
     return float(seconds)
+
+
+def checked_config(config: RunConfig) -> RunConfig:
+    """``config`` inside ``preempt check`` (:class:`~preempt.cluster.environment.CheckSpec`): the check decides when
+    checkpoints are written (none on a clock, which would differ between runs), keeps every one of them for the
+    comparison, writes them synchronously (each durable when ``run.step()`` returns), always resumes from its own,
+    and touches nothing outside its scratch save_dir: no mirror, metric loggers, GPU samples, walltime or requeue."""
+    return dataclasses.replace(
+        config,
+        checkpoint_interval=None,
+        checkpoint_every_steps=None,
+        checkpoints_per_epoch=None,
+        keep_last=None,
+        keep_best=0,
+        keep_every_steps=None,
+        recycle_files=False,
+        async_save=False,
+        lazy_snapshot=False,
+        auto_resume=True,
+        time_limit=None,
+        requeue=False,
+        max_restarts=None,
+        monitor_gpu=None,
+        loggers=(),
+        mirror=None,
+        mirror_options=None,
+    )
 
 
 # What a framework integration sets itself (from the framework's objects), never its user.

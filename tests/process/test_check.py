@@ -1,0 +1,154 @@
+"""``preempt check`` on real training commands: real processes, real stops and SIGKILLs, real frameworks.
+
+Each test runs ``python -m preempt check --json ... -- python tests/scripts/check_*.py`` and asserts the verdict,
+the first diverging step it names and what it says differs. The default tier holds an exact loop, one pattern
+that breaks a resume and the checks that cannot be made; the other frameworks, SIGKILL and the other patterns are
+``slow`` (each check is four or five runs of a script).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.processes import ROOT, TRAIN_DDP
+
+SCRIPTS = ROOT / "tests" / "scripts"
+LOOP = SCRIPTS / "check_loop.py"
+LIGHTNING = SCRIPTS / "check_lightning.py"
+HF = SCRIPTS / "train_hf.py"
+
+
+def run_check(tmp_path: Path, options: list[str], command: list[str]) -> tuple[int, dict[str, Any], str]:
+    """``preempt check --json OPTIONS -- COMMAND`` in ``tmp_path``: its exit code, its document, its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}  # the scratch space under tmp_path too
+    p = subprocess.run(
+        [sys.executable, "-m", "preempt", "check", "--json", *options, "--", *command],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    doc = json.loads(p.stdout) if p.stdout.strip() else {}
+    return p.returncode, doc, p.stderr
+
+
+def files_under(path: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def assert_exact(code: int, doc: dict[str, Any], err: str) -> None:
+    assert code == 0, (doc, err)
+    assert doc["verdict"] == "exact" and doc["first_diverging_step"] is None, doc
+    assert doc["nondeterministic"] == [], doc  # every script seeds what it draws from
+
+
+def assert_diverges_at(code: int, doc: dict[str, Any], err: str, step: int, differs: str) -> None:
+    assert code == 1, (doc, err)
+    assert doc["verdict"] == "not exact", doc
+    assert doc["first_diverging_step"] == step, doc
+    assert differs in doc["differs"], doc
+    assert "first step after the resume" in doc["hint"], doc
+
+
+def test_an_exact_loop_with_workers_and_augmentation_and_the_users_files_untouched(tmp_path):
+    """Stops chosen by the check (mid-epoch, the step after, the epoch's end); the script's save_dir (with a
+    checkpoint of its own in it), its mirror and its TensorBoard logs are never touched."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    before = files_under(user)
+    mirror = tmp_path / "mirror"
+    command = [sys.executable, str(LOOP), "--save_dir", str(user), "--tensorboard", "--mirror", f"file://{mirror}"]
+    code, doc, err = run_check(tmp_path, ["--steps", "14"], command)
+    assert_exact(code, doc, err)
+    assert doc["stops"] == [6, 7, 12]  # 12 batches per epoch: mid-epoch, right after that resume, the epoch's end
+    assert doc["compared_steps"] == list(range(6, 15))
+    assert doc["processes"]["trial"] == [75, 75, 75, 81]
+    assert files_under(user) == before
+    assert not mirror.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("preempt-check-")] == []  # scratch freed
+
+
+def test_a_batch_drawn_before_run_step_diverges_at_the_first_step_after_the_resume(tmp_path):
+    command = [sys.executable, str(LOOP), "--save_dir", str(tmp_path / "user"), "--pattern", "prefetch"]
+    code, doc, err = run_check(tmp_path, ["--stop-at", "5", "--steps", "9"], command)
+    assert_diverges_at(code, doc, err, 6, "the global torch RNG")
+    assert any(d.startswith("model.") for d in doc["differs"]), doc
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        (["-c", "print('no preempt here')"], "never entered a preempt run"),
+        ([str(LOOP), "--save_dir", "x", "--crash_at", "3"], "crashed on purpose at step 3"),
+        ([str(LOOP), "--save_dir", "x", "--epochs", "1"], "ended at step 12, before step 20"),
+    ],
+    ids=["no-preempt", "crash", "steps-beyond-the-end"],
+)
+def test_a_check_that_cannot_be_made_exits_2_with_one_line(tmp_path, command, says):
+    code, doc, err = run_check(tmp_path, ["--stop-at", "2", "--steps", "20"], [sys.executable, *command])
+    assert code == 2, (doc, err)
+    assert doc["exit_code"] == 2 and says in doc["error"], doc
+    assert err.count("\n") == 1 and err.startswith("preempt check: ") and says in err, err  # one line, no traceback
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_an_exact_loop_killed_by_sigkill(tmp_path):
+    command = [sys.executable, str(LOOP), "--save_dir", str(tmp_path / "user")]
+    code, doc, err = run_check(
+        tmp_path, ["--signal", "KILL", "--stop-at", "5", "--stop-at", "12", "--steps", "15"], command
+    )
+    assert_exact(code, doc, err)
+    assert doc["processes"]["trial"] == [-9, -9, 81]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("pattern", "differs"),
+    [("private_random", "model.0.weight"), ("numpy_generator", "model.0.weight")],
+)
+def test_a_generator_of_the_scripts_own_diverges_at_the_first_step_after_the_resume(tmp_path, pattern, differs):
+    command = [sys.executable, str(LOOP), "--save_dir", str(tmp_path / "user"), "--pattern", pattern]
+    code, doc, err = run_check(tmp_path, ["--stop-at", "4", "--steps", "8"], command)
+    assert_diverges_at(code, doc, err, 5, differs)
+    assert "the global torch RNG" not in doc["differs"], doc  # what the run tracks came back
+
+
+@pytest.mark.slow
+def test_a_lightning_module_resumes_exactly(tmp_path):
+    command = [sys.executable, str(LIGHTNING), "--save_dir", str(tmp_path / "user")]
+    code, doc, err = run_check(tmp_path, ["--stop-at", "5", "--stop-at", "12", "--steps", "14"], command)
+    assert_exact(code, doc, err)
+    assert not (tmp_path / "user").exists()
+
+
+@pytest.mark.slow
+def test_a_lightning_counter_outside_state_dict_diverges_at_the_first_step_after_the_resume(tmp_path):
+    command = [sys.executable, str(LIGHTNING), "--save_dir", str(tmp_path / "user"), "--counter"]
+    code, doc, err = run_check(tmp_path, ["--stop-at", "5", "--steps", "8"], command)
+    assert_diverges_at(code, doc, err, 6, "model.net.0.weight")
+
+
+@pytest.mark.slow
+def test_a_trainer_resumes_exactly(tmp_path):
+    command = [sys.executable, str(HF), "--save_dir", str(tmp_path / "user")]
+    code, doc, err = run_check(tmp_path, ["--stop-at", "4", "--steps", "7"], command)
+    assert_exact(code, doc, err)
+    assert not (tmp_path / "user").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_torchrun_job_of_two_ranks_resumes_exactly_on_every_rank(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN_DDP)]
+    command += ["--save_dir", str(tmp_path / "user"), "--epochs", "2", "--samples", "192"]
+    code, doc, err = run_check(tmp_path, ["--stop-at", "4", "--steps", "7"], command)
+    assert_exact(code, doc, err)
