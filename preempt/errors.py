@@ -260,17 +260,28 @@ class Preempted(SystemExit):
         checkpoint: The directory of the checkpoint that holds the state.
         requeued: This process requeued its SLURM job.
         cause: What asked for the stop, for people and ``preempt report``:
-            a signal's name (``"SIGTERM"``), ``"walltime"`` or ``"request"``.
+            a signal's name (``"SIGTERM"``), ``"walltime"``, ``"request"`` or a cloud's notice
+            (``"aws notice: spot instance-action: terminate"``).
+        timing: The stop's seconds, where known: ``durable_s`` (from its signal or notice to its checkpoint
+            durable), ``grace_s`` (to the kill), ``margin_s`` (grace minus durable; to the deadline for walltime).
     """
 
     def __init__(
-        self, code: int, signum: int | None, checkpoint: str | None, *, requeued: bool = False, cause: str = ""
+        self,
+        code: int,
+        signum: int | None,
+        checkpoint: str | None,
+        *,
+        requeued: bool = False,
+        cause: str = "",
+        timing: dict[str, float] | None = None,
     ):
         super().__init__(code)
         self.signum = signum
         self.checkpoint = checkpoint
         self.requeued = requeued
         self.cause = cause
+        self.timing = dict(timing or {})
 
 
 class SaveFailed(SystemExit):

@@ -11,9 +11,11 @@ no torch, no disk, no clock. What each process left there:
 * ``checkpoint`` (``step``, ``reason``, ``stall_s``, ``write_s``, ``bytes``,
   ``at``: when its state was taken);
 * ``rollback`` (``step`` rolled back to, ``from_step``);
-* at the end ``stop`` (``cause``: a signal's name, ``walltime``, ``request``),
-  ``complete`` or ``error``, written when the run leaves its ``with`` block;
-  nothing when it was killed;
+* at the end ``stop`` (``cause``: a signal's name, ``walltime``, ``request``, a cloud's notice; ``durable_s``:
+  from the signal or notice to the stop's checkpoint durable, ``grace_s``: to the kill, ``margin_s``: the grace
+  less that), ``complete`` or ``error``, written when the run leaves its ``with`` block; nothing when it was
+  killed; before a stop's save ``stopping`` (``cause``, ``grace_s``, ``stop_s``: what a stop was measured to
+  cost), the last line of a process killed during its stop;
 * ``exit``: written at the process's exit (an ``atexit`` handler), after the
   code that follows the ``with`` block; not written when it was killed.
 
@@ -113,6 +115,8 @@ class Process:
     mirror_outages: int = 0  # mirror_down lines: the mirror stopped answering
     made: float | None = None  # when its run was made (made_at): start-up before, restore after
     first_step: tuple[float, int] | None = None  # (t, step) of its first safe point after a step (first_step)
+    stop_timing: dict[str, float] = dataclasses.field(default_factory=dict)  # durable_s, grace_s, margin_s of a stop
+    stopping: dict[str, Any] | None = None  # its stop under way (cause, grace_s, stop_s); kept if it was killed then
 
     @property
     def wall_s(self) -> float:
@@ -201,12 +205,19 @@ class Process:
         return max(0.0, until - since - stalls)
 
     def stop_text(self) -> str:
+        from .._log import duration
+
         if self.how == "stop":
-            return f"stopped: {self.cause or 'signal'}"
+            margin = self.stop_timing.get("margin_s")
+            return f"stopped: {self.cause or 'signal'}" + ("" if margin is None else f" (margin {duration(margin)})")
         if self.how == "error":
             return f"error: {self.cause or '?'}"
         if self.how == "complete":
             return "complete"
+        if self.stopping is not None:
+            grace = self.stopping.get("grace_s")
+            within = "" if grace is None else f", grace {duration(grace)}"
+            return f"killed during its stop on {self.stopping.get('cause')} (its checkpoint not durable{within})"
         return "killed (no clean stop: SIGKILL, out of memory, node failure)"
 
 
@@ -296,6 +307,8 @@ class Report:
                     "how": p.how,
                     "t": p.end,
                     "step": p.end_step,
+                    **{k: p.stop_timing.get(k) for k in ("durable_s", "grace_s", "margin_s")},
+                    "killed_during_stop": p.how == "killed" and p.stopping is not None,
                 }
                 for p in ps
                 if p.how != "complete"
@@ -491,10 +504,21 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
         elif event == "mirror_end":
             counts = {k: facts.count(k) for k in ("held", "behind_steps", "max_behind_steps")}
             p.mirror = {**counts, **{k: facts.duration(k) for k in ("behind_s", "max_behind_s")}}
+        elif event == "stopping":
+            p.stopping = {"cause": printable(str(doc.get("cause")))[:200], "grace_s": facts.duration("grace_s")}
+            p.stopping["stop_s"] = facts.duration("stop_s")
         elif event in ENDS:
             p.how, p.ended = event, t
             cause = doc.get("cause") if event == "stop" else doc.get("error")
             p.cause = str(cause)[:200] if cause is not None else None
+            if event == "stop":
+                p.stopping = None
+                for k in ("durable_s", "grace_s"):
+                    if (d := facts.duration(k)) is not None:
+                        p.stop_timing[k] = d
+                margin = _num(doc.get("margin_s"))  # negative: the stop took longer than its grace
+                if margin is not None and abs(margin) <= MAX_DURATION_S:
+                    p.stop_timing["margin_s"] = margin
     # What a crash cost: the steps the next process did again, and the time the dead one spent on them.
     for prev, nxt in itertools.pairwise(procs):
         died_at = crashes.get(nxt.index)

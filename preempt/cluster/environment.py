@@ -26,6 +26,7 @@ from .._secrets import scrub_argv
 END_TIMES = (1_000_000_000, 7_258_118_400)  # unix seconds, 2001-09-09 to 2200-01-01: a SLURM job's end lies between
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 _MOST = 2**63 - 1
+NOTICE_PLATFORMS = ("aws", "gce", "azure")  # the platforms whose advance notices preempt.cluster.notices reads
 
 
 class _Reader:
@@ -79,6 +80,43 @@ class _Reader:
         if text is None or text.upper() in _log.LEVELS:
             return None if text is None else text.upper()
         self._bad(name, f"one of {', '.join(_log.LEVELS)}", "ignored (the level stays as configured)")
+        return None
+
+    def seconds(self, name: str) -> float | None:
+        """A number of seconds >= 0 (a grace, a timeout)."""
+        text = self.text(name)
+        if text is None:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if 0 <= value < 1e9:  # False for NaN and inf
+            return value
+        self._bad(name, "a number of seconds >= 0", "ignored")
+        return None
+
+    def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
+        text = self.text(name)
+        if text is None or text.lower() in allowed:
+            return None if text is None else text.lower()
+        self._bad(name, f"one of {', '.join(allowed)}", "ignored")
+        return None
+
+    def url(self, name: str) -> str | None:
+        """An http:// URL (a metadata service's endpoint)."""
+        text = self.text(name)
+        if text is None or (text.startswith("http://") and len(text) > 7 and text.isascii() and " " not in text):
+            return text
+        self._bad(name, "an http:// URL", "the platform's own address is used")
+        return None
+
+    def host(self, name: str) -> str | None:
+        """A host[:port], no scheme (``GCE_METADATA_HOST``, as google-auth reads it)."""
+        text = self.text(name)
+        if text is None or (text.isascii() and not any(c in text for c in "/ @?#")):
+            return text
+        self._bad(name, "a host or host:port, no scheme or path", "the platform's own address is used")
         return None
 
     def flag(self, name: str) -> bool:
@@ -172,6 +210,17 @@ class Environment:
         log_level: ``PREEMPT_LOG_LEVEL``, e.g. ``DEBUG``; upper case.
         log_all_ranks: ``PREEMPT_LOG_ALL_RANKS`` (1/0): ranks other than 0 log too.
         check: ``PREEMPT_CHECK``: what ``preempt check`` asks of this run (:class:`CheckSpec`), None outside one.
+        local_rank: ``LOCAL_RANK`` (torchrun), else ``SLURM_LOCALID`` (srun), else None: the rank on its node.
+        notices: ``PREEMPT_NOTICES``: ``aws``, ``gce`` or ``azure`` (:mod:`preempt.cluster.notices`).
+        grace_s: ``PREEMPT_GRACE_S``: seconds from a stop's signal to the kill (:mod:`preempt.cluster.grace`).
+        aws_metadata_endpoint: ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` (as botocore reads it): the instance metadata
+            service's URL.
+        gce_metadata_host: ``GCE_METADATA_HOST`` (as google-auth reads it): the metadata server's host[:port].
+        azure_metadata_endpoint: ``PREEMPT_AZURE_METADATA_ENDPOINT``: Azure's instance metadata service's URL.
+        torchelastic: ``TORCHELASTIC_RUN_ID`` is set: a worker of torchrun.
+        torchrun_shutdown_timeout: ``PET_SHUTDOWN_TIMEOUT`` (torchrun's ``--shutdown-timeout`` given as a
+            variable), else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; seconds, and the variable's name.
+        slurm_partition: ``SLURM_JOB_PARTITION``: where SLURM's GraceTime of a preemption is read.
         problems: One line per variable whose value was not used, naming it, its value and what was expected.
     """
 
@@ -184,6 +233,15 @@ class Environment:
     log_level: str | None = None
     log_all_ranks: bool = False
     check: CheckSpec | None = None
+    local_rank: int | None = None
+    notices: str | None = None
+    grace_s: float | None = None
+    aws_metadata_endpoint: str | None = None
+    gce_metadata_host: str | None = None
+    azure_metadata_endpoint: str | None = None
+    torchelastic: bool = False
+    torchrun_shutdown_timeout: tuple[float, str] | None = None
+    slurm_partition: str | None = None
     problems: tuple[str, ...] = ()
 
     @classmethod
@@ -198,6 +256,14 @@ class Environment:
         check = read.text(CHECK_VARIABLE)
         rank = read.integer("RANK")
         procid = read.integer("SLURM_PROCID")
+        local_rank = read.integer("LOCAL_RANK")
+        localid = read.integer("SLURM_LOCALID")
+        shutdown = None
+        for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):  # torchrun's own precedence
+            seconds = read.seconds(name)
+            if seconds is not None and shutdown is None:
+                shutdown = (seconds, name)
+        partition = read.text("SLURM_JOB_PARTITION")
         return cls(
             slurm_job_id=read.job_id("SLURM_JOB_ID"),
             slurm_array_job_id=read.job_id("SLURM_ARRAY_JOB_ID"),
@@ -208,6 +274,15 @@ class Environment:
             log_level=read.level("PREEMPT_LOG_LEVEL"),
             log_all_ranks=read.flag("PREEMPT_LOG_ALL_RANKS"),
             check=None if check is None else CheckSpec.parse(check),
+            local_rank=local_rank if local_rank is not None else localid,
+            notices=read.choice("PREEMPT_NOTICES", NOTICE_PLATFORMS),
+            grace_s=read.seconds("PREEMPT_GRACE_S"),
+            aws_metadata_endpoint=read.url("AWS_EC2_METADATA_SERVICE_ENDPOINT"),
+            gce_metadata_host=read.host("GCE_METADATA_HOST"),
+            azure_metadata_endpoint=read.url("PREEMPT_AZURE_METADATA_ENDPOINT"),
+            torchelastic=read.text("TORCHELASTIC_RUN_ID") is not None,
+            torchrun_shutdown_timeout=shutdown,
+            slurm_partition=partition if partition is not None and partition.replace("-", "_").isidentifier() else None,
             problems=tuple(read.problems),
         )
 

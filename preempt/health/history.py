@@ -551,3 +551,34 @@ __all__ = [
     "iter_history",
     "read_history",
 ]
+
+
+def tail(path: str | os.PathLike[str], nbytes: int = 1 << 16) -> list[dict[str, Any]]:
+    """The whole lines among the last ``nbytes`` of a ``history.jsonl``, parsed (what a start reads of the process
+    before it: how it ended); a line that does not parse is skipped. Empty when the file cannot be read."""
+    try:
+        fd = safe_io.open_fd(path)
+    except OSError:
+        return []
+    try:
+        size = os.fstat(fd).st_size
+        start = max(0, size - nbytes)
+        data = os.pread(fd, size - start, start)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    lines = data.split(b"\n")
+    if start > 0:
+        lines = lines[1:]  # the first is a part of a line
+    out = []
+    for raw in lines:
+        if not raw.strip():
+            continue
+        try:
+            doc = safe_io.load_json(raw, str(path))
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out

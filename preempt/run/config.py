@@ -25,6 +25,7 @@ from .. import _log
 from ..checkpoint.carry import CarryOptions
 from ..checkpoint.retention import RetentionPolicy
 from ..cluster import slurm
+from ..cluster.environment import NOTICE_PLATFORMS
 from ..cluster.signals import DEFAULT_SIGNALS
 from ..errors import PREEMPTED_EXIT_CODE
 from ..health import loggers as metric_loggers
@@ -183,6 +184,14 @@ class StopOptions:
     """Under torch.distributed, the ranks agree on saving and stopping at every N-th ``run.step()`` (one small
     all-reduce on a gloo group; :mod:`preempt.cluster.distributed`). Larger N costs less per step and delays a stop
     and a periodic save by up to N-1 steps."""
+    notices: str | None = None
+    """``"aws"``, ``"gce"`` or ``"azure"``: a thread polls that platform's metadata service for an advance notice
+    (a spot interruption, a preemption, a scheduled eviction or termination) and the run stops at its next step as
+    on SIGTERM (:mod:`preempt.cluster.notices`). None: ``PREEMPT_NOTICES`` if set, else nothing is ever probed."""
+    grace: float | None = None
+    """Seconds from a stop's signal to the kill (Kubernetes' ``terminationGracePeriodSeconds``, ...). The run warns
+    once when its measured stop would not fit. None: ``PREEMPT_GRACE_S``, else what the run can read (torchrun's
+    shutdown timeout, SLURM's KillWait: :mod:`preempt.cluster.grace`)."""
 
     @property
     def time_limit_s(self) -> float | None:
@@ -199,6 +208,11 @@ class StopOptions:
             raise ValueError(f"max_restarts: expected an integer >= 0 or None, got {self.max_restarts!r}")
         if not _is_int(self.sync_every_steps) or self.sync_every_steps < 1:
             raise ValueError(f"sync_every_steps: expected an integer >= 1, got {self.sync_every_steps!r}")
+        if self.notices is not None and self.notices not in NOTICE_PLATFORMS:
+            raise ValueError(f"notices: expected one of {', '.join(NOTICE_PLATFORMS)} or None, got {self.notices!r}")
+        g = self.grace
+        if g is not None and (not _is_number(g) or not math.isfinite(g) or g <= 0):
+            raise ValueError(f"grace: expected a number of seconds > 0 or None, got {g!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -351,6 +365,8 @@ class RunOptions(TypedDict, total=False):
     requeue: bool
     max_restarts: int | None
     sync_every_steps: int
+    notices: str | None
+    grace: float | None
     log_file: bool
     progress_every_s: float | None
     log_level: str | None

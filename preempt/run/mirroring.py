@@ -120,11 +120,19 @@ class Mirroring:
             self.manager.save_dir,
             self.manager.retention,
             records=(LOG_FILE, HISTORY_FILE),
-            on_event=self.reporter.marker,
+            on_event=self._event,
             clock=self.clock,
         )
         if self.pulled is not None:  # its objects were checked as they came: a copy source, counted by retention
             self.uploader.verified.add(self.pulled["step"])
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        """The uploader's events (its thread): into history.jsonl; an upload's seconds to the stopper too, part of
+        what a stop costs when it waits for the mirror."""
+        self.reporter.marker(kind, **fields)
+        seconds = fields.get("seconds")
+        if kind == "mirror" and isinstance(seconds, (int, float)):
+            self.stopper.uploaded(float(seconds))
 
     def nodes(self, rank: int, nodes: Nodes) -> None:
         """The ranks' nodes share no save_dir (:mod:`preempt.cluster.nodes`): rank 0's uploader waits for the other

@@ -66,7 +66,7 @@ from .save_plan import SaveRecord
 from .save_policy import Reason, SaveFacts, decide, next_due
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
-from .stopping import Stopper
+from .stopping import Stopper, killed_stopping
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # (typing's from Python 3.11)
@@ -186,7 +186,7 @@ class PreemptibleRun:
             peers=peers,
             clock=clock,
             on_durable=self.mirroring.chain(self.stopper.saved),
-            on_saved=self.reporter.checkpoint,
+            on_saved=self.stopper.measuring(self.reporter.checkpoint),  # and what a stop costs, against the grace
         )
         self._every = peers.every  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
         self._flag = self.stopper.flag
@@ -271,7 +271,10 @@ class PreemptibleRun:
         self._lock.acquire()
         if self._lock.previous:  # the previous holder died holding the lock
             starter.predecessor_died, starter.died_at = True, self._beacon.read()
-            self.reporter.predecessor_died(starter.died_at, self._lock.previous.get("pid"))
+            starter.died_stopping = killed_stopping(self.save_dir)  # the kill came before its stop was durable
+            self.reporter.predecessor_died(
+                starter.died_at, self._lock.previous.get("pid"), during_stop=starter.died_stopping is not None
+            )
         self.manager.recover()  # only the lock holder may clean up leftovers
         done = self.manager.completion()
         if done is not None and starter.completed(done):
@@ -316,6 +319,7 @@ class PreemptibleRun:
         opt = self.components.optimizer
         self._step_hook = self.loop.watch(opt)  # whether an optimizer step is under way, or done before run.step()
         self.reporter.start(self.resumed_from, self._starter.resume_line, made_at=self._made_at)
+        self.stopper.start(self.reporter.marker, lambda: self.loop.global_step)  # the grace; the notices' watcher
         self.mirroring.begin(self.saves.last_info)
         if self.config.async_save:
             self.saves.start(payload, optimizer_state_later=opt is not None, lazy=self.config.lazy_snapshot)
@@ -335,6 +339,7 @@ class PreemptibleRun:
         finally:
             self._active = False
             self.stopper.flag.restore()
+            watch_error = self.stopper.close()  # the notices' watcher: a bug of its own is raised below
             if self._step_hook is not None:
                 self._step_hook.remove()
                 self._step_hook = None
@@ -351,6 +356,10 @@ class PreemptibleRun:
                 self._lock.release()
         if lost is not None:
             raise lost  # its __cause__ is the loop's error
+        if watch_error is not None:
+            if exc_type is None:
+                raise watch_error
+            log.error("the notices' watcher failed: %r", watch_error)
 
     def _finish(self) -> None:
         """Final checkpoint (when anything changed) and the completion marker."""
@@ -608,6 +617,8 @@ class PreemptibleRun:
             _REASONS.index(reason) + 1 if reason is not None else 0,
             walltime_stop=decision.stop and decision.reason is Reason.WALLTIME,
         )
+        if agreed.stop:
+            stopper.stopping(loop.global_step)  # a marker left behind if the kill comes before the stop is durable
         if agreed.save:  # a signal that came during a write stops the run here, with that checkpoint
             if not saves.save(_REASONS[agreed.save - 1], point) and not agreed.stop:  # (after a copy alone: the next)
                 requested = stopper.flag.requested

@@ -286,9 +286,12 @@ class Reporter:
         shown = None if best is None else {best["metric"]: best["value"], "step": best["step"]}
         log.info("%s", epoch_line(self._progress, loop, self.clock(), shown, peak))
 
-    def predecessor_died(self, step: int | None, pid: Any) -> None:
-        """The previous process died holding the lock, at ``step`` (its beacon): said in the resume marker."""
+    def predecessor_died(self, step: int | None, pid: Any, during_stop: bool = False) -> None:
+        """The previous process died holding the lock, at ``step`` (its beacon): said in the resume marker;
+        ``during_stop``: the kill came during its stop, before the stop's checkpoint was durable."""
         self.crash = {"died_at": step, "pid": pid if isinstance(pid, int) and not isinstance(pid, bool) else None}
+        if during_stop:
+            self.crash["during_stop"] = True
 
     def checkpoint(self, record: SaveRecord, nbytes: int) -> None:
         """A ``checkpoint`` marker: its step, why, what it cost the loop, and ``at``, when its state was taken."""
@@ -318,7 +321,14 @@ class Reporter:
             self._loggers.close(code, preempted=isinstance(exc, Preempted))
             self._loggers = None
         if isinstance(exc, Preempted):
-            self.stop("stop", cause=exc.cause or None, code=exc.code, requeued=exc.requeued, checkpoint=exc.checkpoint)
+            self.stop(
+                "stop",
+                cause=exc.cause or None,
+                code=exc.code,
+                requeued=exc.requeued,
+                checkpoint=exc.checkpoint,
+                **exc.timing,
+            )
         elif completed:
             self.stop("complete")
         else:

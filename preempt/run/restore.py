@@ -74,6 +74,7 @@ class Starter:
         self.saved_tracked: dict[str, Any] = {}  # a restored checkpoint's tracked objects, for run.track() later
         self.predecessor_died = False
         self.died_at: int | None = None  # the step a previous holder reached before it died (None: unknown)
+        self.died_stopping: str | None = None  # it was killed during its stop: how (preempt.run.stopping)
         self._announced = False
         self._branching = False
         self._holder: dict[str, Any] = {}  # what rank 0 wrote in the lock file, sent with the start
@@ -475,6 +476,8 @@ class Starter:
             return
         self.predecessor_died = False
         what = "without stopping (killed: SIGKILL, out of memory, or its node failed)"
+        if self.died_stopping is not None:
+            what = self.died_stopping
         if self.died_at is None or self.died_at < resumed_step:
             log.warning("the previous process died %s; how far it got is not known", what)
             return

@@ -14,6 +14,15 @@ checkpoint to be durable before the deadline; the margin comes from the
 measured step and save times (:class:`Walltime`). Under
 SLURM, a stop at the time limit then requeues the job (rule and limits in
 :mod:`preempt.cluster.slurm`); other stops only save and exit.
+
+**Notices and the grace.** With ``notices=`` (or ``PREEMPT_NOTICES``) a thread watches the cloud's metadata
+service (:mod:`preempt.cluster.notices`, on the first rank of each node) and a notice raises the stop flag as a
+signal would: the stop's cause is the notice, its deadline is in the log and history. The grace, the seconds from a
+stop's signal to the kill, comes from ``grace=``, ``PREEMPT_GRACE_S``, torchrun or SLURM
+(:mod:`preempt.cluster.grace`). After each checkpoint the stopper compares what a stop costs now (the latest save's
+time to durable, a step, the mirror's upload) with the grace and warns once when it does not fit. At a stop it
+writes a ``stopping`` marker before the stop's save (a process killed during the save leaves it, and the next one
+says why its steps were lost) and gives the stop's time to durable and its margin to the ``stop`` marker.
 """
 
 from __future__ import annotations
@@ -24,12 +33,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .. import _log
-from ..cluster import slurm
+from ..cluster import grace as graces
+from ..cluster import notices, slurm
 from ..cluster.environment import Environment
 from ..cluster.signals import StopFlag, signal_name
 from ..errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
+from ..health.history import HISTORY_FILE, tail
 from .config import RunConfig
 from .loop_state import LoopState
+from .save_plan import SaveRecord
 from .save_policy import Decision, Reason
 
 log = _log.log
@@ -136,7 +148,16 @@ class Stopper:
         self.end_time: float | None = None  # the SLURM job's end time, unix seconds
         self.kill_wait: float | None = None  # SLURM's KillWait, seconds
         self._scontrol_missing = False
+        self.grace: graces.Grace | None = None  # from a stop's signal to the kill (start())
+        self.notice: notices.Notice | None = None  # the cloud's advance notice, once seen
+        self.watcher: notices.Watcher | None = None
+        self.cost: graces.StopCost | None = None  # what a stop costs now, from the latest save
         self._grace_warned = False
+        self._marker: Callable[..., None] = lambda event, **fields: None  # history.jsonl (start())
+        self._step_of: Callable[[], int] = lambda: 0
+        self._last_saved: tuple[float, int] | None = None  # (clock, step) of the previous durable save
+        self._upload_s: float | None = None  # the mirror's latest upload of a checkpoint
+        self._stopping_at: float | None = None  # when the stop was decided (clock)
         self._start_step: int | None = None  # this process's first step, when an early warning may be held
         self._early_held = False
         self._margin = 0.0  # the walltime keeper's margin when it decided to stop
@@ -288,25 +309,125 @@ class Stopper:
         """A checkpoint became durable in ``seconds``."""
         if self.walltime is not None:
             self.walltime.saved(seconds, now, step)
-        self._check_grace(seconds)
 
-    def _check_grace(self, seconds: float) -> None:
-        """Warns once when a stop could not be saved within SLURM's KillWait."""
-        if self.kill_wait is None or self._grace_warned:
+    # ---------------------------------------------------------------- notices and the grace
+
+    def start(self, marker: Callable[..., None], step_of: Callable[[], int]) -> None:
+        """The run is on: the grace read, the notices' watcher started when asked for. ``marker`` writes a
+        history marker, ``step_of`` reads the loop's step (from the watcher's thread)."""
+        self._marker, self._step_of = marker, step_of
+        cfg, env = self.config, self.env
+        torchrun = None
+        if env.torchelastic:
+            torchrun = graces.from_torchrun(graces.parent_argv(), env.torchrun_shutdown_timeout)
+        self.grace = graces.choose(option=cfg.grace, variable=env.grace_s, torchrun=torchrun, kill_wait=self.kill_wait)
+        if self.grace is not None:
+            log.debug("grace: %s (%s)", _log.duration(self.grace.seconds), self.grace.source)
+        which = cfg.notices or env.notices
+        if which is None or (env.local_rank or 0) != 0:  # one watcher per node: the ranks agree on the stop
             return
-        step = self.walltime.step_s if self.walltime is not None else 0.0
-        if seconds + step <= self.kill_wait:
+        platform = notices.Platform(which)
+        given = {
+            notices.Platform.AWS: env.aws_metadata_endpoint,
+            notices.Platform.GCE: env.gce_metadata_host,
+            notices.Platform.AZURE: env.azure_metadata_endpoint,
+        }[platform]
+        address = notices.endpoint(platform, given)
+        self.watcher = notices.Watcher(
+            platform, address, self._noticed, on_trouble=lambda error: self._marker("notices_down", error=error[:500])
+        ).start()
+        log.info("notices: watching %s's metadata service at %s for an advance notice", which, self.watcher.where)
+
+    def _noticed(self, notice: notices.Notice) -> None:
+        """The watcher's thread: the stop flag raised as by a signal; said in the log and the history."""
+        self.notice = notice
+        self.flag.request(None)
+        left = notice.left(time.time())
+        when = (
+            "its deadline unknown"
+            if notice.deadline is None
+            else f"the machine goes at {time.strftime('%H:%M:%S', time.localtime(notice.deadline))}, in"
+            f" {_log.duration(max(0.0, left or 0.0))}"
+        )
+        cost = self.cost
+        fits = ""
+        if cost is not None and left is not None and not cost.fits(left):
+            fits = f"; a stop measured {_log.duration(cost.seconds)}: it may not be durable in time"
+        log.warning("%s (%s): the run stops and saves at its next step%s", notice.cause, when, fits)
+        self._marker("notice", step=self._step_of(), **notice.fields())
+
+    def measuring(self, on_saved: Callable[[SaveRecord, int], None]) -> Callable[[SaveRecord, int], None]:
+        """The save scheduler's ``on_saved`` hook: ``on_saved``, then what a stop costs measured against the grace."""
+
+        def saved(record: SaveRecord, nbytes: int) -> None:
+            on_saved(record, nbytes)
+            self.measured(record, nbytes)
+
+        return saved
+
+    def measured(self, record: SaveRecord, nbytes: int) -> None:
+        """A durable checkpoint: what a stop costs now; warned once when that does not fit the grace."""
+        if record.write_s is None:
+            return
+        now, step = self.clock(), record.step
+        step_s = self.walltime.step_s if self.walltime is not None else 0.0
+        if self._last_saved is not None and step > self._last_saved[1]:
+            t0, s0 = self._last_saved
+            step_s = max(step_s, (now - t0 - record.stall_s) / (step - s0))
+        self._last_saved = (now, step)
+        self.cost = graces.StopCost(record.write_s, nbytes, max(0.0, step_s), self._upload_s)
+        g = self.grace
+        if g is None or self._grace_warned or self.cost.fits(g.seconds):
             return
         self._grace_warned = True
-        log.warning(
-            "a checkpoint took %s (plus %s to reach the next step) but SLURM kills %s after SIGTERM (KillWait):"
-            " a scancel, scontrol requeue or preemption will lose the steps since the last checkpoint. The time"
-            " limit is covered by the walltime keeper; for the rest checkpoint more often or ask for a longer"
-            " KillWait or GraceTime",
-            _log.duration(seconds),
-            _log.duration(step),
-            _log.duration(self.kill_wait),
+        log.warning("%s", graces.advice(self.cost, g))
+        self._marker(
+            "grace_short", step=step, grace_s=round(g.seconds, 3), stop_s=round(self.cost.seconds, 3), source=g.source
         )
+
+    def uploaded(self, seconds: float) -> None:
+        """The mirror uploaded a checkpoint in ``seconds``: part of a stop's time to durable from now on."""
+        self._upload_s = seconds
+        if self.cost is not None:
+            self.cost = graces.StopCost(self.cost.save_s, self.cost.nbytes, self.cost.step_s, seconds)
+
+    def stopping(self, step: int) -> None:
+        """The stop is decided, its save comes next: a ``stopping`` marker, left behind if the kill comes first."""
+        self._stopping_at = self.clock()
+        g = self._grace_now()
+        self._marker(
+            "stopping",
+            step=step,
+            cause=self._cause_text(),
+            grace_s=None if g is None else round(g, 3),
+            stop_s=None if self.cost is None else round(self.cost.seconds, 3),
+        )
+
+    def _grace_now(self) -> float | None:
+        """The grace of the stop under way: a notice's time to its deadline, else the grace known."""
+        n = self.notice
+        if n is not None and self.flag.signum is None and n.deadline is not None:
+            return n.deadline - n.seen_at
+        return None if self.grace is None else self.grace.seconds
+
+    def _cause_text(self) -> str:
+        f = self.flag
+        if f.signum is not None:
+            return signal_name(f.signum)
+        if self.notice is not None:
+            return self.notice.cause
+        return "walltime" if not f.requested else "request"
+
+    def close(self) -> BaseException | None:
+        """The watcher stopped; the error it kept (a bug, not the service's), returned for the run to raise."""
+        w, self.watcher = self.watcher, None
+        if w is None:
+            return None
+        try:
+            w.close()
+        except Exception as e:
+            return e
+        return None
 
     # ---------------------------------------------------------------- the stop
 
@@ -328,6 +449,11 @@ class Stopper:
             # Under torch.distributed: another rank received the signal, or rank 0's walltime keeper stopped.
             cause = slurm.Cause.SIGNAL if peer >= 0 else slurm.Cause.WALLTIME
             what = f"a stop signal received by rank {peer}" if peer >= 0 else "rank 0's walltime keeper"
+        elif requested and f.signum is None and self.notice is not None:
+            cause = slurm.Cause.SIGNAL  # the machine goes as on a signal: SLURM's requeue rule applies unchanged
+            left = self.notice.left(time.time())
+            what = f"{self.notice.cause} (seen {_log.duration(now - (f.received_at or now))} ago"
+            what += ")" if left is None else f", {_log.duration(max(0.0, left))} before its deadline)"
         elif requested:
             cause = slurm.Cause.SIGNAL if f.signum is not None else slurm.Cause.REQUEST
             what = signal_name(f.signum) if f.signum is not None else "request"
@@ -344,6 +470,7 @@ class Stopper:
             )
         signal_time = None if f.received_at is None or not requested else time.time() - (now - f.received_at)
         mirrored = self.on_stop(checkpoint) if self.on_stop is not None else ""
+        timing = self._timing(requested, cause)
         code, requeued = self._after_stop(cause, signal_time, progressed=step > start_step, step=step)
         log.info(
             "stopping on %s at step %d (epoch %d, batch %d); state in %s%s; exit code %d",
@@ -356,7 +483,28 @@ class Stopper:
             code,
         )
         said = signal_name(f.signum) if requested and f.signum is not None else cause.value
-        raise Preempted(code, f.signum, None if checkpoint is None else str(checkpoint), requeued=requeued, cause=said)
+        if requested and f.signum is None and self.notice is not None:
+            said = self.notice.cause
+        path = None if checkpoint is None else str(checkpoint)
+        raise Preempted(code, f.signum, path, requeued=requeued, cause=said, timing=timing)
+
+    def _timing(self, requested: bool, cause: slurm.Cause) -> dict[str, float]:
+        """The stop's time to durable (from its signal, notice or decision to now: its checkpoint durable, and in the
+        mirror when one waits), its grace and margin, for the ``stop`` marker and ``preempt report``."""
+        now, f = self.clock(), self.flag
+        asked = f.received_at if requested and f.received_at is not None else self._stopping_at
+        out: dict[str, float] = {}
+        if asked is None:
+            return out
+        out["durable_s"] = round(now - asked, 3)
+        if cause is slurm.Cause.WALLTIME and self.walltime is not None:
+            out["margin_s"] = round(self.walltime.deadline - now, 3)
+            return out
+        g = self._grace_now()
+        if g is not None:
+            out["grace_s"] = round(g, 3)
+            out["margin_s"] = round(g - (now - asked), 3)
+        return out
 
     def _after_stop(
         self, cause: slurm.Cause, signal_time: float | None, *, progressed: bool, step: int
@@ -420,3 +568,33 @@ class Stopper:
         while self.flag.count == signals and self.flag.installed and time.monotonic() < until:
             time.sleep(0.01)
         return exit_code, True
+
+
+def stop_under_way(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``stopping`` marker of the last process in ``lines`` (a history's tail) that has no end after it (no
+    ``stop``, ``complete``, ``error`` or ``exit``): that process was killed during its stop. Pure."""
+    found = None
+    for doc in lines:
+        event = doc.get("event")
+        if event in ("start", "resume", "stop", "complete", "error", "exit"):
+            found = None
+        elif event == "stopping":
+            found = doc
+    return found
+
+
+def killed_stopping(save_dir: Path) -> str | None:
+    """When the process before this one was killed during its stop (its ``stopping`` marker is the last word of its
+    history): the words for the next process's log, with the stop's grace and measured time; else None."""
+    doc = stop_under_way(tail(save_dir / HISTORY_FILE))
+    if doc is None:
+        return None
+    cause = str(doc.get("cause"))[:200]
+    grace, cost = doc.get("grace_s"), doc.get("stop_s")
+    figures = []
+    if isinstance(grace, (int, float)) and not isinstance(grace, bool):
+        figures.append(f"its grace {_log.duration(float(grace))}")
+    if isinstance(cost, (int, float)) and not isinstance(cost, bool):
+        figures.append(f"a stop measured {_log.duration(float(cost))}")
+    said = f": {', '.join(figures)}" if figures else ""
+    return f"during its stop on {cause} (killed before the stop's checkpoint was durable{said})"
