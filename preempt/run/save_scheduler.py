@@ -33,6 +33,7 @@ from ..checkpoint import carry, recycle, state
 from ..checkpoint.cancel import WriteCancelled, cancellable
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
+from ..checkpoint.names import checkpoint_name
 from ..checkpoint.readahead import host_memory_available
 from ..checkpoint.staging import (
     BackgroundWriter,
@@ -256,7 +257,7 @@ class SaveScheduler:
         with self.flag.critical():
             t0 = self.clock()
             manifest = self.snapshot.manifest(reason, point, self.manager.retention)
-            log.debug("saving %s (%s)", self.manager.save_dir / f"step_{manifest.step:09d}", reason.value)
+            log.debug("saving %s (%s)", self.manager.save_dir / checkpoint_name(manifest.step), reason.value)
             _testing.emit("saving", step=manifest.step, reason=reason.value, background=background)
             payload, live = self.snapshot.content()
             # unchanged files are carried, not staged or written; a stop leaves the guard to the next checkpoint
@@ -495,8 +496,8 @@ class SaveScheduler:
             case Outcome.BROKEN:
                 last = self.last_checkpoint
                 raise CheckpointWriteError(
-                    f"the background write of checkpoint step_{self._what(job)[0]:09d} in {self.manager.save_dir}"
-                    f" failed: {error!r}; the last good checkpoint is {last or '(none)'}",
+                    f"the background write of checkpoint {checkpoint_name(self._what(job)[0])} in"
+                    f" {self.manager.save_dir} failed: {error!r}; the last good checkpoint is {last or '(none)'}",
                     None if last is None else str(last),
                 ) from error
 
@@ -644,7 +645,7 @@ class SaveScheduler:
         )
         step = loop.global_step if step is None else step
         what = (
-            f"could not write checkpoint step_{step:09d} ({reason.value}) in {self.manager.save_dir}:"
+            f"could not write checkpoint {checkpoint_name(step)} ({reason.value}) in {self.manager.save_dir}:"
             f" {error.strerror or error}{code}"
         )
         _testing.emit("checkpoint_failed", step=step, reason=reason.value, errno=error.errno)
