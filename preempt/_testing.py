@@ -19,7 +19,8 @@ installed, reaching a point is one dictionary lookup. The points, and what their
 standard output as one line, ``@preempt-event {"event": KIND, ...}`` (JSON, written whole with one ``write(2)``): every
 marker of ``history.jsonl`` (start, resume, checkpoint, stop, complete, error, ...) and a few the history does not
 keep (``saving``, ``checkpoint_failed``, ``mirror_down``, ``mirror_up``). The test suite starts its processes with it
-and waits and asserts on these events, never on the wording of log lines; the suite's training scripts emit their
+and waits and asserts on these events; it reads the wording of log lines only where a message a user reads is
+itself what a test is about. The suite's training scripts emit their
 own (``holding``, ``waiting``, ``step``) through :func:`emit` too. Without the variable, :func:`emit` returns at once.
 
 No torch; a leaf every part may import.

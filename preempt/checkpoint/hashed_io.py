@@ -223,10 +223,10 @@ def read_file(
     * With ``direct`` (a restore, whose tensors become the optimizer's state as they are), a file of
       at least :data:`direct_io.MIN_DIRECT` bytes that is not in the page cache is read ``O_DIRECT`` into memory of
       this process's own and hashed piece by piece as it lands (:func:`direct_io.read_whole`): the device writes
-      the memory the bytes end in, nothing is copied, and no page cache grows. On the VM of ``bench/README.md`` a
-      cold restore of 1 GiB took 1.32 s so, 1.61 s mapped (one run). A file in the page cache (read ahead by
-      ``preempt prefetch``, or by another rank) is mapped: that was faster there (0.40 s against 0.76 s read into
-      new memory), and so is a file larger than :data:`KEEP_SHARE` of the memory available
+      the memory the bytes end in, nothing is copied, and no page cache grows: faster than mapping a cold file
+      (``bench/README.md``, "A restart's restore"). A file in the page cache (read ahead by ``preempt prefetch``,
+      or by another rank) is mapped: that was faster than reading it into new memory (``bench/README.md``,
+      "Figures once kept in docstrings"), and so is a file larger than :data:`KEEP_SHARE` of the memory available
       (:func:`keeps_in_memory`), whose pages can be dropped and read again under pressure.
 
     Where the mapping is refused (``ENOMEM`` under an address-space limit, a filesystem without mmap), the file is
@@ -290,9 +290,8 @@ def _fresh(size: int, *, populate: bool = True) -> np.ndarray:
     where the system can (for ``read`` to copy into; a direct read's device writes every page itself).
 
     Not ``np.empty``: NumPy asks for transparent huge pages, and where the kernel compacts memory to find them
-    (``defrag`` set to ``madvise``, its default), reading 700 MB into such memory in a process that had just built a
-    1 GiB model took 4-7 s on the VM of ``bench/README.md`` (3.7-4.8 s of it in the kernel), against 0.5-2.3 s
-    without huge pages (measured while this was written, 2-6 runs each).
+    (``defrag`` set to ``madvise``, its default), a read into such memory in a process that had just built a large
+    model spent seconds in the kernel (``bench/README.md``, "Figures once kept in docstrings").
     """
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     try:

@@ -7,8 +7,8 @@ Usable on its own, without :class:`preempt.PreemptibleRun`::
     info, loaded = manager.load("latest")
 
 The commit protocol is in :mod:`preempt.checkpoint.commit`; the file layout of one
-checkpoint in :mod:`preempt.checkpoint.state`. Deleting is slow (about 0.17 s per GiB on
-our machines), so pruned and replaced checkpoints are first renamed out of
+checkpoint in :mod:`preempt.checkpoint.state`. Deleting is slow (``bench/README.md``,
+"Figures once kept in docstrings"), so pruned and replaced checkpoints are first renamed out of
 sight (fast, atomic) and then deleted by a background thread.
 """
 
@@ -349,9 +349,9 @@ class CheckpointManager:
         """Reads and verifies one checkpoint's files into memory (no pickle), several at once
         (:func:`preempt.checkpoint.files.read_all`).
 
-        ``direct``: a large file not in the page cache is read ``O_DIRECT`` into the memory its tensors keep: on
-        the VM of ``bench/README.md`` a cold restore of 1 GiB took 1.32 s so and 1.61 s mapped, in the same run.
-        False reads through the page cache (for the next process to find it there).
+        ``direct``: a large file not in the page cache is read ``O_DIRECT`` into the memory its tensors keep, faster
+        cold than mapped (``bench/README.md``, "A restart's restore"). False reads through the page cache (for the
+        next process to find it there).
 
         A checkpoint written by several ranks lists each rank's own files:
         every one of them must verify, and ``rank``'s random generators (when

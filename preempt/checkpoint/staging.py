@@ -13,8 +13,8 @@ happen in a named daemon thread with the same protocol as a synchronous save
   stream (:mod:`preempt.checkpoint.side_stream`). JSON documents are encoded
   at snapshot time, so the loop may go on mutating the objects they came from.
 * :class:`BackgroundWriter` runs one job at a time in a thread and keeps its
-  outcome. A failure is never lost: :meth:`BackgroundWriter.result` re-raises
-  it, and the run calls that at its next step.
+  outcome. A failure is never lost: the job's future holds its exception,
+  which the run takes at its next step.
 
 The extra memory is one copy of what changes. While a write is in flight its
 buffers must not change, so at most one snapshot exists: the run waits for

@@ -331,7 +331,7 @@ class LoaderFeed:
     def stop_workers(self, loader: Any) -> None:
         """Stops the workers of the latest iterator and the persistent ones.
 
-        Workers ignore stop signals (:func:`preempt.data.loaders.shield_workers`),
+        Workers ignore stop signals (:func:`preempt.data.shield.shield_workers`),
         and at interpreter exit multiprocessing stops its daemon children with
         SIGTERM and then waits for them: an iterator still referenced then (by
         the traceback of an exception that ended the loop, or a loader made at

@@ -155,8 +155,8 @@ class SaveScheduler:
 
         An optimizer that has state already was restored (a resume). The buffers are then sized once, for the whole
         state, at the first step (``payload`` was captured before the restore, without the moments): not now, while
-        the other ranks may still be restoring on the same cores (sizing 1 GiB at the start made two ranks' restore
-        on the 2-core VM take 6.03 s instead of 2.05 s), and not twice.
+        the other ranks may still be restoring on the same cores (sizing them at the start made two ranks' restore
+        several times slower: ``bench/README.md``, "A restart's restore"), and not twice.
 
         ``lazy``: the copies of the parameters and the optimizer's state are made while the loop runs its next
         forward and backward, by the writer (on the CPU) or by the GPU's copy engine on a side stream (on a GPU), and
