@@ -6,16 +6,22 @@ it where a hand-written loop would:
 ========================  =========================================================================================
 Lightning hook            the run
 ========================  =========================================================================================
-``setup`` (fit)           the training-data source hands Lightning :class:`~preempt.lightning.batches.RunBatches`
+``setup`` (fit)           the callback moved after every other one, so that its safe point sees their state
 ``on_fit_start``          entered with the module, optimizers, schedulers, scaler and Lightning's own state
                           (:class:`~preempt.lightning.trainer_state.TrainerState`); a checkpoint is restored here,
-                          the loops' counters included; a completed run exits 0 here
+                          the loops' counters included; a completed run exits 0 here. Then the training-data source
+                          (the module's or the datamodule's hook, or the loader given to ``fit``) hands Lightning
+                          :class:`~preempt.lightning.batches.RunBatches`
 ``on_train_start``        the stop signals taken back from Lightning's signal connector (registered just before)
 an epoch's first batch    ``run.epochs`` moves to the epoch, ``run.batches`` opens it (exact mid-epoch)
 ``on_train_batch_end``    ``run.step()`` when the batch ended with an optimizer step (never between accumulated
-                          micro-batches): periodic checkpoints, and the stop (a checkpoint, exit code 75)
+                          micro-batches): periodic checkpoints, and the stop (a checkpoint, exit code 75); when a
+                          validation is due after this batch, ``run.step()`` waits for its end
 ``on_validation_end``     the random state put back as it was after the batch before the validation, so that
-                          training draws the same numbers whether or not a resumed run repeats a validation
+                          training draws the same numbers whether or not a resumed run repeats a validation; then the
+                          step that waited for it: a checkpoint here holds what the validation changed (its logged
+                          metrics, ``ModelCheckpoint``'s best, ``EarlyStopping``'s counter), and Lightning resumes
+                          after it without validating again (its loops' "restarted on last" state)
 ``on_train_end``          the run left: a final checkpoint when anything changed, the run marked complete
 ``on_exception``          the run left with the exception (a stop's ``Preempted`` too)
 ========================  =========================================================================================
@@ -105,6 +111,7 @@ class PreemptCallback(pl.Callback):
         self._handlers: dict[int, Any] = {}  # the run's
         self._val_rng: rng.RngState | None = None
         self._loader: Iterable[Any] | None = None  # the training loader the run iterates (inside RunBatches)
+        self._step_after_validation = False  # run.step() of the batch before a validation, due at its end
 
     @property
     def state_key(self) -> str:
@@ -117,7 +124,11 @@ class PreemptCallback(pl.Callback):
             return
         if sum(isinstance(cb, PreemptCallback) for cb in trainer.callbacks) > 1:
             raise PreemptError("PreemptCallback: one per trainer (found several in trainer.callbacks)")
-        self._swap = SourceSwap(trainer, lambda loader: self._wrap(trainer, loader))
+        # Last of all (Lightning put ModelCheckpoint last when it was built): at the safe point every other
+        # callback's hooks of that batch or validation have run, so a checkpoint holds what they changed.
+        callbacks = trainer.callbacks
+        callbacks.remove(self)
+        callbacks.append(self)
 
     def _wrap(self, trainer: pl.Trainer, loader: Any) -> RunBatches:
         """The user's training loader, processed as Lightning processes one, its epochs opened by the run."""
@@ -131,10 +142,10 @@ class PreemptCallback(pl.Callback):
                 f" ({type(loader).__name__}); preempt resumes one training loader exactly. Combine them in one"
                 " Dataset, or train without PreemptCallback"
             )
-        processed = _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, loader)
         run = self.run
         if run is None:
-            raise PreemptError("PreemptCallback: the training loader was asked for before the fit started")
+            raise PreemptError("PreemptCallback: the training loader was asked for outside trainer.fit")
+        processed = _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, loader)
         # the order's seed: seed_everything's (Lightning's distributed sampler uses it too), else the run's data seed,
         # which a checkpoint keeps
         seed = int(os.environ.get("PL_GLOBAL_SEED", run.data_seed))
@@ -164,9 +175,15 @@ class PreemptCallback(pl.Callback):
         run.__enter__()  # restores the newest checkpoint (Lightning's loops too); a completed run exits 0 here
         self.run = run
         self._handlers = {sig: signal.getsignal(sig) for sig in signals} if main else {}
-        max_epochs = trainer.max_epochs
-        self._epochs = run.epochs(max_epochs if max_epochs is not None and max_epochs >= 0 else _MANY_EPOCHS)
+        max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
+        self._epochs = run.epochs(
+            max_epochs if max_epochs is not None and max_epochs >= 0 else _MANY_EPOCHS,
+            max_steps=max_steps if max_steps is not None and max_steps >= 0 else None,
+        )
         self._steps_seen = trainer.global_step
+        # The loader is asked for after this hook, whichever way it was given (the module's hook, a datamodule's,
+        # fit(train_dataloaders=...)): from now on the run is there to open its epochs.
+        self._swap = SourceSwap(trainer, lambda loader: self._wrap(trainer, loader))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Takes the stop signals back from Lightning's signal connector, which registered its own just before."""
@@ -189,6 +206,7 @@ class PreemptCallback(pl.Callback):
         run, epochs = self.run, self._epochs
         if run is None or epochs is None:
             raise PreemptError("PreemptCallback: the training loader was iterated outside trainer.fit")
+        _start_skipped_epoch(trainer)
         epoch = self._catch_up(trainer.current_epoch)
         if epoch != trainer.current_epoch:
             raise PreemptError(
@@ -222,9 +240,13 @@ class PreemptCallback(pl.Callback):
         """The safe point: after an optimizer step and its schedulers, never between accumulated micro-batches."""
         if self.run is None:
             return
+        self._step_pending()  # a validation that was due did not run (an empty validation loader)
         if trainer.global_step != self._steps_seen:
             self._steps_seen = trainer.global_step
-            self.run.step()
+            if _validation_due(trainer):
+                self._step_after_validation = True
+            else:
+                self.run.step()
         # A validation due after this batch runs next, and creating its loader's iterator draws from the global
         # generators before any validation hook: the state is kept here and put back when the validation ends.
         self._val_rng = rng.capture()
@@ -233,10 +255,26 @@ class PreemptCallback(pl.Callback):
         if self._val_rng is not None and not trainer.sanity_checking:
             rng.restore(self._val_rng)
         self._val_rng = None
+        if not trainer.sanity_checking:
+            self._step_pending()
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_pending()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_pending()
+
+    def _step_pending(self) -> None:
+        if self._step_after_validation and self.run is not None:
+            self._step_after_validation = False
+            self.run.step()
 
     # ------------------------------------------------------------------ the end
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_pending()
         run, epochs = self.run, self._epochs
         if run is None or epochs is None:
             return
@@ -279,3 +317,37 @@ class PreemptCallback(pl.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # the run's state lives in its own checkpoints, not in Lightning's
+
+
+def _start_skipped_epoch(trainer: pl.Trainer) -> None:
+    """Starts the epoch Lightning's restart skipped starting: resumed from a checkpoint taken at the last batch of
+    an epoch, Lightning 2.5-2.6 restores "mid-epoch", finishes that epoch at once and goes on into the next one
+    without counting it ready and started, nor calling ``on_train_epoch_start``: the progress counters end one lower
+    than an uninterrupted fit's and a callback misses that epoch's start. Seen as an epoch being iterated whose start
+    was not counted (started == processed); what Lightning skipped is done here, before the epoch's first batch."""
+    fit_loop = trainer.fit_loop
+    progress = fit_loop.epoch_progress.current
+    if progress.started != progress.processed or not getattr(fit_loop, "restarted_mid_epoch", False):
+        return
+    from lightning.pytorch.trainer import call
+
+    fit_loop.epoch_progress.increment_ready()
+    call._call_callback_hooks(trainer, "on_train_epoch_start")
+    call._call_lightning_module_hook(trainer, "on_train_epoch_start")
+    fit_loop.epoch_progress.increment_started()
+
+
+def _validation_due(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates right after the batch that just ended (asked as its training epoch loop asks it
+    after ``on_train_batch_end``; a time-based ``val_check_interval`` is asked at that moment, and the same answer
+    is agreed by every rank only when it does not depend on time)."""
+    if not trainer.enable_validation:
+        return False
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if getattr(epoch_loop, "_skip_next_val", False):
+        return False
+    ask = getattr(epoch_loop, "_should_check_val_fx", None)
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if ask is None or fetcher is None:
+        return False  # another Lightning: the step is taken at once, as before
+    return bool(ask(fetcher))

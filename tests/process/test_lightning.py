@@ -118,16 +118,38 @@ def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference,
     assert_same_final(reference(args), final)
 
 
-def test_a_stop_during_validation_lands_at_the_next_step_bit_exact(tmp_path, reference):
-    """The signal comes inside the second validation (after step 10): the validation finishes, the next training
-    step is the stop's, and the rerun equals the uninterrupted run."""
+@pytest.mark.parametrize(
+    ("data", "at"),
+    [("datamodule", 17), ("datamodule_state", 12), ("positional", 10), ("loaders", 17)],
+)
+def test_every_way_of_giving_the_data_resumes_bit_exact(tmp_path, reference, data, at):
+    """The guide's own shape, ``trainer.fit(model, datamodule=dm)`` with a plain LightningDataModule (it used to crash
+    at the first checkpoint), a datamodule with state and Lightning 1.x's hooks, one given positionally, and
+    ``fit(train_dataloaders=..., val_dataloaders=...)`` (it used to refuse to start): each stopped and resumed, with a
+    validation every 5 batches, equals the uninterrupted run whose loaders come from the module's own hooks."""
+    args = ["--validate", "--data", data]
+    save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
+    p = stop_at(save_dir, args, at, signal.SIGTERM)
+    assert p.finish() == PREEMPTED, p.output
+    assert p.events_of("stop", cause="SIGTERM", step=at), p.events
+    r = resume(save_dir, final, args)
+    assert r.events_of("resume", step=at), r.events
+    if data == "datamodule_state":  # its state_dict and its 1.x hooks' extras came back
+        assert re.search(r"datamodule loaders_made 2 note 'saved after 1 loader\(s\)'", r.output), r.output
+    assert_same_final(reference(["--validate"]), final)
+
+
+def test_a_stop_during_validation_lands_when_it_ends_bit_exact(tmp_path, reference):
+    """The signal comes inside the second validation (after step 10): the validation finishes, and its end is the
+    stop's safe point (step 10's run.step() waited for it), so the checkpoint holds what it logged; the rerun
+    equals the uninterrupted run, the validations' losses included."""
     args = ["--validate"]
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = Spawned(command(save_dir, None, [*args, "--hold_in_validation", "2"]))
     assert p.wait_event("holding", point="validation", n=2, step=10, timeout=120), p.output
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
-    assert p.events_of("stop", cause="SIGTERM", step=11, epoch=0, batch=11), p.events
+    assert p.events_of("stop", cause="SIGTERM", step=10, epoch=0, batch=10), p.events
     resume(save_dir, final, args)
     assert_same_final(reference(args), final)
 
@@ -243,10 +265,13 @@ def test_ddp_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_bit_e
         assert not differing, f"rank {rank}: {len(differing)} of {len(want)} tensors differ: {differing[:8]}"
 
 
-def test_the_users_callbacks_and_logger_keep_working_and_the_commands_read_the_run(tmp_path):
+@pytest.mark.parametrize("at", [16, 10], ids=["no_validation_due", "validation_due"])
+def test_the_users_callbacks_and_logger_keep_working_and_the_commands_read_the_run(tmp_path, at):
     """ModelCheckpoint (top 2 by val_loss), EarlyStopping, LearningRateMonitor and a CSVLogger beside the callback:
     their state is kept across the stop (their final best score, kept files and wait count equal the uninterrupted
-    run's), and preempt ls, verify and report read the save_dir."""
+    run's), and preempt ls, verify and report read the save_dir. At step 10 a validation is due: it runs before the
+    stop's checkpoint, so its logged loss, ModelCheckpoint's choice and EarlyStopping's count are those of the
+    uninterrupted run (a stop there used to skip that validation)."""
 
     def args(where: str) -> list[str]:
         return ["--validate", "--user_callbacks", str(tmp_path / where)]
@@ -254,7 +279,7 @@ def test_the_users_callbacks_and_logger_keep_working_and_the_commands_read_the_r
     ref = Spawned(command(tmp_path / "ref_run", tmp_path / "ref.safetensors", args("ref_user")))
     assert ref.finish() == 0, ref.output
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    p = stop_at(save_dir, args("user"), 16, signal.SIGTERM)  # epoch 1, batch 4: no validation is due after it
+    p = stop_at(save_dir, args("user"), at, signal.SIGTERM)  # 16: epoch 1, batch 4; 10: a validation follows
     assert p.finish() == PREEMPTED, p.output
     resume(save_dir, final, args("user"))
     assert "model_checkpoint.best_model_score" in load_file(str(final)) and "early_stopping.wait_count" in load_file(

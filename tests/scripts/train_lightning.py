@@ -5,6 +5,12 @@ draw from the global RNG in each training step, AdamW with a per-step scheduler,
 workers=True)``; 96 samples in batches of 8, so 12 batches per epoch. Every optimizer step prints ``step N epoch E
 batch B``. At the end ``--final_out`` gets the model's and the optimizer's tensors, and the losses.
 
+The training data reaches Lightning as users give it (``--data``): the module's own ``train_dataloader`` hook
+(``module``, the default), a ``LightningDataModule`` given as ``datamodule=`` (``datamodule``; ``datamodule_state``
+adds ``state_dict``/``load_state_dict`` and Lightning 1.x's ``on_save_checkpoint`` hooks), a datamodule given
+positionally (``positional``), or the loaders given to ``fit(train_dataloaders=..., val_dataloaders=...)``
+(``loaders``).
+
 Run alone or as a LightningCLI (``--cli``, the rest of the command line goes to LightningCLI: ``fit --config
 x.yaml``). ``--hold_at_step N`` makes the N-th optimizer step of this process wait, before the run's safe point,
 until the run has been asked to stop: the test signals the process then, whatever the machine's speed.
@@ -52,6 +58,7 @@ class Net(L.LightningModule):
             torch.nn.Linear(dim, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 2)
         )
         self.losses: list[float] = []
+        self.val_losses: list[float] = []  # what the validations logged, carried across processes as the losses
         self.validations = 0
         self.hold_in_validation: int | None = None
 
@@ -63,7 +70,9 @@ class Net(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+        val_loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("val_loss", val_loss)
+        self.val_losses.append(val_loss.item())
         if batch_idx == 0:
             self.validations += 1
             if self.validations == self.hold_in_validation:  # --hold_in_validation: the signal comes during it
@@ -77,23 +86,72 @@ class Net(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
-        data = Synthetic(self.hparams.samples, self.hparams.dim, augment=True)
-        workers = self.hparams.workers
-        if self.hparams.custom_sampler:  # a sampler of the user's own: a resumed epoch replays its batches
-            sampler = Shuffled(data)  # its order drawn from torch's global generator when the epoch's iterator is made
-            return DataLoader(data, batch_size=self.hparams.batch_size, sampler=sampler, num_workers=workers)
-        return DataLoader(data, batch_size=self.hparams.batch_size, shuffle=True, num_workers=workers)
+        h = self.hparams
+        return train_loader(h.samples, h.dim, h.batch_size, h.workers, h.custom_sampler)
 
     def val_dataloader(self):
-        data = Synthetic(32, self.hparams.dim, augment=True, seed=99)
-        return DataLoader(data, batch_size=8, num_workers=0)
+        return val_loader(self.hparams.dim)
 
     def on_save_checkpoint(self, checkpoint):
         checkpoint["losses"] = list(self.losses)
+        checkpoint["val_losses"] = list(self.val_losses)
 
     def on_load_checkpoint(self, checkpoint):
         if "losses" in checkpoint:  # a preempt checkpoint (or Lightning's) carries the losses so far
             self.losses = list(checkpoint["losses"])
+            self.val_losses = list(checkpoint.get("val_losses", []))
+
+
+def train_loader(samples: int, dim: int, batch_size: int, workers: int, custom_sampler: bool = False) -> DataLoader:
+    data = Synthetic(samples, dim, augment=True)
+    if custom_sampler:  # a sampler of the user's own: a resumed epoch replays its batches
+        sampler = Shuffled(data)  # its order drawn from torch's global generator when the epoch's iterator is made
+        return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=workers)
+    return DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=workers)
+
+
+def val_loader(dim: int) -> DataLoader:
+    return DataLoader(Synthetic(32, dim, augment=True, seed=99), batch_size=8, num_workers=0)
+
+
+class Data(L.LightningDataModule):
+    """A plain datamodule, as Lightning 2.x's documentation writes one: no state of its own."""
+
+    def __init__(self, dim: int = 16, workers: int = 2, samples: int = 96, batch_size: int = 8) -> None:
+        super().__init__()
+        self.dim, self.workers, self.samples, self.batch_size = dim, workers, samples, batch_size
+
+    def train_dataloader(self):
+        return train_loader(self.samples, self.dim, self.batch_size, self.workers)
+
+    def val_dataloader(self):
+        return val_loader(self.dim)
+
+
+class CountingData(Data):
+    """A datamodule with state: its ``state_dict`` counts the training loaders made, and Lightning 1.x's hooks carry
+    a note (both must come back on resume)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.loaders_made = 0
+        self.note = "fresh"
+
+    def train_dataloader(self):
+        self.loaders_made += 1
+        return super().train_dataloader()
+
+    def state_dict(self):
+        return {"loaders_made": self.loaders_made}
+
+    def load_state_dict(self, state):
+        self.loaders_made = int(state["loaders_made"])
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["note"] = f"saved after {self.loaders_made} loader(s)"
+
+    def on_load_checkpoint(self, checkpoint):
+        self.note = checkpoint["note"]
 
 
 class Steps(L.Callback):
@@ -136,6 +194,10 @@ def write_final(path: str, module: Net, trainer: L.Trainer) -> None:
     flatten("model", module.state_dict(), out)
     flatten("optimizer", trainer.optimizers[0].state_dict(), out)
     out["losses"] = torch.tensor(module.losses, dtype=torch.float64)
+    out["val_losses"] = torch.tensor(module.val_losses, dtype=torch.float64)
+    # Lightning's own counters (the loops' progress): a resumed fit ends with the uninterrupted one's
+    for name, value in _counters("fit_loop", trainer.fit_loop.state_dict()):
+        out[name] = torch.tensor(value)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:
         flatten("scaler", scaler.state_dict(), out)
@@ -147,6 +209,15 @@ def write_final(path: str, module: Net, trainer: L.Trainer) -> None:
             out["early_stopping.wait_count"] = torch.tensor(cb.wait_count)
             out["early_stopping.best_score"] = cb.best_score.detach().clone().reshape(())
     save_file(out, path)
+
+
+def _counters(prefix: str, tree: Any):
+    """The integers of a loop's state_dict, by dotted name (the progress counters)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _counters(f"{prefix}.{k}", v)
+    elif isinstance(tree, int) and not isinstance(tree, bool):
+        yield prefix, tree
 
 
 def main() -> None:
@@ -166,6 +237,12 @@ def main() -> None:
     p.add_argument("--custom_sampler", action="store_true", help="a RandomSampler subclass of the user's own")
     p.add_argument("--hold_in_validation", type=int, default=None, help="N: the N-th validation holds until a stop")
     p.add_argument("--scaler", action="store_true", help="float16 autocast with a GradScaler (on the CPU)")
+    p.add_argument(
+        "--data",
+        choices=("module", "datamodule", "datamodule_state", "positional", "loaders"),
+        default="module",
+        help="how the training data reaches Lightning",
+    )
     p.add_argument(
         "--user_callbacks",
         default=None,
@@ -215,7 +292,17 @@ def main() -> None:
         num_sanity_val_steps=0,
         callbacks=callbacks,
     )
-    trainer.fit(model)
+    if args.data == "module":
+        trainer.fit(model)
+    elif args.data in ("datamodule", "datamodule_state"):
+        dm = (CountingData if args.data == "datamodule_state" else Data)(workers=args.workers)
+        trainer.fit(model, datamodule=dm)
+        if isinstance(dm, CountingData):
+            print(f"datamodule loaders_made {dm.loaders_made} note {dm.note!r}", flush=True)
+    elif args.data == "positional":
+        trainer.fit(model, Data(workers=args.workers))
+    else:
+        trainer.fit(model, train_dataloaders=train_loader(96, 16, 8, args.workers), val_dataloaders=val_loader(16))
     if args.final_out:  # under DDP each rank its own file, .rank<R> before the suffix (the losses are the rank's)
         final = Path(args.final_out)
         if trainer.world_size > 1:
