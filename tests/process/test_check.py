@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.processes import ROOT, TRAIN_DDP
+import rank_launcher
+from helpers.processes import RANK_LAUNCHER, ROOT, TRAIN_DDP
 
 SCRIPTS = ROOT / "tests" / "scripts"
 LOOP = SCRIPTS / "check_loop.py"
@@ -24,9 +25,16 @@ LIGHTNING = SCRIPTS / "check_lightning.py"
 HF = SCRIPTS / "train_hf.py"
 
 
+def python(script: Path, *args: str) -> list[str]:
+    """``python SCRIPT ARGS`` as the check runs it: through ``tests/rank_launcher.py``, which forks it from one of the
+    suite's servers that imported torch once (``tests/forkserver.py``), or starts it fresh where it cannot."""
+    return [sys.executable, "-u", str(RANK_LAUNCHER), str(script), *args]
+
+
 def run_check(tmp_path: Path, options: list[str], command: list[str]) -> tuple[int, dict[str, Any], str]:
     """``preempt check --json OPTIONS -- COMMAND`` in ``tmp_path``: its exit code, its document, its stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}  # the scratch space under tmp_path too
+    env |= rank_launcher.servers_named()
     p = subprocess.run(
         [sys.executable, "-m", "preempt", "check", "--json", *options, "--", *command],
         cwd=tmp_path,
@@ -65,7 +73,7 @@ def test_an_exact_loop_with_workers_and_augmentation_and_the_users_files_untouch
     (user / "notes.txt").write_text("mine")
     before = files_under(user)
     mirror = tmp_path / "mirror"
-    command = [sys.executable, str(LOOP), "--save_dir", str(user), "--tensorboard", "--mirror", f"file://{mirror}"]
+    command = python(LOOP, "--save_dir", str(user), "--tensorboard", "--mirror", f"file://{mirror}")
     code, doc, err = run_check(tmp_path, ["--steps", "14"], command)
     assert_exact(code, doc, err)
     assert doc["stops"] == [6, 7, 12]  # 12 batches per epoch: mid-epoch, right after that resume, the epoch's end
@@ -77,7 +85,7 @@ def test_an_exact_loop_with_workers_and_augmentation_and_the_users_files_untouch
 
 
 def test_a_batch_drawn_before_run_step_diverges_at_the_first_step_after_the_resume(tmp_path):
-    command = [sys.executable, str(LOOP), "--save_dir", str(tmp_path / "user"), "--pattern", "prefetch"]
+    command = python(LOOP, "--save_dir", str(tmp_path / "user"), "--pattern", "prefetch")
     code, doc, err = run_check(tmp_path, ["--stop-at", "5", "--steps", "9"], command)
     assert_diverges_at(code, doc, err, 6, "the global torch RNG")
     assert any(d.startswith("model.") for d in doc["differs"]), doc
@@ -86,14 +94,14 @@ def test_a_batch_drawn_before_run_step_diverges_at_the_first_step_after_the_resu
 @pytest.mark.parametrize(
     ("command", "says"),
     [
-        (["-c", "print('no preempt here')"], "never entered a preempt run"),
-        ([str(LOOP), "--save_dir", "x", "--crash_at", "3"], "crashed on purpose at step 3"),
-        ([str(LOOP), "--save_dir", "x", "--epochs", "1"], "ended at step 12, before step 20"),
+        ([sys.executable, "-c", "print('no preempt here')"], "never entered a preempt run"),
+        (python(LOOP, "--save_dir", "x", "--crash_at", "3"), "crashed on purpose at step 3"),
+        (python(LOOP, "--save_dir", "x", "--epochs", "1"), "ended at step 12, before step 20"),
     ],
     ids=["no-preempt", "crash", "steps-beyond-the-end"],
 )
 def test_a_check_that_cannot_be_made_exits_2_with_one_line(tmp_path, command, says):
-    code, doc, err = run_check(tmp_path, ["--stop-at", "2", "--steps", "20"], [sys.executable, *command])
+    code, doc, err = run_check(tmp_path, ["--stop-at", "2", "--steps", "20"], command)
     assert code == 2, (doc, err)
     assert doc["exit_code"] == 2 and says in doc["error"], doc
     assert err.count("\n") == 1 and err.startswith("preempt check: ") and says in err, err  # one line, no traceback
@@ -102,7 +110,7 @@ def test_a_check_that_cannot_be_made_exits_2_with_one_line(tmp_path, command, sa
 
 @pytest.mark.slow
 def test_an_exact_loop_killed_by_sigkill(tmp_path):
-    command = [sys.executable, str(LOOP), "--save_dir", str(tmp_path / "user")]
+    command = python(LOOP, "--save_dir", str(tmp_path / "user"))
     code, doc, err = run_check(
         tmp_path, ["--signal", "KILL", "--stop-at", "5", "--stop-at", "12", "--steps", "15"], command
     )
@@ -116,7 +124,7 @@ def test_an_exact_loop_killed_by_sigkill(tmp_path):
     [("private_random", "model.0.weight"), ("numpy_generator", "model.0.weight")],
 )
 def test_a_generator_of_the_scripts_own_diverges_at_the_first_step_after_the_resume(tmp_path, pattern, differs):
-    command = [sys.executable, str(LOOP), "--save_dir", str(tmp_path / "user"), "--pattern", pattern]
+    command = python(LOOP, "--save_dir", str(tmp_path / "user"), "--pattern", pattern)
     code, doc, err = run_check(tmp_path, ["--stop-at", "4", "--steps", "8"], command)
     assert_diverges_at(code, doc, err, 5, differs)
     assert "the global torch RNG" not in doc["differs"], doc  # what the run tracks came back
@@ -124,7 +132,7 @@ def test_a_generator_of_the_scripts_own_diverges_at_the_first_step_after_the_res
 
 @pytest.mark.slow
 def test_a_lightning_module_resumes_exactly(tmp_path):
-    command = [sys.executable, str(LIGHTNING), "--save_dir", str(tmp_path / "user")]
+    command = python(LIGHTNING, "--save_dir", str(tmp_path / "user"))
     code, doc, err = run_check(tmp_path, ["--stop-at", "5", "--stop-at", "12", "--steps", "14"], command)
     assert_exact(code, doc, err)
     assert not (tmp_path / "user").exists()
@@ -132,14 +140,14 @@ def test_a_lightning_module_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_a_lightning_counter_outside_state_dict_diverges_at_the_first_step_after_the_resume(tmp_path):
-    command = [sys.executable, str(LIGHTNING), "--save_dir", str(tmp_path / "user"), "--counter"]
+    command = python(LIGHTNING, "--save_dir", str(tmp_path / "user"), "--counter")
     code, doc, err = run_check(tmp_path, ["--stop-at", "5", "--steps", "8"], command)
     assert_diverges_at(code, doc, err, 6, "model.net.0.weight")
 
 
 @pytest.mark.slow
 def test_a_trainer_resumes_exactly(tmp_path):
-    command = [sys.executable, str(HF), "--save_dir", str(tmp_path / "user")]
+    command = python(HF, "--save_dir", str(tmp_path / "user"))
     code, doc, err = run_check(tmp_path, ["--stop-at", "4", "--steps", "7"], command)
     assert_exact(code, doc, err)
     assert not (tmp_path / "user").exists()
@@ -148,7 +156,8 @@ def test_a_trainer_resumes_exactly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_torchrun_job_of_two_ranks_resumes_exactly_on_every_rank(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN_DDP)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(RANK_LAUNCHER)]
+    command += [str(TRAIN_DDP)]
     command += ["--save_dir", str(tmp_path / "user"), "--epochs", "2", "--samples", "192"]
     code, doc, err = run_check(tmp_path, ["--stop-at", "4", "--steps", "7"], command)
     assert_exact(code, doc, err)
