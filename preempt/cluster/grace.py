@@ -93,8 +93,10 @@ def choose(
     variable: float | None,
     torchrun: Grace | None = None,
     kill_wait: float | None = None,
+    grace_time: float | None = None,
 ) -> Grace | None:
-    """The grace of a stop (see the module docstring for the order); None: nothing says."""
+    """The grace of a stop (see the module docstring for the order); None: nothing says. ``grace_time``: SLURM's
+    GraceTime of the job's partition, said beside KillWait (a preemption there is signalled that much earlier)."""
     if option is not None:
         return Grace(option, f"grace={option:g}", "grace= (what the platform really gives)")
     if variable is not None:
@@ -106,8 +108,10 @@ def choose(
         read.append(
             Grace(
                 kill_wait,
-                f"SLURM kills {_log.duration(kill_wait)} after SIGTERM (KillWait)",
-                "KillWait in slurm.conf (or an earlier --signal=TERM@N for the time limit)",
+                f"SLURM kills {_log.duration(kill_wait)} after SIGTERM (KillWait)"
+                + (f"; a preemption gets GraceTime {_log.duration(grace_time)} more" if grace_time else ""),
+                "KillWait in slurm.conf, GraceTime of the partition for preemptions (or an earlier --signal=TERM@N"
+                " for the time limit)",
             )
         )
     return min(read, key=lambda g: g.seconds) if read else None

@@ -190,6 +190,17 @@ def kill_wait(*, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = run_shielded
     return float(m.group(1)) if m else None
 
 
+def grace_time(partition: str, *, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = run_shielded) -> float | None:
+    """The partition's GraceTime (``scontrol show partition``): a job preempted there gets SIGTERM, then this many
+    seconds, then the KillWait sequence; None if unreadable."""
+    try:
+        out = _scontrol(["show", "partition", "-o", partition], timeout, run)
+    except SlurmError:
+        return None
+    m = re.search(r"(?:^|\s)GraceTime=(\d+)(?:\s|$)", out)
+    return float(m.group(1)) if m else None
+
+
 def requeue(target: str, *, timeout: float = SCONTROL_TIMEOUT_S, run: Runner = run_shielded) -> None:
     """``scontrol requeue TARGET``. SLURM then ends this job's processes (SIGTERM) and starts it again.
 

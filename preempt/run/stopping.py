@@ -147,6 +147,7 @@ class Stopper:
         self.walltime: Walltime | None = None
         self.end_time: float | None = None  # the SLURM job's end time, unix seconds
         self.kill_wait: float | None = None  # SLURM's KillWait, seconds
+        self.grace_time: float | None = None  # the SLURM partition's GraceTime for preemptions, seconds
         self._scontrol_missing = False
         self.grace: graces.Grace | None = None  # from a stop's signal to the kill (start())
         self.notice: notices.Notice | None = None  # the cloud's advance notice, once seen
@@ -211,6 +212,8 @@ class Stopper:
         else:
             end_time = end_time or job.end_time
             self.kill_wait = slurm.kill_wait()
+            if env.slurm_partition is not None:
+                self.grace_time = slurm.grace_time(env.slurm_partition)
             if self.config.requeue and job.requeue is False:
                 log.warning(
                     "SLURM job %s has Requeue=0 (--no-requeue): a stop at its time limit cannot requeue it"
@@ -320,7 +323,13 @@ class Stopper:
         torchrun = None
         if env.torchelastic:
             torchrun = graces.from_torchrun(graces.parent_argv(), env.torchrun_shutdown_timeout)
-        self.grace = graces.choose(option=cfg.grace, variable=env.grace_s, torchrun=torchrun, kill_wait=self.kill_wait)
+        self.grace = graces.choose(
+            option=cfg.grace,
+            variable=env.grace_s,
+            torchrun=torchrun,
+            kill_wait=self.kill_wait,
+            grace_time=self.grace_time,
+        )
         if self.grace is not None:
             log.debug("grace: %s (%s)", _log.duration(self.grace.seconds), self.grace.source)
         which = cfg.notices or env.notices

@@ -279,3 +279,23 @@ def test_a_bug_in_the_watcher_is_raised_by_close():
         watcher._thread.join(30)
         with pytest.raises(RuntimeError, match="a bug"):
             watcher.close()
+
+
+def test_slurm_grace_time_of_the_partition_is_said_beside_kill_wait():
+    import subprocess
+
+    from preempt.cluster import slurm
+
+    def scontrol(stdout: str, returncode: int = 0):
+        def run(cmd, **kw):
+            assert cmd[-4:] == ["show", "partition", "-o", "gpu"], cmd
+            return subprocess.CompletedProcess(cmd, returncode, stdout, "")
+
+        return run
+
+    line = "PartitionName=gpu AllowGroups=ALL DefaultTime=NONE GraceTime=120 Hidden=NO MaxTime=UNLIMITED"
+    assert slurm.grace_time("gpu", run=scontrol(line)) == 120.0
+    assert slurm.grace_time("gpu", run=scontrol("PartitionName=gpu")) is None
+    assert slurm.grace_time("gpu", run=scontrol("", returncode=1)) is None
+    g = grace.choose(option=None, variable=None, kill_wait=30.0, grace_time=120.0)
+    assert g is not None and g.seconds == 30.0 and "GraceTime 2m00s more" in g.source, g
