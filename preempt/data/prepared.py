@@ -111,13 +111,16 @@ class ShardedBatches:
         return m // w + (self.process_index < m % w)
 
     def __iter__(self) -> Iterator[list[int]]:
-        start, self._start = self._start, 0  # consumed now, not at the first next()
+        # A generator: the start is consumed at the first batch, not by an iterator made and dropped unused (torch's
+        # DataLoader with workers makes its batch sampler's iterator twice and keeps the second).
+        start, self._start = self._start, 0
         order = self.sampler.order()
         if self.num_processes == 1:
-            return self._plain(order, start)
-        if self.split_batches:
-            return self._split(order, start)
-        return self._whole(order, start)
+            yield from self._plain(order, start)
+        elif self.split_batches:
+            yield from self._split(order, start)
+        else:
+            yield from self._whole(order, start)
 
     def _batch(self, order: torch.Tensor, i: int) -> list[int]:
         bs = self.batch_size

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 TRAIN = TESTS / "scripts" / "train.py"
 TRAIN_DDP = TESTS / "scripts" / "train_ddp.py"
+TRAIN_ACCELERATE = TESTS / "scripts" / "train_accelerate.py"
 RANK_LAUNCHER = TESTS / "rank_launcher.py"
 DDP_ARGS = ["--epochs", "2", "--samples", "192", "--every_steps", "4"]  # 12 steps per epoch on 2 ranks, 24 in all
 PREEMPTED = 75
@@ -192,8 +193,8 @@ def run_python(
     return subprocess.run(list(cmd), capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, errors=errors)
 
 
-def train_cmd(save_dir: Path, final_out: Path | None, args: Sequence[str]) -> list[str]:
-    cmd = [sys.executable, str(TRAIN), "--save_dir", str(save_dir), *args]
+def train_cmd(save_dir: Path, final_out: Path | None, args: Sequence[str], script: Path = TRAIN) -> list[str]:
+    cmd = [sys.executable, str(script), "--save_dir", str(save_dir), *args]
     if final_out is not None:
         cmd += ["--final_out", str(final_out)]
     return cmd
@@ -263,11 +264,13 @@ def run_interrupted(
     env: dict[str, str] | None = None,
     between: Callable[[int], None] | None = None,
     max_reruns: int = 4,
+    script: Path = TRAIN,
 ) -> History:
-    """Runs the training, interrupting it as listed, then reruns it until it completes (exit 0)."""
+    """Runs the training (``script``: another of tests/scripts/), interrupting it as listed, then reruns it until it
+    completes (exit 0)."""
     history = History()
     for i, it in enumerate(interrupts):
-        p = Spawned(train_cmd(save_dir, final_out, [*args, *it.args]), env)
+        p = Spawned(train_cmd(save_dir, final_out, [*args, *it.args], script), env)
         if p.wait_event(it.after.kind, **it.after.fields):
             if it.delay:
                 time.sleep(it.delay)
@@ -283,7 +286,7 @@ def run_interrupted(
     for _ in range(max_reruns):
         if history.codes and history.codes[-1] == 0:
             break
-        p = Spawned(train_cmd(save_dir, final_out, args), env)
+        p = Spawned(train_cmd(save_dir, final_out, args, script), env)
         history.codes.append(p.finish())
         history.outputs.append(p.output)
         history.events.append(list(p.events))
