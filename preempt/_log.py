@@ -1,10 +1,16 @@
 """The ``preempt`` logger.
 
 A run says a few important things (where it resumed from, that it saved and
-why it stopped), and they must be seen without any logging setup. So when
-neither the ``preempt`` logger nor the root logger has a handler, one stderr
-handler is attached; an application that configures logging itself keeps
-full control.
+why it stopped, that it is complete), and they must be seen whatever the script
+does to logging: nothing at all, ``basicConfig(level=logging.WARNING)`` as
+transformers' example scripts do, or a framework that quiets the root logger.
+So the ``preempt`` logger has a level of its own, INFO, unless ``log_level=``,
+``PREEMPT_LOG_LEVEL`` or the application set one on it (``logging.getLogger(
+"preempt").setLevel(...)`` is how to quiet it); and a stderr handler of its own
+prints each record that no console handler of the application would print (a
+stream handler other than a file's, on the loggers a record propagates to, at
+a level that takes it). A script that logs at INFO sees each line once, in its
+own format; one at WARNING sees preempt's INFO lines in preempt's.
 """
 
 from __future__ import annotations
@@ -23,17 +29,46 @@ class _Format(logging.Formatter):
         return f"[preempt] {level}{record.getMessage()}"
 
 
+class _Console(logging.StreamHandler):  # type: ignore[type-arg]
+    """preempt's own stderr handler: prints what no console handler of the application prints."""
+
+    def __init__(self) -> None:
+        super().__init__()  # sys.stderr as it is when a record comes (pytest's capture swaps it)
+        self.setFormatter(_Format())
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _shown_elsewhere(record) and bool(super().filter(record))
+
+
+def _shown_elsewhere(record: logging.LogRecord) -> bool:
+    """Whether a console handler of the application takes ``record`` on its way up from the preempt logger."""
+    logger: logging.Logger | None = log
+    while logger is not None:
+        for h in logger.handlers:
+            console = isinstance(h, logging.StreamHandler) and not isinstance(h, (logging.FileHandler, _Console))
+            if console and record.levelno >= h.level:
+                return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
 def setup(level: str | None = None) -> logging.Logger:
-    """Attaches the default handler when nothing is configured; applies ``level`` (e.g. from PREEMPT_LOG_LEVEL)."""
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_Format())
-        log.addHandler(handler)
-        log.propagate = False
-        if log.level == logging.NOTSET:
-            log.setLevel(logging.INFO)
+    """Gives the ``preempt`` logger its level (``level``, e.g. from PREEMPT_LOG_LEVEL; else INFO unless the
+    application set one) and its stderr handler, once."""
     if level:
         log.setLevel(level.upper())
+    elif log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if not any(isinstance(h, _Console) for h in log.handlers):
+        log.addHandler(_Console())
     return log
 
 

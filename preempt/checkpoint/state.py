@@ -119,7 +119,13 @@ def frozen_keys(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     }
 
 
-def capture(components: Components, run_state: Mapping[str, Any], *, group_frozen: bool = False) -> Payload:
+def capture(
+    components: Components,
+    run_state: Mapping[str, Any],
+    *,
+    group_frozen: bool = False,
+    unready: list[tuple[str, Exception]] | None = None,
+) -> Payload:
     """Takes the state of every component, plus ``run_state`` (RNG and user dict), without copying.
 
     Args:
@@ -127,6 +133,9 @@ def capture(components: Components, run_state: Mapping[str, Any], *, group_froze
         run_state: The run's own state.
         group_frozen: Put the model's frozen parameters that no optimizer holds in ``base.safetensors``
             (:func:`frozen_keys`; no such file when there are none).
+        unready: Given (at the run's start), a tracked object whose ``state_dict()`` raises is left out and
+            named here with its error, instead of failing: its state may not exist yet (a batch the loop draws
+            first inside the run). What a ``state_dict()`` returns is checked all the same.
 
     Raises:
         UnsupportedStateError: Some state is neither tensor nor JSON; the message names it.
@@ -149,7 +158,14 @@ def capture(components: Components, run_state: Mapping[str, Any], *, group_froze
         tree["scheduler"] = components.scheduler.state_dict()
     if components.scaler is not None:
         tree["scaler"] = components.scaler.state_dict()
-    tree["tracked"] = {name: obj.state_dict() for name, obj in components.tracked.items()}
+    tree["tracked"] = tracked = {}
+    for name, obj in components.tracked.items():
+        try:
+            tracked[name] = obj.state_dict()
+        except Exception as e:
+            if unready is None:
+                raise
+            unready.append((name, e))
     tree.update(run_state)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = {}

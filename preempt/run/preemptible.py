@@ -150,9 +150,11 @@ class PreemptibleRun:
         sharded = check_sharded(cfg, self.components.model)
         # This process alone, or the ranks of torch.distributed: under torchrun making the run is a collective.
         peers = self.peers = join(cfg.sync_every_steps)
-        # rank 0 cleans, quarantines and prunes
+        job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
+        self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=cfg.lock_timeout)
+        # rank 0 cleans, quarantines and prunes; each write into the save_dir checks the lock it holds
         self.manager = CheckpointManager(
-            save_dir, retention=cfg.retention(), carry_unchanged=cfg.carry, owner=peers.leader
+            save_dir, retention=cfg.retention(), carry_unchanged=cfg.carry, owner=peers.leader, lock=self._lock
         )
         self._clock = clock  # below: the parts, each of one concern, each whole when made; the run composes them
         self.loop = LoopState()
@@ -191,8 +193,6 @@ class PreemptibleRun:
         self._every = peers.every  # run.step()'s hot path reads these two directly: the peers' meeting period, the flag
         self._flag = self.stopper.flag
         self.resumed_from: Path | None = None
-        job = f" (SLURM job {self.env.slurm_job_id})" if self.env.slurm_job_id else ""
-        self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=cfg.lock_timeout)
         self._beacon = StepBeacon(self.save_dir)  # the lock holder's latest step, for whoever finds it dead
         self._starter: Starter | None = None
         self._entered = self._active = False
@@ -249,7 +249,7 @@ class PreemptibleRun:
             else:
                 starter.follow()
                 self.snapshot.provenance = provenance(self.env)
-                payload = self.snapshot.capture()  # unsupported state fails now
+                payload = self.snapshot.capture_at_start()  # unsupported state fails now
             if self.peers.nodes is not None:  # the ranks' nodes share no save_dir: each node's leader uploads its part
                 self.mirroring.nodes(self.peers.rank, self.peers.nodes)
             starter.finish_branch()
@@ -287,7 +287,7 @@ class PreemptibleRun:
             raise RunComplete(str(self.save_dir))
         self.stopper.check_restarts()
         self.snapshot.provenance = provenance(self.env)
-        payload = self.snapshot.capture()  # unsupported state fails now
+        payload = self.snapshot.capture_at_start()  # unsupported state fails now
         self.stopper.read_slurm_job(self.snapshot.provenance)
         self.mirroring.enter(self.config.starts_fresh)  # a new machine: the mirror's newest checkpoint pulled
         starter.lead(self._lock.identity)

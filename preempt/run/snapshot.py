@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import _log
 from ..checkpoint import codec, state
 from ..checkpoint.manifest import Manifest, retention_record
 from ..checkpoint.retention import RetentionPolicy
@@ -24,6 +25,8 @@ from ..data import rng
 from .data_cursor import DataCursor
 from .loop_state import LoopState
 from .save_policy import Reason
+
+log = _log.log
 
 
 class Snapshot:
@@ -66,17 +69,37 @@ class Snapshot:
             "epoch": self.loop.epoch_record(self.clock()),  # the epoch's summary covers every process's part
         }
 
-    def capture(self, split: tuple[dict[str, Any], Any] | None = None) -> state.Payload:
+    def capture(
+        self, split: tuple[dict[str, Any], Any] | None = None, *, unready: list[tuple[str, Exception]] | None = None
+    ) -> state.Payload:
         """Everything but what DCP writes (the tensors of sharded state), as the files of a checkpoint.
 
-        ``split``: the sharded state already read (:meth:`split`), so that one save reads it once.
+        ``split``: the sharded state already read (:meth:`split`), so that one save reads it once. ``unready``: at
+        the start, tracked objects whose state cannot be read yet are named there instead of failing
+        (:func:`preempt.checkpoint.state.capture`).
         """
         c = self.components
         if not self.sharded:
-            return state.capture(c, self.run_state(), group_frozen=self.group_frozen)
+            return state.capture(c, self.run_state(), group_frozen=self.group_frozen, unready=unready)
         _, rest = split if split is not None else self.split()
         run_state = {**self.run_state(), "sharded": {"optimizer": rest}}
-        return state.capture(state.Components(None, None, c.scheduler, c.scaler, c.tracked), run_state)
+        tracked_only = state.Components(None, None, c.scheduler, c.scaler, c.tracked)
+        return state.capture(tracked_only, run_state, unready=unready)
+
+    def capture_at_start(self) -> state.Payload:
+        """What the run's start captures: state that can never be saved fails now, before any training; a tracked
+        object whose ``state_dict()`` cannot answer yet (the batch a loop draws first inside the run, named by a
+        variable that does not exist yet) is said and read at the first checkpoint, where it must answer."""
+        unready: list[tuple[str, Exception]] = []
+        payload = self.capture(unready=unready)
+        for name, error in unready:
+            log.info(
+                "tracked %r: its state cannot be read yet (%s: %s); it is read at the first checkpoint",
+                name,
+                type(error).__name__,
+                error,
+            )
+        return payload
 
     def tensors(self) -> state.Payload:
         """The components' tensors alone (to size the staging buffers)."""

@@ -229,7 +229,7 @@ def test_console_handler_attached_first(tmp_path: Path, preempt_logger: logging.
     try:
         with RunLog(tmp_path):
             kinds = sorted(type(h).__name__ for h in preempt_logger.handlers)
-            assert kinds == ["StreamHandler", "_FileHandler"]
+            assert kinds == ["_Console", "_FileHandler"]
     finally:
         root.handlers[:] = saved_root
 
