@@ -169,7 +169,7 @@ class LockLostError(LockedError):
     lock file removed, while the run held it: another process may lock and
     write the directory now, so this run writes nothing more there (no
     checkpoint, no pruning, no completion marker). Raised before any write
-    (:func:`preempt.checkpoint.lock.check_held`).
+    (:meth:`preempt.checkpoint.lock.DirLock.check`, called by the manager the lock is handed to).
 
     Attributes:
         holder: What the lock file at the path says now (a new run's details), or empty.

@@ -20,9 +20,11 @@ How:
   new holder means the previous one died holding it: the run says so.
 * POSIX locks belong to a process, not to a file descriptor: a second lock of
   the same file from the same process would succeed silently, and closing any
-  descriptor of the file would drop the lock. So locks held by this process
-  are kept in a registry and a second attempt fails at once without opening
-  the file again.
+  descriptor of the file would drop the lock. So the lock files this process
+  holds are known by their inode (``_OPEN``, a fact of the process, as the
+  POSIX lock is) and a second attempt fails at once, its descriptor kept open
+  by the holder until it lets go. Nothing finds a lock through that table: the
+  run hands its :class:`DirLock` to its manager.
 * The lock file names the directory it belongs to (``dir``: the save_dir's
   ``st_dev``/``st_ino``). A run directory copied with ``cp -a`` carries its
   lock file along: content naming another directory is not a holder that died
@@ -34,8 +36,8 @@ How:
   run of another directory is refused with what to do.
 * A holder whose directory is deleted and made again, or moved and replaced,
   under it (an orphaned process still training when a new run starts in a
-  directory of the same name) finds out with :meth:`DirLock.check`
-  (:func:`check_held`), two ``stat`` calls that compare the ``st_dev``/``st_ino``
+  directory of the same name) finds out with :meth:`DirLock.check` (called by
+  the manager the lock is handed to), two ``stat`` calls that compare the ``st_dev``/``st_ino``
   of ``save_dir`` and of ``save_dir/lock`` with what it locked, before each of
   its writes there: a checkpoint's temporary directory, the commit's rename,
   pruning, a pool of files written ahead, the completion marker. It gets
@@ -78,8 +80,9 @@ HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _RETRIES = 20  # attempts to lock a lock file that others keep replacing
-_HELD: dict[tuple[int, int], DirLock] = {}  # (st_dev, st_ino) of lock files this process holds
-_HELD_GUARD = threading.Lock()
+# (st_dev, st_ino) of the lock files this process holds: POSIX record locks are the process's, not a descriptor's
+_OPEN: dict[tuple[int, int], DirLock] = {}
+_OPEN_GUARD = threading.Lock()
 
 
 def _start_time(pid: int) -> int | None:
@@ -197,8 +200,8 @@ class DirLock:
             fd = safe_io.open_fd(self.path, os.O_RDWR | os.O_CREAT, linked="keep")
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
-            with _HELD_GUARD:
-                other = _HELD.get(key)
+            with _OPEN_GUARD:
+                other = _OPEN.get(key)
                 if other is not None:
                     # Closing this descriptor would drop the other DirLock's POSIX lock: keep it open inside
                     # the holder's registry entry instead (it is closed when that holder releases).
@@ -223,7 +226,7 @@ class DirLock:
                 except BaseException:
                     os.close(fd)
                     raise
-                _HELD[key] = self
+                _OPEN[key] = self
             break
         else:
             what = f"the lock file was replaced {_RETRIES} times while being locked"
@@ -361,9 +364,9 @@ class DirLock:
         if self._heartbeat is not None:
             self._heartbeat.join()
             self._heartbeat = None
-        with _HELD_GUARD:
+        with _OPEN_GUARD:
             if self._key is not None:
-                _HELD.pop(self._key, None)
+                _OPEN.pop(self._key, None)
             try:
                 os.ftruncate(fd, 0)  # an empty file after a clean exit: nobody died holding it
             except OSError as e:
@@ -451,24 +454,6 @@ class StepBeacon:
         view.release()
         self._mm.close()
         self._mm = None
-
-
-def check_held(save_dir: str | os.PathLike[str]) -> None:
-    """:meth:`DirLock.check` of the lock this process holds on ``save_dir``, if any.
-
-    The manager calls it before each write into the save_dir (a checkpoint's temporary directory, the commit's
-    rename, pruning, the completion marker; :func:`preempt.checkpoint.recycle.reserve` before a pool), so a run
-    never writes into a save_dir replaced under it; a manager used without a lock (``CheckpointManager`` alone)
-    holds none, and nothing is checked.
-
-    Raises:
-        LockLostError: The save_dir or its lock file is not the one locked.
-    """
-    path = Path(save_dir) / LOCK
-    with _HELD_GUARD:
-        mine = [held for held in _HELD.values() if held.path == path]
-    for held in mine:
-        held.check()
 
 
 def replaced(path: Path, expected: dict[str, Any], found: dict[str, Any]) -> str | None:

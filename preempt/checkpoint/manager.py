@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import _testing
 from ..errors import CheckpointError, CheckpointUnreadableError, CorruptCheckpointError, NoCheckpointError
-from . import aside, cancel, commit, deleter, hashed_io, lock, names, recycle
+from . import aside, cancel, commit, deleter, hashed_io, names, recycle
 from . import completion as marker
 from .carry import Carrier, CarryOptions
 from .files import FileCheck, check_file, discard_tmp, parse_tensors, present, read_all, read_manifest
 from .hashed_io import FileDigest
-from .manifest import Cursor, Manifest
+from .manifest import Cursor, Manifest, Part
 from .names import COMPLETE, MANIFEST, SUPERSEDED
 from .retention import BestRanking, Kept, RetentionPolicy, rank_best, select_kept  # noqa: F401  (rank_best: here too)
 from .write import write_payload, written
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # torch: imported by the methods that read or write tensors, 
     import torch
 
     from . import state
+    from .lock import DirLock
 
 SHARDED_INDEX = "dcp_metadata.json"  # preempt.cluster.sharded.METADATA: the checkpoint holds DCP-written sharded state
 
@@ -82,6 +83,20 @@ class CheckpointInfo:
         return self.manifest
 
 
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A checkpoint taken but not yet written: this process's own files are written from a staged copy later, by
+    the background writer (:meth:`CheckpointManager.finish`).
+
+    ``tmp``: the temporary directory the other ranks' files are already durable in (``files``, name -> digest), None
+    for a process alone; ``part``: with nodes that share no save_dir, node 0's part (the other nodes' files listed).
+    """
+
+    tmp: Path | None = None
+    files: Mapping[str, FileDigest] = dataclasses.field(default_factory=dict)
+    part: Part | None = None
+
+
 class CheckpointManager:
     """Writes, discovers, verifies, loads and prunes the checkpoints of one ``save_dir``.
 
@@ -105,6 +120,9 @@ class CheckpointManager:
             one instead of writing them (True, or :class:`~preempt.checkpoint.carry.CarryOptions`); the
             model's frozen parameters go to a file of their own (:mod:`preempt.checkpoint.carry`). Applies to
             :meth:`save_state` and to payloads passed through :meth:`plan`; False writes every file.
+        lock: The run's lock of ``save_dir`` (:class:`~preempt.checkpoint.lock.DirLock`): before each write into
+            the save_dir the manager checks that the directory and its lock file are still the ones locked, so
+            that a run never writes into a save_dir replaced under it. None (a manager used alone): nothing checked.
     """
 
     def __init__(
@@ -120,8 +138,10 @@ class CheckpointManager:
         retention: RetentionPolicy | None = None,
         recycle_files: bool = True,
         carry_unchanged: bool | CarryOptions = True,
+        lock: DirLock | None = None,
     ) -> None:
         self.save_dir = Path(save_dir)
+        self.lock = lock
         self.carrier = Carrier(CarryOptions.of(carry_unchanged))
         self.retention = retention or RetentionPolicy(
             keep_last=keep_last,
@@ -445,13 +465,30 @@ class CheckpointManager:
             self.check_dir()
         return self.save_into(self.new_tmp_dir(manifest.step), payload, manifest)
 
+    def _check_lock(self) -> None:
+        """Raises :class:`~preempt.errors.LockLostError` when the save_dir or its lock file is not the one locked
+        (nothing is checked without a lock, or before it is taken)."""
+        if self.lock is not None:
+            self.lock.check()
+
+    def finish(self, pending: Pending, payload: state.Payload, manifest: Manifest) -> CheckpointInfo:
+        """Writes a :class:`Pending` checkpoint's own files from ``payload`` (a staged copy) and commits it."""
+        if pending.tmp is None:
+            return self.save(payload, manifest)
+        return self.save_into(pending.tmp, payload, dataclasses.replace(manifest, part=pending.part), pending.files)
+
+    def reserve(self, sizes: Mapping[str, int]) -> Path:
+        """Writes a pool of files ahead for the saves to write over (:func:`preempt.checkpoint.recycle.reserve`)."""
+        self._check_lock()  # never into a save_dir replaced under the run
+        return recycle.reserve(self.save_dir, sizes)
+
     def new_tmp_dir(self, step: int, *, reuse: bool = True) -> Path:
         """Step 1 of the commit protocol for a checkpoint of ``step``: recycled files when there are some.
 
         ``reuse=False`` for a directory that others' code writes into (DCP's
         shards): only :func:`hashed_io.write_file` knows how to write over a recycled file.
         """
-        lock.check_held(self.save_dir)  # nothing written into a save_dir replaced under the run holding it
+        self._check_lock()  # nothing written into a save_dir replaced under the run holding it
         tmp = commit.tmp_dir_path(self.save_dir, names.checkpoint_name(step))
         if reuse and self.owner and self.retention.recycle and recycle.take(self.save_dir, tmp):
             return tmp
@@ -460,7 +497,7 @@ class CheckpointManager:
 
     def new_tmp_dir_named(self, name: str) -> Path:
         """Step 1 under a name another process chose (rank 0, for the part of a node with a save_dir of its own)."""
-        lock.check_held(self.save_dir)
+        self._check_lock()
         if not name.startswith(names.TMP_PREFIX) or "/" in name:
             raise ValueError(f"{name!r} is not the name of a checkpoint's temporary directory")
         tmp = self.save_dir / name
@@ -517,7 +554,7 @@ class CheckpointManager:
             manifest = dataclasses.replace(manifest, files=dict(files))
             recycle.drop_extra(tmp, [*files, MANIFEST])  # a recycled directory's files the new one does not list
             hashed_io.write_file(tmp / MANIFEST, [manifest.to_json()], recycle=True, sync=False)
-            lock.check_held(self.save_dir)  # the save_dir moved or replaced under the run holding it: no rename
+            self._check_lock()  # the save_dir moved or replaced under the run holding it: no rename
             final, replaced = commit.commit_dir(self.save_dir, tmp, name, [tmp / f for f in (*unsynced, MANIFEST)])
         except BaseException as e:
             self.discard(tmp, cancelled=isinstance(e, cancel.WriteCancelled))
@@ -584,7 +621,7 @@ class CheckpointManager:
         """
         if not self.owner:
             raise CheckpointError("prune: this manager was opened read-only (owner=False)")
-        lock.check_held(self.save_dir)
+        self._check_lock()
         if not self._indexed:
             self.list()
         keep = select_kept(self.retention, self._index.values())
@@ -618,7 +655,7 @@ class CheckpointManager:
 
     def mark_complete(self, info: CheckpointInfo) -> None:
         """Records that the run finished with checkpoint ``info``."""
-        lock.check_held(self.save_dir)
+        self._check_lock()
         doc = marker.record(info, time.time())
         commit.write_atomic(self.save_dir / COMPLETE, [json.dumps(doc, indent=1).encode() + b"\n"])
 

@@ -36,7 +36,7 @@ import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from . import cancel, commit, deleter, hashed_io, lock, names
+from . import cancel, commit, deleter, hashed_io, names
 
 PREFIX = ".recycle-"
 
@@ -110,9 +110,9 @@ def reserve(save_dir: Path, sizes: Mapping[str, int]) -> Path:
 
     Cancellable (:func:`preempt.checkpoint.cancel.cancellable`): what was written by then
     becomes the pool, and :class:`~preempt.checkpoint.cancel.WriteCancelled` propagates.
-    Any other failure (a full disk) removes what was written.
+    Any other failure (a full disk) removes what was written. The run calls it through its manager, which checks
+    its lock first (:meth:`preempt.checkpoint.manager.CheckpointManager.reserve`).
     """
-    lock.check_held(save_dir)  # never into a save_dir replaced under the run (preempt.checkpoint.lock)
     tmp = commit.new_tmp_dir(save_dir, "reserve")
     try:
         for name, size in sizes.items():

@@ -21,7 +21,7 @@ ranks share) and the ranks agree, at every safe point, on what to do:
   any rank's file does not verify and is never chosen. Deferred: when rank 0
   saves in the background, the exchange is the same but rank 0 writes none of
   its files in it; its background writer later writes them into the same
-  directory and commits (:class:`Deferred`), with no collective off the main
+  directory and commits (:class:`~preempt.checkpoint.manager.Pending`), with no collective off the main
   thread. Sharded state in the background: the whole exchange runs in every
   rank's writer thread, on a :class:`Coordinator` of its own group
   (``own_group=True``), so the writers' collectives and the loop's never share
@@ -83,7 +83,7 @@ from .. import _testing
 from .._log import log
 from ..checkpoint import codec, hashed_io, names
 from ..checkpoint.files import read_manifest
-from ..checkpoint.manager import CheckpointInfo, CheckpointManager, write_payload
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, Pending, write_payload
 from ..checkpoint.manifest import Manifest, Part
 from ..checkpoint.names import MANIFEST
 from ..checkpoint.state import Payload
@@ -248,22 +248,6 @@ def _rebuild(described: tuple[int | None, str]) -> Exception:
     return CheckpointWriteError(text)
 
 
-@dataclasses.dataclass(frozen=True)
-class Deferred:
-    """A distributed checkpoint whose rank-0 files are still to be written: every other rank's are durable.
-
-    Rank 0's background writer calls :meth:`finish` with the staged snapshot: it
-    writes rank 0's files into ``tmp`` and commits the checkpoint.
-    """
-
-    tmp: Path
-    files: dict[str, Any]  # the other ranks' files (name -> digest), durable in tmp
-    part: Part | None = None  # nodes without a shared save_dir: node 0's part, the other nodes' files listed
-
-    def finish(self, manager: CheckpointManager, payload: Payload, manifest: Manifest) -> CheckpointInfo:
-        return manager.save_into(self.tmp, payload, dataclasses.replace(manifest, part=self.part), self.files)
-
-
 def _tensor_of(data: bytes) -> torch.Tensor:
     """``data`` as a uint8 tensor of its own memory."""
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -277,7 +261,7 @@ def save_ranked(
     extra: Callable[[Path], list[str]] | None = None,
     *,
     defer: bool = False,
-) -> CheckpointInfo | Deferred | None:
+) -> CheckpointInfo | Pending | None:
     """The distributed commit (see the module docstring); every rank calls it with its own payload.
 
     Args:
@@ -287,12 +271,12 @@ def save_ranked(
             are hashed and listed like the payload's.
         defer: Rank 0's wish (the other ranks' value is ignored; they learn
             it): rank 0 does not write its payload here; it gets a
-            :class:`Deferred` to finish in the background, once every other
+            :class:`~preempt.checkpoint.manager.Pending` to finish in the background, once every other
             rank's files are durable.
 
     Returns:
         The checkpoint's CheckpointInfo, on every rank; when deferred, the
-        Deferred on rank 0 and None on the others.
+        Pending checkpoint on rank 0 and None on the others.
 
     Raises:
         OSError: Some rank could not write (disk full, I/O error): on every rank,
@@ -326,7 +310,7 @@ def save_ranked(
     sent = None if files is None else {name: d.to_json() for name, d in files.items()}
     got = coord.gather((sent, error))  # returns on rank 0 once every rank's files are durable
     outcome: Any = None
-    result: CheckpointInfo | Deferred | None = None
+    result: CheckpointInfo | Pending | None = None
     if coord.rank == 0:
         assert got is not None
         errors = [e for _, e in got if e is not None]
@@ -339,7 +323,7 @@ def save_ranked(
             manager.discard(tmp)
             outcome = ("error", errors[0])
         elif defer:
-            result = Deferred(tmp, listed, part)
+            result = Pending(tmp, listed, part)
             outcome = ("deferred", str(tmp))
         else:
             try:
@@ -407,8 +391,8 @@ def _commit_part(
     manifest: Manifest,
     tmp: Path,
     outcome: Any,
-    result: CheckpointInfo | Deferred | None,
-) -> CheckpointInfo | Deferred | None:
+    result: CheckpointInfo | Pending | None,
+) -> CheckpointInfo | Pending | None:
     """Nodes without a shared save_dir, once rank 0 committed (or deferred) node 0's part: every other node's leader
     commits its part, then every rank learns that all parts are durable (one agreement). Returns as
     :func:`save_ranked`: a part's leader gets its part, even when rank 0 finishes its own in the background."""
@@ -425,7 +409,7 @@ def _commit_part(
             error = e
     first = _first_error(coord, error)
     if first is not None:
-        if isinstance(result, Deferred):
+        if isinstance(result, Pending) and result.tmp is not None:
             manager.discard(result.tmp)
         elif isinstance(result, CheckpointInfo):  # node 0's part of a checkpoint that will never be whole
             manager.quarantine(result, f"{result.path}: another node could not commit its part ({first})")

@@ -15,12 +15,11 @@ and how a checkpoint's files are committed:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, Pending
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.state import Payload
 from ..cluster import distributed
@@ -29,13 +28,6 @@ from ..cluster.nodes import Nodes
 from ..errors import PeerLost
 
 ExtraFiles = Callable[[Path], list[str]]  # a collective writer of more files into the checkpoint (DCP's shards)
-
-
-@dataclasses.dataclass(frozen=True)
-class Deferred:
-    """A checkpoint whose leader's files are still to be written by the background writer."""
-
-    finish: Callable[[CheckpointManager, Payload, Manifest], CheckpointInfo]
 
 
 class Peers(Protocol):
@@ -76,8 +68,9 @@ class Peers(Protocol):
 
     def save(
         self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
-    ) -> CheckpointInfo | Deferred | None:
-        """Commits a checkpoint; when ``defer``, returns what the background writer finishes with the staged copy."""
+    ) -> CheckpointInfo | Pending | None:
+        """Commits a checkpoint, a call down to the manager; when ``defer``, returns the :class:`Pending` checkpoint
+        that the background writer finishes with the staged copy (:meth:`CheckpointManager.finish`)."""
         ...
 
 
@@ -117,11 +110,9 @@ class Alone:
 
     def save(
         self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
-    ) -> CheckpointInfo | Deferred | None:
-        """Commits a checkpoint; when ``defer``, returns what the background writer finishes with the staged copy."""
-        if defer:
-            return Deferred(lambda manager, staged, manifest: manager.save(staged, manifest))
-        return manager.save(payload, manifest)
+    ) -> CheckpointInfo | Pending | None:
+        """Commits a checkpoint; when ``defer``, the :class:`Pending` checkpoint (nothing written yet)."""
+        return Pending() if defer else manager.save(payload, manifest)
 
 
 class Ranks:
@@ -174,12 +165,9 @@ class Ranks:
 
     def save(
         self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
-    ) -> CheckpointInfo | Deferred | None:
+    ) -> CheckpointInfo | Pending | None:
         """The distributed commit; None on the ranks other than 0 when rank 0 finishes it in the background."""
-        got = distributed.save_ranked(manager, self.coord, payload, manifest, extra, defer=defer)
-        if isinstance(got, distributed.Deferred):
-            return Deferred(got.finish)
-        return got
+        return distributed.save_ranked(manager, self.coord, payload, manifest, extra, defer=defer)
 
 
 def join(sync_every: int) -> Peers:

@@ -31,7 +31,7 @@ import torch
 from .. import _log, _testing
 from ..checkpoint import carry, recycle, state
 from ..checkpoint.cancel import WriteCancelled, cancellable
-from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager, Pending
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.names import checkpoint_name
 from ..checkpoint.readahead import host_memory_available
@@ -47,7 +47,7 @@ from ..cluster import sharded
 from ..cluster.signals import StopFlag
 from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .loop_state import LoopState
-from .peers import Alone, Deferred, Peers
+from .peers import Alone, Peers
 from .save_plan import POSTPONABLE, STOPS, Job, JobKind, Outcome, SaveRecord, outcome_of, pick, plan, wake
 from .save_policy import Due, Reason
 from .snapshot import Snapshot
@@ -277,22 +277,21 @@ class SaveScheduler:
                     self.pending = None
                 self._failed(reason, e)
                 return False
-            if isinstance(got, Deferred):
-                write, lazy = got.finish, self.pending
+            if isinstance(got, Pending):
                 assert staged is not None  # deferred only when a staged copy was asked for
-
-                def copy_then_write() -> CheckpointInfo:
-                    if lazy is not None:
-                        lazy.run()
-                    return write(self.manager, staged, manifest)
-
-                self._submit(reason, manifest, t0, copy_then_write)
+                self._submit(reason, manifest, t0, functools.partial(self._finish, got, staged, manifest, self.pending))
             elif got is None:  # another rank's files are durable; rank 0 writes its own and commits in the background
                 self.last_save = SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True)
                 self.loop.taken(manifest.step, manifest.cursor, self.clock())
             else:
                 self._durable(reason, got, t0)
         return False
+
+    def _finish(self, pending: Pending, staged: Any, manifest: Manifest, lazy: LazyCopy | None) -> CheckpointInfo:
+        """The writer's thread: the lazy copies of the snapshot first, then its files written and committed."""
+        if lazy is not None:
+            lazy.run()
+        return self.manager.finish(pending, staged, manifest)
 
     def _blocking(self) -> bool:
         """A job is in flight that a periodic save waits for (a pool written ahead is cancelled instead)."""
@@ -393,7 +392,7 @@ class SaveScheduler:
         that no file of pieces holds, if any) with the other ranks' writers, on their own group. Not cancellable: a
         rank that left the commit's collectives alone would leave the others waiting; a stop waits for it instead."""
         staged = self._staging().stage(payload)  # no fallback here: every rank must take the same path
-        writers, manager, rank = self.writers, self.manager, self.peers.rank
+        writers, rank = self.writers, self.peers.rank
         extra = None
         if live is not None:
             shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)), self._shard_views)
@@ -401,7 +400,13 @@ class SaveScheduler:
             def extra(tmp: Path) -> list[str]:
                 return sharded.save(tmp, shards, rank, writers.coord.group)
 
-        self._submit(reason, manifest, t0, lambda: writers.save(manager, staged, manifest, extra, False), cancel=False)
+        self._submit(
+            reason, manifest, t0, functools.partial(self._write_sharded, staged, manifest, extra), cancel=False
+        )
+
+    def _write_sharded(self, staged: Any, manifest: Manifest, extra: Callable[[Path], list[str]] | None) -> Any:
+        """The writer's thread: the distributed commit of a staged snapshot, with the other ranks' writers."""
+        return self.writers.save(self.manager, staged, manifest, extra, False)
 
     def _submit(
         self, reason: Reason, manifest: Manifest, t0: float, write: Callable[[], CheckpointInfo], cancel: bool = True
@@ -630,12 +635,13 @@ class SaveScheduler:
         if recycle.pools(manager.save_dir):
             return
         cancel = threading.Event()
-
-        def job() -> Path:
-            with cancellable(cancel):
-                return recycle.reserve(manager.save_dir, sizes)
-
+        job = functools.partial(self._reserve, sizes, cancel)
         self.job = Job(JobKind.RESERVE, self._writer().submit(job), started=self.clock(), cancel=cancel)
+
+    def _reserve(self, sizes: dict[str, int], cancel: threading.Event) -> Path:
+        """The writer's thread: a pool of files written ahead, until a save cancels it."""
+        with cancellable(cancel):
+            return self.manager.reserve(sizes)
 
     def _failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
         loop = self.loop
