@@ -19,6 +19,7 @@ from preempt.cli.timeline import build, render
 from preempt.cluster import grace, notices
 from preempt.cluster.environment import Environment
 from preempt.cluster.notices import NoticeError, Platform
+from preempt.errors import Preempted
 from preempt.run.config import RunConfig, integration_config
 from preempt.run.stopping import stop_under_way
 
@@ -299,3 +300,38 @@ def test_slurm_grace_time_of_the_partition_is_said_beside_kill_wait():
     assert slurm.grace_time("gpu", run=scontrol("", returncode=1)) is None
     g = grace.choose(option=None, variable=None, kill_wait=30.0, grace_time=120.0)
     assert g is not None and g.seconds == 30.0 and "GraceTime 2m00s more" in g.source, g
+
+
+def test_the_stopper_measures_each_save_against_the_grace_and_warns_once(tmp_path, caplog):
+    """Pure of time: a fake clock. A save that fits says nothing; the first that does not (here with the mirror's
+    upload added) warns once, with both figures, and writes one grace_short marker; the stop's timing is its margin."""
+    from helpers import FakeClock
+
+    from preempt.run.loop_state import LoopState
+    from preempt.run.save_plan import SaveRecord
+    from preempt.run.stopping import Stopper
+
+    clock, markers = FakeClock(), []
+    stopper = Stopper(RunConfig(grace=10.0), Environment(), tmp_path, clock)
+    stopper.start(lambda event, **fields: markers.append((event, fields)), lambda: 0)
+    assert stopper.grace is not None and stopper.grace.source == "grace=10" and stopper.watcher is None
+    clock.advance(1.0)
+    stopper.measured(SaveRecord(10, "steps", 0.1, 4.0, tmp_path), 1 << 30)  # 4 s: fits in 10 s
+    clock.advance(2.0)
+    stopper.measured(SaveRecord(20, "steps", 0.1, 4.0, tmp_path), 1 << 30)  # a step of (2 - 0.1) / 10 s now
+    assert markers == [] and "a stop now takes" not in caplog.text
+    stopper.uploaded(7.0)  # the mirror's upload: 4 + 0.19 + 7 > 10
+    stopper.measured(SaveRecord(30, "steps", 0.1, 4.0, tmp_path), 1 << 30)
+    stopper.measured(SaveRecord(40, "steps", 0.1, 5.0, tmp_path), 1 << 30)
+    assert [m[0] for m in markers] == ["grace_short"] and caplog.text.count("a stop now takes") == 1
+    assert markers[0][1]["stop_s"] > 10 and markers[0][1]["grace_s"] == 10.0, markers
+    assert "its upload to the mirror 7.00 s" in caplog.text
+    stopper.flag.request(15)  # SIGTERM
+    stopper.stopping(40)
+    assert markers[-1] == ("stopping", {"step": 40, "cause": "SIGTERM", "grace_s": 10.0, "stop_s": 12.0}), markers
+    clock.advance(3.0)
+    loop = LoopState()
+    with pytest.raises(Preempted) as e:
+        stopper.stop(loop, checkpoint=tmp_path / "step_000000040")
+    assert e.value.timing == {"durable_s": 3.0, "grace_s": 10.0, "margin_s": 7.0}, e.value.timing
+    assert e.value.cause == "SIGTERM"
