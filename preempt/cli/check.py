@@ -69,8 +69,9 @@ exit codes:
      uninterrupted runs differ in the model's tensors, so no resume can be shown exact
   2  the check could not be made: COMMAND never entered a preempt run, failed, or ended before step N"""
 
-# Bookkeeping that differs between a run made of one process and one of several, by design: not state.
-_NOT_STATE = ("epoch.seconds", "epoch.processes")
+# Bookkeeping that differs between a run made of one process and one of several, or between any two runs, by design:
+# clocks and process counts, not state (the epoch so far; the Trainer's seconds of training, its train_runtime).
+_NOT_STATE = ("epoch.seconds", "epoch.processes", "tracked.transformers.counters.seconds")
 
 
 class CannotCheck(Exception):

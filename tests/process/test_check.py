@@ -51,10 +51,10 @@ def files_under(path: Path) -> dict[str, bytes]:
     return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
 
 
-def assert_exact(code: int, doc: dict[str, Any], err: str) -> None:
+def assert_exact(code: int, doc: dict[str, Any], err: str, nondeterministic: set[str] | None = None) -> None:
     assert code == 0, (doc, err)
     assert doc["verdict"] == "exact" and doc["first_diverging_step"] is None, doc
-    assert doc["nondeterministic"] == [], doc  # every script seeds what it draws from
+    assert set(doc["nondeterministic"]) <= (nondeterministic or set()), doc  # each script seeds what it draws from
 
 
 def assert_diverges_at(code: int, doc: dict[str, Any], err: str, step: int, differs: str) -> None:
@@ -131,6 +131,13 @@ def test_a_generator_of_the_scripts_own_diverges_at_the_first_step_after_the_res
 
 
 @pytest.mark.slow
+def test_the_guides_fix_of_a_private_random_resumes_exactly(tmp_path):
+    command = python(LOOP, "--save_dir", str(tmp_path / "user"), "--pattern", "private_random_tracked")
+    code, doc, err = run_check(tmp_path, ["--stop-at", "4", "--steps", "8"], command)
+    assert_exact(code, doc, err)
+
+
+@pytest.mark.slow
 def test_a_lightning_module_resumes_exactly(tmp_path):
     command = python(LIGHTNING, "--save_dir", str(tmp_path / "user"))
     code, doc, err = run_check(tmp_path, ["--stop-at", "5", "--stop-at", "12", "--steps", "14"], command)
@@ -160,4 +167,8 @@ def test_a_torchrun_job_of_two_ranks_resumes_exactly_on_every_rank(tmp_path):
     command += [str(TRAIN_DDP)]
     command += ["--save_dir", str(tmp_path / "user"), "--epochs", "2", "--samples", "192"]
     code, doc, err = run_check(tmp_path, ["--stop-at", "4", "--steps", "7"], command)
-    assert_exact(code, doc, err)
+    # train_ddp.py seeds torch and NumPy, not Python's random: its global generator differs between any two runs, on
+    # each rank, and nothing in the loop draws from it (not what decides the verdict)
+    unseeded = {"Python's global random", "Python's global random at the epoch's start"}
+    assert_exact(code, doc, err, unseeded | {f"rank 1: {u}" for u in unseeded})
+    assert any(p.startswith("rank 1: ") for p in doc["nondeterministic_paths"]), doc  # rank 1's own state compared

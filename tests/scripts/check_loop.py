@@ -7,7 +7,8 @@ your loop resumes exactly"):
 
 * ``prefetch``: nanoGPT's loop: the next batch is drawn (from torch's global generator) before ``run.step()``;
 * ``private_random``: a ``random.Random`` of the script's own scales the inputs;
-* ``numpy_generator``: a NumPy ``Generator`` of the script's own adds noise.
+* ``numpy_generator``: a NumPy ``Generator`` of the script's own adds noise;
+* ``private_random_tracked``: ``private_random`` fixed as the guide says, its state kept by ``run.track``.
 
 ``--mirror URL`` and ``--tensorboard`` pass ``mirror=`` and ``loggers=["tensorboard"]`` to the run.
 """
@@ -29,10 +30,28 @@ from train import Synthetic  # noqa: E402
 from preempt import PreemptibleRun  # noqa: E402
 
 
+class Kept:
+    """A ``random.Random`` kept in the checkpoint (README_PREEMPTION.md, "Check that your loop resumes exactly")."""
+
+    def __init__(self, gen: random.Random) -> None:
+        self.gen = gen
+
+    def state_dict(self) -> dict:
+        return {"state": self.gen.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["state"]
+        self.gen.setstate((version, tuple(internal), gauss))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--save_dir", required=True)
-    p.add_argument("--pattern", choices=("none", "prefetch", "private_random", "numpy_generator"), default="none")
+    p.add_argument(
+        "--pattern",
+        choices=("none", "prefetch", "private_random", "numpy_generator", "private_random_tracked"),
+        default="none",
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--mirror", default=None)
@@ -54,7 +73,7 @@ def main() -> None:
         options["loggers"] = ["tensorboard"]
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> float:
-        if args.pattern == "private_random":
+        if args.pattern in ("private_random", "private_random_tracked"):
             x = x * (1.0 + 0.1 * private.random())
         elif args.pattern == "numpy_generator":
             x = x + torch.from_numpy(gen.standard_normal(x.shape)).float() * 0.1
@@ -66,6 +85,8 @@ def main() -> None:
         return loss.item()
 
     with PreemptibleRun(args.save_dir, model=model, optimizer=opt, scheduler=sched, **options) as run:
+        if args.pattern == "private_random_tracked":
+            run.track("augment", Kept(private))
         if args.pattern == "prefetch":
 
             def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
