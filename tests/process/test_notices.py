@@ -69,7 +69,9 @@ def test_a_notice_stops_the_run_at_its_step_and_the_rerun_resumes_bit_exact(tmp_
     assert _valid_steps(save_dir)[-1] == 3
     _headers_as_the_platform_asks(service)
     rc, report = cli_json(capsys, "report", str(save_dir))
-    assert rc == 0 and report["stops"][0]["cause"] == stop["cause"] and report["stops"][0]["margin_s"] == stop["margin_s"]
+    assert (
+        rc == 0 and report["stops"][0]["cause"] == stop["cause"] and report["stops"][0]["margin_s"] == stop["margin_s"]
+    )
 
     again = Spawned(train_cmd(save_dir, final, MODEL))  # a new machine: no notice there
     assert again.finish() == 0, again.output
@@ -111,7 +113,7 @@ def test_a_kubelet_kill_before_the_stop_is_durable_keeps_the_last_checkpoint(tmp
     rerun says how many steps were lost and why, resumes from it and ends bit-exact."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     never = tmp_path / "never"  # the stop's commit waits for it: the kill comes first
-    args = [*MODEL, "--every_steps", "3", "--sync_save", "--hold_at", "step:5"]
+    args = [*MODEL, "--every_steps", "3", "--sync_save", "--hold_at", "step:5", "--slow_commit", "0.05"]  # >= 0.05 s
     args += ["--wait_file_at", f"before_manifest:2:{never}"]
     p = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_GRACE_S": "0.01"})
     warned = p.wait_event("grace_short")  # at the first checkpoint (step 3), timed: over 0.01 s
@@ -126,7 +128,9 @@ def test_a_kubelet_kill_before_the_stop_is_durable_keeps_the_last_checkpoint(tmp
     assert p.finish() == -signal.SIGKILL, p.output
     assert _valid_steps(save_dir) == [3], p.output  # the stop's write never damaged or replaced it
     rc, report = cli_json(capsys, "report", str(save_dir))
-    assert rc == 0 and report["stops"][0]["killed_during_stop"] is True and report["stops"][0]["how"] == "killed", report
+    assert rc == 0 and report["stops"][0]["killed_during_stop"] is True and report["stops"][0]["how"] == "killed", (
+        report
+    )
 
     again = Spawned(train_cmd(save_dir, final, MODEL))
     assert again.finish() == 0, again.output
