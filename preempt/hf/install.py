@@ -1,6 +1,6 @@
 """``install(trainer, save_dir, **options)``: a Hugging Face Trainer driven through a PreemptibleRun.
 
-The Trainer runs its own loop; ``install`` takes over five of its methods on the instance (any subclass keeps its
+The Trainer runs its own loop; ``install`` takes over seven of its methods on the instance (any subclass keeps its
 own overrides of the rest) and adds one callback, so that the run is called where a hand-written loop would call it:
 
 ==========================  ===========================================================================================
@@ -13,13 +13,17 @@ the Trainer's point         the run
                             optimizer and the Trainer's state, so that a checkpoint is restored before the Trainer
                             counts where it starts; it starts at the run's epoch and batch
 ``on_train_begin``          the scheduler, made since, loaded from the same checkpoint (the optimizer's learning rates
-                            set back to its last ones: making a scheduler overwrites them)
+                            set back to its last ones: making a scheduler overwrites them); the Trainer's counters
+                            (loss, flos, seconds: :mod:`.trainer_state`), which it has just zeroed, continued
 ``_run_epoch``              ``run.epochs`` moves to the epoch; in the resumed one the Trainer's own count of the
                             batches done is kept, and the run (not the Trainer) skips them and restores the RNG
-``on_step_end``             ``run.step()``, after the optimizer and scheduler steps, never inside gradient
-                            accumulation: periodic checkpoints, and the stop (a checkpoint, exit code 75)
-``on_evaluate``             the random state put back as it was after the step before the evaluation; the metrics
-                            to ``run.report`` (a better ``best_metric`` saved, a stop taken after the evaluation)
+``_maybe_log_save_evaluate``  after it, at an optimizer step (never inside gradient accumulation): ``run.step()``
+                            with the metrics of the evaluation it ran, the safe point of periodic checkpoints, of the
+                            best one and of the stop (a checkpoint, exit code 75). The step's log, evaluation,
+                            ``best_metric`` and callbacks (``EarlyStoppingCallback``) come before its checkpoint, as
+                            in an uninterrupted run; at an epoch's end, an evaluation's metrics to ``run.report``
+``on_evaluate``             the random state put back as it was after the step before the evaluation
+``_finalize_training``      ``train_runtime`` and the rates over the seconds trained by every process of the run
 ``train``                   the run left when training ends (a final checkpoint, the run marked complete) or fails
 ==========================  ===========================================================================================
 
@@ -30,6 +34,7 @@ arguments set preempt's options (:func:`_from_trainer_args`).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
@@ -58,8 +63,11 @@ RESUMED = "<preempt>"
 class _Driver(transformers.TrainerCallback):
     """The run behind one Trainer: the methods ``install`` puts on the Trainer, and its callback."""
 
-    def __init__(self, trainer: Any, save_dir: str, options: dict[str, Any], track: dict[str, Any]) -> None:
+    def __init__(
+        self, trainer: Any, save_dir: str, options: dict[str, Any], track: dict[str, Any], *, saves: bool = False
+    ) -> None:
         self.trainer = trainer
+        self.saves = saves  # the Trainer was asked to save checkpoints (its save_strategy, before preempt's "no")
         self.save_dir = save_dir
         self.options = options
         self.track = track
@@ -67,6 +75,10 @@ class _Driver(transformers.TrainerCallback):
         self._epochs: Generator[int, None, None] | None = None
         self._eval_rng: rng.RngState | None = None
         self._num_epochs = 0
+        self._progress: TrainerProgress | None = None
+        self._stepped = False  # an optimizer step ended; its run.step() comes after the Trainer's log and evaluation
+        self._in_step_end = False  # inside _maybe_log_save_evaluate: an evaluation's metrics wait for its end
+        self._evaluated: dict[str, float] = {}
         self._originals = {name: getattr(trainer, name) for name in _TAKEN}
 
     # ------------------------------------------------------------------ the methods taken over
@@ -122,7 +134,8 @@ class _Driver(transformers.TrainerCallback):
         self._originals["_init_training_state"](max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
         # made now, so that the run restores it: the Trainer's _prepare_for_training keeps an existing optimizer
         trainer.create_optimizer()
-        track = {**self.track, "transformers": TrainerProgress(trainer)}
+        self._progress = TrainerProgress(trainer)
+        track = {**self.track, "transformers": self._progress}
         run = PreemptibleRun(
             self.save_dir,
             model=trainer.model,
@@ -134,7 +147,10 @@ class _Driver(transformers.TrainerCallback):
         run.__enter__()  # restores the newest checkpoint; a completed run exits 0 here
         self.run = run
         self._num_epochs = int(num_train_epochs)
-        self._epochs = run.epochs(self._num_epochs)
+        # the progress line's total: the Trainer's optimizer steps, up to max_steps when it ends training first
+        per_epoch = int(num_update_steps_per_epoch) if num_update_steps_per_epoch else None
+        last = int(max_steps) if trainer.args.max_steps > 0 else None
+        self._epochs = run.epochs(self._num_epochs, per_epoch, max_steps=last)
         return run.epoch, run.batch
 
     def run_epoch(self, **kw: Any) -> Any:
@@ -151,12 +167,42 @@ class _Driver(transformers.TrainerCallback):
             raise PreemptError(f"{WHO}: the Trainer is in epoch {epoch}, the run in epoch {got}")
         resumed = epoch == kw["epochs_trained"] and kw["steps_trained_in_current_epoch"] > 0
         kw["resume_from_checkpoint"] = RESUMED if resumed else None
+        if resumed and kw["steps_trained_in_current_epoch"] >= kw["steps_in_epoch"]:
+            # stopped at the epoch's last step: the Trainer draws no batch of it, the run is brought to its end so
+            # that what it records of the loaders is of the next epoch, as in an uninterrupted run
+            for _ in run.batches(loader.loader):
+                raise PreemptError(f"{WHO}: the run has batches left in epoch {epoch} after its last step")
         with _batches_skipped_by_the_run() if resumed else contextlib.nullcontext():
             return self._originals["_run_epoch"](**kw)
 
     def load_rng_state(self, checkpoint: Any) -> None:
         if checkpoint != RESUMED:
             self._originals["_load_rng_state"](checkpoint)
+
+    def maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        self._in_step_end, self._evaluated = True, {}
+        state = self.trainer.state
+        best = state.best_metric
+        try:
+            self._originals["_maybe_log_save_evaluate"](*args, **kwargs)
+        finally:
+            self._in_step_end = False
+        if self.saves and state.best_metric != best:
+            # the Trainer records the best step only when it saves itself; preempt saves in its place
+            state.best_global_step = state.global_step
+        stepped, metrics = self._stepped, self._evaluated
+        self._stepped, self._evaluated = False, {}
+        run = self.run
+        if run is None:
+            return
+        if stepped:
+            run.step(metrics or None)  # the step's safe point: a checkpoint now holds its log and evaluation
+        elif metrics:
+            run.report(metrics)  # an evaluation at the epoch's end: a better best_metric saved, a stop taken here
+
+    def finalize_training(self, trial: Any, num_train_samples: Any, start_time: float) -> Any:
+        before = self._progress.seconds_before if self._progress is not None else 0.0
+        return self._originals["_finalize_training"](trial, num_train_samples, start_time - before)
 
     def _open_epoch(self, loader: Iterable[Any]) -> Iterator[Any]:
         if self.run is None:
@@ -176,11 +222,13 @@ class _Driver(transformers.TrainerCallback):
                 # a new scheduler set the optimizer's rates to its first ones; they are the saved last ones again
                 for group, lr in zip(_raw(trainer.optimizer).param_groups, scheduler.get_last_lr(), strict=True):
                     group["lr"] = lr
+        if self._progress is not None:
+            self._progress.continue_counters()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.run is None:
             return
-        self.run.step()
+        self._stepped = True  # run.step() after the Trainer's log and evaluation of this step (maybe_log_save_evaluate)
         # an evaluation due after this step draws from the global generators (its loader's iterator): the state is
         # kept here and put back when it ends, so that training draws alike whether a resumed run repeats it or not
         self._eval_rng = rng.capture()
@@ -190,9 +238,15 @@ class _Driver(transformers.TrainerCallback):
             return
         if self._eval_rng is not None:
             rng.restore(self._eval_rng)
-        numbers = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if numbers:
-            self.run.report(numbers)  # a safe point: a better best_metric is saved now, a stop lands here
+        numbers = {
+            k: v
+            for k, v in (metrics or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
+        if self._in_step_end:
+            self._evaluated.update(numbers)  # to the run once the Trainer has taken its best_metric from them
+        elif numbers:
+            self.run.report(numbers)  # an evaluation outside the loop's steps (eval_on_start, a callback's)
 
     # ------------------------------------------------------------------ the end
 
@@ -228,7 +282,15 @@ class _Driver(transformers.TrainerCallback):
         log.info("loaded the best model: %s (%s %s)", info.path, run.config.best_metric, info.valid.best_value)
 
 
-_TAKEN = ("train", "get_train_dataloader", "_init_training_state", "_run_epoch", "_load_rng_state")
+_TAKEN = (
+    "train",
+    "get_train_dataloader",
+    "_init_training_state",
+    "_run_epoch",
+    "_load_rng_state",
+    "_maybe_log_save_evaluate",
+    "_finalize_training",
+)
 
 
 def install(
@@ -268,14 +330,17 @@ def install(
     args = trainer.args
     options = {**_from_trainer_args(args, options), **options}
     integration_config(WHO, **options)
+    saves = getattr(args.save_strategy, "value", args.save_strategy) != "no"
     args.save_strategy = transformers.trainer_utils.SaveStrategy.NO  # preempt writes the checkpoints
-    driver = _Driver(trainer, str(save_dir), dict(options), dict(track or {}))
+    driver = _Driver(trainer, str(save_dir), dict(options), dict(track or {}), saves=saves)
     trainer.add_callback(driver)
     trainer.train = driver.train
     trainer.get_train_dataloader = driver.get_train_dataloader
     trainer._init_training_state = driver.init_training_state
     trainer._run_epoch = driver.run_epoch
     trainer._load_rng_state = driver.load_rng_state
+    trainer._maybe_log_save_evaluate = driver.maybe_log_save_evaluate
+    trainer._finalize_training = driver.finalize_training
     return driver
 
 

@@ -11,9 +11,11 @@ gets the model's and the optimizer's tensors.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -86,6 +88,7 @@ class Steps(transformers.TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.in_eval = 0
         print(f"evaluated at step {state.global_step}: eval_loss {metrics['eval_loss']:.6f}", flush=True)
+        _testing.emit("evaluated", step=state.global_step)
 
 
 def main() -> None:
@@ -157,17 +160,47 @@ def main() -> None:
         checkpoint_every_steps=args.every_steps,
         async_save=not args.sync_save,
     )
-    trainer.train()
-    if args.final_out:  # under torchrun each rank its own file, .rank<R> before the suffix
-        out: dict[str, torch.Tensor] = {}
-        flatten("model", model.state_dict(), out)
-        flatten("optimizer", getattr(trainer.optimizer, "optimizer", trainer.optimizer).state_dict(), out)
-        out["rng.torch"] = torch.get_rng_state()
-        final = Path(args.final_out)
-        if training.world_size > 1:
-            final = final.with_suffix(f".rank{training.process_index}{final.suffix}")
-        save_file(out, str(final))
+    result = trainer.train()
+    if args.final_out:
+        write_final(trainer, model, args.final_out, result)
     print(f"done at step {trainer.state.global_step} rank {training.process_index}", flush=True)
+
+
+def _timing(key: str) -> bool:
+    """A figure of the clock (runtime, rates): not compared across runs."""
+    return key.endswith("_runtime") or "_per_second" in key
+
+
+def write_final(trainer: transformers.Trainer, model: torch.nn.Module, path: str, result: Any) -> None:
+    """The model's and the optimizer's tensors and the torch generator to ``path`` (under torchrun each rank its own
+    file, .rank<R> before the suffix); beside it, ``<path>.json``: what the user reads of the run (the train output,
+    the log history, the best metric, the counters, the callbacks' states), the clock's figures left out."""
+    out: dict[str, torch.Tensor] = {}
+    flatten("model", model.state_dict(), out)
+    flatten("optimizer", getattr(trainer.optimizer, "optimizer", trainer.optimizer).state_dict(), out)
+    out["rng.torch"] = torch.get_rng_state()
+    final = Path(path)
+    args = trainer.args
+    if args.world_size > 1:
+        final = final.with_suffix(f".rank{args.process_index}{final.suffix}")
+    save_file(out, str(final))
+    state = trainer.state
+    read = {
+        "training_loss": result.training_loss,
+        "metrics": {k: v for k, v in result.metrics.items() if not _timing(k)},
+        "log_history": [{k: v for k, v in entry.items() if not _timing(k)} for entry in state.log_history],
+        "best_metric": state.best_metric,
+        "best_global_step": state.best_global_step,
+        "total_flos": state.total_flos,
+        "num_input_tokens_seen": state.num_input_tokens_seen,
+        "callbacks": {
+            type(cb).__name__: cb.state()["attributes"]
+            for cb in trainer.callback_handler.callbacks
+            if isinstance(cb, transformers.trainer_callback.ExportableState)
+        },
+        "train_runtime": result.metrics.get("train_runtime"),
+    }
+    Path(f"{final}.json").write_text(json.dumps(read, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
@@ -99,3 +102,94 @@ def test_a_trainer_without_the_methods_install_takes_over_is_refused_with_the_ve
     t._run_epoch = None  # as on a transformers 4 Trainer, which has no _run_epoch
     with pytest.raises(PreemptError, match=r"has no _run_epoch; preempt.hf needs transformers 5"):
         preempt.hf.install(t, tmp_path / "run")
+
+
+class StopAt(transformers.TrainerCallback):
+    """Asks the run to stop at one optimizer step, as a signal would (the stop lands at that step's safe point)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.driver = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.driver.run.request_stop()
+
+
+def counted(tmp_path, save_dir: str, stop_at: int | None = None) -> tuple[transformers.Trainer, object]:
+    """A Trainer that logs every 3 steps and evaluates every 2 (4 steps an epoch, 2 epochs), early stopping by
+    eval_loss; trained to its end, or stopped at ``stop_at`` (SystemExit 75)."""
+    torch.manual_seed(0)
+    options = dict(
+        output_dir=str(tmp_path / "out"),
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        per_device_train_batch_size=2,
+        num_train_epochs=2,
+        logging_steps=3,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        learning_rate=0.5,
+        seed=0,
+    )
+    stop = StopAt(stop_at or -1)
+    t = transformers.Trainer(
+        model=Tiny(),
+        args=transformers.TrainingArguments(**options),
+        train_dataset=Pairs(),
+        eval_dataset=Pairs(),
+        callbacks=[stop, transformers.EarlyStoppingCallback(early_stopping_patience=5, early_stopping_threshold=5.0)],
+    )
+    stop.driver = preempt.hf.install(t, tmp_path / save_dir, log_file=False)
+    if stop_at is not None:
+        with pytest.raises(SystemExit) as stopped:
+            t.train()
+        assert stopped.value.code == 75
+        return t, None
+    return t, t.train()
+
+
+def _read(t: transformers.Trainer, out) -> dict:
+    timing = ("_runtime", "_per_second")
+    early = next(cb for cb in t.callback_handler.callbacks if isinstance(cb, transformers.EarlyStoppingCallback))
+    return {
+        "training_loss": out.training_loss,
+        "metrics": {k: v for k, v in out.metrics.items() if not k.endswith(timing) and "_per_second" not in k},
+        "log": [
+            {k: v for k, v in e.items() if not k.endswith(timing) and "_per_second" not in k}
+            for e in t.state.log_history
+        ],
+        "best": (t.state.best_metric, t.state.best_global_step),
+        "flos": t.state.total_flos,
+        "patience": early.early_stopping_patience_counter,
+    }
+
+
+def test_a_stop_at_an_epochs_last_step_evaluates_first_and_the_counters_continue(tmp_path):
+    """Stopped at step 4 (epoch 0's last, an evaluation due, the loss of step 4 not logged yet): the evaluation is in
+    the stopped process's log; the resumed one logs, counts and ends as the uninterrupted run does (the loss summed
+    since the log at step 3, the train loss over all 8 steps, the flos, best_metric and its step, the early-stopping
+    counter)."""
+    whole, out = counted(tmp_path, "whole")
+    want = _read(whole, out)
+    assert want["patience"] > 0 and any("eval_loss" in e and e["step"] == 4 for e in want["log"]), want
+    stopped, _ = counted(tmp_path, "run", stop_at=4)
+    assert [e["step"] for e in stopped.state.log_history if "eval_loss" in e] == [2, 4]
+    resumed, out = counted(tmp_path, "run")
+    assert _read(resumed, out) == want
+    assert out.metrics["train_runtime"] >= 0
+
+
+def test_the_progress_line_counts_to_max_steps(tmp_path, caplog):
+    """max_steps=5 over epochs of 4 steps: the Trainer plans 2 epochs, the progress line's total is 5."""
+    t = trainer(tmp_path, per_device_train_batch_size=2, num_train_epochs=3, max_steps=5)
+    preempt.hf.install(t, tmp_path / "run", log_file=False, progress_every_s=1e-6)
+    caplog.set_level(logging.INFO, logger="preempt")
+    t.train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines and all(re.match(r"step \d/5 \|", line) for line in lines), lines
