@@ -156,7 +156,7 @@ class Stopper:
         self._grace_warned = False
         self._marker: Callable[..., None] = lambda event, **fields: None  # history.jsonl (start())
         self._step_of: Callable[[], int] = lambda: 0
-        self._last_saved: tuple[float, int] | None = None  # (clock, step) of the previous durable save
+        self._last_saved: tuple[float, int] | None = None  # (clock, step) of the previous durable save, or the start
         self._upload_s: float | None = None  # the mirror's latest upload of a checkpoint
         self._stopping_at: float | None = None  # when the stop was decided (clock)
         self._start_step: int | None = None  # this process's first step, when an early warning may be held
@@ -319,6 +319,7 @@ class Stopper:
         """The run is on: the grace read, the notices' watcher started when asked for. ``marker`` writes a
         history marker, ``step_of`` reads the loop's step (from the watcher's thread)."""
         self._marker, self._step_of = marker, step_of
+        self._last_saved = (self.clock(), step_of())  # the first save's steps are timed from here
         cfg, env = self.config, self.env
         torchrun = None
         if env.torchelastic:
