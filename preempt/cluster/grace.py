@@ -98,9 +98,13 @@ def choose(
     """The grace of a stop (see the module docstring for the order); None: nothing says. ``grace_time``: SLURM's
     GraceTime of the job's partition, said beside KillWait (a preemption there is signalled that much earlier)."""
     if option is not None:
-        return Grace(option, f"grace={option:g}", "grace= (what the platform really gives)")
+        return Grace(option, f"grace={option:g}", "the platform's own, e.g. terminationGracePeriodSeconds, then grace=")
     if variable is not None:
-        return Grace(variable, f"PREEMPT_GRACE_S={variable:g}", "PREEMPT_GRACE_S (what the platform really gives)")
+        return Grace(
+            variable,
+            f"PREEMPT_GRACE_S={variable:g}",
+            "the platform's own, e.g. terminationGracePeriodSeconds, then PREEMPT_GRACE_S",
+        )
     read = []
     if torchrun is not None:
         read.append(torchrun)
