@@ -434,7 +434,7 @@ class Stopper:
         if w is None:
             return None
         try:
-            w.close()
+            w.close(timeout=0.5)  # a connect under way cannot be cut off: the daemon thread is left to it
         except Exception as e:
             return e
         return None
