@@ -618,7 +618,7 @@ class PreemptibleRun:
             walltime_stop=decision.stop and decision.reason is Reason.WALLTIME,
         )
         if agreed.stop:
-            stopper.stopping(loop.global_step)  # a marker left behind if the kill comes before the stop is durable
+            stopper.stopping(loop.global_step, agreed.signal_rank)  # left behind if the kill comes before it is durable
         if agreed.save:  # a signal that came during a write stops the run here, with that checkpoint
             if not saves.save(_REASONS[agreed.save - 1], point) and not agreed.stop:  # (after a copy alone: the next)
                 requested = stopper.flag.requested

@@ -401,14 +401,15 @@ class Stopper:
         if self.cost is not None:
             self.cost = graces.StopCost(self.cost.save_s, self.cost.nbytes, self.cost.step_s, seconds)
 
-    def stopping(self, step: int) -> None:
-        """The stop is decided, its save comes next: a ``stopping`` marker, left behind if the kill comes first."""
+    def stopping(self, step: int, peer: int = -1) -> None:
+        """The stop is decided, its save comes next: a ``stopping`` marker, left behind if the kill comes first.
+        ``peer``: the rank whose stop flag the ranks agreed on (-1: none, or alone)."""
         self._stopping_at = self.clock()
         g = self._grace_now()
         self._marker(
             "stopping",
             step=step,
-            cause=self._cause_text(),
+            cause=self._cause_text(peer),
             grace_s=None if g is None else round(g, 3),
             stop_s=None if self.cost is None else round(self.cost.seconds, 3),
         )
@@ -420,13 +421,13 @@ class Stopper:
             return n.deadline - n.seen_at
         return None if self.grace is None else self.grace.seconds
 
-    def _cause_text(self) -> str:
+    def _cause_text(self, peer: int) -> str:
         f = self.flag
-        if f.signum is not None:
+        if f.requested and f.signum is not None:
             return signal_name(f.signum)
-        if self.notice is not None:
-            return self.notice.cause
-        return "walltime" if not f.requested else "request"
+        if f.requested:
+            return "request" if self.notice is None else self.notice.cause
+        return f"a stop signal received by rank {peer}" if peer >= 0 else "walltime"
 
     def close(self) -> BaseException | None:
         """The watcher stopped; the error it kept (a bug, not the service's), returned for the run to raise."""
