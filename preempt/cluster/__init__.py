@@ -6,7 +6,8 @@ requeue rule (``slurm``, no torch), the environment read in one place (``environ
 under torch.distributed (``distributed``), which node's save_dir each rank writes to when the nodes share none
 (``nodes``, no torch), FSDP/DTensor state through DCP (``sharded``), the cloud's advance notices read from its
 metadata service by a thread (``notices``, no torch, the standard library's HTTP client only), and the grace from a
-stop's signal to the kill, where it comes from and whether a stop fits in it (``grace``, no torch).
+stop's signal to the kill, where it comes from and whether a stop fits in it (``grace``, no torch), and launchers
+that make a new folder per run, Hydra's, where a save_dir would not be found again (``launcher_dirs``, no torch).
 
 May import: :mod:`preempt.checkpoint` (the ranks write and commit checkpoints), :mod:`preempt.errors`,
 :mod:`preempt._log`, :mod:`preempt._version`. Never the run, the data, health, the CLI or the supervisor

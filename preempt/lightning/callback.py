@@ -126,9 +126,9 @@ class PreemptCallback(pl.Callback):
             raise PreemptError("PreemptCallback: one per trainer (found several in trainer.callbacks)")
         # Last of all (Lightning put ModelCheckpoint last when it was built): at the safe point every other
         # callback's hooks of that batch or validation have run, so a checkpoint holds what they changed.
-        callbacks = trainer.callbacks
-        callbacks.remove(self)
-        callbacks.append(self)
+        # A new list: Lightning is iterating the old one to call this very hook (a list changed in place would
+        # skip the callback after this one).
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
 
     def _wrap(self, trainer: pl.Trainer, loader: Any) -> RunBatches:
         """The user's training loader, processed as Lightning processes one, its epochs opened by the run."""

@@ -48,6 +48,7 @@ from ..checkpoint.components import gradient_sync
 from ..checkpoint.lock import DirLock, StepBeacon
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.staging import payload_nbytes
+from ..cluster import launcher_dirs
 from ..cluster.environment import Environment, provenance
 from ..data import rng
 from ..data.sampler import ResumableSampler
@@ -75,7 +76,6 @@ __all__ = ["PreemptibleRun", "RunConfig", "SaveRecord"]
 
 log = _log.log
 _END = object()
-_REASONS = list(Reason)  # save reasons travel between ranks as index + 1
 
 
 def _view(part: str, name: str, doc: str) -> property:
@@ -268,6 +268,10 @@ class PreemptibleRun:
     def _lead(self, starter: Starter) -> state.Payload:
         """The process alone, or rank 0: takes the lock, chooses the starting state, tells the other ranks."""
         self.manager.check_dir()  # a bad save_dir is said now, not at the first checkpoint hours later
+        hydra_dir = launcher_dirs.hydra_output_dir()
+        if launcher_dirs.inside(self.save_dir, hydra_dir):
+            assert hydra_dir is not None
+            log.warning("%s", launcher_dirs.warning(self.save_dir, hydra_dir))
         self._lock.acquire()
         if self._lock.previous:  # the previous holder died holding the lock
             starter.predecessor_died, starter.died_at = True, self._beacon.read()
@@ -369,7 +373,7 @@ class PreemptibleRun:
         last = None if saves.last_checkpoint is None else str(saves.last_checkpoint)
         needed, last = self.peers.broadcast((needed, last))
         if not needed and not self.peers.leader:
-            saves.last_checkpoint = None if last is None else Path(last)
+            saves.told(None if last is None else Path(last))
             return
         if needed:
             saves.save(Reason.FINAL, "epoch")
@@ -614,15 +618,15 @@ class PreemptibleRun:
         requested = stopper.flag.requested  # what this rank told the peers: the stop's cause is what they agreed on
         agreed = self.peers.agree(
             requested,
-            _REASONS.index(reason) + 1 if reason is not None else 0,
+            reason,
             walltime_stop=decision.stop and decision.reason is Reason.WALLTIME,
         )
         if agreed.stop:
             stopper.stopping(loop.global_step, agreed.signal_rank)  # left behind if the kill comes before it is durable
-        if agreed.save:  # a signal that came during a write stops the run here, with that checkpoint
-            if not saves.save(_REASONS[agreed.save - 1], point) and not agreed.stop:  # (after a copy alone: the next)
+        if agreed.save is not None:  # a signal that came during a write stops the run here, with that checkpoint
+            if not saves.save(agreed.save, point) and not agreed.stop:  # (after a copy alone: the next)
                 requested = stopper.flag.requested
-                agreed = self.peers.agree(requested, 0)
+                agreed = self.peers.agree(requested, None)
         if agreed.stop:
             saves.before_stop()  # rank 0's write in flight: cancelled when the state moved past it, else awaited
             if self.peers.broadcast(loop.dirty):  # rank 0's view: a signal during that save, or its write failed
