@@ -116,9 +116,11 @@ class StopAt(transformers.TrainerCallback):
             self.driver.run.request_stop()
 
 
-def counted(tmp_path, save_dir: str, stop_at: int | None = None) -> tuple[transformers.Trainer, object]:
-    """A Trainer that logs every 3 steps and evaluates every 2 (4 steps an epoch, 2 epochs), early stopping by
-    eval_loss; trained to its end, or stopped at ``stop_at`` (SystemExit 75)."""
+def counted(
+    tmp_path, save_dir: str, stop_at: int | None = None, every: str = "steps"
+) -> tuple[transformers.Trainer, object]:
+    """A Trainer that logs every 3 steps and evaluates every 2 (``every="epoch"``: at each epoch's end; 4 steps an
+    epoch, 2 epochs), early stopping by eval_loss; trained to its end, or stopped at ``stop_at`` (SystemExit 75)."""
     torch.manual_seed(0)
     options = dict(
         output_dir=str(tmp_path / "out"),
@@ -128,9 +130,9 @@ def counted(tmp_path, save_dir: str, stop_at: int | None = None) -> tuple[transf
         per_device_train_batch_size=2,
         num_train_epochs=2,
         logging_steps=3,
-        eval_strategy="steps",
+        eval_strategy=every,
         eval_steps=2,
-        save_strategy="steps",
+        save_strategy=every,
         save_steps=2,
         load_best_model_at_end=True,
         metric_for_best_model="loss",
@@ -183,6 +185,18 @@ def test_a_stop_at_an_epochs_last_step_evaluates_first_and_the_counters_continue
     resumed, out = counted(tmp_path, "run")
     assert _read(resumed, out) == want
     assert out.metrics["train_runtime"] >= 0
+
+
+def test_an_evaluation_at_the_epochs_end_after_a_stop_at_its_last_step_runs_on_the_rerun(tmp_path):
+    """eval_strategy="epoch": the stop at step 4 comes before epoch 0's end, where its evaluation is; the rerun
+    evaluates epoch 0 before its first step, and ends as the uninterrupted run does."""
+    whole, out = counted(tmp_path, "whole", every="epoch")
+    want = _read(whole, out)
+    assert [e["step"] for e in want["log"] if "eval_loss" in e] == [4, 8], want
+    stopped, _ = counted(tmp_path, "run", stop_at=4, every="epoch")
+    assert not [e for e in stopped.state.log_history if "eval_loss" in e], stopped.state.log_history
+    resumed, out = counted(tmp_path, "run", every="epoch")
+    assert _read(resumed, out) == want
 
 
 def test_the_progress_line_counts_to_max_steps(tmp_path, caplog):
