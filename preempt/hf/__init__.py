@@ -6,7 +6,8 @@ stop lands after the next optimizer step with one checkpoint through preempt's c
 rerunning the same script resumes bit for bit. README_PREEMPTION.md, "Hugging Face Trainer".
 
 Owns: the installer and the Trainer's methods it takes over (``install``), and what a checkpoint keeps of the
-Trainer's own state (``trainer_state``).
+Trainer's own state: ``trainer.state``, the counters it keeps in memory (loss, flos, seconds), its callbacks' states
+and trl's counts (``trainer_state``).
 
 May import: :mod:`preempt.run` and the parts below it, and transformers. Nothing in preempt imports this part;
 ``import preempt`` never imports transformers (an import-linter contract in pyproject.toml). This ``__init__`` is the
