@@ -392,7 +392,7 @@ class Watcher:
         else:
             query = f"?wait_for_change=true&timeout_sec={self.hang_s}&last_etag={urllib.parse.quote(self._etag)}"
             status, body, headers = self._request("GET", path + query, google, timeout=self.hang_s + self.timeout_s)
-        self._etag = headers.get("ETag", self._etag)
+        self._etag = headers.get("etag", self._etag)
         return parse_gce_preempted(status, body, self.clock())
 
     def _poll_azure(self) -> Notice | None:
@@ -426,7 +426,7 @@ class Watcher:
         body = response.read(1 << 16)
         if response.will_close or not response.isclosed():  # (an answer longer than read: not reused)
             self._disconnect()
-        return response.status, body, {k: v for k, v in response.getheaders()}
+        return response.status, body, {k.lower(): v for k, v in response.getheaders()}  # names: any case
 
     def _disconnect(self) -> None:
         with self._lock:
