@@ -139,3 +139,22 @@ def drop_extra(tmp: Path, keep: Iterable[str]) -> None:
     for entry in os.listdir(tmp):
         if entry not in wanted:
             deleter.remove_tree(tmp / entry)
+
+
+class Pool:
+    """The pool a run writes ahead for its saves to write over: the sizes of its files (as the staging buffers were
+    last sized) and whether one is due once the background writer is free."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, int] = {}  # the state's tensor bytes per file
+        self.due = False
+
+    def take(self, save_dir: Path, *, wanted: bool) -> dict[str, int] | None:
+        """The sizes to write a pool of now, or None; either way the pool is no longer due. ``wanted``: this run
+        recycles and owns ``save_dir``. None when it already has a pool, or nothing to write."""
+        if not self.due:
+            return None
+        self.due = False
+        if not wanted or not any(self.sizes.values()) or pools(save_dir):
+            return None
+        return self.sizes

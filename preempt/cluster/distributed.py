@@ -127,7 +127,7 @@ class Agreement:
     """What every rank does at a safe point."""
 
     stop: bool  # some rank saw a stop signal (or rank 0's walltime keeper says stop)
-    save: int  # rank 0's save decision: 0 none, else an index into the run's reasons
+    save: int  # rank 0's save decision: 0 none, else its reason's code (preempt.run.peers.WIRE)
     signal_rank: int  # the lowest rank that saw a signal, or -1
 
 

@@ -15,6 +15,7 @@ and how a checkpoint's files are committed:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,11 +24,36 @@ from ..checkpoint.manager import CheckpointInfo, CheckpointManager, Pending
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.state import Payload
 from ..cluster import distributed
-from ..cluster.distributed import Agreement
 from ..cluster.nodes import Nodes
 from ..errors import PeerLost
+from .save_policy import Reason
 
 ExtraFiles = Callable[[Path], list[str]]  # a collective writer of more files into the checkpoint (DCP's shards)
+
+# How a save's reason crosses the ranks: the agreement is one all-reduce of integers, to which rank 0 alone adds its
+# reason's code (0: none). Fixed here, beside the one collective that carries it; the run sees only Reason.
+WIRE: dict[Reason, int] = {
+    Reason.PREEMPT: 1,
+    Reason.INTERVAL: 2,
+    Reason.STEPS: 3,
+    Reason.PER_EPOCH: 4,
+    Reason.MILESTONE: 5,
+    Reason.BEST: 6,
+    Reason.FINAL: 7,
+    Reason.BRANCH: 8,
+    Reason.WALLTIME: 9,
+    Reason.EMERGENCY: 10,
+}
+_FROM_WIRE = {code: reason for reason, code in WIRE.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What every peer does at a safe point."""
+
+    stop: bool  # some peer saw a stop signal (or the leader's walltime keeper says stop)
+    save: Reason | None  # the leader's save decision
+    signal_rank: int  # the lowest rank that saw a signal, or -1
 
 
 class Peers(Protocol):
@@ -40,8 +66,8 @@ class Peers(Protocol):
     every: int  # the ranks meet at every N-th run.step(); 0: when something may be due (one process)
     nodes: Nodes | None  # the ranks' nodes when they share no save_dir (preempt.cluster.nodes), known once started
 
-    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
-        """Every peer's stop request and save reason combined into one decision."""
+    def agree(self, stop: bool, save: Reason | None, *, walltime_stop: bool = False) -> Agreement:
+        """Every peer's stop request and the leader's save reason combined into one decision."""
         ...
 
     def broadcast(self, obj: Any) -> Any:
@@ -84,7 +110,7 @@ class Alone:
     every = 0  # run.step() goes through the safe point when something may be due (Ranks: at fixed steps)
     nodes: Nodes | None = None
 
-    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
+    def agree(self, stop: bool, save: Reason | None, *, walltime_stop: bool = False) -> Agreement:
         return Agreement(stop or walltime_stop, save, 0 if stop else -1)
 
     def broadcast(self, obj: Any) -> Any:
@@ -141,8 +167,9 @@ class Ranks:
         writers.coord.nodes = self.coord.nodes  # (known once the run has started: the writers are made after)
         return writers
 
-    def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
-        return self.coord.agree(stop, save, walltime_stop=walltime_stop)
+    def agree(self, stop: bool, save: Reason | None, *, walltime_stop: bool = False) -> Agreement:
+        got = self.coord.agree(stop, 0 if save is None else WIRE[save], walltime_stop=walltime_stop)
+        return Agreement(got.stop, _FROM_WIRE.get(got.save), got.signal_rank)
 
     def broadcast(self, obj: Any) -> Any:
         return self.coord.broadcast(obj)

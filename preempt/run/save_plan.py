@@ -17,10 +17,10 @@ import math
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..checkpoint.cancel import WriteCancelled
-from ..checkpoint.staging import ChangedWhileWritten, TornSnapshot
+from ..checkpoint.staging import ChangedWhileWritten, LazyCopy, TornSnapshot
 from ..errors import LockLostError
 from .save_policy import Due, Reason
 
@@ -68,15 +68,39 @@ class JobKind(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
-    """The background writer's job in flight: what it is, and its future (its result or its error)."""
+class SaveJob:
+    """A checkpoint written in the background, with all that is known of it: why (its :class:`Reason`), its record,
+    its staging completion (the lazy copies the writer makes first, which the optimizer's next step waits for; None
+    when the copy was made at the step) and its future (the write's completion: the checkpoint, or the error)."""
 
-    kind: JobKind
+    kind: ClassVar[JobKind] = JobKind.SAVE
+    reason: Reason
+    record: SaveRecord
     future: Future[Any]
-    record: SaveRecord | None = None  # a save's
-    reason: Reason | None = None  # a save's
-    started: float = 0.0  # clock at the start of the save
-    cancel: threading.Event | None = None  # set: the write stops before its rename (cancel.cancellable)
+    started: float  # clock at the start of the save
+    staging: LazyCopy | None = None
+    cancel: threading.Event | None = None  # set: the write stops before its rename (cancel.cancellable); None: never
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareJob:
+    """The staging buffers being sized in the background; the future's result is the seconds it took."""
+
+    kind: ClassVar[JobKind] = JobKind.PREPARE
+    future: Future[Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReserveJob:
+    """A pool of files being written ahead (nobody's checkpoint: a save cancels it); the future's result is the pool."""
+
+    kind: ClassVar[JobKind] = JobKind.RESERVE
+    future: Future[Any]
+    started: float
+    cancel: threading.Event
+
+
+Job = SaveJob | PrepareJob | ReserveJob  # the background writer's one job in flight
 
 
 class Outcome(enum.Enum):

@@ -20,11 +20,10 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -35,25 +34,32 @@ from ..checkpoint.manager import CheckpointInfo, CheckpointManager, Pending
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.names import checkpoint_name
 from ..checkpoint.readahead import host_memory_available
-from ..checkpoint.staging import (
-    BackgroundWriter,
-    LazyCopy,
-    SourceKey,
-    Stager,
-    payload_nbytes,
-    source_key,
-)
+from ..checkpoint.staging import BackgroundWriter, LazyCopy, SourceKey, Stager, payload_nbytes, source_key
 from ..cluster import sharded
 from ..cluster.signals import StopFlag
 from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
+from .background import Background, Staging, Writer
 from .loop_state import LoopState
 from .peers import Alone, Peers
-from .save_plan import POSTPONABLE, STOPS, Job, JobKind, Outcome, SaveRecord, outcome_of, pick, plan, wake
+from .save_plan import (
+    POSTPONABLE,
+    STOPS,
+    Job,
+    Outcome,
+    PrepareJob,
+    ReserveJob,
+    SaveJob,
+    SaveRecord,
+    outcome_of,
+    pick,
+    plan,
+    wake,
+)
 from .save_policy import Due, Reason
+from .sharded_saves import ShardedSaves
 from .snapshot import Snapshot
 
 log = _log.log
-_ROUTINE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
 # the outcomes of a save whose state is not on disk: the state is due again
 _NOT_ON_DISK = frozenset(
     {Outcome.TORN, Outcome.CHANGED, Outcome.CANCELLED, Outcome.NOT_WRITTEN, Outcome.LOCK_LOST, Outcome.BROKEN}
@@ -62,38 +68,14 @@ _NOT_ON_DISK = frozenset(
 MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
 
 
-# ---------------------------------------------------------------------------- the scheduler
+@dataclasses.dataclass
+class Done:
+    """What came of the run's saves so far."""
 
-
-class Writer(Protocol):
-    """What the scheduler asks of its background writer (:class:`~preempt.checkpoint.staging.BackgroundWriter`)."""
-
-    @property
-    def busy(self) -> bool: ...
-
-    def submit(self, job: Callable[[], Any]) -> Future[Any]: ...
-
-    def join(self) -> None: ...
-
-
-class Staging(Protocol):
-    """What the scheduler asks of its staging buffers (:class:`~preempt.checkpoint.staging.Stager`)."""
-
-    live: frozenset[str]  # files read where their tensors live, never copied
-
-    @property
-    def nbytes(self) -> int: ...
-
-    @property
-    def pinned(self) -> bool: ...
-
-    def prepare(self, payload: state.Payload) -> None: ...
-
-    def stage(self, payload: state.Payload) -> state.Payload: ...
-
-    def stage_lazily(
-        self, payload: state.Payload, later: Collection[SourceKey]
-    ) -> tuple[state.Payload, LazyCopy | None]: ...
+    last_save: SaveRecord | None = None  # the latest checkpoint taken
+    last_info: CheckpointInfo | None = None  # the newest durable checkpoint this process wrote or loaded
+    last_checkpoint: Path | None = None  # its path (under torch.distributed: rank 0's, when told)
+    failed: int = 0  # periodic checkpoints that could not be written
 
 
 class SaveScheduler:
@@ -121,34 +103,40 @@ class SaveScheduler:
         self.clock = clock
         self.on_durable = on_durable  # (seconds, now, step) of each durable save
         self.on_saved = on_saved  # (record, bytes) of each durable save
-        self._new_writer, self._new_stager = writer, stager
-        self.stager: Staging | None = None  # while background saves are possible
-        self.writer: Writer | None = None
+        self.background = Background(writer, stager)  # the staging buffers and the writer, once started
+        self.sharded: ShardedSaves | None = None  # sharded state under torch.distributed, saved in the background
+        self.pool = recycle.Pool()  # files written ahead for the saves to write over
         self.job: Job | None = None  # the writer's current job, until collected
         self.postponed: Reason | None = None
-        self.prepare_at: int | None = None  # the step after which the buffers are sized for the optimizer
-        self.last_save: SaveRecord | None = None
-        self.last_info: CheckpointInfo | None = None  # the newest durable checkpoint this process wrote or loaded
-        self.last_checkpoint: Path | None = None  # its path (under torch.distributed: rank 0's, when told)
-        self.failed = 0  # periodic checkpoints that could not be written
-        self.prepare_s: float | None = None  # seconds spent allocating the staging buffers (background)
-        self.sizes: dict[str, int] = {}  # the state's tensor bytes per file, as the buffers were last sized
-        self.reserve_due = False  # a pool is to be written ahead once the writer is free (see idle)
-        self.writers: Any = None  # sharded state under torch.distributed: the ranks' writers, on their own group
-        self.shard_stager: Any = None  # the buffers of this rank's pieces of sharded state
-        self._shard_views: dict[str, Any] = {}  # the DTensors around those buffers (sharded.staged)
-        self.lazy = False  # snapshots are lazy: see start()
-        self.pending: LazyCopy | None = None  # the lazy copies of the snapshot in flight
-        self._hook: Any = None  # the optimizer's pre-step hook that waits for them
+        self.done = Done()  # what came of the saves so far
+
+    # what the run and the tests read of it (each part owns its own)
+    pinned = property(lambda self: self.background.pinned, doc="The staging buffers are in pinned host memory.")
+    buffer_nbytes = property(lambda self: self.background.nbytes, doc="The staging buffers' size in bytes.")
+    stager = property(lambda self: self.background.stager, doc="The staging buffers, while background saves may be.")
+    prepare_at = property(lambda self: self.background.prepare_at, doc="When the buffers are sized for the state.")
+    prepare_s = property(lambda self: self.background.prepare_s, doc="Seconds spent sizing the staging buffers.")
+    sizes = property(lambda self: self.pool.sizes, doc="The state's tensor bytes per file, as the buffers were sized.")
 
     @property
-    def pinned(self) -> bool:
-        """The staging buffers are in pinned (page-locked) host memory."""
-        return self.stager is not None and self.stager.pinned
+    def last_save(self) -> SaveRecord | None:
+        """The latest checkpoint taken."""
+        return self.done.last_save
 
     @property
-    def buffer_nbytes(self) -> int:
-        return 0 if self.stager is None else self.stager.nbytes
+    def last_info(self) -> CheckpointInfo | None:
+        """The newest durable checkpoint this process wrote or loaded."""
+        return self.done.last_info
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The newest durable checkpoint's path (under torch.distributed: rank 0's, when told)."""
+        return self.done.last_checkpoint
+
+    @property
+    def failed(self) -> int:
+        """Periodic checkpoints that could not be written."""
+        return self.done.failed
 
     def start(self, payload: Any, *, optimizer_state_later: bool, lazy: bool = False) -> None:
         """Background saves from now: the buffers are sized for ``payload`` in the background.
@@ -168,28 +156,28 @@ class SaveScheduler:
         copies its pieces and its files, and every rank's writer runs the whole distributed commit, DCP's
         collectives included, on a gloo group of the writers' own (see :meth:`_save_sharded`).
         """
+        bg = self.background
         if self.snapshot.sharded:
             if self.peers.alone:
                 log.info("async_save: sharded state in one process is saved synchronously (through DCP)")
                 return
-            self.writers = self.peers.writers()  # a collective: every rank creates the writers' group now
-            self.shard_stager = self._new_stager()
+            self.sharded = ShardedSaves(self.manager, self.peers, bg.new_stager())
         elif not self.peers.leader:
             return
-        self.stager, self.writer = self._new_stager(), self._new_writer()
+        bg.open()
         if self.snapshot.group_frozen:
             # the frozen base is read where it lives, never copied
-            self.stager.live = frozenset({state.BASE_FILE, state.shard_files(self.peers.rank)[0]})
+            bg.staging().live = frozenset({state.BASE_FILE, state.shard_files(self.peers.rank)[0]})
         optimizer = self.snapshot.components.optimizer
-        if lazy and optimizer is not None and self.writers is None:
-            self.lazy = True
-            self._hook = optimizer.register_step_pre_hook(self._optimizer_stepping)
+        if lazy and optimizer is not None and self.sharded is None:
+            bg.lazy = True
+            bg.hook = optimizer.register_step_pre_hook(self._optimizer_stepping)
         if optimizer is not None and optimizer.state:  # restored: sized at the first step boundary, for all of it
-            self.prepare_at = self.loop.global_step
+            bg.prepare_at = self.loop.global_step
             return
         self._prepare(payload)
         if optimizer_state_later:
-            self.prepare_at = self.loop.global_step + 1  # its moments appear at the first optimizer step
+            bg.prepare_at = self.loop.global_step + 1  # its moments appear at the first optimizer step
 
     def wake(self, due: Due, milestone_steps: int | None) -> Due:
         step = self.loop.global_step
@@ -199,20 +187,22 @@ class SaveScheduler:
             milestone_steps=milestone_steps,
             postponed=self.postponed,
             job=self._blocking(),
-            prepare_at=self.prepare_at,
+            prepare_at=self.background.prepare_at,
         )
 
     def finished(self) -> bool:
         """The job in flight has ended and its outcome waits to be taken."""
-        return self.job is not None and self.writer is not None and not self.writer.busy
+        writer = self.background.writer
+        return self.job is not None and writer is not None and not writer.busy
 
     def tend(self) -> None:
         """Takes the outcome of a finished job; sizes the buffers for the optimizer once it has state."""
         if self.finished():
             self.collect()
-        if self.prepare_at is not None and self.loop.global_step >= self.prepare_at and self.job is None:
+        bg = self.background
+        if bg.prepare_at is not None and self.loop.global_step >= bg.prepare_at and self.job is None:
             if self.postponed is None:  # the postponed save goes first; its staging sizes the buffers anyway
-                self.prepare_at = None
+                bg.prepare_at = None
                 # sized for what a save stages: the random generators' states beside the optimizer's moments
                 self._prepare(self.snapshot.tensors() if self.snapshot.sharded else self.snapshot.capture())
 
@@ -221,7 +211,7 @@ class SaveScheduler:
         now, self.postponed = pick(
             reason,
             job=None if self.job is None else self.job.kind,
-            staging=self.stager is not None,
+            staging=self.background.stager is not None,
             postponed=self.postponed,
             dirty=self.loop.dirty,
         )
@@ -243,15 +233,16 @@ class SaveScheduler:
         how = plan(
             reason,
             job=None if self.job is None else self.job.kind,
-            staging=self.stager is not None,
+            staging=self.background.stager is not None,
             writing=self._writing(),
         )
         if how.cancel:
             self.cancel()
         elif how.settle:
             self.settle()
-        background = how.background and self.stager is not None  # settling may have turned staging off
-        if self.writers is not None and how.background:  # sharded: every rank must take the same path
+        bg = self.background
+        background = how.background and bg.stager is not None  # settling may have turned staging off
+        if self.sharded is not None and how.background:  # sharded: every rank must take the same path
             background = self.peers.all(background)
         self.postponed = None
         with self.flag.critical():
@@ -262,26 +253,26 @@ class SaveScheduler:
             payload, live = self.snapshot.content()
             # unchanged files are carried, not staged or written; a stop leaves the guard to the next checkpoint
             payload = self.manager.plan(payload, manifest.step, urgent=reason in STOPS)
-            if background and self.writers is not None:
+            if background and self.sharded is not None:
                 self._save_sharded(reason, manifest, t0, payload, live)
                 return True
-            staged = self._copy(payload) if background else None
-            if how.stage and live is None and self.stager is not None:
-                payload = self._staged_now(payload)
+            staged, lazy = bg.copy(payload, self._lazy_sources) if background else (None, None)
+            if how.stage and live is None and bg.stager is not None:
+                payload = bg.staged_now(payload)
             extra = None if live is None else functools.partial(sharded.save, tensors=live, rank=self.peers.rank)
             try:
                 got = self.peers.save(self.manager, payload, manifest, extra, staged is not None)
             except OSError as e:
-                if self.pending is not None:  # never written: no optimizer step may wait for it
-                    self.pending.drop()
-                    self.pending = None
+                if lazy is not None:  # never written: no optimizer step may wait for it
+                    lazy.drop()
                 self._failed(reason, e)
                 return False
             if isinstance(got, Pending):
                 assert staged is not None  # deferred only when a staged copy was asked for
-                self._submit(reason, manifest, t0, functools.partial(self._finish, got, staged, manifest, self.pending))
+                write = functools.partial(self._finish, got, staged, manifest, lazy)
+                self._submit(reason, manifest, t0, write, staging=lazy)
             elif got is None:  # another rank's files are durable; rank 0 writes its own and commits in the background
-                self.last_save = SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True)
+                self.done.last_save = SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True)
                 self.loop.taken(manifest.step, manifest.cursor, self.clock())
             else:
                 self._durable(reason, got, t0)
@@ -295,37 +286,42 @@ class SaveScheduler:
 
     def _blocking(self) -> bool:
         """A job is in flight that a periodic save waits for (a pool written ahead is cancelled instead)."""
-        return self.job is not None and self.job.kind is not JobKind.RESERVE
+        return self.job is not None and not isinstance(self.job, ReserveJob)
 
     def _writing(self) -> Reason | None:
-        job = self.job
-        return job.reason if job is not None else None
+        """The reason of the checkpoint being written in the background, if one is."""
+        return self.job.reason if isinstance(self.job, SaveJob) else None
 
     def before_stop(self) -> None:
         """At a stop: a periodic write of a state the loop has moved past is cancelled; any other job is waited for."""
         job = self.job
-        if job is not None and (job.kind is JobKind.RESERVE or (self.loop.dirty and self._writing() in POSTPONABLE)):
+        if isinstance(job, ReserveJob) or (job is not None and self.loop.dirty and self._writing() in POSTPONABLE):
             self.cancel()
         else:
             self.settle()
 
     def cancel(self) -> None:
         """Stops the write in flight before its rename (its temporary directory is removed) and takes the outcome."""
-        if self.job is not None and self.job.cancel is not None:
-            self.job.cancel.set()
+        job = self.job
+        if isinstance(job, (SaveJob, ReserveJob)) and job.cancel is not None:
+            job.cancel.set()
         self.settle()
 
     def loaded(self, info: CheckpointInfo) -> None:
         """The run restored ``info``: the newest durable checkpoint, and nothing to save until the loop moves."""
         assert info.manifest is not None
-        self.last_info, self.last_checkpoint = info, info.path
+        self.done.last_info, self.done.last_checkpoint = info, info.path
         self.loop.taken(info.manifest.step, info.manifest.cursor, self.clock())
+
+    def told(self, path: Path | None) -> None:
+        """Another rank: rank 0's newest durable checkpoint, as rank 0 told it."""
+        self.done.last_checkpoint = path
 
     def _durable(self, reason: Reason, info: CheckpointInfo, t0: float) -> None:
         """A synchronous save is durable."""
         self.loaded(info)
         t1 = self.clock()
-        self.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
+        self.done.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
         took = _log.duration(t1 - t0) + carry.summary(info.manifest)
         log.info("checkpoint %s (%s) written in %s", info.path, reason.value, took)
         self._said(info)
@@ -333,39 +329,9 @@ class SaveScheduler:
             self.on_durable(t1 - t0, t1, self.loop.global_step)
 
     def _said(self, info: CheckpointInfo) -> None:
-        if self.on_saved is not None and self.last_save is not None:
+        if self.on_saved is not None and self.done.last_save is not None:
             files = info.manifest.files if info.manifest is not None else {}
-            self.on_saved(self.last_save, sum(d.size for d in files.values()))
-
-    def _staging(self) -> Staging:
-        assert self.stager is not None  # (asked only while background saves are possible)
-        return self.stager
-
-    def _writer(self) -> Writer:
-        assert self.writer is not None  # (asked only after start())
-        return self.writer
-
-    def _copy(self, payload: Any) -> Any:
-        """The state copied into the staging buffers (lazily: see start()); None: save synchronously (from now on)."""
-        stager = self._staging()
-        try:
-            if self.lazy:
-                staged, self.pending = stager.stage_lazily(payload, self._lazy_sources())
-                return staged
-            return stager.stage(payload)
-        except (MemoryError, RuntimeError) as e:  # e.g. pinned memory refused
-            log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
-            self.stager = None
-            return None
-
-    def _staged_now(self, payload: Any) -> Any:
-        """For a synchronous save: ``payload`` copied into the staging buffers, whose files are then written without
-        the page cache (see :data:`~preempt.run.save_plan.STAGE_SYNCHRONOUS`); the live payload where that fails."""
-        try:
-            return self._staging().stage(payload)
-        except (MemoryError, RuntimeError) as e:
-            log.warning("could not copy the state into the staging buffers (%s); writing it from the tensors", e)
-            return payload
+            self.on_saved(self.done.last_save, sum(d.size for d in files.values()))
 
     def _lazy_sources(self) -> set[SourceKey]:
         """The storages of the tensors that only ``optimizer.step()`` changes: the parameters and its state."""
@@ -383,38 +349,34 @@ class SaveScheduler:
 
     def _optimizer_stepping(self, *_: Any) -> None:
         """The optimizer's pre-step hook: the lazy copies of the snapshot in flight are made first."""
-        if self.pending is not None:
-            self.pending.wait()
+        job = self.job
+        if isinstance(job, SaveJob) and job.staging is not None:
+            job.staging.wait()
 
     def _save_sharded(self, reason: Reason, manifest: Manifest, t0: float, payload: Any, live: Any) -> None:
         """Every rank copies its files (its pieces of the sharded state among them) into its buffers; then its writer
-        runs the distributed commit (:func:`preempt.cluster.distributed.save_ranked`; DCP writing the staged DTensors
-        that no file of pieces holds, if any) with the other ranks' writers, on their own group. Not cancellable: a
-        rank that left the commit's collectives alone would leave the others waiting; a stop waits for it instead."""
-        staged = self._staging().stage(payload)  # no fallback here: every rank must take the same path
-        writers, rank = self.writers, self.peers.rank
-        extra = None
-        if live is not None:
-            shards = sharded.staged(live, self.shard_stager.stage(sharded.local_payload(live)), self._shard_views)
-
-            def extra(tmp: Path) -> list[str]:
-                return sharded.save(tmp, shards, rank, writers.coord.group)
-
-        self._submit(
-            reason, manifest, t0, functools.partial(self._write_sharded, staged, manifest, extra), cancel=False
-        )
-
-    def _write_sharded(self, staged: Any, manifest: Manifest, extra: Callable[[Path], list[str]] | None) -> Any:
-        """The writer's thread: the distributed commit of a staged snapshot, with the other ranks' writers."""
-        return self.writers.save(self.manager, staged, manifest, extra, False)
+        runs the distributed commit with the other ranks' writers (:mod:`preempt.run.sharded_saves`). Not
+        cancellable: a stop waits for it."""
+        assert self.sharded is not None
+        staged = self.background.staging().stage(payload)  # no fallback here: every rank must take the same path
+        write = functools.partial(self.sharded.write, staged, manifest, self.sharded.extra(live))
+        self._submit(reason, manifest, t0, write, cancel=False)
 
     def _submit(
-        self, reason: Reason, manifest: Manifest, t0: float, write: Callable[[], CheckpointInfo], cancel: bool = True
+        self,
+        reason: Reason,
+        manifest: Manifest,
+        t0: float,
+        write: Callable[[], CheckpointInfo],
+        *,
+        staging: LazyCopy | None = None,
+        cancel: bool = True,
     ) -> None:
-        """Hands a staged snapshot's write to the background writer (``cancel``: a stop may cancel it)."""
+        """Hands a staged snapshot's write to the background writer (``staging``: its lazy copies, made first;
+        ``cancel``: a stop may cancel it)."""
         t1 = self.clock()
         record = SaveRecord(manifest.step, reason.value, t1 - t0, background=True)
-        self.last_save = record
+        self.done.last_save = record
         self.loop.taken(manifest.step, manifest.cursor, t1)
         event = threading.Event() if cancel else None
 
@@ -424,7 +386,7 @@ class SaveScheduler:
             with cancellable(event):
                 return write()
 
-        self.job = Job(JobKind.SAVE, self._writer().submit(job), record, reason, t0, event)
+        self.job = SaveJob(reason, record, self.background.running().submit(job), t0, staging, event)
         log.debug("step %d staged in %s; writing in the background", manifest.step, _log.duration(t1 - t0))
 
     def wait(self, timeout: float | None = None) -> Path | None:
@@ -434,11 +396,11 @@ class SaveScheduler:
             TimeoutError: The write still runs after ``timeout`` seconds.
             CheckpointWriteError: The write failed other than for want of disk.
         """
-        if self.job is not None and self.job.kind is not JobKind.RESERVE:  # a pool written ahead is nobody's checkpoint
+        if self.job is not None and not isinstance(self.job, ReserveJob):  # a pool written ahead is nobody's checkpoint
             if not futures.wait([self.job.future], timeout).done:
                 raise TimeoutError(f"the background write of a checkpoint still runs after {timeout} s")
             self.collect()
-        return self.last_checkpoint
+        return self.done.last_checkpoint
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Waits for the job in flight to end without taking its outcome (the next safe point takes it)."""
@@ -456,32 +418,38 @@ class SaveScheduler:
         if job is None:
             return
         self.job = None
-        lazy = None
-        if job.kind is JobKind.SAVE:
-            lazy, self.pending = self.pending, None
         try:
             result, error = job.future.result(), None
         except Exception as e:
             result, error = None, e
-        self._writer().join()  # its thread has ended: it holds nothing of the state now
+        self.background.running().join()  # its thread has ended: it holds nothing of the state now
         outcome = outcome_of(job.kind, error)
         if outcome in _NOT_ON_DISK:
             self.loop.changed()  # that state is not on disk: a stop or the end must save again
             self.postponed = None  # a failed periodic write is retried when the next save is due
+        if isinstance(job, SaveJob):
+            self._saved(job, outcome, result, error)
+            return
+        bg = self.background
         match outcome:
             case Outcome.PREPARED:
-                self.prepare_s = (self.prepare_s or 0.0) + result
-                self.reserve_due = self.prepare_at is None  # sized for the whole state: its files' sizes are known
+                bg.prepare_s = (bg.prepare_s or 0.0) + result
+                self.pool.due = bg.prepare_at is None  # sized for the whole state: its files' sizes are known
             case Outcome.PREPARE_FAILED:
                 log.warning("async_save: could not allocate the staging buffers (%r); saving synchronously", error)
-                self.stager = None
+                bg.stager = None
             case Outcome.RESERVED:
-                log.debug("%s written ahead in %s, for the next save to write over", result, self._since(job))
+                assert isinstance(job, ReserveJob)
+                log.debug("%s written ahead in %s, for the next save to write over", result, self._since(job.started))
             case Outcome.RESERVE_FAILED:
                 if not isinstance(error, WriteCancelled):
                     log.warning("%s: could not write a pool ahead for the saves: %r", self.manager.save_dir, error)
+
+    def _saved(self, job: SaveJob, outcome: Outcome, result: Any, error: BaseException | None) -> None:
+        """What came of a checkpoint written in the background: one handler per :class:`Outcome`."""
+        match outcome:
             case Outcome.WRITTEN:
-                self._written(job, result, lazy)
+                self._written(job, result)
             case Outcome.TORN:
                 self._torn(job, error)
             case Outcome.CHANGED:
@@ -489,42 +457,37 @@ class SaveScheduler:
             case Outcome.CANCELLED:
                 log.info(
                     "the background write of step %d (%s) was cancelled after %s: the stop saves the current state",
-                    *self._what(job),
-                    self._since(job),
+                    job.record.step,
+                    job.reason.value,
+                    self._since(job.started),
                 )
             case Outcome.NOT_WRITTEN:
-                assert isinstance(error, OSError) and job.reason is not None and job.record is not None
+                assert isinstance(error, OSError)
                 self._failed(job.reason, error, step=job.record.step)
             case Outcome.LOCK_LOST:
                 assert error is not None
                 raise error  # the save_dir is no longer this run's: the run ends, nothing more is written there
             case Outcome.BROKEN:
-                last = self.last_checkpoint
+                last = self.done.last_checkpoint
                 raise CheckpointWriteError(
-                    f"the background write of checkpoint {checkpoint_name(self._what(job)[0])} in"
+                    f"the background write of checkpoint {checkpoint_name(job.record.step)} in"
                     f" {self.manager.save_dir} failed: {error!r}; the last good checkpoint is {last or '(none)'}",
                     None if last is None else str(last),
                 ) from error
 
-    def _since(self, job: Job) -> str:
-        return _log.duration(self.clock() - job.started)
+    def _since(self, started: float) -> str:
+        return _log.duration(self.clock() - started)
 
-    @staticmethod
-    def _what(job: Job) -> tuple[int, str]:
-        """A save job's step and reason."""
-        assert job.record is not None
-        return job.record.step, job.record.reason
-
-    def _written(self, job: Job, info: CheckpointInfo, lazy: Any) -> None:
+    def _written(self, job: SaveJob, info: CheckpointInfo) -> None:
         """A background checkpoint is durable."""
-        assert job.record is not None
         now = self.clock()
+        lazy = job.staging
         stall = job.record.stall_s + (lazy.waited if lazy is not None else 0.0)  # and the optimizer's wait, if lazy
-        self.last_save = dataclasses.replace(job.record, stall_s=stall, write_s=now - job.started, path=info.path)
-        self.last_info, self.last_checkpoint = info, info.path
+        self.done.last_save = dataclasses.replace(job.record, stall_s=stall, write_s=now - job.started, path=info.path)
+        self.done.last_info, self.done.last_checkpoint = info, info.path
         # Routine checkpoints written in the background say so at DEBUG: a run would print little else.
         log.log(
-            logging.DEBUG if job.reason in _ROUTINE else logging.INFO,
+            logging.DEBUG if job.reason in POSTPONABLE else logging.INFO,
             "checkpoint %s (%s) written in %s in the background%s; the loop waited %s",
             info.path,
             job.record.reason,
@@ -536,11 +499,10 @@ class SaveScheduler:
         if self.on_durable is not None:
             self.on_durable(now - job.started, now, info.step)
 
-    def _torn(self, job: Job, error: BaseException | None) -> None:
+    def _torn(self, job: SaveJob, error: BaseException | None) -> None:
         """A lazy snapshot was changed before its copy was made: it is not written; copies are made at the step
         from now on, and the state is due again."""
-        self.lazy = False
-        assert job.record is not None
+        self.background.lazy = False
         log.warning(
             "the checkpoint of step %d is not written: %s (something other than optimizer.step() changes it"
             " between steps); checkpoints copy the state at the step from now on",
@@ -548,12 +510,12 @@ class SaveScheduler:
             error,
         )
 
-    def _changed(self, job: Job, error: BaseException | None) -> None:
+    def _changed(self, job: SaveJob, error: BaseException | None) -> None:
         """A tensor the writer read where it lives was changed meanwhile: that checkpoint is not committed; the
         frozen base is copied at the step from now on, and the state is due again."""
-        assert job.record is not None
-        if self.stager is not None:
-            self.stager.live = frozenset()
+        stager = self.background.stager
+        if stager is not None:
+            stager.live = frozenset()
         log.warning(
             "the checkpoint of step %d is not written: %s (a tensor no optimizer holds, read without a copy, changed"
             " between steps); checkpoints copy the frozen base at the step from now on",
@@ -572,12 +534,10 @@ class SaveScheduler:
 
     def close(self) -> None:
         """At the end of the run: a write in flight is a consistent state, so it may become durable."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self.background.unhook()
         if self.job is None:
             return
-        if self.job.kind is JobKind.RESERVE:
+        if isinstance(self.job, ReserveJob):
             self.cancel()
             return
         try:
@@ -587,13 +547,15 @@ class SaveScheduler:
 
     def _prepare(self, payload: Any) -> None:
         """Sizes the staging buffers for the state in the background (allocated and touched once)."""
-        stager, writer, shard_stager = self.stager, self.writer, self.shard_stager
+        bg = self.background
+        shard_stager: Any = None if self.sharded is None else self.sharded.stager
+        stager, writer = bg.stager, bg.writer
         if stager is None or writer is None or self.job is not None:
             return
         shards = None
         if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
             payload, live = self.snapshot.content()
-            shards = None if live is None else sharded.local_payload(live)
+            shards = ShardedSaves.pieces(live)
         nbytes = payload_nbytes(payload, stager.live) + (0 if shards is None else payload_nbytes(shards))
         available = host_memory_available()
         if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:
@@ -604,7 +566,7 @@ class SaveScheduler:
                 int(MEMORY_SHARE * 100),
                 _log.size(available),
             )
-            self.stager = None
+            bg.stager = None
             return
 
         def job() -> float:
@@ -617,8 +579,8 @@ class SaveScheduler:
         # the pool written ahead: not for the frozen base, which is mostly carried (a pool of its size would be
         # written at every start of the job for the rare checkpoint that writes the base afresh)
         files = {name: ts for name, (ts, _) in payload.tensor_files.items() if name not in stager.live}
-        self.sizes = {name: sum(t.nbytes for t in ts.values()) for name, ts in files.items()}
-        self.job = Job(JobKind.PREPARE, writer.submit(job))
+        self.pool.sizes = {name: sum(t.nbytes for t in ts.values()) for name, ts in files.items()}
+        self.job = PrepareJob(writer.submit(job))
 
     def idle(self) -> None:
         """At the end of a safe point: starts writing a pool ahead when one is due and the writer is free.
@@ -626,17 +588,16 @@ class SaveScheduler:
         Not earlier in the safe point: a save taken there would cancel it at once. The pool is written when
         ``save_dir`` has none (:func:`preempt.checkpoint.recycle.reserve`).
         """
-        manager, sizes = self.manager, self.sizes
-        if not self.reserve_due or self.job is not None:
+        manager = self.manager
+        if self.job is not None:
             return
-        self.reserve_due = False
-        if self.writers is not None or not (manager.owner and manager.retention.recycle and any(sizes.values())):
-            return
-        if recycle.pools(manager.save_dir):
+        wanted = self.sharded is None and manager.owner and manager.retention.recycle
+        sizes = self.pool.take(manager.save_dir, wanted=wanted)
+        if sizes is None:
             return
         cancel = threading.Event()
         job = functools.partial(self._reserve, sizes, cancel)
-        self.job = Job(JobKind.RESERVE, self._writer().submit(job), started=self.clock(), cancel=cancel)
+        self.job = ReserveJob(self.background.running().submit(job), self.clock(), cancel)
 
     def _reserve(self, sizes: dict[str, int], cancel: threading.Event) -> Path:
         """The writer's thread: a pool of files written ahead, until a save cancels it."""
@@ -645,7 +606,7 @@ class SaveScheduler:
 
     def _failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
         loop = self.loop
-        self.failed += 1
+        self.done.failed += 1
         code = (
             f" ({errno.errorcode[error.errno]})" if error.errno is not None and error.errno in errno.errorcode else ""
         )
@@ -655,7 +616,7 @@ class SaveScheduler:
             f" {error.strerror or error}{code}"
         )
         _testing.emit("checkpoint_failed", step=step, reason=reason.value, errno=error.errno)
-        info = self.last_info
+        info = self.done.last_info
         if info is None or info.manifest is None:
             last, last_good = "there is no earlier checkpoint", None
         else:

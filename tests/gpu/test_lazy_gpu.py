@@ -77,7 +77,7 @@ def lazy_run_to_step_3(tmp_path: Path):
         run.step()  # step 2 is snapshotted: its copies are queued behind the hold
         assert run.last_save.step == 2 and not run.last_save.durable
         want = snapshot(model, opt)  # on the loop's stream, before step 3's optimizer
-        pending = run.saves.pending
+        pending = run.saves.job.staging  # the snapshot's staging completion: its copies still to be made
         train_step(model, opt, x)  # step 3: its optimizer.step() is queued after the copies
         copies_done = [e.query() for e in pending.streamed.copied.values()]
         run.step()

@@ -19,6 +19,7 @@ from preempt.run.config import RunConfig
 from preempt.run.loop_state import LoopState
 from preempt.run.peers import Alone
 from preempt.run.resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
+from preempt.run.save_policy import Reason
 from preempt.run.stopping import Stopper
 
 # ---------------------------------------------------------------------------- LoopState
@@ -98,11 +99,11 @@ def test_a_process_alone_agrees_with_itself():
     alone = Alone()
     assert alone.leader and alone.alone and (alone.rank, alone.world_size) == (0, 1)
     assert alone.every == 0  # no fixed meeting steps: the safe point runs when something is due
-    a = alone.agree(False, 4)
-    assert (a.stop, a.save, a.signal_rank) == (False, 4, -1)
-    a = alone.agree(True, 0)
-    assert (a.stop, a.save, a.signal_rank) == (True, 0, 0)
-    assert alone.agree(False, 0, walltime_stop=True).stop
+    a = alone.agree(False, Reason.PER_EPOCH)
+    assert (a.stop, a.save, a.signal_rank) == (False, Reason.PER_EPOCH, -1)
+    a = alone.agree(True, None)
+    assert (a.stop, a.save, a.signal_rank) == (True, None, 0)
+    assert alone.agree(False, None, walltime_stop=True).stop
     assert alone.broadcast(("x", 1)) == ("x", 1)
 
 

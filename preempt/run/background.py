@@ -1,0 +1,122 @@
+"""What a background save needs: the staging buffers, the writer thread, and lazy copies.
+
+:class:`Background` holds the staging buffers (:class:`~preempt.checkpoint.staging.Stager`) and the background
+writer (:class:`~preempt.checkpoint.staging.BackgroundWriter`) once a run may save in the background, when the
+buffers are to be sized for the optimizer's state, how long sizing them took, and whether snapshots are lazy (the
+copies made by the writer while the loop runs on, the optimizer's pre-step hook waiting for them). It copies a
+payload into the buffers, falling back to synchronous saves where host memory refuses. The scheduler
+(:mod:`preempt.run.save_scheduler`) decides what runs on the writer and when.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from .. import _log
+from ..checkpoint import state
+from ..checkpoint.staging import BackgroundWriter, LazyCopy, SourceKey, Stager
+
+log = _log.log
+
+
+class Writer(Protocol):
+    """What the scheduler asks of its background writer (:class:`~preempt.checkpoint.staging.BackgroundWriter`)."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def submit(self, job: Callable[[], Any]) -> Future[Any]: ...
+
+    def join(self) -> None: ...
+
+
+class Staging(Protocol):
+    """What the scheduler asks of its staging buffers (:class:`~preempt.checkpoint.staging.Stager`)."""
+
+    live: frozenset[str]  # files read where their tensors live, never copied
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def pinned(self) -> bool: ...
+
+    def prepare(self, payload: state.Payload) -> None: ...
+
+    def stage(self, payload: state.Payload) -> state.Payload: ...
+
+    def stage_lazily(
+        self, payload: state.Payload, later: Collection[SourceKey]
+    ) -> tuple[state.Payload, LazyCopy | None]: ...
+
+
+class Background:
+    """The staging buffers and the writer of background saves (None until :meth:`open`, the buffers None again once
+    host memory refused them: saves are synchronous from then on).
+
+    Args:
+        writer: Makes the background writer (a seam for tests).
+        stager: Makes staging buffers (a seam for tests).
+    """
+
+    def __init__(self, writer: Callable[[], Writer] = BackgroundWriter, stager: Callable[[], Staging] = Stager) -> None:
+        self.new_writer, self.new_stager = writer, stager
+        self.stager: Staging | None = None  # while background saves are possible
+        self.writer: Writer | None = None
+        self.lazy = False  # snapshots are lazy: see SaveScheduler.start()
+        self.hook: Any = None  # the optimizer's pre-step hook that waits for a lazy snapshot's copies
+        self.prepare_at: int | None = None  # the step after which the buffers are sized for the optimizer
+        self.prepare_s: float | None = None  # seconds spent allocating the staging buffers (background)
+
+    def open(self) -> None:
+        """Background saves from now: the buffers and the writer are made."""
+        self.stager, self.writer = self.new_stager(), self.new_writer()
+
+    @property
+    def pinned(self) -> bool:
+        """The staging buffers are in pinned (page-locked) host memory."""
+        return self.stager is not None and self.stager.pinned
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.stager is None else self.stager.nbytes
+
+    def staging(self) -> Staging:
+        assert self.stager is not None  # (asked only while background saves are possible)
+        return self.stager
+
+    def running(self) -> Writer:
+        assert self.writer is not None  # (asked only after open())
+        return self.writer
+
+    def copy(
+        self, payload: state.Payload, later: Callable[[], Collection[SourceKey]]
+    ) -> tuple[state.Payload | None, LazyCopy | None]:
+        """The state copied into the staging buffers, and the copies still to make when lazy (``later``: the
+        storages that only ``optimizer.step()`` changes); (None, None): save synchronously (from now on)."""
+        stager = self.staging()
+        try:
+            if self.lazy:
+                return stager.stage_lazily(payload, later())
+            return stager.stage(payload), None
+        except (MemoryError, RuntimeError) as e:  # e.g. pinned memory refused
+            log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
+            self.stager = None
+            return None, None
+
+    def staged_now(self, payload: state.Payload) -> state.Payload:
+        """For a synchronous save: ``payload`` copied into the staging buffers, whose files are then written without
+        the page cache (see :data:`~preempt.run.save_plan.STAGE_SYNCHRONOUS`); the live payload where that fails."""
+        try:
+            return self.staging().stage(payload)
+        except (MemoryError, RuntimeError) as e:
+            log.warning("could not copy the state into the staging buffers (%s); writing it from the tensors", e)
+            return payload
+
+    def unhook(self) -> None:
+        """The optimizer's pre-step hook removed (the run's end)."""
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
