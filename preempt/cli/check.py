@@ -50,6 +50,7 @@ from typing import Any
 
 from ..checkpoint.manager import CheckpointManager
 from ..cluster.environment import CHECK_VARIABLE, CheckSpec
+from ..errors import PreemptError
 from .output import emit
 
 EXACT, NOT_EXACT, CANNOT = 0, 1, 2
@@ -57,9 +58,11 @@ DEFAULT_STEPS = 30
 """N when neither ``--steps`` nor ``--stop-at`` is given."""
 AFTER_LAST_STOP = 10
 """N is this many steps past the last ``--stop-at`` when ``--steps`` is not given."""
-WINDOW = 64
-"""At most this many compared steps; past it, :data:`AFTER_STOP` steps after each stop and some spread to N."""
-AFTER_STOP = 8
+WINDOW = 24
+"""At most about this many compared steps (each a checkpoint of the trial's and of the second reference's, read
+back and compared); past it, each stop and the :data:`AFTER_STOP` steps after it (where a resume's divergence shows
+first), and steps spread evenly up to N."""
+AFTER_STOP = 4
 GUIDE = "README_PREEMPTION.md, 'Check that your loop resumes exactly'"
 SUMMARY = "prove that COMMAND resumes exactly: run it straight and stopped, compare every tensor"
 EXIT_CODES = """\
@@ -362,6 +365,8 @@ def run_to(command: Sequence[str], spec: CheckSpec, targets: Sequence[int], run:
         run.seconds += time.monotonic() - t0
         run.codes.append(code)
         steps = _steps_in(save_dir)
+        if target in steps and max(steps) > target:
+            raise CannotCheck(f"the {run.name} run did not stop at step {target}: it went on to step {max(steps)}")
         if target in steps:
             continue
         shown = "killed by a signal" if code < 0 else f"exit code {code}"
@@ -462,11 +467,14 @@ def main(argv: Sequence[str]) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="preempt-check-"))
     try:
         doc = check(command, args.stop_at, args.signal == "KILL", args.steps, scratch)
-    except CannotCheck as e:
+    except (CannotCheck, PreemptError) as e:  # PreemptError: a checkpoint of the check's that cannot be read
         if args.json:
             emit({"error": str(e), "exit_code": CANNOT})
         print(f"preempt check: {e}", file=sys.stderr)
         return CANNOT
+    except KeyboardInterrupt:
+        print("preempt check: interrupted", file=sys.stderr)
+        return 130
     finally:
         if args.keep:
             print(f"preempt check: scratch kept in {scratch}", file=sys.stderr)
