@@ -84,9 +84,18 @@ class Noisy(Dataset):
         return {"x": self.x[i] + 0.1 * torch.randn(4), "y": self.y[i]}
 
 
-def train(save_dir, stop_at: int | None, *, accumulate: int = 2, precision: str = "bf16", dispatch: bool = False):
-    """The issue's loop on a tiny model: everything through accelerator.prepare, dropout, a draw per step. ``stop_at``:
-    a stop requested in the micro-batch before that step is counted (the run saves and leaves at that step)."""
+def train(
+    save_dir,
+    stop_at: int | None,
+    *,
+    accumulate: int = 2,
+    precision: str = "bf16",
+    dispatch: bool = False,
+    save_state: bool = False,
+):
+    """The guide's Accelerate loop on a tiny model: everything through accelerator.prepare, dropout, a draw per step.
+    ``stop_at``: a stop requested in the micro-batch before that step is counted (the run saves and leaves at that
+    step). ``save_state``: Accelerate's own ``save_state`` at each epoch's end, into ``save_dir``/../accelerate."""
     config = DataLoaderConfiguration(dispatch_batches=dispatch) if dispatch else None
     accelerator = accelerate.Accelerator(
         cpu=True, gradient_accumulation_steps=accumulate, mixed_precision=precision, dataloader_config=config
@@ -112,6 +121,8 @@ def train(save_dir, stop_at: int | None, *, accumulate: int = 2, precision: str 
                     optimizer.zero_grad()
                 run.step()
                 counted.append(run.global_step)
+            if save_state:
+                accelerator.save_state(str(save_dir.parent / "accelerate" / f"epoch_{run.epoch}"))
     out = {f"model.{k}": v for k, v in accelerator.unwrap_model(model).state_dict().items()}
     inner = optimizer.optimizer
     out.update({f"opt.{i}.{k}": v for i, s in inner.state.items() for k, v in s.items() if torch.is_tensor(v)})
@@ -219,3 +230,45 @@ def test_the_order_is_preempt_s_and_the_user_s_sampler_is_kept(tmp_path):
                 order = ResumableSampler(DATA, seed=seed).order(epoch)
                 assert loader.base_dataloader.sampler.order(epoch).tolist() == order.tolist()
         assert seen == [0] * 4 + [1] * 4
+
+
+def test_accelerate_s_save_state_and_load_state_keep_working_beside_the_run(tmp_path):
+    """Accelerate's own milestone saves in the loop (save_state at each epoch's end) change nothing of the run's
+    exactness, and load_state of the last one into a new Accelerator gives the final model and optimizer."""
+    want, _ = train(tmp_path / "whole", None)
+    with pytest.raises(SystemExit):
+        train(tmp_path / "run", 7, save_state=True)
+    got, _ = train(tmp_path / "run", None, save_state=True)
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision="bf16")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.load_state(str(tmp_path / "accelerate" / "epoch_2"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[f"model.{k}"]), k
+    inner = optimizer.optimizer.state
+    assert all(
+        torch.equal(inner[i][k], want[f"opt.{i}.{k}"]) for i in inner for k in inner[i] if torch.is_tensor(inner[i][k])
+    )
+
+
+def test_the_scaler_of_a_prepared_optimizer_is_saved_and_restored_without_being_passed(tmp_path):
+    """Accelerate's fp16 GradScaler lives in its optimizer wrapper (on a GPU; tests/gpu/test_accelerate_fp16.py
+    trains with it): a real AcceleratedOptimizer holding a real GradScaler, its scale saved and put back."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    accelerate.Accelerator(cpu=True)  # (Accelerate's state, which its optimizer reads)
+
+    def run_once(scale: float) -> torch.amp.GradScaler:
+        model = torch.nn.Linear(4, 2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+        with PreemptibleRun(tmp_path, model=model, optimizer=optimizer, log_file=False, exit_if_complete=False) as run:
+            assert run.components.scaler is scaler
+            for _ in run.epochs(run.epoch + 1):
+                pass
+        return scaler
+
+    run_once(2.0**7)
+    assert run_once(2.0**3).get_scale() == 2.0**7

@@ -120,6 +120,17 @@ def test_a_loader_s_dataset_can_be_swapped_after_construction():
     assert loader.dataset == [4, 5, 6] and [int(b) for b in loader] == [4, 5, 6]
 
 
+def test_a_loader_s_samplers_can_be_set_after_construction():
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    loader = DataLoader(list(range(6)), batch_size=2, shuffle=True)
+    with pytest.raises(ValueError):
+        loader.batch_sampler = None  # refused, as the dataset is
+    order = SequentialSampler(range(6))
+    compat.set_samplers(loader, order, BatchSampler(order, 3, False))
+    assert loader.sampler is order and len(loader) == 2 and [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+
+
 LOCAL_PIECE = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
