@@ -147,3 +147,40 @@ def test_inside_a_check_the_run_keeps_everything_and_touches_nothing_of_the_user
     assert c.retention().keep_last is None
     # the rest is the user's
     assert dataclasses.replace(c, **{f: getattr(user, f) for f in ("exit_code", "signals")}) == c
+
+
+def _doc(**over):
+    doc = {
+        "verdict": "exact",
+        "steps": 9,
+        "stops": [5],
+        "signal": "TERM",
+        "compared_steps": [5, 6, 7, 8, 9],
+        "first_diverging_step": None,
+        "equal_until": None,
+        "differs_paths": [],
+        "nondeterministic_paths": [],
+        "hint": None,
+    }
+    return {**doc, **over}
+
+
+def test_render_a_table_and_a_last_line_that_says_exact_or_not():
+    exact = check.render(_doc()).splitlines()
+    assert exact[0].split()[:2] == ["run", "stops"] and "trial" in exact[3] and "TERM at 5" in exact[3]
+    assert exact[-1].startswith("exact: stopped (TERM) at step 5") and "steps 5 to 9" in exact[-1]
+    bad = check.render(
+        _doc(
+            verdict="not exact",
+            first_diverging_step=6,
+            equal_until=5,
+            differs_paths=["model.w", "rng.now.torch"],
+            hint="the first step after the resume at step 5 already differs",
+        )
+    ).splitlines()
+    assert bad[-1] == "not exact: the resumed run first differs at step 6: model.w, the global torch RNG"
+    assert bad[-2].startswith("hint: the first step after the resume")
+    gap = check.render(_doc(verdict="not exact", first_diverging_step=9, equal_until=7, differs_paths=["model.w"]))
+    assert "a step after 7, by step 9" in gap.splitlines()[-1]
+    noisy = check.render(_doc(nondeterministic_paths=["user.clock"])).splitlines()
+    assert "nondeterministic: user_state.clock" in noisy[2] and noisy[-1].endswith("user_state.clock")
