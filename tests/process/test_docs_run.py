@@ -146,7 +146,25 @@ rows = [{"x": torch.randn(8), "labels": torch.tensor(i % 2)} for i in range(32)]
 train_loader = DataLoader(rows, batch_size=4, shuffle=True)
 '''
 
-PRELUDES = {"loop": COMMON, "in_run": COMMON, "in_epoch": COMMON, "lightning": LIGHTNING, "hf": HF}
+NANOGPT = (
+    COMMON
+    + """
+import contextlib
+
+data = torch.randint(0, 16, (512,), generator=torch.Generator().manual_seed(0))
+model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+_forward = model.forward
+model.forward = lambda x, y: torch.nn.functional.cross_entropy(_forward(x).view(-1, 16), y.view(-1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ctx, max_iters = contextlib.nullcontext(), 12
+
+
+def get_batch():
+    ix = torch.randint(len(data) - 9, (4,))
+    return torch.stack([data[i : i + 8] for i in ix]), torch.stack([data[i + 1 : i + 9] for i in ix])
+"""
+)
+PRELUDES = {"loop": COMMON, "in_run": COMMON, "in_epoch": COMMON, "lightning": LIGHTNING, "hf": HF, "nanogpt": NANOGPT}
 PRELUDES["accelerate"] = ACCELERATE
 # The context a fragment needs: the run (``in_run``) or also an epoch (``in_epoch``) around it.
 WRAP = {

@@ -101,3 +101,59 @@ def test_a_torchvision_style_classifier_with_augmenting_workers_resumes_bit_exac
     r = run_to_end([*base, "--final_out", str(final)])
     assert r.events_of("resume", step=14), r.events
     assert_same_final(reference(CLASSIFIER, []), final)
+
+
+HYDRA = USERS / "hydra_lightning" / "train.py"
+
+
+def hydra_run(root: Path, overrides: list[str], final: Path | None = None, *, group: bool = False) -> Spawned:
+    pytest.importorskip("hydra", reason="Hydra is not installed (pip install -e '.[test]')")
+    pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[lightning]')")
+    env = {"FINAL_OUT": str(final)} if final else {}
+    return Spawned([sys.executable, str(HYDRA), f"paths.root_dir={root}", *overrides], env, session=group)
+
+
+@pytest.mark.parametrize(
+    ("sig", "group", "overrides", "resumed_at"),
+    [
+        (signal.SIGTERM, False, [], 12),
+        (signal.SIGTERM, True, [], 12),
+        (
+            signal.SIGKILL,
+            False,
+            ["+callbacks.preempt.checkpoint_every_steps=5", "+callbacks.preempt.async_save=false"],
+            10,
+        ),
+    ],
+    ids=["sigterm", "group_sigterm", "sigkill"],
+)
+def test_a_hydra_lightning_project_resumes_bit_exact(tmp_path, sig, group, overrides, resumed_at):
+    """Stopped at step 12: the last step of epoch 0, with a validation due after it (val_check_interval=6), which
+    runs before the stop's checkpoint. Its ModelCheckpoint, EarlyStopping and logged validation losses end as the
+    uninterrupted run's; the module's ``net`` and ``functools.partial`` hyper-parameters do not block the run."""
+    root = tmp_path / "project"
+    ref = hydra_run(tmp_path / "ref", overrides, tmp_path / "ref.safetensors")
+    assert ref.finish(timeout=300) == 0, ref.output
+    assert "Lightning hyper-parameters net, optimizer, scheduler are kept in checkpoints by type" in ref.output
+    p = hydra_run(root, [*overrides, "callbacks.steps.hold_at=12"], group=group)
+    assert p.wait_event("holding", point="step", n=12, timeout=180), p.output
+    if group:
+        os.killpg(p.proc.pid, sig)
+    else:
+        p.signal(sig)
+    assert p.finish(timeout=180) == (PREEMPTED if sig == signal.SIGTERM else -signal.SIGKILL), p.output
+    r = hydra_run(root, overrides, tmp_path / "final.safetensors")
+    assert r.finish(timeout=300) == 0, r.output
+    assert r.events_of("resume", step=resumed_at), r.events
+    assert not r.events_of("warning", message=lambda m: "Hydra output folder" in str(m)), r.events
+    assert_same_final(tmp_path / "ref.safetensors", tmp_path / "final.safetensors")
+
+
+def test_a_save_dir_inside_hydras_run_folder_is_warned_about_at_the_start(tmp_path):
+    """The template's mistake: ``save_dir: ${paths.output_dir}/preempt``, a folder Hydra makes anew at every run, so a
+    rerun starts fresh. The start says so, naming the fix, before any training."""
+    p = hydra_run(tmp_path, ["callbacks.preempt.save_dir=${paths.output_dir}/preempt", "trainer.max_epochs=1"])
+    assert p.finish(timeout=300) == 0, p.output
+    warned = [e for e in p.events_of("warning") if "Hydra output folder" in str(e.get("message"))]
+    assert len(warned) == 1, p.events
+    assert "save_dir: ${paths.root_dir}/preempt/${task_name}" in warned[0]["message"], warned
