@@ -58,11 +58,13 @@ def ls(
     done_problem: str | None = None,
     aside: dict[str, int] | None = None,
     pool: list[dict[str, Any]] | None = None,
+    hidden: int = 0,
 ) -> int:
     """Prints ls's table (or its JSON document) of ``infos``, newest first; returns its exit code (always 0).
 
     ``done``: complete.json's content when believed; ``aside``: checkpoints moved to quarantine/ and superseded/;
-    ``pool``: the recycling directories (a save_dir's; a mirror has none of them).
+    ``pool``: the recycling directories (a save_dir's; a mirror has none of them); ``hidden``: older checkpoints
+    not shown (a mirror's ls shows the newest, ``--all`` every one).
     """
     aside = {} if aside is None else aside
     pool = [] if pool is None else pool
@@ -112,6 +114,7 @@ def ls(
                 "recycled": pool,
                 "checked": LS_CHECKED,
                 "checkpoints": rows,
+                "not_shown": hidden,
             }
         )
         return EXIT_OK
@@ -145,6 +148,8 @@ def ls(
             if r["problem"]:
                 print(f"    {r['problem']}")
         print(place.checked)
+    if hidden:
+        print(f"{hidden} older step(s) not shown (nor their manifests read): --all shows every one")
     if best.metric:
         print(f"best: {best.metric} ({best.mode})" if best.mode else f"best: {best.problem}")
     for where, n in aside.items():

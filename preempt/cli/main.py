@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
         "objects missing (an upload not finished or cut off); corrupt: a manifest that does not parse, an object\n"
         "of another size.",
         mirror=True,
+    ).add_argument(
+        "--all",
+        action="store_true",
+        help="on a mirror's URL: every step (default: the newest 20, the only manifests read); a save_dir: always all",
     )
     p = add(
         "verify",

@@ -5,7 +5,8 @@ The mirror (:mod:`preempt.mirror`) keeps a save_dir's layout as object names: ``
 manifest uploaded last, the run's records (train.log, history.jsonl) at the prefix's root. Each command reads what
 its local twin reads and hands it to the same code:
 
-- ``ls``: one listing of the prefix and each step's manifest (parsed by the strict parser, capped): a step is
+- ``ls``: one listing of the prefix and the manifest of each of the newest SHOWN steps (``--all``: every step's;
+  read side by side, parsed by the strict parser, capped): a step is
   complete (``valid``) when its manifest is there and every object it lists is there with its size
   (:func:`preempt.mirror.plan.is_complete`, the rule the run pulls by); ``incomplete`` names what is missing (an
   upload not finished, or cut off); ``corrupt``: a manifest that does not parse, or an object of another size.
@@ -35,10 +36,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import _log
+from .. import _log, _secrets
 from ..checkpoint import names, safe_io, tensorfile
 from ..checkpoint.files import check_file, read_manifest
 from ..checkpoint.lock import DirLock, LockedError
@@ -58,6 +60,8 @@ LS_CHECKED_TEXT = (
     "status checked: each manifest (parsed, its own checksum, its step) and that every object it lists is in the"
     " mirror's listing with its size; the data is not hashed: preempt verify URL downloads and hashes every object"
 )
+SHOWN = 20  # the newest steps ls URL shows (and reads the manifests of) without --all
+READERS = 8  # manifests read at once
 _MAX_STATE_JSON = 1 << 30  # inspect's own limit (preempt.cli.inspection): a larger state.json is not copied either
 _MAX_RNG_TENSOR = 1 << 20
 
@@ -75,6 +79,7 @@ class Mirror:
         self.url = store.display.rstrip("/")
         self.listing: dict[int, dict[str, int]] = {}
         self.manifest_bytes: dict[int, bytes] = {}
+        self.hidden = 0  # the older steps ls did not show (nor read the manifests of)
 
     def shown(self, text: str) -> str:
         return text.replace(str(self.tmp), self.url)
@@ -89,10 +94,38 @@ class Mirror:
 
     # -- what the mirror holds ---------------------------------------------------------------------------------
 
-    def infos(self) -> list[CheckpointInfo]:
-        """Every step under the prefix, newest first, as ls judges it (one listing, each manifest read once)."""
+    def infos(self, most: int | None = None) -> list[CheckpointInfo]:
+        """The newest ``most`` steps under the prefix (None: every one), newest first, as ls judges them: one
+        listing, and the manifest of each step judged, read side by side (READERS at once); older steps' manifests
+        are not read (their count is :attr:`hidden`)."""
         self.listing = self.store.steps()
-        return [self._info(step, objects) for step, objects in sorted(self.listing.items(), reverse=True)]
+        steps = sorted(self.listing, reverse=True)
+        self.hidden = 0 if most is None else max(0, len(steps) - most)
+        return self.judge(steps if most is None else steps[:most])
+
+    def judge(self, steps: list[int]) -> list[CheckpointInfo]:
+        """The listed ``steps`` judged (their manifests read side by side), in the order given."""
+        if len(steps) <= 1:
+            return [self._info(s, self.listing[s]) for s in steps]
+        with ThreadPoolExecutor(min(READERS, len(steps)), thread_name_prefix="preempt-ls") as pool:
+            return list(pool.map(lambda s: self._info(s, self.listing[s]), steps))
+
+    def chosen(self, selector: int | str) -> CheckpointInfo:
+        """The checkpoint STEP names, its manifest and as few others as the choice needs read: a step, that one;
+        ``latest``, the newest ones a round at a time until one is valid; ``best``, every one."""
+        if selector == "best":
+            return resolve(self.url, self.infos(), selector)
+        self.listing = self.store.steps()
+        steps = sorted(self.listing, reverse=True)
+        if isinstance(selector, int):
+            shown = [selector] if selector in self.listing else steps[:SHOWN]
+            return resolve(self.url, self.judge(shown), selector)
+        infos: list[CheckpointInfo] = []
+        size = READERS
+        while len(infos) < len(steps) and not any(c.status == "valid" for c in infos):
+            infos += self.judge(steps[len(infos) : len(infos) + size])
+            size = min(size * 4, 1000)
+        return resolve(self.url, infos, selector)
 
     def _info(self, step: int, objects: dict[str, int]) -> CheckpointInfo:
         from ..mirror.plan import is_complete
@@ -313,20 +346,22 @@ class _Relabel:
         self._stream, self._old, self._new = stream, old, new
 
     def write(self, text: str) -> int:
-        return self._stream.write(text.replace(self._old, self._new))
+        # (a secret the command holds is never printed: an older run may have recorded it in a manifest's argv)
+        return self._stream.write(_secrets.scrub(text.replace(self._old, self._new)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
 def cmd_ls(args: argparse.Namespace, mirror: Mirror) -> int:
-    return listing.ls(mirror.place(), mirror.infos(), as_json=args.json)
+    infos = mirror.infos(None if getattr(args, "all", False) else SHOWN)
+    return listing.ls(mirror.place(), infos, as_json=args.json, hidden=mirror.hidden)
 
 
 def cmd_verify(args: argparse.Namespace, mirror: Mirror) -> int:
-    infos = mirror.infos()
+    infos = mirror.infos() if args.step is None else []
     if args.step is not None:
-        infos = [resolve(mirror.url, infos, args.step)]
+        infos = [mirror.chosen(args.step)]
     if not infos:
         raise CommandFailed(EXIT_USAGE, f"{mirror.url}: no checkpoints (expected step_* objects under the prefix)")
     place = mirror.place()
@@ -336,7 +371,7 @@ def cmd_verify(args: argparse.Namespace, mirror: Mirror) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, mirror: Mirror) -> int:
-    info = resolve(mirror.url, mirror.infos(), "latest" if args.step is None else args.step)
+    info = mirror.chosen("latest" if args.step is None else args.step)
     inspection.inspectable(info)
     mirror.copy_for_inspect(info)
     return inspection.cmd_inspect(argparse.Namespace(**{**vars(args), "dir": mirror.tmp, "step": info.step}))

@@ -83,7 +83,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .. import _log, _testing
+from .. import _log, _secrets, _testing
 from ..checkpoint import safe_io
 
 LOG_FILE = "train.log"
@@ -427,7 +427,7 @@ class History:
             line = json.dumps(doc, separators=(",", ":"), allow_nan=False, default=_plain)
         except ValueError:  # a NaN or inf somewhere: the rare path
             line = json.dumps(_finite(doc), separators=(",", ":"), allow_nan=False)
-        data = (line + "\n").encode()
+        data = (_secrets.scrub(line) + "\n").encode()  # (a secret the run holds, by value: an error's text, a metric's)
         with self._lock:
             fd = self._fd
             if fd is None:

@@ -9,6 +9,7 @@ the manifest and falls back to the next older complete step (:func:`pull_candida
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Iterable, Mapping
 
@@ -157,6 +158,42 @@ def deletions(
     doomed = {s for s in mirrored if s not in kept}
     doomed |= {s for s in listing if s not in mirrored and s < newest}
     return sorted(doomed - skip)
+
+
+def undecided(
+    policy: RetentionPolicy,
+    mirrored: Mapping[int, Manifest],
+    unread: Iterable[int],
+    trusted: Iterable[int],
+) -> list[int]:
+    """The steps whose manifest :func:`deletions` needs read, newest first: those not read yet (``unread``) whose fate
+    retention cannot tell without it. Up to the newest trusted step only (retention counts no newer one); a policy
+    that keeps all, or ranks by a metric, needs every one; ``keep_last=K`` (and milestones at ``keep_every_steps``)
+    only the unread steps with fewer than K complete steps known above them: below those, a step is deleted whether
+    it is complete (not among the K newest) or not (debris). Given these as ``busy`` (kept for now),
+    :func:`deletions` of what was read deletes nothing that reading every manifest would keep: a complete step it
+    has not read can only push a known one further out of what is kept.
+
+    Args:
+        policy: The run's retention.
+        mirrored: The manifest of each complete step read so far.
+        unread: The steps whose listing shows a manifest not read yet.
+        trusted: The steps the run trusts (:func:`deletions`).
+    """
+    top = max((s for s in trusted if s in mirrored), default=None)
+    if top is None:
+        return []
+    steps = sorted((s for s in unread if s <= top), reverse=True)
+    if policy.keep_last is None or policy.keep_best:
+        return steps
+    known = sorted(s for s in mirrored if s <= top)
+    out = []
+    for step in steps:
+        above = len(known) - bisect.bisect_right(known, step)
+        every = policy.keep_every_steps
+        if above < policy.keep_last or (every and step % every == 0):
+            out.append(step)
+    return out
 
 
 def stop_deadline(deadline: float, time_left: float | None) -> float:

@@ -79,7 +79,7 @@ def pull(
         MirrorError: The mirror cannot be reached.
     """
     if step is not None:
-        surveyed = Surveyor(store).survey()
+        surveyed = Surveyor(store).survey(wanted=[step])
         if step not in surveyed.manifests:
             raise NoCheckpointError(f"mirror {store.display}: {_absent(surveyed, step)}")
         return fetch(store, Path(save_dir), step, surveyed, replace=replace).path
@@ -96,11 +96,15 @@ def pull_newest(
     newer_than: int | None = None,
     replace: bool = False,
     surveyed: Survey | None = None,
+    surveyor: Surveyor | None = None,
     clock: Callable[[], float] = time.monotonic,
     check: Callable[[Path], object] | None = None,
 ) -> Pulled | None:
     """The newest complete checkpoint of the mirror that verifies, newer than ``newer_than``, pulled into
-    ``save_dir``; None when the mirror has none newer.
+    ``save_dir``; None when the mirror has none newer. Manifests are read newest first, a round at a time, until one
+    verifies (:meth:`Surveyor.newest_complete`): older steps, however many, cost nothing but their listing.
+
+    ``surveyed``: a listing already made by ``surveyor`` (one is made when None).
 
     ``check``: called with each pulled checkpoint's path; a CorruptCheckpointError from it (a file whose digest
     matches its forged manifest but whose format does not hold: a pickle, an absurd tensor, a JSON bomb) moves that
@@ -110,9 +114,10 @@ def pull_newest(
         NoCheckpointError: There were candidates and none verified (each one's reason in ``corrupt``).
         MirrorError: The mirror cannot be reached.
     """
-    surveyed = surveyed if surveyed is not None else Surveyor(store).survey()
+    surveyor = surveyor if surveyor is not None else Surveyor(store)
+    surveyed = surveyed if surveyed is not None else surveyor.survey(wanted=())
     failed: list[str] = []
-    for step in plan.pull_candidates(surveyed.manifests, newer_than):
+    for step in surveyor.newest_complete(surveyed, newer_than):
         try:
             got = fetch(store, save_dir, step, surveyed, replace=replace, clock=clock)
             if check is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import re
 import time
 import urllib.parse
@@ -32,6 +33,7 @@ from typing import Any
 
 import xxhash
 
+from .. import _secrets
 from .._secrets import userinfo
 from ..checkpoint.hashed_io import FileDigest
 from ..checkpoint.names import checkpoint_name, parse_checkpoint_name
@@ -55,6 +57,9 @@ S3_RETRIES = 2  # s3fs's own retry loop around each call (S3FileSystem.retries: 
 OP_TIMEOUT = "op_timeout"
 DEFAULT_OP_TIMEOUT = 20.0
 MAX_KEYS = 1 << 20  # objects a listing of the prefix may hold
+LIST_PAGE = 1000  # objects asked for in each page of a listing (S3's most)
+LIST_PAGE_SECONDS = 5.0  # a listing's budget grows by this much a page (each page has op_timeout of its own)
+DELETE_BATCH = 1000  # objects deleted by one request (S3's DeleteObjects takes at most 1000)
 MIN_RATE = 1 << 20  # bytes per second: a slower transfer is taken for a hung one
 DOWNLOAD_CHUNK = 1 << 20  # bytes asked of a download's stream at a time (it hands what has arrived, up to this)
 RESUMES = 4  # times a download cut off mid-way is taken up again from where it stopped (as s3fs's get retries)
@@ -74,6 +79,14 @@ def redact(url: str) -> str:
         return "<a mirror URL that does not parse>"
     host = parts.netloc.rpartition("@")[2]
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def hold_secrets(url: str, options: Mapping[str, Any] | None) -> None:
+    """The secrets a mirror is reached with kept out of everything this process records and prints
+    (:mod:`preempt._secrets`): the URL's credentials, the values of ``options`` under secret-like keys, and the AWS
+    variables the client reads (``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ...), as botocore reads them."""
+    _secrets.hold(_secrets.of_mirror(url, options))
+    _secrets.hold(_secrets.of_environ(os.environ))
 
 
 def check_name(name: str) -> str:
@@ -103,6 +116,7 @@ class MirrorStore:
             raise ValueError(f"mirror: expected a URL such as 's3://bucket/prefix', found {redact(str(url))!r}")
         self.url = url
         self.display = redact(url)
+        hold_secrets(url, options)
         self.clock = time.monotonic  # what a transfer's pace is measured by (a test's own clock too)
         self.sleep = time.sleep  # the pause before a cut-off download is taken up again
         opts = dict(options or {})
@@ -214,18 +228,29 @@ class MirrorStore:
         return found
 
     def _list_s3(self) -> dict[str, Any]:
-        """The prefix listed page by page, each page with the time of one operation (a listing of many pages that
-        all answer is never "no answer"), and at most :data:`MAX_KEYS` objects (a bucket's count is not ours to
-        pay for without end)."""
+        """The prefix listed page by page: each page with the time of one operation, the listing as a whole
+        :meth:`list_budget` of the pages it has so far (a listing of many pages that all answer is never "no
+        answer"; one whose pages all crawl in just under their time ends), and at most :data:`MAX_KEYS` objects (a
+        bucket's count is not ours to pay for without end)."""
         bucket, _, prefix = self.root.partition("/")
         found: dict[str, Any] = {}
         token: str | None = None
+        start, pages = self.clock(), 0
         while True:
-            page: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{prefix}/" if prefix else "", "MaxKeys": 1000}
+            page: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{prefix}/" if prefix else "", "MaxKeys": LIST_PAGE}
             if token:
                 page["ContinuationToken"] = token
-            with self._op("list", None):
-                got = self.fs.call_s3("list_objects_v2", **page, **self._limit())
+            spent = self.clock() - start
+            left = self.list_budget(pages + 1) - spent
+            if left <= 0:
+                raise MirrorError(
+                    f"mirror {self.display}: listing not finished after {pages} pages ({len(found)} objects) in"
+                    f" {spent:.0f} s, its budget ({self.op_timeout:g} s and {LIST_PAGE_SECONDS:g} s a page:"
+                    f" mirror_options[{OP_TIMEOUT!r}])"
+                )
+            with self._op(f"list (page {pages + 1} of)", None):
+                got = self.fs.call_s3("list_objects_v2", **page, timeout=min(self.op_timeout, left))
+            pages += 1
             for obj in got.get("Contents") or ():
                 found[f"{bucket}/{obj['Key']}"] = {"size": obj.get("Size", 0), "type": "file"}
             if len(found) > MAX_KEYS:
@@ -235,7 +260,12 @@ class MirrorStore:
                 )
             token = got.get("NextContinuationToken")
             if not got.get("IsTruncated") or not token:
+                log.debug("mirror %s: listed %d objects in %d pages, %.2f s", self.display, len(found), pages, spent)
                 return found
+
+    def list_budget(self, pages: int) -> float:
+        """Seconds a listing of ``pages`` pages may take in all: one operation's time, and LIST_PAGE_SECONDS a page."""
+        return self.op_timeout + pages * LIST_PAGE_SECONDS
 
     def read(self, step: int | None, name: str, limit: int) -> bytes:
         """The bytes of one object, at most ``limit`` (more is an error, read no further than ``limit + 1``)."""
@@ -354,6 +384,35 @@ class MirrorStore:
         with self._op("delete", self.where(step)), contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True, **self._limit())
 
+    def delete_steps(self, listing: Mapping[int, Mapping[str, int]]) -> None:
+        """Deletes the objects ``listing`` names (step: object names), every manifest first (no step ever looks
+        complete meanwhile); from S3 up to DELETE_BATCH objects a request, so that a thousand steps of debris cost
+        two requests, not thousands. Objects already gone are fine."""
+        from ..checkpoint.names import MANIFEST
+
+        if not self._streams:
+            for step in listing:
+                self.delete_step(step)
+            return
+        first = [self.key(s, MANIFEST) for s, objects in sorted(listing.items()) if MANIFEST in objects]
+        rest = [self.key(s, n) for s, objects in sorted(listing.items()) for n in sorted(objects) if n != MANIFEST]
+        bucket = self.root.split("/", 1)[0]
+        for keys in (first, rest):
+            for i in range(0, len(keys), DELETE_BATCH):
+                batch = [{"Key": k.split("/", 1)[1]} for k in keys[i : i + DELETE_BATCH]]
+                with self._op(f"delete {len(batch)} objects of", None):
+                    got = self.fs.call_s3(
+                        "delete_objects", Bucket=bucket, Delete={"Objects": batch, "Quiet": True}, **self._limit()
+                    )
+                failed = [e for e in got.get("Errors") or () if e.get("Code") != "NoSuchKey"]
+                if failed:
+                    e = failed[0]
+                    raise MirrorError(
+                        f"mirror: cannot delete {len(failed)} of {len(batch)} objects of {self.display}, such as"
+                        f" {printable(str(e.get('Key')))!r}: {printable(str(e.get('Code')))}"
+                        f" {self._scrub(RuntimeError(e.get('Message') or ''))}"
+                    )
+
     def put_text(self, name: str, data: bytes) -> int:
         """Replaces a run record (``train.log``, ``history.jsonl``) at the prefix's root."""
         return self.put_bytes(None, name, data)
@@ -401,7 +460,8 @@ class MirrorStore:
         for secret in sorted({*self._secrets, credentials, *pieces}, key=len, reverse=True):
             if secret:
                 text = text.replace(secret, "***")
-        return printable(text[:2000])  # a server's words: no control character reaches a log or a terminal
+        # a server's words: no control character reaches a log or a terminal
+        return printable(_secrets.scrub(text)[:2000])
 
 
 class Paced:

@@ -34,6 +34,7 @@ from typing import Any
 from .. import _testing
 from .._log import duration
 from ..checkpoint import files, hashed_io, safe_io
+from ..checkpoint.hashed_io import FileDigest
 from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..checkpoint.names import MANIFEST, checkpoint_name, parse_checkpoint_name
 from ..checkpoint.retention import RetentionPolicy
@@ -46,6 +47,7 @@ log = logging.getLogger("preempt")
 
 # The boundaries of one checkpoint's upload: the fault point "upload" of preempt._testing.
 STAGES = ("after_first_object", "before_manifest", "uploaded")
+RETENTION_READS = 64  # manifests retention reads in one pass at most (newest first)
 
 
 def _stage(name: str, step: int) -> None:
@@ -293,9 +295,11 @@ class Uploader:
         return True
 
     def _pass(self, target: int | None) -> list[int]:
-        surveyed = self.surveyor.survey()
-        self._seen(surveyed)
         local = self._local(target)
+        # the manifests a pass needs: the mirror's of the local steps (to upload what it lacks), of the steps it trusts
+        # (copy sources), and retention's (below); never those of every step a shared or forged bucket lists
+        surveyed = self.surveyor.survey(wanted={*local, *self.verified, *self._parts})
+        self._seen(surveyed)
         if self.node:
             return self._pass_part(local, surveyed)
         uploaded = []
@@ -320,10 +324,17 @@ class Uploader:
                 self._seen(surveyed)
         ours = {s for s, m in surveyed.manifests.items() if s in local and local[s][0].whole == m}
         counted = self.verified | ours  # a step it never wrote, pulled or holds is neither counted nor deleted
-        for step in plan.deletions(self.retention, surveyed.listing, surveyed.manifests, trusted=counted):
-            self.store.delete_step(step)
-            log.debug("mirror %s: deleted step %d (retention)", self.store.display, step)
-        self._seen(self.surveyor.survey() if uploaded else surveyed)
+        # retention's reads, newest first and bounded per pass: a step still undecided after them is kept this pass
+        # (an older step's manifest that might be complete and kept is never guessed at, nor read without end)
+        self.surveyor.read(
+            surveyed, plan.undecided(self.retention, surveyed.manifests, surveyed.unread, counted)[:RETENTION_READS]
+        )
+        undecided = plan.undecided(self.retention, surveyed.manifests, surveyed.unread, counted)
+        doomed = plan.deletions(self.retention, surveyed.listing, surveyed.manifests, busy=undecided, trusted=counted)
+        if doomed:
+            self.store.delete_steps({s: surveyed.listing[s] for s in doomed})
+            log.debug("mirror %s: deleted %d step(s) (retention): %s", self.store.display, len(doomed), doomed[:20])
+        self._seen(self.surveyor.survey(wanted=()) if uploaded else surveyed)
         for name in self.records:
             record = _read_record(self.save_dir / name)
             if record is not None:
@@ -370,7 +381,7 @@ class Uploader:
         sizes as listed); what is not is kept in :attr:`lacking` (the stop's line names the nodes)."""
         listed = self.store.steps().get(whole.step, {})
         lacking: dict[int, list[str]] = {}
-        by_node: dict[int, dict[str, hashed_io.FileDigest]] = {}
+        by_node: dict[int, dict[str, FileDigest]] = {}
         for name, (node, digest) in part.elsewhere.items():
             by_node.setdefault(node, {})[name] = digest
         for node, held in sorted(by_node.items()):
@@ -381,9 +392,7 @@ class Uploader:
             self.lacking[whole.step] = lacking
         return not lacking
 
-    def _part_up(
-        self, whole: Manifest, node: int, held: dict[str, hashed_io.FileDigest], listed: dict[str, int]
-    ) -> bool:
+    def _part_up(self, whole: Manifest, node: int, held: dict[str, FileDigest], listed: dict[str, int]) -> bool:
         """Node ``node``'s note says its part of this very save is up (not an earlier save's objects of the step)."""
         name = plan.part_note(node)
         if name not in listed:
@@ -502,7 +511,7 @@ class Uploader:
             return False  # the source went (retention, another process): upload it instead
         return True
 
-    def _put(self, path: Path, expected: hashed_io.FileDigest, manifest: Manifest, data: bytes) -> bool:
+    def _put(self, path: Path, expected: FileDigest, manifest: Manifest, data: bytes) -> bool:
         """The local file checked against the manifest, then uploaded; False when it does not match: said once, as
         damage, unless the checkpoint was replaced or pruned meanwhile (a new save of its step is submitted anew)."""
         try:

@@ -62,6 +62,9 @@ class Mirroring:
         self._brought: set[int] = set()  # another node's leader: the step it pulled (bring)
         if config.mirror is not None:
             stopper.on_stop = self.at_stop
+            from ..mirror.store import hold_secrets
+
+            hold_secrets(config.mirror, config.mirror_options)  # before provenance, logs and records are written
 
     @property
     def on(self) -> bool:
@@ -76,9 +79,10 @@ class Mirroring:
         mirror = self._store()
         valid = [i.step for i in self.manager.list() if i.status == "valid" and i.valid.part is None]
         local = max(valid, default=None)
+        surveyor = survey.Surveyor(mirror)
         try:
             mirror.check()
-            surveyed = survey.Surveyor(mirror).survey()
+            surveyed = surveyor.survey(wanted=())  # the listing: manifests are read as the pull needs them
         except MirrorError as e:
             if local is None:
                 raise MirrorError(
@@ -95,7 +99,13 @@ class Mirroring:
         if surveyed is not None and not starts_fresh:
             try:
                 got = pull.pull_newest(
-                    mirror, self.manager.save_dir, newer_than=local, replace=True, surveyed=surveyed, check=self._read
+                    mirror,
+                    self.manager.save_dir,
+                    newer_than=local,
+                    replace=True,
+                    surveyed=surveyed,
+                    surveyor=surveyor,
+                    check=self._read,
                 )
             except NoCheckpointError as e:
                 if local is None:
@@ -169,7 +179,7 @@ class Mirroring:
         if here is not None and here.valid.part is None and here.valid.created == created:
             return
         store = self._store()
-        surveyed = survey.Surveyor(store).survey()
+        surveyed = survey.Surveyor(store).survey(wanted=[step])
         held = surveyed.manifests.get(step)
         if held is None or held.created != created:
             found = "no whole checkpoint of that step" if held is None else "another save of that step"

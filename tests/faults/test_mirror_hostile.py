@@ -123,12 +123,15 @@ def forge(store: MirrorStore, source: Path, step: int, files: dict[str, bytes]) 
     store.put_bytes(step, MANIFEST, json.dumps(raw).encode())
 
 
-def train(save_dir: Path, mirror: str, steps: int) -> tuple[int, int | None]:
-    """A small run with ``mirror=``: (the step it started from, the step it resumed from or None)."""
+def train(save_dir: Path, mirror: str | None, steps: int, options: dict | None = None) -> tuple[int, int | None]:
+    """A small run with ``mirror=`` (and ``mirror_options=``): (the step it started from, the step it resumed from or
+    None)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    every = {"checkpoint_every_steps": 1, "checkpoint_interval": None, "exit_if_complete": False}
+    every: dict = {"checkpoint_every_steps": 1, "checkpoint_interval": None, "exit_if_complete": False}
+    if options is not None:
+        every["mirror_options"] = options
     with PreemptibleRun(save_dir, model=model, optimizer=opt, mirror=mirror, **every) as run:
         start = run.global_step
         resumed = None if run.resumed_from is None else int(run.resumed_from.name.split("_")[1])
@@ -380,3 +383,164 @@ def test_a_download_cut_off_mid_way_goes_on_from_where_it_stopped(tmp_path, mirr
     # the whole object asked for, then the rest from where each cut left it: never from the start again
     starts = [int(r.split("=")[1].split("-")[0]) for r in server.ranges]
     assert server.cuts == 0 and len(starts) == 3 and starts[0] == 0 and 0 < starts[1] < starts[2] < size, starts
+
+
+# ------------------------------------------------------------------ listings of many steps, junk among them
+
+JUNK = b"{" + b"-" * 63  # 64 bytes named manifest.json that are not a manifest
+
+
+def junk_steps(mirror_url: str, steps, most_gets: int):
+    """Steps the relay lists (and the server does not hold), each with a junk manifest.json; at most ``most_gets`` of
+    their GETs answered (then 403): a reader that reads them all fails fast instead of running for minutes."""
+    import s3relay
+
+    bucket = mirror_url.split("://", 1)[1].split("/", 1)[0]
+    return s3relay.Forged(bucket, "run", steps, {MANIFEST: JUNK}, most_gets=most_gets)
+
+
+def test_ls_of_ten_thousand_junk_steps_reads_only_the_manifests_it_shows(mirror_url, relayed, monkeypatch, capsys):
+    """10,000 steps, each with a 64-byte manifest.json that is not one: ``ls URL`` made one GET after another (2,682
+    in 120 s, still running). It reads, side by side, the manifests of the newest steps it shows, says how many older
+    ones it left unread (``--all`` shows them), and its listing is its 10 pages."""
+    from preempt.cli import remote
+    from preempt.cli.main import main
+
+    server, _ = relayed("pass", (), forged=junk_steps(mirror_url, range(10_000), most_gets=200))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    assert main(["ls", mirror_url]) == 0
+    said = capsys.readouterr().out
+    shown = 10_000 - remote.SHOWN
+    assert said.count(" corrupt\n") == remote.SHOWN and checkpoint_name(shown) in said, said
+    assert checkpoint_name(shown - 1) not in said and f"{shown} older step(s) not shown" in said, said
+    assert (server.pages, server.gets) == (10, remote.SHOWN)
+    assert main(["ls", mirror_url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in doc["checkpoints"]] == list(range(9_999, shown - 1, -1)), doc
+    assert doc["not_shown"] == shown and {r["status"] for r in doc["checkpoints"]} == {"corrupt"}
+    assert (server.pages, server.gets) == (20, 2 * remote.SHOWN)
+
+
+def test_a_run_resumes_from_the_newest_valid_step_under_ten_thousand_junk_steps(tmp_path, mirror_url, relayed):
+    """A run on a new machine whose mirror lists 10,000 junk steps read every manifest before it started. It reads
+    the newest manifests a round at a time until one is valid (two junk steps above it, and the rest of its round),
+    its uploader's retention a bounded number a pass; the junk below the run's own steps goes as debris, a thousand
+    objects a request."""
+    from preempt.mirror import survey, uploader
+
+    local = tmp_path / "local"
+    train(local, None, 2)
+    store = MirrorStore(mirror_url)
+    store.check()
+    forge(store, local / checkpoint_name(2), 10_004, {})  # a genuine checkpoint, at a step above the junk
+    forged = junk_steps(mirror_url, [*range(10_000), 10_005, 10_006], most_gets=200)
+    server, _ = relayed("pass", (), forged=forged)
+    assert train(tmp_path / "new", mirror_url, 1, {"endpoint_url": server.endpoint}) == (10_004, 10_004)
+    # the pull's first round (7 junk, the genuine step from the server), one pass's retention reads, the run's own
+    # step 10005 whose junk manifest it replaced
+    assert server.gets <= survey.BATCHES[0] + uploader.RETENTION_READS + 2, server.gets
+    assert server.deleted >= 10_000, server.deleted  # (the junk steps below the run's: debris)
+    assert sorted(store.steps()) == [10_004, 10_005] and server.pages < 60, server.pages
+
+
+@pytest.mark.slow
+def test_a_listing_of_100000_steps_ends_with_a_result_and_a_run_resumes_under_it(
+    tmp_path, mirror_url, relayed, monkeypatch, capsys
+):
+    """100,000 junk steps (100 pages of a listing, every page answered at once): ``ls URL`` ended after 240 s with "no
+    answer within 20 s" and a run on an empty save_dir refused to start. ls shows the newest and reads 20 manifests;
+    the run resumes from the genuine step above them."""
+    from preempt.cli import remote
+    from preempt.cli.main import main
+
+    local = tmp_path / "local"
+    train(local, None, 2)
+    store = MirrorStore(mirror_url)
+    store.check()
+    forge(store, local / checkpoint_name(2), 100_001, {})
+    server, _ = relayed("pass", (), forged=junk_steps(mirror_url, range(100_000), most_gets=500))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    assert main(["ls", mirror_url]) == 0
+    said = capsys.readouterr().out
+    assert f"{100_001 - remote.SHOWN} older step(s) not shown" in said and " valid (latest)" in said, said
+    assert (server.pages, server.gets) == (100, remote.SHOWN - 1)
+    assert train(tmp_path / "new", mirror_url, 1, {"endpoint_url": server.endpoint}) == (100_001, 100_001)
+    assert server.gets < 200, server.gets
+
+
+def test_a_listing_has_a_time_per_page_and_a_budget_of_its_pages(mirror_url, monkeypatch):
+    """A listing whose pages never end and each take just under their time: each page had op_timeout and the whole
+    listing none, so it ran until 2^20 objects (1,049 pages, hours). Each page is given at most what is left of the
+    listing's budget (op_timeout and LIST_PAGE_SECONDS a page), and the listing ends when that is spent. The store's
+    clock advances 6 s a page here (more than a page's share of the budget), whatever the machine's pace."""
+    import preempt.mirror.store as store_module
+
+    store = MirrorStore(mirror_url, {"op_timeout": 7})
+    now = [0.0]
+    store.clock = lambda: now[0]
+    timeouts: list[float] = []
+
+    def call_s3(method, *args, **kwargs):
+        assert method == "list_objects_v2"
+        timeouts.append(kwargs["timeout"])
+        now[0] += 6.0
+        n = len(timeouts)
+        keys = [{"Key": f"run/step_{n:09d}/junk_{i:04d}", "Size": 1} for i in range(1000)]
+        return {"Contents": keys, "IsTruncated": True, "NextContinuationToken": f"t{n}"}
+
+    monkeypatch.setattr(store.fs, "call_s3", call_s3)
+    with pytest.raises(MirrorError, match=r"listing not finished after 12 pages \(12000 objects\) in 72 s"):
+        store.steps()
+    assert len(timeouts) == 12 and max(timeouts) <= 7.0 and timeouts[-1] == 7 + 12 * 5 - 66
+    assert store.list_budget(12) == 7 + 12 * store_module.LIST_PAGE_SECONDS
+
+
+# ------------------------------------------------------------------ the secrets a run is handed
+
+
+def test_a_secret_inside_a_json_argument_is_recorded_and_printed_nowhere(tmp_path, mirror_url, capsys):
+    """A training script given ``--options '{"key": K, "secret": S}'`` (its mirror_options): S was in every manifest's
+    provenance.argv, locally and in the mirror, and ``preempt inspect URL`` printed it. Every secret a run is handed
+    (its mirror_options' values under secret-like keys, the AWS variables) is now scrubbed by value wherever it is:
+    here inside a JSON argument, and an AWS session token inside a path argument. None is in any file of save_dir,
+    any object of the mirror, the run's output, or what ls and inspect print."""
+    import os
+
+    from helpers import run_python, train_cmd
+
+    from preempt.cli.main import main
+
+    key, secret, token = (
+        "AKIAJSONARGKEY000001",
+        "jS0n/Arg+Secret/Value0123456789abcdefghij",
+        "FwoGZXIvYXdzEJr-token-0123",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env["AWS_SESSION_TOKEN"] = token
+    options = json.dumps({"key": key, "secret": secret})
+    save_dir = tmp_path / "run"
+    args = ["--epochs", "1", "--samples", "32", "--batch_size", "16", "--every_steps", "1", "--sync_save"]
+    args += ["--mirror", mirror_url, "--options", options, "--wait_file_at", f"step:99:{tmp_path / token}"]
+    done = run_python(train_cmd(save_dir, None, args), env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    forms = [(s, json.dumps(s)[1:-1]) for s in (key, secret, token)]
+
+    def clean(text: str, where: str) -> None:
+        for raw, escaped in forms:
+            assert raw not in text and escaped not in text, f"{where}: {text}"
+
+    clean(done.stdout + done.stderr, "the run's output")
+    recorded = [p for p in save_dir.rglob("*") if p.is_file()]
+    assert any(p.name == MANIFEST for p in recorded) and any(p.name == "train.log" for p in recorded)
+    for p in recorded:
+        clean(p.read_bytes().decode("latin-1"), str(p))
+    argv = json.loads(next(save_dir.glob("step_*/manifest.json")).read_bytes())["provenance"]["argv"]
+    assert '{"key": "***", "secret": "***"}' in argv, argv  # recorded, less its secrets
+    store = MirrorStore(mirror_url)
+    mirrored = store.fs.find(store.root)
+    assert any(k.endswith(MANIFEST) for k in mirrored)
+    for k in mirrored:
+        clean(store.fs.cat_file(k).decode("latin-1"), k)
+    for command in (["ls", mirror_url], ["inspect", mirror_url], ["inspect", mirror_url, "--json"]):
+        assert main(command) == 0, command
+        clean("".join(capsys.readouterr()), " ".join(command))

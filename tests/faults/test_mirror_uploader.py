@@ -82,6 +82,10 @@ class MemoryStore:
         for key in [k for k in self.objects if k[0] == step]:
             del self.objects[key]
 
+    def delete_steps(self, listing: dict[int, dict[str, int]]) -> None:
+        for step in listing:
+            self.delete_step(step)
+
     def put_text(self, name: str, data: bytes) -> int:
         return self.put_bytes(None, name, data)
 

@@ -501,7 +501,7 @@ def main() -> None:
     p.add_argument("--carry_limit", type=int, default=None, help="PreemptibleRun(carry_unchanged=CarryOptions(...))")
     p.add_argument("--no_carry", action="store_true", help="PreemptibleRun(carry_unchanged=False)")
     p.add_argument("--mirror", default=None, help="PreemptibleRun(mirror=URL)")
-    p.add_argument("--mirror_options", default=None, help="PreemptibleRun(mirror_options=json.loads(...))")
+    p.add_argument("--mirror_options", "--options", default=None, help="PreemptibleRun(mirror_options=json.loads())")
     p.add_argument("--mirror_deadline", type=float, default=None, help="PreemptibleRun(mirror_deadline=)")
     p.add_argument("--mirror_kill_at", default=None, help="STAGE:STEP: SIGKILL in the mirror's upload, see mirror_kill")
     args = p.parse_args()

@@ -141,6 +141,31 @@ def test_deletions_never_count_or_delete_steps_newer_than_the_newest_the_run_tru
     assert plan.deletions(keep2, listing, ms, trusted={999}) == []  # (a trusted step the mirror lacks counts not)
 
 
+def test_undecided_names_only_the_unread_manifests_retention_needs():
+    """Retention read every manifest of the mirror (10,000 junk steps: 10,000 GETs a pass). Under keep_last=K it needs
+    an unread step only while fewer than K complete steps are known above it (and milestones); below those a step goes
+    whether complete or not. A policy keeping all, or ranking by a metric, needs them all; newer than the newest
+    trusted step, none. Deleting what was read, with the undecided ones kept, never deletes what reading all would
+    keep."""
+    keep2 = RetentionPolicy(keep_last=2)
+    ms = {s: manifest(s) for s in (100, 90)}
+    unread = [*range(80), 95, 200]
+    assert plan.undecided(keep2, ms, unread, trusted={100}) == [95]  # 200: newer than the trusted; below 90: decided
+    assert plan.undecided(keep2, {100: ms[100]}, unread, trusted={100}) == [95, *range(79, -1, -1)]
+    assert plan.undecided(keep2, ms, unread, trusted=set()) == []
+    every = RetentionPolicy(keep_last=2, keep_every_steps=25)
+    assert plan.undecided(every, ms, unread, trusted={100}) == [95, 75, 50, 25, 0]
+    assert plan.undecided(RetentionPolicy(keep_last=None), ms, [3, 1], trusted={100}) == [3, 1]
+    best = RetentionPolicy(keep_last=1, keep_best=1, metric="loss")
+    assert plan.undecided(best, ms, [3, 1], trusted={100}) == [3, 1]
+    # the steps left undecided kept (busy), the rest of the listing judged on what was read: junk below goes
+    listing = {s: objects(m) for s, m in ms.items()} | {s: {MANIFEST: 64} for s in unread}
+    doomed = plan.deletions(keep2, listing, ms, busy=[95], trusted={100})
+    assert doomed == list(range(80)), doomed
+    # were 95 read and complete, it would displace 90: with 95 undecided, 90 is kept too
+    assert plan.deletions(keep2, listing, ms | {95: manifest(95)}, trusted={100}) == [*range(80), 90]
+
+
 @pytest.mark.parametrize(
     ("deadline", "left", "expected"),
     [(60.0, None, 60.0), (60.0, 40.0, 20.0), (10.0, 100.0, 10.0), (60.0, -5.0, 0.0), (0.0, None, 0.0)],
