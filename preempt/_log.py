@@ -29,14 +29,14 @@ class _Format(logging.Formatter):
         return f"[preempt] {level}{record.getMessage()}"
 
 
-class _Console(logging.StreamHandler):  # type: ignore[type-arg]
+class _Console(logging.StreamHandler):
     """preempt's own stderr handler: prints what no console handler of the application prints."""
 
     def __init__(self) -> None:
         super().__init__()  # sys.stderr as it is when a record comes (pytest's capture swaps it)
         self.setFormatter(_Format())
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> object:
         return sys.stderr
 
