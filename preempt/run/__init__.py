@@ -6,7 +6,8 @@ save, pure), ``save_plan`` (the scheduler's decisions, pure), ``config`` (every 
 ``loop_state`` (the counters: their only writer), ``data_cursor`` (where the data stands), ``snapshot`` (what a
 checkpoint holds), ``peers`` (one process or the ranks), ``background`` (the staging buffers, the writer thread and
 lazy copies), ``sharded_saves`` (sharded state saved in the background by the ranks' writers), ``save_scheduler``
-(when and how a checkpoint is written, one background job at a time),
+(when and how a checkpoint is written, one background job at a time), ``save_outcomes`` (what came of each save:
+its record, its log line, a failed write),
 ``stopping`` (signals, walltime, requeue, the exit code), ``reporting`` (logs and progress), ``guarding`` (NaN
 rollbacks, OOM skips, emergency saves), ``resume_plan`` (where a run starts, pure), ``restore`` (carrying it out)
 and ``mirroring`` (the mirror's pull on entering, its uploads, the stop's wait for them).

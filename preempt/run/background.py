@@ -10,15 +10,20 @@ payload into the buffers, falling back to synchronous saves where host memory re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+import torch
+
 from .. import _log
 from ..checkpoint import state
-from ..checkpoint.staging import BackgroundWriter, LazyCopy, SourceKey, Stager
+from ..checkpoint.readahead import host_memory_available
+from ..checkpoint.staging import BackgroundWriter, LazyCopy, SourceKey, Stager, payload_nbytes, source_key
 
 log = _log.log
+MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
 
 
 class Writer(Protocol):
@@ -91,15 +96,42 @@ class Background:
         assert self.writer is not None  # (asked only after open())
         return self.writer
 
-    def copy(
-        self, payload: state.Payload, later: Callable[[], Collection[SourceKey]]
-    ) -> tuple[state.Payload | None, LazyCopy | None]:
-        """The state copied into the staging buffers, and the copies still to make when lazy (``later``: the
+    def sizing(
+        self, payload: state.Payload, shards: state.Payload | None, shard_stager: Any
+    ) -> Callable[[], float] | None:
+        """The writer's job that sizes the buffers for ``payload`` (and this rank's ``shards`` of sharded state:
+        allocated and touched once), returning the seconds it took; None when a copy would take more than
+        :data:`MEMORY_SHARE` of the host memory available: checkpoints are written synchronously from now on."""
+        stager = self.staging()
+        nbytes = payload_nbytes(payload, stager.live) + (0 if shards is None else payload_nbytes(shards))
+        available = host_memory_available()
+        if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:
+            log.warning(
+                "async_save: a copy of the state (%s) would take more than %d%% of the host memory available (%s);"
+                " checkpoints are written synchronously",
+                _log.size(nbytes),
+                int(MEMORY_SHARE * 100),
+                _log.size(available),
+            )
+            self.stager = None
+            return None
+
+        def job() -> float:
+            t0 = time.perf_counter()
+            stager.prepare(payload)
+            if shards is not None:
+                shard_stager.prepare(shards)
+            return time.perf_counter() - t0
+
+        return job
+
+    def copy(self, payload: state.Payload, optimizer: Any) -> tuple[state.Payload | None, LazyCopy | None]:
+        """The state copied into the staging buffers, and the copies still to make when lazy (those of the
         storages that only ``optimizer.step()`` changes); (None, None): save synchronously (from now on)."""
         stager = self.staging()
         try:
             if self.lazy:
-                return stager.stage_lazily(payload, later())
+                return stager.stage_lazily(payload, _lazy_sources(optimizer))
             return stager.stage(payload), None
         except (MemoryError, RuntimeError) as e:  # e.g. pinned memory refused
             log.warning("async_save: could not stage the state in host memory (%s); saving synchronously from now", e)
@@ -120,3 +152,17 @@ class Background:
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
+
+
+def _lazy_sources(optimizer: Any) -> set[SourceKey]:
+    """The storages of the tensors that only ``optimizer.step()`` changes: the parameters and its state."""
+    assert optimizer is not None  # (lazy copies are asked for with an optimizer only)
+    found: set[SourceKey] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            found.add(source_key(p))
+    for per_param in optimizer.state.values():
+        for v in per_param.values():
+            if isinstance(v, torch.Tensor):
+                found.add(source_key(v))
+    return found

@@ -1,23 +1,20 @@
-"""When and how a checkpoint is written: now, in the background, or postponed; and what came of it.
+"""When and how a checkpoint is written: now, in the background, or postponed.
 
-:class:`SaveScheduler` owns the staging buffers (:class:`~preempt.checkpoint.staging.Stager`),
-the background writer, the one job it may have in flight (sizing the buffers,
-writing a staged snapshot, or writing a pool of files ahead for the saves to
-write over: :func:`preempt.checkpoint.recycle.reserve`), a periodic save postponed behind
-that job, the newest durable checkpoint, and what a failed write means. Its choices are
-the pure functions of :mod:`preempt.run.save_plan` (pick, plan, wake), unit-tested with made-up facts.
+:class:`SaveScheduler` runs one background job at a time, each of its own kind (:mod:`preempt.run.save_plan`: a
+:class:`~preempt.run.save_plan.SaveJob` carries its reason, its staging completion and its future; sizing the
+buffers; a pool of files written ahead for the saves to write over, :class:`preempt.checkpoint.recycle.Pool`), and a
+periodic save postponed behind that job. Its parts: the buffers and the writer (:mod:`preempt.run.background`),
+sharded state written by the ranks' writers (:mod:`preempt.run.sharded_saves`), and what came of each save
+(:mod:`preempt.run.save_outcomes`). Its choices are the pure functions of :mod:`preempt.run.save_plan` (pick, plan,
+wake), unit-tested with made-up facts.
 
-Periodic saves that come due while a write is in flight are postponed until
-it ends; best and milestone saves wait for it (they are of their own step);
-the stop's, the final, a branch's and an emergency save are synchronous.
+Periodic saves that come due while a write is in flight are postponed until it ends; best and milestone saves wait
+for it (they are of their own step); the stop's, the final, a branch's and an emergency save are synchronous.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import functools
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,22 +22,20 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import _log, _testing
-from ..checkpoint import carry, recycle, state
+from ..checkpoint import recycle, state
 from ..checkpoint.cancel import WriteCancelled, cancellable
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, Pending
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.names import checkpoint_name
-from ..checkpoint.readahead import host_memory_available
-from ..checkpoint.staging import BackgroundWriter, LazyCopy, SourceKey, Stager, payload_nbytes, source_key
+from ..checkpoint.staging import BackgroundWriter, LazyCopy, Stager
 from ..cluster import sharded
 from ..cluster.signals import StopFlag
-from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
+from ..errors import CheckpointWriteError
 from .background import Background, Staging, Writer
 from .loop_state import LoopState
 from .peers import Alone, Peers
+from .save_outcomes import Outcomes
 from .save_plan import (
     POSTPONABLE,
     STOPS,
@@ -64,18 +59,6 @@ log = _log.log
 _NOT_ON_DISK = frozenset(
     {Outcome.TORN, Outcome.CHANGED, Outcome.CANCELLED, Outcome.NOT_WRITTEN, Outcome.LOCK_LOST, Outcome.BROKEN}
 )
-
-MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
-
-
-@dataclasses.dataclass
-class Done:
-    """What came of the run's saves so far."""
-
-    last_save: SaveRecord | None = None  # the latest checkpoint taken
-    last_info: CheckpointInfo | None = None  # the newest durable checkpoint this process wrote or loaded
-    last_checkpoint: Path | None = None  # its path (under torch.distributed: rank 0's, when told)
-    failed: int = 0  # periodic checkpoints that could not be written
 
 
 class SaveScheduler:
@@ -101,14 +84,14 @@ class SaveScheduler:
         self.flag = flag
         self.peers: Peers = peers or Alone()
         self.clock = clock
-        self.on_durable = on_durable  # (seconds, now, step) of each durable save
-        self.on_saved = on_saved  # (record, bytes) of each durable save
         self.background = Background(writer, stager)  # the staging buffers and the writer, once started
+        self.saved = Outcomes(  # what came of the saves so far, and what each outcome means
+            manager, loop, flag, self.background, clock=clock, on_durable=on_durable, on_saved=on_saved
+        )
         self.sharded: ShardedSaves | None = None  # sharded state under torch.distributed, saved in the background
         self.pool = recycle.Pool()  # files written ahead for the saves to write over
         self.job: Job | None = None  # the writer's current job, until collected
         self.postponed: Reason | None = None
-        self.done = Done()  # what came of the saves so far
 
     # what the run and the tests read of it (each part owns its own)
     pinned = property(lambda self: self.background.pinned, doc="The staging buffers are in pinned host memory.")
@@ -118,25 +101,10 @@ class SaveScheduler:
     prepare_s = property(lambda self: self.background.prepare_s, doc="Seconds spent sizing the staging buffers.")
     sizes = property(lambda self: self.pool.sizes, doc="The state's tensor bytes per file, as the buffers were sized.")
 
-    @property
-    def last_save(self) -> SaveRecord | None:
-        """The latest checkpoint taken."""
-        return self.done.last_save
-
-    @property
-    def last_info(self) -> CheckpointInfo | None:
-        """The newest durable checkpoint this process wrote or loaded."""
-        return self.done.last_info
-
-    @property
-    def last_checkpoint(self) -> Path | None:
-        """The newest durable checkpoint's path (under torch.distributed: rank 0's, when told)."""
-        return self.done.last_checkpoint
-
-    @property
-    def failed(self) -> int:
-        """Periodic checkpoints that could not be written."""
-        return self.done.failed
+    last_save = property(lambda self: self.saved.last_save, doc="The latest checkpoint taken (a SaveRecord).")
+    last_info = property(lambda self: self.saved.last_info, doc="The newest durable checkpoint known here.")
+    last_checkpoint = property(lambda self: self.saved.last_checkpoint, doc="Its path (rank 0's, when told).")
+    failed = property(lambda self: self.saved.failed, doc="Periodic checkpoints that could not be written.")
 
     def start(self, payload: Any, *, optimizer_state_later: bool, lazy: bool = False) -> None:
         """Background saves from now: the buffers are sized for ``payload`` in the background.
@@ -256,7 +224,7 @@ class SaveScheduler:
             if background and self.sharded is not None:
                 self._save_sharded(reason, manifest, t0, payload, live)
                 return True
-            staged, lazy = bg.copy(payload, self._lazy_sources) if background else (None, None)
+            staged, lazy = bg.copy(payload, self.snapshot.components.optimizer) if background else (None, None)
             if how.stage and live is None and bg.stager is not None:
                 payload = bg.staged_now(payload)
             extra = None if live is None else functools.partial(sharded.save, tensors=live, rank=self.peers.rank)
@@ -265,17 +233,17 @@ class SaveScheduler:
             except OSError as e:
                 if lazy is not None:  # never written: no optimizer step may wait for it
                     lazy.drop()
-                self._failed(reason, e)
+                self.saved.not_written(reason, e)
                 return False
             if isinstance(got, Pending):
                 assert staged is not None  # deferred only when a staged copy was asked for
                 write = functools.partial(self._finish, got, staged, manifest, lazy)
                 self._submit(reason, manifest, t0, write, staging=lazy)
             elif got is None:  # another rank's files are durable; rank 0 writes its own and commits in the background
-                self.done.last_save = SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True)
+                self.saved.last_save = SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True)
                 self.loop.taken(manifest.step, manifest.cursor, self.clock())
             else:
-                self._durable(reason, got, t0)
+                self.saved.durable(reason, got, t0)
         return False
 
     def _finish(self, pending: Pending, staged: Any, manifest: Manifest, lazy: LazyCopy | None) -> CheckpointInfo:
@@ -309,43 +277,11 @@ class SaveScheduler:
 
     def loaded(self, info: CheckpointInfo) -> None:
         """The run restored ``info``: the newest durable checkpoint, and nothing to save until the loop moves."""
-        assert info.manifest is not None
-        self.done.last_info, self.done.last_checkpoint = info, info.path
-        self.loop.taken(info.manifest.step, info.manifest.cursor, self.clock())
+        self.saved.loaded(info)
 
     def told(self, path: Path | None) -> None:
         """Another rank: rank 0's newest durable checkpoint, as rank 0 told it."""
-        self.done.last_checkpoint = path
-
-    def _durable(self, reason: Reason, info: CheckpointInfo, t0: float) -> None:
-        """A synchronous save is durable."""
-        self.loaded(info)
-        t1 = self.clock()
-        self.done.last_save = SaveRecord(info.step, reason.value, t1 - t0, t1 - t0, info.path)
-        took = _log.duration(t1 - t0) + carry.summary(info.manifest)
-        log.info("checkpoint %s (%s) written in %s", info.path, reason.value, took)
-        self._said(info)
-        if self.on_durable is not None:
-            self.on_durable(t1 - t0, t1, self.loop.global_step)
-
-    def _said(self, info: CheckpointInfo) -> None:
-        if self.on_saved is not None and self.done.last_save is not None:
-            files = info.manifest.files if info.manifest is not None else {}
-            self.on_saved(self.done.last_save, sum(d.size for d in files.values()))
-
-    def _lazy_sources(self) -> set[SourceKey]:
-        """The storages of the tensors that only ``optimizer.step()`` changes: the parameters and its state."""
-        optimizer = self.snapshot.components.optimizer
-        assert optimizer is not None  # (lazy copies are asked for with an optimizer only)
-        found: set[SourceKey] = set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                found.add(source_key(p))
-        for per_param in optimizer.state.values():
-            for v in per_param.values():
-                if isinstance(v, torch.Tensor):
-                    found.add(source_key(v))
-        return found
+        self.saved.told(path)
 
     def _optimizer_stepping(self, *_: Any) -> None:
         """The optimizer's pre-step hook: the lazy copies of the snapshot in flight are made first."""
@@ -376,7 +312,7 @@ class SaveScheduler:
         ``cancel``: a stop may cancel it)."""
         t1 = self.clock()
         record = SaveRecord(manifest.step, reason.value, t1 - t0, background=True)
-        self.done.last_save = record
+        self.saved.last_save = record
         self.loop.taken(manifest.step, manifest.cursor, t1)
         event = threading.Event() if cancel else None
 
@@ -400,7 +336,7 @@ class SaveScheduler:
             if not futures.wait([self.job.future], timeout).done:
                 raise TimeoutError(f"the background write of a checkpoint still runs after {timeout} s")
             self.collect()
-        return self.done.last_checkpoint
+        return self.saved.last_checkpoint
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Waits for the job in flight to end without taking its outcome (the next safe point takes it)."""
@@ -428,7 +364,7 @@ class SaveScheduler:
             self.loop.changed()  # that state is not on disk: a stop or the end must save again
             self.postponed = None  # a failed periodic write is retried when the next save is due
         if isinstance(job, SaveJob):
-            self._saved(job, outcome, result, error)
+            self.saved.of(job, outcome, result, error)
             return
         bg = self.background
         match outcome:
@@ -440,88 +376,14 @@ class SaveScheduler:
                 bg.stager = None
             case Outcome.RESERVED:
                 assert isinstance(job, ReserveJob)
-                log.debug("%s written ahead in %s, for the next save to write over", result, self._since(job.started))
+                log.debug(
+                    "%s written ahead in %s, for the next save to write over",
+                    result,
+                    _log.duration(self.clock() - job.started),
+                )
             case Outcome.RESERVE_FAILED:
                 if not isinstance(error, WriteCancelled):
                     log.warning("%s: could not write a pool ahead for the saves: %r", self.manager.save_dir, error)
-
-    def _saved(self, job: SaveJob, outcome: Outcome, result: Any, error: BaseException | None) -> None:
-        """What came of a checkpoint written in the background: one handler per :class:`Outcome`."""
-        match outcome:
-            case Outcome.WRITTEN:
-                self._written(job, result)
-            case Outcome.TORN:
-                self._torn(job, error)
-            case Outcome.CHANGED:
-                self._changed(job, error)
-            case Outcome.CANCELLED:
-                log.info(
-                    "the background write of step %d (%s) was cancelled after %s: the stop saves the current state",
-                    job.record.step,
-                    job.reason.value,
-                    self._since(job.started),
-                )
-            case Outcome.NOT_WRITTEN:
-                assert isinstance(error, OSError)
-                self._failed(job.reason, error, step=job.record.step)
-            case Outcome.LOCK_LOST:
-                assert error is not None
-                raise error  # the save_dir is no longer this run's: the run ends, nothing more is written there
-            case Outcome.BROKEN:
-                last = self.done.last_checkpoint
-                raise CheckpointWriteError(
-                    f"the background write of checkpoint {checkpoint_name(job.record.step)} in"
-                    f" {self.manager.save_dir} failed: {error!r}; the last good checkpoint is {last or '(none)'}",
-                    None if last is None else str(last),
-                ) from error
-
-    def _since(self, started: float) -> str:
-        return _log.duration(self.clock() - started)
-
-    def _written(self, job: SaveJob, info: CheckpointInfo) -> None:
-        """A background checkpoint is durable."""
-        now = self.clock()
-        lazy = job.staging
-        stall = job.record.stall_s + (lazy.waited if lazy is not None else 0.0)  # and the optimizer's wait, if lazy
-        self.done.last_save = dataclasses.replace(job.record, stall_s=stall, write_s=now - job.started, path=info.path)
-        self.done.last_info, self.done.last_checkpoint = info, info.path
-        # Routine checkpoints written in the background say so at DEBUG: a run would print little else.
-        log.log(
-            logging.DEBUG if job.reason in POSTPONABLE else logging.INFO,
-            "checkpoint %s (%s) written in %s in the background%s; the loop waited %s",
-            info.path,
-            job.record.reason,
-            _log.duration(now - job.started),
-            carry.summary(info.manifest),
-            _log.duration(job.record.stall_s),
-        )
-        self._said(info)
-        if self.on_durable is not None:
-            self.on_durable(now - job.started, now, info.step)
-
-    def _torn(self, job: SaveJob, error: BaseException | None) -> None:
-        """A lazy snapshot was changed before its copy was made: it is not written; copies are made at the step
-        from now on, and the state is due again."""
-        self.background.lazy = False
-        log.warning(
-            "the checkpoint of step %d is not written: %s (something other than optimizer.step() changes it"
-            " between steps); checkpoints copy the state at the step from now on",
-            job.record.step,
-            error,
-        )
-
-    def _changed(self, job: SaveJob, error: BaseException | None) -> None:
-        """A tensor the writer read where it lives was changed meanwhile: that checkpoint is not committed; the
-        frozen base is copied at the step from now on, and the state is due again."""
-        stager = self.background.stager
-        if stager is not None:
-            stager.live = frozenset()
-        log.warning(
-            "the checkpoint of step %d is not written: %s (a tensor no optimizer holds, read without a copy, changed"
-            " between steps); checkpoints copy the frozen base at the step from now on",
-            job.record.step,
-            error,
-        )
 
     def settle(self) -> None:
         """Lets the job in flight finish before a save that cannot be skipped; a failed write is logged."""
@@ -556,26 +418,9 @@ class SaveScheduler:
         if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
             payload, live = self.snapshot.content()
             shards = ShardedSaves.pieces(live)
-        nbytes = payload_nbytes(payload, stager.live) + (0 if shards is None else payload_nbytes(shards))
-        available = host_memory_available()
-        if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:
-            log.warning(
-                "async_save: a copy of the state (%s) would take more than %d%% of the host memory available (%s);"
-                " checkpoints are written synchronously",
-                _log.size(nbytes),
-                int(MEMORY_SHARE * 100),
-                _log.size(available),
-            )
-            bg.stager = None
+        job = bg.sizing(payload, shards, shard_stager)
+        if job is None:
             return
-
-        def job() -> float:
-            t0 = time.perf_counter()
-            stager.prepare(payload)
-            if shards is not None:
-                shard_stager.prepare(shards)
-            return time.perf_counter() - t0
-
         # the pool written ahead: not for the frozen base, which is mostly carried (a pool of its size would be
         # written at every start of the job for the rare checkpoint that writes the base afresh)
         files = {name: ts for name, (ts, _) in payload.tensor_files.items() if name not in stager.live}
@@ -603,35 +448,3 @@ class SaveScheduler:
         """The writer's thread: a pool of files written ahead, until a save cancels it."""
         with cancellable(cancel):
             return self.manager.reserve(sizes)
-
-    def _failed(self, reason: Reason, error: OSError, step: int | None = None) -> None:
-        loop = self.loop
-        self.done.failed += 1
-        code = (
-            f" ({errno.errorcode[error.errno]})" if error.errno is not None and error.errno in errno.errorcode else ""
-        )
-        step = loop.global_step if step is None else step
-        what = (
-            f"could not write checkpoint {checkpoint_name(step)} ({reason.value}) in {self.manager.save_dir}:"
-            f" {error.strerror or error}{code}"
-        )
-        _testing.emit("checkpoint_failed", step=step, reason=reason.value, errno=error.errno)
-        info = self.done.last_info
-        if info is None or info.manifest is None:
-            last, last_good = "there is no earlier checkpoint", None
-        else:
-            ago = _log.duration(max(0.0, time.time() - info.manifest.created))
-            last = f"the last good checkpoint is {info.path} (step {info.step}, saved {ago} ago)"
-            last_good = str(info.path)
-        if reason == Reason.PREEMPT:
-            lost = loop.global_step - (info.step if info is not None else 0)
-            log.error(
-                "%s; %s; the %d step(s) since are lost; exiting with code %d", what, last, lost, SAVE_FAILED_EXIT_CODE
-            )
-            raise SaveFailed(SAVE_FAILED_EXIT_CODE, self.flag.signum, last_good, error) from error
-        if reason in (Reason.FINAL, Reason.BRANCH):
-            raise CheckpointWriteError(f"{what}; {last}", last_good) from error
-        # A periodic checkpoint: its partial files are gone, older checkpoints untouched (nothing is deleted to
-        # make room). Training goes on; the next try comes when the next checkpoint is due, not at every step.
-        log.error("%s; %s; training goes on and tries again at the next checkpoint", what, last)
-        loop.save_skipped(self.clock())

@@ -318,7 +318,7 @@ def test_wait_for_checkpoint_times_out_while_the_writer_is_held(tmp_path):
 
 
 def test_too_little_host_memory_falls_back_to_synchronous_saves(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr("preempt.run.save_scheduler.host_memory_available", lambda: 1000)
+    monkeypatch.setattr("preempt.run.background.host_memory_available", lambda: 1000)
     model, opt, data = build()
     with PreemptibleRun(tmp_path, model=model, optimizer=opt, checkpoint_every_steps=2) as run:
         next(run.epochs(1))
