@@ -214,25 +214,28 @@ trainer:
 """
 
 
-def cli(tmp_path: Path, name: str, hold: int | None, final: Path | None) -> Spawned:
+def cli(tmp_path: Path, name: str, hold: int | None, final: Path | None, datamodule: bool = False) -> Spawned:
     config = tmp_path / f"{name}.yaml"
     hold_at = "null" if hold is None else str(hold)
     config.write_text(CONFIG.format(root=tmp_path, hold=hold_at, save_dir=tmp_path / name))
     env = {"FINAL_OUT": str(final)} if final else {}
+    env["DATAMODULE"] = "1" if datamodule else "0"
     return Spawned([sys.executable, str(CLI), "fit", "--config", str(config)], env)
 
 
-def test_lightning_cli_from_a_yaml_config_stops_on_sigusr1_and_resumes_bit_exact(tmp_path):
-    """salt's setting: a LightningCLI project, SLURM's --signal=USR1; the callback comes from the YAML alone."""
-    ref = cli(tmp_path, "ref", None, tmp_path / "ref.safetensors")
+@pytest.mark.parametrize("datamodule", [False, True], ids=["module_hooks", "datamodule_class"])
+def test_lightning_cli_from_a_yaml_config_stops_on_sigusr1_and_resumes_bit_exact(tmp_path, datamodule):
+    """salt's setting: a LightningCLI project, SLURM's --signal=USR1; the callback comes from the YAML alone. The
+    data from the module's own hooks, or from a LightningDataModule class given to LightningCLI."""
+    ref = cli(tmp_path, "ref", None, tmp_path / "ref.safetensors", datamodule)
     assert ref.finish() == 0, ref.output
-    p = cli(tmp_path, "run", 19, None)
+    p = cli(tmp_path, "run", 19, None, datamodule)
     assert p.wait_event("holding", point="step", n=19, timeout=120), p.output
     p.signal(signal.SIGUSR1)
     assert p.finish() == PREEMPTED, p.output
     assert p.events_of("stop", cause="SIGUSR1", step=19), p.events
     assert not list(tmp_path.rglob("hpc_ckpt_*")), "Lightning's own SLURM handler must not save"
-    r = cli(tmp_path, "run", None, tmp_path / "final.safetensors")
+    r = cli(tmp_path, "run", None, tmp_path / "final.safetensors", datamodule)
     assert r.finish() == 0, r.output
     assert r.events_of("resume", step=19), r.events
     assert_same_final(tmp_path / "ref.safetensors", tmp_path / "final.safetensors")

@@ -4,6 +4,8 @@ The user's code is a plain LightningCLI; PreemptCallback comes from the YAML con
 ``FINAL_OUT`` in the environment: where the final model and optimizer tensors are written after ``fit``.
 ``BLOCK_SIGNALS=1``: SIGTERM/USR1/USR2 blocked from the first statement, so that a SLURM warning that comes during
 the seconds of imports stays pending until the run installs its handlers (as train.py's --block_signals).
+``DATAMODULE=1``: ``LightningCLI(Net, Data)``, the training data from a LightningDataModule class (``data:`` in the
+YAML may configure it), as most LightningCLI projects give it.
 """
 
 import os
@@ -19,12 +21,13 @@ import torch  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_lightning import Net, write_final  # noqa: E402
+from train_lightning import Data, Net, write_final  # noqa: E402
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    cli = LightningCLI(Net, save_config_kwargs={"overwrite": True})
+    data = Data if os.environ.get("DATAMODULE") == "1" else None
+    cli = LightningCLI(Net, data, save_config_kwargs={"overwrite": True})
     final = os.environ.get("FINAL_OUT")
     if final:
         write_final(final, cli.model, cli.trainer)
