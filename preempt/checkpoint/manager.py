@@ -151,11 +151,17 @@ class CheckpointManager:
             mode=best_mode,
             recycle=recycle_files,
         )
-        self.owner = owner
+        self._owner = owner
         self.completion_problem: str | None = None  # why complete.json was ignored, by the last completion()
         self._deleter = deleter.Deleter()
         self._index: dict[int, Kept] = {}
         self._indexed = False
+
+    @property
+    def owner(self) -> bool:
+        """This manager may change the save_dir (quarantine, prune, recycle): opened as its owner, or holding its
+        lock (a node's leader that took the lock of its own save_dir, when the ranks' nodes share none)."""
+        return self._owner or (self.lock is not None and self.lock.held)
 
     # ----------------------------------------------------------------- start
 

@@ -61,7 +61,6 @@ class Mirroring:
         self._ended = False  # the mirror_end marker is written (at the stop, or at the end)
         self._brought: set[int] = set()  # another node's leader: the step it pulled (bring)
         if config.mirror is not None:
-            stopper.on_stop = self.at_stop
             from ..mirror.store import hold_secrets
 
             hold_secrets(config.mirror, config.mirror_options)  # before provenance, logs and records are written

@@ -241,8 +241,16 @@ class PreemptibleRun:
                 " (CPython installs handlers only from the main thread)"
             )
         parts = (self.loop, self.data, self.snapshot, self.saves)
-        starter = self._starter = Starter(self.config, self.manager, self.components, parts, self.peers, self.env)
-        starter.take_dir, starter.bring = self._take_dir, self.mirroring.bring
+        starter = self._starter = Starter(
+            self.config,
+            self.manager,
+            self.components,
+            parts,
+            self.peers,
+            self.env,
+            take_dir=self._take_dir,
+            bring=self.mirroring.bring,
+        )
         try:
             if self.peers.leader:
                 payload = self._lead(starter)
@@ -304,8 +312,7 @@ class PreemptibleRun:
         """A node's leader, when the ranks' nodes share no save_dir: takes its own as rank 0 takes its (the lock,
         the recovery of leftovers); the lock's identity, for the node's other ranks to recognise."""
         self.manager.check_dir()
-        self._lock.acquire()
-        self.manager.owner = True  # it cleans, quarantines and prunes its node's save_dir
+        self._lock.acquire()  # the manager cleans, quarantines and prunes its node's save_dir from now on
         self.manager.recover()
         return self._lock.identity
 
@@ -654,4 +661,10 @@ class PreemptibleRun:
                 raise
 
     def _stop(self, peer: int = -1, requested: bool | None = None) -> None:
-        self.stopper.stop(self.loop, checkpoint=self.saves.last_checkpoint, peer=peer, requested=requested)
+        self.stopper.stop(
+            self.loop,
+            checkpoint=self.saves.last_checkpoint,
+            peer=peer,
+            requested=requested,
+            mirror_wait=self.mirroring.at_stop,
+        )

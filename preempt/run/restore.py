@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -61,6 +60,9 @@ class Starter:
         parts: tuple[LoopState, DataCursor, Snapshot, SaveScheduler],
         peers: Peers,
         env: Environment,
+        *,
+        take_dir: Callable[[], dict[str, Any]] | None = None,
+        bring: Callable[[int, float], None] | None = None,
     ) -> None:
         self.config = config
         self.manager = manager
@@ -80,10 +82,10 @@ class Starter:
         self._holder: dict[str, Any] = {}  # what rank 0 wrote in the lock file, sent with the start
         self._branch: tuple[dict[str, Any], CheckpointInfo, bool] | None = None  # the leader's new timeline
         self._branch_due = False  # a new timeline needs its first checkpoint
-        # Nodes without a shared save_dir (preempt.cluster.nodes), set by the run: a node leader takes its save_dir
-        # (the lock, the recovery; returns the lock's identity), and brings a whole checkpoint from the mirror.
-        self.take_dir: Callable[[], dict[str, Any]] | None = None
-        self.bring: Callable[[int, float], None] | None = None
+        # Nodes without a shared save_dir (preempt.cluster.nodes): a node leader takes its save_dir (the lock, the
+        # recovery; returns the lock's identity), and brings a whole checkpoint from the mirror.
+        self.take_dir = take_dir
+        self.bring = bring
 
     # ---------------------------------------------------------------- the leader
 
@@ -278,8 +280,8 @@ class Starter:
             return
         seen = {} if peers.leader else lock.holder(self.save_dir)  # (only rank 0 holds a lock yet)
         found = "its lock file is missing" if not seen else f"its lock file says {lock.describe(seen)}"
-        local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0"  # torchrun's, else srun's
-        view = nodes.View(peers.leader or seen == holder, local == "0", found)
+        local = self.env.local_rank or 0  # torchrun's LOCAL_RANK, else srun's SLURM_LOCALID (read once, from_env)
+        view = nodes.View(peers.leader or seen == holder, local == 0, found)
         views = peers.gather(dataclasses.astuple(view))
         planned = None if views is None else nodes.plan([nodes.View(*v) for v in views], mirror=self._mirror)
         kind, leaders, problem = peers.broadcast(None if planned is None else dataclasses.astuple(planned))
@@ -289,7 +291,7 @@ class Starter:
             return
         identity, error = (self._holder, "") if peers.leader else ({}, "")
         if rank in leaders[1:]:
-            assert self.take_dir is not None  # (set by the run)
+            assert self.take_dir is not None  # (given by the run)
             try:
                 identity = self.take_dir()
             except Exception as e:
@@ -333,7 +335,7 @@ class Starter:
             return path
         error = ""
         if peers.rank != 0 and peers.nodes.leads(peers.rank):
-            assert self.bring is not None  # (set by the run)
+            assert self.bring is not None  # (given by the run)
             try:
                 step = parse_checkpoint_name(path.name)
                 assert step is not None  # (rank 0's own checkpoint)

@@ -165,7 +165,6 @@ class Stopper:
         self._loader_done: float | None = None  # when the epoch's loader ran out (walltime keeping only)
         # The mirror's wait for the stop's checkpoint (preempt.run.mirroring), after it is durable; its words end the
         # stop's line.
-        self.on_stop: Callable[[Path | None], str] | None = None
 
     # ---------------------------------------------------------------- at the start
 
@@ -443,13 +442,21 @@ class Stopper:
     # ---------------------------------------------------------------- the stop
 
     def stop(
-        self, loop: LoopState, *, checkpoint: Path | None, peer: int = -1, requested: bool | None = None
+        self,
+        loop: LoopState,
+        *,
+        checkpoint: Path | None,
+        peer: int = -1,
+        requested: bool | None = None,
+        mirror_wait: Callable[[Path | None], str] | None = None,
     ) -> NoReturn:
         """Leaves the run: requeues the job when due, logs why, and raises Preempted.
 
         ``requested``: whether this process's stop flag was up when the stop was decided (what it told the peers);
         None: read the flag now. A signal that arrives after the decision (the scheduler's SIGTERM for the requeue
         that rank 0's walltime keeper asked for, while another rank is still saving) does not change the cause.
+        ``mirror_wait``: waits (bounded) for the stop's checkpoint in the mirror and says so, for the stop's line
+        (:meth:`preempt.run.mirroring.Mirroring.at_stop`).
         """
         step, epoch, batch, start_step = loop.global_step, loop.epoch, loop.batch, loop.start_step
         f = self.flag
@@ -480,7 +487,7 @@ class Stopper:
                 f" {_log.duration(wt.gap_s)} and saves of {_log.duration(wt.save_s)})"
             )
         signal_time = None if f.received_at is None or not requested else time.time() - (now - f.received_at)
-        mirrored = self.on_stop(checkpoint) if self.on_stop is not None else ""
+        mirrored = mirror_wait(checkpoint) if mirror_wait is not None else ""
         timing = self._timing(requested, cause)
         code, requeued = self._after_stop(cause, signal_time, progressed=step > start_step, step=step)
         log.info(
