@@ -404,7 +404,7 @@ def build_parser(commands: argparse._SubParsersAction | None = None) -> argparse
         description=(
             "Run COMMAND straight to step N twice and once stopped at each --stop-at and rerun until N, each in a\n"
             "scratch save_dir (the script's own save_dir, mirror and loggers are never touched), then compare their\n"
-            "states at every step from the first stop on: every tensor with torch.equal, every RNG, scheduler,\n"
+            "states at the steps from the first stop on: every tensor with torch.equal, every RNG, scheduler,\n"
             "tracked object and data cursor exactly, on every rank. Names the first step at which the resumed run\n"
             "differs and what differs; what differs between the two straight runs is reported as nondeterminism.\n"
             "Details: pydoc preempt.cli.check"
