@@ -4,8 +4,9 @@
     python bench/bench_accelerate.py --rounds 12 --steps 100 --variants alone,preempt
 
 The loop of README_PREEMPTION.md, section 13: everything through ``accelerator.prepare`` (an MLP of three layers,
-width 320, whose optimizer step, two micro-batches of 64 samples under ``accelerator.accumulate``, takes ~50 ms on
-one core; AdamW; a LinearLR scheduler; a map-style dataset with ``shuffle=True``; bf16 autocast). Variants:
+width 448 by default, whose optimizer step, two micro-batches of 64 samples under ``accelerator.accumulate``, took
+~45 ms on one core of a loaded 2-core machine; AdamW; a LinearLR scheduler; a map-style dataset with ``shuffle=True``
+that draws nothing; bf16 autocast). Variants:
 
 * ``alone``: Accelerate's loop as its examples write it (``for batch in train_loader``);
 * ``preempt``: the same with the ``with``, ``run.epochs``, ``run.batches(train_loader)`` and ``run.step()`` lines, no
@@ -13,6 +14,10 @@ one core; AdamW; a LinearLR scheduler; a map-style dataset with ``shuffle=True``
 * ``preempt_no_streams``: the same, the DataLoader given ``sampler=ResumableSampler(dataset, per_sample_rng=False)``
   (no per-sample random streams: what they cost, apart);
 * ``preempt_saves``: ``preempt`` with a checkpoint every 20 steps in the background.
+
+``--empty``: the same loops with nothing in the body but the ``accelerator.accumulate`` block: the time per step of
+the loop and its data alone, in which preempt's part (the prepared loader's iteration, the per-sample streams,
+``run.step()``) is a larger share, and which a busy machine disturbs less than a training step.
 
 One process measures every variant in each round (a fresh model, optimizer and prepared loader each time), the
 variants taking turns to go first, so that a machine whose load drifts weighs on all of them alike; one thread, so
@@ -46,6 +51,7 @@ from preempt.data.sampler import ResumableSampler
 
 variants, where = sys.argv[2].split(","), sys.argv[6]
 rounds, steps, width = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+empty = sys.argv[7] == "1"  # the loop's body does no training: what the loop and its data cost, alone
 torch.set_num_threads(1)
 set_seed(0)
 BATCH = 64
@@ -86,9 +92,12 @@ def measure(mode):
 
     def body(batch):
         with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+            if empty:
+                pass
+            else:
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step(); scheduler.step(); optimizer.zero_grad()
         if accelerator.sync_gradients:
             marks.append(time.perf_counter())
 
@@ -119,15 +128,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per measure (two micro-batches each)")
-    p.add_argument("--width", type=int, default=320, help="the MLP's width (320: ~50 ms a step on one core)")
+    p.add_argument("--width", type=int, default=448, help="the MLP's width (a step's time grows with its square)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--empty", action="store_true", help="no training in the body: the loop's and its data's own time per step"
+    )
     args = p.parse_args()
     variants = args.variants.split(",")
     assert variants[0] == "alone", "the first variant is the yardstick: alone"
     rows = []
     with tempfile.TemporaryDirectory() as where:
         cmd = [sys.executable, "-c", CHILD, str(ROOT), args.variants, str(args.rounds), str(args.steps)]
-        proc = subprocess.Popen([*cmd, str(args.width), where], stdout=subprocess.PIPE, text=True)
+        cmd += [str(args.width), where, str(int(args.empty))]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
             row = json.loads(line)
