@@ -132,8 +132,8 @@ def train(
 
 @pytest.mark.parametrize(
     ("accumulate", "precision", "dispatch", "stop_at"),
-    [(2, "bf16", False, 4), (1, "no", False, 11), (2, "no", True, 9)],
-    ids=["accumulate2-bf16", "plain", "dispatcher-accumulate2"],
+    [(2, "bf16", False, 4), (1, "no", False, 11), (2, "no", True, 9), (2, "no", False, 5)],
+    ids=["accumulate2-bf16", "plain", "dispatcher-accumulate2", "at-the-epoch-s-last-batch"],
 )
 def test_the_prepared_loop_resumes_bit_exact(tmp_path, accumulate, precision, dispatch, stop_at):
     """26 samples in batches of 3: 9 batches an epoch. With accumulation 2 a step every 2 batches and at the epoch's
@@ -272,3 +272,33 @@ def test_the_scaler_of_a_prepared_optimizer_is_saved_and_restored_without_being_
 
     run_once(2.0**7)
     assert run_once(2.0**3).get_scale() == 2.0**7
+
+
+def test_accelerate_s_data_seed_is_the_order_s_seed(tmp_path):
+    """use_seedable_sampler with data_seed=7: the order is ResumableSampler(seed=7)'s."""
+    accelerator = accelerate.Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7)
+    )
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(DATA, batch_size=4, shuffle=True))
+    with PreemptibleRun(tmp_path, model=model, optimizer=optimizer, log_file=False) as run:
+        seen = []
+        for _ in run.epochs(1):
+            for x, _y in run.batches(loader):
+                seen.append(x)
+                run.step()
+    order = ResumableSampler(DATA, seed=7).order(0)
+    assert torch.equal(torch.cat(seen), DATA.tensors[0][order])
+
+
+def test_a_dispatcher_s_last_group_that_does_not_divide_is_refused():
+    """Several processes, drop_last=False: a last group completed from the iteration's first samples cannot resume."""
+    from preempt.data.prepared import _check_dispatched_tail
+
+    _check_dispatched_tail("DataLoaderDispatcher", 70, 4, 2, split=False)  # 70 % 8 = 6: three each
+    _check_dispatched_tail("DataLoaderDispatcher", 70, 4, 2, split=True)  # 70 % 4 = 2: one each
+    with pytest.raises(PreemptError, match="last group of 5 samples .* drop_last=True"):
+        _check_dispatched_tail("DataLoaderDispatcher", 69, 4, 2, split=False)
+    with pytest.raises(PreemptError, match="last group of 3 samples"):
+        _check_dispatched_tail("DataLoaderDispatcher", 71, 4, 2, split=True)
