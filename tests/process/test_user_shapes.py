@@ -95,13 +95,25 @@ def test_a_nanogpt_style_loop_with_its_prefetched_batch_tracked_resumes_bit_exac
 
 
 def test_a_torchvision_style_classifier_with_augmenting_workers_resumes_bit_exact(tmp_path, reference):
+    """Two stops by SIGTERM to the process group (the workers get it too): mid-epoch 0, then at the epoch's last
+    step (the classic off-by-one); each rerun replays the epoch's batches through its own shuffled loader."""
     save_dir, final = tmp_path / "run", tmp_path / "final"
     base = [sys.executable, str(CLASSIFIER), "--save_dir", str(save_dir)]
-    for step, sig in ((5, signal.SIGTERM), (14, signal.SIGTERM)):  # mid-epoch 0, then the epoch's last step
+    for step, sig in ((5, signal.SIGTERM), (14, signal.SIGTERM)):
         p = stop_at(base, step, sig, group=True)
         assert p.finish() == PREEMPTED, p.output
     r = run_to_end([*base, "--final_out", str(final)])
     assert r.events_of("resume", step=14), r.events
+    assert_same_final(reference(CLASSIFIER, []), final)
+
+
+def test_a_torchvision_style_classifier_killed_resumes_from_its_periodic_checkpoint_bit_exact(tmp_path, reference):
+    save_dir, final = tmp_path / "run", tmp_path / "final"
+    base = [sys.executable, str(CLASSIFIER), "--save_dir", str(save_dir), "--every_steps", "4"]
+    p = stop_at(base, 18, signal.SIGKILL)
+    assert p.finish() == -signal.SIGKILL, p.output
+    r = run_to_end([*base, "--final_out", str(final)])
+    assert r.events_of("resume", step=16, epoch=1), r.events
     assert_same_final(reference(CLASSIFIER, []), final)
 
 

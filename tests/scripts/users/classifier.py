@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--final_out", default=None)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--hold_at_step", type=int, default=None)
+    p.add_argument("--every_steps", type=int, default=None, help="periodic checkpoints, written synchronously")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -74,7 +75,14 @@ def main() -> None:
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     loader = DataLoader(train_set, batch_size=8, shuffle=True, num_workers=2, drop_last=True)
     with PreemptibleRun(
-        args.save_dir, model=model, optimizer=opt, scheduler=sched, track={"ema": ema}, checkpoint_interval=None
+        args.save_dir,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        track={"ema": ema},
+        checkpoint_interval=None,
+        checkpoint_every_steps=args.every_steps,
+        async_save=args.every_steps is None,
     ) as run:
         for _ in run.epochs(args.epochs):
             model.train()
