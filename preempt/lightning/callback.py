@@ -148,6 +148,7 @@ class PreemptCallback(pl.Callback):
         processed = _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, loader)
         # the order's seed: seed_everything's (Lightning's distributed sampler uses it too), else the run's data seed,
         # which a checkpoint keeps
+        assert run.data_seed is not None  # (drawn when the run began)
         seed = int(os.environ.get("PL_GLOBAL_SEED", run.data_seed))
         processed = self._loader = resumable(processed, run.sampler, seed)
         return RunBatches(processed, lambda inner: self._open_epoch(trainer, inner))

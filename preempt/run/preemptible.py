@@ -54,6 +54,7 @@ from ..data import rng
 from ..data.sampler import ResumableSampler
 from ..data.shield import shield_workers
 from ..errors import CHECK_ENDED_EXIT_CODE, PeerLost, Preempted, PreemptError, RunComplete
+from ..health.guards import NonFiniteGuard, OOMGuard
 from ..health.progress import check_epochs
 from .config import RunConfig, RunOptions, checked_config
 from .data_cursor import DataCursor
@@ -76,11 +77,6 @@ __all__ = ["PreemptibleRun", "RunConfig", "SaveRecord"]
 
 log = _log.log
 _END = object()
-
-
-def _view(part: str, name: str, doc: str) -> property:
-    """A read-only attribute of the run that is ``name`` of one of its parts."""
-    return property(lambda run: getattr(getattr(run, part), name), doc=doc)
 
 
 class PreemptibleRun:
@@ -203,20 +199,77 @@ class PreemptibleRun:
 
     # ---------------------------------------------------------------- what a user reads
 
-    global_step = _view("loop", "global_step", "Optimizer steps counted by run.step(), in all.")
-    epoch = _view("loop", "epoch", "The current epoch.")
-    batch = _view("loop", "batch", "Batches of the current epoch the loop received.")
-    metrics = _view("loop", "metrics", "The latest value of each metric given to the run.")
-    last_checkpoint = _view("saves", "last_checkpoint", "The newest durable checkpoint known.")
-    last_save = _view("saves", "last_save", "The latest checkpoint taken (a SaveRecord).")
-    failed_saves = _view("saves", "failed", "Periodic checkpoints that could not be written.")
-    staging_prepare_s = _view("saves", "prepare_s", "Seconds spent sizing the staging buffers.")
-    data_seed = _view("data", "seed", "The seed of the data's per-sample random streams (a checkpoint keeps it).")
-    rank = _view("peers", "rank", "This process's rank (0 alone).")
-    world_size = _view("peers", "world_size", "The number of ranks (1 alone).")
-    nonfinite = _view("health", "nonfinite", "The non-finite loss guard (counts).")
-    oom = _view("health", "oom", "The out-of-memory guard (counts).")
-    rollbacks = _view("health", "rollbacks", "Rollbacks after non-finite losses so far.")
+    # Each read-only, each the value of the one part that owns it (typed: what an IDE and mypy see is what runs).
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps counted by run.step(), in all."""
+        return self.loop.global_step
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self.loop.epoch
+
+    @property
+    def batch(self) -> int:
+        """Batches of the current epoch the loop received."""
+        return self.loop.batch
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The latest value of each metric given to the run."""
+        return self.loop.metrics
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The newest durable checkpoint known."""
+        return self.saves.saved.last_checkpoint
+
+    @property
+    def last_save(self) -> SaveRecord | None:
+        """The latest checkpoint taken (a SaveRecord)."""
+        return self.saves.saved.last_save
+
+    @property
+    def failed_saves(self) -> int:
+        """Periodic checkpoints that could not be written."""
+        return self.saves.saved.failed
+
+    @property
+    def staging_prepare_s(self) -> float | None:
+        """Seconds spent sizing the staging buffers."""
+        return self.saves.background.prepare_s
+
+    @property
+    def data_seed(self) -> int | None:
+        """The seed of the data's per-sample random streams (a checkpoint keeps it)."""
+        return self.data.seed
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 alone)."""
+        return self.peers.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks (1 alone)."""
+        return self.peers.world_size
+
+    @property
+    def nonfinite(self) -> NonFiniteGuard:
+        """The non-finite loss guard (counts)."""
+        return self.health.nonfinite
+
+    @property
+    def oom(self) -> OOMGuard:
+        """The out-of-memory guard (counts)."""
+        return self.health.oom
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks after non-finite losses so far."""
+        return self.health.rollbacks
 
     @property
     def user_state(self) -> dict[str, Any]:

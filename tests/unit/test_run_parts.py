@@ -233,3 +233,17 @@ def test_a_signal_after_the_agreed_stop_does_not_change_its_cause(tmp_path, capl
         stopper.stop(LoopState(global_step=141), checkpoint=tmp_path / "step_000000141")
     assert "stopping on SIGTERM 0.00 s after it arrived at step 141" in caplog.text, caplog.text
     assert e.value.cause == "SIGTERM"
+
+
+def test_the_run_s_properties_are_typed_for_an_ide_and_mypy():
+    """Each property a user reads on the run declares its type (what mypy and an IDE show: ``run.global_step`` is
+    an ``int``, not ``Any``)."""
+    import typing
+
+    from preempt.run.save_plan import SaveRecord
+
+    props = {n: p for n, p in vars(PreemptibleRun).items() if isinstance(p, property) and not n.startswith("_")}
+    hints = {n: typing.get_type_hints(p.fget).get("return") for n, p in props.items()}
+    assert all(h is not None and h is not typing.Any for h in hints.values()), hints
+    assert hints["global_step"] is int and hints["epoch"] is int and hints["batch"] is int
+    assert hints["last_save"] == SaveRecord | None
