@@ -3,29 +3,29 @@
 The Trainer runs its own loop; ``install`` takes over seven of its methods on the instance (any subclass keeps its
 own overrides of the rest) and adds one callback, so that the run is called where a hand-written loop would call it:
 
-==========================  ===========================================================================================
-the Trainer's point         the run
-==========================  ===========================================================================================
-``get_train_dataloader``    the Trainer's loader, built as the Trainer builds it but with preempt's sampler (seeded by
-                            ``data_seed``, else ``seed``), handed over as a :class:`~preempt.data.stand_in.RunBatches`
-                            whose epochs the run opens (exact mid-epoch, per-sample random streams in the workers)
-``_init_training_state``    the Trainer's fresh state; the optimizer made now, the run entered with the model, the
-                            optimizer and the Trainer's state, so that a checkpoint is restored before the Trainer
-                            counts where it starts; it starts at the run's epoch and batch
-``on_train_begin``          the scheduler, made since, loaded from the same checkpoint (the optimizer's learning rates
-                            set back to its last ones: making a scheduler overwrites them); the Trainer's counters
-                            (loss, flos, seconds: :mod:`.trainer_state`), which it has just zeroed, continued
-``_run_epoch``              ``run.epochs`` moves to the epoch; in the resumed one the Trainer's own count of the
-                            batches done is kept, and the run (not the Trainer) skips them and restores the RNG
-``_maybe_log_save_evaluate``  after it, at an optimizer step (never inside gradient accumulation): ``run.step()``
-                            with the metrics of the evaluation it ran, the safe point of periodic checkpoints, of the
-                            best one and of the stop (a checkpoint, exit code 75). The step's log, evaluation,
-                            ``best_metric`` and callbacks (``EarlyStoppingCallback``) come before its checkpoint, as
-                            in an uninterrupted run; at an epoch's end, an evaluation's metrics to ``run.report``
-``on_evaluate``             the random state put back as it was after the step before the evaluation
-``_finalize_training``      ``train_runtime`` and the rates over the seconds trained by every process of the run
-``train``                   the run left when training ends (a final checkpoint, the run marked complete) or fails
-==========================  ===========================================================================================
+============================  ==========================================================================================
+the Trainer's point           the run
+============================  ==========================================================================================
+``get_train_dataloader``      the Trainer's loader, built as the Trainer builds it but with preempt's sampler (seeded by
+                              ``data_seed``, else ``seed``), handed over as a :class:`~preempt.data.stand_in.RunBatches`
+                              whose epochs the run opens (exact mid-epoch, per-sample random streams in the workers)
+``_init_training_state``      the Trainer's fresh state; the optimizer made now, the run entered with the model, the
+                              optimizer and the Trainer's state, so that a checkpoint is restored before the Trainer
+                              counts where it starts; it starts at the run's epoch and batch
+``on_train_begin``            the scheduler, made since, loaded from the same checkpoint (the optimizer's learning rates
+                              set back to its last ones: making a scheduler overwrites them); the Trainer's counters
+                              (loss, flos, seconds: :mod:`.trainer_state`), which it has just zeroed, continued
+``_run_epoch``                ``run.epochs`` moves to the epoch; in the resumed one the Trainer's own count of the
+                              batches done is kept, and the run (not the Trainer) skips them and restores the RNG
+``_maybe_log_save_evaluate``  after it, at an optimizer step (never inside gradient accumulation): ``run.step()`` with
+                              the metrics of the evaluation it ran, the safe point of periodic checkpoints, of the best
+                              one and of the stop (a checkpoint, exit code 75). The step's log, evaluation,
+                              ``best_metric`` and callbacks (``EarlyStoppingCallback``) come before its checkpoint, as
+                              in an uninterrupted run; at an epoch's end, an evaluation's metrics to ``run.report``
+``on_evaluate``               the random state put back as it was after the step before the evaluation
+``_finalize_training``        ``train_runtime`` and the rates over the seconds trained by every process of the run
+``train``                     the run left when training ends (a final checkpoint, the run marked complete) or fails
+============================  ==========================================================================================
 
 The Trainer's own checkpoints are turned off (``save_strategy="no"``): preempt writes them, and the Trainer's saving
 arguments set preempt's options (:func:`_from_trainer_args`).
