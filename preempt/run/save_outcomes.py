@@ -98,6 +98,7 @@ class Outcomes:
             case Outcome.CHANGED:
                 self._changed(job, error)
             case Outcome.CANCELLED:
+                _testing.emit("cancelled", step=job.record.step, reason=job.reason.value)
                 log.info(
                     "the background write of step %d (%s) was cancelled after %s: the stop saves the current state",
                     job.record.step,

@@ -13,8 +13,8 @@ MODEL = ["--epochs", "3", "--samples", "256", "--dim", "1024", "--width", "1024"
 BYPASSED = r"model\.safetensors: \d+ of \d+ bytes bypassed the page cache"  # a file of 4 MB, from the buffers
 
 
-def stopped_with_a_write_in_flight(tmp_path, signal_at: str) -> tuple[str, int, int, CheckpointManager]:
-    """Runs until the writer of the second periodic save sends SIGTERM (``signal_at``); returns the output, the
+def stopped_with_a_write_in_flight(tmp_path, signal_at: str) -> tuple[Spawned, int, int, CheckpointManager]:
+    """Runs until the writer of the second periodic save sends SIGTERM (``signal_at``); returns the process, the
     step of the save in flight, the step of the stop's checkpoint and the manager of the save_dir.
 
     The loop holds right after it took that save until the signal has come: a fast loop would otherwise reach the
@@ -28,11 +28,19 @@ def stopped_with_a_write_in_flight(tmp_path, signal_at: str) -> tuple[str, int, 
     first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert first.finish() == 75, first.output
     out = first.output
-    held = int(re.findall(r"saving \S*step_(\d+) \(steps\)", out)[1])  # the save in flight when SIGTERM came
+    held = first.events_of("saving", reason="steps")[1]["step"]  # the save in flight when SIGTERM came
     assert held == 12 and "settled at saved 1: step_000000006 durable" in out, out
-    stop = re.search(r"checkpoint \S*step_(\d+) \(preempt\) written", out)
-    assert stop, out
-    return out, held, int(stop.group(1)), CheckpointManager(save_dir, owner=False)
+    stop = first.events_of("checkpoint", reason="preempt")
+    assert stop, first.events
+    return first, held, stop[0]["step"], CheckpointManager(save_dir, owner=False)
+
+
+def order(p: Spawned, *kinds: tuple[str, dict]) -> list[int]:
+    """The place in ``p``'s events of the first event of each (kind, fields); -1 where there is none."""
+    return [
+        next((i for i, e in enumerate(p.events) if e.get("event") == k and f.items() <= e.items()), -1)
+        for k, f in kinds
+    ]
 
 
 def rerun_is_exact(tmp_path, reference, stopped_at: int) -> None:
@@ -48,11 +56,11 @@ def test_sigterm_before_a_writes_manifest_cancels_it_and_the_stop_saves_the_curr
     """SIGTERM from the writer thread just before the second save's manifest; the writer then waits there until
     the run decides (``until_cancelled``). The loop has moved past that save's state, so its stop cancels the
     write (its files removed) and saves the current state; the cancelled step is not on disk."""
-    out, held, stopped_at, manager = stopped_with_a_write_in_flight(tmp_path, "before_manifest:2:TERM:until_cancelled")
+    p, held, stopped_at, manager = stopped_with_a_write_in_flight(tmp_path, "before_manifest:2:TERM:until_cancelled")
+    out = p.output
     assert "signal_at before_manifest 2 SIGTERM" in out, out
-    cancelled = re.search(rf"the background write of step {held} \(steps\) was cancelled", out)
-    stop = re.search(r"checkpoint \S*step_\d+ \(preempt\) written", out)
-    assert cancelled and cancelled.start() < stop.start(), out
+    cancelled, stop = order(p, ("cancelled", {"step": held, "reason": "steps"}), ("checkpoint", {"reason": "preempt"}))
+    assert 0 <= cancelled < stop, p.events
     assert stopped_at == held + 1, out
     # the stop's save copied the state into the staging buffers and wrote them without the page cache
     assert bool(re.search(rf"step_0*{stopped_at}-\S*/{BYPASSED}", out)) == direct_io_supported(tmp_path), out
@@ -65,12 +73,13 @@ def test_sigterm_before_a_writes_manifest_cancels_it_and_the_stop_saves_the_curr
 def test_sigterm_after_a_writes_rename_finishes_it_then_saves_the_current_state(tmp_path, reference):
     """SIGTERM from the writer thread after the second save's rename, before save_dir's fsync: that write can no
     longer be cancelled, so the stop waits for it, then saves the current state; both checkpoints are whole."""
-    out, held, stopped_at, manager = stopped_with_a_write_in_flight(tmp_path, "before_dir_fsync:2:TERM")
+    p, held, stopped_at, manager = stopped_with_a_write_in_flight(tmp_path, "before_dir_fsync:2:TERM")
+    out = p.output
     assert "signal_at before_dir_fsync 2 SIGTERM" in out, out
-    in_flight = re.search(rf"checkpoint \S*step_0*{held} \(steps\) written in .* in the background", out)
-    stop = re.search(r"checkpoint \S*step_\d+ \(preempt\) written", out)
-    assert in_flight and in_flight.start() < stop.start(), out
-    assert "was cancelled" not in out, out
+    written = {"step": held, "reason": "steps", "background": True}
+    in_flight, stop = order(p, ("checkpoint", written), ("checkpoint", {"reason": "preempt"}))
+    assert 0 <= in_flight < stop, p.events
+    assert not p.events_of("cancelled"), p.events
     assert stopped_at == held + 1, out
     infos = manager.list()
     assert [c.step for c in infos] == [stopped_at, held], [c.step for c in infos]
@@ -86,7 +95,7 @@ def test_resume_from_a_checkpoint_the_background_writer_wrote_is_exact(tmp_path,
     assert first.wait_event("checkpoint", reason="steps", background=True, count=2), first.output
     first.signal(9)
     assert first.finish() == -9, first.output
-    second = int(re.findall(r"step_(\d+) \(steps\) written in .* in the background", first.output)[1])
+    second = first.events_of("checkpoint", reason="steps", background=True)[1]["step"]
     # the staged checkpoints went to the disk without the page cache where the filesystem allows it
     assert bool(re.search(BYPASSED, first.output)) == direct_io_supported(tmp_path), first.output
     steps = [c.step for c in CheckpointManager(save_dir, owner=False).list()]
@@ -110,11 +119,11 @@ def test_sigterm_while_a_lazy_snapshot_waits_for_its_copies_cancels_it_and_saves
     assert first.finish() == 75, first.output
     out = first.output
     assert "lazy_copy_signals SIGTERM" in out, out
-    lazy = int(re.search(r"saving \S*step_0*(\d+) \(steps\)", out).group(1))
-    stop = int(re.search(r"stopping on SIGTERM .* at step (\d+) ", out).group(1))
-    assert (lazy, stop) == (8, 9), out
-    assert re.search(rf"background write of step {lazy} \(steps\) was cancelled", out), out
-    assert re.search(rf"step_0*{stop} \(preempt\) written", out), out
+    lazy = first.events_of("saving", reason="steps")[0]["step"]
+    stop = first.events_of("stop", cause="SIGTERM")[0]["step"]
+    assert (lazy, stop) == (8, 9), first.events
+    assert first.events_of("cancelled", step=lazy, reason="steps"), first.events
+    assert first.events_of("checkpoint", step=stop, reason="preempt"), first.events
     manager = CheckpointManager(save_dir, owner=False)
     assert [c.step for c in manager.list()] == [stop] and not manager.verify(manager.list()[0])
 
