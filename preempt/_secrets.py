@@ -12,7 +12,7 @@
   as ``--options '{"secret": "..."}'``, a URL's query, a longer word).
 * The secrets a process holds: what it was handed to reach its mirror (:func:`of_mirror`: the credentials of the
   URL and each piece of them, the values of ``mirror_options`` under a secret-like key at any depth; :func:`of_environ`:
-  the AWS variables and any other whose name says it holds a secret). :func:`hold` keeps them for the life of the
+  the AWS (and Azure storage) variables whose names say they hold a secret). :func:`hold` keeps them for the life of the
   process; :func:`scrub` replaces each in a text by ``***`` (as written, JSON-escaped and URL-quoted), and so does a
   filter :func:`hold` puts on the ``preempt`` logger: no log line, record, manifest or error message carries one.
   Values shorter than MIN_LENGTH characters are not held (they would blank unrelated words).
@@ -102,10 +102,14 @@ def of_mirror(url: str | None, options: Mapping[str, Any] | None) -> list[str]:
     return out
 
 
+CLOUD_PREFIXES = ("AWS_", "AZURE_STORAGE_")  # the variables an object store's client reads its credentials from
+
+
 def of_environ(environ: Mapping[str, str]) -> list[str]:
-    """The values of the variables whose names say they hold a secret (``AWS_SECRET_ACCESS_KEY``,
-    ``AWS_SESSION_TOKEN``, ``AWS_ACCESS_KEY_ID``, ``HF_TOKEN``, ...)."""
-    return [v for k, v in environ.items() if secret_name(k)]
+    """The values of the object stores' variables whose names say they hold a secret (``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_SESSION_TOKEN``, ``AWS_ACCESS_KEY_ID``, ``AZURE_STORAGE_SAS_TOKEN``, ...); not every variable named like a
+    secret (``TOKENIZERS_PARALLELISM=enabled`` is none)."""
+    return [v for k, v in environ.items() if k.upper().startswith(CLOUD_PREFIXES) and secret_name(k)]
 
 
 def _under_secret_keys(value: Any, secret: bool) -> Iterator[str]:

@@ -97,6 +97,7 @@ def test_the_secrets_a_process_holds_are_scrubbed_by_value_wherever_they_are(cap
     assert key in held and secret in held and "AKIAURLKEY0000000001" in held and "url/Secret0123" not in held
     assert "http://127.0.0.1:9" not in held and "visible1" not in held  # not under a secret-like key
     environ = {"AWS_SECRET_ACCESS_KEY": "env-secret-0123456", "AWS_SESSION_TOKEN": token, "AWS_REGION": "us-east-1"}
+    environ["TOKENIZERS_PARALLELISM"] = "enabled"  # named like a secret, not an object store's credential
     assert sorted(_secrets.of_environ(environ)) == sorted(["env-secret-0123456", token])
     _secrets.hold([*held, *_secrets.of_environ(environ), "short"])
     assert "short" not in _secrets.held()  # fewer than MIN_LENGTH characters: would blank other words
