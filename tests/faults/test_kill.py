@@ -95,8 +95,8 @@ def test_sigkill_at_each_stage_of_the_commit(tmp_path, reference, stage, mode):
         # (the killed save's own "staged" line may not be out yet: the writer can reach the stage first)
         background = "; writing in the background" in first.output
         assert background == (mode == "async"), first.output
-    written = [int(s) for s in re.findall(r"checkpoint \S*step_(\d+) \(\w+\) written", first.output)]
-    attempted = int(re.findall(r"saving \S*step_(\d+)", first.output)[-1])
+    written = [e["step"] for e in first.events_of("checkpoint")]
+    attempted = first.events_of("saving")[-1]["step"]
     committed = stage in ("before_dir_fsync", "committed")
 
     steps = whole_checkpoints(save_dir)
@@ -160,8 +160,8 @@ def kill_chain(
             return kills, mid_save
         assert rc == KILLED, p.output
         kills += 1
-        saves = [line for line in p.lines if re.search(r"saving |checkpoint \S+ \(\w+\) written", line)]
-        mid_save += bool(saves) and "saving " in saves[-1]
+        saves = [e["event"] for e in p.events if e.get("event") in ("saving", "checkpoint")]
+        mid_save += bool(saves) and saves[-1] == "saving"
         steps = whole_checkpoints(save_dir)
         expected_resume = steps[0] if steps else None
 
@@ -208,8 +208,8 @@ def test_sigkill_while_a_cancelled_write_is_cleaned_up(tmp_path, reference):
     first = Spawned(train_cmd(save_dir, final, args), {"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert first.finish() == KILLED, first.output
     assert "signal_at before_manifest 2 SIGTERM" in first.output and "signal_at discard 1 SIGKILL" in first.output
-    written = [int(s) for s in re.findall(r"checkpoint \S*step_(\d+) \(\w+\) written", first.output)]
-    assert written == [6], first.output  # the second periodic save never committed
+    written = [e["step"] for e in first.events_of("checkpoint")]
+    assert written == [6], first.events  # the second periodic save never committed
     assert whole_checkpoints(save_dir) == [6] and leftovers(save_dir), os.listdir(save_dir)
 
     rerun = Spawned(train_cmd(save_dir, final, [*MODEL, "--every_steps", "8"]))
