@@ -21,7 +21,8 @@ group with the workers, or SIGKILL), reruns the same command to the end, and com
   evaluation, trl's ``num_tokens``, ``entropy`` and ``mean_token_accuracy``), ``best_metric``, ``best_global_step``
   and the early-stopping counter.
 
-The default tier runs one trial of each script (a different signal each); the others are ``slow``.
+The default tier runs two trials (``run_clm`` stopped by SIGTERM at an epoch's last step where an evaluation is due,
+trl with PEFT by SIGTERM to its process group); the others, each shape under each signal, are ``slow``.
 """
 
 from __future__ import annotations
@@ -151,14 +152,10 @@ def test_run_clm_a_stop_at_an_epochs_last_step_evaluates_first_and_resumes_exact
     assert got["metrics"]["epoch"] == 1.4 and got["best_global_step"] == 18, got
 
 
-def test_sft_a_sigterm_to_the_process_group_with_its_workers(tmp_path, reference):
-    """Step 10: trl's metrics gathered since the log at step 9 and its token count continue in the rerun."""
-    trial(tmp_path, reference, "sft", "group", 10)
-
-
-def test_sft_with_peft_lora_after_a_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
-    """SIGKILL at step 18: the rerun resumes at step 16 (save_steps=4), LoRA adapters and their moments exact."""
-    trial(tmp_path, reference, "sft_peft", "sigkill", 18)
+def test_sft_with_peft_lora_a_sigterm_to_the_process_group_with_its_workers(tmp_path, reference):
+    """Step 10: trl's metrics gathered since the log at step 9 and its token count continue in the rerun, LoRA
+    adapters and their moments exact."""
+    trial(tmp_path, reference, "sft_peft", "group", 10)
 
 
 @pytest.mark.slow
@@ -168,8 +165,10 @@ def test_sft_with_peft_lora_after_a_sigkill_resumes_from_the_last_periodic_check
         ("run_clm", "group", 10),
         ("run_clm", "sigkill", 17),
         ("sft", "sigterm", 16),  # the epoch's last step, an evaluation and a save step
+        ("sft", "group", 10),
         ("sft", "sigkill", 23),
         ("sft_peft", "sigterm", 7),
+        ("sft_peft", "sigkill", 18),  # the rerun resumes at step 16 (save_steps=4)
         ("sft_peft", "group", 28),
     ],
 )
