@@ -255,7 +255,8 @@ def relayed(s3_endpoint, mirror_url):
         r = s3relay.relay(s3_endpoint, mode, targets, **kw)
         server = r.__enter__()
         opened.append(r)
-        return server, {"endpoint_url": server.endpoint, "op_timeout": 2}
+        # (an operation gets 15 s: a relay on a busy machine answers late, and no test here waits for the timeout)
+        return server, {"endpoint_url": server.endpoint, "op_timeout": 15}
 
     yield start
     for r in opened:
