@@ -7,6 +7,7 @@ draw from the global RNG per step, so every rank's random state matters.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import re
@@ -99,9 +100,10 @@ def test_rank_0_writes_in_the_background_and_a_failed_write_costs_nothing_else(t
     assert failed, out
     step = int(failed[1])
     assert re.search(rf"could not write checkpoint step_0*{step} \(\w+\) .*No space left.*training goes on", out), out
-    written = [int(s) for s in re.findall(r"checkpoint \S*step_0*(\d+) \(\w+\) written in .+? in the background", out)]
+    written = [e["step"] for e in p.events_of("checkpoint", background=True)]  # rank 0's, in the background
     # every save is taken when due (every 4th step); the second one failed, the others were written
-    assert step == 8 and written == [4, 12, 16, 20, 24], out
+    assert step == 8 and written == [4, 12, 16, 20, 24], (out, p.events)
+    assert p.events_of("checkpoint_failed", step=8, errno=errno.ENOSPC), p.events
     assert not [d.name for d in save_dir.iterdir() if d.name.startswith(".tmp-")], out
     manager = CheckpointManager(save_dir, owner=False)
     for info in manager.list():
