@@ -90,7 +90,7 @@ def test_a_run_over_an_iterable_dataset_shows_its_total_and_eta(tmp_path, caplog
     caplog.clear()
     with PreemptibleRun(tmp_path / "capped", model=model, optimizer=opt, **options) as run:
         for _ in run.epochs(2, steps_per_epoch=4, max_steps=5):
-            for x in run.batches(DataLoader(Stream(), batch_size=2)):
+            for _x in run.batches(DataLoader(Stream(), batch_size=2)):
                 clock.t += 2.0
                 run.step()
                 if run.global_step == 5:
