@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import platform
 import socket
@@ -60,19 +59,27 @@ class _Reader:
         self._bad(name, "a SLURM job number (digits)", "ignored")
         return None
 
-    def end_time(self, name: str) -> int | None:
-        """Unix seconds in :data:`END_TIMES`: a negative, past-2200 or non-finite value is no deadline."""
+    def _number(self, name: str, lo: float, hi: float) -> tuple[bool, float | None]:
+        """Whether the variable is set, and its value when it is a number in ``[lo, hi]`` (else None)."""
         text = self.text(name)
         if text is None:
-            return None
+            return False, None
         try:
             value = float(text)
         except ValueError:
-            value = math.nan
+            return True, None
+        return True, (value if lo <= value <= hi else None)  # (NaN and inf are in no range)
+
+    def end_time(self, name: str) -> int | None:
+        """Unix seconds in :data:`END_TIMES`: a negative, past-2200 or non-finite value is no deadline."""
         lo, hi = END_TIMES
-        if lo <= value <= hi:  # False for NaN and inf
+        given, value = self._number(name, lo, hi)
+        if value is not None:
             return int(value)
-        self._bad(name, f"the job's end in unix seconds, between {lo} (2001) and {hi} (2200)", "no deadline from it")
+        if given:
+            self._bad(
+                name, f"the job's end in unix seconds, between {lo} (2001) and {hi} (2200)", "no deadline from it"
+            )
         return None
 
     def level(self, name: str) -> str | None:
@@ -84,17 +91,10 @@ class _Reader:
 
     def seconds(self, name: str) -> float | None:
         """A number of seconds >= 0 (a grace, a timeout)."""
-        text = self.text(name)
-        if text is None:
-            return None
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if 0 <= value < 1e9:  # False for NaN and inf
-            return value
-        self._bad(name, "a number of seconds >= 0", "ignored")
-        return None
+        given, value = self._number(name, 0.0, 1e9)
+        if given and value is None:
+            self._bad(name, "a number of seconds >= 0", "ignored")
+        return value
 
     def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
         text = self.text(name)
