@@ -279,6 +279,7 @@ class PreemptCallback(pl.Callback):
         run, epochs = self.run, self._epochs
         if run is None or epochs is None:
             return
+        _complete_skipped_batch(trainer)
         max_epochs = trainer.max_epochs or 0
         if trainer.fit_loop.epoch_progress.current.processed >= max_epochs > 0:
             # every epoch ran: the run's last epoch boundary (a safe point)
@@ -336,6 +337,19 @@ def _start_skipped_epoch(trainer: pl.Trainer) -> None:
     call._call_callback_hooks(trainer, "on_train_epoch_start")
     call._call_lightning_module_hook(trainer, "on_train_epoch_start")
     fit_loop.epoch_progress.increment_started()
+
+
+def _complete_skipped_batch(trainer: pl.Trainer) -> None:
+    """Completes the batch Lightning's restart left uncompleted: resumed from a checkpoint taken at the last batch of
+    the last epoch, Lightning 2.5-2.6 count the epoch done and end the fit without running its epoch loop, whose
+    restart would have counted that batch completed and stepped; the fit would end with those counters one lower
+    than an uninterrupted fit's. Seen at the fit's end as a batch processed but not completed."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    total = epoch_loop.batch_progress.total
+    if total.completed != total.processed - 1 or not getattr(epoch_loop, "restarting", False):
+        return
+    epoch_loop.batch_progress.increment_completed()
+    epoch_loop._batches_that_stepped += 1
 
 
 def _validation_due(trainer: pl.Trainer) -> bool:

@@ -49,6 +49,7 @@ def config(d: Path, sleep: float) -> Path:
     return path
 
 
+@pytest.mark.timeout(900)
 def test_lightning_cli_job_requeues_itself_on_usr1_and_finishes_bit_exact(
     slurm_cluster: Cluster,  # noqa: F811
     tmp_path: Path,
@@ -58,12 +59,15 @@ def test_lightning_cli_job_requeues_itself_on_usr1_and_finishes_bit_exact(
     ref_cmd = [sys.executable, str(CLI), "fit", "--config", str(config(ref_dir, 0.0))]
     ref = Spawned(ref_cmd, {"FINAL_OUT": str(ref_dir / "final.safetensors")})
     assert ref.finish() == 0, ref.output
-    # 36 steps of 1.3 s: ~47 s of work; one --time=1 allocation trains at most ~37 s before an @20 warning
+    # 36 steps of 1.3 s: ~47 s of work; one --time=2 allocation trains at most ~60 s before an @60 warning, less its
+    # start (imports: 15-30 s on a busy 2-core machine), so the job needs at least one requeue and, however slow the
+    # start, makes ~20 steps an allocation (--time=1 with @20 made 1 to 8 steps a start on a busy machine and took
+    # over 10 requeues)
     final = tmp_path / "final.safetensors"
     cmd = [sys.executable, str(CLI), "fit", "--config", str(config(tmp_path, 1.3))]
-    options = ["--time=1", "--signal=B:USR1@20", f"--export=ALL,BLOCK_SIGNALS=1,FINAL_OUT={final}"]
+    options = ["--time=2", "--signal=B:USR1@60", f"--export=ALL,BLOCK_SIGNALS=1,FINAL_OUT={final}"]
     job = slurm_cluster.submit("lightning.sbatch", cmd, tmp_path / "job.out", options)
-    info = job.wait_done(timeout=300)
+    info = job.wait_done(timeout=600)
     log = job.log
     assert info["JobState"] == "COMPLETED", job.describe()
     assert "DUE TO TIME LIMIT" not in log, f"the job reached its time limit\n{log}"
