@@ -267,7 +267,8 @@ def test_an_unreachable_service_is_said_once_and_close_cuts_a_hanging_get(caplog
         assert service.wait_requests(3)
         t0 = time.monotonic()
         watcher.close(timeout=10)
-        assert time.monotonic() - t0 < 5 and not watcher._thread.is_alive()
+        # cut off, not waited for: well under the GET's 30 s hang however busy the machine is
+        assert time.monotonic() - t0 < 20 and not watcher._thread.is_alive()
 
 
 def test_a_bug_in_the_watcher_is_raised_by_close():

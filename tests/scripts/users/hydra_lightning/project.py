@@ -104,6 +104,8 @@ class Steps(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         import os
 
+        from train import wait_for_stop  # tests/scripts/train.py (on the path: train.py of this project puts it)
+
         from preempt import _testing
         from preempt.lightning import PreemptCallback
 
@@ -111,7 +113,4 @@ class Steps(L.Callback):
         if trainer.global_step == self.hold_at:
             run = next(cb for cb in trainer.callbacks if isinstance(cb, PreemptCallback)).run
             _testing.emit("holding", point="step", n=trainer.global_step, pid=os.getpid())
-            while not run.stop_requested:
-                import time
-
-                time.sleep(0.01)  # (released by the test's signal, which the run records)
+            wait_for_stop(run)  # released by the test's signal, which the run records
