@@ -15,6 +15,7 @@ from .distributed import (
     torchrun,
     torchrun_nodes,
 )
+from .hold import stop_marker, wait_for_stop
 from .processes import (
     DDP_ARGS,
     PREEMPTED,
@@ -81,7 +82,9 @@ __all__ = [
     "run_interrupted",
     "run_python",
     "small_run",
+    "stop_marker",
     "torchrun",
     "torchrun_nodes",
     "train_cmd",
+    "wait_for_stop",
 ]

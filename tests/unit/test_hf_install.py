@@ -11,9 +11,11 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
 import torch  # noqa: E402
+from helpers import stop_marker, wait_for_stop  # noqa: E402
+from helpers.metadata import MetadataService  # noqa: E402
 
 import preempt.hf  # noqa: E402
-from preempt.errors import PreemptError  # noqa: E402
+from preempt.errors import PREEMPTED_EXIT_CODE, Preempted, PreemptError  # noqa: E402
 
 
 class Pairs(torch.utils.data.Dataset):
@@ -207,3 +209,28 @@ def test_the_progress_line_counts_to_max_steps(tmp_path, caplog):
     t.train()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines and all(re.match(r"step \d/5 \|", line) for line in lines), lines
+
+
+def test_install_takes_notices_and_grace(tmp_path, monkeypatch):
+    """As the Lightning callback: a notice from the emulated AWS service stops the Trainer at its next step."""
+    t = trainer(tmp_path, per_device_train_batch_size=4)
+    with pytest.raises(ValueError, match="notices: expected one of aws, gce, azure"):
+        preempt.hf.install(t, tmp_path / "run", notices="ec2")
+    driver = preempt.hf.install(t, tmp_path / "run", notices="aws", grace=45.0)
+
+    class Hold(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                wait_for_stop(driver.run)
+
+    t.add_callback(Hold())
+    with MetadataService("aws") as service:
+        monkeypatch.setenv(*next(iter(service.env().items())))
+        monkeypatch.delenv("PREEMPT_NOTICES", raising=False)
+        service.give_notice()
+        with pytest.raises(Preempted) as e:
+            t.train()
+    assert e.value.code == PREEMPTED_EXIT_CODE and e.value.cause.startswith("aws notice: "), e.value.cause
+    assert service.requests[0].path == "/latest/api/token"
+    stop = stop_marker(tmp_path / "run")
+    assert stop["step"] == 1 and stop["cause"] == e.value.cause, stop

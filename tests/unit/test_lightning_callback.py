@@ -14,9 +14,11 @@ import pytest
 L = pytest.importorskip("lightning.pytorch", reason="Lightning is not installed (pip install -e '.[lightning]')")
 
 import torch  # noqa: E402
+from helpers import stop_marker, wait_for_stop  # noqa: E402
+from helpers.metadata import MetadataService  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from preempt.errors import PreemptError  # noqa: E402
+from preempt.errors import PREEMPTED_EXIT_CODE, Preempted, PreemptError  # noqa: E402
 from preempt.lightning import PreemptCallback  # noqa: E402
 
 
@@ -179,3 +181,36 @@ def test_a_loader_with_torchs_samplers_is_remade_with_the_runs_and_any_other_kep
     stream = DataLoader(Stream(), batch_size=2)
     assert resumable(stream, _Made, 7) is stream
     assert resumable([1, 2, 3], _Made, 7) == [1, 2, 3]  # not a DataLoader
+
+
+def test_the_callback_takes_notices_and_grace(tmp_path, monkeypatch):
+    """A notice from the emulated AWS service stops the fit at its next step, exit code 75; the loop holds in its first
+    step until the run has been asked to stop, so the notice lands there however fast or slow the machine."""
+    preempt_cb = PreemptCallback(tmp_path / "run", notices="aws", grace=90, checkpoint_interval=None)
+    assert preempt_cb.config.notices == "aws" and preempt_cb.config.grace == 90
+
+    class Hold(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                wait_for_stop(preempt_cb.run)
+
+    with MetadataService("aws") as service:
+        monkeypatch.setenv(*next(iter(service.env().items())))
+        monkeypatch.delenv("PREEMPT_NOTICES", raising=False)
+        service.give_notice()
+        trainer = L.Trainer(
+            max_epochs=1,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            callbacks=[Hold(), preempt_cb],
+        )
+        with pytest.raises(Preempted) as e:
+            trainer.fit(Tiny())
+    assert e.value.code == PREEMPTED_EXIT_CODE and e.value.cause.startswith("aws notice: "), e.value.cause
+    assert service.requests[0].path == "/latest/api/token"
+    stop = stop_marker(tmp_path / "run")
+    assert stop["step"] == 1 and stop["cause"] == e.value.cause and stop["margin_s"] > 0, stop
