@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train as harness  # noqa: E402  (the suite's hold and signal points: --hold_at, --signal_at)
+from train_ddp import stop_told  # noqa: E402  (each process's stop as an event)
 
 from preempt import PreemptibleRun, _testing  # noqa: E402
 
@@ -113,14 +114,17 @@ def main() -> None:
         model, optimizer, train_dataloader, lr_scheduler
     )
 
-    with PreemptibleRun(  # preempt
-        args.save_dir,
-        model=model,
-        optimizer=optimizer,
-        scheduler=lr_scheduler,
-        checkpoint_interval=None,
-        checkpoint_every_steps=args.every_steps,
-    ) as run:
+    with (
+        PreemptibleRun(  # preempt
+            args.save_dir,
+            model=model,
+            optimizer=optimizer,
+            scheduler=lr_scheduler,
+            checkpoint_interval=None,
+            checkpoint_every_steps=args.every_steps,
+        ) as run,
+        stop_told(run),  # (the suite's: this process's stop as an event)
+    ):
         harness._runs.append(run)  # (the suite's hold points wait for its stop flag)
         for epoch in run.epochs(args.epochs):  # preempt: was range(starting_epoch, num_epochs)
             model.train()

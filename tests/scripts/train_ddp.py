@@ -4,16 +4,24 @@ Every rank prints ``rank R step N epoch E batch B`` per step. At the end each
 rank writes ``--final_out`` with ``.rank<R>`` inserted before the suffix: the
 model and optimizer (every rank holds the replicated copy), its RNG states,
 its losses and the global sample indices it trained on.
+
+Each rank tells the test its own events (``preempt._testing.emit``, with ``rank``): ``entered`` (the step, epoch and
+batch it starts at, its SLURM node, the checkpoint it resumed from), ``step`` (with the sample indices it trained on),
+``stopped`` (its stop: the step and what its ``Preempted`` says), ``holding``, ``waiting`` and ``fail_write``. The
+run's own markers (``stop``, ``resume``, ``checkpoint``, ...) are rank 0's history alone. train_fsdp.py and
+train_accelerate.py tell theirs with the same functions.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +32,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import HOLD_LIMIT_S, Synthetic, flatten, signal_at, wait_for_file  # noqa: E402
+from train import HOLD_LIMIT_S, Synthetic, flatten, signal_at, wait_for_file, wait_for_stop  # noqa: E402
 
 from preempt import PreemptibleRun, _testing  # noqa: E402
+from preempt.errors import Preempted  # noqa: E402
 
 
 class Indexed(Synthetic):
@@ -37,10 +46,47 @@ class Indexed(Synthetic):
         return x, y, i
 
 
+NODE = os.environ.get("SLURMD_NODENAME", "-")  # the SLURM node this rank runs on
+
+
 def say(line: str) -> None:
     """One write per line: the ranks share the agent's stdout, and two writes could interleave."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def entered(run: PreemptibleRun, **fields) -> None:
+    """The event ``entered``: the rank's step, epoch and batch once in the run, its SLURM node (``-`` outside SLURM),
+    the checkpoint it resumed from (None: a fresh start) and ``fields``."""
+    where = {"step": run.global_step, "epoch": run.epoch, "batch": run.batch, "node": NODE}
+    resumed = None if run.resumed_from is None else str(run.resumed_from)
+    _testing.emit("entered", rank=run.rank, **where, resumed_from=resumed, **fields)
+
+
+@contextlib.contextmanager
+def stop_told(run: PreemptibleRun) -> Iterator[None]:
+    """Around the loop, inside the run: the rank's stop as the event ``stopped``, its step and what its Preempted
+    says (``cause``: a signal's name, ``"signal"`` for a stop another rank's signal asked for, ``"walltime"``)."""
+    try:
+        yield
+    except Preempted as e:
+        where = {"step": run.global_step, "epoch": run.epoch, "batch": run.batch}
+        said = {"cause": e.cause, "code": e.code, "requeued": e.requeued, "checkpoint": e.checkpoint}
+        _testing.emit("stopped", rank=run.rank, **where, **said)
+        raise
+
+
+_LAST_WORK: list[dist.Work] = []
+
+
+def leave(rank: int) -> None:
+    """Says ``rank R done`` and ends the process group at a last barrier. The barrier's work is kept until the
+    process ends, so that the main thread destroys it (and the works it waited for) with the GIL:
+    preempt/cluster/distributed.py, "Works destroyed in the main thread"."""
+    say(f"rank {rank} done")
+    _LAST_WORK.append(dist.barrier(async_op=True))
+    _LAST_WORK[-1].wait()
+    dist.destroy_process_group()
 
 
 def fail_write(n: int) -> None:
@@ -58,6 +104,7 @@ def fail_write(n: int) -> None:
         if calls[0] == n:
             step = int(directory.name.split("step_")[1].split("-")[0])
             say(f"rank 0 fail_write step {step}")
+            _testing.emit("fail_write", rank=0, step=step)
             raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
 
     _testing.install("write", failing)
@@ -71,6 +118,7 @@ def wait_file_in_restart(spec: str, rank: int) -> None:
     if int(os.environ.get("SLURM_RESTART_COUNT", "0")) != int(restart):
         return
     say(f"rank {rank} waiting for {path}")
+    _testing.emit("waiting", rank=rank, point="restart", n=int(restart), path=path)
     wait_for_file(path)
     say(f"rank {rank} went on")
 
@@ -82,9 +130,6 @@ def settle(run: PreemptibleRun, rank: int) -> None:
     if run.last_save is not None and run.last_save.step == run.global_step:
         run.wait_for_checkpoint(HOLD_LIMIT_S)
         say(f"rank {rank} settled at step {run.global_step}")
-
-
-_LAST_WORK: list[dist.Work] = []
 
 
 def main() -> None:
@@ -146,28 +191,29 @@ def main() -> None:
     if args.fail_write is not None and rank == 0:
         fail_write(args.fail_write)
 
-    save_dir = args.save_dir.replace("{node}", os.environ.get("SLURMD_NODENAME", "-"))
-    with PreemptibleRun(
-        f"{save_dir}/rank{rank}" if args.save_dir_per_rank else save_dir,
-        model=ddp,
-        optimizer=opt,
-        scheduler=sched,
-        checkpoint_interval=None,
-        checkpoint_every_steps=args.every_steps,
-        keep_last=args.keep_last,
-        async_save=not args.sync_save,
-        resume=int(args.resume) if args.resume.isdigit() else args.resume,
-        weights_only=args.weights_only,
-        mirror=args.mirror,
-    ) as run:
+    save_dir = args.save_dir.replace("{node}", NODE)
+    with (
+        PreemptibleRun(
+            f"{save_dir}/rank{rank}" if args.save_dir_per_rank else save_dir,
+            model=ddp,
+            optimizer=opt,
+            scheduler=sched,
+            checkpoint_interval=None,
+            checkpoint_every_steps=args.every_steps,
+            keep_last=args.keep_last,
+            async_save=not args.sync_save,
+            resume=int(args.resume) if args.resume.isdigit() else args.resume,
+            weights_only=args.weights_only,
+            mirror=args.mirror,
+        ) as run,
+        stop_told(run),
+    ):
         run.user_state.setdefault("losses", [])
         seen = run.user_state.setdefault(f"seen_rank{rank}", [])  # rank 0's user_state is the one saved
         sampler = run.sampler(data, shuffle=True, seed=5)
         loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-        say(
-            f"rank {rank} start step {run.global_step} epoch {run.epoch} batch {run.batch}"
-            f" node {os.environ.get('SLURMD_NODENAME', '-')}"
-        )
+        say(f"rank {rank} start step {run.global_step} epoch {run.epoch} batch {run.batch} node {NODE}")
+        entered(run)
         if args.wait_file_in_restart:
             wait_file_in_restart(args.wait_file_in_restart, rank)
         for _epoch in run.epochs(args.epochs):
@@ -187,12 +233,12 @@ def main() -> None:
                     time.sleep(args.step_sleep)
                 ids = ",".join(map(str, idx.tolist()))
                 say(f"rank {rank} step {run.global_step + 1} epoch {run.epoch} batch {run.batch} idx {ids}")
-                _testing.emit("step", rank=rank, step=run.global_step + 1, epoch=run.epoch, batch=run.batch)
+                where = {"step": run.global_step + 1, "epoch": run.epoch, "batch": run.batch}
+                _testing.emit("step", rank=rank, **where, idx=idx.tolist())
                 if args.hold_until_stop == run.global_step + 1 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
                     say(f"rank {rank} holding at step {args.hold_until_stop}")
-                    deadline = time.monotonic() + HOLD_LIMIT_S
-                    while not run.stop_requested and time.monotonic() < deadline:
-                        time.sleep(0.05)
+                    _testing.emit("holding", rank=rank, point="step", n=args.hold_until_stop, pid=os.getpid())
+                    wait_for_stop(run)
                 run.step()
                 if args.settle_saves:
                     settle(run, rank)
@@ -206,12 +252,7 @@ def main() -> None:
             out["seen"] = torch.tensor(seen, dtype=torch.int64)
         final = Path(args.final_out)
         save_file(out, str(final.with_suffix(f".rank{rank}{final.suffix}")))
-    say(f"rank {rank} done")
-    # The last barrier's work is kept until the process ends, so that the main thread destroys it (and the works it
-    # waited for) with the GIL: preempt/cluster/distributed.py, "Works destroyed in the main thread".
-    _LAST_WORK.append(dist.barrier(async_op=True))
-    _LAST_WORK[-1].wait()
-    dist.destroy_process_group()
+    leave(rank)
 
 
 if __name__ == "__main__":

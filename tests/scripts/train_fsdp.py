@@ -22,13 +22,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import HOLD_LIMIT_S, Synthetic  # noqa: E402
+from train_ddp import entered, leave, say, stop_told  # noqa: E402
 
 from preempt import PreemptibleRun, _testing  # noqa: E402
-
-
-def say(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def full_state(model, opt) -> dict[str, torch.Tensor]:
@@ -74,6 +70,7 @@ def hold_writes() -> None:
             return
         step = int(directory.name.split("step_")[1].split("-")[0])
         say(f"rank {dist.get_rank()} slow_write {step}")
+        _testing.emit("slow_write", rank=dist.get_rank(), step=step)
         with PROGRESS.cond:
             PROGRESS.cond.wait_for(lambda: PROGRESS.step > step or PROGRESS.done, timeout=HOLD_LIMIT_S)
 
@@ -100,9 +97,6 @@ def build(lora: bool) -> torch.nn.Module:
             Adapted(16, 1024), torch.nn.ReLU(), Adapted(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 2)
         )
     return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 2))
-
-
-_LAST_WORK: list[dist.Work] = []
 
 
 def main() -> None:
@@ -149,12 +143,13 @@ def main() -> None:
         async_save=not args.sync_save,
         mirror=args.mirror,
     )
-    with PreemptibleRun(args.save_dir, model=model, optimizer=opt, **kw) as run:
+    with PreemptibleRun(args.save_dir, model=model, optimizer=opt, **kw) as run, stop_told(run):
         if args.dump_start:
             start = full_state(model, opt)
             if rank == 0:
                 save_file(start, args.dump_start)
         say(f"rank {rank} start step {run.global_step} world {world}")
+        entered(run, world=world)
         loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, shuffle=True, seed=1))
         for _epoch in run.epochs(args.epochs):
             for x, y in run.batches(loader):
@@ -171,18 +166,14 @@ def main() -> None:
                 loss.backward()
                 opt.step()
                 say(f"rank {rank} step {run.global_step + 1}")
+                _testing.emit("step", rank=rank, step=run.global_step + 1, epoch=run.epoch, batch=run.batch)
                 PROGRESS.stepped(run.global_step + 1)
                 run.step()
     PROGRESS.end()
     final = full_state(model, opt)
     if args.final_out and rank == 0:
         save_file(final, args.final_out)
-    say(f"rank {rank} done")
-    # The last barrier's work is kept until the process ends, so that the main thread destroys it (and the works it
-    # waited for) with the GIL: preempt/cluster/distributed.py, "Works destroyed in the main thread".
-    _LAST_WORK.append(dist.barrier(async_op=True))
-    _LAST_WORK[-1].wait()
-    dist.destroy_process_group()
+    leave(rank)
 
 
 if __name__ == "__main__":
