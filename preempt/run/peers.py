@@ -2,33 +2,25 @@
 
 The run has ONE safe-point path and ONE enter path; what differs between a
 plain process and the ranks of torchrun is only how decisions are combined
-and how a checkpoint's files are committed:
+(a checkpoint's files are committed by the writer built for the peers, :mod:`preempt.run.checkpoint_writer`):
 
 * :class:`Alone` -- one process. Agreement is its own decision, a broadcast
-  returns what it was given, a checkpoint is one :meth:`CheckpointManager.save`.
+  returns what it was given, a barrier does nothing.
 * :class:`Ranks` -- under torch.distributed. Rank 0 leads (it holds the lock,
   chooses the checkpoint, writes the replicated state and commits); every rank
   meets the others at every ``sync_every``-th step in one all-reduce
-  (:class:`~preempt.cluster.distributed.Coordinator`), and a checkpoint is the
-  distributed commit of :func:`~preempt.cluster.distributed.save_ranked`.
+  (:class:`~preempt.cluster.distributed.Coordinator`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
-from ..checkpoint.manager import CheckpointInfo, CheckpointManager, Pending
-from ..checkpoint.manifest import Manifest
-from ..checkpoint.state import Payload
 from ..cluster import distributed
 from ..cluster.nodes import Nodes
 from ..errors import PeerLost
 from .save_policy import Reason
-
-ExtraFiles = Callable[[Path], list[str]]  # a collective writer of more files into the checkpoint (DCP's shards)
 
 # How a save's reason crosses the ranks: the agreement is one all-reduce of integers, to which rank 0 alone adds its
 # reason's code (0: none). Fixed here, beside the one collective that carries it; the run sees only Reason.
@@ -92,13 +84,6 @@ class Peers(Protocol):
         """The peers of the background writers (collectives of their own, never interleaved with the loop's)."""
         ...
 
-    def save(
-        self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
-    ) -> CheckpointInfo | Pending | None:
-        """Commits a checkpoint, a call down to the manager; when ``defer``, returns the :class:`Pending` checkpoint
-        that the background writer finishes with the staged copy (:meth:`CheckpointManager.finish`)."""
-        ...
-
 
 class Alone:
     """One process: the degenerate case of agreement."""
@@ -133,12 +118,6 @@ class Alone:
     def writers(self) -> Alone:
         """One process's writer needs no group of its own."""
         return self
-
-    def save(
-        self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
-    ) -> CheckpointInfo | Pending | None:
-        """Commits a checkpoint; when ``defer``, the :class:`Pending` checkpoint (nothing written yet)."""
-        return Pending() if defer else manager.save(payload, manifest)
 
 
 class Ranks:
@@ -189,12 +168,6 @@ class Ranks:
         if error is None or not distributed.lost_peer(error):
             return None
         return self.coord.lost("a collective of the training loop (DDP's, or its own)", error)
-
-    def save(
-        self, manager: CheckpointManager, payload: Payload, manifest: Manifest, extra: ExtraFiles | None, defer: bool
-    ) -> CheckpointInfo | Pending | None:
-        """The distributed commit; None on the ranks other than 0 when rank 0 finishes it in the background."""
-        return distributed.save_ranked(manager, self.coord, payload, manifest, extra, defer=defer)
 
 
 def join(sync_every: int) -> Peers:

@@ -56,6 +56,7 @@ from ..data.shield import shield_workers
 from ..errors import CHECK_ENDED_EXIT_CODE, PeerLost, Preempted, PreemptError, RunComplete
 from ..health.guards import NonFiniteGuard, OOMGuard
 from ..health.progress import check_epochs
+from .checkpoint_writer import writer_for
 from .config import RunConfig, RunOptions, checked_config
 from .data_cursor import DataCursor
 from .guarding import Health, OomStep
@@ -182,6 +183,7 @@ class PreemptibleRun:
             self.snapshot,
             self.stopper.flag,
             peers=peers,
+            checkpoints=writer_for(self.manager, peers),  # one process's saves, or the ranks' commit: built once
             clock=clock,
             on_durable=self.mirroring.chain(self.stopper.saved),
             on_saved=self.stopper.measuring(self.reporter.checkpoint),  # and what a stop costs, against the grace

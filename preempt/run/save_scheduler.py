@@ -33,6 +33,7 @@ from ..cluster import sharded
 from ..cluster.signals import StopFlag
 from ..errors import CheckpointWriteError
 from .background import Background, Staging, Writer
+from .checkpoint_writer import CheckpointWriter, writer_for
 from .loop_state import LoopState
 from .peers import Alone, Peers
 from .save_outcomes import Outcomes
@@ -72,6 +73,7 @@ class SaveScheduler:
         flag: StopFlag,
         *,
         peers: Peers | None = None,
+        checkpoints: CheckpointWriter | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_durable: Callable[[float, float, int], None] | None = None,
         on_saved: Callable[[SaveRecord, int], None] | None = None,
@@ -83,6 +85,7 @@ class SaveScheduler:
         self.snapshot = snapshot
         self.flag = flag
         self.peers: Peers = peers or Alone()
+        self.checkpoints = checkpoints or writer_for(manager, self.peers)  # where a save goes down, built once
         self.clock = clock
         self.background = Background(writer, stager)  # the staging buffers and the writer, once started
         self.saved = Outcomes(  # what came of the saves so far, and what each outcome means
@@ -229,7 +232,7 @@ class SaveScheduler:
                 payload = bg.staged_now(payload)
             extra = None if live is None else functools.partial(sharded.save, tensors=live, rank=self.peers.rank)
             try:
-                got = self.peers.save(self.manager, payload, manifest, extra, staged is not None)
+                got = self.checkpoints.write(payload, manifest, extra=extra, defer=staged is not None)
             except OSError as e:
                 if lazy is not None:  # never written: no optimizer step may wait for it
                     lazy.drop()
@@ -250,7 +253,7 @@ class SaveScheduler:
         """The writer's thread: the lazy copies of the snapshot first, then its files written and committed."""
         if lazy is not None:
             lazy.run()
-        return self.manager.finish(pending, staged, manifest)
+        return self.checkpoints.finish(pending, staged, manifest)
 
     def _blocking(self) -> bool:
         """A job is in flight that a periodic save waits for (a pool written ahead is cancelled instead)."""

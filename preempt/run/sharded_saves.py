@@ -1,7 +1,7 @@
 """Sharded state saved in the background under torch.distributed: the ranks' writers and the buffers of the pieces.
 
 Every rank copies its files and its pieces of the sharded state (FSDP, DTensor) into buffers of its own; then its
-writer thread runs the whole distributed commit (:func:`preempt.cluster.distributed.save_ranked`; DCP writing the
+writer thread runs the whole distributed commit (:class:`preempt.run.checkpoint_writer.RankWriter`; DCP writing the
 staged DTensors that no file of pieces holds, if any) with the other ranks' writers, on a gloo group of the writers'
 own, so that their collectives never interleave with the loop's. Not cancellable: a rank that left the commit's
 collectives alone would leave the others waiting; a stop waits for it instead.
@@ -17,6 +17,7 @@ from ..checkpoint import state
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.manifest import Manifest
 from ..cluster import sharded
+from .checkpoint_writer import writer_for
 from .peers import Peers
 
 
@@ -25,8 +26,8 @@ class ShardedSaves:
     for its pieces; built by the scheduler when a run of sharded state starts saving in the background."""
 
     def __init__(self, manager: CheckpointManager, peers: Peers, stager: Any) -> None:
-        self.manager = manager
         self.writers: Any = peers.writers()  # a collective: every rank creates the writers' group now
+        self.writer = writer_for(manager, self.writers)  # the distributed commit, on the writers' group
         self.stager = stager  # the buffers of this rank's pieces of sharded state
         self._views: dict[str, Any] = {}  # the DTensors around those buffers (sharded.staged)
 
@@ -48,7 +49,10 @@ class ShardedSaves:
 
         return extra
 
-    def write(self, staged: state.Payload, manifest: Manifest, extra: Callable[[Path], list[str]] | None) -> Any:
+    def write(
+        self, staged: state.Payload, manifest: Manifest, extra: Callable[[Path], list[str]] | None
+    ) -> CheckpointInfo:
         """The writer's thread: the distributed commit of a staged snapshot, with the other ranks' writers."""
-        got: CheckpointInfo | None = self.writers.save(self.manager, staged, manifest, extra, False)
+        got = self.writer.write(staged, manifest, extra=extra)
+        assert isinstance(got, CheckpointInfo)  # not deferred: every rank learns the commit's outcome
         return got
