@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from helpers.distributed import free_port
-from helpers.processes import ROOT, Spawned, train_cmd
+from helpers.processes import ROOT
+from helpers.reference import References
 
 # Every process a test starts imports preempt from this checkout, whatever the installed (editable) copy points at:
 # a suite run in one clone must not test another clone's code.
@@ -46,37 +45,13 @@ def sigint_handled():
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Sequence[str]], Path]:
-    """The final state of an uninterrupted run with the given arguments, computed once per argument list for the
-    whole test run: under xdist the workers share it (the first to ask computes it under a lock on its file, the
-    others wait and read it; an uninterrupted run ends bit for bit the same wherever it runs)."""
-    import fcntl
-    import hashlib
-
+def reference(tmp_path_factory: pytest.TempPathFactory) -> References:
+    """The final state of an uninterrupted run (``reference(args)``, ``reference(args, script=...)``,
+    ``reference.torchrun(args)``, ``reference.made(key, make)``: helpers/reference.py), made once for the whole
+    test run and shared by the xdist workers."""
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one value for every worker of this run
     base = tmp_path_factory.getbasetemp()
-    shared = base.parent / f"references-{run_id}" if run_id else base / "references"
-    shared.mkdir(exist_ok=True)
-    cache: dict[tuple[str, ...], Path] = {}
-
-    def get(args: Sequence[str]) -> Path:
-        key = tuple(args)
-        if key not in cache:
-            d = shared / hashlib.sha256("\0".join(key).encode()).hexdigest()[:20]
-            d.mkdir(exist_ok=True)
-            out = d / "final.safetensors"
-            with open(d / "lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this worker dies
-                if not (d / "done").exists():
-                    shutil.rmtree(d / "run", ignore_errors=True)  # a failed attempt's checkpoints: start fresh
-                    p = Spawned(train_cmd(d / "run", out, args))
-                    rc = p.finish()
-                    assert rc == 0, p.output
-                    (d / "done").write_text(" ".join(key))
-            cache[key] = out
-        return cache[key]
-
-    return get
+    return References(base.parent / f"references-{run_id}" if run_id else base / "references")
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ pytest.importorskip("accelerate", reason="Accelerate is not installed (pip insta
 
 import torch  # noqa: E402
 from helpers import TRAIN_ACCELERATE, Spawned, assert_equal_finals, ddp_finals, free_port, torchrun  # noqa: E402
+from helpers.reference import References  # noqa: E402
 
 from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
 
@@ -36,17 +37,11 @@ CONFIGS = {
     "dispatched": ["--dispatch_batches", "--drop_last"],
 }
 STOP = re.compile(r"\[preempt\] stopping on (?:SIGTERM .*|a stop signal received by rank \d) at step (\d+) ")
-_references: dict[str, list[dict[str, torch.Tensor]]] = {}
 
 
-def reference(config: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
-    """The uninterrupted run of ``config`` (made once per module)."""
-    if config not in _references:
-        d = tmp_path_factory.mktemp(f"accelerate_ranks_{config}")
-        p = torchrun(d / "run", d / "final.safetensors", [*ARGS, *CONFIGS[config]], script=TRAIN_ACCELERATE)
-        assert p.finish(timeout=300) == 0, p.output
-        _references[config] = ddp_finals(d / "final.safetensors")
-    return _references[config]
+def uninterrupted(reference: References, config: str) -> list[dict[str, torch.Tensor]]:
+    """Each process's final state of the uninterrupted run of ``config``."""
+    return ddp_finals(reference.torchrun([*ARGS, *CONFIGS[config]], script=TRAIN_ACCELERATE))
 
 
 def stop_one_process_and_rerun(save_dir: Path, final: Path, args: list[str], launch) -> int:
@@ -75,18 +70,18 @@ def by_torchrun(save_dir: Path, final: Path, args: list[str]) -> Spawned:
 @pytest.mark.parametrize(
     "config", ["whole-batches", *(pytest.param(c, marks=pytest.mark.slow) for c in list(CONFIGS)[1:])]
 )
-def test_sigterm_to_one_process_stops_both_and_resumes_bit_exact(tmp_path, tmp_path_factory, config):
-    want = reference(config, tmp_path_factory)
+def test_sigterm_to_one_process_stops_both_and_resumes_bit_exact(tmp_path, reference, config):
+    want = uninterrupted(reference, config)
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     stop_one_process_and_rerun(save_dir, final, [*ARGS, *CONFIGS[config]], by_torchrun)
     assert_equal_finals(want, ddp_finals(final))
 
 
 @pytest.mark.slow
-def test_accelerate_launch_two_processes_resumes_bit_exact(tmp_path, tmp_path_factory):
+def test_accelerate_launch_two_processes_resumes_bit_exact(tmp_path, reference):
     """``accelerate launch --multi_gpu --num_processes 2`` (torchrun's agent under Accelerate's launcher; on a machine
     without GPUs the script's Accelerator runs on the CPU with gloo)."""
-    want = reference("whole-batches", tmp_path_factory)
+    want = uninterrupted(reference, "whole-batches")
 
     def by_accelerate(save_dir: Path, final: Path, args: list[str]) -> Spawned:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]

@@ -35,11 +35,9 @@ TOTAL = 24  # steps of ARGS on 2 ranks
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
-    d = tmp_path_factory.mktemp("ddp_ref")
-    p = torchrun(d / "run", d / "final.safetensors", ARGS)
-    assert p.finish() == 0, p.output
-    return ddp_finals(d / "final.safetensors")
+def uninterrupted(reference) -> list[dict[str, torch.Tensor]]:
+    """Each rank's final state of the uninterrupted run."""
+    return ddp_finals(reference.torchrun(ARGS))
 
 
 def stopped_steps(output: str) -> dict[int, int]:
@@ -56,7 +54,7 @@ def stopped_steps(output: str) -> dict[int, int]:
     ("mode", "stops"),
     [("async", 1), pytest.param("async", 2, marks=pytest.mark.slow), pytest.param("sync", 2, marks=pytest.mark.slow)],
 )
-def test_sigterm_to_the_agent_resumes_bit_exact(tmp_path, reference, mode, stops):
+def test_sigterm_to_the_agent_resumes_bit_exact(tmp_path, uninterrupted, mode, stops):
     rnd = random.Random()
     seed = rnd.randrange(1 << 30)
     rnd.seed(seed)
@@ -81,10 +79,10 @@ def test_sigterm_to_the_agent_resumes_bit_exact(tmp_path, reference, mode, stops
     assert re.search(r"resumed from \S+ step \d+", p.output) or "resumed from" in p.output, p.output
     # rank 1 read the checkpoint while rank 0 chose it, and loaded what it had read (bit-exact below)
     assert re.search(rf"rank 1: \S+/step_{info.step:09d} was read while rank 0 chose it", p.output), p.output
-    assert_equal_finals(reference, ddp_finals(final))
+    assert_equal_finals(uninterrupted, ddp_finals(final))
 
 
-def test_rank_0_writes_in_the_background_and_a_failed_write_costs_nothing_else(tmp_path, reference):
+def test_rank_0_writes_in_the_background_and_a_failed_write_costs_nothing_else(tmp_path, uninterrupted):
     """async_save under torchrun: rank 0's write runs behind the loop; one that fails (ENOSPC) is logged, leaves
     no partial directory, the next one is written, and the training is bit-exact as without checkpoints failing.
 
@@ -109,29 +107,29 @@ def test_rank_0_writes_in_the_background_and_a_failed_write_costs_nothing_else(t
     for info in manager.list():
         assert info.status == "valid" and {"rank_00001.json", "model.safetensors"} <= set(info.manifest.files)
         manager.read(info)  # every file of every rank verifies
-    assert_equal_finals(reference, ddp_finals(final))
+    assert_equal_finals(uninterrupted, ddp_finals(final))
 
 
-def rerun_from_step_4(save_dir, final, reference, before: str) -> None:
+def rerun_from_step_4(save_dir, final, uninterrupted, before: str) -> None:
     """The checkpoint of step 4 is the only valid one; a torchrun of both ranks resumes from it, bit-exact."""
     manager = CheckpointManager(save_dir, owner=False)
     assert [c.step for c in manager.list() if c.status == "valid"] == [4], before
     p = torchrun(save_dir, final, ARGS)
     assert p.finish() == 0, p.output
     assert p.events_of("resume", step=4), p.events
-    assert_equal_finals(reference, ddp_finals(final))
+    assert_equal_finals(uninterrupted, ddp_finals(final))
 
 
 # rank 0 killed too, under -m slow: the same commit seen from the other side
 @pytest.mark.parametrize("rank", [1, pytest.param(0, marks=pytest.mark.slow)])
-def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference, rank):
+def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_path, uninterrupted, rank):
     """Rank 1 dies while writing its files at the step; rank 0 dies in its background write of its own."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     args = [*ARGS, "--signal_at", "after_tensor_files:2:KILL", "--signal_rank", str(rank)]  # the save of step 8
     p = torchrun(save_dir, final, args)
     assert p.finish(timeout=180) != 0, p.output
     assert "signal_at after_tensor_files 2 SIGKILL" in p.output, p.output
-    rerun_from_step_4(save_dir, final, reference, p.output)
+    rerun_from_step_4(save_dir, final, uninterrupted, p.output)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +148,7 @@ def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> StoppedRun:
     return StoppedRun(save_dir, p.output)
 
 
-def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference, stopped_at_10):
+def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, uninterrupted, stopped_at_10):
     """Rank 1 alone gets SIGTERM: rank 0 learns of it at the step's agreement, both save step 10 and stop; the
     rerun of both ends bit-exact."""
     out = stopped_at_10.output
@@ -163,7 +161,7 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, reference, s
     p = torchrun(save_dir, final, ARGS)
     assert p.finish() == 0, p.output
     assert p.events_of("resume", step=10), p.events
-    assert_equal_finals(reference, ddp_finals(final))
+    assert_equal_finals(uninterrupted, ddp_finals(final))
 
 
 def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path, stopped_at_10):
@@ -182,7 +180,7 @@ def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path, stopped_at_
     assert sorted(seen + rest) == list(range(192)), (sorted(seen), sorted(rest))
 
 
-def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, reference, stopped_at_10):
+def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, uninterrupted, stopped_at_10):
     """resume=<a checkpoint of another save_dir> on 2 ranks: rank 1 loads it too (with its own random state), the
     new timeline records the request, and the run ends equal to the uninterrupted one."""
     stopped_at_10.copy_to(tmp_path / "src")
@@ -195,10 +193,10 @@ def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, refer
     latest = CheckpointManager(save_dir, owner=False).list()[0]
     assert latest.manifest.lineage["request"]["resume"] == str(source.resolve()), latest.manifest.lineage
     assert latest.manifest.lineage["source"] == str(source), latest.manifest.lineage
-    assert_equal_finals(reference, ddp_finals(final))
+    assert_equal_finals(uninterrupted, ddp_finals(final))
 
 
-def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_path, reference, stopped_at_10):
+def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_path, uninterrupted, stopped_at_10):
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     stopped_at_10.copy_to(save_dir)
     p = torchrun(save_dir, final, [*ARGS, "--resume", "8"])
@@ -206,10 +204,10 @@ def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_p
     assert "moved 1 checkpoint(s) of the previous timeline" in p.output, p.output
     assert (save_dir / "superseded" / "step_000000010").is_dir()
     assert re.search(r"^rank 1 start step 8 ", p.output, flags=re.M), p.output
-    assert_equal_finals(reference, ddp_finals(final))
+    assert_equal_finals(uninterrupted, ddp_finals(final))
 
 
-def test_weights_only_loads_the_weights_on_every_rank(tmp_path, reference, stopped_at_10):
+def test_weights_only_loads_the_weights_on_every_rank(tmp_path, uninterrupted, stopped_at_10):
     """Fine-tuning from another run's weights on 2 ranks: both start from them (else the replicas would differ)."""
     stopped_at_10.copy_to(tmp_path / "src")
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
@@ -219,12 +217,12 @@ def test_weights_only_loads_the_weights_on_every_rank(tmp_path, reference, stopp
     r0, r1 = ddp_finals(final)
     weights = [k for k in r0 if k.startswith("model.")]
     assert weights and all(torch.equal(r0[k], r1[k]) for k in weights), "the ranks' replicas differ"
-    assert not all(torch.equal(r0[k], reference[0][k]) for k in weights), "the loaded weights made no difference"
+    assert not all(torch.equal(r0[k], uninterrupted[0][k]) for k in weights), "the loaded weights made no difference"
 
 
 # rank 0 dying too, under -m slow: the same watch seen from the other side
 @pytest.mark.parametrize("dies", [1, pytest.param(0, marks=pytest.mark.slow)])
-def test_a_rank_that_dies_is_noticed_by_the_other_which_exits_80_and_the_rerun_resumes(tmp_path, reference, dies):
+def test_a_rank_that_dies_is_noticed_by_the_other_which_exits_80_and_the_rerun_resumes(tmp_path, uninterrupted, dies):
     """Two ranks started by hand (no torchrun agent to kill the survivor, as across the nodes of a job); one dies
     after step 6. The other leaves at its next collective with exit code 80 and says why (rank 1 too, which
     otherwise logs nothing); no checkpoint is added; a rerun of both resumes from step 4, bit-exact.
@@ -251,7 +249,7 @@ def test_a_rank_that_dies_is_noticed_by_the_other_which_exits_80_and_the_rerun_r
         ends = [e for e in events if e.get("event") in ("stop", "complete", "error")]
         assert ends and ends[-1]["event"] == "error", ends
         assert ends[-1]["error"].startswith("rank 0 of 2 lost the other ranks during"), ends[-1]
-    rerun_from_step_4(save_dir, final, reference, survivor.output)
+    rerun_from_step_4(save_dir, final, uninterrupted, survivor.output)
 
 
 def test_rank_0_carries_the_frozen_base_and_a_sigterm_resumes_bit_exact(tmp_path):

@@ -24,12 +24,9 @@ def torchrun(save_dir: Path, args: list[str], nproc: int = 2) -> Spawned:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+def uninterrupted(reference) -> dict[str, torch.Tensor]:
     """The final state of an uninterrupted run on 2 ranks."""
-    tmp = tmp_path_factory.mktemp("fsdp_ref")
-    ref = torchrun(tmp / "ref", ["--final_out", str(tmp / "ref.safetensors")])
-    assert ref.finish(timeout=180) == 0, ref.output
-    return load_file(str(tmp / "ref.safetensors"))
+    return load_file(str(reference.torchrun([], script=SCRIPT)))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +42,7 @@ def stopped(tmp_path_factory) -> StoppedRun:
     return StoppedRun(save_dir, run.output)
 
 
-def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path, reference, stopped):
+def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path, uninterrupted, stopped):
     assert "stopping on a stop signal received by rank 1 at step 7 " in stopped.output, stopped.output
     info = CheckpointManager(stopped.save_dir, owner=False).list()[0]
     assert info.step == 7
@@ -65,13 +62,13 @@ def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path, refer
     assert start2.keys() == start1.keys() and len(start2) == 16  # 4 parameters, 3 tensors of AdamW state each
     assert all(torch.equal(start2[k], start1[k]) for k in start2), "1 rank loaded other values than 2 ranks"
     assert float(start2["optim.0.weight.step"]) == 7.0
-    want, got = reference, load_file(str(tmp_path / "f2"))
+    want, got = uninterrupted, load_file(str(tmp_path / "f2"))
     assert want.keys() == got.keys()
     assert [k for k in want if not torch.equal(want[k], got[k])] == [], "resumed on 2 ranks: not bit-exact"
 
 
 def test_sharded_checkpoints_are_written_in_the_background_by_every_rank_and_resume_bit_exact(
-    tmp_path, reference, stopped
+    tmp_path, uninterrupted, stopped
 ):
     """Each rank copies its shards and goes on training while its writer writes them; a stop during that write
     waits for it, then saves its own step. The background checkpoint holds the state of its step, not a later one:
@@ -92,8 +89,8 @@ def test_sharded_checkpoints_are_written_in_the_background_by_every_rank_and_res
     assert resumed.finish(timeout=180) == 0, resumed.output
     assert "rank 1 start step 4 " in resumed.output, resumed.output
     got = load_file(str(tmp_path / "f"))
-    assert reference.keys() == got.keys()
-    assert [k for k in reference if not torch.equal(reference[k], got[k])] == [], "not bit-exact"
+    assert uninterrupted.keys() == got.keys()
+    assert [k for k in uninterrupted if not torch.equal(uninterrupted[k], got[k])] == [], "not bit-exact"
     assert CheckpointManager(tmp_path / "other", owner=False).list()[0].manifest.lineage["source"] == str(source)
 
 
@@ -103,12 +100,9 @@ LORA = ["--lora", "--keep_last", "1000"]  # a frozen base of ~4 MiB with trained
 
 
 @pytest.fixture(scope="module")
-def lora_reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+def lora_uninterrupted(reference) -> dict[str, torch.Tensor]:
     """The final state of an uninterrupted LoRA run on 2 ranks."""
-    tmp = tmp_path_factory.mktemp("fsdp_lora_ref")
-    ref = torchrun(tmp / "ref", [*LORA, "--final_out", str(tmp / "ref.safetensors")])
-    assert ref.finish(timeout=180) == 0, ref.output
-    return load_file(str(tmp / "ref.safetensors"))
+    return load_file(str(reference.torchrun(LORA, script=SCRIPT)))
 
 
 def assert_bit_exact(want: dict[str, torch.Tensor], got_path: Path) -> None:
@@ -118,7 +112,7 @@ def assert_bit_exact(want: dict[str, torch.Tensor], got_path: Path) -> None:
 
 
 def test_lora_each_rank_carries_its_pieces_of_the_base_and_a_sigterm_resumes_bit_exact_on_two_and_one(
-    tmp_path, lora_reference
+    tmp_path, lora_uninterrupted
 ):
     """FSDP2 on 2 ranks, a frozen base that no optimizer holds: each rank writes its pieces of it once
     (base_0000R.safetensors), and every later checkpoint, the resumed run's too, links them and writes at most twice
@@ -137,7 +131,7 @@ def test_lora_each_rank_carries_its_pieces_of_the_base_and_a_sigterm_resumes_bit
     two = torchrun(save_dir, [*LORA, "--dump_start", str(tmp_path / "start2"), "--final_out", str(tmp_path / "f2")])
     assert two.finish(timeout=180) == 0, two.output
     assert two.events_of("resume", step=7), two.events
-    assert_bit_exact(lora_reference, tmp_path / "f2")
+    assert_bit_exact(lora_uninterrupted, tmp_path / "f2")
 
     alone = torchrun(one, [*LORA, "--dump_start", str(tmp_path / "start1")], nproc=1)
     assert alone.finish(timeout=180) == 0, alone.output
@@ -165,7 +159,7 @@ def test_lora_each_rank_carries_its_pieces_of_the_base_and_a_sigterm_resumes_bit
     assert [k for k in weights if not torch.equal(weights[k], exported[k])] == []
 
 
-def test_lora_a_sigkill_resumes_from_the_last_checkpoint_bit_exact(tmp_path, lora_reference):
+def test_lora_a_sigkill_resumes_from_the_last_checkpoint_bit_exact(tmp_path, lora_uninterrupted):
     """Rank 1 is killed (SIGKILL) before step 11, after the checkpoint of step 8 (synchronous saves: durable at the
     step): rank 0 leaves without adding one, and the rerun on 2 ranks resumes from step 8, carrying the base
     pieces, and ends bit for bit."""
@@ -176,7 +170,7 @@ def test_lora_a_sigkill_resumes_from_the_last_checkpoint_bit_exact(tmp_path, lor
     rerun = torchrun(save_dir, [*LORA, "--sync_save", "--final_out", str(tmp_path / "f")])
     assert rerun.finish(timeout=180) == 0, rerun.output
     assert rerun.events_of("resume", step=8), rerun.events
-    assert_bit_exact(lora_reference, tmp_path / "f")
+    assert_bit_exact(lora_uninterrupted, tmp_path / "f")
     newest = CheckpointManager(save_dir, owner=False).list()[0]
     assert all(newest.manifest.files[f"base_0000{r}.safetensors"].carried_from is not None for r in (0, 1))
 

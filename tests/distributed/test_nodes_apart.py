@@ -29,11 +29,9 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
-    d = tmp_path_factory.mktemp("nodes_ref")
-    p = torchrun(d / "run", d / "final.safetensors", ARGS)
-    assert p.finish() == 0, p.output
-    return ddp_finals(d / "final.safetensors")
+def uninterrupted(reference) -> list[dict[str, torch.Tensor]]:
+    """Each rank's final state of the uninterrupted run (on one node: the same as test_ddp's)."""
+    return ddp_finals(reference.torchrun(ARGS))
 
 
 def finish_all(nodes: list, timeout: float = 240) -> list[int]:
@@ -41,7 +39,7 @@ def finish_all(nodes: list, timeout: float = 240) -> list[int]:
 
 
 def test_nodes_without_a_shared_save_dir_stop_wipe_and_resume_from_the_mirror_bit_exact(
-    tmp_path, reference, mirror_url, capsys
+    tmp_path, uninterrupted, mirror_url, capsys
 ):
     dirs, final = [tmp_path / "node0", tmp_path / "node1"], tmp_path / "final.safetensors"
     args = [*ARGS, "--every_steps", "4", "--mirror", mirror_url]
@@ -83,7 +81,7 @@ def test_nodes_without_a_shared_save_dir_stop_wipe_and_resume_from_the_mirror_bi
     assert "pulled step" in nodes[1].output, nodes[1].output
     # each rank loads its own node's copy (the nodes' save_dirs have other paths here, as they may on a cluster)
     assert f"resumed from {dirs[1] / checkpoint_name(step)}: " in nodes[1].output, nodes[1].output
-    assert_equal_finals(reference, ddp_finals(final))
+    assert_equal_finals(uninterrupted, ddp_finals(final))
     assert "mirror holds node 1's part of step 24 (the final checkpoint)" in nodes[1].output, nodes[1].output
 
     # Run again: node 0's part of the final checkpoint verifies, so the job is complete at once on every rank.

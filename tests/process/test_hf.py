@@ -35,25 +35,6 @@ def command(save_dir: Path, final: Path | None, args: list[str]) -> list[str]:
     return cmd + (["--final_out", str(final)] if final else [])
 
 
-_references: dict[tuple[str, ...], Path] = {}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):
-    """The uninterrupted run's final state for the given arguments (preempt installed), made once per module."""
-
-    def get(args: list[str]) -> Path:
-        key = tuple(args)
-        if key not in _references:
-            d = tmp_path_factory.mktemp("hf_ref")
-            p = Spawned(command(d / "run", d / "final.safetensors", args))
-            assert p.finish() == 0, p.output
-            _references[key] = d / "final.safetensors"
-        return _references[key]
-
-    return get
-
-
 def stop_at(save_dir: Path, args: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
     p = Spawned(command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
     assert p.wait_event("holding", point="step", n=step, timeout=120), p.output
@@ -98,7 +79,7 @@ def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference,
     assert steps[0] == at + 1 and steps == list(range(at + 1, steps[-1] + 1)), r.output
     assert "replaying" not in r.output, r.output  # the sampler starts at the saved sample
     assert not list((tmp_path / "hf_out").glob("checkpoint-*")), "the Trainer's own checkpoints are off"
-    assert_same_final(reference(args), final)
+    assert_same_final(reference(args, SCRIPT), final)
 
 
 def test_sigterm_to_the_process_group_with_the_workers_alive(tmp_path, reference):
@@ -106,7 +87,7 @@ def test_sigterm_to_the_process_group_with_the_workers_alive(tmp_path, reference
     p = stop_at(save_dir, [], 20, signal.SIGTERM, group=True)
     assert p.finish() == PREEMPTED, p.output
     resume(save_dir, final, [])
-    assert_same_final(reference([]), final)
+    assert_same_final(reference([], SCRIPT), final)
 
 
 def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
@@ -116,7 +97,7 @@ def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
     assert p.finish() == -signal.SIGKILL, p.output
     r = resume(save_dir, final, args)
     assert r.events_of("resume", step=15, epoch=0), r.events
-    assert_same_final(reference(args), final)
+    assert_same_final(reference(args, SCRIPT), final)
 
 
 def test_a_completed_run_exits_0_at_once(tmp_path):
@@ -142,7 +123,7 @@ def test_peft_lora_carries_its_frozen_base_and_resumes_bit_exact(tmp_path, refer
         written = sum(f.size for f in files.values() if f.carried_from is None)
         assert written < 1 << 20, f"step {info.step} wrote {written} bytes beside its carried base"
     resume(save_dir, final, args)
-    assert_same_final(reference(args), final)
+    assert_same_final(reference(args, SCRIPT), final)
 
 
 @pytest.mark.distributed
@@ -182,7 +163,7 @@ def test_a_stop_during_evaluation_lands_after_it_and_the_best_model_is_loaded_at
     r = resume(save_dir, final, args)
     best = re.search(r"loaded the best model: \S+step_0*(\d+) \(eval_loss ", r.output)
     assert best, r.output
-    assert_same_final(reference(args), final)
+    assert_same_final(reference(args, SCRIPT), final)
     _, loaded = CheckpointManager(save_dir, owner=False).load(int(best[1]), weights_only=True)
     got = load_file(str(final))
     assert all(torch.equal(got[f"model.{k}"], v) for k, v in loaded.model.items()), "the model is the best one"
@@ -224,4 +205,4 @@ def test_a_stop_at_the_last_step_resumes_to_completion(tmp_path, reference):
     assert p.finish() == PREEMPTED, p.output
     r = resume(save_dir, final, [])
     assert not re.search(r"^step \d+ ", r.output, flags=re.M) and "run complete: step 48, epoch 2" in r.output, r.output
-    assert_same_final(reference([]), final)
+    assert_same_final(reference([], SCRIPT), final)

@@ -43,6 +43,7 @@ pytest.importorskip("datasets", reason="datasets is not installed (pip install -
 pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[test]')")
 
 from helpers import PREEMPTED, ROOT, Spawned, assert_same_final  # noqa: E402
+from helpers.reference import References, run_to_end  # noqa: E402
 
 from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
 
@@ -64,22 +65,10 @@ def command(shape: str, save_dir: Path, final: Path | None, extra: list[str] = (
     return cmd + (["--final_out", str(final)] if final else [])
 
 
-_references: dict[str, Path] = {}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):
-    """The uninterrupted run of a shape (preempt installed): its final tensors' file and its save_dir, made once."""
-
-    def get(shape: str) -> Path:
-        if shape not in _references:
-            d = tmp_path_factory.mktemp(f"ref_{shape}")
-            p = Spawned(command(shape, d / "run", d / "final.safetensors"))
-            assert p.finish(timeout=240) == 0, p.output
-            _references[shape] = d
-        return _references[shape]
-
-    return get
+def uninterrupted(reference: References, shape: str) -> Path:
+    """The uninterrupted run of a shape (preempt installed): its final tensors' file and its save_dir."""
+    make = lambda d: run_to_end(Spawned(command(shape, d / "run", d / "final.safetensors")))  # noqa: E731
+    return reference.made(("hf_corpus", shape), make)
 
 
 def final_tree(save_dir: Path) -> dict[str, Any]:
@@ -113,7 +102,7 @@ def assert_same_tree(want: Any, got: Any, at: tuple[str, ...] = ()) -> None:
         assert want == got, f"{where}: {want!r} != {got!r} (uninterrupted != resumed)"
 
 
-def trial(tmp_path: Path, reference, shape: str, how: str, at: int) -> tuple[Spawned, Spawned]:
+def trial(tmp_path: Path, reference: References, shape: str, how: str, at: int) -> tuple[Spawned, Spawned]:
     """Holds the script at step ``at``, stops it ``how``, reruns it to the end, and compares with the reference."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     sig = signal.SIGKILL if how == "sigkill" else signal.SIGTERM
@@ -131,7 +120,7 @@ def trial(tmp_path: Path, reference, shape: str, how: str, at: int) -> tuple[Spa
     every = SHAPES[shape][2]
     resumed_at = at if how != "sigkill" else at - at % every
     assert r.events_of("resume", step=resumed_at), r.events
-    ref = reference(shape)
+    ref = uninterrupted(reference, shape)
     assert_same_final(ref / "final.safetensors", final)
     want = json.loads((ref / "final.safetensors.json").read_text())
     got = json.loads(Path(f"{final}.json").read_text())

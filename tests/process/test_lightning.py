@@ -38,25 +38,6 @@ def command(save_dir: Path, final: Path | None, args: list[str]) -> list[str]:
     return cmd + (["--final_out", str(final)] if final else [])
 
 
-_references: dict[tuple[str, ...], Path] = {}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):
-    """The uninterrupted run's final state for the given arguments (with the callback), made once per module."""
-
-    def get(args: list[str]) -> Path:
-        key = tuple(args)
-        if key not in _references:
-            d = tmp_path_factory.mktemp("lightning_ref")
-            p = Spawned(command(d / "run", d / "final.safetensors", args))
-            assert p.finish() == 0, p.output
-            _references[key] = d / "final.safetensors"
-        return _references[key]
-
-    return get
-
-
 def stop_at(save_dir: Path, args: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
     """Runs until optimizer step ``step`` of this process, signals it there (the whole group: ``group``)."""
     p = Spawned(command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
@@ -115,7 +96,7 @@ def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference,
     assert not list(tmp_path.rglob("*.ckpt")) and not list(ROOT.glob("*.ckpt")), "no Lightning checkpoint is written"
     if "--scaler" in args:
         assert load_file(str(final))["scaler._growth_tracker"] == 36, "the scaler's state counts every step"
-    assert_same_final(reference(args), final)
+    assert_same_final(reference(args, SCRIPT), final)
 
 
 @pytest.mark.parametrize(
@@ -136,7 +117,7 @@ def test_every_way_of_giving_the_data_resumes_bit_exact(tmp_path, reference, dat
     assert r.events_of("resume", step=at), r.events
     if data == "datamodule_state":  # its state_dict and its 1.x hooks' extras came back
         assert re.search(r"datamodule loaders_made 2 note 'saved after 1 loader\(s\)'", r.output), r.output
-    assert_same_final(reference(["--validate"]), final)
+    assert_same_final(reference(["--validate"], SCRIPT), final)
 
 
 def test_a_stop_during_validation_lands_when_it_ends_bit_exact(tmp_path, reference):
@@ -151,7 +132,7 @@ def test_a_stop_during_validation_lands_when_it_ends_bit_exact(tmp_path, referen
     assert p.finish() == PREEMPTED, p.output
     assert p.events_of("stop", cause="SIGTERM", step=10, epoch=0, batch=10), p.events
     resume(save_dir, final, args)
-    assert_same_final(reference(args), final)
+    assert_same_final(reference(args, SCRIPT), final)
 
 
 def test_sigterm_to_the_process_group_with_the_workers_alive(tmp_path, reference):
@@ -160,7 +141,7 @@ def test_sigterm_to_the_process_group_with_the_workers_alive(tmp_path, reference
     p = stop_at(save_dir, [], 20, signal.SIGTERM, group=True)
     assert p.finish() == PREEMPTED, p.output
     resume(save_dir, final, [])
-    assert_same_final(reference([]), final)
+    assert_same_final(reference([], SCRIPT), final)
 
 
 def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
@@ -170,7 +151,7 @@ def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, reference):
     assert p.finish() == -signal.SIGKILL, p.output
     r = resume(save_dir, final, args)
     assert r.events_of("resume", step=15, epoch=1), r.events
-    assert_same_final(reference(args), final)
+    assert_same_final(reference(args, SCRIPT), final)
 
 
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_used(tmp_path, reference):
@@ -182,7 +163,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_used(tmp_pat
     r = resume(save_dir, final, args)
     assert r.events_of("resume", step=15), r.events
     assert (save_dir / "quarantine").is_dir() and any((save_dir / "quarantine").iterdir()), r.output
-    assert_same_final(reference(args), final)
+    assert_same_final(reference(args, SCRIPT), final)
 
 
 def test_a_completed_run_exits_0_at_once(tmp_path):
@@ -257,7 +238,7 @@ def test_ddp_a_sigterm_to_one_rank_stops_both_at_one_step_and_the_rerun_is_bit_e
     p = Spawned(command(save_dir, final, args))
     assert p.finish(timeout=180) == 0, p.output
     assert p.events_of("resume", step=8, epoch=1), p.events
-    expected = reference(args)
+    expected = reference(args, SCRIPT)
     for rank in (0, 1):
         want = load_file(str(expected.with_suffix(f".rank{rank}.safetensors")))
         got = load_file(str(final.with_suffix(f".rank{rank}.safetensors")))
@@ -312,4 +293,4 @@ def test_a_stop_at_the_last_step_of_the_last_epoch_resumes_to_completion(tmp_pat
     assert p.events_of("stop", cause="SIGTERM", step=36, epoch=2, batch=12), p.events
     r = resume(save_dir, final, [])
     assert not re.search(r"^step \d+ ", r.output, flags=re.M) and "run complete: step 36, epoch 3" in r.output, r.output
-    assert_same_final(reference([]), final)
+    assert_same_final(reference([], SCRIPT), final)

@@ -45,24 +45,6 @@ def stop_at(cmd: list[str], step: int, sig: int, *, group: bool = False) -> Spaw
     return p
 
 
-_references: dict[tuple[str, ...], Path] = {}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):
-    """An uninterrupted run's final state for a script and its arguments, made once per module."""
-
-    def get(script: Path, args: list[str]) -> Path:
-        key = (str(script), *args)
-        if key not in _references:
-            d = tmp_path_factory.mktemp("ref")
-            run_to_end([sys.executable, str(script), "--save_dir", str(d / "run"), "--final_out", str(d / "f"), *args])
-            _references[key] = d / "f"
-        return _references[key]
-
-    return get
-
-
 @pytest.mark.parametrize(
     ("sig", "group", "args", "resumed_at"),
     [
@@ -91,7 +73,7 @@ def test_a_nanogpt_style_loop_with_its_prefetched_batch_tracked_resumes_bit_exac
     assert "INFO:preempt:run complete: step 24" in r.output and r.output.count("run complete: step 24") == 1, r.output
     again = run_to_end(base)  # complete: said, not silent
     assert re.search(r"INFO:preempt:.* is complete \(step 24, epoch 0\); nothing to do", again.output), again.output
-    assert_same_final(reference(NANOGPT, args), final)
+    assert_same_final(reference(args, NANOGPT), final)
 
 
 def test_a_torchvision_style_classifier_with_augmenting_workers_resumes_bit_exact(tmp_path, reference):
@@ -104,7 +86,7 @@ def test_a_torchvision_style_classifier_with_augmenting_workers_resumes_bit_exac
         assert p.finish() == PREEMPTED, p.output
     r = run_to_end([*base, "--final_out", str(final)])
     assert r.events_of("resume", step=14), r.events
-    assert_same_final(reference(CLASSIFIER, []), final)
+    assert_same_final(reference([], CLASSIFIER), final)
 
 
 def test_a_torchvision_style_classifier_killed_resumes_from_its_periodic_checkpoint_bit_exact(tmp_path, reference):
@@ -114,7 +96,7 @@ def test_a_torchvision_style_classifier_killed_resumes_from_its_periodic_checkpo
     assert p.finish() == -signal.SIGKILL, p.output
     r = run_to_end([*base, "--final_out", str(final)])
     assert r.events_of("resume", step=16, epoch=1), r.events
-    assert_same_final(reference(CLASSIFIER, []), final)
+    assert_same_final(reference([], CLASSIFIER), final)
 
 
 HYDRA = USERS / "hydra_lightning" / "train.py"
