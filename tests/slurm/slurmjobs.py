@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -20,9 +19,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import ROOT, TRAIN
+from helpers import ROOT, TRAIN, History
+from helpers.processes import _event_of
+
+from preempt import _testing
 
 SLURM = ROOT / "slurm"
 STATE_DIR = Path(os.environ.get("PREEMPT_SLURM_DIR", "/tmp/preempt-slurm"))
@@ -34,8 +37,10 @@ class Cluster:
 
     def __init__(self, conf: Path) -> None:
         # Jobs inherit this environment (sbatch --export=ALL): PYTHONPATH makes them import this checkout of
-        # preempt whatever an editable install points at.
+        # preempt whatever an editable install points at; PREEMPT_TEST_EVENTS makes their processes write the events
+        # of their runs into the job's output, where the tests read them (Job.history, Job.wait_event).
         self.env = {**os.environ, "SLURM_CONF": str(conf), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        self.env[_testing.EVENTS_ENV] = "1"
 
     def run(self, *cmd: str, timeout: float = 30.0, check: bool = True) -> str:
         r = subprocess.run(list(cmd), capture_output=True, text=True, env=self.env, timeout=timeout, check=False)
@@ -82,12 +87,19 @@ class Job:
     submitted: float
 
     def info(self) -> dict[str, str]:
-        text = self.cluster.run("scontrol", "show", "job", "-o", self.id)
-        return dict(re.findall(r"(?:^|\s)([A-Za-z][\w/:]*)=(\S*)", text))
+        """The job's fields (``JobState``, ``Restarts``, ...), from ``scontrol show job -o``: ``Key=Value`` words."""
+        words = self.cluster.run("scontrol", "show", "job", "-o", self.id).split()
+        return dict(w.split("=", 1) for w in words if "=" in w and w[0].isalpha())
 
     @property
     def log(self) -> str:
         return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    def history(self) -> History:
+        """The events every process of the job told in its output (its runs one after another, the lines of the
+        ranks of a run interleaved), as one History: ``job.history().events_of("stop", requeued=True)``."""
+        events = [e for e in map(_event_of, self.log.splitlines()) if e is not None]
+        return History(events=[events])
 
     def wait(self, what: str, predicate: Callable[[], object], timeout: float, poll: float = 0.1) -> object:
         deadline = time.monotonic() + timeout
@@ -99,18 +111,23 @@ class Job:
                 raise AssertionError(f"job {self.id}: no {what} within {timeout:.0f} s\n{self.describe()}")
             time.sleep(poll)
 
-    def wait_log(self, pattern: str, timeout: float, count: int = 1) -> None:
-        rx = re.compile(pattern, re.M)
+    def wait_event(self, kind: str, timeout: float, count: int = 1, **fields: Any) -> dict[str, Any]:
+        """Waits until the job's processes have told ``count`` events ``kind`` with ``fields`` as given (see
+        :meth:`history`); returns the last of them.
 
-        def seen() -> bool:
-            log = self.log
-            if len(rx.findall(log)) >= count:
-                return True
+        Raises:
+            AssertionError: The job ended first, or not within ``timeout`` seconds.
+        """
+
+        def seen() -> dict[str, Any] | None:
+            found = self.history().events_of(kind, **fields)
+            if len(found) >= count:
+                return found[count - 1]
             if self.info().get("JobState") in TERMINAL:
-                raise AssertionError(f"job {self.id} ended before {pattern!r} appeared\n{self.describe()}")
-            return False
+                raise AssertionError(f"job {self.id} ended before event {kind} {fields} (x{count})\n{self.describe()}")
+            return None
 
-        self.wait(f"line matching {pattern!r}", seen, timeout)
+        return self.wait(f"event {kind} {fields} (x{count})", seen, timeout)  # type: ignore[return-value]
 
     def wait_running(self, timeout: float = 60.0, restarts: int | None = None) -> float:
         """Waits until the job runs (its ``restarts``-th run, if given); returns the monotonic time."""

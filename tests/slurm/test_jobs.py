@@ -26,7 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import DDP_ARGS, TRAIN_DDP, assert_equal_finals, assert_same_final, ddp_finals, free_port, torchrun
+from helpers import (
+    DDP_ARGS,
+    PREEMPTED,
+    TRAIN_DDP,
+    History,
+    assert_equal_finals,
+    assert_same_final,
+    ddp_finals,
+    free_port,
+    torchrun,
+)
 from slurmjobs import Cluster, Job, slurm_cluster, train_command, without_sleep  # noqa: F401
 
 from preempt.checkpoint.manager import CheckpointManager
@@ -88,20 +98,19 @@ def time_limit_jobs(
             hold = () if spec.then_minutes is None else ("--wait_file_at", f"step:1:{d / 'limit_raised'}")
             cmd = train_command(d / "run", d / "final.safetensors", (*spec.args, *hold))
             jobs[name] = (slurm_cluster.submit(spec.template, cmd, d / "job.out", spec.options), d)
-    # The first run's keeper prints the end time it read when the run is entered; the run then waits at its first
-    # step until the limit has gone up. That run cannot finish within its minute (~70 s of work), so its keeper stops
-    # it at the old end; the requeued run passes the wait (the file is there).
+    # The first run's keeper reads the job's end time when the run is entered; the run then waits at its first step
+    # until the limit has gone up. That run cannot finish within its minute (~70 s of work), so its keeper stops it at
+    # the old end; the requeued run passes the wait (the file is there).
     for name, (job, d) in jobs.items():
         if (minutes := SPECS[name].then_minutes) is not None:
-            job.wait_log(r"^\[preempt\] walltime: SLURM job \d+ ends in ", timeout=60)
-            job.wait_log(r"^waiting at step 1$", timeout=60)
+            job.wait_event("waiting", point="step", n=1, timeout=60)
             slurm_cluster.run("scontrol", "update", f"JobId={job.id}", f"TimeLimit={minutes}")
             assert job.info()["Restarts"] == "0", f"the limit went up after the first run ended\n{job.describe()}"
             (d / "limit_raised").touch()
     # Let them import torch before the other tests start theirs: a start-up slower than 10 s would meet the
     # earliest @20 warning outside the run.
     for job, _ in jobs.values():
-        job.wait_log(r"^start step", timeout=60)
+        job.wait_event("entered", timeout=60)
     yield jobs
     # squeue lists only the jobs still pending, running or completing, and never fails for one whose record is gone
     active = slurm_cluster.run("squeue", "-h", "-o", "%i").split()
@@ -112,16 +121,29 @@ def time_limit_jobs(
 
 def finish_time_limit_job(
     request: pytest.FixtureRequest, jobs: dict[str, tuple[Job, Path]], reference: Callable[[Sequence[str]], Path]
-) -> tuple[Job, dict[str, str], str]:
+) -> tuple[Job, dict[str, str], History]:
+    """Waits for the test's time-limit job: completed, never at its limit, bit-exact; its restarts and events."""
     name = request.node.name
     job, d = jobs[name]
     spec = SPECS[name]
     info = job.wait_done(timeout=spec.timeout)
-    log = job.log
     assert info["JobState"] == "COMPLETED", job.describe()
-    assert "DUE TO TIME LIMIT" not in log, f"the job reached its time limit\n{log}"
+    assert "DUE TO TIME LIMIT" not in job.log, f"the job reached its time limit\n{job.describe()}"
     assert_same_final(reference(without_sleep(spec.args)), d / "final.safetensors")
-    return job, info, log
+    history = job.history()
+    assert_each_stop_resumed(history, job)
+    return job, info, history
+
+
+def assert_each_stop_resumed(history: History, job: Job) -> None:
+    """The job's runs, in order: each run after a stop resumed at the stop's step (a stop before any checkpoint, at
+    step 0, leaves nothing to resume: the next run starts afresh), and the last run completed."""
+    runs = [e for events in history.events for e in events if e["event"] in ("start", "resume", "stop", "complete")]
+    for stop, after in zip(runs, runs[1:], strict=False):
+        if stop["event"] == "stop":
+            resumed = after["event"] == "resume" or (after["event"] == "start" and stop["checkpoint"] is None)
+            assert resumed and after["step"] == stop["step"], f"{stop} then {after}\n{job.describe()}"
+    assert runs and runs[-1]["event"] == "complete", job.describe()
 
 
 @pytest.mark.parametrize("requeues", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -141,7 +163,7 @@ def test_scontrol_requeue_at_random_moments(
     # --time=5: the end is within preempt's 15-minute warning window, so only the job state (COMPLETING, not
     # RUNNING) tells these SIGTERMs from the time-limit warning.
     job = slurm_cluster.submit("job.sbatch", cmd, tmp_path / "job.out", ["--time=5"])
-    job.wait_log(r"^start step", timeout=90)
+    job.wait_event("entered", timeout=90)
     time.sleep(rng.uniform(0.5, 5.0))  # somewhere in the training
     for restart in range(1, requeues + 1):
         if restart > 1:
@@ -150,14 +172,17 @@ def test_scontrol_requeue_at_random_moments(
         back = job.wait_running(timeout=60, restarts=restart)
         print(f"requeue -> running: {back - requeued:.1f} s (seed {seed})")
     info = job.wait_done(timeout=120)
-    log = job.log
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == str(requeues), f"seed {seed}\n{job.describe()}"
+    # each requeue that found the run entered stopped it (SIGTERM, saved), and the run never requeued the job that
+    # SLURM was requeueing; each stop was resumed
+    history = job.history()
+    stops = history.events_of("stop")
+    assert 1 <= len(stops) <= requeues, f"seed {seed}\n{job.describe()}"
+    assert all(s["cause"] == "SIGTERM" and s["code"] == PREEMPTED and not s["requeued"] for s in stops), stops
+    assert_each_stop_resumed(history, job)
+    # what the resumed run tells its user under SLURM: the restart, the job, where it resumed from
     resumed = rf"^\[preempt\] restart {requeues} of job {job.id}: resumed from \S+step_\d+: step \d+"
-    assert re.search(resumed, log, re.M), log
-    assert "requeued it" not in log, f"the run requeued a job that SLURM was requeueing\n{log}"
-    stops = len(re.findall(r"stopping on SIGTERM", log))
-    ending = len(re.findall(rf"SLURM job {job.id}: not requeued: the job is ending \(JobState=COMPLETING", log))
-    assert 1 <= stops == ending <= requeues, f"seed {seed}\n{log}"
+    assert re.search(resumed, job.log, re.M), job.log
     assert_same_final(reference(without_sleep(args)), tmp_path / "final.safetensors")
 
 
@@ -171,23 +196,21 @@ def test_scancel_saves_and_does_not_requeue(
     args = (*BASE, "--step_sleep", "0.12")  # ~16 s of work
     cmd = train_command(tmp_path / "run", tmp_path / "final.safetensors", args)
     job = slurm_cluster.submit("job.sbatch", cmd, tmp_path / "job.out", ["--time=5"])
-    job.wait_log(r"^step 20 ", timeout=90)
+    job.wait_event("step", step=20, timeout=90)
     job.cancel()
     info = job.wait_done(timeout=60)
     time.sleep(2.0)  # a requeue would show as PENDING/RUNNING and a Restarts count by now
     info = job.info()
-    log = job.log
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", job.describe()
-    assert "requeued it" not in log and "not requeued: the job is ending" in log, log
-    m = re.search(r"stopping on SIGTERM .* at step (\d+) .*; state in (\S+step_\d+); exit code 75", log)
-    assert m, log
+    (stop,) = job.history().events_of("stop")
+    assert stop["cause"] == "SIGTERM" and stop["code"] == PREEMPTED and not stop["requeued"], job.describe()
     saved = [c for c in CheckpointManager(tmp_path / "run", owner=False).list() if c.status == "valid"]
-    assert saved and saved[0].step == int(m.group(1)) and str(saved[0].path) == m.group(2), (saved, log)
+    assert saved and saved[0].step == stop["step"] and str(saved[0].path) == stop["checkpoint"], (saved, stop)
 
     again = slurm_cluster.submit("job.sbatch", cmd, tmp_path / "job.out", ["--time=5"])
     info = again.wait_done(timeout=120)
     assert info["JobState"] == "COMPLETED", again.describe()
-    assert re.search(rf"resumed from \S+step_0*{m.group(1)}: step {m.group(1)},", again.log), again.log
+    assert again.history().events_of("resume", step=stop["step"], **{"from": stop["checkpoint"]}), again.describe()
     assert_same_final(reference(without_sleep(args)), tmp_path / "final.safetensors")
 
 
@@ -195,14 +218,17 @@ def test_time_limit_warning_requeues_the_job(
     request: pytest.FixtureRequest, time_limit_jobs: dict, reference: Callable[[Sequence[str]], Path]
 ) -> None:
     """--time=1 --signal=B:TERM@20, exec template: save at the warning, requeue itself, complete."""
-    job, info, log = finish_time_limit_job(request, time_limit_jobs, reference)
+    job, info, history = finish_time_limit_job(request, time_limit_jobs, reference)
     restarts = int(info["Restarts"])
-    assert restarts >= 1, log
-    assert len(re.findall(r"stopping on SIGTERM", log)) == restarts, log
-    assert len(re.findall(r"the time-limit warning \(\d+ s before the job's end time\); requeued it", log)) == (
-        restarts
-    ), log
-    assert re.search(rf"restart {restarts} of job {job.id}: resumed from", log), log
+    assert restarts >= 1, job.describe()
+    assert_requeued_at_each_warning(history, restarts, job)
+
+
+def assert_requeued_at_each_warning(history: History, restarts: int, job: Job) -> None:
+    """One stop per restart, each on the warning's signal, each requeueing the job itself."""
+    stops = history.events_of("stop")
+    assert len(stops) == restarts, job.describe()
+    assert all(s["cause"] == "SIGTERM" and s["requeued"] and s["code"] == PREEMPTED for s in stops), stops
 
 
 @pytest.mark.slow
@@ -210,25 +236,20 @@ def test_time_limit_warning_requeues_again_and_again(
     request: pytest.FixtureRequest, time_limit_jobs: dict, reference: Callable[[Sequence[str]], Path]
 ) -> None:
     """The same with more than a minute of work: the job requeues itself at least twice."""
-    job, info, log = finish_time_limit_job(request, time_limit_jobs, reference)
+    job, info, history = finish_time_limit_job(request, time_limit_jobs, reference)
     restarts = int(info["Restarts"])
-    assert restarts >= 2, log
-    assert len(re.findall(r"the time-limit warning \(\d+ s before the job's end time\); requeued it", log)) == (
-        restarts
-    ), log
+    assert restarts >= 2, job.describe()
+    assert_requeued_at_each_warning(history, restarts, job)
 
 
 def test_srun_template_time_limit_warning(
     request: pytest.FixtureRequest, time_limit_jobs: dict, reference: Callable[[Sequence[str]], Path]
 ) -> None:
     """The srun template with --signal=TERM@20 (no B:): the step's python gets the warning."""
-    job, info, log = finish_time_limit_job(request, time_limit_jobs, reference)
+    job, info, history = finish_time_limit_job(request, time_limit_jobs, reference)
     restarts = int(info["Restarts"])
-    assert restarts >= 1 and ": srun " in log, log
-    assert len(re.findall(r"stopping on SIGTERM", log)) == restarts, log
-    assert len(re.findall(r"the time-limit warning \(\d+ s before the job's end time\); requeued it", log)) == (
-        restarts
-    ), log
+    assert restarts >= 1 and ": srun " in job.log, job.describe()
+    assert_requeued_at_each_warning(history, restarts, job)
 
 
 def test_walltime_keeper_without_any_signal(
@@ -236,13 +257,11 @@ def test_walltime_keeper_without_any_signal(
 ) -> None:
     """No warning at all: the walltime keeper stops and saves before the end, requeues, completes (the job's limit
     raised after its first run's keeper read it: one stop)."""
-    job, info, log = finish_time_limit_job(request, time_limit_jobs, reference)
+    job, info, history = finish_time_limit_job(request, time_limit_jobs, reference)
     restarts = int(info["Restarts"])
-    assert restarts == 1, log
-    assert "stopping on SIGTERM" not in log, log
-    stops = re.findall(r"stopping on walltime \(([\d.]+) s before the deadline", log)
-    assert len(stops) == restarts and all(float(s) > 0 for s in stops), log
-    assert len(re.findall(r"the walltime keeper stopped the run .*; requeued it", log)) == restarts, log
+    assert restarts == 1, job.describe()
+    (stop,) = history.events_of("stop")  # by the keeper, before its deadline, requeueing the job
+    assert stop["cause"] == "walltime" and stop["margin_s"] > 0 and stop["requeued"], (stop, job.describe())
 
 
 @pytest.fixture(scope="module")
@@ -273,17 +292,18 @@ def test_torchrun_template_two_ranks_requeued_by_the_scheduler(
     both ranks stop at one step, the job comes back, resumes, and each rank ends bit-exact."""
     final = tmp_path / "final.safetensors"
     job = submit_torchrun(slurm_cluster, tmp_path)
-    job.wait_log(r"^rank 0 step 6 ", timeout=120)
+    job.wait_event("step", rank=0, step=6, timeout=120)
     job.requeue()
     job.wait_running(timeout=60, restarts=1)
     info = job.wait_done(timeout=180)
-    log = job.log
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
-    stop = r"^\[preempt\] stopping on (?:SIGTERM|a stop signal received by rank \d).* at step (\d+) "
-    stops = re.findall(stop, log, re.M)
-    assert len(stops) == 2 and stops[0] == stops[1], log
-    assert len(re.findall(rf"restart 1 of job {job.id}: resumed from \S+: step {stops[0]}\b", log)) == 2, log
-    assert "requeued it" not in log, log
+    history = job.history()
+    stops = history.events_of("stopped")  # each rank's (on the scheduler's SIGTERM, or agreed on the other's)
+    assert sorted(s["rank"] for s in stops) == [0, 1] and stops[0]["step"] == stops[1]["step"], job.describe()
+    assert not any(s["requeued"] for s in stops), stops  # SLURM requeues this job, not the run
+    resumed = [e for e in history.events_of("entered") if e["resumed_from"] is not None]
+    assert sorted(e["rank"] for e in resumed) == [0, 1], job.describe()
+    assert all(e["step"] == stops[0]["step"] for e in resumed), (stops, resumed)
     assert_equal_finals(ddp_reference, ddp_finals(final))
 
 
@@ -310,7 +330,7 @@ def test_torchrun_template_a_rank_killed_fails_the_job_and_a_resubmission_resume
     turns its workers' end into exit 1; SLURM requeues by itself only for a node failure), the last checkpoint
     stands, and submitting the same job again resumes from it and ends bit-exact on every rank."""
     job = submit_torchrun(slurm_cluster, tmp_path)
-    job.wait_log(r"^rank 1 step 6 ", timeout=120)
+    job.wait_event("step", rank=1, step=6, timeout=120)
     manager = CheckpointManager(tmp_path / "run", owner=False)
     job.wait("a durable checkpoint", lambda: manager.list(), timeout=30)
     saved = max(c.step for c in manager.list())
@@ -319,12 +339,13 @@ def test_torchrun_template_a_rank_killed_fails_the_job_and_a_resubmission_resume
     os.kill(pid, signal.SIGKILL)
     info = job.wait_done(timeout=120)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", job.describe()
-    assert "run complete" not in job.log, job.describe()
+    assert not job.history().events_of("complete"), job.describe()
     newest = max(c.step for c in manager.list())
     assert newest >= saved, job.describe()
 
     again = submit_torchrun(slurm_cluster, tmp_path, out="again.out", step_sleep="0")
     info = again.wait_done(timeout=180)
     assert info["JobState"] == "COMPLETED", again.describe()
-    assert len(re.findall(rf"resumed from \S+: step {newest}\b", again.log)) == 2, again.describe()
+    resumed = [e for e in again.history().events_of("entered", step=newest) if e["resumed_from"] is not None]
+    assert sorted(e["rank"] for e in resumed) == [0, 1], again.describe()
     assert_equal_finals(ddp_reference, ddp_finals(tmp_path / "final.safetensors"))
