@@ -12,12 +12,16 @@ import json
 import random
 import re
 import signal
+from dataclasses import dataclass
 
 import pytest
 import torch
 from helpers import DDP_ARGS as ARGS
 from helpers import (
+    PREEMPTED,
+    History,
     MiB,
+    Spawned,
     StoppedRun,
     assert_equal_finals,
     assert_writes_what_changed,
@@ -40,12 +44,10 @@ def uninterrupted(reference) -> list[dict[str, torch.Tensor]]:
     return ddp_finals(reference.torchrun(ARGS))
 
 
-def stopped_steps(output: str) -> dict[int, int]:
-    """rank -> the step at which it stopped (from the run's log line)."""
-    found = re.findall(r"\[preempt\] stopping on .* at step (\d+) .*exit code 75", output)
-    ranks = re.findall(r"^rank (\d+) start", output, flags=re.M)
-    assert found, output
-    return dict(zip((int(r) for r in ranks), (int(s) for s in found), strict=False))
+def stopped_steps(events: Spawned | History) -> list[int]:
+    """The step at which each rank stopped with exit code 75 (the ``stopped`` events of train_ddp.py), rank 0's
+    first."""
+    return [e["step"] for e in sorted(events.events_of("stopped", code=PREEMPTED), key=lambda e: e["rank"])]
 
 
 # One stop by default; a second stop of the resumed ranks, and synchronous saves, under -m slow (the ranks'
@@ -67,24 +69,24 @@ def test_sigterm_to_the_agent_resumes_bit_exact(tmp_path, uninterrupted, mode, s
         assert p.wait_event("step", rank=0, step=target, timeout=120), p.output
         p.signal(signal.SIGTERM)
         assert p.finish() != 0, p.output
-        # torchrun's agent sends SIGTERM to both ranks; one that agreed to the stop before its own copy arrived says
-        # it stopped for the other rank's signal (the cause is what the ranks agreed on)
-        stop = r"\[preempt\] stopping on (?:SIGTERM .*|a stop signal received by rank \d) at step (\d+) "
-        stops = re.findall(stop, p.output)
-        assert len(stops) == 2 and stops[0] == stops[1], f"seed {seed}: both ranks must stop at one step\n{p.output}"
+        # torchrun's agent sends SIGTERM to both ranks; one that agreed to the stop before its own copy arrived
+        # stopped for the other rank's signal (the cause is what the ranks agreed on)
+        stops = stopped_steps(p)
+        assert len(stops) == 2 and stops[0] == stops[1], f"seed {seed}: both ranks must stop at one step\n{p.events}"
         info = CheckpointManager(save_dir, owner=False).list()[0]
-        assert info.step == int(stops[0]) and set(info.manifest.files) >= {"rank_00001.json", "model.safetensors"}
+        assert info.step == stops[0] and set(info.manifest.files) >= {"rank_00001.json", "model.safetensors"}
     p = torchrun(save_dir, final, ARGS, env={"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert p.finish() == 0, p.output
-    assert re.search(r"resumed from \S+ step \d+", p.output) or "resumed from" in p.output, p.output
+    assert p.events_of("resume", step=info.step), p.events
     # rank 1 read the checkpoint while rank 0 chose it, and loaded what it had read (bit-exact below)
     assert re.search(rf"rank 1: \S+/step_{info.step:09d} was read while rank 0 chose it", p.output), p.output
     assert_equal_finals(uninterrupted, ddp_finals(final))
 
 
 def test_rank_0_writes_in_the_background_and_a_failed_write_costs_nothing_else(tmp_path, uninterrupted):
-    """async_save under torchrun: rank 0's write runs behind the loop; one that fails (ENOSPC) is logged, leaves
-    no partial directory, the next one is written, and the training is bit-exact as without checkpoints failing.
+    """async_save under torchrun: rank 0's write runs behind the loop; one that fails (ENOSPC) is reported
+    (``checkpoint_failed``), leaves no partial directory, the next one is written, and the training is bit-exact as
+    without checkpoints failing.
 
     The loop waits for each write to end (--settle_saves): on a busy machine the whole run could otherwise go by
     while the first write is in flight, every later save postponed behind it, and the second write never made."""
@@ -94,13 +96,10 @@ def test_rank_0_writes_in_the_background_and_a_failed_write_costs_nothing_else(t
     p = torchrun(save_dir, final, args, env={"PREEMPT_LOG_LEVEL": "DEBUG"})
     assert p.finish() == 0, p.output
     out = p.output
-    failed = re.search(r"^rank 0 fail_write step (\d+)$", out, flags=re.M)
-    assert failed, out
-    step = int(failed[1])
-    assert re.search(rf"could not write checkpoint step_0*{step} \(\w+\) .*No space left.*training goes on", out), out
+    (failed,) = p.events_of("fail_write")  # the write that the script made fail
     written = [e["step"] for e in p.events_of("checkpoint", background=True)]  # rank 0's, in the background
     # every save is taken when due (every 4th step); the second one failed, the others were written
-    assert step == 8 and written == [4, 12, 16, 20, 24], (out, p.events)
+    assert failed["step"] == 8 and written == [4, 12, 16, 20, 24], (out, p.events)
     assert p.events_of("checkpoint_failed", step=8, errno=errno.ENOSPC), p.events
     assert not [d.name for d in save_dir.iterdir() if d.name.startswith(".tmp-")], out
     manager = CheckpointManager(save_dir, owner=False)
@@ -132,8 +131,15 @@ def test_sigkill_of_one_rank_during_a_save_keeps_the_previous_checkpoint(tmp_pat
     rerun_from_step_4(save_dir, final, uninterrupted, p.output)
 
 
+@dataclass(frozen=True)
+class StoppedRanks(StoppedRun):
+    """A stopped run, with the events its ranks told."""
+
+    history: History
+
+
 @pytest.fixture(scope="module")
-def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> StoppedRun:
+def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> StoppedRanks:
     """A 2-rank run that rank 1 alone signals before step 10 (its own SIGTERM, as a scheduler that signals one node
     would): checkpoints of steps 8 and 10 (keep_last=2), stopped mid-epoch 0 (12 steps). Made once; the tests that
     start from it each take a copy (a torchrun of two ranks costs 3.1 to 3.5 s of CPU here, forked; 16.6 s fresh).
@@ -142,18 +148,19 @@ def stopped_at_10(tmp_path_factory: pytest.TempPathFactory) -> StoppedRun:
     """
     save_dir = tmp_path_factory.mktemp("ddp_stopped") / "run"
     p = torchrun(save_dir, None, [*ARGS, "--self_signal", "1:10", "--sync_save"])
-    p.finish(timeout=120)  # must not hang: rank 0 never received a signal
+    rc = p.finish(timeout=120)  # must not hang: rank 0 never received a signal
     steps = [c.step for c in CheckpointManager(save_dir, owner=False).list() if c.status == "valid"]
     assert steps == [10, 8], p.output
-    return StoppedRun(save_dir, p.output)
+    return StoppedRanks(save_dir, p.output, History([rc], [p.output], [list(p.events)]))
 
 
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, uninterrupted, stopped_at_10):
     """Rank 1 alone gets SIGTERM: rank 0 learns of it at the step's agreement, both save step 10 and stop; the
     rerun of both ends bit-exact."""
-    out = stopped_at_10.output
-    assert re.search(r"stopping on SIGTERM .* at step 10 ", out), out
-    assert re.search(r"stopping on a stop signal received by rank 1 at step 10 ", out), out
+    told = stopped_at_10.history
+    stops = {e["rank"]: (e["step"], e["cause"]) for e in told.events_of("stopped", code=PREEMPTED)}
+    assert stops == {0: (10, "signal"), 1: (10, "SIGTERM")}, told.events  # rank 0 for rank 1's signal
+    assert told.events_of("stopping", step=10, cause="a stop signal received by rank 1"), told.events
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     stopped_at_10.copy_to(save_dir)
     info = CheckpointManager(save_dir, owner=False).list()[0]
@@ -167,16 +174,15 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path, uninterrupte
 def test_resume_on_one_rank_continues_at_the_global_sample(tmp_path, stopped_at_10):
     """2 ranks stopped mid-epoch, resumed by 1 process: the epoch's samples are each trained exactly once."""
     stop = 10
-    before = re.findall(r"^rank \d step (\d+) epoch 0 batch \d+ idx ([\d,]+)", stopped_at_10.output, flags=re.M)
-    seen = [int(i) for step, ids in before if int(step) <= stop for i in ids.split(",")]
-    assert len(seen) == stop * 2 * 8, stopped_at_10.output  # two ranks, 8 samples each per step
+    before = stopped_at_10.history.events_of("step", epoch=0)  # each rank's steps, with their samples
+    seen = [i for e in before if e["step"] <= stop for i in e["idx"]]
+    assert len(seen) == stop * 2 * 8, before  # two ranks, 8 samples each per step
     save_dir = tmp_path / "run"
     stopped_at_10.copy_to(save_dir)
     q = torchrun(save_dir, None, ARGS, nproc=1)
     assert q.finish() == 0, q.output
-    assert "the batch size changed" in q.output or "resumed from" in q.output, q.output
-    after = re.findall(r"^rank 0 step \d+ epoch 0 batch \d+ idx ([\d,]+)", q.output, flags=re.M)
-    rest = [int(i) for ids in after for i in ids.split(",")]
+    assert q.events_of("resume", step=stop), q.events
+    rest = [i for e in q.events_of("step", rank=0, epoch=0) for i in e["idx"]]
     assert sorted(seen + rest) == list(range(192)), (sorted(seen), sorted(rest))
 
 
@@ -188,8 +194,7 @@ def test_resume_from_another_runs_checkpoint_continues_bit_exact(tmp_path, unint
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = torchrun(save_dir, final, [*ARGS, "--resume", str(source)])
     assert p.finish() == 0, p.output
-    assert re.search(r"^rank 0 start step 8 ", p.output, flags=re.M), p.output
-    assert re.search(r"^rank 1 start step 8 ", p.output, flags=re.M), p.output
+    assert sorted((e["rank"], e["step"]) for e in p.events_of("entered")) == [(0, 8), (1, 8)], p.events
     latest = CheckpointManager(save_dir, owner=False).list()[0]
     assert latest.manifest.lineage["request"]["resume"] == str(source.resolve()), latest.manifest.lineage
     assert latest.manifest.lineage["source"] == str(source), latest.manifest.lineage
@@ -203,7 +208,7 @@ def test_resume_an_earlier_step_of_the_same_run_moves_the_later_ones_aside(tmp_p
     assert p.finish() == 0, p.output
     assert "moved 1 checkpoint(s) of the previous timeline" in p.output, p.output
     assert (save_dir / "superseded" / "step_000000010").is_dir()
-    assert re.search(r"^rank 1 start step 8 ", p.output, flags=re.M), p.output
+    assert sorted((e["rank"], e["step"]) for e in p.events_of("entered")) == [(0, 8), (1, 8)], p.events
     assert_equal_finals(uninterrupted, ddp_finals(final))
 
 
@@ -213,7 +218,8 @@ def test_weights_only_loads_the_weights_on_every_rank(tmp_path, uninterrupted, s
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = torchrun(save_dir, final, [*ARGS, "--resume", str(tmp_path / "src"), "--weights_only"])
     assert p.finish() == 0, p.output
-    assert "loaded the weights of" in p.output and re.search(r"^rank 1 start step 0 ", p.output, flags=re.M)
+    assert "loaded the weights of" in p.output, p.output
+    assert sorted((e["rank"], e["step"]) for e in p.events_of("entered")) == [(0, 0), (1, 0)], p.events
     r0, r1 = ddp_finals(final)
     weights = [k for k in r0 if k.startswith("model.")]
     assert weights and all(torch.equal(r0[k], r1[k]) for k in weights), "the ranks' replicas differ"
@@ -270,8 +276,7 @@ def test_rank_0_carries_the_frozen_base_and_a_sigterm_resumes_bit_exact(tmp_path
     args = [*frozen, "--keep_last", "1000", "--sync_save"]
     p = torchrun(save_dir, final, [*args, "--self_signal", "0:10"])
     p.finish(timeout=120)
-    stops = re.findall(r"\[preempt\] stopping on .* at step (\d+) .*exit code 75", p.output)
-    assert stops == ["10", "10"], p.output
+    assert stopped_steps(p) == [10, 10], (p.output, p.events)
     p = torchrun(save_dir, final, args)
     assert p.finish() == 0, p.output
     assert p.events_of("resume", step=10), p.events
