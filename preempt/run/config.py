@@ -4,10 +4,16 @@ Six groups, each a frozen keyword-only dataclass whose fields carry their defaul
 whose ``__post_init__`` checks them: :class:`SaveOptions` (what is saved when, and how), :class:`StartOptions`
 (where a run starts), :class:`StopOptions` (stopping, walltime, SLURM's requeue), :class:`ReportOptions` (logs,
 history, metric loggers), :class:`MirrorOptions` (object storage) and :class:`HealthOptions` (the guards).
-:class:`RunConfig` is all six at once, flat: ``PreemptibleRun(save_dir, keep_last=3)`` and
-``RunConfig(keep_last=3)`` take the same keywords, and every part of the run reads ``config.keep_last``.
-:class:`RunOptions` names the same keywords for type checkers (``**options: Unpack[RunOptions]``); a unit test
-keeps it equal to the dataclasses' fields.
+:class:`RunConfig` is all six at once: ``PreemptibleRun(save_dir, keep_last=3)`` and ``RunConfig(keep_last=3)``
+take the same flat keywords (read back flat too, ``config.keep_last``), and it holds each group whole, built from
+them (``config.save``, ``config.start``, ``config.stop``, ``config.report``, ``config.mirroring``, ``config.health``):
+each part of the run is given its own group (torchtitan's nested ``Config``). :class:`RunOptions` names the same
+keywords for type checkers (``**options: Unpack[RunOptions]``); a unit test keeps it equal to the dataclasses'
+fields.
+
+A value given in a form of its own (``time_limit="01:00:00"``, ``monitor_gpu=True``, ``carry_unchanged=True``) is
+kept in its normal form, and where that form is narrower than what a user may pass, a field of its own that the
+user does not set holds it with its true type (``time_limit_s``, ``gpu_every_s``, ``carry``).
 
 The retention options become one :class:`~preempt.checkpoint.retention.RetentionPolicy`, the saving ones one
 :class:`~preempt.run.save_policy.SavePolicy`. No torch, no disk.
@@ -19,7 +25,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, TypedDict, TypeGuard, cast
+from typing import Any, TypedDict, TypeGuard
 
 from .. import _log
 from ..checkpoint.carry import CarryOptions
@@ -90,17 +96,16 @@ class SaveOptions:
     copies at the step from then on. Off by default: a change through ``tensor.data`` is not seen, and where a copy
     made by another thread competes with the loop for the same cores it saves little (``bench/README.md``)."""
 
+    carry: CarryOptions = dataclasses.field(init=False, repr=False, compare=False)
+    """``carry_unchanged`` as :class:`~preempt.checkpoint.carry.CarryOptions` (made from it; not an option)."""
+
     def __post_init__(self) -> None:
         for name in ("recycle_files", "async_save", "lazy_snapshot"):
             _set(self, name, bool(getattr(self, name)))
-        _set(self, "carry_unchanged", CarryOptions.of(self.carry_unchanged))
+        _set(self, "carry", CarryOptions.of(self.carry_unchanged))
+        _set(self, "carry_unchanged", self.carry)
         self.save_policy()  # their own checks, now rather than at the first save
         self.retention()
-
-    @property
-    def carry(self) -> CarryOptions:
-        """``carry_unchanged`` as options (normalised when the options were made)."""
-        return cast(CarryOptions, self.carry_unchanged)
 
     def save_policy(self) -> SavePolicy:
         return SavePolicy(
@@ -193,17 +198,16 @@ class StopOptions:
     once when its measured stop would not fit. None: ``PREEMPT_GRACE_S``, else what the run can read (torchrun's
     shutdown timeout, SLURM's KillWait: :mod:`preempt.cluster.grace`)."""
 
-    @property
-    def time_limit_s(self) -> float | None:
-        """``time_limit`` in seconds (normalised when the options were made)."""
-        return cast("float | None", self.time_limit)
+    time_limit_s: float | None = dataclasses.field(init=False, repr=False, compare=False)
+    """``time_limit`` in seconds (made from it; not an option)."""
 
     def __post_init__(self) -> None:
         _set(self, "signals", tuple(self.signals))
         _set(self, "requeue", bool(self.requeue))
         if not _is_int(self.exit_code) or not 0 <= self.exit_code <= 255:
             raise ValueError(f"exit_code: expected an integer in [0, 255], got {self.exit_code!r}")
-        _set(self, "time_limit", _time_limit(self.time_limit))
+        _set(self, "time_limit_s", _time_limit(self.time_limit))
+        _set(self, "time_limit", self.time_limit_s)
         if self.max_restarts is not None and (not _is_int(self.max_restarts) or self.max_restarts < 0):
             raise ValueError(f"max_restarts: expected an integer >= 0 or None, got {self.max_restarts!r}")
         if not _is_int(self.sync_every_steps) or self.sync_every_steps < 1:
@@ -246,19 +250,18 @@ class ReportOptions:
     objects with options. One run across restarts (:mod:`preempt.health.loggers`). Optional extras, imported only
     when asked for."""
 
-    @property
-    def gpu_every_s(self) -> float | None:
-        """``monitor_gpu`` in seconds, or None (normalised when the options were made)."""
-        return cast("float | None", self.monitor_gpu)
+    gpu_every_s: float | None = dataclasses.field(init=False, repr=False, compare=False)
+    """``monitor_gpu`` in seconds, or None (made from it; not an option)."""
 
     def __post_init__(self) -> None:
         _set(self, "log_file", bool(self.log_file))
         gpu = self.monitor_gpu
-        _set(self, "monitor_gpu", 10.0 if gpu is True else None if gpu is False else gpu)
-        for name in ("progress_every_s", "monitor_gpu"):
-            value = getattr(self, name)
+        every = 10.0 if gpu is True else None if gpu is False else gpu
+        for name, value in (("progress_every_s", self.progress_every_s), ("monitor_gpu", every)):
             if value is not None and (not _is_number(value) or not value > 0):
                 raise ValueError(f"{name}: expected a number of seconds > 0 or None, got {value!r}")
+        _set(self, "gpu_every_s", every)
+        _set(self, "monitor_gpu", every)
         level = self.log_level
         if level is not None and (not isinstance(level, str) or level.upper() not in LOG_LEVELS):
             raise ValueError(f"log_level: expected one of {', '.join(LOG_LEVELS)} or None, got {level!r}")
@@ -323,18 +326,45 @@ GROUPS = (SaveOptions, StartOptions, StopOptions, ReportOptions, MirrorOptions, 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig(HealthOptions, MirrorOptions, ReportOptions, StopOptions, StartOptions, SaveOptions):
-    """Every option of a run, flat: the six groups' fields, each checked by its group.
+    """Every option of a run: the six groups' fields as flat keywords, and each group whole, built from them.
 
     (The bases are listed last group first: a dataclass collects its bases' fields from the end of the list, so
     ``dataclasses.fields(RunConfig)`` and the signature list them in the order of :data:`GROUPS`.)
 
-    ``PreemptibleRun(save_dir, model=..., **options)`` builds one (or takes ``config=RunConfig(...)``), and each
-    part of the run reads the options of its concern from it.
+    ``PreemptibleRun(save_dir, model=..., **options)`` builds one (or takes ``config=RunConfig(...)``); each part
+    of the run is given its own group. The flat fields hold the values the groups checked, in their normal forms.
     """
 
+    save: SaveOptions = dataclasses.field(init=False, repr=False, compare=False)
+    """The save options (the scheduler's, the manager's, the start line's)."""
+    start: StartOptions = dataclasses.field(init=False, repr=False, compare=False)
+    """Where the run starts (the restore's)."""
+    stop: StopOptions = dataclasses.field(init=False, repr=False, compare=False)
+    """Stopping, walltime, SLURM (the stopper's)."""
+    report: ReportOptions = dataclasses.field(init=False, repr=False, compare=False)
+    """Logs, history, metric loggers (the reporter's)."""
+    mirroring: MirrorOptions = dataclasses.field(init=False, repr=False, compare=False)
+    """The mirror's options (named so because the flat ``mirror`` is its URL)."""
+    health: HealthOptions = dataclasses.field(init=False, repr=False, compare=False)
+    """The guards' options."""
+
     def __post_init__(self) -> None:
-        for group in GROUPS:
-            group.__post_init__(self)
+        for name, group in _GROUP_FIELDS.items():
+            options = group(**{f.name: getattr(self, f.name) for f in dataclasses.fields(group) if f.init})  # checks
+            for f in dataclasses.fields(group):
+                _set(self, f.name, getattr(options, f.name))  # the normal forms, and the values made from them
+            _set(self, name, options)
+
+
+# RunConfig's field that holds each group whole
+_GROUP_FIELDS: dict[str, type[Any]] = {
+    "save": SaveOptions,
+    "start": StartOptions,
+    "stop": StopOptions,
+    "report": ReportOptions,
+    "mirroring": MirrorOptions,
+    "health": HealthOptions,
+}
 
 
 class RunOptions(TypedDict, total=False):
@@ -454,7 +484,7 @@ def integration_config(who: str, **options: Any) -> RunConfig:
     own = sorted(set(options) & set(INTEGRATION_OWN))
     if own:
         raise TypeError(f"{who}: {', '.join(own)}: set from the framework's objects, not an option")
-    names = {f.name for f in dataclasses.fields(RunConfig)}
+    names = {f.name for f in dataclasses.fields(RunConfig) if f.init}  # the options, not the values made of them
     unknown = sorted(set(options) - names)
     if unknown:
         raise TypeError(

@@ -22,7 +22,7 @@ from ..checkpoint.manager import CheckpointManager
 from ..cluster.supervised import Supervised
 from ..errors import LockLostError
 from ..health import guards
-from .config import RunConfig
+from .config import HealthOptions
 from .loop_state import LoopState
 from .save_policy import Reason
 from .save_scheduler import SaveScheduler
@@ -34,8 +34,17 @@ log = _log.log
 class Health:
     """The guards of one run (see the module docstring)."""
 
-    def __init__(self, config: RunConfig, components: state.Components, loop: LoopState, snapshot: Snapshot) -> None:
+    def __init__(
+        self,
+        config: HealthOptions,
+        components: state.Components,
+        loop: LoopState,
+        snapshot: Snapshot,
+        *,
+        strict: bool = True,
+    ) -> None:
         self.config = config
+        self.strict = strict  # a rollback loads the model as the run's start does (StartOptions.strict)
         self.components = components
         self.loop = loop
         self.snapshot = snapshot  # holds the learning-rate scale that checkpoints record
@@ -132,7 +141,7 @@ class Health:
             log.error("%s; %s", streak, why)
             raise streak
         assert info is not None
-        state.apply(self.components, manager.read(info), strict=self.config.strict)
+        state.apply(self.components, manager.read(info), strict=self.strict)
         factor = 1.0 / g.lr_factor
         lrs = []
         if self.components.optimizer is not None:

@@ -29,7 +29,7 @@ from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.names import MANIFEST, parse_checkpoint_name
 from ..errors import CorruptCheckpointError, MirrorError, NoCheckpointError, PreemptError
 from ..health.history import HISTORY_FILE, LOG_FILE
-from .config import RunConfig
+from .config import MirrorOptions
 
 if TYPE_CHECKING:
     from ..cluster.nodes import Nodes
@@ -45,7 +45,7 @@ class Mirroring:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: MirrorOptions,
         manager: CheckpointManager,
         reporter: Reporter,
         stopper: Stopper,

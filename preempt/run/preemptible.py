@@ -143,7 +143,7 @@ class PreemptibleRun:
             save_dir, cfg = check.save_dir, checked_config(cfg)
             self.config = cfg
         self.save_dir = Path(save_dir)
-        self.policy = cfg.save_policy()
+        self.policy = cfg.save.save_policy()
         sharded = check_sharded(cfg, self.components.model)
         # This process alone, or the ranks of torch.distributed: under torchrun making the run is a collective.
         peers = self.peers = join(cfg.sync_every_steps)
@@ -151,11 +151,15 @@ class PreemptibleRun:
         self._lock = DirLock(self.save_dir, purpose=f"training{job}", timeout=cfg.lock_timeout)
         # rank 0 cleans, quarantines and prunes; each write into the save_dir checks the lock it holds
         self.manager = CheckpointManager(
-            save_dir, retention=cfg.retention(), carry_unchanged=cfg.carry, owner=peers.leader, lock=self._lock
+            save_dir,
+            retention=cfg.save.retention(),
+            carry_unchanged=cfg.save.carry,
+            owner=peers.leader,
+            lock=self._lock,
         )
         self._clock = clock  # below: the parts, each of one concern, each whole when made; the run composes them
         self.loop = LoopState()
-        self.stopper = Stopper(cfg, self.env, self.save_dir, clock)
+        self.stopper = Stopper(cfg.stop, self.env, self.save_dir, clock)
         self.data = DataCursor(self.stopper.flag.signals)
         self.snapshot = Snapshot(
             self.components,
@@ -163,12 +167,13 @@ class PreemptibleRun:
             self.data,
             rank=peers.rank,
             sharded=sharded,
-            group_frozen=cfg.carry.enabled,
+            group_frozen=cfg.save.carry.enabled,
             clock=clock,
         )
-        self.health = Health(cfg, self.components, self.loop, self.snapshot)
+        self.health = Health(cfg.health, self.components, self.loop, self.snapshot, strict=cfg.strict)
         self.reporter = Reporter(
-            cfg,
+            cfg.report,
+            cfg.save,
             self.save_dir,
             self.loop,
             clock,
@@ -176,7 +181,9 @@ class PreemptibleRun:
             world_size=peers.world_size,
             log_all_ranks=self.env.log_all_ranks,
         )
-        self.mirroring = Mirroring(cfg, self.manager, self.reporter, self.stopper, clock)  # inert without mirror=
+        self.mirroring = Mirroring(
+            cfg.mirroring, self.manager, self.reporter, self.stopper, clock
+        )  # inert without mirror=
         self.saves = SaveScheduler(
             self.manager,
             self.loop,

@@ -39,7 +39,7 @@ from ..health.history import EarlyRecords, History, RunLog
 from ..health.loggers import Loggers
 from ..health.monitor import GPUMonitor
 from ..health.progress import Progress, planned_total
-from .config import RunConfig
+from .config import ReportOptions, SaveOptions
 from .loop_state import LoopState, Measured
 from .save_plan import SaveRecord
 
@@ -97,7 +97,8 @@ class Reporter:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: ReportOptions,
+        saving: SaveOptions,
         save_dir: Path,
         loop: LoopState,
         clock: Callable[[], float] = time.monotonic,
@@ -107,6 +108,7 @@ class Reporter:
         log_all_ranks: bool = False,
     ) -> None:
         self.config = config
+        self.saving = saving  # what the start line says of the saves
         self.save_dir = save_dir
         self.loop = loop
         self.clock = clock
@@ -150,7 +152,7 @@ class Reporter:
         self._base = (step, self.loop.epoch, self.loop.batch)
         self._point_step = step
         if self.rank == 0:
-            log.info("%s", start_line(cfg, self.save_dir, resumed_from, step, resumed_how))
+            log.info("%s", start_line(self.saving, self.save_dir, resumed_from, step, resumed_how))
         elif resumed_how is not None:  # another rank says only what it loaded (heard with log_all_ranks)
             log.info("%s", resumed_how)
         held, self._held = (self._held or EarlyRecords()).done(), None
@@ -398,7 +400,7 @@ def total_steps(base: tuple[int, int, int], loop: LoopState, batches_per_epoch: 
     return loop.global_step + max(0, round(per_batch * left))
 
 
-def start_line(cfg: RunConfig, save_dir: Path, resumed_from: Path | None, step: int, how: str | None = None) -> str:
+def start_line(cfg: SaveOptions, save_dir: Path, resumed_from: Path | None, step: int, how: str | None = None) -> str:
     """What a user wants to see first: fresh or resumed (``how``: what was loaded, in words), where, what is saved
     when, and what is kept."""
     # A checkpoint of this save_dir, named in ``how``, names it; one of another (a resume request) does not.

@@ -39,7 +39,7 @@ from ..cluster.environment import Environment
 from ..cluster.signals import StopFlag, signal_name
 from ..errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
 from ..health.history import HISTORY_FILE, tail
-from .config import RunConfig
+from .config import StopOptions
 from .loop_state import LoopState
 from .save_plan import SaveRecord
 from .save_policy import Decision, Reason
@@ -137,7 +137,7 @@ class Stopper:
     """The run's stop: when (signal, request, walltime) and what follows it (requeue, exit code)."""
 
     def __init__(
-        self, config: RunConfig, env: Environment, save_dir: Path, clock: Callable[[], float] = time.monotonic
+        self, config: StopOptions, env: Environment, save_dir: Path, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.config = config
         self.env = env

@@ -14,7 +14,7 @@ import torch
 from helpers import FakeClock
 
 from preempt import PreemptibleRun
-from preempt.run.config import RunConfig
+from preempt.run.config import ReportOptions, RunConfig, SaveOptions
 from preempt.run.loop_state import LoopState
 from preempt.run.reporting import Reporter, point_interval, start_line, total_steps
 
@@ -31,7 +31,7 @@ def test_the_total_counts_optimizer_steps_under_gradient_accumulation():
 def test_progress_comes_early_then_every_progress_every_s(tmp_path):
     clock = FakeClock()
     loop = LoopState()
-    reporter = Reporter(RunConfig(progress_every_s=60.0, log_file=False), tmp_path, loop, clock)
+    reporter = Reporter(ReportOptions(progress_every_s=60.0, log_file=False), SaveOptions(), tmp_path, loop, clock)
     reporter.start(None)
     waits = []
     for _ in range(6):
@@ -40,7 +40,7 @@ def test_progress_comes_early_then_every_progress_every_s(tmp_path):
         loop.global_step += 10
         reporter.report(None, None)
     assert waits == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0]
-    quick = Reporter(RunConfig(progress_every_s=2.0, log_file=False), tmp_path, LoopState(), clock)
+    quick = Reporter(ReportOptions(progress_every_s=2.0, log_file=False), SaveOptions(), tmp_path, LoopState(), clock)
     quick.start(None)
     assert quick.next_at - clock.t == 2.0  # an explicit shorter period is kept from the start
 
@@ -51,7 +51,7 @@ def test_history_gets_metric_points_denser_than_the_progress_lines(tmp_path, cap
     assert point_interval(500.0, 2.0) == 2.0
     clock = FakeClock()
     loop = LoopState()
-    reporter = Reporter(RunConfig(progress_every_s=60.0), tmp_path, loop, clock)
+    reporter = Reporter(ReportOptions(progress_every_s=60.0), SaveOptions(), tmp_path, loop, clock)
     reporter.start(None)
     points, lines = [], []
     with caplog.at_level(logging.INFO, logger="preempt"):
@@ -77,7 +77,7 @@ def test_the_epoch_summary_shows_epoch_means(tmp_path, caplog):
     clock = FakeClock()
     loop = LoopState()
     cfg = RunConfig(log_file=False)
-    reporter = Reporter(cfg, tmp_path, loop, clock)
+    reporter = Reporter(cfg.report, cfg.save, tmp_path, loop, clock)
     reporter.start(None)
     loop.epoch_began(clock())
     for v in (1.0, 2.0, 6.0, float("nan")):

@@ -21,7 +21,7 @@ from preempt.checkpoint.retention import RetentionPolicy, best_note
 from preempt.errors import CorruptCheckpointError
 from preempt.health.history import read_history
 from preempt.health.progress import Progress
-from preempt.run.config import RunConfig
+from preempt.run.config import ReportOptions, SaveOptions
 from preempt.run.loop_state import LoopState, epoch_so_far, report_step
 from preempt.run.reporting import Reporter, epoch_line, point_metrics
 
@@ -105,7 +105,7 @@ def test_a_history_point_holds_the_metrics_measured_at_its_step():
 def test_the_history_has_an_evaluation_once_at_its_step_not_at_every_point(tmp_path):
     clock = FakeClock()
     loop = LoopState()
-    reporter = Reporter(RunConfig(progress_every_s=60.0), tmp_path, loop, clock)
+    reporter = Reporter(ReportOptions(progress_every_s=60.0), SaveOptions(), tmp_path, loop, clock)
     reporter.start(None)
     loop.at_batch(0)
     for step in range(1, 21):
@@ -130,7 +130,7 @@ def test_the_history_has_an_evaluation_once_at_its_step_not_at_every_point(tmp_p
 
 def test_a_report_inside_a_step_is_said_once(tmp_path, caplog):
     loop = LoopState()
-    reporter = Reporter(RunConfig(log_file=False), tmp_path, loop, FakeClock())
+    reporter = Reporter(ReportOptions(log_file=False), SaveOptions(), tmp_path, loop, FakeClock())
     reporter.start(None)
     loop.at_batch(0)
     stepped(loop, 49)
