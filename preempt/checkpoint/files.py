@@ -14,12 +14,14 @@ checkpoint commands.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import errno
 import logging
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +37,31 @@ if TYPE_CHECKING:
     import torch
 
 READERS = 4  # files of one checkpoint read at once by a restore
+
+
+# Where a restore's files may come from before they are read from the disk (reading_from): given the checkpoint
+# directory, its manifest's entries and the names of the files to keep, those it has: each one's bytes and the size
+# and digest computed over them in this process ({} for none). It raises as read_all.
+Source = Callable[[Path, Mapping[str, FileDigest], Sequence[str]], Mapping[str, tuple[Any, FileDigest]]]
+
+
+_SOURCE: contextvars.ContextVar[Source | None] = contextvars.ContextVar("preempt_read_source", default=None)
+
+
+@contextlib.contextmanager
+def reading_from(source: Source) -> Iterator[None]:
+    """Within it, :func:`read_all` takes the files it keeps from ``source`` first, and reads the others.
+
+    The ranks of a run restore together this way (:mod:`preempt.cluster.shared_read`: each reads a share, they
+    exchange the rest) under the manager's choice and fallback, which stay as for a process alone. Every file from
+    ``source`` is still checked against its manifest entry: its size and digest, computed over its bytes in this
+    process.
+    """
+    token = _SOURCE.set(source)
+    try:
+        yield
+    finally:
+        _SOURCE.reset(token)
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -54,7 +81,7 @@ def read_manifest(path: Path) -> Manifest:
     except safe_io.UnsafeFileError as e:
         raise CorruptCheckpointError(str(e)) from None
     except (OSError, MemoryError) as e:
-        raise _read_error(path, e) from None
+        raise read_error(path, e) from None
     try:
         return Manifest.from_json(data, str(path))
     except ValueError as e:
@@ -77,8 +104,8 @@ def read_verified(path: Path, expected: FileDigest, *, direct: bool = False) -> 
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: {e}") from None
     except (OSError, MemoryError) as e:
-        raise _read_error(path, e) from None
-    _compare(path, expected, got)
+        raise read_error(path, e) from None
+    compare(path, expected, got)
     return buf
 
 
@@ -109,6 +136,15 @@ def read_all(
     for name, _ in order:
         if name not in files:
             raise CorruptCheckpointError(f"{where / MANIFEST}: lists no {name}")
+    source = _SOURCE.get()
+    given = {} if source is None else dict(source(where, files, list(kept)))
+    taken = {}
+    for name, (buf, got) in given.items():
+        compare(where / name, files[name], got)
+        taken[name] = buf
+    order = [(name, keep) for name, keep in order if name not in taken]
+    if not order:
+        return taken
     readahead.warm(where / name for name, keep in order if not (keep and direct))  # those read direct: not cached
 
     def one(item: tuple[str, bool]) -> Any:
@@ -117,7 +153,7 @@ def read_all(
 
     if len(order) == 1:
         buf = one(order[0])
-        return {order[0][0]: buf} if order[0][1] else {}
+        return {**taken, order[0][0]: buf} if order[0][1] else taken
     largest = sorted(order, key=lambda item: -files[item[0]].size)
     with ThreadPoolExecutor(min(READERS, len(order)), thread_name_prefix="preempt-read") as pool:
         futures = {item: pool.submit(one, item) for item in largest}
@@ -127,10 +163,10 @@ def read_all(
             for future in futures.values():
                 future.cancel()
             raise
-    return {name: buf for (name, keep), buf in bufs.items() if keep}
+    return {**taken, **{name: buf for (name, keep), buf in bufs.items() if keep}}
 
 
-def _read_error(path: Path, error: OSError | MemoryError) -> CorruptCheckpointError | CheckpointUnreadableError:
+def read_error(path: Path, error: OSError | MemoryError) -> CorruptCheckpointError | CheckpointUnreadableError:
     """The error for a file that could not be read: a resource error, or damage (:func:`safe_io.resource_error`)."""
     if safe_io.resource_error(error):
         return CheckpointUnreadableError(unreadable(path, error))
@@ -154,7 +190,7 @@ def _reason(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
-def _compare(path: Path, expected: FileDigest, got: FileDigest) -> None:
+def compare(path: Path, expected: FileDigest, got: FileDigest) -> None:
     """Raises CorruptCheckpointError naming ``path`` and both sizes or both full digests."""
     if got.size != expected.size:
         raise CorruptCheckpointError(f"{path}: size {got.size} bytes, manifest says {expected.size}")
@@ -271,7 +307,7 @@ def check_file(path: Path, expected: FileDigest) -> FileCheck:
     except (OSError, MemoryError) as e:
         return bad(_status(path, e), _message(path, e))
     try:
-        _compare(path, expected, got)
+        compare(path, expected, got)
     except CorruptCheckpointError as e:
         return bad("digest", str(e), got)
     try:

@@ -234,6 +234,26 @@ def _wait(work: dist.Work | None) -> None:
     work.wait()
 
 
+def settle(work: dist.Work | None) -> None:
+    """Waits for a collective of another module started with ``async_op=True``, its work kept as :func:`_wait` keeps
+    the ones here."""
+    _wait(work)
+
+
+_CPU_GROUP: list[Any] = []  # the gloo group of cpu_group(), once made
+
+
+def cpu_group() -> Any:
+    """A group of every rank for CPU tensors: the default group when its backend is gloo (None, as torch names it),
+    else a gloo group made on the first call. A collective on that first call: every rank calls it at the same point.
+    """
+    if str(dist.get_backend()) == "gloo":
+        return None
+    if not _CPU_GROUP:
+        _CPU_GROUP.append(dist.new_group(backend="gloo"))
+    return _CPU_GROUP[0]
+
+
 def _describe(error: BaseException, rank: int) -> tuple[int | None, str]:
     """An error as (errno or None, text), to send to the other ranks."""
     if isinstance(error, OSError):

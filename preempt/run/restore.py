@@ -14,21 +14,31 @@ on each candidate and falls back past one it refuses, as past a damaged one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .. import _log
-from ..checkpoint import hyperparams, lock, state
+from ..checkpoint import files, hyperparams, lock, state
+from ..checkpoint.hashed_io import FileDigest
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager
 from ..checkpoint.names import parse_checkpoint_name
-from ..cluster import distributed, nodes, sharded
+from ..cluster import distributed, nodes, sharded, shared_read
 from ..cluster.environment import Environment
+from ..cluster.shared_read import Shared
 from ..data import rng
-from ..errors import CorruptCheckpointError, IncompatibleStateError, NoCheckpointError, PreemptError, RunComplete
+from ..errors import (
+    CheckpointUnreadableError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    NoCheckpointError,
+    PreemptError,
+    RunComplete,
+)
 from .config import RunConfig
 from .data_cursor import SEED_MASK, DataCursor, Resume
 from .loop_state import LoopState, epoch_so_far
@@ -147,8 +157,9 @@ class Starter:
     def _continue(self, request: dict[str, Any] | None) -> bool:
         """Loads the newest valid checkpoint; False when the request's timeline must be branched after all."""
         try:
-            # alone, large files are read past the page cache; with other ranks, through it: they read it next
-            info, loaded = self.manager.load("latest", check=self.check, direct=self.peers.alone)
+            # alone, large files are read past the page cache; the ranks read shares of them past it and exchange them
+            with self._together():
+                info, loaded = self.manager.load("latest", check=self.check, direct=self.peers.alone)
         except NoCheckpointError as e:
             if e.corrupt:
                 log.warning("%s; starting fresh (the broken checkpoints are in %s/quarantine)", e, self.save_dir)
@@ -249,10 +260,14 @@ class Starter:
     def follow(self) -> None:
         """A rank other than 0: loads the checkpoint rank 0 chose (in this save_dir or, for a request, another).
 
-        It reads the one rank 0 most likely chooses first, at the same time as rank 0 (:meth:`_read_ahead`), so that
-        the ranks load together rather than one after the other."""
-        ahead = self._read_ahead()
-        kind, detail, branch, holder = self.peers.broadcast(None)
+        Each checkpoint rank 0 tries is read by the ranks together (:meth:`_serve`): the one it chooses is then
+        loaded from what this rank holds already."""
+        ahead = None
+        said = self.peers.broadcast(None)
+        while said[0] == "share":
+            ahead = self._serve(said[1])
+            said = self.peers.broadcast(None)
+        kind, detail, branch, holder = said
         if kind == "complete":
             raise RunComplete(str(self.save_dir))
         if kind == "fail":
@@ -348,25 +363,61 @@ class Starter:
             raise PreemptError(f"a node could not bring {path.name} from the mirror: {said}")
         return self.save_dir / path.name
 
-    def _read_ahead(self) -> tuple[CheckpointInfo, state.Loaded] | None:
-        """A rank other than 0, before rank 0 names the checkpoint: the newest valid one of the save_dir, read and
-        verified as rank 0 reads it (through the page cache: the disk reads it once for both), or None.
+    # ---------------------------------------------------------------- the ranks' restore together
 
-        Only when rank 0 will most likely choose it: no fresh start or resume request. Used only when rank 0 names
-        the same save (its path, time and digests: :func:`_same_save`); read in vain when rank 0 chooses another (a
-        newer one from the mirror, an older one when this one fails rank 0's checks, another on a node whose
-        save_dir is its own), and dropped: the chosen one is then read as before. Nothing here moves or changes a
-        checkpoint, and a failure is only a read ahead not made."""
-        if self.config.starts_fresh or self._request() is not None:
-            return None
+    def _together(self) -> contextlib.AbstractContextManager[None]:
+        """Rank 0's reads of its save_dir's checkpoints, shared with the other ranks (:meth:`_offer`); alone, as
+        they are."""
+        return contextlib.nullcontext() if self.peers.alone else files.reading_from(self._offer)
+
+    def _offer(
+        self, where: Path, listed: Mapping[str, FileDigest], names: Sequence[str]
+    ) -> Mapping[str, tuple[Any, FileDigest]]:
+        """Rank 0, about to read the files ``names`` of the checkpoint ``where``: offers the other ranks to read
+        them together (:mod:`preempt.cluster.shared_read`); what they read together, {} when a rank does not take
+        part (rank 0 then reads them alone, as before, the others once it has chosen).
+
+        Raises:
+            CorruptCheckpointError: A file fails its digest, on every rank alike: the manager falls back to an older
+                checkpoint, and rank 0 offers that one.
+            CheckpointUnreadableError: A share could not be read, on every rank alike.
+        """
+        if not names or where.parent.resolve() != self.save_dir.resolve():
+            return {}
+        offer = {"path": str(where), "files": [[n, listed[n].size, listed[n].xxh3_128] for n in names]}
+        self.peers.broadcast(("share", {**offer, "holder": self._holder}, False, None))
+        return shared_read.exchange(self.peers, where, _wanted(offer), take_part=True)
+
+    def _serve(self, offer: dict[str, Any]) -> tuple[CheckpointInfo, state.Loaded] | None:
+        """A rank other than 0: reads rank 0's offered checkpoint with it (:meth:`_offer`), then the rest of it (its
+        own random state) as :meth:`_load_chosen` would; what was read, or None (a file failed, on every rank; this
+        rank did not take part; the rest failed here: rank 0 decides and names the checkpoint it chooses).
+
+        This rank takes part when it sees what rank 0 sees: its lock file (one save_dir for all) and the offered
+        checkpoint, with the same digests of those files."""
+        rank, path, wanted = self.peers.rank, Path(offer["path"]), _wanted(offer)
+        info = None
+        if path.parent.resolve() == self.save_dir.resolve() and lock.holder(self.save_dir) == offer["holder"]:
+            info = next((c for c in self.manager.list() if c.path.resolve() == path.resolve()), None)
+            if info is not None and (info.status != "valid" or any(info.valid.files.get(n) != d for n, d in wanted)):
+                info = None
         try:
-            info = next((c for c in self.manager.list() if c.status == "valid" and c.valid.part is None), None)
-            if info is None:
-                return None
-            return info, self.manager.read(info, rank=self.peers.rank, direct=False)
-        except Exception as e:  # damaged, gone meanwhile (rank 0 set it aside), unreadable: rank 0 decides
-            why = f"{type(e).__name__}: {e}"
-            log.debug("rank %d: no checkpoint read ahead of rank 0's choice (%s)", self.peers.rank, why)
+            got = shared_read.exchange(self.peers, path, wanted, take_part=info is not None)
+        except (CorruptCheckpointError, CheckpointUnreadableError) as e:
+            log.debug("rank %d: %s (rank 0 falls back or stops)", rank, e)
+            return None
+        if not got or info is None:
+            return None
+        here = info.path.resolve()
+
+        def shared(where: Path, listed: Mapping[str, FileDigest], names: Sequence[str]) -> Shared:
+            return {n: got[n] for n in names if n in got} if where.resolve() == here else {}
+
+        try:
+            with files.reading_from(shared):
+                return info, self.manager.read(info, rank=rank, direct=False)
+        except Exception as e:  # damaged or unreadable here: rank 0 decides, and this rank reads what it names
+            log.debug("rank %d: %s read with rank 0, but not loaded (%s: %s)", rank, path, type(e).__name__, e)
             return None
 
     def _load_chosen(
@@ -493,6 +544,11 @@ class Starter:
 
 
 # ---------------------------------------------------------------- the boundary
+
+
+def _wanted(offer: dict[str, Any]) -> list[tuple[str, FileDigest]]:
+    """The files of rank 0's offer (:meth:`Starter._offer`), in its order, with their manifest's sizes and digests."""
+    return [(str(n), FileDigest(int(size), str(digest))) for n, size, digest in offer["files"]]
 
 
 def _same_save(a: CheckpointInfo, b: CheckpointInfo) -> bool:

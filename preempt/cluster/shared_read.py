@@ -1,0 +1,312 @@
+"""Ranks that restore together: each reads a share of a checkpoint's files past the page cache, and they exchange the
+rest, so that the disk reads every byte once, whatever the number of ranks.
+
+Every rank of a DDP run restores the same files (rank 0's model and optimizer, every rank's small random state).
+Read by each rank, they cost the disk (or the page cache) once per rank. Here the ranks that see the same save_dir
+share the work:
+
+1. **The plan** (:func:`plan`, pure). The files' bytes, taken in order as one stream, are cut into one contiguous
+   share per rank at block boundaries (a read past the page cache reads whole aligned blocks), and each share into
+   pieces of at most :data:`PIECE` bytes. The pieces are exchanged round by round: each rank's first piece in rank
+   order, then each rank's second, so that every rank's reads go on while the others' pieces cross.
+2. **Taking part** (a gather, then rank 0's decision broadcast): a rank takes part when it sees the checkpoint rank 0
+   offers (:func:`exchange`'s ``take_part``) and has the memory for the files; when one does not, none does, and
+   each reads the files itself, as a process alone does.
+3. **The exchange.** Each rank reads its pieces ``O_DIRECT`` in a thread (through the page cache where the
+   filesystem refuses it) into the memory the files' bytes are kept in; each piece is broadcast from its reader as
+   soon as it is read, on a gloo group (CPU tensors, :func:`preempt.cluster.distributed.cpu_group`).
+4. **The verdict.** Every rank hashes every file whole (xxh3-128, the manifest's digest: every byte verified on
+   every rank, over the bytes it will use); the ranks' findings are gathered and rank 0 broadcasts the first failure:
+   a file that fails its digest (on any rank's share), or a share that could not be read, fails the checkpoint for
+   every rank alike, as :class:`~preempt.errors.CorruptCheckpointError` (the caller falls back to the next older
+   checkpoint, as for a process alone) or :class:`~preempt.errors.CheckpointUnreadableError` (a resource error: no
+   fallback, nothing moved aside).
+
+Every step is a collective: each rank calls :func:`exchange` with the same files in the same order (rank 0's offer,
+broadcast by the caller). A process alone never comes here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xxhash
+
+from .. import _log
+from ..checkpoint import direct_io, files, hashed_io, readahead, safe_io
+from ..checkpoint.hashed_io import FileDigest
+from ..errors import CheckpointUnreadableError, CorruptCheckpointError, PeerLost
+from . import distributed
+
+log = _log.log
+
+PIECE = 32 << 20  # bytes per piece: a direct read of the device's size, and a broadcast that overlaps the next read
+BLOCK = direct_io.BLOCK
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+Shared = dict[str, tuple[np.ndarray, FileDigest]]  # a file's name -> its bytes and the digest this rank computed
+
+
+class Talk(Protocol):
+    """The small collectives of the exchange (:class:`preempt.run.peers.Peers` has them): JSON objects."""
+
+    def broadcast(self, obj: Any) -> Any: ...
+
+    def gather(self, obj: Any) -> list[Any] | None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """``length`` bytes of file number ``file`` from ``offset``, read by rank ``owner`` and broadcast from it."""
+
+    file: int
+    offset: int
+    length: int
+    owner: int
+
+
+def plan(sizes: Sequence[int], ranks: int, *, piece: int = PIECE, block: int = BLOCK) -> list[Piece]:
+    """Which rank reads which bytes of which file, in the order the pieces are exchanged. Pure.
+
+    The files' bytes in order are one stream, cut into ``ranks`` contiguous shares of about equal size; a cut falls
+    on a multiple of ``block`` within its file (so a share may be up to a block shorter or longer than its part).
+    Each share is cut at the files' ends and every ``piece`` bytes. Every offset is a multiple of ``block``, every
+    length too unless the piece ends its file. The order: round ``k`` holds each rank's ``k``-th piece, in rank order.
+
+    Args:
+        sizes: The files' sizes in bytes, in the order all ranks list them.
+        ranks: How many ranks read (>= 1).
+        piece: The largest piece, a multiple of ``block``.
+        block: The alignment of a read past the page cache.
+
+    Raises:
+        ValueError: ``ranks`` < 1, or ``piece`` not a positive multiple of ``block``, or a negative size.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks: expected >= 1, found {ranks}")
+    if piece <= 0 or piece % block:
+        raise ValueError(f"piece: expected a positive multiple of {block}, found {piece}")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"sizes: expected sizes >= 0, found {min(sizes)}")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    total = sum(sizes)
+    cuts = [0]
+    for r in range(1, ranks):
+        x = total * r // ranks
+        f = next((i for i in range(len(sizes)) if starts[i] <= x < starts[i] + sizes[i]), None)
+        at = total if f is None else starts[f] + (x - starts[f]) // block * block
+        cuts.append(max(at, cuts[-1]))
+    cuts.append(total)
+    own: list[list[Piece]] = [[] for _ in range(ranks)]
+    for r in range(ranks):
+        lo, hi = cuts[r], cuts[r + 1]
+        for f, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+            a, b = max(lo, start) - start, min(hi, start + size) - start
+            for offset in range(a, b, piece) if a < b else ():
+                own[r].append(Piece(f, offset, min(piece, b - offset), r))
+    rounds = max((len(p) for p in own), default=0)
+    return [own[r][k] for k in range(rounds) for r in range(ranks) if k < len(own[r])]
+
+
+def exchange(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], *, take_part: bool) -> Shared:
+    """The files ``wanted`` of the checkpoint directory ``where``, read together by every rank (the module
+    docstring); {} on every rank when one of them does not take part (each then reads them itself).
+
+    A collective: every rank calls it with the same ``wanted``, in the same order.
+
+    Raises:
+        CorruptCheckpointError: On every rank alike: a file is missing, not a regular file, of another size or of
+            another digest (the message names the file and both digests).
+        CheckpointUnreadableError: On every rank alike: a share could not be read for a reason of the environment.
+        PeerLost: Another rank is gone.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bufs: list[np.ndarray] = []  # each file's bytes, in memory that holds its last block whole
+    if take_part:
+        try:
+            bufs = [_memory(d.size)[: d.size] for _, d in wanted]
+        except MemoryError as e:
+            log.debug("rank %d: no memory to restore %s with the other ranks (%s)", rank, where, e)
+            take_part = False
+    views = talk.gather(take_part)
+    go = bool(talk.broadcast(None if views is None else all(views)))
+    if not go:
+        return {}
+    pieces = plan([d.size for _, d in wanted], world)
+    mine = [p for p in pieces if p.owner == rank]
+    ready = {p: threading.Event() for p in mine}
+    failures: list[tuple[int, str, str]] = []  # (file, kind, message) of this rank's reads
+    reader = threading.Thread(
+        target=_read_share,
+        args=(where, wanted, bufs, mine, ready, failures),
+        name="preempt-shared-read",
+        daemon=True,
+    )
+    reader.start()
+    try:
+        group = distributed.cpu_group()
+        works = []
+        for p in pieces:
+            if p.owner == rank:
+                ready[p].wait()
+            view = torch.from_numpy(bufs[p.file][p.offset : p.offset + p.length])
+            works.append(dist.broadcast(view, src=p.owner, group=group, async_op=True))
+        for work in works:
+            distributed.settle(work)
+    except RuntimeError as e:
+        lost = PeerLost(rank, world, "the exchange of a restore's files", e)
+        log.error("%s", lost)
+        raise lost from e
+    finally:
+        reader.join()
+    found = _hash(bufs)
+    problems = [[f, kind, message] for f, kind, message in failures]
+    for f, ((name, expected), got) in enumerate(zip(wanted, found, strict=True)):
+        try:
+            files.compare(where / name, expected, got)
+        except CorruptCheckpointError as e:
+            problems.append([f, "digest", str(e)])
+    said = talk.gather(sorted(problems))
+    verdict = talk.broadcast(None if said is None else _first(said))
+    if verdict is not None:
+        kind, message = verdict
+        raise (CheckpointUnreadableError if kind == "unreadable" else CorruptCheckpointError)(message)
+    total = sum(b.nbytes for b in bufs)
+    log.debug(
+        "rank %d: read %d of the %d bytes of %s, the other ranks the rest",
+        rank,
+        sum(p.length for p in mine),
+        total,
+        where,
+    )
+    return {name: (buf, got) for (name, _), buf, got in zip(wanted, bufs, found, strict=True)}
+
+
+def _first(said: list[list[list[Any]]]) -> list[str] | None:
+    """Rank 0: the failure every rank raises: the first file's (in the files' order) read failure before its digest
+    failure (a share not read fails its digest too, and the read's error says why), else None."""
+    problems = sorted((f, kind == "digest", kind, message) for got in said for f, kind, message in got)
+    return None if not problems else [problems[0][2], problems[0][3]]
+
+
+def _memory(size: int) -> np.ndarray:
+    """Memory of this process's own for a file of ``size`` bytes, page-aligned, in whole blocks (a direct read reads
+    the last block whole). Not a mapping of a file: the tensors may keep it as it is."""
+    available = readahead.host_memory_available()
+    if available is not None and not hashed_io.keeps_in_memory(size, available):
+        raise MemoryError(f"{size} bytes: more than {hashed_io.KEEP_SHARE:.0%} of the {available} available")
+    whole = max(BLOCK, -(-size // BLOCK) * BLOCK)
+    # the device and the broadcasts write every page: nothing to fault in beforehand
+    return hashed_io._fresh(whole, populate=False)
+
+
+def _read_share(
+    where: Path,
+    wanted: Sequence[tuple[str, FileDigest]],
+    bufs: list[np.ndarray],
+    mine: list[Piece],
+    ready: Mapping[Piece, threading.Event],
+    failures: list[tuple[int, str, str]],
+) -> None:
+    """This rank's pieces, read into ``bufs`` in order; each piece's event set once read (or failed: the failure is
+    in ``failures``, and the piece holds what it holds; the verdict fails the checkpoint)."""
+    fds: dict[int, int] = {}
+    failed: set[int] = set()
+    try:
+        for p in mine:
+            if p.file not in failed:
+                path = where / wanted[p.file][0]
+                try:
+                    if p.file not in fds:
+                        fds[p.file] = _open(path, wanted[p.file][1].size)
+                    _read_piece(fds[p.file], bufs[p.file], p)
+                except (OSError, MemoryError, CorruptCheckpointError) as e:
+                    failed.add(p.file)
+                    error = e if isinstance(e, CorruptCheckpointError) else files.read_error(path, e)
+                    kind = "unreadable" if isinstance(error, CheckpointUnreadableError) else "corrupt"
+                    failures.append((p.file, kind, str(error)))
+            ready[p].set()
+    finally:
+        for p in mine:
+            ready[p].set()
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _open(path: Path, size: int) -> int:
+    """A descriptor of the regular file ``path`` of ``size`` bytes, read past the page cache where the filesystem
+    lets it.
+
+    Raises:
+        CorruptCheckpointError: Missing, not a regular file, or of another size.
+        OSError: It cannot be opened.
+    """
+    try:
+        files.regular_file(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing") from None
+    fd = safe_io.open_fd(path)
+    try:
+        found = os.fstat(fd).st_size
+        if found != size:
+            raise CorruptCheckpointError(f"{path}: size {found} bytes, manifest says {size}")
+        if _O_DIRECT and size >= BLOCK:
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+            except OSError:
+                pass  # no O_DIRECT here: through the page cache
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_piece(fd: int, buf: np.ndarray, p: Piece) -> None:
+    """One piece read into its place in ``buf`` (whole blocks: ``buf``'s memory holds the last one whole)."""
+    whole = (buf.base if isinstance(buf.base, np.ndarray) else buf).data.cast("B")  # (the blocks' memory)
+    done = 0
+    while done < p.length:
+        at = p.offset + done
+        ask = -(-(p.length - done) // BLOCK) * BLOCK
+        try:
+            n = os.preadv(fd, [whole[at : at + ask]], at)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP) or not fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)  # refused when read
+            continue
+        if n <= 0:
+            raise OSError(errno.EIO, f"the file ended at {at} bytes while being read")
+        done += n
+
+
+def _hash(bufs: Sequence[np.ndarray]) -> list[FileDigest]:
+    """Every file's size and digest, several hashed at once (xxhash lets go of the GIL)."""
+
+    def one(buf: np.ndarray) -> FileDigest:
+        digest = xxhash.xxh3_128()
+        for piece in _chunks(buf):
+            digest.update(piece)
+        return FileDigest(buf.nbytes, digest.hexdigest())
+
+    if len(bufs) <= 1:
+        return [one(b) for b in bufs]
+    with ThreadPoolExecutor(min(2, len(bufs)), thread_name_prefix="preempt-hash") as pool:
+        return list(pool.map(one, bufs))
+
+
+def _chunks(buf: np.ndarray) -> Iterator[memoryview]:
+    view = buf.data.cast("B") if buf.nbytes else memoryview(b"")
+    for at in range(0, buf.nbytes, hashed_io.LOAD_CHUNK):
+        yield view[at : at + hashed_io.LOAD_CHUNK]

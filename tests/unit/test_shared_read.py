@@ -1,0 +1,102 @@
+"""The ranks' restore together: which rank reads which bytes (``shared_read.plan``, pure), and a restore's files
+taken from another source than the disk, still checked against the manifest (``files.reading_from``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+
+from preempt.checkpoint import files
+from preempt.checkpoint.hashed_io import FileDigest
+from preempt.cluster.shared_read import Piece, plan
+from preempt.errors import CorruptCheckpointError
+
+BLOCK = 4096
+
+
+def covered(pieces: list[Piece], sizes: list[int]) -> list[list[int]]:
+    """Each byte's owner (-1: nobody), asserting that no byte is read twice."""
+    owner = [[-1] * s for s in sizes]
+    for p in pieces:
+        for i in range(p.offset, p.offset + p.length):
+            assert owner[p.file][i] == -1, (p, i)
+            owner[p.file][i] = p.owner
+    return owner
+
+
+@pytest.mark.parametrize(
+    ("sizes", "ranks"),
+    [([10 * BLOCK + 7], 2), ([3, 5 * BLOCK, 0, 2 * BLOCK + 1], 2), ([100 * BLOCK, 33], 3), ([BLOCK], 4), ([], 2)],
+)
+def test_every_byte_is_read_once_by_one_rank_in_aligned_pieces(sizes, ranks):
+    pieces = plan(sizes, ranks, piece=4 * BLOCK, block=BLOCK)
+    owner = covered(pieces, sizes)
+    assert all(o >= 0 for file in owner for o in file)
+    for p in pieces:
+        assert p.offset % BLOCK == 0 and 0 < p.length <= 4 * BLOCK
+        assert p.length % BLOCK == 0 or p.offset + p.length == sizes[p.file]  # short only at the file's end
+
+
+def test_shares_are_contiguous_balanced_to_a_block_and_exchanged_round_by_round():
+    sizes = [6 * BLOCK, 10 * BLOCK]
+    pieces = plan(sizes, 2, piece=2 * BLOCK, block=BLOCK)
+    # rank 0: the first 8 blocks of the stream, rank 1 the last 8
+    assert [(p.file, p.offset // BLOCK, p.owner) for p in pieces] == [
+        (0, 0, 0), (1, 2, 1),
+        (0, 2, 0), (1, 4, 1),
+        (0, 4, 0), (1, 6, 1),
+        (1, 0, 0), (1, 8, 1),
+    ]  # fmt: skip
+    shares = [sum(p.length for p in pieces if p.owner == r) for r in range(2)]
+    assert shares == [8 * BLOCK, 8 * BLOCK]
+
+
+def test_a_cut_inside_a_block_moves_to_its_start():
+    pieces = plan([9 * BLOCK + 100], 2, piece=BLOCK * 64, block=BLOCK)
+    assert [(p.offset, p.length, p.owner) for p in pieces] == [(0, 4 * BLOCK, 0), (4 * BLOCK, 5 * BLOCK + 100, 1)]
+
+
+def test_one_rank_reads_everything():
+    sizes = [5, 3 * BLOCK]
+    pieces = plan(sizes, 1, piece=BLOCK, block=BLOCK)
+    assert {p.owner for p in pieces} == {0} and all(o == 0 for f in covered(pieces, sizes) for o in f)
+
+
+@pytest.mark.parametrize(("ranks", "piece"), [(0, BLOCK), (2, BLOCK + 1), (2, 0)])
+def test_bad_arguments_name_the_field(ranks, piece):
+    with pytest.raises(ValueError, match="ranks|piece"):
+        plan([BLOCK], ranks, piece=piece, block=BLOCK)
+
+
+def digest_of(data: bytes) -> FileDigest:
+    return FileDigest(len(data), xxhash.xxh3_128_hexdigest(data))
+
+
+def test_read_all_takes_what_a_source_gives_and_checks_its_digest(tmp_path):
+    on_disk, given = b"a" * 5000, b"b" * 300
+    (tmp_path / "disk.bin").write_bytes(on_disk)
+    listed = {"disk.bin": digest_of(on_disk), "given.bin": digest_of(given)}  # given.bin is not on the disk
+    asked = []
+
+    def source(where, entries, names):
+        asked.append((where, list(names)))
+        return {"given.bin": (np.frombuffer(given, dtype=np.uint8), digest_of(given))}
+
+    with files.reading_from(source):
+        got = files.read_all(tmp_path, listed, ["disk.bin", "given.bin"])
+    assert asked == [(tmp_path, ["disk.bin", "given.bin"])]
+    assert bytes(got["disk.bin"]) == on_disk and bytes(got["given.bin"]) == given
+    # outside the block the source is not asked
+    with pytest.raises(CorruptCheckpointError, match="given.bin: missing"):
+        files.read_all(tmp_path, listed, ["disk.bin", "given.bin"])
+
+
+def test_a_given_file_of_another_digest_is_damage(tmp_path):
+    listed = {"given.bin": digest_of(b"right")}
+
+    def source(where, entries, names):
+        return {"given.bin": (np.frombuffer(b"wrong", dtype=np.uint8), digest_of(b"wrong"))}
+
+    with files.reading_from(source), pytest.raises(CorruptCheckpointError, match="xxh3 mismatch"):
+        files.read_all(tmp_path, listed, ["given.bin"])
