@@ -12,14 +12,17 @@ that of an uninterrupted torchrun of the same training.
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import s3server
 from helpers import TRAIN_DDP, assert_equal_finals, ddp_finals, free_port, torchrun
 from slurmjobs import Cluster, Job, slurm_cluster  # noqa: F401
+
+from preempt.mirror.store import MirrorStore
+from preempt.mirror.survey import Surveyor
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
@@ -27,24 +30,14 @@ pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 # more than a minute of training, more than the run after the requeue can do within the one-minute job (195 steps or
 # more are left, 58.5 s of sleep alone): that run's walltime keeper stops it and requeues the job.
 ARGS = ["--epochs", "2", "--samples", "1600", "--every_steps", "10"]
-# A stop's line: what stopped the run (the scheduler's SIGTERM, the walltime keeper, or a peer's stop) and the step.
-STOP = (
-    r"^\[preempt\] stopping on (SIGTERM|a stop signal received by rank \d|walltime|rank 0's walltime keeper)\b"
-    r".* at step (\d+) "
-)
-BY_KEEPER = ("walltime", "rank 0's walltime keeper")
-
-
-def steps_of_rank0(job: Job) -> int:
-    return len(re.findall(r"^rank 0 step \d+ ", job.log, re.M))
 
 
 def requeue_after_steps(job: Job, restarts: int, steps: int, *, limit: str | None = None) -> None:
-    """Waits until run ``restarts`` has both ranks on two nodes and ``steps`` more steps done; requeues it (held,
+    """Waits until run ``restarts`` has both ranks in the run and ``steps`` more steps done; requeues it (held,
     given the time ``limit``, then released, when a limit is given)."""
-    job.wait_log(r"^rank [01] start step \d+ .* node n\d$", timeout=120, count=2 * (restarts + 1))
-    before = steps_of_rank0(job)
-    job.wait("steps after the start", lambda: steps_of_rank0(job) >= before + steps, timeout=90)
+    job.wait_event("entered", timeout=120, count=2 * (restarts + 1))
+    before = len(job.history().events_of("step", rank=0))
+    job.wait_event("step", rank=0, timeout=90, count=before + steps)
     if limit is None:
         job.requeue()
     else:
@@ -83,39 +76,42 @@ def test_two_nodes_requeued_then_stopped_by_the_walltime_keeper(
     # within its limit. With the one-minute limit kept, how close the finishing run comes to the limit would depend
     # on the machine's speed: one that finished 4 s before it ended TIMEOUT while torchrun and srun exited (CI, on
     # 9e625d0), and on a busy machine the keeper stopped two runs instead of one.
-    job.wait_log(r"^\[preempt\] walltime: SLURM job \d+ ends in ", timeout=120, count=requeues + 1)
-    job.wait_log(rf"^rank 0 waiting for {re.escape(str(raised))}$", timeout=60)
+    job.wait_event("waiting", rank=0, point="restart", n=requeues, timeout=180)
     slurm_cluster.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=10")
     assert job.info()["Restarts"] == str(requeues), f"the limit went up after that run ended\n{job.describe()}"
     raised.touch()
     info = job.wait_done(timeout=300)
-    log = job.log
     runs = requeues + 2  # each requeue's run, the one the walltime keeper stops, and the one that finishes
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == str(runs - 1), job.describe()
-    assert len(re.findall(r"the walltime keeper stopped the run .*; requeued it", log)) == 1, log
     assert info["NumNodes"] == "2" and info["NodeList"] == "n[1-2]", info
+    assert "DUE TO TIME LIMIT" not in job.log, job.describe()
+    history = job.history()
 
-    # Each run had rank 0 and rank 1 on different nodes.
-    starts = re.findall(r"^rank ([01]) start step (\d+) .* node (n\d)$", log, re.M)
-    assert len(starts) == 2 * runs, log
-    for run in range(runs):
-        (r0, s0, n0), (r1, s1, n1) = sorted(starts[2 * run : 2 * run + 2])
-        assert (r0, r1) == ("0", "1") and s0 == s1 and n0 != n1, (run, starts)
+    # Each run had rank 0 and rank 1 on different nodes, at one step.
+    starts = by_run(history.events_of("entered"), runs, job)
+    for run, (r0, r1) in enumerate(starts):
+        assert r0["step"] == r1["step"] and r0["node"] != r1["node"], (run, r0, r1)
 
-    # A stop before each restart, each at one step on both ranks; each restart resumed from the stop's step on both.
-    stops = re.findall(STOP, log, re.M)
-    steps = [step for _, step in stops]
-    assert len(stops) == 2 * (runs - 1) and all(steps[i] == steps[i + 1] for i in range(0, len(steps), 2)), log
-    for restart, step in enumerate(steps[::2], start=1):
-        resumed = rf"restart {restart} of job {job.id}: resumed from \S+: step {step}\b"
-        assert len(re.findall(resumed, log)) == 2, (restart, step, log)
-    # The first ones by the scheduler's SIGTERM (both ranks), the last one by the walltime keeper (both ranks), which
-    # requeued the job.
-    kinds = [kind in BY_KEEPER for kind, _ in stops]
-    assert kinds == [False] * (2 * requeues) + [True] * 2, (stops, log)
-    assert "DUE TO TIME LIMIT" not in log, log
+    # A stop before each restart, at one step on both ranks; each restart resumed from the stop's step on both.
+    stops = by_run(history.events_of("stopped"), runs - 1, job)
+    for restart, (s0, s1) in enumerate(stops, start=1):
+        assert s0["step"] == s1["step"], (s0, s1)
+        assert all(r["step"] == s0["step"] and r["resumed_from"] is not None for r in starts[restart]), starts
+    # The first ones by the scheduler's SIGTERM (each rank's, or the other's agreed), the last one by rank 0's
+    # walltime keeper (both ranks), and rank 0 requeued the job then, and only then.
+    kinds = [s["cause"] == "walltime" for pair in stops for s in pair]
+    assert kinds == [False] * (2 * requeues) + [True] * 2, stops
+    assert [(s["rank"], s["cause"]) for pair in stops for s in pair if s["requeued"]] == [(0, "walltime")], stops
 
     assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
+
+
+def by_run(events: list[dict[str, Any]], runs: int, job: Job) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The events of the two ranks (``rank``), one pair per run in order, rank 0's first."""
+    assert len(events) == 2 * runs, f"{len(events)} events for {runs} runs of 2 ranks\n{job.describe()}"
+    pairs = [tuple(sorted(events[i : i + 2], key=lambda e: e["rank"])) for i in range(0, len(events), 2)]
+    assert all((a["rank"], b["rank"]) == (0, 1) for a, b in pairs), pairs
+    return pairs  # type: ignore[return-value]
 
 
 # 320 samples, 8 per rank per step on 2 ranks: 20 steps per epoch, 40 in all; a checkpoint every 10 steps.
@@ -152,15 +148,15 @@ def test_two_nodes_with_save_dirs_of_their_own_resume_from_the_mirror_after_both
     aws = ",".join(f"{k}={v}" for k, v in s3server.env(s3_endpoint).items())  # the job's environment is sbatch's
     options.append(f"--export=ALL,GPUS_PER_NODE=1,RDZV_PORT={free_port()},PREEMPT_LOG_ALL_RANKS=1,{aws}")
     job = slurm_cluster.submit("job_torchrun.sbatch", [str(TRAIN_DDP), *args], tmp_path / "job.out", options)
-    job.wait_log(r"^rank [01] start step \d+ .* node n\d$", timeout=120, count=2)
-    job.wait_log(r"^rank [01] holding at step 13$", timeout=120, count=2)  # after the checkpoint of step 10
+    job.wait_event("holding", point="step", n=13, timeout=240, count=2)  # after the checkpoint of step 10
     slurm_cluster.run("scontrol", "requeuehold", job.id)  # SIGTERM to both ranks; the job waits, held
     job.wait("held", lambda: job.info().get("JobState") == "PENDING" and job.info().get("Restarts") == "1", timeout=120)
-    stops = re.findall(STOP, job.log, re.M)
-    assert len(stops) == 2 and stops[0][1] == stops[1][1] == "13", job.log
     step = 13
-    assert re.search(rf"mirror holds step {step} \(the stop's checkpoint\)", job.log), job.log
-    assert re.search(rf"mirror holds node 1's part of step {step}\b", job.log), job.log
+    stops = job.history().events_of("stopped")
+    assert sorted(s["rank"] for s in stops) == [0, 1] and {s["step"] for s in stops} == {step}, job.describe()
+    # each rank's stop waited for its node's part in the mirror: the whole checkpoint is there, every node's files
+    whole = Surveyor(MirrorStore(mirror_url)).survey().manifests[step]
+    assert whole.part is None and {"model.safetensors", "rank_00001.json"} <= set(whole.files), whole.files
     held = sorted(p.parent.parent.name for p in tmp_path.glob("n*/run/step_*"))
     assert set(held) == {"n1", "n2"}, held  # each node wrote into its own save_dir
     for d in tmp_path.glob("n*"):  # new machines: nothing on either disk
@@ -168,10 +164,12 @@ def test_two_nodes_with_save_dirs_of_their_own_resume_from_the_mirror_after_both
 
     slurm_cluster.run("scontrol", "release", job.id)
     info = job.wait_done(timeout=300)
-    log = job.log
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.describe()
-    assert len(re.findall(rf"restart 1 of job {job.id}: resumed from \S+: step {step}\b", log)) == 2, log
-    assert re.search(rf"pulled step {step} from ", log), log
-    # each rank resumed from its own node's save_dir (their paths differ, as they may on a cluster)
-    assert set(re.findall(r"resumed from \S+/(n\d)/run/step_", log)) == {"n1", "n2"}, log
+    history = job.history()
+    assert history.events_of("mirror_pull", step=step), job.describe()  # rank 0's node pulled it
+    # each rank resumed from the step pulled into its own node's save_dir (their paths differ, as they may on a
+    # cluster); both were wiped, so each node pulled its copy
+    resumed = [e for e in history.events_of("entered", step=step) if e["resumed_from"] is not None]
+    assert sorted(e["rank"] for e in resumed) == [0, 1], job.describe()
+    assert all(Path(e["resumed_from"]).parent.parent.name == e["node"] for e in resumed), resumed
     assert_equal_finals(ddp_finals(tmp_path / "ref.safetensors"), ddp_finals(final))
