@@ -11,7 +11,6 @@ preempt's order, sharded as Accelerate shards.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 pytest.importorskip("accelerate", reason="Accelerate is not installed (pip install -e '.[hf]')")
 
 import torch  # noqa: E402
-from helpers import TRAIN_ACCELERATE, Spawned, assert_equal_finals, ddp_finals, free_port, torchrun  # noqa: E402
+from helpers import PREEMPTED, TRAIN_ACCELERATE, Spawned, assert_equal_finals, ddp_finals, free_port, torchrun  # noqa: E402
 from helpers.reference import References  # noqa: E402
 
 from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
@@ -36,7 +35,6 @@ CONFIGS = {
     "uneven-batches": ["--uneven"],
     "dispatched": ["--dispatch_batches", "--drop_last"],
 }
-STOP = re.compile(r"\[preempt\] stopping on (?:SIGTERM .*|a stop signal received by rank \d) at step (\d+) ")
 
 
 def uninterrupted(reference: References, config: str) -> list[dict[str, torch.Tensor]]:
@@ -52,15 +50,16 @@ def stop_one_process_and_rerun(save_dir: Path, final: Path, args: list[str], lau
     assert held is not None, p.output
     os.kill(held["pid"], signal.SIGTERM)
     assert p.finish(timeout=300) != 0, p.output
-    stops = STOP.findall(p.output)
-    assert len(stops) == 2 and stops[0] == stops[1], f"both processes must stop at one step\n{p.output}"
+    stops = [(e["rank"], e["step"]) for e in p.events_of("stopped", code=PREEMPTED)]  # each process's
+    assert sorted(r for r, _ in stops) == [0, 1] and stops[0][1] == stops[1][1], f"both at one step\n{p.events}"
+    step = stops[0][1]
     infos = CheckpointManager(save_dir, owner=False).list()
-    assert [i.step for i in infos] == [int(stops[0])] and int(stops[0]) >= 3, p.output
+    assert [i.step for i in infos] == [step] and step >= 3, p.output
     assert {"rank_00001.json", "model.safetensors"} <= set(infos[0].manifest.files)
     again = launch(save_dir, final, args)
     assert again.finish(timeout=300) == 0, again.output
-    assert again.events_of("resume", step=int(stops[0])), again.events
-    return int(stops[0])
+    assert again.events_of("resume", step=step), again.events
+    return step
 
 
 def by_torchrun(save_dir: Path, final: Path, args: list[str]) -> Spawned:
