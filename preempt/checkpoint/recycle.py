@@ -149,6 +149,14 @@ class Pool:
         self.sizes: dict[str, int] = {}  # the state's tensor bytes per file
         self.due = False
 
+    def sized(self, sizes: dict[str, int]) -> None:
+        """The state's tensor bytes per file, as the staging buffers are being sized."""
+        self.sizes = sizes
+
+    def ready(self, due: bool) -> None:
+        """Whether a pool is due once the writer is free (the buffers were sized for the whole state)."""
+        self.due = due
+
     def take(self, save_dir: Path, *, wanted: bool) -> dict[str, int] | None:
         """The sizes to write a pool of now, or None; either way the pool is no longer due. ``wanted``: this run
         recycles and owns ``save_dir``. None when it already has a pool, or nothing to write."""

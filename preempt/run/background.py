@@ -75,9 +75,36 @@ class Background:
         self.prepare_at: int | None = None  # the step after which the buffers are sized for the optimizer
         self.prepare_s: float | None = None  # seconds spent allocating the staging buffers (background)
 
-    def open(self) -> None:
-        """Background saves from now: the buffers and the writer are made."""
+    def open(self, live: frozenset[str] = frozenset()) -> None:
+        """Background saves from now: the buffers and the writer are made. ``live``: the files read where their
+        tensors live, never copied (the frozen base)."""
         self.stager, self.writer = self.new_stager(), self.new_writer()
+        self.stager.live = live
+
+    def lazily(self, hook: Any) -> None:
+        """Snapshots are lazy from now; ``hook``: the optimizer's pre-step hook that waits for their copies."""
+        self.lazy, self.hook = True, hook
+
+    def prepare_after(self, step: int | None) -> None:
+        """The buffers are to be sized for the whole state at the first safe point from ``step`` (None: not)."""
+        self.prepare_at = step
+
+    def prepared(self, seconds: float) -> None:
+        """The buffers were sized in ``seconds`` (counted over every sizing)."""
+        self.prepare_s = (self.prepare_s or 0.0) + seconds
+
+    def refused(self) -> None:
+        """Host memory refused the buffers: every save is synchronous from now."""
+        self.stager = None
+
+    def copy_at_step(self) -> None:
+        """A lazy snapshot was torn: the copies are made at the step from now."""
+        self.lazy = False
+
+    def copy_frozen_base(self) -> None:
+        """A tensor read where it lives changed: the frozen base is copied at the step from now."""
+        if self.stager is not None:
+            self.stager.live = frozenset()
 
     @property
     def pinned(self) -> bool:

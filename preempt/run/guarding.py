@@ -66,7 +66,7 @@ class Health:
             return
         snap, opt = self.snapshot, self.components.optimizer
         if not resumed or opt is None:
-            snap.lr_scale = sup.lr_scale
+            snap.rescaled(sup.lr_scale)
             return
         if math.isclose(sup.lr_scale, snap.lr_scale, rel_tol=1e-9):
             return
@@ -80,7 +80,7 @@ class Health:
             snap.lr_scale,
             ", ".join(f"{lr:.6g}" for lr in lrs),
         )
-        snap.lr_scale = sup.lr_scale
+        snap.rescaled(sup.lr_scale)
 
     def check_loss(self, loss: torch.Tensor | float, rollback: Callable[[], None]) -> bool:
         """``run.check_loss``: True when ``loss`` is finite; otherwise the step must be skipped.
@@ -146,7 +146,7 @@ class Health:
         lrs = []
         if self.components.optimizer is not None:
             lrs = guards.scale_lr(self.components.optimizer, self.components.scheduler, factor)
-        self.snapshot.lr_scale *= factor
+        self.snapshot.rescaled(self.snapshot.lr_scale * factor)
         self.rollbacks += 1
         g.reset_streak()
         reached = loop.global_step

@@ -318,8 +318,8 @@ class PreemptibleRun:
                 payload = self._lead(starter)
             else:
                 starter.follow()
-                self.snapshot.provenance = provenance(self.env)
                 payload = self.snapshot.capture_at_start()  # unsupported state fails now
+            self.snapshot.started(self._provenance())
             if self.peers.nodes is not None:  # the ranks' nodes share no save_dir: each node's leader uploads its part
                 self.mirroring.nodes(self.peers.rank, self.peers.nodes)
             starter.finish_branch()
@@ -360,15 +360,23 @@ class PreemptibleRun:
             )
             raise RunComplete(str(self.save_dir))
         self.stopper.check_restarts()
-        self.snapshot.provenance = provenance(self.env)
         payload = self.snapshot.capture_at_start()  # unsupported state fails now
-        self.stopper.read_slurm_job(self.snapshot.provenance)
+        self.stopper.read_slurm_job()
         self.mirroring.enter(self.config.starts_fresh)  # a new machine: the mirror's newest checkpoint pulled
         starter.lead(self._lock.identity)
         if done is not None:
             self.manager.clear_complete()
         self.stopper.arm_walltime(payload_nbytes(payload), self.loop.global_step, self.peers.alone)
         return payload
+
+    def _provenance(self) -> dict[str, Any]:
+        """Where and with what this run runs, for its manifests; the SLURM job's end time as the stopper read it
+        (the leader asks scontrol when the environment does not say it)."""
+        found = provenance(self.env)
+        end_time = self.stopper.end_time if self.stopper.end_time is not None else self.env.slurm_job_end_time
+        if isinstance(found.get("slurm"), dict):
+            found["slurm"] = {**found["slurm"], "end_time": end_time}
+        return found
 
     def _take_dir(self) -> dict[str, Any]:
         """A node's leader, when the ranks' nodes share no save_dir: takes its own as rank 0 takes its (the lock,
@@ -468,8 +476,7 @@ class PreemptibleRun:
         """
         check_epochs(n, steps_per_epoch, max_steps)
         self._check_active("epochs")
-        reporter = self.reporter
-        reporter.epochs_total, reporter.steps_per_epoch, reporter.max_steps = n, steps_per_epoch, max_steps
+        self.reporter.planned(n, steps_per_epoch, max_steps)
         loop = self.loop
         while True:
             rng_now = self.data.resume_at_epoch(loop.epoch)

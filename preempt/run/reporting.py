@@ -116,7 +116,7 @@ class Reporter:
         self.log_all_ranks = log_all_ranks  # PREEMPT_LOG_ALL_RANKS (preempt.cluster.environment): ranks > 0 log too
         self.next_at = float("inf")  # when report() has something to do: a progress line or a metric point
         self._first_step = False  # the first safe point after the start is still to be marked
-        self.epochs_total: int | None = None
+        self.epochs_total: int | None = None  # run.epochs(n)
         self.steps_per_epoch: int | None = None  # run.epochs(n, steps_per_epoch=...): the total of an unsized loader
         self.max_steps: int | None = None  # run.epochs(n, max_steps=...): the loop ends at that step if not before
         self._runlog: RunLog | None = None
@@ -134,6 +134,10 @@ class Reporter:
         self._started = 0.0  # clock at start()
         self._line_at = float("inf")  # when the next progress line is due
         self._point_at = float("inf")  # when the next metric point of history.jsonl is due
+
+    def planned(self, epochs: int, steps_per_epoch: int | None, max_steps: int | None) -> None:
+        """``run.epochs(n, steps_per_epoch, max_steps=...)``: what the progress line's total and ETA are made of."""
+        self.epochs_total, self.steps_per_epoch, self.max_steps = epochs, steps_per_epoch, max_steps
 
     def hold(self, problems: Iterable[str] = ()) -> None:
         """Keeps the logger's records from now until :meth:`start` opens train.log: the choice of the checkpoint

@@ -62,6 +62,10 @@ class Outcomes:
         self.last_checkpoint: Path | None = None  # its path (under torch.distributed: rank 0's, when told)
         self.failed = 0  # periodic checkpoints that could not be written
 
+    def taken(self, record: SaveRecord) -> None:
+        """A checkpoint was taken (its files durable on another rank, or being written in the background)."""
+        self.last_save = record
+
     def loaded(self, info: CheckpointInfo) -> None:
         """The run restored ``info``: the newest durable checkpoint, and nothing to save until the loop moves."""
         assert info.manifest is not None
@@ -146,7 +150,7 @@ class Outcomes:
     def _torn(self, job: SaveJob, error: BaseException | None) -> None:
         """A lazy snapshot was changed before its copy was made: it is not written; copies are made at the step
         from now on, and the state is due again."""
-        self.background.lazy = False
+        self.background.copy_at_step()
         log.warning(
             "the checkpoint of step %d is not written: %s (something other than optimizer.step() changes it"
             " between steps); checkpoints copy the state at the step from now on",
@@ -157,9 +161,7 @@ class Outcomes:
     def _changed(self, job: SaveJob, error: BaseException | None) -> None:
         """A tensor the writer read where it lives was changed meanwhile: that checkpoint is not committed; the
         frozen base is copied at the step from now on, and the state is due again."""
-        stager = self.background.stager
-        if stager is not None:
-            stager.live = frozenset()
+        self.background.copy_frozen_base()
         log.warning(
             "the checkpoint of step %d is not written: %s (a tensor no optimizer holds, read without a copy, changed"
             " between steps); checkpoints copy the frozen base at the step from now on",
@@ -180,8 +182,9 @@ class Outcomes:
             f"could not write checkpoint {checkpoint_name(step)} ({reason.value}) in {self.manager.save_dir}:"
             f" {error.strerror or error}{code}"
         )
-        _testing.emit("checkpoint_failed", step=step, reason=reason.value, errno=error.errno)
         info = self.last_info
+        good = info.step if info is not None and info.manifest is not None else None
+        _testing.emit("checkpoint_failed", step=step, reason=reason.value, errno=error.errno, last_good=good)
         if info is None or info.manifest is None:
             last, last_good = "there is no earlier checkpoint", None
         else:

@@ -135,20 +135,18 @@ class SaveScheduler:
             self.sharded = ShardedSaves(self.manager, self.peers, bg.new_stager())
         elif not self.peers.leader:
             return
-        bg.open()
-        if self.snapshot.group_frozen:
-            # the frozen base is read where it lives, never copied
-            bg.staging().live = frozenset({state.BASE_FILE, state.shard_files(self.peers.rank)[0]})
+        # the frozen base is read where it lives, never copied
+        frozen = {state.BASE_FILE, state.shard_files(self.peers.rank)[0]} if self.snapshot.group_frozen else set()
+        bg.open(live=frozenset(frozen))
         optimizer = self.snapshot.components.optimizer
         if lazy and optimizer is not None and self.sharded is None:
-            bg.lazy = True
-            bg.hook = optimizer.register_step_pre_hook(self._optimizer_stepping)
+            bg.lazily(optimizer.register_step_pre_hook(self._optimizer_stepping))
         if optimizer is not None and optimizer.state:  # restored: sized at the first step boundary, for all of it
-            bg.prepare_at = self.loop.global_step
+            bg.prepare_after(self.loop.global_step)
             return
         self._prepare(payload)
         if optimizer_state_later:
-            bg.prepare_at = self.loop.global_step + 1  # its moments appear at the first optimizer step
+            bg.prepare_after(self.loop.global_step + 1)  # its moments appear at the first optimizer step
 
     def wake(self, due: Due, milestone_steps: int | None) -> Due:
         step = self.loop.global_step
@@ -173,7 +171,7 @@ class SaveScheduler:
         bg = self.background
         if bg.prepare_at is not None and self.loop.global_step >= bg.prepare_at and self.job is None:
             if self.postponed is None:  # the postponed save goes first; its staging sizes the buffers anyway
-                bg.prepare_at = None
+                bg.prepare_after(None)
                 # sized for what a save stages: the random generators' states beside the optimizer's moments
                 self._prepare(self.snapshot.tensors() if self.snapshot.sharded else self.snapshot.capture())
 
@@ -243,7 +241,7 @@ class SaveScheduler:
                 write = functools.partial(self._finish, got, staged, manifest, lazy)
                 self._submit(reason, manifest, t0, write, staging=lazy)
             elif got is None:  # another rank's files are durable; rank 0 writes its own and commits in the background
-                self.saved.last_save = SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True)
+                self.saved.taken(SaveRecord(manifest.step, reason.value, self.clock() - t0, background=True))
                 self.loop.taken(manifest.step, manifest.cursor, self.clock())
             else:
                 self.saved.durable(reason, got, t0)
@@ -315,7 +313,7 @@ class SaveScheduler:
         ``cancel``: a stop may cancel it)."""
         t1 = self.clock()
         record = SaveRecord(manifest.step, reason.value, t1 - t0, background=True)
-        self.saved.last_save = record
+        self.saved.taken(record)
         self.loop.taken(manifest.step, manifest.cursor, t1)
         event = threading.Event() if cancel else None
 
@@ -372,11 +370,11 @@ class SaveScheduler:
         bg = self.background
         match outcome:
             case Outcome.PREPARED:
-                bg.prepare_s = (bg.prepare_s or 0.0) + result
-                self.pool.due = bg.prepare_at is None  # sized for the whole state: its files' sizes are known
+                bg.prepared(result)
+                self.pool.ready(bg.prepare_at is None)  # sized for the whole state: its files' sizes are known
             case Outcome.PREPARE_FAILED:
                 log.warning("async_save: could not allocate the staging buffers (%r); saving synchronously", error)
-                bg.stager = None
+                bg.refused()
             case Outcome.RESERVED:
                 assert isinstance(job, ReserveJob)
                 log.debug(
@@ -427,7 +425,7 @@ class SaveScheduler:
         # the pool written ahead: not for the frozen base, which is mostly carried (a pool of its size would be
         # written at every start of the job for the rare checkpoint that writes the base afresh)
         files = {name: ts for name, (ts, _) in payload.tensor_files.items() if name not in stager.live}
-        self.pool.sizes = {name: sum(t.nbytes for t in ts.values()) for name, ts in files.items()}
+        self.pool.sized({name: sum(t.nbytes for t in ts.values()) for name, ts in files.items()})
         self.job = PrepareJob(writer.submit(job))
 
     def idle(self) -> None:

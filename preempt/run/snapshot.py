@@ -51,9 +51,20 @@ class Snapshot:
         self.rank = rank
         self.sharded = sharded  # the model's state is DTensors: its tensors go through DCP
         self.user_state: dict[str, Any] = {}
+        # Each field below has one writer: the learning-rate scale the restore (the checkpoint's) and then the guards,
+        # through rescaled(); the lineage the restore (where the timeline starts); the provenance the run, once, at
+        # its start (started()).
         self.lr_scale = 1.0  # learning rates relative to the run's own (rollbacks, the supervisor)
         self.lineage: dict[str, Any] = {}  # the timeline: the resume request it follows, its source, its start
-        self.provenance: dict[str, Any] = {}  # host, versions, SLURM job
+        self._provenance: dict[str, Any] = {}  # host, versions, SLURM job
+
+    def started(self, provenance: dict[str, Any]) -> None:
+        """The run has started: where and with what it runs (host, versions, SLURM job), in every manifest from now."""
+        self._provenance = provenance
+
+    def rescaled(self, lr_scale: float) -> None:
+        """The learning rates now run at ``lr_scale`` of the run's own (a rollback, ``preempt supervise --lr``)."""
+        self.lr_scale = lr_scale
 
     def run_state(self) -> dict[str, Any]:
         codec.check_json(self.user_state, "run.user_state")
@@ -164,6 +175,6 @@ class Snapshot:
             best=loop.best,
             is_best=loop.holds_best,
             lineage=self.lineage,
-            provenance=self.provenance,
+            provenance=self._provenance,
             retention=None if retention is None else retention_record(retention),
         )

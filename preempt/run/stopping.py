@@ -188,8 +188,9 @@ class Stopper:
             )
             raise RestartLimitReached(count, limit)
 
-    def read_slurm_job(self, provenance: dict[str, Any]) -> None:
-        """Under SLURM: the job's end time, KillWait, and whether scontrol is there (one call each)."""
+    def read_slurm_job(self) -> None:
+        """Under SLURM: the job's end time (``end_time``, which the run's provenance records), KillWait, and whether
+        scontrol is there (one call each)."""
         env = self.env
         end_time: float | None = env.slurm_job_end_time
         if not env.slurm_job_id:
@@ -221,8 +222,6 @@ class Stopper:
                     REQUEUE_FAILED_EXIT_CODE,
                 )
         self.end_time = end_time
-        if isinstance(provenance.get("slurm"), dict):
-            provenance["slurm"] = {**provenance["slurm"], "end_time": end_time}
 
     def arm_walltime(self, state_nbytes: int, step: int, alone: bool = True) -> None:
         """Starts the walltime keeper when there is a deadline: the job's end time or time_limit.
