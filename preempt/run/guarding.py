@@ -42,16 +42,19 @@ class Health:
         snapshot: Snapshot,
         *,
         strict: bool = True,
+        alone: bool = True,
     ) -> None:
         self.config = config
         self.strict = strict  # a rollback loads the model as the run's start does (StartOptions.strict)
+        self.alone = alone  # one process: under torch.distributed no rollback, no emergency save, no OOM skipped
         self.components = components
         self.loop = loop
         self.snapshot = snapshot  # holds the learning-rate scale that checkpoints record
         self.nonfinite = guards.NonFiniteGuard(
             max_in_a_row=config.max_nonfinite, lr_factor=float(config.nonfinite_lr_factor)
         )
-        self.oom = guards.OOMGuard(max_in_a_row=config.max_oom)
+        # under torch.distributed the first OOM ends the run: one rank cannot skip a step alone
+        self.oom = guards.OOMGuard(max_in_a_row=config.max_oom if alone else 1)
         self.rollbacks = 0
 
     def apply_lr_scale(self, resumed: bool) -> None:
@@ -116,9 +119,7 @@ class Health:
             rollback()
         return False
 
-    def roll_back(
-        self, saves: SaveScheduler, manager: CheckpointManager, *, alone: bool, marker: Callable[..., None]
-    ) -> None:
+    def roll_back(self, saves: SaveScheduler, manager: CheckpointManager, *, marker: Callable[..., None]) -> None:
         """Model, optimizer, scheduler and scaler back to the last checkpoint, learning rates lowered.
 
         Raises:
@@ -130,7 +131,7 @@ class Health:
         why = None
         if info is None:
             why = "there is no checkpoint to roll back to"
-        elif not alone:
+        elif not self.alone:
             why = "rolling back is not supported under torch.distributed"
         elif self.rollbacks >= self.config.max_rollbacks:
             why = f"the run already rolled back {self.rollbacks} time(s) (max_rollbacks)"
@@ -166,12 +167,12 @@ class Health:
         )
         marker("rollback", step=info.step, from_step=reached, lr_scale=self.snapshot.lr_scale)
 
-    def emergency(self, exc: BaseException, saves: SaveScheduler, *, alone: bool) -> None:
+    def emergency(self, exc: BaseException, saves: SaveScheduler) -> None:
         """An exception escaped the loop: saves the state when it is that of a step boundary."""
         loop = self.loop
         what = f"{type(exc).__name__} escaped the training loop at step {loop.global_step}"
         last = saves.last_checkpoint or "(none)"
-        if not self.config.emergency_save or not alone or isinstance(exc, LockLostError):  # nothing to write into
+        if not self.config.emergency_save or not self.alone or isinstance(exc, LockLostError):  # nothing to write into
             return
         unsafe = not_a_boundary(loop)
         if unsafe is not None:
@@ -190,10 +191,8 @@ class Health:
             return
         log.error("%s: emergency checkpoint %s written; a rerun continues from it", what, saves.last_checkpoint)
 
-    def oom_step(self, *, alone: bool) -> OomStep:
+    def oom_step(self) -> OomStep:
         """The context manager of ``run.oom_guard()``; under torch.distributed the first OOM ends the run."""
-        if not alone:
-            self.oom.max_in_a_row = 1
         return OomStep(self.oom, self.loop)
 
 

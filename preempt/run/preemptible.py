@@ -170,7 +170,9 @@ class PreemptibleRun:
             group_frozen=cfg.save.carry.enabled,
             clock=clock,
         )
-        self.health = Health(cfg.health, self.components, self.loop, self.snapshot, strict=cfg.strict)
+        self.health = Health(
+            cfg.health, self.components, self.loop, self.snapshot, strict=cfg.strict, alone=peers.alone
+        )
         self.reporter = Reporter(
             cfg.report,
             cfg.save,
@@ -416,7 +418,7 @@ class PreemptibleRun:
             if exc_type is None and self._active:
                 self._finish()
             elif self._active and exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-                self.health.emergency(exc, self.saves, alone=self.peers.alone)
+                self.health.emergency(exc, self.saves)
         finally:
             self._active = False
             self.stopper.flag.restore()
@@ -646,9 +648,7 @@ class PreemptibleRun:
         """
         return self.health.check_loss(
             loss,
-            lambda: self.health.roll_back(
-                self.saves, self.manager, alone=self.peers.alone, marker=self.reporter.marker
-            ),
+            lambda: self.health.roll_back(self.saves, self.manager, marker=self.reporter.marker),
         )
 
     def oom_guard(self) -> OomStep:
@@ -657,7 +657,7 @@ class PreemptibleRun:
         ``run.step()``). ``max_oom`` in a row raise :class:`~preempt.health.guards.OutOfMemoryStreak` (exit code 79).
         Under torch.distributed the first one does: one rank cannot skip a step alone.
         """
-        return self.health.oom_step(alone=self.peers.alone)
+        return self.health.oom_step()
 
     # ------------------------------------------------------------ internals
 
