@@ -8,7 +8,6 @@ command, resumes, and the final state equals a run outside SLURM under ``torch.e
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 
 pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[lightning]')")
 
-from helpers import ROOT, Spawned, assert_same_final  # noqa: E402
+from helpers import PREEMPTED, ROOT, Spawned, assert_same_final  # noqa: E402
 from slurmjobs import Cluster, slurm_cluster  # noqa: E402, F401
 
 pytestmark = pytest.mark.slurm
@@ -73,10 +72,13 @@ def test_lightning_cli_job_requeues_itself_on_usr1_and_finishes_bit_exact(
     assert "DUE TO TIME LIMIT" not in log, f"the job reached its time limit\n{log}"
     restarts = int(info["Restarts"])
     assert restarts >= 1, log
-    assert len(re.findall(r"stopping on SIGUSR1", log)) == restarts, log
-    assert len(re.findall(r"the time-limit warning \(\d+ s before the job's end time\); requeued it", log)) == (
-        restarts
-    ), log
-    assert re.search(rf"restart {restarts} of job {job.id}: resumed from", log), log
+    # one stop per restart, each on the warning's SIGUSR1 and requeueing the job itself; each run after resumed
+    history = job.history()
+    stops = history.events_of("stop")
+    assert len(stops) == restarts, job.describe()
+    assert all(s["cause"] == "SIGUSR1" and s["requeued"] and s["code"] == PREEMPTED for s in stops), stops
+    resumes = history.events_of("resume")
+    assert [r["step"] for r in resumes] == [s["step"] for s in stops], (stops, resumes)
+    assert history.events_of("complete"), job.describe()
     assert "Handling auto-requeue signal" not in log and not list(tmp_path.rglob("hpc_ckpt_*")), log
     assert_same_final(ref_dir / "final.safetensors", final)
