@@ -18,11 +18,14 @@ installed, reaching a point is one dictionary lookup. The points, and what their
 **Events.** With ``PREEMPT_TEST_EVENTS=1`` in its environment, a process writes each event of its run to its
 standard output as one line, ``@preempt-event {"event": KIND, ...}`` (JSON, written whole with one ``write(2)``): every
 marker of ``history.jsonl`` (start, resume, checkpoint, stop, complete, error, ...) and a few the history does not
-keep (``saving``, ``cancelled``: a background write a stop cancelled, ``checkpoint_failed``, ``mirror_down``,
-``mirror_up``). The test suite starts its processes with it
-and waits and asserts on these events; it reads the wording of log lines only where a message a user reads is
-itself what a test is about. The suite's training scripts emit their
-own (``holding``, ``waiting``, ``step``) through :func:`emit` too. Without the variable, :func:`emit` returns at once.
+keep (``saving``, ``cancelled``: a background write a stop cancelled, ``checkpoint_failed``: with the step of the
+last good checkpoint, ``quarantined``: a checkpoint set aside, its name and the problem, ``loader_resumed``: what a
+resumed epoch knows about its loader (:class:`preempt.data.resume_notice.ResumeFacts`), ``direct_write``: a file
+written past the page cache, ``best_loaded``: the Trainer's best model loaded at the end, ``mirror_down``,
+``mirror_up``). The test suite starts its processes with it and waits and asserts on these events; it reads the
+wording of log lines only where a message a user reads is itself what a test is about. The suite's training scripts
+emit their own (``holding``, ``waiting``, ``step``, ``eval``, ``reported``, ``epoch_end``, ...) through :func:`emit`
+too. Without the variable, :func:`emit` returns at once.
 
 No torch; a leaf every part may import.
 """

@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 
+from .. import _testing
 from . import hashed_io, names
 from .names import QUARANTINE, QUARANTINED
 
@@ -50,7 +51,9 @@ def quarantine(save_dir: Path, path: Path, problem: str, name: str | None = None
     in save_dir either)."""
     name = name or path.name
     try:
-        return move_aside(save_dir, path, QUARANTINE, name)
+        dest = move_aside(save_dir, path, QUARANTINE, name)
+        _testing.emit("quarantined", name=path.name, to=str(dest), problem=problem)
+        return dest
     except OSError as e:
         first = e
     dest = save_dir / f"{QUARANTINED}{name}-{names.tag()}"
@@ -61,4 +64,5 @@ def quarantine(save_dir: Path, path: Path, problem: str, name: str | None = None
         log.warning("%s; left in place: cannot move it aside (%s; %s)", problem, first, e)
         return None
     log.warning("%s cannot be used (%s): %s is set aside in place", save_dir / QUARANTINE, first, name)
+    _testing.emit("quarantined", name=path.name, to=str(dest), problem=problem)
     return dest

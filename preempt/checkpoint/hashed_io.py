@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .. import _testing
 from . import direct_io, readahead, safe_io
 from .cancel import check_cancelled
 from .deleter import remove_tree
@@ -156,6 +157,7 @@ def write_file(
         os.close(fd)
     if sink.direct_bytes:
         logging.getLogger("preempt").debug("%s: %d of %d bytes bypassed the page cache", path, sink.direct_bytes, size)
+        _testing.emit("direct_write", path=str(path), direct_bytes=sink.direct_bytes, size=size)
     return FileDigest(size, digest.hexdigest())
 
 

@@ -44,7 +44,7 @@ import transformers
 import transformers.trainer as hf_trainer
 from torch.utils.data import DataLoader
 
-from .. import _log
+from .. import _log, _testing
 from ..data import rng
 from ..data.sampler import ResumableSampler
 from ..data.stand_in import RunBatches
@@ -280,6 +280,7 @@ class _Driver(transformers.TrainerCallback):
             return
         self.trainer.model.load_state_dict(loaded.model)
         log.info("loaded the best model: %s (%s %s)", info.path, run.config.best_metric, info.valid.best_value)
+        _testing.emit("best_loaded", step=info.step, metric=run.config.best_metric, value=info.valid.best_value)
 
 
 _TAKEN = (

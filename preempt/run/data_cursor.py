@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .. import _log
+from .. import _log, _testing
 from ..checkpoint.manager import CheckpointInfo
 from ..checkpoint.manifest import Cursor
 from ..checkpoint.names import MANIFEST
@@ -181,6 +181,7 @@ class DataCursor:
 
     @staticmethod
     def _say(facts: ResumeFacts) -> None:
+        _testing.emit("loader_resumed", **dataclasses.asdict(facts))
         notice = resume_notice(facts)
         if notice is not None:
             log.log(*notice)

@@ -49,6 +49,21 @@ def _matches(event: dict[str, Any], kind: str, fields: dict[str, Any]) -> bool:
     return all(v(event.get(k)) if callable(v) else event.get(k) == v for k, v in fields.items())
 
 
+def select(events: Sequence[dict[str, Any]], kind: str, **fields: Any) -> list[dict[str, Any]]:
+    """The events ``kind`` with ``fields`` as given (a callable given: the field's value satisfies it), in order."""
+    return [e for e in events if _matches(e, kind, fields)]
+
+
+def history_events(save_dir: Path, kind: str, **fields: Any) -> list[dict[str, Any]]:
+    """The markers ``kind`` with ``fields`` as given in ``save_dir/history.jsonl`` (every process of the run, in
+    order): what a process started without the test's event stream (``subprocess.run``, a CLI) recorded."""
+    path = save_dir / "history.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return select([d for d in lines if isinstance(d, dict)], kind, **fields)
+
+
 @dataclass(frozen=True)
 class On:
     """An event a test waits for: its kind, and the fields it must have (``on("holding", point="step", n=3)``)."""
@@ -201,6 +216,37 @@ def train_cmd(save_dir: Path, final_out: Path | None, args: Sequence[str], scrip
 
 
 @dataclass(frozen=True)
+class Script:
+    """A training script of tests/scripts run as a user runs it: ``python SCRIPT --save_dir DIR [ARGS]
+    [--final_out FILE]``, held inside its N-th optimizer step until its run has been asked to stop with
+    ``--hold_at_step N`` (the event ``holding``, point "step", n N)."""
+
+    path: Path
+    timeout: float = 120.0
+
+    def command(self, save_dir: Path, final: Path | None, args: Sequence[str] = ()) -> list[str]:
+        return train_cmd(save_dir, final, args, self.path)
+
+    def stop_at(self, save_dir: Path, args: Sequence[str], step: int, sig: int, *, group: bool = False) -> Spawned:
+        """Runs until its optimizer step ``step``, and signals it there (the whole process group: ``group``, as
+        ``timeout`` and SLURM signal a job, DataLoader workers included)."""
+        p = Spawned(self.command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
+        assert p.wait_event("holding", point="step", n=step, timeout=self.timeout), p.output
+        if group:
+            os.killpg(p.proc.pid, sig)
+        else:
+            p.signal(sig)
+        return p
+
+    def resume(self, save_dir: Path, final: Path | None, args: Sequence[str] = ()) -> Spawned:
+        """Runs it (again) to the end, which must be exit 0."""
+        p = Spawned(self.command(save_dir, final, args))
+        rc = p.finish(self.timeout * 2)
+        assert rc == 0, f"exit {rc}:\n{p.output}"
+        return p
+
+
+@dataclass(frozen=True)
 class StoppedRun:
     """A run stopped once, made by a module fixture and shared by its tests: each copies ``save_dir`` before it
     resumes (``copy_to``), and reads what the stopped processes printed from ``output``."""
@@ -251,9 +297,6 @@ class History:
     @property
     def text(self) -> str:
         return "\n----\n".join(self.outputs)
-
-    def count(self, pattern: str) -> int:
-        return len(re.findall(pattern, self.text, flags=re.M))
 
 
 def run_interrupted(

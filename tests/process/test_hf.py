@@ -10,10 +10,7 @@ its final model and optimizer must equal an uninterrupted run's under ``torch.eq
 from __future__ import annotations
 
 import os
-import re
 import signal
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,34 +18,13 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
-from helpers import ROOT, Spawned, assert_equal_finals, assert_same_final, ddp_finals, torchrun  # noqa: E402
+from helpers import PREEMPTED, ROOT, Script, Spawned, assert_equal_finals, assert_same_final, ddp_finals, torchrun  # noqa: E402
 
 from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_hf.py"
-PREEMPTED = 75
-STOPPED = r"\[preempt\] stopping on (SIG\w+) .* at step (\d+) \(epoch (\d+), batch (\d+)\)"
-
-
-def command(save_dir: Path, final: Path | None, args: list[str]) -> list[str]:
-    cmd = [sys.executable, str(SCRIPT), "--save_dir", str(save_dir), *args]
-    return cmd + (["--final_out", str(final)] if final else [])
-
-
-def stop_at(save_dir: Path, args: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
-    p = Spawned(command(save_dir, None, [*args, "--hold_at_step", str(step)]), session=group)
-    assert p.wait_event("holding", point="step", n=step, timeout=120), p.output
-    if group:
-        os.killpg(p.proc.pid, sig)
-    else:
-        p.signal(sig)
-    return p
-
-
-def resume(save_dir: Path, final: Path, args: list[str]) -> Spawned:
-    p = Spawned(command(save_dir, final, args))
-    assert p.finish() == 0, p.output
-    return p
+HF = Script(SCRIPT)
+command, stop_at, resume = HF.command, HF.stop_at, HF.resume
 
 
 @pytest.mark.parametrize(
@@ -68,16 +44,15 @@ def test_sigterm_stops_at_a_step_and_the_rerun_is_bit_exact(tmp_path, reference,
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
     p = stop_at(save_dir, args, at, signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
-    stopped = re.search(STOPPED, p.output)
-    assert stopped, p.output
-    assert (stopped[1], int(stopped[2]), int(stopped[3]), int(stopped[4])) == ("SIGTERM", at, *where), p.output
+    assert p.events_of("stop", cause="SIGTERM", step=at, epoch=where[0], batch=where[1]), p.events
     info = CheckpointManager(save_dir, owner=False).list()[0]
     assert info.step == at and info.status == "valid", info
     r = resume(save_dir, final, args)
     assert r.events_of("resume", step=at, epoch=where[0]), r.events
-    steps = [int(s) for s in re.findall(r"^step (\d+) ", r.output, flags=re.M)]
-    assert steps[0] == at + 1 and steps == list(range(at + 1, steps[-1] + 1)), r.output
-    assert "replaying" not in r.output, r.output  # the sampler starts at the saved sample
+    steps = [e["step"] for e in r.events_of("step")]
+    assert steps[0] == at + 1 and steps == list(range(at + 1, steps[-1] + 1)), r.events
+    replayed = [e for e in r.events_of("loader_resumed") if e["kind"] != "seeded" and e["batch"]]
+    assert not replayed and "replaying" not in r.output, r.events  # the sampler starts at the saved sample
     assert not list((tmp_path / "hf_out").glob("checkpoint-*")), "the Trainer's own checkpoints are off"
     assert_same_final(reference(args, SCRIPT), final)
 
@@ -105,7 +80,7 @@ def test_a_completed_run_exits_0_at_once(tmp_path):
     resume(save_dir, tmp_path / "first.safetensors", ["--epochs", "1"])
     again = Spawned(command(save_dir, None, ["--epochs", "1"]))
     assert again.finish() == 0, again.output
-    assert "is complete" in again.output and not re.search(r"^step \d+ ", again.output, flags=re.M), again.output
+    assert "is complete" in again.output and not again.events_of("step"), again.output  # said, and nothing trained
 
 
 def test_peft_lora_carries_its_frozen_base_and_resumes_bit_exact(tmp_path, reference):
@@ -158,13 +133,12 @@ def test_a_stop_during_evaluation_lands_after_it_and_the_best_model_is_loaded_at
     assert p.wait_event("holding", point="evaluation", n=2, step=12, timeout=120), p.output
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
-    assert re.search(r"^evaluated at step 12: ", p.output, flags=re.M), p.output
+    assert p.events_of("evaluated", step=12), p.events
     assert p.events_of("stop", cause="SIGTERM", step=12, epoch=0, batch=12), p.events
     r = resume(save_dir, final, args)
-    best = re.search(r"loaded the best model: \S+step_0*(\d+) \(eval_loss ", r.output)
-    assert best, r.output
+    (best,) = r.events_of("best_loaded", metric="eval_loss")
     assert_same_final(reference(args, SCRIPT), final)
-    _, loaded = CheckpointManager(save_dir, owner=False).load(int(best[1]), weights_only=True)
+    _, loaded = CheckpointManager(save_dir, owner=False).load(best["step"], weights_only=True)
     got = load_file(str(final))
     assert all(torch.equal(got[f"model.{k}"], v) for k, v in loaded.model.items()), "the model is the best one"
 
@@ -184,7 +158,7 @@ def test_max_steps_inside_an_epoch_and_tensorboard_across_a_stop(tmp_path):
     assert p.finish() == PREEMPTED, p.output
     r = Spawned(command(save_dir, final, args), env)
     assert r.finish() == 0, r.output
-    assert re.search(r"run complete: step 30, epoch 1;", r.output), r.output
+    assert r.events_of("complete", step=30, epoch=1), r.events
     info = CheckpointManager(save_dir, owner=False).list()[0]
     assert (info.step, info.manifest.cursor.epoch, info.manifest.cursor.batch) == (30, 1, 6), info.manifest.cursor
     again = Spawned(command(save_dir, None, args), env)
@@ -204,5 +178,5 @@ def test_a_stop_at_the_last_step_resumes_to_completion(tmp_path, reference):
     p = stop_at(save_dir, [], 48, signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     r = resume(save_dir, final, [])
-    assert not re.search(r"^step \d+ ", r.output, flags=re.M) and "run complete: step 48, epoch 2" in r.output, r.output
+    assert not r.events_of("step") and r.events_of("complete", step=48, epoch=2), r.events
     assert_same_final(reference([], SCRIPT), final)

@@ -617,7 +617,7 @@ def main() -> None:
             )
         lr = opt.param_groups[0]["lr"]
         print(f"start step {run.global_step} epoch {run.epoch} batch {run.batch} lr {lr!r}", flush=True)
-        _testing.emit("entered", step=run.global_step, epoch=run.epoch, batch=run.batch)
+        _testing.emit("entered", step=run.global_step, epoch=run.epoch, batch=run.batch, lr=lr)
         first_attempt = os.environ.get("PREEMPT_SUPERVISE_ATTEMPT") == "1"
         started_at = run.global_step
         saved_at = -1  # the step of the last checkpoint taken by this process
@@ -656,6 +656,7 @@ def main() -> None:
                     reached("saved")
                 if eval_loader is not None and run.global_step % args.eval_loader_every == 0:
                     print(f"eval at step {run.global_step}", flush=True)
+                    _testing.emit("eval", step=run.global_step)
                     val = evaluate_loader(model, eval_loader)
                     run.user_state.setdefault("val_losses", []).append(val)
                     run.report({"val_loss": val})
@@ -669,14 +670,17 @@ def main() -> None:
                 if args.eval_every and run.global_step % args.eval_every == 0:  # evaluation after run.step()
                     run.report({"val_loss": evaluate(model, loss_of, data)})
                     print(f"reported val_loss at step {run.global_step}", flush=True)
+                    _testing.emit("reported", step=run.global_step, epoch_end=False)
             if args.eval_epoch:
                 run.report({"val_loss": evaluate(model, loss_of, data)})
                 print(f"reported val_loss at step {run.global_step} (epoch {epoch}'s end)", flush=True)
+                _testing.emit("reported", step=run.global_step, epoch_end=True)
             # end-of-epoch code that draws from the RNG, like a validation loader would
             run.user_state.setdefault("epoch_draws", []).append(float(torch.rand(())))
             if args.report_epoch_end:
                 run.report({"epoch_draw": run.user_state["epoch_draws"][-1]})
             print(f"epoch_end {epoch}", flush=True)
+            _testing.emit("epoch_end", epoch=epoch)
             reached("epoch_end")
             if args.epoch_end_sleep:
                 time.sleep(args.epoch_end_sleep)

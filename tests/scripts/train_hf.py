@@ -70,6 +70,7 @@ class Steps(transformers.TrainerCallback):
         self.steps += 1
         rank = f"rank {args.process_index} " if args.world_size > 1 else ""
         print(f"{rank}step {state.global_step} epoch {state.epoch:.4f}", flush=True)
+        _testing.emit("step", step=state.global_step, rank=args.process_index)
         if self.steps == self.hold_at and args.process_index == self.hold_rank:
             print(f"{rank}holding at step {state.global_step} pid {os.getpid()}", flush=True)
             _testing.emit("holding", point="step", n=state.global_step, rank=args.process_index, pid=os.getpid())

@@ -177,6 +177,9 @@ class Steps(L.Callback):
             time.sleep(self.step_sleep)
         rank = f"rank {trainer.global_rank} " if trainer.world_size > 1 else ""
         print(f"{rank}step {trainer.global_step} epoch {trainer.current_epoch} batch {batch_idx + 1}", flush=True)
+        _testing.emit(
+            "step", step=trainer.global_step, epoch=trainer.current_epoch, batch=batch_idx + 1, rank=trainer.global_rank
+        )
         if self.steps == self.hold_at and trainer.global_rank == self.hold_rank:
             print(f"{rank}holding at step {trainer.global_step} pid {os.getpid()}", flush=True)
             _testing.emit("holding", point="step", n=trainer.global_step, rank=trainer.global_rank, pid=os.getpid())
@@ -299,6 +302,7 @@ def main() -> None:
         trainer.fit(model, datamodule=dm)
         if isinstance(dm, CountingData):
             print(f"datamodule loaders_made {dm.loaders_made} note {dm.note!r}", flush=True)
+            _testing.emit("datamodule", loaders_made=dm.loaders_made, note=dm.note)
     elif args.data == "positional":
         trainer.fit(model, Data(workers=args.workers))
     else:
