@@ -3,7 +3,9 @@
 :class:`SaveScheduler` runs one background job at a time, each of its own kind (:mod:`preempt.run.save_plan`: a
 :class:`~preempt.run.save_plan.SaveJob` carries its reason, its staging completion and its future; sizing the
 buffers; a pool of files written ahead for the saves to write over, :class:`preempt.checkpoint.recycle.Pool`), and a
-periodic save postponed behind that job. Its parts: the buffers and the writer (:mod:`preempt.run.background`),
+periodic save postponed behind that job. A save goes down to the checkpoint writer it was given, built once for the
+run (:mod:`preempt.run.checkpoint_writer`: one process's save or the ranks' commit). Its parts: the buffers and the
+writer thread (:mod:`preempt.run.background`),
 sharded state written by the ranks' writers (:mod:`preempt.run.sharded_saves`), and what came of each save
 (:mod:`preempt.run.save_outcomes`). Its choices are the pure functions of :mod:`preempt.run.save_plan` (pick, plan,
 wake), unit-tested with made-up facts.
