@@ -374,3 +374,29 @@ def test_a_pool_that_cannot_be_written_is_a_warning_and_leaves_nothing(tmp_path,
 )
 def test_each_end_of_a_job_has_one_outcome(kind, error, outcome):
     assert outcome_of(kind, error) is outcome
+
+
+# ---------------------------------------------------------------------------- the checkpoint writer
+
+
+def test_one_process_writes_its_checkpoint_through_the_writer_built_for_it(tmp_path):
+    """The writer is built once with the manager (the run does it for its peers); a save is one call down to it."""
+    from preempt.checkpoint.manager import CheckpointInfo, Pending
+    from preempt.run.checkpoint_writer import ProcessWriter, writer_for
+    from preempt.run.peers import Alone
+
+    loop, data = LoopState(), DataCursor(())
+    data.seed = 1
+    snapshot = Snapshot(Components(torch.nn.Linear(3, 2)), loop, data)
+    manager = CheckpointManager(tmp_path, keep_last=None)
+    writer = writer_for(manager, Alone())
+    assert isinstance(writer, ProcessWriter)
+    payload = snapshot.capture()
+    written = writer.write(payload, snapshot.manifest(R.STEPS, "step"))
+    assert isinstance(written, CheckpointInfo) and written.step == 0
+    loop.stepped()
+    deferred = writer.write(payload, snapshot.manifest(R.STEPS, "step"), defer=True)
+    assert deferred == Pending()  # nothing written yet: the background writer finishes it
+    assert on_disk(manager) == [(0, "steps")]
+    finished = writer.finish(deferred, payload, snapshot.manifest(R.STEPS, "step"))
+    assert finished.step == 1 and on_disk(manager) == [(1, "steps"), (0, "steps")]  # newest first
