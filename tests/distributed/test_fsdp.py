@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MiB, Spawned, StoppedRun, assert_writes_what_changed
+from helpers import PREEMPTED, MiB, Spawned, StoppedRun, assert_writes_what_changed
 from helpers import torchrun as _torchrun
 from safetensors.torch import load_file
 
 from preempt.checkpoint.manager import CheckpointManager
+from preempt.health.history import read_history
 
 pytestmark = pytest.mark.distributed
 
@@ -42,8 +43,15 @@ def stopped(tmp_path_factory) -> StoppedRun:
     return StoppedRun(save_dir, run.output)
 
 
+def assert_stopped_for_rank_1_at_7(stopped: StoppedRun) -> None:
+    """Rank 0's history: the ranks stopped at step 7 for rank 1's signal, exit code 75."""
+    markers = [m for m in read_history(stopped.save_dir, timeline=False) if m.get("event") in ("stopping", "stop")]
+    said = [(m["event"], m["step"], m.get("cause"), m.get("code")) for m in markers]
+    assert said == [("stopping", 7, "a stop signal received by rank 1", None), ("stop", 7, "signal", PREEMPTED)], said
+
+
 def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path, uninterrupted, stopped):
-    assert "stopping on a stop signal received by rank 1 at step 7 " in stopped.output, stopped.output
+    assert_stopped_for_rank_1_at_7(stopped)
     info = CheckpointManager(stopped.save_dir, owner=False).list()[0]
     assert info.step == 7
     files = set(info.manifest.files)
@@ -56,7 +64,7 @@ def test_fsdp_state_saved_by_two_ranks_resumes_on_two_and_on_one(tmp_path, unint
     assert two.finish(timeout=180) == 0, two.output
     one = torchrun(run1, ["--dump_start", str(tmp_path / "start1")], nproc=1)
     assert one.finish(timeout=180) == 0, one.output
-    assert "rank 0 start step 7 world 1" in one.output, one.output
+    assert one.events_of("entered", rank=0, step=7, world=1), one.events
 
     start2, start1 = load_file(str(tmp_path / "start2")), load_file(str(tmp_path / "start1"))
     assert start2.keys() == start1.keys() and len(start2) == 16  # 4 parameters, 3 tensors of AdamW state each
@@ -79,7 +87,7 @@ def test_sharded_checkpoints_are_written_in_the_background_by_every_rank_and_res
     for rank in (0, 1):  # step 4's shards became durable after the loop had done step 5 (the write is held until then)
         assert f"rank {rank} slow_write 4" in lines, stopped.output
         assert lines.index(f"rank {rank} step 5") < min(written), "the loop did not go on during the write"
-    assert "stopping on a stop signal received by rank 1 at step 7 " in stopped.output, stopped.output
+    assert_stopped_for_rank_1_at_7(stopped)
     infos = {c.step: c for c in CheckpointManager(stopped.save_dir, owner=False).list()}
     assert sorted(infos) == [4, 7] and infos[7].manifest.reason == "preempt"
     assert {"pieces_00000.safetensors", "pieces_00001.safetensors"} <= set(infos[4].manifest.files)
@@ -87,7 +95,7 @@ def test_sharded_checkpoints_are_written_in_the_background_by_every_rank_and_res
     source = stopped.copy_to(tmp_path / "src") / infos[4].path.name
     resumed = torchrun(tmp_path / "other", ["--resume", str(source), "--final_out", str(tmp_path / "f")])
     assert resumed.finish(timeout=180) == 0, resumed.output
-    assert "rank 1 start step 4 " in resumed.output, resumed.output
+    assert resumed.events_of("entered", rank=1, step=4), resumed.events
     got = load_file(str(tmp_path / "f"))
     assert uninterrupted.keys() == got.keys()
     assert [k for k in uninterrupted if not torch.equal(uninterrupted[k], got[k])] == [], "not bit-exact"
