@@ -5,7 +5,7 @@ Run from the repository root (as root: the page cache is dropped before each col
 
     python bench/bench_restore.py                  # 1 GiB of model + AdamW state, 3 trials per row, cold and warm
     python bench/bench_restore.py --gib 3 --trials 5
-    python bench/bench_restore.py --rows preempt --no-resume --ranks   # 1 rank against 2, with the floors
+    python bench/bench_restore.py --rows none --no-resume --ranks 1,2  # 1 rank against 2, with the floors
 
 The state (``bench_checkpoint.build_state``: a GPT-like model and AdamW's moments) is saved once four ways: a preempt
 checkpoint, a DCP checkpoint (no process group), one ``torch.save`` file and one safetensors file. Each trial is a
@@ -26,8 +26,9 @@ that resumes has them, then times its load:
 The resume rows time a whole process, from its start to its restore's end, started cold, and the restore within
 it: ``preempt`` alone, and ``preempt`` with ``preempt prefetch DIR`` started beside it (as the SLURM templates and
 ``preempt supervise`` do), so that the files are read while the child imports torch and builds its model. With
-``--ranks``, ``PreemptibleRun`` is also entered under torchrun by one rank and by two ranks on this machine (each
-builds the whole model: replicated state, as under DDP), timed from a barrier to the slowest rank's restore. A warm
+``--ranks 1,2``, ``PreemptibleRun`` is also entered under torchrun by each number of ranks on this machine (each
+builds the whole model: replicated state, as under DDP), timed from a barrier to the slowest rank's restore, and
+compared with the first number's and with a cold ``cat`` (every row of one run; ``--ranks`` alone is ``1,2``). A warm
 trial reads its row's files once (untimed) first. Medians of ``--trials``; every row in the same run, the rows'
 order rotated from one trial to the next.
 """
@@ -51,7 +52,11 @@ sys.path.insert(0, str(HERE))
 
 ROWS = ("cat", "dd_direct", "preempt", "preempt_buffered", "dcp", "torch_load", "st_xxh3")
 RESUMES = ("resume", "resume_prefetch")
-RANKED = ("run_1rank", "run_2ranks")  # PreemptibleRun entered under torchrun: 1 rank, then 2 ranks on this machine
+
+
+def ranked_row(ranks: int) -> str:
+    """The row of ``PreemptibleRun`` entered under torchrun by ``ranks`` ranks on this machine."""
+    return f"run_{ranks}rank" if ranks == 1 else f"run_{ranks}ranks"
 
 
 def drop_caches() -> None:
@@ -193,8 +198,8 @@ def trial(work: Path, gib: float, row: str, cold: bool) -> tuple[float, float]:
     if cold:
         drop_caches()
     cmd = [sys.executable, __file__, "--child", row, "--gib", str(gib), "--work", str(work)]
-    if row in RANKED:
-        ranks = 2 if row == "run_2ranks" else 1
+    if row.startswith("run_"):
+        ranks = int(row[len("run_") :].split("rank")[0])
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
         cmd = [*torchrun, __file__, "--child", "ranked", "--gib", str(gib), "--work", str(work)]
         lines = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout.splitlines()
@@ -218,7 +223,13 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--dir", default=str(HERE / "results"), help="where the four copies of the state are written")
     p.add_argument("--no-resume", action="store_true", help="leave out the resume rows (a preempt without prefetch)")
-    p.add_argument("--ranks", action="store_true", help="also PreemptibleRun entered by 1 rank and by 2 (torchrun)")
+    p.add_argument(
+        "--ranks",
+        nargs="?",
+        const="1,2",
+        default=None,
+        help="also PreemptibleRun entered under torchrun by each of these numbers of ranks (default 1,2)",
+    )
     p.add_argument("--rows", default=",".join(ROWS), help="the load rows to time (cat and dd_direct always are)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -237,7 +248,10 @@ def main() -> None:
         nbytes = prepare(work, args.gib)
         resumes = () if args.no_resume else RESUMES
         chosen = [r for r in ROWS if r in ("cat", "dd_direct", *args.rows.split(","))]
-        ranked = RANKED if args.ranks else ()
+        counts = [int(n) for n in args.ranks.split(",")] if args.ranks else []
+        if any(n < 1 for n in counts):
+            p.error("--ranks: numbers of ranks >= 1, as 1,2")
+        ranked = tuple(ranked_row(n) for n in counts)
         rows = [(r, cold) for cold in (True, False) for r in chosen] + [(r, True) for r in (*resumes, *ranked)]
         times: dict[tuple[str, bool], list[float]] = {k: [] for k in rows}
         loads: dict[tuple[str, bool], list[float]] = {k: [] for k in rows}
@@ -272,12 +286,19 @@ def main() -> None:
             ratio = paired(r, "cat", loads)
             print(f"| {r} | {med[(r, True)]:.2f} s | {load:.2f} s | {load / floor:.2f}x ({ratio:.2f}x) |")
         if ranked:
-            one, two = med[("run_1rank", True)], med[("run_2ranks", True)]
-            print("\n| started cold, under torchrun | PreemptibleRun entered (slowest rank) | vs 1 rank (paired) |")
-            print("|---|---:|---:|")
-            print(f"| 1 rank | {one:.2f} s | 1.00x |")
-            ratio = paired("run_2ranks", "run_1rank")
-            print(f"| 2 ranks, one machine | {two:.2f} s | {two / one:.2f}x ({ratio:.2f}x) |")
+            first = ranked[0]
+            one = med[(first, True)]
+            print(
+                f"\n| started cold, under torchrun | PreemptibleRun entered (slowest rank) | vs {counts[0]} rank(s)",
+                end="",
+            )
+            print(" (paired) | vs a cold `cat` (paired) |\n|---|---:|---:|---:|")
+            for n, r in zip(counts, ranked, strict=True):
+                took = med[(r, True)]
+                print(
+                    f"| {n} rank(s), one machine | {took:.2f} s | {took / one:.2f}x ({paired(r, first):.2f}x) |"
+                    f" {took / floor:.2f}x ({paired(r, 'cat'):.2f}x) |"
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -31,8 +31,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import mmap
 import os
+import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -131,28 +134,95 @@ def exchange(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], 
         CheckpointUnreadableError: On every rank alike: a share could not be read for a reason of the environment.
         PeerLost: Another rank is gone.
     """
+    rank = dist.get_rank()
+    room = sum(_whole(d.size) for _, d in wanted)
+    available = readahead.host_memory_available()
+    if take_part and available is not None and not hashed_io.keeps_in_memory(room, available):
+        log.debug(
+            "rank %d: no memory to restore %s with the other ranks (%d of %d bytes)", rank, where, room, available
+        )
+        take_part = False
+    views = talk.gather([take_part, _machine()])
+    memfd, decided = -1, None
+    if views is not None:  # rank 0: every rank on this machine shares memory; else they broadcast
+        if all(v[0] for v in views) and all(v[1] == views[0][1] for v in views):
+            memfd = _memfd(room)
+        decided = [all(v[0] for v in views), None if memfd < 0 else [os.getpid(), memfd]]
+    go, at = talk.broadcast(decided)
+    try:
+        if go and at is not None:
+            got = _through_memory(talk, where, wanted, room, memfd if rank == 0 else _open_memfd(*at))
+            if got is not None:
+                return got
+        return _by_broadcast(talk, where, wanted) if go else {}
+    finally:
+        if memfd >= 0:
+            os.close(memfd)
+
+
+def _through_memory(
+    talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], room: int, fd: int
+) -> Shared | None:
+    """The ranks of one machine: each reads its pieces into memory they all map (rank 0's ``memfd``, ``fd`` here; -1
+    where it could not be opened), then maps it privately (copy on write: a rank's changes stay its own). None on
+    every rank when one could not open it (they broadcast instead)."""
+    rank = dist.get_rank()
+    opened = talk.gather(fd >= 0)
+    if not talk.broadcast(None if opened is None else all(opened)):
+        if fd >= 0 and rank != 0:
+            os.close(fd)
+        return None
+    start = time.monotonic()
+    try:
+        together = mmap.mmap(fd, room, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # this rank's own view: not a mapping of a file of the checkpoint (hashed_io.is_mapping), so the optimizer's
+        # tensors keep it as it is; nobody else writes or truncates it
+        own = hashed_io._Memory(fd, room, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        if rank != 0:
+            os.close(fd)
+    starts = [sum(_whole(d.size) for _, d in wanted[:f]) for f in range(len(wanted))]
+    failures: list[tuple[int, str, str]] = []
+    mine = [p for p in plan([d.size for _, d in wanted], dist.get_world_size()) if p.owner == rank]
+    with memoryview(together) as whole:
+        rooms = [whole[a : a + _whole(d.size)] for a, (_, d) in zip(starts, wanted, strict=True)]
+        _read_share(where, wanted, rooms, mine, {}, failures)
+        for r in rooms:
+            r.release()
+    talk.gather(None)  # every rank's pieces are in the memory: a barrier
+    talk.broadcast(None)
+    together.close()
+    exchanged = time.monotonic()
+    bufs = [
+        np.frombuffer(own, dtype=np.uint8, count=d.size, offset=a) for a, (_, d) in zip(starts, wanted, strict=True)
+    ]
+    return _verdict(talk, where, wanted, bufs, failures, sum(p.length for p in mine), exchanged - start)
+
+
+def _by_broadcast(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]]) -> Shared:
+    """The ranks of several machines: each reads its pieces into memory of its own, and broadcasts each as soon as
+    it is read, on a gloo group. {} on every rank when one has not the memory."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    bufs: list[np.ndarray] = []  # each file's bytes, in memory that holds its last block whole
-    if take_part:
-        try:
-            bufs = [_memory(d.size)[: d.size] for _, d in wanted]
-        except MemoryError as e:
-            log.debug("rank %d: no memory to restore %s with the other ranks (%s)", rank, where, e)
-            take_part = False
-    views = talk.gather(take_part)
-    go = bool(talk.broadcast(None if views is None else all(views)))
-    if not go:
+    try:
+        bufs = [_memory(d.size)[: d.size] for _, d in wanted]  # each in memory that holds its last block whole
+    except MemoryError as e:
+        log.debug("rank %d: no memory to restore %s with the other ranks (%s)", rank, where, e)
+        bufs = []
+    made = talk.gather(bool(bufs) or not wanted)
+    if not talk.broadcast(None if made is None else all(made)):
         return {}
     pieces = plan([d.size for _, d in wanted], world)
     mine = [p for p in pieces if p.owner == rank]
     ready = {p: threading.Event() for p in mine}
     failures: list[tuple[int, str, str]] = []  # (file, kind, message) of this rank's reads
+    rooms = [(b.base if isinstance(b.base, np.ndarray) else b).data.cast("B") for b in bufs]
     reader = threading.Thread(
         target=_read_share,
-        args=(where, wanted, bufs, mine, ready, failures),
+        args=(where, wanted, rooms, mine, ready, failures),
         name="preempt-shared-read",
         daemon=True,
     )
+    start = time.monotonic()
     reader.start()
     try:
         group = distributed.cpu_group()
@@ -170,7 +240,23 @@ def exchange(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], 
         raise lost from e
     finally:
         reader.join()
+    return _verdict(talk, where, wanted, bufs, failures, sum(p.length for p in mine), time.monotonic() - start)
+
+
+def _verdict(
+    talk: Talk,
+    where: Path,
+    wanted: Sequence[tuple[str, FileDigest]],
+    bufs: list[np.ndarray],
+    failures: list[tuple[int, str, str]],
+    read: int,
+    took: float,
+) -> Shared:
+    """Every file hashed whole on every rank, and the first failure of any rank's raised on every rank alike."""
+    rank = dist.get_rank()
+    start = time.monotonic()
     found = _hash(bufs)
+    hashed = time.monotonic() - start
     problems = [[f, kind, message] for f, kind, message in failures]
     for f, ((name, expected), got) in enumerate(zip(wanted, found, strict=True)):
         try:
@@ -182,15 +268,54 @@ def exchange(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], 
     if verdict is not None:
         kind, message = verdict
         raise (CheckpointUnreadableError if kind == "unreadable" else CorruptCheckpointError)(message)
-    total = sum(b.nbytes for b in bufs)
     log.debug(
-        "rank %d: read %d of the %d bytes of %s, the other ranks the rest",
+        "rank %d: read %d of the %d bytes of %s, the other ranks the rest: exchanged in %.2f s, hashed in %.2f s",
         rank,
-        sum(p.length for p in mine),
-        total,
+        read,
+        sum(b.nbytes for b in bufs),
         where,
+        took,
+        hashed,
     )
     return {name: (buf, got) for (name, _), buf, got in zip(wanted, bufs, found, strict=True)}
+
+
+def _machine() -> str:
+    """What tells this machine from another: its boot's id where Linux gives one, and its name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()} {boot}"
+
+
+def _memfd(size: int) -> int:
+    """Rank 0: anonymous memory of ``size`` bytes that the other ranks of this machine open
+    (``/proc/<pid>/fd/<fd>``); gone when the last rank unmaps it, whatever happens. -1 where there is none."""
+    try:
+        fd = os.memfd_create("preempt-restore", getattr(os, "MFD_CLOEXEC", 0))
+    except (AttributeError, OSError):
+        return -1
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _open_memfd(pid: int, fd: int) -> int:
+    """A rank other than 0: rank 0's memory (:func:`_memfd`), or -1 where it cannot be opened."""
+    try:
+        return os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return -1
+
+
+def _whole(size: int) -> int:
+    """The memory of a file of ``size`` bytes in whole blocks (a direct read reads the last block whole)."""
+    return max(BLOCK, -(-size // BLOCK) * BLOCK)
 
 
 def _first(said: list[list[list[Any]]]) -> list[str] | None:
@@ -206,21 +331,21 @@ def _memory(size: int) -> np.ndarray:
     available = readahead.host_memory_available()
     if available is not None and not hashed_io.keeps_in_memory(size, available):
         raise MemoryError(f"{size} bytes: more than {hashed_io.KEEP_SHARE:.0%} of the {available} available")
-    whole = max(BLOCK, -(-size // BLOCK) * BLOCK)
     # the device and the broadcasts write every page: nothing to fault in beforehand
-    return hashed_io._fresh(whole, populate=False)
+    return hashed_io._fresh(_whole(size), populate=False)
 
 
 def _read_share(
     where: Path,
     wanted: Sequence[tuple[str, FileDigest]],
-    bufs: list[np.ndarray],
+    rooms: list[memoryview],
     mine: list[Piece],
     ready: Mapping[Piece, threading.Event],
     failures: list[tuple[int, str, str]],
 ) -> None:
-    """This rank's pieces, read into ``bufs`` in order; each piece's event set once read (or failed: the failure is
-    in ``failures``, and the piece holds what it holds; the verdict fails the checkpoint)."""
+    """This rank's pieces, read in order into ``rooms`` (each file's memory, in whole blocks); each piece's event
+    in ``ready`` set once read (or failed: the failure is in ``failures``, and the piece holds what it holds; the
+    verdict fails the checkpoint)."""
     fds: dict[int, int] = {}
     failed: set[int] = set()
     try:
@@ -230,16 +355,17 @@ def _read_share(
                 try:
                     if p.file not in fds:
                         fds[p.file] = _open(path, wanted[p.file][1].size)
-                    _read_piece(fds[p.file], bufs[p.file], p)
+                    _read_piece(fds[p.file], rooms[p.file], p)
                 except (OSError, MemoryError, CorruptCheckpointError) as e:
                     failed.add(p.file)
                     error = e if isinstance(e, CorruptCheckpointError) else files.read_error(path, e)
                     kind = "unreadable" if isinstance(error, CheckpointUnreadableError) else "corrupt"
                     failures.append((p.file, kind, str(error)))
-            ready[p].set()
+            if p in ready:
+                ready[p].set()
     finally:
-        for p in mine:
-            ready[p].set()
+        for event in ready.values():
+            event.set()
         for fd in fds.values():
             os.close(fd)
 
@@ -272,9 +398,8 @@ def _open(path: Path, size: int) -> int:
     return fd
 
 
-def _read_piece(fd: int, buf: np.ndarray, p: Piece) -> None:
-    """One piece read into its place in ``buf`` (whole blocks: ``buf``'s memory holds the last one whole)."""
-    whole = (buf.base if isinstance(buf.base, np.ndarray) else buf).data.cast("B")  # (the blocks' memory)
+def _read_piece(fd: int, whole: memoryview, p: Piece) -> None:
+    """One piece read into its place in its file's memory ``whole`` (in whole blocks: it holds the last one)."""
     done = 0
     while done < p.length:
         at = p.offset + done
