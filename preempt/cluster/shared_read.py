@@ -122,11 +122,15 @@ def plan(sizes: Sequence[int], ranks: int, *, piece: int = PIECE, block: int = B
     return [own[r][k] for k in range(rounds) for r in range(ranks) if k < len(own[r])]
 
 
-def exchange(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], *, take_part: bool) -> Shared:
+def exchange(
+    talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], *, take_part: bool, machine: str | None = None
+) -> Shared:
     """The files ``wanted`` of the checkpoint directory ``where``, read together by every rank (the module
     docstring); {} on every rank when one of them does not take part (each then reads them itself).
 
-    A collective: every rank calls it with the same ``wanted``, in the same order.
+    A collective: every rank calls it with the same ``wanted``, in the same order. ``machine`` tells this rank's
+    machine from the others' (None: its boot's id and its name): the ranks of one machine share memory, the others
+    broadcast.
 
     Raises:
         CorruptCheckpointError: On every rank alike: a file is missing, not a regular file, of another size or of
@@ -142,7 +146,7 @@ def exchange(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], 
             "rank %d: no memory to restore %s with the other ranks (%d of %d bytes)", rank, where, room, available
         )
         take_part = False
-    views = talk.gather([take_part, _machine()])
+    views = talk.gather([take_part, _machine() if machine is None else machine])
     memfd, decided = -1, None
     if views is not None:  # rank 0: every rank on this machine shares memory; else they broadcast
         if all(v[0] for v in views) and all(v[1] == views[0][1] for v in views):
