@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -168,6 +169,21 @@ def test_the_config_normalises_and_hands_the_retention_to_the_manager(tmp_path):
     assert cfg.monitor_gpu == 10.0 and cfg.time_limit == 3600.0
     run = PreemptibleRun(tmp_path, keep_best=2, best_metric="loss", best_mode="max", keep_last=3)
     assert run.manager.retention == RetentionPolicy(keep_last=3, keep_best=2, metric="loss", mode="max")
+
+
+def test_each_part_is_given_its_group_built_from_the_same_flat_keywords(tmp_path):
+    from preempt.checkpoint.carry import CarryOptions
+    from preempt.run.config import HealthOptions, ReportOptions, SaveOptions, StopOptions
+
+    cfg = RunConfig(time_limit="00:10:00", monitor_gpu=True, carry_unchanged=False, max_oom=2, keep_last=4)
+    assert cfg.stop == StopOptions(time_limit="00:10:00") and cfg.stop.time_limit_s == 600.0
+    assert cfg.report == ReportOptions(monitor_gpu=True) and cfg.report.gpu_every_s == 10.0
+    assert cfg.save == SaveOptions(carry_unchanged=False, keep_last=4) and cfg.save.carry == CarryOptions(enabled=False)
+    assert cfg.health == HealthOptions(max_oom=2)
+    # a config made again from another (preempt check's) builds its groups again
+    assert dataclasses.replace(cfg, keep_last=None).save.keep_last is None
+    run = PreemptibleRun(tmp_path, config=cfg)
+    assert run.stopper.config is cfg.stop and run.health.config is cfg.health and run.reporter.config is cfg.report
 
 
 def test_each_option_is_declared_once_with_its_documentation_and_named_for_type_checkers():
