@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import os
-import re
 
 from helpers import Spawned, assert_same_final, direct_io_supported, train_cmd
 
 from preempt.checkpoint.manager import CheckpointManager
+from preempt.checkpoint.names import checkpoint_name
 
 MODEL = ["--epochs", "3", "--samples", "256", "--dim", "1024", "--width", "1024"]  # 48 steps, 12 MB per checkpoint
-BYPASSED = r"model\.safetensors: \d+ of \d+ bytes bypassed the page cache"  # a file of 4 MB, from the buffers
+
+
+def bypassed(p: Spawned, step: int | None = None) -> bool:
+    """A ``model.safetensors`` (of 4 MB, from the staging buffers; of checkpoint ``step``) went to the disk without
+    the page cache."""
+    where = "" if step is None else f"{checkpoint_name(step)}-"
+    writes = p.events_of("direct_write", path=lambda path: path.endswith("/model.safetensors") and where in path)
+    return bool(writes)
 
 
 def stopped_with_a_write_in_flight(tmp_path, signal_at: str) -> tuple[Spawned, int, int, CheckpointManager]:
@@ -58,12 +65,12 @@ def test_sigterm_before_a_writes_manifest_cancels_it_and_the_stop_saves_the_curr
     write (its files removed) and saves the current state; the cancelled step is not on disk."""
     p, held, stopped_at, manager = stopped_with_a_write_in_flight(tmp_path, "before_manifest:2:TERM:until_cancelled")
     out = p.output
-    assert "signal_at before_manifest 2 SIGTERM" in out, out
+    assert p.events_of("signal_at", point="before_manifest", n=2, signal="SIGTERM"), p.events
     cancelled, stop = order(p, ("cancelled", {"step": held, "reason": "steps"}), ("checkpoint", {"reason": "preempt"}))
     assert 0 <= cancelled < stop, p.events
     assert stopped_at == held + 1, out
     # the stop's save copied the state into the staging buffers and wrote them without the page cache
-    assert bool(re.search(rf"step_0*{stopped_at}-\S*/{BYPASSED}", out)) == direct_io_supported(tmp_path), out
+    assert bypassed(p, stopped_at) == direct_io_supported(tmp_path), p.events
     infos = manager.list()
     assert [c.step for c in infos] == [stopped_at, 6], [c.step for c in infos]
     assert all(c.status == "valid" and not manager.verify(c) for c in infos)
@@ -75,7 +82,7 @@ def test_sigterm_after_a_writes_rename_finishes_it_then_saves_the_current_state(
     longer be cancelled, so the stop waits for it, then saves the current state; both checkpoints are whole."""
     p, held, stopped_at, manager = stopped_with_a_write_in_flight(tmp_path, "before_dir_fsync:2:TERM")
     out = p.output
-    assert "signal_at before_dir_fsync 2 SIGTERM" in out, out
+    assert p.events_of("signal_at", point="before_dir_fsync", n=2, signal="SIGTERM"), p.events
     written = {"step": held, "reason": "steps", "background": True}
     in_flight, stop = order(p, ("checkpoint", written), ("checkpoint", {"reason": "preempt"}))
     assert 0 <= in_flight < stop, p.events
@@ -97,7 +104,7 @@ def test_resume_from_a_checkpoint_the_background_writer_wrote_is_exact(tmp_path,
     assert first.finish() == -9, first.output
     second = first.events_of("checkpoint", reason="steps", background=True)[1]["step"]
     # the staged checkpoints went to the disk without the page cache where the filesystem allows it
-    assert bool(re.search(BYPASSED, first.output)) == direct_io_supported(tmp_path), first.output
+    assert bypassed(first) == direct_io_supported(tmp_path), first.events
     steps = [c.step for c in CheckpointManager(save_dir, owner=False).list()]
     assert steps and steps[0] >= second, steps
     newest = steps[0]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,24 +27,26 @@ PEAK_LIMIT = 300 << 20  # what a command may use for it: the string a few times 
 # The command in-process, then its peak resident memory: VmHWM of /proc/self/status belongs to the process's own
 # image since its exec (the rusage of a child counts the forked parent's pages before the exec too).
 MEASURED = """
-import sys
+import os, sys
 from preempt.cli.main import main
 code = main(sys.argv[1:])
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print("VmHWM", int(hwm.split()[1]) * 1024, file=sys.stderr)
+with open(os.environ["PEAK_RSS_OUT"], "w") as out:  # the test's own channel, apart from what preempt printed
+    out.write(str(int(hwm.split()[1]) * 1024))
 sys.exit(code)
 """
 
 
 def peak_rss(args: list[str]) -> tuple[int, int, str]:
     """Runs ``preempt *args`` in a process of its own; returns its exit code, its peak RSS in bytes, its output."""
-    env = {**os.environ, "PYTHONPATH": str(Path(safe_io.__file__).resolve().parents[2])}  # the preempt tested here
-    r = subprocess.run(
-        [sys.executable, "-c", MEASURED, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env
-    )
-    peaks = re.findall(r"^VmHWM (\d+)$", r.stderr, re.M)
-    assert peaks, r.stdout + r.stderr
-    return r.returncode, int(peaks[-1]), r.stdout + r.stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        peak = Path(tmp) / "peak"
+        env = {**os.environ, "PYTHONPATH": str(Path(safe_io.__file__).resolve().parents[2]), "PEAK_RSS_OUT": str(peak)}
+        r = subprocess.run(
+            [sys.executable, "-c", MEASURED, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env
+        )
+        assert peak.exists(), r.stdout + r.stderr
+        return r.returncode, int(peak.read_text()), r.stdout + r.stderr
 
 
 @pytest.fixture(scope="module")

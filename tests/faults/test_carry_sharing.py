@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -209,7 +208,7 @@ def test_quarantine_of_a_damaged_own_file_or_shared_base(tmp_path, reference, he
     out = p.output
     assert p.events_of("resume", step=3), p.events
     for name in holding:
-        assert re.search(rf"{name}/{BASE}: xxh3 mismatch", out), out
+        assert p.events_of("quarantined", name=name, problem=lambda m, n=name: f"{n}/{BASE}: xxh3 mismatch" in m), out
     assert sorted(os.listdir(quarantine)) == sorted(holding)
     assert inode(quarantine / six.name / BASE) == damaged
     stop(p)
@@ -220,8 +219,8 @@ def test_quarantine_of_a_damaged_own_file_or_shared_base(tmp_path, reference, he
     flip_bit(eight / STATE)  # its own file: shared with no other checkpoint
 
     p = held(1)  # holds before its first save: nothing pruned yet
-    out = p.output
-    assert re.search(rf"{eight.name}/{STATE}: xxh3 mismatch", out), out
+    mismatch = f"{eight.name}/{STATE}: xxh3 mismatch"
+    assert p.events_of("quarantined", name=eight.name, problem=lambda m: mismatch in m), p.events
     assert p.events_of("resume", step=7), p.events
     assert sorted(os.listdir(quarantine)) == sorted([*holding, eight.name])
     assert kept(save_dir) == [seven, *others] and others  # in place; verified below with the shared base

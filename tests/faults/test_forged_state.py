@@ -217,21 +217,29 @@ def commands_answer(save_dir: Path) -> None:
         assert cli.main(args) in (cli.EXIT_OK, cli.EXIT_DAMAGED), args
 
 
-def rerun(save_dir: Path, final: Path, args: list[str] = ARGS) -> str:
+def rerun(save_dir: Path, final: Path, args: list[str] = ARGS) -> Spawned:
     """Runs the training again in its own process; asserts it completed (exit 0, no signal, no traceback)."""
     p = Spawned(train_cmd(save_dir, final, args))
     rc = p.finish()
     assert rc == 0, f"the rerun exited {rc} ({'killed by a signal' if rc < 0 else 'an error'}):\n{p.output}"
     assert "Traceback" not in p.output, p.output
-    return p.output
+    return p
 
 
-def assert_fell_back(save_dir: Path, output: str, expected: str) -> None:
+def reported(p: Spawned, save_dir: Path, name: str) -> str:
+    """What the run said was wrong with checkpoint ``name``'s state.json when it set it aside, like damage (the
+    path, the field, what was expected and what was found)."""
+    (aside,) = p.events_of("quarantined", name=name)
+    head, _, problem = aside["problem"].partition(f"{save_dir / name}/state.json: ")
+    assert not head and problem.endswith("; falling back to an older checkpoint"), aside
+    return problem
+
+
+def assert_fell_back(save_dir: Path, p: Spawned, expected: str) -> None:
     """Step 3 was reported like damage, with the field, and quarantined; the run resumed from step 2."""
-    reported = re.search(rf"{re.escape(str(save_dir / STEP3))}/state\.json: (.*); falling back", output)
-    assert reported, f"step 3 was not reported as damaged:\n{output}"
-    assert re.search(expected, reported.group(1)), f"{expected!r} not in {reported.group(1)!r}"
-    assert f"resumed from {save_dir / STEP2}: step 2" in output, output
+    said = reported(p, save_dir, STEP3)
+    assert re.search(expected, said), f"{expected!r} not in {said!r}"
+    assert p.events_of("resume", step=2, **{"from": str(save_dir / STEP2)}), p.events
     assert sorted(e.name for e in (save_dir / "quarantine").iterdir()) == [STEP3]
 
 
@@ -262,12 +270,11 @@ def test_every_forged_value_is_refused_like_damage_by_one_rerun_that_falls_back_
         forged[f"step_{step:09d}"] = (case.id, expected)
     commands_answer(save_dir)
     final = tmp_path / "final.safetensors"
-    output = rerun(save_dir, final, LADDER)
+    p = rerun(save_dir, final, LADDER)
     for name, (case, expected) in forged.items():
-        reported = re.search(rf"{re.escape(str(save_dir / name))}/state\.json: (.*); falling back", output)
-        assert reported, f"{name} ({case}) was not reported as damaged:\n{output}"
-        assert re.search(expected, reported.group(1)), f"{name} ({case}): {expected!r} not in {reported.group(1)!r}"
-    assert f"resumed from {save_dir / STEP2}: step 2" in output, output
+        said = reported(p, save_dir, name)
+        assert re.search(expected, said), f"{name} ({case}): {expected!r} not in {said!r}"
+    assert p.events_of("resume", step=2, **{"from": str(save_dir / STEP2)}), p.events
     assert sorted(e.name for e in (save_dir / "quarantine").iterdir()) == sorted(forged)
     assert_same_final(reference(LADDER), final)
 
@@ -280,9 +287,9 @@ def test_forged_state_is_refused_like_damage_and_the_run_falls_back(save_dir, tm
     forge(save_dir / STEP3)
     commands_answer(save_dir)
     final = tmp_path / "final.safetensors"
-    output = rerun(save_dir, final)
+    p = rerun(save_dir, final)
     assert_same_final(reference(ARGS), final)
-    assert_fell_back(save_dir, output, expected)
+    assert_fell_back(save_dir, p, expected)
 
 
 # The same cases under every command and a resume (tests/scripts/every_command.py), as root and without
@@ -320,9 +327,9 @@ def test_complete_json_naming_a_missing_checkpoint_does_not_end_the_rerun(save_d
     marker(save_dir, "step_000000099", 99)
     commands_answer(save_dir)
     final = tmp_path / "final.safetensors"
-    output = rerun(save_dir, final)
-    assert "names 'step_000000099', which is not there; not believed" in output, output
-    assert f"resumed from {save_dir / STEP3}: step 3" in output, output
+    p = rerun(save_dir, final)
+    assert "names 'step_000000099', which is not there; not believed" in p.output, p.output  # what the user reads
+    assert p.events_of("resume", step=3, **{"from": str(save_dir / STEP3)}), p.events
     assert_same_final(reference(ARGS), final)
 
 
@@ -331,9 +338,9 @@ def test_complete_json_naming_a_forged_checkpoint_does_not_end_the_rerun(save_di
     marker(save_dir, STEP3, 3)  # believable by its manifest: only the content of the checkpoint is forged
     commands_answer(save_dir)
     final = tmp_path / "final.safetensors"
-    output = rerun(save_dir, final)
-    assert "complete.json is not believed" in output, output
-    assert_fell_back(save_dir, output, r"rng\.now\.numpy\.pos: expected an integer in 0\.\.624, found 1000000000")
+    p = rerun(save_dir, final)
+    assert "complete.json is not believed" in p.output, p.output  # what the user reads
+    assert_fell_back(save_dir, p, r"rng\.now\.numpy\.pos: expected an integer in 0\.\.624, found 1000000000")
     assert_same_final(reference(ARGS), final)
 
 

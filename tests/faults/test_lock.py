@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -133,7 +132,7 @@ def test_a_save_dir_deleted_and_made_again_stops_the_orphan_and_the_new_run_keep
     assert f"{save_dir / LOCK} names pid {new.proc.pid} on host " in errors[0], errors[0]
     assert "Traceback" not in orphan.output and "done" not in orphan.output.splitlines(), orphan.output
     if mode == "sync":  # the checkpoint of step 6 is refused before its first file; a background one at a later step
-        assert max(int(m) for m in re.findall(r"^step (\d+) ", orphan.output, re.M)) == 6, orphan.output
+        assert max(e["step"] for e in orphan.events_of("step")) == 6, orphan.events
     assert after_orphan == before, "the orphan wrote, removed or replaced something in the new run's directory"
     assert "resumed from" not in new.output, new.output  # the new run started fresh in the new directory
     manager = CheckpointManager(save_dir, owner=False)

@@ -140,7 +140,7 @@ def test_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, fail_at, 
     assert [e for e in entries(tmp_path) if e.startswith(".tmp-")] == []
 
 
-def test_failed_interval_save_retries_at_the_next_interval_not_every_step(tmp_path, fail_at, caplog):  # noqa: ARG001
+def test_failed_interval_save_retries_at_the_next_interval_not_every_step(tmp_path, fail_at, monkeypatch):  # noqa: ARG001
     """Every write fails; with a 3 s interval and a clock that moves 1 s per step, the run tries at steps 3,
     6 and 9, not at every step after the first failure."""
     now = [0.0]
@@ -152,11 +152,12 @@ def test_failed_interval_save_retries_at_the_next_interval_not_every_step(tmp_pa
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     _testing.install("commit", always)
-    with caplog.at_level(logging.ERROR, logger="preempt"):
-        with pytest.raises(CheckpointWriteError):  # the final save cannot be written either
-            loop(tmp_path, checkpoint_interval=3.0, clock=lambda: now[0], tick=now)
-    failed = [int(s) for s in re.findall(r"could not write checkpoint step_0*(\d+) \(interval\)", caplog.text)]
-    assert failed == [3, 6, 9, 12], caplog.text
+    events: list[tuple[str, dict]] = []  # the run's events, taken in this process
+    monkeypatch.setattr(_testing, "emit", lambda kind, /, **fields: events.append((kind, fields)))
+    with pytest.raises(CheckpointWriteError):  # the final save cannot be written either
+        loop(tmp_path, checkpoint_interval=3.0, clock=lambda: now[0], tick=now)
+    failed = [e["step"] for kind, e in events if kind == "checkpoint_failed" and e["reason"] == "interval"]
+    assert failed == [3, 6, 9, 12], events
     assert seen["n"] == len(failed) + 1  # + the final save
 
 
