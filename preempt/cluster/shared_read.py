@@ -186,21 +186,40 @@ def _through_memory(
         if rank != 0:
             os.close(fd)
     starts = [sum(_whole(d.size) for _, d in wanted[:f]) for f in range(len(wanted))]
+    sizes = [d.size for _, d in wanted]
     failures: list[tuple[int, str, str]] = []
-    mine = [p for p in plan([d.size for _, d in wanted], dist.get_world_size()) if p.owner == rank]
+    mine = [p for p in plan(sizes, dist.get_world_size()) if p.owner == rank]
     with memoryview(together) as whole:
         rooms = [whole[a : a + _whole(d.size)] for a, (_, d) in zip(starts, wanted, strict=True)]
         _read_share(where, wanted, rooms, mine, {}, failures)
+        talk.gather(None)  # every rank's pieces are in the memory: a barrier
+        talk.broadcast(None)
+        exchanged = time.monotonic()
+        # One hash of each file for all: the ranks map the same memory. Hashed here through the shared mapping,
+        # whose pages this rank's reads have mapped already (a private mapping would fault each page in first).
+        hashers = hashing(sizes, dist.get_world_size())
+        found = _hash([np.frombuffer(rooms[f], np.uint8, sizes[f]) for f in range(len(wanted)) if hashers[f] == rank])
         for r in rooms:
             r.release()
-    talk.gather(None)  # every rank's pieces are in the memory: a barrier
-    talk.broadcast(None)
     together.close()
-    exchanged = time.monotonic()
+    digests = iter(found)
+    mine_found = {f: next(digests) for f in range(len(wanted)) if hashers[f] == rank}
     bufs = [
         np.frombuffer(own, dtype=np.uint8, count=d.size, offset=a) for a, (_, d) in zip(starts, wanted, strict=True)
     ]
-    return _verdict(talk, where, wanted, bufs, failures, sum(p.length for p in mine), exchanged - start)
+    return _verdict(talk, where, wanted, bufs, failures, mine_found, sum(p.length for p in mine), exchanged - start)
+
+
+def hashing(sizes: Sequence[int], ranks: int) -> list[int]:
+    """Which rank hashes each file of ``sizes`` when the ranks map the same memory: the largest file first, each to
+    the rank with the fewest bytes to hash so far (the lowest rank among equals). Pure."""
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for f in sorted(range(len(sizes)), key=lambda f: (-sizes[f], f)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[f] = r
+        load[r] += sizes[f]
+    return owner
 
 
 def _by_broadcast(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]]) -> Shared:
@@ -244,7 +263,9 @@ def _by_broadcast(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDiges
         raise lost from e
     finally:
         reader.join()
-    return _verdict(talk, where, wanted, bufs, failures, sum(p.length for p in mine), time.monotonic() - start)
+    took = time.monotonic() - start
+    found = dict(enumerate(_hash(bufs)))
+    return _verdict(talk, where, wanted, bufs, failures, found, sum(p.length for p in mine), took)
 
 
 def _verdict(
@@ -253,18 +274,18 @@ def _verdict(
     wanted: Sequence[tuple[str, FileDigest]],
     bufs: list[np.ndarray],
     failures: list[tuple[int, str, str]],
+    found: dict[int, FileDigest],
     read: int,
     took: float,
 ) -> Shared:
-    """Every file hashed whole on every rank, and the first failure of any rank's raised on every rank alike."""
+    """The first failure of any rank's (its reads, the digests it found: ``found``, by file number) raised on every
+    rank alike; else every file's bytes with its digest as found (by this rank, or by the rank that hashed the
+    memory they all map)."""
     rank = dist.get_rank()
-    start = time.monotonic()
-    found = _hash(bufs)
-    hashed = time.monotonic() - start
     problems = [[f, kind, message] for f, kind, message in failures]
-    for f, ((name, expected), got) in enumerate(zip(wanted, found, strict=True)):
+    for f, got in found.items():
         try:
-            files.compare(where / name, expected, got)
+            files.compare(where / wanted[f][0], wanted[f][1], got)
         except CorruptCheckpointError as e:
             problems.append([f, "digest", str(e)])
     said = talk.gather(sorted(problems))
@@ -273,15 +294,15 @@ def _verdict(
         kind, message = verdict
         raise (CheckpointUnreadableError if kind == "unreadable" else CorruptCheckpointError)(message)
     log.debug(
-        "rank %d: read %d of the %d bytes of %s, the other ranks the rest: exchanged in %.2f s, hashed in %.2f s",
+        "rank %d: read %d of the %d bytes of %s, the other ranks the rest, in %.2f s; hashed %d of them",
         rank,
         read,
         sum(b.nbytes for b in bufs),
         where,
         took,
-        hashed,
+        sum(d.size for d in found.values()),
     )
-    return {name: (buf, got) for (name, _), buf, got in zip(wanted, bufs, found, strict=True)}
+    return {name: (buf, found.get(f, d)) for f, ((name, d), buf) in enumerate(zip(wanted, bufs, strict=True))}
 
 
 def _machine() -> str:

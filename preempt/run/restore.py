@@ -169,6 +169,11 @@ class Starter:
             return False
         if request is not None and info.valid.lineage.get("request") != request:
             return False
+        if not self.peers.alone:
+            # The others load the chosen checkpoint (read with this rank already) while this rank applies it, rather
+            # than after. Should applying it fail here (a model of another shape), they fail alike on the same state
+            # or lose this rank at their first collective (PeerLost); a checkpoint that fails a check was passed by.
+            self.announce(str(info.path))
         self.restore(info, loaded)
         return True
 
@@ -506,7 +511,7 @@ class Starter:
             state.apply(c, loaded, strict=strict)
             return
         state.apply(state.Components(None, None, c.scheduler, c.scaler, c.tracked), loaded, strict=strict)
-        if self.peers.leader and not self.peers.alone:
+        if self.peers.leader and not self.peers.alone and not self._announced:
             self.announce(str(info.path))  # loading sharded state is a collective: the others must learn it first
         if c.model is None:
             raise IncompatibleStateError(f"{info.path}: holds a sharded model but the run has no model")

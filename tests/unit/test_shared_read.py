@@ -9,7 +9,7 @@ import xxhash
 
 from preempt.checkpoint import files
 from preempt.checkpoint.hashed_io import FileDigest
-from preempt.cluster.shared_read import Piece, plan
+from preempt.cluster.shared_read import Piece, hashing, plan
 from preempt.errors import CorruptCheckpointError
 
 BLOCK = 4096
@@ -100,3 +100,8 @@ def test_a_given_file_of_another_digest_is_damage(tmp_path):
 
     with files.reading_from(source), pytest.raises(CorruptCheckpointError, match="xxh3 mismatch"):
         files.read_all(tmp_path, listed, ["given.bin"])
+
+
+def test_files_in_memory_all_ranks_map_are_hashed_once_the_largest_first_to_the_least_loaded_rank():
+    assert hashing([10, 700, 300, 5], 2) == [1, 0, 1, 1]
+    assert hashing([4, 4], 3) == [0, 1] and hashing([], 2) == [] and hashing([9, 1], 1) == [0, 0]
