@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import PREEMPTED, Interrupt, Spawned, assert_same_final, in_step, on, run_interrupted, train_cmd
+from helpers import PREEMPTED, History, Interrupt, Spawned, assert_same_final, in_step, on, run_interrupted, train_cmd
 
 # 512 samples, batches of 16, 4 micro-batches per optimizer step: 32 batches and 8 steps per epoch, 24 steps.
 QUICKSTART = [
@@ -27,14 +27,20 @@ PACE = ["--step_sleep", "0.15"]
 BATCHES_PER_EPOCH = 32
 
 
-def stops(text: str) -> list[tuple[int, int]]:
-    """(epoch, batch) of every stop in the outputs."""
-    return [(int(e), int(b)) for e, b in re.findall(r"stopping on SIGTERM .*\(epoch (\d+), batch (\d+)\)", text)]
+def stops(h: History) -> list[tuple[int, int]]:
+    """(epoch, batch) of every stop on SIGTERM of the run's processes."""
+    return [(e["epoch"], e["batch"]) for e in h.events_of("stop", cause="SIGTERM")]
 
 
-def resumes(text: str) -> list[int]:
+def resumes(h: History) -> list[int]:
     """The batch of every resume."""
-    return [int(b) for b in re.findall(r"resumed from .*step_\d+: step \d+, epoch \d+, batch (\d+)", text)]
+    return [e["batch"] for e in h.events_of("resume")]
+
+
+def continued(h: History) -> list[dict]:
+    """The resumed epochs whose IterableDataset workers each continued where they stood (nothing replayed)."""
+    found = h.events_of("loader_resumed", stateful=True, positions=True, batch=lambda b: b > 0)
+    return [e for e in found if e["kind"] == "iterable"]  # (the event's own field "kind": not a keyword here)
 
 
 def mid_epoch(batch: int) -> bool:
@@ -46,7 +52,7 @@ def test_worker_augmentation_exact_after_three_mid_epoch_sigterms(tmp_path, refe
     interrupts = [in_step(k) for k in (2, 8, 9)]  # at steps 2, 10 and 19 (each process counts from its resume)
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", WORKERS2, interrupts)
     assert h.codes[:3] == [PREEMPTED] * 3, h.text
-    assert len(stops(h.text)) == 3 and all(mid_epoch(b) for _, b in stops(h.text)), stops(h.text)
+    assert len(stops(h)) == 3 and all(mid_epoch(b) for _, b in stops(h)), stops(h)
     assert_same_final(reference(WORKERS2), tmp_path / "final.safetensors")
 
 
@@ -59,12 +65,10 @@ def test_worker_augmentation_exact_after_two_sigkills(tmp_path, reference):
     args = [*WORKERS2, *PACE, "--every_steps", "1"]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes == [-signal.SIGKILL] * 2 + [0], h.text
-    assert len(resumes(h.text)) == 2 and all(mid_epoch(b) for b in resumes(h.text)), h.text
-    recomputed = re.findall(r"previous process died without stopping .* at step (\d+): the (\d+) step", h.text)
-    assert len(recomputed) == 2, h.text
-    resumed_steps = [e["step"] for e in h.events_of("resume")]
-    for (died, lost), resumed in zip(recomputed, resumed_steps, strict=True):
-        assert int(died) - resumed == int(lost) >= 0, (died, lost, resumed)
+    assert len(resumes(h)) == 2 and all(mid_epoch(b) for b in resumes(h)), h.events
+    # each rerun knows where its predecessor died (its lock's beacon), and that the steps since are recomputed
+    crashed = [(e["step"], e.get("crashed")) for e in h.events_of("resume")]
+    assert all(c is not None and c["died_at"] >= step for step, c in crashed), crashed
     assert_same_final(reference(WORKERS2), tmp_path / "final.safetensors")
 
 
@@ -75,14 +79,14 @@ def test_persistent_workers_exact_mid_epoch_and_at_an_epoch_boundary(tmp_path, r
     interrupts = [in_step(3), Interrupt(after=on("holding", point="epoch_end", n=2), args=("--hold_at", "epoch_end:2"))]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", args, interrupts)
     assert h.codes[:2] == [PREEMPTED] * 2, h.text
-    assert [b for _, b in stops(h.text)][0] != 0 and stops(h.text)[1] == (2, 0), stops(h.text)
+    assert [b for _, b in stops(h)][0] != 0 and stops(h)[1] == (2, 0), stops(h)
     assert_same_final(reference(WORKERS2), tmp_path / "final.safetensors")
 
 
 def test_changing_the_number_of_workers_between_runs_stays_exact(tmp_path, reference):
     """2 workers, stopped; resumed with 0 workers, stopped; finished with 3: the same as 2 workers throughout."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    outputs = []
+    h = History()
     for workers, hold in (("2", "step:5"), ("0", "step:8"), ("3", None)):  # stopped at steps 5 and 13
         held = ["--hold_at", hold] if hold else []
         p = Spawned(train_cmd(save_dir, final, [*QUICKSTART, "--num_workers", workers, *held]))
@@ -91,8 +95,8 @@ def test_changing_the_number_of_workers_between_runs_stays_exact(tmp_path, refer
             assert p.wait_event("holding", point=point, n=int(n)), p.output
             p.signal(signal.SIGTERM)
         assert p.finish() == (PREEMPTED if hold else 0), p.output
-        outputs.append(p.output)
-    assert all(mid_epoch(b) for b in resumes("\n".join(outputs))), outputs
+        h.events.append(list(p.events))
+    assert len(resumes(h)) == 2 and all(mid_epoch(b) for b in resumes(h)), h.events
     assert_same_final(reference(WORKERS2), final)
     # and the uninterrupted runs agree among themselves: a sample's draws do not depend on who fetched it
     assert_same_final(reference(WORKERS2), reference([*QUICKSTART, "--num_workers", "0"]))
@@ -105,7 +109,7 @@ def test_per_sample_rng_off_is_not_exact_mid_epoch(tmp_path, reference):
     from the epoch's seed, so a mid-epoch resume changes the training (the documented limitation)."""
     model_args = [*WORKERS2, "--no_per_sample_rng"]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", model_args, [in_step(3)])
-    assert h.codes[0] == PREEMPTED and mid_epoch(stops(h.text)[0][1]), h.text
+    assert h.codes[0] == PREEMPTED and mid_epoch(stops(h)[0][1]), h.events
     with pytest.raises(AssertionError, match="tensors differ"):
         assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
@@ -122,7 +126,7 @@ def test_stateful_iterable_dataset_resumes_each_worker_where_it_stood(tmp_path, 
     interrupts = [in_step(3), in_step(9)]  # at steps 3 and 12
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", model_args, interrupts)
     assert h.codes[:2] == [PREEMPTED] * 2, h.text
-    assert h.count(r"IterableDataset's \d+ worker\(s\) continue where each stood") == 2, h.text
+    assert len(continued(h)) == 2, h.events
     assert "replaying" not in h.text, h.text
     assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
@@ -137,8 +141,8 @@ def test_an_iterable_dataset_with_set_epoch_and_persistent_workers_resumes_exact
     tensors differed at the end)."""
     model_args = [*STREAM, "--iterable", "epochs", "--num_workers", "2", "--persistent_workers"]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", model_args, [in_step(11)])  # 8 per epoch
-    assert h.codes[0] == PREEMPTED and stops(h.text)[0][0] == 1 and stops(h.text)[0][1] > 0, h.text
-    assert h.count(r"IterableDataset's 2 worker\(s\) continue where each stood") == 1, h.text
+    assert h.codes[0] == PREEMPTED and stops(h)[0][0] == 1 and stops(h)[0][1] > 0, h.events
+    assert [e["workers"] for e in continued(h)] == [2], h.events
     assert_same_final(reference(model_args), tmp_path / "final.safetensors")
 
 
@@ -146,7 +150,8 @@ def test_iterable_dataset_without_state_dict_replays_and_says_so(tmp_path, refer
     model_args = [*STREAM, "--iterable", "plain", "--num_workers", "2"]
     h = run_interrupted(tmp_path / "run", tmp_path / "final.safetensors", model_args, [in_step(3)])
     assert h.codes[0] == PREEMPTED, h.text
-    batch = stops(h.text)[0][1]
+    batch = stops(h)[0][1]
+    # the warning is the feature: the user reads which loader replays and why
     assert re.search(
         rf"the loader of run.batches\(\) \(a DataLoader over Stream, an IterableDataset, 2 worker\(s\)\): has no"
         rf" state_dict\(\)/load_state_dict\(\): replaying {batch} batch\(es\) of epoch 0 from its start",

@@ -10,14 +10,13 @@ import importlib.util
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import PREEMPTED, ROOT, Spawned, assert_same_final, run_python
+from helpers import PREEMPTED, ROOT, Spawned, assert_same_final, history_events, run_python
 
 SCRIPT = ROOT / "examples" / "latentwire_train.py"
 EXAMPLE = [sys.executable, str(SCRIPT)]
@@ -65,7 +64,7 @@ def test_sigterm_mid_epoch_then_auto_resume_equals_uninterrupted(tmp_path, capsy
     assert p.wait_for(rf"^step +{stop}/{TOTAL} "), f"{why}\n{p.output}"
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, f"{why}\n{p.output}"
-    assert "stopping on SIGTERM" in p.output and not final.exists(), f"{why}\n{p.output}"
+    assert p.events_of("stop", cause="SIGTERM") and not final.exists(), f"{why}\n{p.output}"
 
     # The same command without --auto_resume refuses to start the run over (checked before any set-up).
     with pytest.raises(SystemExit) as refused:
@@ -78,8 +77,8 @@ def test_sigterm_mid_epoch_then_auto_resume_equals_uninterrupted(tmp_path, capsy
     assert resumed.returncode == 0, f"{why}\n{resumed.stdout}{resumed.stderr}"
     assert "resumed from" in resumed.stderr, resumed.stderr
     # The stop lands at the first step boundary after the signal: step `stop`, or a little later.
-    at = re.search(rf"^resuming at step (\d+)/{TOTAL} ", resumed.stdout, re.M)
-    assert at and stop <= int(at[1]) < TOTAL, f"{why}\n{resumed.stdout}"
+    (at,) = history_events(run_dir, "resume")
+    assert stop <= at["step"] < TOTAL, f"{why}\n{resumed.stdout}"
     assert_same_final(tmp_path / "ref.safetensors", final)
 
     # A requeue of the finished job: exits 0 at once.

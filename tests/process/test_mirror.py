@@ -53,7 +53,7 @@ def test_stop_is_mirrored_and_a_new_machine_resumes_from_the_mirror(tmp_path, re
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     # SIGTERM -> the stop's checkpoint durable locally -> in the mirror within the deadline, and the line says so
-    assert re.search(r"mirror holds step 20 \(the stop's checkpoint\).*; exit code 75", p.output), p.output
+    assert p.events_of("mirror_end", step=20, held=20), p.events
     store = MirrorStore(mirror_url)
     held = Surveyor(store).survey()
     assert 20 in held.manifests and len(held.complete) >= 2, held
@@ -65,7 +65,7 @@ def test_stop_is_mirrored_and_a_new_machine_resumes_from_the_mirror(tmp_path, re
     shutil.rmtree(save_dir)
     p = Spawned(train_cmd(save_dir, final, args))
     assert p.finish() == 0, p.output
-    assert re.search(r"/run/step_000000020/model\.safetensors: xxh3 mismatch .*next older", p.output), p.output
+    assert p.events_of("mirror_pull", step=older, failed=1), p.events  # step 20's object did not verify
     assert f"had no checkpoint; resuming from the mirror's step {older} " in p.output, p.output
     assert f"resumed from {save_dir / checkpoint_name(older)}" in p.output
     assert "mirror holds step 48 (the final checkpoint)" in p.output
@@ -145,11 +145,6 @@ def test_server_stopped_mid_run_and_at_the_stop(tmp_path, monkeypatch):
         assert p.finish() == PREEMPTED, p.output
         took = time.monotonic() - t0
         server.resume()
-    said = re.search(
-        r"mirror holds (step \d+|no checkpoint), not the stop's step 10: upload not finished in 3", p.output
-    )
-    assert said, p.output
-    assert said.group(1) == f"step {held}", (held, p.output)
     assert took < 3 + 30, took  # the deadline and the process's own exit (imports torn down, files closed)
     down, up, end = events(save_dir, "mirror_down"), events(save_dir, "mirror_up"), events(save_dir, "mirror_end")
     assert len(down) >= 1 and len(up) == 1 and up[0]["behind"] >= 1, (down, up)

@@ -21,28 +21,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import PREEMPTED, ROOT, Spawned, assert_same_final
+from helpers import PREEMPTED, ROOT, Script, Spawned, assert_same_final
 
 USERS = ROOT / "tests" / "scripts" / "users"
 NANOGPT = USERS / "nanogpt_loop.py"
 CLASSIFIER = USERS / "classifier.py"
 
 
-def run_to_end(cmd: list[str]) -> Spawned:
-    p = Spawned(cmd)
-    assert p.finish(timeout=300) == 0, p.output
-    return p
-
-
-def stop_at(cmd: list[str], step: int, sig: int, *, group: bool = False) -> Spawned:
-    """Runs ``cmd`` (which holds at its ``step``-th step until asked to stop) and signals it there."""
-    p = Spawned([*cmd, "--hold_at_step", str(step)], session=group)
-    assert p.wait_event("holding", point="step", timeout=180), p.output
-    if group:
-        os.killpg(p.proc.pid, sig)
-    else:
-        p.signal(sig)
-    return p
+NANOGPT_RUN, CLASSIFIER_RUN = Script(NANOGPT, timeout=180), Script(CLASSIFIER, timeout=180)
 
 
 @pytest.mark.parametrize(
@@ -58,20 +44,20 @@ def test_a_nanogpt_style_loop_with_its_prefetched_batch_tracked_resumes_bit_exac
     tmp_path, reference, sig, group, args, resumed_at
 ):
     save_dir, final = tmp_path / "run", tmp_path / "final"
-    base = [sys.executable, str(NANOGPT), "--save_dir", str(save_dir), *args]
     # at step 10 an evaluation is due: nanoGPT's loop evaluates at the top of the next iteration, which the resumed
     # run does first (its draws and result are the uninterrupted run's: the losses are compared)
-    p = stop_at(base, 10 if sig == signal.SIGTERM else 7, sig, group=group)
+    p = NANOGPT_RUN.stop_at(save_dir, args, 10 if sig == signal.SIGTERM else 7, sig, group=group)
     assert p.finish() == (PREEMPTED if sig == signal.SIGTERM else -signal.SIGKILL), p.output
     if sig == signal.SIGTERM:
-        # logging.basicConfig(level=WARNING), as transformers' example scripts do: the stop is still said, to the
-        # console (through the script's own handler, in its format) and to train.log
-        assert re.search(r"INFO:preempt:stopping on SIGTERM .* at step 10\b", p.output), p.output
-        assert re.search(r"stopping on SIGTERM .* at step 10\b", (save_dir / "train.log").read_text())
-    r = run_to_end([*base, "--final_out", str(final)])
+        # logging.basicConfig(level=WARNING), as transformers' example scripts do: the stop is still said (the line
+        # is the feature), to the console (through the script's own handler, in its format) and to train.log
+        assert p.events_of("stop", cause="SIGTERM", step=10), p.events
+        for said in (p.output, (save_dir / "train.log").read_text()):
+            assert re.search(r"INFO(:preempt:| )stopping on SIGTERM .* at step 10\b", said), said
+    r = NANOGPT_RUN.resume(save_dir, final, args)
     assert r.events_of("resume", step=resumed_at), r.events
     assert "INFO:preempt:run complete: step 24" in r.output and r.output.count("run complete: step 24") == 1, r.output
-    again = run_to_end(base)  # complete: said, not silent
+    again = NANOGPT_RUN.resume(save_dir, None, args)  # complete: said, not silent
     assert re.search(r"INFO:preempt:.* is complete \(step 24, epoch 0\); nothing to do", again.output), again.output
     assert_same_final(reference(args, NANOGPT), final)
 
@@ -80,21 +66,19 @@ def test_a_torchvision_style_classifier_with_augmenting_workers_resumes_bit_exac
     """Two stops by SIGTERM to the process group (the workers get it too): mid-epoch 0, then at the epoch's last
     step (the classic off-by-one); each rerun replays the epoch's batches through its own shuffled loader."""
     save_dir, final = tmp_path / "run", tmp_path / "final"
-    base = [sys.executable, str(CLASSIFIER), "--save_dir", str(save_dir)]
     for step, sig in ((5, signal.SIGTERM), (14, signal.SIGTERM)):
-        p = stop_at(base, step, sig, group=True)
+        p = CLASSIFIER_RUN.stop_at(save_dir, [], step, sig, group=True)
         assert p.finish() == PREEMPTED, p.output
-    r = run_to_end([*base, "--final_out", str(final)])
+    r = CLASSIFIER_RUN.resume(save_dir, final)
     assert r.events_of("resume", step=14), r.events
     assert_same_final(reference([], CLASSIFIER), final)
 
 
 def test_a_torchvision_style_classifier_killed_resumes_from_its_periodic_checkpoint_bit_exact(tmp_path, reference):
     save_dir, final = tmp_path / "run", tmp_path / "final"
-    base = [sys.executable, str(CLASSIFIER), "--save_dir", str(save_dir), "--every_steps", "4"]
-    p = stop_at(base, 18, signal.SIGKILL)
+    p = CLASSIFIER_RUN.stop_at(save_dir, ["--every_steps", "4"], 18, signal.SIGKILL)
     assert p.finish() == -signal.SIGKILL, p.output
-    r = run_to_end([*base, "--final_out", str(final)])
+    r = CLASSIFIER_RUN.resume(save_dir, final, ["--every_steps", "4"])
     assert r.events_of("resume", step=16, epoch=1), r.events
     assert_same_final(reference([], CLASSIFIER), final)
 
