@@ -27,9 +27,10 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import PREEMPTED, ROOT, Spawned, assert_same_final
+from helpers import PREEMPTED, ROOT, Spawned, assert_same_final, select
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 gpt2 = pytest.mark.skipif(
@@ -60,11 +61,12 @@ WAIT_S = 300.0  # generous: the trials share a loaded machine; each waits on an 
 
 @dataclass
 class Trial:
-    """Every process of one run: exit codes and outputs."""
+    """Every process of one run: exit codes, outputs and events."""
 
     final: Path
     codes: list[int] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    events: list[list[dict[str, Any]]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -87,10 +89,12 @@ def trial(root: Path, hold: str | None, sig: int, args: Sequence[str] = (), pref
         os.killpg(p.proc.pid, sig)
     t.codes.append(p.finish(WAIT_S))
     t.outputs.append(p.output)
+    t.events.append(list(p.events))
     if t.codes[-1] in (PREEMPTED, -signal.SIGKILL):
         again = Spawned(command(root, args, prefix))
         t.codes.append(again.finish(WAIT_S))
         t.outputs.append(again.output)
+        t.events.append(list(again.events))
     return t
 
 
@@ -131,10 +135,9 @@ def trials(
         yield futures
 
 
-def stop_of(text: str) -> tuple[int, int, int]:
-    m = re.search(r"stopping on SIGTERM .*at step (\d+) \(epoch (\d+), batch (\d+)\)", text)
-    assert m, text
-    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+def stop_of(events: list[dict[str, Any]]) -> tuple[int, int, int]:
+    (stop,) = select(events, "stop", cause="SIGTERM")
+    return stop["step"], stop["epoch"], stop["batch"]
 
 
 def checked_reference(trials: dict[str, Future[Trial]]) -> Path:
@@ -151,9 +154,9 @@ def test_sigterm_to_the_group_during_training(trials):
     rerun continues each worker where it stood and does that evaluation first."""
     t = trials["train"].result()
     assert t.codes == [PREEMPTED, 0], t.text
-    assert stop_of(t.outputs[0]) == (4, 0, 4 * ACCUM), t.outputs[0]
+    assert stop_of(t.events[0]) == (4, 0, 4 * ACCUM), t.events[0]
     assert "evaluation at step 4" not in t.outputs[0], t.outputs[0]
-    assert re.search(r"resumed from \S+step_0+4: step 4, epoch 0, batch 8", t.outputs[1]), t.outputs[1]
+    assert select(t.events[1], "resume", step=4, epoch=0, batch=8), t.events[1]
     assert "IterableDataset's 2 worker(s) continue where each stood" in t.outputs[1], t.outputs[1]
     assert "evaluation at step 4:" in t.outputs[1], t.outputs[1]
     assert_same_final(checked_reference(trials), t.final)
@@ -168,7 +171,7 @@ def test_sigterm_to_the_group_during_evaluation(trials):
     assert t.codes == [PREEMPTED, 0], t.text
     assert "exited unexpectedly" not in t.text and "killed by signal" not in t.text, t.text
     assert "evaluation at step 4:" in t.outputs[0], t.outputs[0]
-    assert stop_of(t.outputs[0]) == (4, 0, 4 * ACCUM), t.outputs[0]
+    assert stop_of(t.events[0]) == (4, 0, 4 * ACCUM), t.events[0]
     assert_same_final(checked_reference(trials), t.final)
 
 
@@ -179,11 +182,13 @@ def test_sigkill_of_the_group(trials):
     durable checkpoint (inside epoch 1: each worker continues from its saved position) and ends bit-exact."""
     t = trials["kill"].result()
     assert t.codes == [-signal.SIGKILL, 0], t.text
-    died = re.search(r"died without stopping .* at step (\d+): the (\d+) step\(s\) since step (\d+)", t.outputs[1])
-    assert died, t.outputs[1]
-    at, lost, since = (int(g) for g in died.groups())
-    assert at == 10 and 6 < since <= at and lost == at - since, died.group(0)
-    assert re.search(rf"resumed from \S+step_0*{since}: step {since}, epoch 1, batch [1-9]", t.outputs[1]), t.outputs[1]
+    (resumed,) = select(t.events[1], "resume")
+    at, since = resumed["crashed"]["died_at"], resumed["step"]
+    assert at == 10 and 6 < since <= at, resumed
+    assert resumed["epoch"] == 1 and resumed["batch"] > 0, resumed
+    # what the user reads: where the previous process died and what is recomputed
+    said = f"died without stopping (killed: SIGKILL, out of memory, or its node failed) at step {at}: the {at - since}"
+    assert said in t.outputs[1], t.outputs[1]
     assert "IterableDataset's 2 worker(s) continue where each stood" in t.outputs[1], t.outputs[1]
     assert_same_final(checked_reference(trials), t.final)
 
