@@ -23,7 +23,7 @@ DOCS = ("README.md", "README_PREEMPTION.md")
 FENCE = re.compile(r"(?:<!-- docs-test: (?P<tag>[^>]*?) -->\n[ \t]*)?```(?P<lang>\w+)\n(?P<body>.*?)```", re.S)
 TRAINS = ("run.step(", "PreemptCallback", "hf.install(", "trainer.fit(", "PreemptibleRun(")
 
-COMMON = '''
+COMMON = """
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from preempt import PreemptibleRun
@@ -71,9 +71,9 @@ sched = torch.optim.lr_scheduler.StepLR(opt, 10)
 scaler = torch.amp.GradScaler("cpu")
 val_loader = DataLoader(train_set, batch_size=32)
 save_dir, epochs, accum = "runs/exp1", 2, 2
-'''
+"""
 
-LIGHTNING = '''
+LIGHTNING = """
 import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -101,9 +101,9 @@ class Data(L.LightningDataModule):
 
 
 model, dm = Model(), Data()
-'''
+"""
 
-HF = '''
+HF = """
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -120,9 +120,9 @@ def collate(rows):
 args = TrainingArguments(
     output_dir="out", max_steps=6, per_device_train_batch_size=4, report_to=[], use_cpu=True, save_strategy="no"
 )
-'''
+"""
 
-ACCELERATE = '''
+ACCELERATE = """
 import types
 
 import torch
@@ -144,7 +144,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5)
 rows = [{"x": torch.randn(8), "labels": torch.tensor(i % 2)} for i in range(32)]
 train_loader = DataLoader(rows, batch_size=4, shuffle=True)
-'''
+"""
 
 NANOGPT = (
     COMMON
@@ -191,7 +191,7 @@ def blocks() -> list[tuple[str, int, str, str | None, str]]:
     for name in DOCS:
         text = (ROOT / name).read_text()
         for m in FENCE.finditer(text):
-            line = text.count("\n", 0, m.start("lang")) + 1
+            line = len(text[: m.start("lang")].splitlines())  # (the fence's backticks are on that line)
             found.append((name, line, m["lang"], m["tag"], m["body"]))
     return found
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -56,6 +55,7 @@ NO_TRANSFORMERS = [
     "import runpy, sys; sys.modules['transformers'] = None; sys.argv = sys.argv[1:];"
     " runpy.run_path(sys.argv[0], run_name='__main__')",
 ]
+FALLBACK = "transformers is not installed: using the built-in tiny causal transformer"  # what the example says
 WAIT_S = 300.0  # generous: the trials share a loaded machine; each waits on an event, not on this
 
 
@@ -143,7 +143,7 @@ def stop_of(events: list[dict[str, Any]]) -> tuple[int, int, int]:
 def checked_reference(trials: dict[str, Future[Trial]]) -> Path:
     ref = trials["reference"].result()
     assert ref.codes == [0], ref.text
-    assert re.search(r"^gpt2: ", ref.text, re.M), ref.text  # transformers' GPT-2, not the fallback
+    assert FALLBACK not in ref.text, ref.text  # transformers' GPT-2, not the fallback
     return ref.final
 
 
@@ -197,5 +197,4 @@ def test_fallback_model_without_transformers(trials):
     """Where transformers cannot be imported (--model auto), the example trains its own tiny causal transformer."""
     t = trials["fallback"].result()
     assert t.codes == [0], t.text
-    assert "transformers is not installed: using the built-in tiny causal transformer" in t.text, t.text
-    assert re.search(r"^tiny: ", t.text, re.M) and "finished at step 18" in t.text, t.text
+    assert FALLBACK in t.text and "finished at step 18" in t.text, t.text  # said, and trained to the end
