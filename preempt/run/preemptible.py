@@ -207,6 +207,8 @@ class PreemptibleRun:
         self._due_time = math.inf  # before this, run.step() does not look (the loop holds the step and batch ones)
         self._step_hook: Any = None
         self._check_steps = frozenset() if check is None else check.saves | check.stops | {check.last}
+        # One test on the hot path for both rare hooks (Accelerate's sync, `preempt check`), not one each.
+        self._hooked = self._sync is not None or check is not None
 
     # ---------------------------------------------------------------- what a user reads
 
@@ -547,7 +549,7 @@ class PreemptibleRun:
                 decides "best" checkpoints.
         """
         loop = self.loop
-        if self._sync is not None and not self._sync.sync_gradients:
+        if self._hooked and self._sync is not None and not self._sync.sync_gradients:
             if metrics is not None:
                 loop.record(metrics, self.manager.retention)
                 self.reporter.log_metrics(metrics)
@@ -558,7 +560,7 @@ class PreemptibleRun:
             loop.record(metrics, self.manager.retention)
             self.reporter.log_metrics(metrics)
             look = look or loop.best_pending
-        if self._check is not None and step in self._check_steps:
+        if self._hooked and step in self._check_steps:
             self._check_point(step)
         # The ranks meet at every sync_every_steps-th step, all together; alone, only when something may be due.
         if self._every:
