@@ -191,7 +191,18 @@ def _through_memory(
     mine = [p for p in plan(sizes, dist.get_world_size()) if p.owner == rank]
     with memoryview(together) as whole:
         rooms = [whole[a : a + _whole(d.size)] for a, (_, d) in zip(starts, wanted, strict=True)]
-        _read_share(where, wanted, rooms, mine, {}, failures)
+        # two reads in flight (the device serves several at once), each thread its own descriptors
+        second = threading.Thread(
+            target=_read_share,
+            args=(where, wanted, rooms, mine[1::2], {}, failures),
+            name="preempt-shared-read",
+            daemon=True,
+        )
+        second.start()
+        try:
+            _read_share(where, wanted, rooms, mine[0::2], {}, failures)
+        finally:
+            second.join()
         talk.gather(None)  # every rank's pieces are in the memory: a barrier
         talk.broadcast(None)
         exchanged = time.monotonic()
