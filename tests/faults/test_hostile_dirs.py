@@ -150,6 +150,7 @@ def test_a_deeply_nested_state_json_that_matches_its_digest_is_refused(save_dir)
     (save_dir / STEP2 / "state.json").write_bytes(b'{"x": ' + deep(990) + b"}")
     resign(save_dir / STEP2, rehash=("state.json",))
     r = tool("inspect", str(save_dir / STEP2))
+    # what inspect tells the user (a refusal of the command, no event)
     assert re.search(r"nested (991 levels deep|deeper than 64 levels)", r.stdout + r.stderr), r.stdout + r.stderr
     assert tool("verify", str(save_dir)).returncode == cli.EXIT_DAMAGED
     assert resume(save_dir).resumed_from == save_dir / STEP1

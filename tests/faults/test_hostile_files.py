@@ -301,7 +301,7 @@ def test_an_output_inside_the_save_dir_is_refused(save_dir, tmp_path, argv):
     for prefix in [[]] + ([DROP] if _setpriv_works() is None else []):
         r = subprocess.run([*prefix, sys.executable, "-m", "preempt", *args], capture_output=True, text=True)
         assert r.returncode == cli.EXIT_USAGE and "Traceback" not in r.stderr, (prefix, r.stderr)
-        assert re.search(r"is inside (the save_dir|--save-dir)", r.stderr), r.stderr
+        assert re.search(r"is inside (the save_dir|--save-dir)", r.stderr), r.stderr  # the refusal the user reads
         assert tree_of(save_dir) == before  # on main: the file replaced, the checkpoint damaged, a plot added
     assert verified(save_dir) == {STEP1, STEP2}
 

@@ -102,6 +102,7 @@ def test_an_unreachable_service_is_one_warning_and_the_run_completes(tmp_path):
     go.touch()
     assert p.finish() == 0, p.output
     assert len(p.events_of("notices_down")) == 1, p.events
+    # and the user reads it once
     assert len(re.findall(r"notices=aws: the metadata service at .* does not answer", p.output)) == 1, p.output
     assert p.events_of("complete"), p.events
 
