@@ -2,7 +2,11 @@
 
 :class:`Starter` runs on every rank. The leader (the process alone, or rank 0)
 plans the start from the save_dir, loads, and tells the other ranks which
-checkpoint to load (``announce``); a follower loads what it is told. Restoring
+checkpoint to load (``announce``); a follower loads what it is told. Under
+torch.distributed the ranks read each checkpoint the leader tries together
+(:mod:`preempt.cluster.shared_read`: a share each, the rest exchanged, a damaged
+file failing on every rank alike), so a follower holds the chosen one when it is
+named, and the leader names it before it applies it. Restoring
 puts a verified checkpoint's state into the components and into the run's
 parts: the loop's counters, the data cursor's resume point, the snapshot's
 lineage and user state, the scheduler's newest checkpoint.
