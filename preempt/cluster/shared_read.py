@@ -169,22 +169,27 @@ def _through_memory(
 ) -> Shared | None:
     """The ranks of one machine: each reads its pieces into memory they all map (rank 0's ``memfd``, ``fd`` here; -1
     where it could not be opened), then maps it privately (copy on write: a rank's changes stay its own). None on
-    every rank when one could not open it (they broadcast instead)."""
+    every rank when one could not open or map it (they broadcast instead)."""
     rank = dist.get_rank()
-    opened = talk.gather(fd >= 0)
-    if not talk.broadcast(None if opened is None else all(opened)):
+    start = time.monotonic()
+    together = own = None
+    try:
+        if fd >= 0:
+            together = mmap.mmap(fd, room, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # this rank's own view: not a mapping of a file of the checkpoint (hashed_io.is_mapping), so the
+            # optimizer's tensors keep it as it is; nobody else writes or truncates it
+            own = hashed_io._Memory(fd, room, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:  # no room for the mappings: every rank broadcasts instead
+        log.debug("rank %d: cannot map the memory of the ranks' restore (%s)", rank, e)
+    finally:
         if fd >= 0 and rank != 0:
             os.close(fd)
+    mapped = talk.gather(own is not None)
+    if not talk.broadcast(None if mapped is None else all(mapped)) or together is None or own is None:
+        for m in (together, own):
+            if m is not None:
+                m.close()
         return None
-    start = time.monotonic()
-    try:
-        together = mmap.mmap(fd, room, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        # this rank's own view: not a mapping of a file of the checkpoint (hashed_io.is_mapping), so the optimizer's
-        # tensors keep it as it is; nobody else writes or truncates it
-        own = hashed_io._Memory(fd, room, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        if rank != 0:
-            os.close(fd)
     starts = [sum(_whole(d.size) for _, d in wanted[:f]) for f in range(len(wanted))]
     sizes = [d.size for _, d in wanted]
     failures: list[tuple[int, str, str]] = []
