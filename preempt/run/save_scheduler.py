@@ -3,15 +3,13 @@
 :class:`SaveScheduler` runs one background job at a time, each of its own kind (:mod:`preempt.run.save_plan`: a
 :class:`~preempt.run.save_plan.SaveJob` carries its reason, its staging completion and its future; sizing the
 buffers; a pool of files written ahead for the saves to write over, :class:`preempt.checkpoint.recycle.Pool`), and a
-periodic save postponed behind that job. A save goes down to the checkpoint writer it was given, built once for the
-run (:mod:`preempt.run.checkpoint_writer`: one process's save or the ranks' commit). Its parts: the buffers and the
-writer thread (:mod:`preempt.run.background`),
-sharded state written by the ranks' writers (:mod:`preempt.run.sharded_saves`), and what came of each save
-(:mod:`preempt.run.save_outcomes`). Its choices are the pure functions of :mod:`preempt.run.save_plan` (pick, plan,
-wake), unit-tested with made-up facts.
-
-Periodic saves that come due while a write is in flight are postponed until it ends; best and milestone saves wait
-for it (they are of their own step); the stop's, the final, a branch's and an emergency save are synchronous.
+periodic save postponed behind that job. A save goes down to the checkpoint writer built once for the run
+(:mod:`preempt.run.checkpoint_writer`: one process's save or the ranks' commit). Its parts: the buffers and the writer
+thread (:mod:`preempt.run.background`), sharded state written by the ranks' writers (:mod:`preempt.run.sharded_saves`)
+and what came of each save (:mod:`preempt.run.save_outcomes`); its choices, the pure functions of
+:mod:`preempt.run.save_plan` (pick, plan, wake), unit-tested with made-up facts. Periodic saves due while a write is
+in flight are postponed until it ends; best and milestone saves wait for it (they are of their own step); the stop's,
+the final, a branch's and an emergency save are synchronous.
 """
 
 from __future__ import annotations
@@ -105,7 +103,6 @@ class SaveScheduler:
     prepare_at = property(lambda self: self.background.prepare_at, doc="When the buffers are sized for the state.")
     prepare_s = property(lambda self: self.background.prepare_s, doc="Seconds spent sizing the staging buffers.")
     sizes = property(lambda self: self.pool.sizes, doc="The state's tensor bytes per file, as the buffers were sized.")
-
     last_save = property(lambda self: self.saved.last_save, doc="The latest checkpoint taken (a SaveRecord).")
     last_info = property(lambda self: self.saved.last_info, doc="The newest durable checkpoint known here.")
     last_checkpoint = property(lambda self: self.saved.last_checkpoint, doc="Its path (rank 0's, when told).")
