@@ -12,15 +12,22 @@ share the work:
 2. **Taking part** (a gather, then rank 0's decision broadcast): a rank takes part when it sees the checkpoint rank 0
    offers (:func:`exchange`'s ``take_part``) and has the memory for the files; when one does not, none does, and
    each reads the files itself, as a process alone does.
-3. **The exchange.** Each rank reads its pieces ``O_DIRECT`` in a thread (through the page cache where the
-   filesystem refuses it) into the memory the files' bytes are kept in; each piece is broadcast from its reader as
-   soon as it is read, on a gloo group (CPU tensors, :func:`preempt.cluster.distributed.cpu_group`).
-4. **The verdict.** Every rank hashes every file whole (xxh3-128, the manifest's digest: every byte verified on
-   every rank, over the bytes it will use); the ranks' findings are gathered and rank 0 broadcasts the first failure:
-   a file that fails its digest (on any rank's share), or a share that could not be read, fails the checkpoint for
-   every rank alike, as :class:`~preempt.errors.CorruptCheckpointError` (the caller falls back to the next older
-   checkpoint, as for a process alone) or :class:`~preempt.errors.CheckpointUnreadableError` (a resource error: no
-   fallback, nothing moved aside).
+3. **The exchange.** The ranks of one machine (same boot id and host name) read their pieces ``O_DIRECT`` into memory
+   they all map (a ``memfd`` of rank 0's, opened by the others through ``/proc``), two reads in flight, and each then
+   maps it privately (copy on write: a rank's changes stay its own); each file is hashed once, by one of them
+   (:func:`hashing`). Ranks of several machines, or where that memory cannot be shared, read their pieces into memory
+   of their own and broadcast each as soon as it is read, on a gloo group (CPU tensors,
+   :func:`preempt.cluster.distributed.cpu_group`), and every rank hashes every file.
+4. **The verdict.** Every file is hashed whole (xxh3-128, the manifest's digest, over the bytes the ranks will use);
+   the ranks' findings are gathered and rank 0 broadcasts the first failure: a file that fails its digest (on any
+   rank's share), or a share that could not be read, fails the checkpoint for every rank alike, as
+   :class:`~preempt.errors.CorruptCheckpointError` (the caller falls back to the next older checkpoint, as for a
+   process alone) or :class:`~preempt.errors.CheckpointUnreadableError` (a resource error: no fallback, nothing moved
+   aside).
+
+The cost of sharing on one machine: state that stays in host memory (an optimizer's on the CPU) keeps the shared
+pages it was restored from for as long as it lives, besides each rank's own copy of the pages it changes; state moved
+to a GPU frees them as it is moved.
 
 Every step is a collective: each rank calls :func:`exchange` with the same files in the same order (rank 0's offer,
 broadcast by the caller). A process alone never comes here.
