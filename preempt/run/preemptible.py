@@ -32,6 +32,7 @@ keeping and SLURM's requeue: :mod:`preempt.run.stopping`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -49,7 +50,7 @@ from ..checkpoint.lock import DirLock, StepBeacon
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.staging import payload_nbytes
 from ..cluster import launcher_dirs
-from ..cluster.environment import Environment, provenance
+from ..cluster.environment import CheckSpec, Environment, provenance
 from ..data import rng
 from ..data.sampler import ResumableSampler
 from ..data.shield import shield_workers
@@ -78,6 +79,23 @@ __all__ = ["PreemptibleRun", "RunConfig", "SaveRecord"]
 
 log = _log.log
 _END = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHooks:
+    """What ``run.step()`` does besides counting, in the rare runs that need it: Accelerate's gradient state (a
+    micro-batch that did not synchronise is not a step) and the steps ``preempt check`` acts at. One attribute of
+    the run, None in every other run: the hot path tests it once, and the run keeps few enough attributes for
+    CPython's fast attribute reads (``tests/unit/test_run.py``)."""
+
+    sync: Any  # ``sync_gradients`` says whether the micro-batch just run ended an accumulation; or None
+    check_steps: frozenset[int]
+
+    @classmethod
+    def of(cls, sync: Any, check: CheckSpec | None) -> StepHooks | None:
+        if sync is None and check is None:
+            return None
+        return cls(sync, frozenset() if check is None else check.saves | check.stops | {check.last})
 
 
 class PreemptibleRun:
@@ -131,14 +149,13 @@ class PreemptibleRun:
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
             raise ValueError(f"save_dir: expected a directory path, got {save_dir!r}")
         self.components = state.Components.checked(model, optimizer, scheduler, scaler, track)
-        self._sync = gradient_sync(optimizer)  # Accelerate's: run.step() counts only the steps that synchronise
         if config is not None and options:
             raise TypeError(f"PreemptibleRun: config= and options ({', '.join(sorted(options))}) given; pass one")
         cfg = self.config = config if config is not None else RunConfig(**options)  # checks them all
         if not isinstance(cfg, RunConfig):
             raise TypeError(f"PreemptibleRun: config: expected a RunConfig, got {type(cfg).__name__}")
         self.env = Environment.from_env()
-        self._check = check = self.env.check  # inside `preempt check`: its scratch save_dir, its saves and stops
+        check = self.env.check  # inside `preempt check`: its scratch save_dir, its saves and stops
         if check is not None:
             save_dir, cfg = check.save_dir, checked_config(cfg)
             self.config = cfg
@@ -206,9 +223,7 @@ class PreemptibleRun:
         self._batches_epoch = -1  # the epoch whose batches() has started
         self._due_time = math.inf  # before this, run.step() does not look (the loop holds the step and batch ones)
         self._step_hook: Any = None
-        self._check_steps = frozenset() if check is None else check.saves | check.stops | {check.last}
-        # One test on the hot path for both rare hooks (Accelerate's sync, `preempt check`), not one each.
-        self._hooked = self._sync is not None or check is not None
+        self._hooks = StepHooks.of(gradient_sync(optimizer), check)
 
     # ---------------------------------------------------------------- what a user reads
 
@@ -549,7 +564,8 @@ class PreemptibleRun:
                 decides "best" checkpoints.
         """
         loop = self.loop
-        if self._hooked and self._sync is not None and not self._sync.sync_gradients:
+        hooks = self._hooks
+        if hooks is not None and hooks.sync is not None and not hooks.sync.sync_gradients:
             if metrics is not None:
                 loop.record(metrics, self.manager.retention)
                 self.reporter.log_metrics(metrics)
@@ -560,7 +576,7 @@ class PreemptibleRun:
             loop.record(metrics, self.manager.retention)
             self.reporter.log_metrics(metrics)
             look = look or loop.best_pending
-        if self._hooked and step in self._check_steps:
+        if hooks is not None and step in hooks.check_steps:
             self._check_point(step)
         # The ranks meet at every sync_every_steps-th step, all together; alone, only when something may be due.
         if self._every:
@@ -715,7 +731,7 @@ class PreemptibleRun:
     def _check_point(self, step: int) -> None:
         """A step ``preempt check`` named: its checkpoint, then the stop there (as a signal's), a SIGKILL once that
         checkpoint is durable, or the end of the check (a stop whose exit code says so, the run not complete)."""
-        check = self._check
+        check = self.env.check
         assert check is not None
         if step in check.saves or step == check.last or (check.kill and step in check.stops):
             self.saves.save(Reason.STEPS, "step")  # synchronous inside a check: durable on every rank when it returns

@@ -512,3 +512,21 @@ def test_a_signal_during_a_checkpoint_write_stops_at_that_checkpoint(tmp_path):
         _testing.install("commit", None)
     assert run.global_step == 2 and stop.value.checkpoint == str(tmp_path / "step_000000002")
     assert [c.manifest.reason for c in CheckpointManager(tmp_path, owner=False).list()] == ["steps"]
+
+
+def test_the_run_keeps_few_enough_attributes_for_fast_reads(tmp_path):
+    """run.step() reads several attributes of the run per call. CPython keeps an object's attribute values inline,
+    read by specialised instructions, only while its class's instances share one table of at most 30 keys; a 31st
+    attribute turns every instance into a plain dict and run.step() slower by about a tenth (bench/bench_step.py
+    measured 1.10x with 32). Rare parts go into one attribute (StepHooks), not one each."""
+    from preempt.run.preemptible import StepHooks
+
+    model = torch.nn.Linear(2, 2)
+    with PreemptibleRun(tmp_path / "run", model=model, checkpoint_interval=None, log_file=False) as run:
+        for _ in run.epochs(1):
+            run.step()
+            names = sorted(vars(run))
+            assert len(names) <= 30, (len(names), names)
+            assert run._hooks is None  # no Accelerate, no preempt check: the hot path's one test
+            break
+    assert StepHooks.of(None, None) is None
