@@ -67,8 +67,9 @@ class Tiny(L.LightningModule):
         return DataLoader(TensorDataset(torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)), 4)
 
 
-def fit(tmp_path, module: L.LightningModule) -> L.Trainer:
-    trainer = L.Trainer(
+def quiet_trainer(tmp_path, callbacks: list) -> L.Trainer:
+    """One epoch on the CPU, nothing logged, saved or drawn but by ``callbacks``."""
+    return L.Trainer(
         max_epochs=1,
         accelerator="cpu",
         logger=False,
@@ -76,8 +77,12 @@ def fit(tmp_path, module: L.LightningModule) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
-        callbacks=[PreemptCallback(tmp_path / "run", checkpoint_interval=None, log_file=False)],
+        callbacks=callbacks,
     )
+
+
+def fit(tmp_path, module: L.LightningModule) -> L.Trainer:
+    trainer = quiet_trainer(tmp_path, [PreemptCallback(tmp_path / "run", checkpoint_interval=None, log_file=False)])
     trainer.fit(module)
     return trainer
 
@@ -198,18 +203,8 @@ def test_the_callback_takes_notices_and_grace(tmp_path, monkeypatch):
         monkeypatch.setenv(*next(iter(service.env().items())))
         monkeypatch.delenv("PREEMPT_NOTICES", raising=False)
         service.give_notice()
-        trainer = L.Trainer(
-            max_epochs=1,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-            callbacks=[Hold(), preempt_cb],
-        )
         with pytest.raises(Preempted) as e:
-            trainer.fit(Tiny())
+            quiet_trainer(tmp_path, [Hold(), preempt_cb]).fit(Tiny())
     assert e.value.code == PREEMPTED_EXIT_CODE and e.value.cause.startswith("aws notice: "), e.value.cause
     assert service.requests[0].path == "/latest/api/token"
     stop = stop_marker(tmp_path / "run")
