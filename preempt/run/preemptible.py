@@ -65,7 +65,7 @@ from .loop_state import LoopState
 from .mirroring import Mirroring
 from .peers import join
 from .reporting import Reporter
-from .restore import Starter, check_sharded
+from .restore import Died, Starter, check_sharded
 from .save_plan import SaveRecord
 from .save_policy import Reason, SaveFacts, decide, next_due
 from .save_scheduler import SaveScheduler
@@ -362,11 +362,12 @@ class PreemptibleRun:
             assert hydra_dir is not None
             log.warning("%s", launcher_dirs.warning(self.save_dir, hydra_dir))
         self._lock.acquire()
+        died = None
         if self._lock.previous:  # the previous holder died holding the lock
-            starter.predecessor_died, starter.died_at = True, self._beacon.read()
-            starter.died_stopping = killed_stopping(self.save_dir)  # the kill came before its stop was durable
+            # (killed_stopping: the kill came before its stop was durable)
+            died = Died(self._beacon.read(), killed_stopping(self.save_dir))
             self.reporter.predecessor_died(
-                starter.died_at, self._lock.previous.get("pid"), during_stop=starter.died_stopping is not None
+                died.at, self._lock.previous.get("pid"), during_stop=died.stopping is not None
             )
         self.manager.recover()  # only the lock holder may clean up leftovers
         done = self.manager.completion()
@@ -382,7 +383,7 @@ class PreemptibleRun:
         payload = self.snapshot.capture_at_start()  # unsupported state fails now
         self.stopper.read_slurm_job()
         self.mirroring.enter(self.config.starts_fresh)  # a new machine: the mirror's newest checkpoint pulled
-        starter.lead(self._lock.identity)
+        starter.lead(self._lock.identity, died)
         if done is not None:
             self.manager.clear_complete()
         self.stopper.arm_walltime(payload_nbytes(payload), self.loop.global_step, self.peers.alone)

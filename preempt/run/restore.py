@@ -63,6 +63,15 @@ SHARED_SAVE_DIR = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Died:
+    """The previous holder of the save_dir's lock died holding it: the step it had reached (its beacon; None:
+    unknown) and, when the kill came during its stop, how (:func:`preempt.run.stopping.killed_stopping`)."""
+
+    at: int | None
+    stopping: str | None
+
+
 class Starter:
     """Chooses and loads the starting state of one run (see the module docstring)."""
 
@@ -88,9 +97,7 @@ class Starter:
         self.resumed_from: Path | None = None
         self.resume_line: str | None = None  # what was loaded, in words: the start line says it (preempt.run.reporting)
         self.saved_tracked: dict[str, Any] = {}  # a restored checkpoint's tracked objects, for run.track() later
-        self.predecessor_died = False
-        self.died_at: int | None = None  # the step a previous holder reached before it died (None: unknown)
-        self.died_stopping: str | None = None  # it was killed during its stop: how (preempt.run.stopping)
+        self._died: Died | None = None  # the previous holder of the lock died holding it (the leader's lead())
         self._announced = False
         self._branching = False
         self._holder: dict[str, Any] = {}  # what rank 0 wrote in the lock file, sent with the start
@@ -116,10 +123,11 @@ class Starter:
             return False
         return is_new_request(self._request(), self._latest_request())
 
-    def lead(self, holder: dict[str, Any]) -> None:
+    def lead(self, holder: dict[str, Any], died: Died | None = None) -> None:
         """Chooses the starting state, loads it, and tells the other ranks (which then load it too); ``holder``:
-        what this process wrote in the lock file (``DirLock.identity``), which the others must see too."""
-        self._holder = holder
+        what this process wrote in the lock file (``DirLock.identity``), which the others must see too; ``died``:
+        the previous holder died holding the lock (said once the starting step is known)."""
+        self._holder, self._died = holder, died
         cfg = self.config
         p = plan_start(
             fresh=cfg.starts_fresh,
@@ -534,20 +542,20 @@ class Starter:
 
     def _say_predecessor_died(self, resumed_step: int) -> None:
         """After a crash (no clean stop), how far the dead process got and what is recomputed."""
-        if not self.predecessor_died:
+        died, self._died = self._died, None
+        if died is None:
             return
-        self.predecessor_died = False
         what = "without stopping (killed: SIGKILL, out of memory, or its node failed)"
-        if self.died_stopping is not None:
-            what = self.died_stopping
-        if self.died_at is None or self.died_at < resumed_step:
+        if died.stopping is not None:
+            what = died.stopping
+        if died.at is None or died.at < resumed_step:
             log.warning("the previous process died %s; how far it got is not known", what)
             return
         log.warning(
             "the previous process died %s at step %d: the %d step(s) since step %d will be recomputed",
             what,
-            self.died_at,
-            self.died_at - resumed_step,
+            died.at,
+            died.at - resumed_step,
             resumed_step,
         )
 
