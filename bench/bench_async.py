@@ -266,11 +266,11 @@ def make_dcp(method: str, args: argparse.Namespace, work: Path) -> tuple[Any, An
 
 def make_preempt_async(args: argparse.Namespace, work: Path) -> tuple[Any, Any, Any, dict[str, Any], Any]:
     """PreemptibleRun(async_save=True): the stall is the run.step() that takes the checkpoint."""
-    import inspect
+    from preempt_options import takes
 
     from preempt import PreemptibleRun
 
-    if "async_save" not in inspect.signature(PreemptibleRun).parameters:
+    if not takes("async_save"):
         raise SystemExit("bench: this preempt has no PreemptibleRun(async_save=...); nothing to measure")
     t0 = perf()
     model, opt = build_state(args.gib)

@@ -28,7 +28,6 @@ the shared disk falls on every way alike. Helpers come from ``bench_checkpoint``
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -86,10 +85,10 @@ def perf() -> float:
 
 
 def carry_available() -> bool:
-    """True when this preempt's PreemptibleRun takes ``carry_unchanged`` (issue 29 merged)."""
-    from preempt import PreemptibleRun
+    """True when this preempt's PreemptibleRun takes ``carry_unchanged``."""
+    from preempt_options import takes
 
-    return "carry_unchanged" in inspect.signature(PreemptibleRun).parameters
+    return takes("carry_unchanged")
 
 
 def io_write_bytes() -> int:
