@@ -15,7 +15,7 @@ from .distributed import (
     torchrun,
     torchrun_nodes,
 )
-from .hold import stop_marker, wait_for_stop
+from .hold import wait_for_stop
 from .processes import (
     DDP_ARGS,
     PREEMPTED,
@@ -88,7 +88,6 @@ __all__ = [
     "select",
     "history_events",
     "small_run",
-    "stop_marker",
     "torchrun",
     "torchrun_nodes",
     "train_cmd",

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -17,9 +16,3 @@ def wait_for_stop(run: Any, limit_s: float = HOLD_LIMIT_S) -> None:
     while not run.stop_requested and time.monotonic() < deadline:
         time.sleep(0.005)
 
-
-def stop_marker(save_dir: Any) -> dict[str, Any]:
-    """The one ``stop`` line of a run's ``history.jsonl``."""
-    lines = [json.loads(x) for x in (save_dir / "history.jsonl").read_text().splitlines()]
-    (stop,) = [d for d in lines if d.get("event") == "stop"]
-    return stop

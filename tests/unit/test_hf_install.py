@@ -11,7 +11,7 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
 import torch  # noqa: E402
-from helpers import stop_marker, wait_for_stop  # noqa: E402
+from helpers import history_events, wait_for_stop  # noqa: E402
 from helpers.metadata import MetadataService  # noqa: E402
 
 import preempt.hf  # noqa: E402
@@ -232,5 +232,5 @@ def test_install_takes_notices_and_grace(tmp_path, monkeypatch):
             t.train()
     assert e.value.code == PREEMPTED_EXIT_CODE and e.value.cause.startswith("aws notice: "), e.value.cause
     assert service.requests[0].path == "/latest/api/token"
-    stop = stop_marker(tmp_path / "run")
+    (stop,) = history_events(tmp_path / "run", "stop")
     assert stop["step"] == 1 and stop["cause"] == e.value.cause, stop

@@ -14,7 +14,7 @@ import pytest
 L = pytest.importorskip("lightning.pytorch", reason="Lightning is not installed (pip install -e '.[lightning]')")
 
 import torch  # noqa: E402
-from helpers import stop_marker, wait_for_stop  # noqa: E402
+from helpers import history_events, wait_for_stop  # noqa: E402
 from helpers.metadata import MetadataService  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -207,5 +207,5 @@ def test_the_callback_takes_notices_and_grace(tmp_path, monkeypatch):
             quiet_trainer(tmp_path, [Hold(), preempt_cb]).fit(Tiny())
     assert e.value.code == PREEMPTED_EXIT_CODE and e.value.cause.startswith("aws notice: "), e.value.cause
     assert service.requests[0].path == "/latest/api/token"
-    stop = stop_marker(tmp_path / "run")
+    (stop,) = history_events(tmp_path / "run", "stop")
     assert stop["step"] == 1 and stop["cause"] == e.value.cause and stop["margin_s"] > 0, stop
