@@ -27,6 +27,7 @@ torch is imported inside the functions that need it: the checkpoint commands, wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -90,14 +91,24 @@ def local_piece(t: Any) -> tuple[torch.Tensor, tuple[int, ...]]:
 
     if not isinstance(t, DTensor):
         return t, (0,) * t.dim()
+    shape, offset = _local_layout(tuple(t.shape), t.device_mesh, tuple(t.placements))
+    local = dtensor_local(t)
+    if tuple(local.shape) != shape:
+        raise ValueError(f"a local piece of shape {tuple(local.shape)} where its placements say {shape}")
+    setattr(local, VERSION_OF, t)  # its changes are counted by the DTensor (version_counter)
+    return local, offset
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_layout(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, offset) of this rank's piece of a DTensor of ``shape``: one computation per layout, not per
+    tensor (~20 us each: a stop's save of a model of a few hundred DTensors spent ~10 ms here)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    local = dtensor_local(t)
-    if tuple(local.shape) != tuple(shape):
-        raise ValueError(f"a local piece of shape {tuple(local.shape)} where its placements say {tuple(shape)}")
-    setattr(local, VERSION_OF, t)  # its changes are counted by the DTensor (version_counter)
-    return local, tuple(int(i) for i in offset)
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(i) for i in local), tuple(int(i) for i in offset)
 
 
 def dcp_no_dist(function: Callable[..., Any], single_process: bool) -> dict[str, bool]:
