@@ -66,7 +66,7 @@ from .mirroring import Mirroring
 from .peers import join
 from .reporting import Reporter
 from .restore import Died, Starter, check_sharded
-from .save_plan import SaveRecord
+from .save_plan import SYNCHRONOUS, SaveRecord
 from .save_policy import Reason, SaveFacts, decide, next_due
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
@@ -724,7 +724,9 @@ class PreemptibleRun:
                 agreed = self.peers.agree(requested, None)
         if agreed.stop:
             saves.before_stop()  # rank 0's write in flight: cancelled when the state moved past it, else awaited
-            if self.peers.broadcast(loop.dirty):  # rank 0's view: a signal during that save, or its write failed
+            # After a synchronous save here every rank learnt its outcome in the commit; else rank 0's view decides
+            # (a signal during its write in flight, or that write failed)
+            if loop.dirty if agreed.save in SYNCHRONOUS else self.peers.broadcast(loop.dirty):
                 saves.save(Reason.PREEMPT, point)
             self._stop(peer=agreed.signal_rank, requested=requested)
         self._recompute_due()
