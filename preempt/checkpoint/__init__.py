@@ -13,7 +13,8 @@ kept (``retention``, pure), what is in the files (``state``, ``codec``, ``tensor
 where each piece of a sharded tensor lies in the ranks' files of pieces (``pieces``, no torch),
 what torch's optimizers, schedulers and scalers accept of it (``hyperparams``, pure), when ``complete.json`` is
 believed (``completion``, pure),
-the staging buffers and the background writer (``staging``), host memory pinned for a GPU's copies exactly
+the staging buffers and the background writer (``staging``), fresh host memory made resident at once
+(``prefault``), host memory pinned for a GPU's copies exactly
 (``pinned``), a lazy snapshot's copies from a GPU on a side stream (``side_stream``), the directory's lock and step
 beacon (``lock``), a checkpoint's files asked of the disk before they are read (``readahead``), and the one rule
 for every file opened inside a save_dir (``safe_io``).

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .._torch_compat import version_counter
-from . import codec, direct_io, pinned, tensorfile
+from . import codec, direct_io, pinned, prefault, tensorfile
 from .side_stream import SideStreams, StreamedCopies, Verdict
 from .state import Payload
 
@@ -228,8 +228,7 @@ class _Arena:
         raw = torch.empty(total + direct_io.BLOCK, dtype=torch.uint8, pin_memory=pin_memory)
         start = -raw.data_ptr() % direct_io.BLOCK
         data = raw[start : start + total]
-        if total:
-            data.fill_(0)  # touch every page now, not during a checkpoint
+        prefault.touch(data)  # every page now, not during a checkpoint
         return data
 
     def release(self) -> None:
