@@ -25,6 +25,8 @@ from ..errors import LockLostError
 from .save_policy import Due, Reason
 
 POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
+# saves due by the clock, whose step is nobody's choice: the buffers' sizing postpones them too (see pick)
+BY_TIME = frozenset({Reason.INTERVAL})
 SYNCHRONOUS = frozenset({Reason.PREEMPT, Reason.WALLTIME, Reason.FINAL, Reason.BRANCH, Reason.EMERGENCY})
 STOPS = frozenset({Reason.PREEMPT, Reason.WALLTIME})  # saves racing the grace period: they never wait for stale work
 
@@ -150,6 +152,12 @@ def pick(
 ) -> tuple[Reason | None, Reason | None]:
     """At a safe point: the save to take now (None: none) and the periodic save that stays postponed.
 
+    A periodic save due while a write is in flight waits for the step after it ends. One due by the clock
+    (``checkpoint_interval``) also waits while the staging buffers are being sized, at a process's start: the loop
+    goes on instead of waiting for the sizing (several times a steady save's copy), and the save is taken at the first
+    step after, into touched buffers. A save due at a step count or an epoch's end keeps its step and waits for the
+    sizing (a fraction of a second, once per process).
+
     Args:
         reason: What the save policy says is due (None: nothing).
         job: The kind of the background job in flight, if any.
@@ -157,11 +165,13 @@ def pick(
         postponed: A periodic save postponed earlier.
         dirty: The state changed since the last checkpoint.
     """
-    writing = job is JobKind.SAVE
-    if reason in POSTPONABLE and writing and staging:
+    def waits(r: Reason) -> bool:
+        return staging and (job is JobKind.SAVE and r in POSTPONABLE or job is JobKind.PREPARE and r in BY_TIME)
+
+    if reason is not None and waits(reason):
         return None, reason
-    if reason is None and postponed is not None and not writing and dirty:
-        return postponed, postponed  # the write that postponed it has ended
+    if reason is None and postponed is not None and not waits(postponed) and dirty:
+        return postponed, postponed  # the job that postponed it has ended
     return reason, postponed
 
 

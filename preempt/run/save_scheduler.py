@@ -8,8 +8,9 @@ periodic save postponed behind that job. A save goes down to the checkpoint writ
 thread (:mod:`preempt.run.background`), sharded state written by the ranks' writers (:mod:`preempt.run.sharded_saves`)
 and what came of each save (:mod:`preempt.run.save_outcomes`); its choices, the pure functions of
 :mod:`preempt.run.save_plan` (pick, plan, wake), unit-tested with made-up facts. Periodic saves due while a write is
-in flight are postponed until it ends; best and milestone saves wait for it (they are of their own step); the stop's,
-the final, a branch's and an emergency save are synchronous.
+in flight are postponed until it ends (those due by the clock also while the buffers are being sized); best and
+milestone saves wait for it (they are of their own step); the stop's, the final, a branch's and an emergency save
+are synchronous.
 """
 
 from __future__ import annotations
@@ -169,10 +170,11 @@ class SaveScheduler:
             self.collect()
         bg = self.background
         if bg.prepare_at is not None and self.loop.global_step >= bg.prepare_at and self.job is None:
-            if self.postponed is None:  # the postponed save goes first; its staging sizes the buffers anyway
-                bg.prepare_after(None)
-                # sized for what a save stages: the random generators' states beside the optimizer's moments
-                self._prepare(self.snapshot.tensors() if self.snapshot.sharded else self.snapshot.capture())
+            # before a postponed save too: the save then copies into touched buffers (or, due by the clock, waits
+            # for them: pick), where its own staging would size them in the loop
+            bg.prepare_after(None)
+            # sized for what a save stages: the random generators' states beside the optimizer's moments
+            self._prepare(self.snapshot.tensors() if self.snapshot.sharded else self.snapshot.capture())
 
     def pick(self, reason: Reason | None) -> Reason | None:
         """At a safe point, after :meth:`tend`: the save to take now (see :func:`pick`)."""
@@ -434,7 +436,7 @@ class SaveScheduler:
         ``save_dir`` has none (:func:`preempt.checkpoint.recycle.reserve`).
         """
         manager = self.manager
-        if self.job is not None:
+        if self.job is not None or self.postponed is not None:  # the postponed save would cancel it at once
             return
         wanted = self.sharded is None and manager.owner and manager.retention.recycle
         sizes = self.pool.take(manager.save_dir, wanted=wanted)

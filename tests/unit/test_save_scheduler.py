@@ -38,8 +38,20 @@ def test_best_milestone_and_stop_saves_are_taken_now_even_while_writing(reason):
     assert pick(reason, job=JobKind.SAVE, staging=True, postponed=None, dirty=True) == (reason, None)
 
 
-def test_buffer_sizing_in_flight_postpones_nothing():
-    assert pick(R.STEPS, job=JobKind.PREPARE, staging=True, postponed=None, dirty=True) == (R.STEPS, None)
+def test_buffer_sizing_in_flight_postpones_a_save_due_by_the_clock_until_it_ends():
+    assert pick(R.INTERVAL, job=JobKind.PREPARE, staging=True, postponed=None, dirty=True) == (None, R.INTERVAL)
+    assert pick(None, job=JobKind.PREPARE, staging=True, postponed=R.INTERVAL, dirty=True) == (None, R.INTERVAL)
+    assert pick(None, job=None, staging=True, postponed=R.INTERVAL, dirty=True) == (R.INTERVAL, R.INTERVAL)
+    assert pick(R.INTERVAL, job=JobKind.PREPARE, staging=False, postponed=None, dirty=True) == (R.INTERVAL, None)
+
+
+@pytest.mark.parametrize("reason", [R.STEPS, R.PER_EPOCH, R.BEST, R.MILESTONE, R.PREEMPT, R.WALLTIME])
+def test_buffer_sizing_in_flight_postpones_no_save_of_its_own_step(reason):
+    assert pick(reason, job=JobKind.PREPARE, staging=True, postponed=None, dirty=True) == (reason, None)
+
+
+def test_a_save_postponed_behind_a_write_keeps_its_turn_when_the_buffers_are_sized_next():
+    assert pick(None, job=JobKind.PREPARE, staging=True, postponed=R.STEPS, dirty=True) == (R.STEPS, R.STEPS)
 
 
 def test_without_staging_nothing_is_postponed():
@@ -128,8 +140,8 @@ class FakeWriter:
         self.future.finish()
 
 
-def scheduler(tmp_path, writer: FakeWriter, *, reserve: bool = True, **manager_options):
-    """A scheduler whose buffers are sized; ``reserve``: the pool it then writes ahead is written (else in flight)."""
+def started(tmp_path, writer: FakeWriter, *, optimizer_state_later: bool = False, **manager_options):
+    """A scheduler of a fresh process, its buffers' first sizing in flight on ``writer``."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     loop, data = LoopState(), DataCursor(())
@@ -137,7 +149,13 @@ def scheduler(tmp_path, writer: FakeWriter, *, reserve: bool = True, **manager_o
     snapshot = Snapshot(Components(model), loop, data)
     manager = CheckpointManager(tmp_path, **{"keep_last": None, **manager_options})
     saves = SaveScheduler(manager, loop, snapshot, StopFlag(()), clock=FakeClock(0.0), writer=lambda: writer)
-    saves.start(snapshot.capture(), optimizer_state_later=False)
+    saves.start(snapshot.capture(), optimizer_state_later=optimizer_state_later)
+    return saves, loop, model
+
+
+def scheduler(tmp_path, writer: FakeWriter, *, reserve: bool = True, **manager_options):
+    """A scheduler whose buffers are sized; ``reserve``: the pool it then writes ahead is written (else in flight)."""
+    saves, loop, model = started(tmp_path, writer, **manager_options)
     writer.finish()  # the buffers are sized
     saves.tend()
     saves.idle()  # the end of that safe point: a pool ahead starts
@@ -174,6 +192,44 @@ def test_a_background_save_is_staged_then_written_and_a_periodic_one_waits_for_i
     saves.save(R.STEPS, "step")
     assert saves.postponed is None and writer.submitted == 4  # prepare, the pool ahead, step 1, step 2
     assert writer.joined == 3  # each job whose outcome was taken: its thread is gone
+
+
+def test_a_save_due_by_the_clock_while_the_buffers_are_sized_waits_for_them_not_the_loop(tmp_path):
+    """A fresh process: its buffers are sized at the start and again once the optimizer has state; an interval
+    save due meanwhile is postponed (run.step() returns at once), no pool is started ahead of it, and it is taken
+    into the sized buffers at the first step after the sizing ends."""
+    writer = FakeWriter()
+    saves, loop, _ = started(tmp_path, writer, optimizer_state_later=True)
+    assert saves.job is not None and saves.job.kind is JobKind.PREPARE and saves.prepare_s is None
+    loop.stepped()
+    saves.tend()
+    assert saves.pick(R.INTERVAL) is None and saves.postponed is R.INTERVAL  # sizing in flight: the loop goes on
+    saves.idle()
+    assert writer.submitted == 1  # no pool written ahead of the postponed save
+    writer.finish()
+    loop.stepped()
+    saves.tend()  # the first sizing ended; the second (for the optimizer's state) starts before the save
+    assert saves.prepare_s is not None and saves.job is not None and saves.job.kind is JobKind.PREPARE
+    assert saves.pick(None) is None and saves.postponed is R.INTERVAL
+    writer.finish()
+    loop.stepped()
+    saves.tend()
+    assert saves.job is None and saves.pick(None) is R.INTERVAL
+    saves.save(R.INTERVAL, "step")
+    assert saves.postponed is None and saves.last_save.step == 3 and saves.last_save.background
+    writer.finish()
+    saves.tend()
+    assert on_disk(saves.manager) == [(3, "interval")]
+
+
+@pytest.mark.parametrize("reason", [R.STEPS, R.PER_EPOCH])
+def test_a_save_of_a_step_count_while_the_buffers_are_sized_is_taken_at_its_step(tmp_path, reason):
+    writer = FakeWriter()
+    saves, loop, _ = started(tmp_path, writer)
+    loop.stepped()
+    assert saves.pick(reason) is reason
+    saves.save(reason, "step")  # waits for the sizing, then stages
+    assert saves.last_save.step == 1 and saves.prepare_s is not None
 
 
 def test_a_stop_cancels_a_periodic_write_in_flight_and_saves_synchronously(tmp_path):
