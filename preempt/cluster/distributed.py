@@ -149,6 +149,7 @@ class Coordinator:
         self.group = None if self.backend == "gloo" and not own_group else dist.new_group(backend="gloo")
         self._buf = torch.zeros(3, dtype=torch.int64)
         self.nodes: Nodes | None = None  # set when the ranks' nodes share no save_dir (preempt.cluster.nodes)
+        self.rounds = 0  # the exchanges this rank has waited for (a collective, or a send or receive of its own)
 
     def agree(self, stop: bool, save: int, *, walltime_stop: bool = False) -> Agreement:
         """Combines every rank's stop flag with rank 0's save decision."""
@@ -158,7 +159,7 @@ class Coordinator:
         buf[1] = save if self.rank == 0 else 0
         buf[2] = (big - self.rank) if stop else 0  # MAX picks the lowest signalled rank
         with self._peers("the agreement at a safe point"):
-            _wait(dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+            self._wait(dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         first = int(buf[2])
         return Agreement(bool(buf[0]), int(buf[1]), big - first if first else -1)
 
@@ -166,41 +167,56 @@ class Coordinator:
         """True on every rank when ``flag`` is True on every rank."""
         buf = torch.tensor([1 if flag else 0], dtype=torch.int64)
         with self._peers("an agreement on how to save"):
-            _wait(dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
+            self._wait(dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
         return bool(buf[0])
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` (JSON: tuples arrive as lists), on every rank."""
+        """Rank 0's ``obj`` (JSON: tuples arrive as lists), on every rank: one exchange when it fits in
+        :data:`HEAD` bytes (a directory's name, an outcome), a second for the rest when it does not."""
         with self._peers("a broadcast from rank 0"):
-            mine = _tensor_of(codec.dumps(obj)) if self.rank == 0 else None
-            size = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64)
-            _wait(dist.broadcast(size, src=0, group=self.group, async_op=True))
-            data = torch.empty(int(size[0]), dtype=torch.uint8) if mine is None else mine
-            _wait(dist.broadcast(data, src=0, group=self.group, async_op=True))
-        return obj if self.rank == 0 else codec.loads(data.numpy().tobytes(), "a broadcast from rank 0")
+            data = codec.dumps(obj) if self.rank == 0 else b""
+            head = _framed(data) if self.rank == 0 else torch.empty(HEAD, dtype=torch.uint8)
+            self._wait(dist.broadcast(head, src=0, group=self.group, async_op=True))
+            size = _length(head)
+            rest = None
+            if size > HEAD - _SIZE:  # every rank read that from the head: all take the second exchange
+                rest = _tensor_of(data[HEAD - _SIZE :]) if self.rank == 0 else _empty(size - (HEAD - _SIZE))
+                self._wait(dist.broadcast(rest, src=0, group=self.group, async_op=True))
+        if self.rank == 0:
+            return obj
+        return codec.loads(_body(head, rest), "a broadcast from rank 0")
 
     def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` (JSON), in rank order, on rank 0 (None elsewhere)."""
+        """Every rank's ``obj`` (JSON), in rank order, on rank 0 (None elsewhere): one exchange when each fits in
+        :data:`HEAD` bytes (a rank's files and their digests); the rest of one that does not is sent on its own by
+        its rank, which alone knows it, and received by rank 0, which reads it from that rank's head (a send names a
+        global rank: a coordinator's group holds every rank, in order)."""
         mine = codec.dumps(obj)
         with self._peers("a gather to rank 0"):
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            size = torch.tensor([len(mine)], dtype=torch.int64)
-            _wait(dist.all_gather(sizes, size, group=self.group, async_op=True))
-            longest = max(int(s[0]) for s in sizes)  # gloo gathers equal sizes
-            data = torch.zeros(longest, dtype=torch.uint8)
-            data[: len(mine)] = _tensor_of(mine)
-            pieces = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size if self.rank == 0 else 0)]
-            _wait(dist.gather(data, pieces or None, dst=0, group=self.group, async_op=True))
-        if self.rank != 0:
-            return None
-        return [
-            codec.loads(p[: int(s[0])].numpy().tobytes(), f"rank {r}'s part of a gather")
-            for r, (p, s) in enumerate(zip(pieces, sizes, strict=True))
-        ]
+            heads = [_empty(HEAD) for _ in range(self.world_size)] if self.rank == 0 else None
+            self._wait(dist.gather(_framed(mine), heads, dst=0, group=self.group, async_op=True))
+            if self.rank != 0:
+                if len(mine) > HEAD - _SIZE:
+                    self._wait(dist.isend(_tensor_of(mine[HEAD - _SIZE :]), dst=0, group=self.group))
+                return None
+            assert heads is not None
+            out = []
+            for r, head in enumerate(heads):
+                size, rest = _length(head), None
+                if r != 0 and size > HEAD - _SIZE:
+                    rest = _empty(size - (HEAD - _SIZE))
+                    self._wait(dist.irecv(rest, src=r, group=self.group))
+                out.append(mine if r == 0 else _body(head, rest))
+        return [codec.loads(data, f"rank {r}'s part of a gather") for r, data in enumerate(out)]
 
     def barrier(self) -> None:
         with self._peers("a barrier"):
-            _wait(dist.barrier(group=self.group, async_op=True))
+            self._wait(dist.barrier(group=self.group, async_op=True))
+
+    def _wait(self, work: dist.Work | None) -> None:
+        """Waits for an exchange of this coordinator's (:func:`_wait`), counted in :attr:`rounds`."""
+        self.rounds += 1
+        _wait(work)
 
     @contextlib.contextmanager
     def _peers(self, during: str) -> Iterator[None]:
@@ -271,6 +287,38 @@ def _rebuild(described: tuple[int | None, str]) -> Exception:
 def _tensor_of(data: bytes) -> torch.Tensor:
     """``data`` as a uint8 tensor of its own memory."""
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+# The bytes each rank sends in the first exchange of a broadcast or a gather: its object's size, then as much of the
+# object as fits. What the commit exchanges (a directory's name, a rank's files and their digests, an outcome) fits,
+# so each of those is one exchange rather than two (the size first, then the bytes).
+HEAD = 4096
+_SIZE = 8
+
+
+def _framed(data: bytes) -> torch.Tensor:
+    """A head of :data:`HEAD` bytes: the size of ``data``, then as much of it as fits."""
+    head = torch.zeros(HEAD, dtype=torch.uint8)
+    head[:_SIZE] = _tensor_of(len(data).to_bytes(_SIZE, "little"))
+    part = data[: HEAD - _SIZE]
+    if part:
+        head[_SIZE : _SIZE + len(part)] = _tensor_of(part)
+    return head
+
+
+def _length(head: torch.Tensor) -> int:
+    return int.from_bytes(head[:_SIZE].numpy().tobytes(), "little")
+
+
+def _body(head: torch.Tensor, rest: torch.Tensor | None) -> bytes:
+    """The object's bytes: those in its head, then the rest, sent on its own when it did not fit."""
+    size = _length(head)
+    data = head[_SIZE : _SIZE + min(size, HEAD - _SIZE)].numpy().tobytes()
+    return data if rest is None else data + rest.numpy().tobytes()
+
+
+def _empty(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
 
 
 def save_ranked(

@@ -3,6 +3,9 @@ work done once rather than at every save. No timing: each test counts or compare
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -58,3 +61,49 @@ def test_a_stop_is_one_agreement_when_its_save_is_taken_there(tmp_path, async_sa
             run.step()
     assert info.value.checkpoint is not None and info.value.checkpoint.endswith("step_000000003")
     assert peers.calls == ["agree"]
+
+
+EXCHANGES = """
+import json, sys, torch.distributed as dist
+from preempt.cluster.distributed import HEAD, Coordinator
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+coord = Coordinator()
+seen = []
+
+def rounds(f):
+    before = coord.rounds
+    got = f()
+    seen.append(coord.rounds - before)
+    return got
+
+fits, over = "x" * (HEAD - 8 - 2), "y" * (HEAD - 8 - 1)  # JSON adds the quotes: exactly HEAD - 8 bytes, one more
+big = {"files": {f"f{i}": "d" * 40 for i in range(300)}}
+for obj in ("a name", fits, over, big):
+    assert rounds(lambda: coord.broadcast(obj if rank == 0 else None)) == obj
+for mine in ("small", fits, over, big):
+    got = rounds(lambda: coord.gather(mine))
+    assert got == ([mine, mine] if rank == 0 else None), got
+got = rounds(lambda: coord.gather(big if rank == 0 else "small"))  # rank 0's own needs no exchange
+assert got == ([big, "small"] if rank == 0 else None)
+print(json.dumps(seen))
+dist.destroy_process_group()
+"""
+
+
+def test_the_commit_s_exchanges_are_one_round_each_when_small(tmp_path):
+    """A broadcast or a gather of a small object (what the commit exchanges: a directory's name, a rank's files and
+    their digests, an outcome) is one exchange, not two (its size, then its bytes); a larger one arrives whole in
+    two: a broadcast's rest to every rank, a gather's rest only from the rank it did not fit (2 real gloo ranks)."""
+    script = tmp_path / "exchanges.py"
+    script.write_text(EXCHANGES)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "store"), str(r)], stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    out = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], out
+    # broadcasts: small, fits, one byte over, big; gathers: the same from both ranks; then only rank 0's big
+    assert [json.loads(line) for line in out] == [[1, 1, 2, 2, 1, 1, 2, 2, 1]] * 2
