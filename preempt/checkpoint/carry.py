@@ -153,6 +153,17 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint] 
     return out
 
 
+def unchanged(tensors: Mapping[str, torch.Tensor], recorded: Mapping[str, Fingerprint]) -> bool:
+    """Whether ``tensors`` fingerprint as ``recorded``: fingerprinted one by one, up to the first that does not."""
+    if len(tensors) != len(recorded):
+        return False
+    for key, t in tensors.items():
+        was = recorded.get(key)
+        if was is None or fingerprint(t) != was:
+            return False
+    return True
+
+
 def decide(
     now: Mapping[str, Fingerprint] | None,
     recorded: Mapping[str, Fingerprint] | None,
@@ -281,7 +292,10 @@ class Carrier:
         Fingerprints are taken now, for :meth:`durable` to record once the checkpoint of ``step`` is committed.
         When the guard is due, the carried files are marked for it (``Carry.check``): the writer hashes them
         (:func:`confirm`), in the background for a checkpoint written there. ``urgent`` (a stop's save, racing a
-        grace period) never waits for the guard: it falls to the next checkpoint.
+        grace period) never waits for the guard: it falls to the next checkpoint. Nor does it fingerprint a file
+        past its first changed tensor (a LoRA run's adapters and moments: hundreds of tensors, milliseconds): that
+        file is written, and nothing is recorded of it for a later checkpoint (the run ends with its stop; should
+        the stop's save fail and the run go on, the next checkpoint writes it again).
         """
         if not self.enabled:
             return payload
@@ -289,10 +303,12 @@ class Carrier:
         pending: dict[str, tuple[dict[str, Fingerprint], dict[str, Any]]] = {}
         carried: dict[str, Carry] = {}
         for name, (tensors, meta) in payload.tensor_files.items():
-            now = fingerprints(tensors)
+            src = self.sources.get(name)
+            if urgent and (src is None or not unchanged(tensors, src.prints)):
+                continue  # written (left in tensor_files), unrecorded
+            now = src.prints if urgent and src is not None else fingerprints(tensors)
             if now is not None:
                 pending[name] = (now, dict(tensors))
-            src = self.sources.get(name)
             action, why = decide(
                 now,
                 None if src is None else src.prints,
