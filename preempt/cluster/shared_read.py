@@ -15,9 +15,13 @@ share the work:
 3. **The exchange.** The ranks of one machine (same boot id and host name) read their pieces ``O_DIRECT`` into memory
    they all map (a ``memfd`` of rank 0's, opened by the others through ``/proc``), two reads in flight, and each then
    maps it privately (copy on write: a rank's changes stay its own); each file is hashed once, by one of them
-   (:func:`hashing`). Ranks of several machines, or where that memory cannot be shared, read their pieces into memory
-   of their own and broadcast each as soon as it is read, on a gloo group (CPU tensors,
-   :func:`preempt.cluster.distributed.cpu_group`), and every rank hashes every file.
+   (:func:`hashing`). A rank done with its share takes the pieces another has not begun, from the back of its share
+   (:func:`claim`: a device that serves one process more slowly than another does not hold the others up), and the
+   pages of the files the caller copies out (a model's weights) are mapped in each rank's private view as they land,
+   rather than a fault per page when they are copied (after every file is verified). Ranks of several machines, or
+   where that memory cannot be shared, read their pieces into memory of their own and broadcast each as soon as it
+   is read, on a gloo group (CPU tensors, :func:`preempt.cluster.distributed.cpu_group`), and every rank hashes every
+   file.
 4. **The verdict.** Every file is hashed whole (xxh3-128, the manifest's digest, over the bytes the ranks will use);
    the ranks' findings are gathered and rank 0 broadcasts the first failure: a file that fails its digest (on any
    rank's share), or a share that could not be read, fails the checkpoint for every rank alike, as
@@ -43,7 +47,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,6 +68,7 @@ log = _log.log
 PIECE = 32 << 20  # bytes per piece: a direct read of the device's size, and a broadcast that overlaps the next read
 BLOCK = direct_io.BLOCK
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python names it from 3.14 on
 
 Shared = dict[str, tuple[np.ndarray, FileDigest]]  # a file's name -> its bytes and the digest this rank computed
 
@@ -130,14 +135,22 @@ def plan(sizes: Sequence[int], ranks: int, *, piece: int = PIECE, block: int = B
 
 
 def exchange(
-    talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], *, take_part: bool, machine: str | None = None
+    talk: Talk,
+    where: Path,
+    wanted: Sequence[tuple[str, FileDigest]],
+    *,
+    take_part: bool,
+    machine: str | None = None,
+    copied: Collection[str] = (),
 ) -> Shared:
     """The files ``wanted`` of the checkpoint directory ``where``, read together by every rank (the module
     docstring); {} on every rank when one of them does not take part (each then reads them itself).
 
     A collective: every rank calls it with the same ``wanted``, in the same order. ``machine`` tells this rank's
     machine from the others' (None: its boot's id and its name): the ranks of one machine share memory, the others
-    broadcast.
+    broadcast. ``copied``: the files whose bytes the caller copies out once they are verified (a model's weights,
+    copied into the live model): where the ranks share memory, this rank's view of them is mapped ahead, as each
+    piece lands, so that the copy does not fault in every page (the others' bytes it keeps as they are).
 
     Raises:
         CorruptCheckpointError: On every rank alike: a file is missing, not a regular file, of another size or of
@@ -157,12 +170,13 @@ def exchange(
     memfd, decided = -1, None
     if views is not None:  # rank 0: every rank on this machine shares memory; else they broadcast
         if all(v[0] for v in views) and all(v[1] == views[0][1] for v in views):
-            memfd = _memfd(room)
+            memfd = _memfd(room, plan([d.size for _, d in wanted], len(views)))
         decided = [all(v[0] for v in views), None if memfd < 0 else [os.getpid(), memfd]]
     go, at = talk.broadcast(decided)
     try:
         if go and at is not None:
-            got = _through_memory(talk, where, wanted, room, memfd if rank == 0 else _open_memfd(*at))
+            fd = memfd if rank == 0 else _open_memfd(*at)
+            got = _through_memory(talk, where, wanted, room, fd, copied)
             if got is not None:
                 return got
         return _by_broadcast(talk, where, wanted) if go else {}
@@ -172,7 +186,7 @@ def exchange(
 
 
 def _through_memory(
-    talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], room: int, fd: int
+    talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], room: int, fd: int, copied: Collection[str]
 ) -> Shared | None:
     """The ranks of one machine: each reads its pieces into memory they all map (rank 0's ``memfd``, ``fd`` here; -1
     where it could not be opened), then maps it privately (copy on write: a rank's changes stay its own). None on
@@ -180,14 +194,17 @@ def _through_memory(
     rank = dist.get_rank()
     start = time.monotonic()
     together = own = None
+    locks: list[int] = []  # a descriptor of the memory for each reading thread: the claims' lock (flock) is per open
     try:
         if fd >= 0:
-            together = mmap.mmap(fd, room, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            together = mmap.mmap(fd, room + BLOCK, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             # this rank's own view: not a mapping of a file of the checkpoint (hashed_io.is_mapping), so the
             # optimizer's tensors keep it as it is; nobody else writes or truncates it
             own = hashed_io._Memory(fd, room, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            locks = [os.open(f"/proc/self/fd/{fd}", os.O_RDWR | getattr(os, "O_CLOEXEC", 0)) for _ in range(2)]
     except OSError as e:  # no room for the mappings: every rank broadcasts instead
         log.debug("rank %d: cannot map the memory of the ranks' restore (%s)", rank, e)
+        own = None
     finally:
         if fd >= 0 and rank != 0:
             os.close(fd)
@@ -196,41 +213,114 @@ def _through_memory(
         for m in (together, own):
             if m is not None:
                 m.close()
+        for lock in locks:
+            os.close(lock)
         return None
     starts = [sum(_whole(d.size) for _, d in wanted[:f]) for f in range(len(wanted))]
     sizes = [d.size for _, d in wanted]
     failures: list[tuple[int, str, str]] = []
-    mine = [p for p in plan(sizes, dist.get_world_size()) if p.owner == rank]
+    pieces = plan(sizes, dist.get_world_size())
+    kept, view = {f for f, (name, _) in enumerate(wanted) if name in copied}, own
+    mine: list[Piece] = []  # the pieces this rank read
+
+    def ahead(ps: Sequence[Piece]) -> None:  # this rank's view of the pieces of the files copied out, mapped
+        for p in ps:
+            if p.file in kept:
+                _map_ahead(view, starts[p.file] + p.offset, p.length)
+
+    def read(ps: Sequence[Piece]) -> None:
+        mine.extend(ps)
+        ahead(ps)
+
     with memoryview(together) as whole:
         rooms = [whole[a : a + _whole(d.size)] for a, (_, d) in zip(starts, wanted, strict=True)]
+        claims = _Claims(whole[room : room + BLOCK], pieces, rank)
         # two reads in flight (the device serves several at once), each thread its own descriptors
         second = threading.Thread(
             target=_read_share,
-            args=(where, wanted, rooms, mine[1::2], {}, failures),
+            args=(where, wanted, rooms, claims.pieces(locks[1]), {}, failures, read),
             name="preempt-shared-read",
             daemon=True,
         )
         second.start()
         try:
-            _read_share(where, wanted, rooms, mine[0::2], {}, failures)
+            _read_share(where, wanted, rooms, claims.pieces(locks[0]), {}, failures, read)
         finally:
             second.join()
+            claims.release()
+            for lock in locks:
+                os.close(lock)
         talk.gather(None)  # every rank's pieces are in the memory: a barrier
         talk.broadcast(None)
         exchanged = time.monotonic()
+        # the others' pieces of the files copied out, mapped while this rank hashes
+        done = set(mine)
+        theirs = [p for p in pieces if p not in done]
+        others = threading.Thread(target=ahead, args=(theirs,), name="preempt-map-ahead", daemon=True)
+        others.start()
         # One hash of each file for all: the ranks map the same memory. Hashed here through the shared mapping,
         # whose pages this rank's reads have mapped already (a private mapping would fault each page in first).
         hashers = hashing(sizes, dist.get_world_size())
         found = _hash([np.frombuffer(rooms[f], np.uint8, sizes[f]) for f in range(len(wanted)) if hashers[f] == rank])
         for r in rooms:
             r.release()
-    together.close()
+    others.join()
+    # this rank's pages of the shared view unmapped meanwhile (tens of ms per GiB): its own view stays
+    threading.Thread(target=together.close, name="preempt-unmap", daemon=True).start()
     digests = iter(found)
     mine_found = {f: next(digests) for f in range(len(wanted)) if hashers[f] == rank}
     bufs = [
         np.frombuffer(own, dtype=np.uint8, count=d.size, offset=a) for a, (_, d) in zip(starts, wanted, strict=True)
     ]
     return _verdict(talk, where, wanted, bufs, failures, mine_found, sum(p.length for p in mine), exchanged - start)
+
+
+def claim(rank: int, left: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """Which piece ``rank`` reads next where the ranks of one machine share the work: ``(r, i)``, the ``i``-th piece
+    of rank ``r``'s share (:func:`plan`), or None: nothing left. ``left[r]`` is ``(next, end)``: rank ``r``'s share's
+    pieces ``next`` to ``end`` (exclusive) are not claimed yet. Pure.
+
+    A rank reads its own share from the front; once it is done, it takes the last piece of the share with the most
+    pieces left (the lowest rank among equals), so that a rank the device serves more slowly does not hold the
+    others up, but never a share's first piece: every rank with a share reads a part of it.
+    """
+    first, end = left[rank]
+    if first < end:
+        return rank, first
+    spare = [end - max(first, 1) for first, end in left]  # what may be taken from each share's back
+    most = max(range(len(left)), key=lambda r: (spare[r], -r))
+    return (most, left[most][1] - 1) if spare[most] > 0 else None
+
+
+class _Claims:
+    """The pieces the ranks of one machine claim (:func:`claim`), in a block of the memory they share: each rank's
+    ``(next, end)``, read and changed under a lock (``flock`` of a descriptor of that memory: a thread's own)."""
+
+    def __init__(self, block: memoryview, pieces: Sequence[Piece], rank: int) -> None:
+        self.ranks = max((p.owner for p in pieces), default=0) + 1
+        self.left = np.frombuffer(block, dtype=np.int64, count=2 * self.ranks).reshape(self.ranks, 2)
+        self.shares = [[p for p in pieces if p.owner == r] for r in range(self.ranks)]
+        self.rank = rank
+
+    def pieces(self, lock: int) -> Iterator[Piece]:
+        """The pieces this thread reads, each claimed as the one before is read."""
+        while True:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                got = claim(self.rank, [(int(a), int(b)) for a, b in self.left])
+                if got is None:
+                    return
+                r, i = got
+                if r == self.rank:
+                    self.left[r, 0] = i + 1  # from the front of its own share
+                else:
+                    self.left[r, 1] = i  # from the back of another's
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            yield self.shares[r][i]
+
+    def release(self) -> None:
+        del self.left  # the view of the shared memory, before it is unmapped
 
 
 def hashing(sizes: Sequence[int], ranks: int) -> list[int]:
@@ -338,15 +428,19 @@ def _machine() -> str:
     return f"{socket.gethostname()} {boot}"
 
 
-def _memfd(size: int) -> int:
+def _memfd(size: int, pieces: Sequence[Piece]) -> int:
     """Rank 0: anonymous memory of ``size`` bytes that the other ranks of this machine open
-    (``/proc/<pid>/fd/<fd>``); gone when the last rank unmaps it, whatever happens. -1 where there is none."""
+    (``/proc/<pid>/fd/<fd>``), and after it a block where they claim the ``pieces`` (:class:`_Claims`), each rank
+    its own share to begin with; gone when the last rank unmaps it, whatever happens. -1 where there is none."""
     try:
         fd = os.memfd_create("preempt-restore", getattr(os, "MFD_CLOEXEC", 0))
     except (AttributeError, OSError):
         return -1
     try:
-        os.ftruncate(fd, size)
+        os.ftruncate(fd, size + BLOCK)
+        ranks = max((p.owner for p in pieces), default=0) + 1
+        shares = [sum(p.owner == r for p in pieces) for r in range(ranks)]
+        os.pwrite(fd, np.array([[0, n] for n in shares], dtype=np.int64).tobytes(), size)
     except OSError:
         os.close(fd)
         return -1
@@ -387,13 +481,14 @@ def _read_share(
     where: Path,
     wanted: Sequence[tuple[str, FileDigest]],
     rooms: list[memoryview],
-    mine: list[Piece],
+    mine: Iterable[Piece],
     ready: Mapping[Piece, threading.Event],
     failures: list[tuple[int, str, str]],
+    read: Callable[[Sequence[Piece]], None] | None = None,
 ) -> None:
-    """This rank's pieces, read in order into ``rooms`` (each file's memory, in whole blocks); each piece's event
-    in ``ready`` set once read (or failed: the failure is in ``failures``, and the piece holds what it holds; the
-    verdict fails the checkpoint)."""
+    """This rank's pieces (as claimed), read in order into ``rooms`` (each file's memory, in whole blocks); each
+    piece's event in ``ready`` set once read (or failed: the failure is in ``failures``, and the piece holds what it
+    holds; the verdict fails the checkpoint); ``read`` told of each piece read."""
     fds: dict[int, int] = {}
     failed: set[int] = set()
     try:
@@ -404,6 +499,8 @@ def _read_share(
                     if p.file not in fds:
                         fds[p.file] = _open(path, wanted[p.file][1].size)
                     _read_piece(fds[p.file], rooms[p.file], p)
+                    if read is not None:
+                        read([p])
                 except (OSError, MemoryError, CorruptCheckpointError) as e:
                     failed.add(p.file)
                     error = e if isinstance(e, CorruptCheckpointError) else files.read_error(path, e)
@@ -462,6 +559,16 @@ def _read_piece(fd: int, whole: memoryview, p: Piece) -> None:
         if n <= 0:
             raise OSError(errno.EIO, f"the file ended at {at} bytes while being read")
         done += n
+
+
+def _map_ahead(memory: mmap.mmap, start: int, length: int) -> None:
+    """The pages of ``length`` bytes of ``memory`` from ``start`` (a multiple of the page size) mapped for reading
+    now (``MADV_POPULATE_READ``: one call, rather than a fault per page when they are copied); where the system has
+    no such advice, they are mapped as they are first read, as before."""
+    try:
+        memory.madvise(_MADV_POPULATE_READ, start, -(-length // mmap.PAGESIZE) * mmap.PAGESIZE)
+    except (OSError, ValueError):
+        pass
 
 
 def _hash(bufs: Sequence[np.ndarray]) -> list[FileDigest]:

@@ -55,6 +55,7 @@ from .snapshot import Snapshot
 log = _log.log
 
 Checked = tuple[rng.RngState, rng.RngState | None]  # a checked checkpoint's RNG states: now, its epoch's start
+COPIED = (state.MODEL_FILE, state.BASE_FILE)  # the files whose tensors applying copies into the live model
 
 
 SHARED_SAVE_DIR = (
@@ -403,7 +404,7 @@ class Starter:
             return {}
         offer = {"path": str(where), "files": [[n, listed[n].size, listed[n].xxh3_128] for n in names]}
         self.peers.broadcast(("share", {**offer, "holder": self._holder}, False, None))
-        return shared_read.exchange(self.peers, where, _wanted(offer), take_part=True)
+        return shared_read.exchange(self.peers, where, _wanted(offer), take_part=True, copied=COPIED)
 
     def _serve(self, offer: dict[str, Any]) -> tuple[CheckpointInfo, state.Loaded] | None:
         """A rank other than 0: reads rank 0's offered checkpoint with it (:meth:`_offer`), then the rest of it (its
@@ -419,7 +420,7 @@ class Starter:
             if info is not None and (info.status != "valid" or any(info.valid.files.get(n) != d for n, d in wanted)):
                 info = None
         try:
-            got = shared_read.exchange(self.peers, path, wanted, take_part=info is not None)
+            got = shared_read.exchange(self.peers, path, wanted, take_part=info is not None, copied=COPIED)
         except (CorruptCheckpointError, CheckpointUnreadableError) as e:
             log.debug("rank %d: %s (rank 0 falls back or stops)", rank, e)
             return None

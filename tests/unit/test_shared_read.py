@@ -1,5 +1,6 @@
-"""The ranks' restore together: which rank reads which bytes (``shared_read.plan``, pure), and a restore's files
-taken from another source than the disk, still checked against the manifest (``files.reading_from``)."""
+"""The ranks' restore together: which rank reads which bytes (``shared_read.plan``, pure), which piece a rank of one
+machine claims next (``shared_read.claim``, pure), and a restore's files taken from another source than the disk,
+still checked against the manifest (``files.reading_from``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import xxhash
 
 from preempt.checkpoint import files
 from preempt.checkpoint.hashed_io import FileDigest
-from preempt.cluster.shared_read import Piece, hashing, plan
+from preempt.cluster.shared_read import Piece, claim, hashing, plan
 from preempt.errors import CorruptCheckpointError
 
 BLOCK = 4096
@@ -105,3 +106,36 @@ def test_a_given_file_of_another_digest_is_damage(tmp_path):
 def test_files_in_memory_all_ranks_map_are_hashed_once_the_largest_first_to_the_least_loaded_rank():
     assert hashing([10, 700, 300, 5], 2) == [1, 0, 1, 1]
     assert hashing([4, 4], 3) == [0, 1] and hashing([], 2) == [] and hashing([9, 1], 1) == [0, 0]
+
+
+def test_a_rank_reads_its_own_share_from_the_front_first():
+    assert claim(0, [(0, 3), (0, 3)]) == (0, 0)
+    assert claim(1, [(3, 3), (1, 3)]) == (1, 1)
+
+
+def test_a_rank_done_with_its_share_takes_the_last_piece_of_the_share_with_the_most_left():
+    """A rank the device serves more slowly does not hold the others up: what it has not begun is read by another."""
+    assert claim(0, [(3, 3), (1, 5), (2, 4)]) == (1, 4)
+    assert claim(2, [(1, 4), (1, 4), (2, 2)]) == (0, 3)  # equals: the lowest rank's
+
+
+def test_a_shares_first_piece_is_never_taken_and_nothing_is_claimed_twice():
+    """Every rank with a share reads a part of it (its first piece), however slowly it starts."""
+    assert claim(0, [(2, 2), (0, 1)]) is None
+    assert claim(0, [(2, 2), (0, 2)]) == (1, 1)
+    assert claim(1, [(0, 0), (4, 4)]) is None
+
+
+@pytest.mark.parametrize("order", [[0, 0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 0, 0], [0, 1, 0, 1, 0, 1, 0]])
+def test_whatever_the_order_of_the_claims_every_piece_is_read_once(order):
+    left = [(0, 4), (0, 3)]
+    taken = []
+    for rank in order + [0, 1] * 8:
+        got = claim(rank, left)
+        if got is None:
+            continue
+        r, i = got
+        taken.append((r, i))
+        first, end = left[r]
+        left[r] = (i + 1, end) if r == rank else (first, i)
+    assert sorted(taken) == [(0, i) for i in range(4)] + [(1, i) for i in range(3)]
