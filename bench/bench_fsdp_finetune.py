@@ -7,6 +7,7 @@ Run from the repository root::
     python bench/bench_fsdp_finetune.py --base_gib 0.06 # a smoke run (~1 min)
     python bench/bench_fsdp_finetune.py --nproc 2 --base_gib 2 --saves 4
     python bench/bench_fsdp_finetune.py --trials 5 --profile  # 5 stops per way; each rank's stop, phase by phase
+    python bench/bench_fsdp_finetune.py --ways 2 --trials 9   # preempt carrying the base alone (and the raw write)
 
 Re-launches itself under ``torch.distributed.run --standalone``. The model is a stack of bias-free square linear
 layers (``--dim`` wide), frozen, each with a LoRA adapter beside it (``a``: r x dim, ``b``: dim x r, trained),
@@ -296,7 +297,7 @@ def phase_table(name: str, per_rank: list[list[list[tuple[str, float, float]]]])
         print("| " + " | ".join(cells) + " |")
 
 
-def worker(base_gib: float, dim: int, saves: int, root: str, trials: int, profiled: bool) -> None:
+def worker(base_gib: float, dim: int, saves: int, root: str, trials: int, profiled: bool, only: set[int]) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -315,12 +316,13 @@ def worker(base_gib: float, dim: int, saves: int, root: str, trials: int, profil
     profile = Profile() if profiled else None
     if profile is not None and profile.missing and rank == 0:
         print(f"--profile: not timed (not found): {', '.join(profile.missing)}")
-    rows = {
-        "1. preempt, carry_unchanged=False": preempt_way(model, opt, root, saves, False, trials, profile),
-        "2. preempt, the base carried (default)": preempt_way(model, opt, root, saves, True, trials, profile),
-        "3. DCP save, get_state_dict(model, opt)": dcp_way(model, opt, root, saves, frozen=True),
-        "4. DCP save, ignore_frozen_params=True": dcp_way(model, opt, root, saves, frozen=False),
+    ways = {
+        "1. preempt, carry_unchanged=False": lambda: preempt_way(model, opt, root, saves, False, trials, profile),
+        "2. preempt, the base carried (default)": lambda: preempt_way(model, opt, root, saves, True, trials, profile),
+        "3. DCP save, get_state_dict(model, opt)": lambda: dcp_way(model, opt, root, saves, frozen=True),
+        "4. DCP save, ignore_frozen_params=True": lambda: dcp_way(model, opt, root, saves, frozen=False),
     }
+    rows = {name: run() for name, run in ways.items() if int(name[0]) in only}
     raw = raw_write(changed, root)
     profiles: dict[str, list[Any]] = {}
     for name, r in rows.items():
@@ -359,18 +361,22 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--trials", type=int, default=1, help="stops per preempt way (SIGTERM -> durable: their median)")
     p.add_argument("--profile", action="store_true", help="each rank's stop, phase by phase")
+    p.add_argument("--ways", default="1,2,3,4", help="the ways to run, by number (e.g. 2: preempt carrying alone)")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory in bench/)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    only = {int(w) for w in args.ways.split(",") if w.strip().isdigit()}
     if args.nproc < 2 or args.base_gib <= 0 or args.dim < 16 or args.saves < 1 or args.trials < 1:
         p.error("--nproc >= 2, --base_gib > 0, --dim >= 16, --saves >= 1, --trials >= 1")
+    if not only or not only <= {1, 2, 3, 4}:
+        p.error(f"--ways {args.ways!r}: expected numbers among 1,2,3,4 separated by commas")
     if args.worker:
-        worker(args.base_gib, args.dim, args.saves, args.dir, args.trials, args.profile)
+        worker(args.base_gib, args.dim, args.saves, args.dir, args.trials, args.profile, only)
         return
     with tempfile.TemporaryDirectory(dir=args.dir or os.path.dirname(os.path.abspath(__file__))) as root:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
         cmd += [__file__, "--worker", "--base_gib", str(args.base_gib), "--dim", str(args.dim)]
-        cmd += ["--saves", str(args.saves), "--trials", str(args.trials), "--dir", root]
+        cmd += ["--saves", str(args.saves), "--trials", str(args.trials), "--ways", args.ways, "--dir", root]
         cmd += ["--profile"] if args.profile else []
         # this tree's preempt, whatever is installed
         path = os.pathsep.join(
