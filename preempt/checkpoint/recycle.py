@@ -31,6 +31,7 @@ that comes meanwhile cancels it and writes over what it had written.
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from collections.abc import Iterable, Iterator, Mapping
@@ -127,7 +128,11 @@ def reserve(save_dir: Path, sizes: Mapping[str, int]) -> Path:
 
 
 def _zeros(size: int) -> Iterator[memoryview]:
-    block = memoryview(bytes(min(size, hashed_io.WRITE_CHUNK)))
+    """``size`` zero bytes, from one page-aligned block: an anonymous mapping, which holds no memory of its own
+    while it is only read. Aligned, the pool goes to the disk without the page cache (:mod:`~.direct_io`), so a
+    save that cancels it writes over its blocks without the kernel first writing back the zeros still dirty in the
+    page cache over the same range (what a direct write over cached pages makes it do)."""
+    block = memoryview(mmap.mmap(-1, max(1, min(size, hashed_io.WRITE_CHUNK))))  # closed when collected
     while size > 0:
         yield block[: min(size, block.nbytes)]
         size -= block.nbytes

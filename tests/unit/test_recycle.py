@@ -8,6 +8,7 @@ through a planted symlink, hard link or FIFO, and never keeps more than one prun
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import direct_io_supported
 from test_checkpoint import objects
 
 from preempt.checkpoint import cancel, hashed_io, recycle
@@ -239,3 +241,17 @@ def test_a_cancelled_write_gives_back_what_it_took_and_one_pool_stays(tmp_path):
     (pool,) = recycle.pools(tmp_path)  # one pool: the one with the most to write over
     assert recycle.file_bytes(pool) == whole
     assert names(tmp_path) == [pool.name, "step_000000002"]
+
+
+def test_a_pool_is_written_past_the_page_cache_so_a_save_over_it_flushes_nothing(tmp_path, caplog):
+    """A direct write over pages still dirty in the page cache makes the kernel write them back first: a stop that
+    cancels a pool being written would pay for the pool's zeros. Written direct, the pool leaves none."""
+    caplog.set_level(logging.DEBUG, logger="preempt")
+    sizes = {"state.safetensors": (9 << 20) + 123, "model.safetensors": 5 << 20, "rng.safetensors": 10}
+    pool = recycle.reserve(tmp_path, sizes)
+    assert {f.name: f.stat().st_size for f in pool.iterdir()} == sizes
+    assert all(not any(f.read_bytes()) for f in pool.iterdir())  # zeros
+    direct = {Path(r.args[0]).name: r.args[1] for r in caplog.records if "bypassed the page cache" in r.getMessage()}
+    if direct_io_supported(tmp_path):
+        assert direct == {"state.safetensors": 9 << 20, "model.safetensors": 5 << 20}  # all but the unaligned tail
+
