@@ -765,7 +765,7 @@ def run_sigterm(args: argparse.Namespace, work: Path, gib: float, step_s: float,
     out: dict[str, Any] = {"gib": gib, "inflight_every_steps": every, **{v: [] for v, _ in SIGTERM_VARIANTS}}
     t0 = perf()
     for i in range(args.repeats):
-        for how in ("", "+live"):
+        for how in ("",) if "live" in args.skip else ("", "+live"):
             fresh, job = work / f"sigterm_{gib:g}_fresh_{i}", work / f"sigterm_{gib:g}_job_{i}"
             for v, steps, delay, d in (
                 ("idle", 0, lambda: rng.uniform(0.2, 1.0), fresh),
@@ -970,6 +970,8 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
             w(f"   {v}: {label}")
         for v, _ in SIGTERM_VARIANTS:
             ts = s[v]
+            if not ts:  # --skip live
+                continue
             k2d = [t["kill_to_durable_s"] for t in ts]
             k2e = [t["kill_to_exit_s"] for t in ts]
             save = [t["stop_save_s"] for t in ts if t["stop_save_s"] is not None]
@@ -1047,7 +1049,13 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="torch threads per process (default 1; 0 = torch's own, one per core; see bench/README.md)",
     )
-    ap.add_argument("--skip", nargs="*", default=[], choices=("e2e", "sigterm"), help="leave out rows 5 and/or 6")
+    ap.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=("e2e", "sigterm", "live"),
+        help="leave out rows 5 and/or 6, or row 6's +live trials (half its time)",
+    )
     ap.add_argument("--only", choices=CHILD_PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
