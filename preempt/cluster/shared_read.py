@@ -65,6 +65,7 @@ from . import distributed
 
 log = _log.log
 
+_POLL = 0.002  # seconds between two looks at whether a piece a rank hashes is read yet
 PIECE = 32 << 20  # bytes per piece: a direct read of the device's size, and a broadcast that overlaps the next read
 BLOCK = direct_io.BLOCK
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -170,7 +171,7 @@ def exchange(
     memfd, decided = -1, None
     if views is not None:  # rank 0: every rank on this machine shares memory; else they broadcast
         if all(v[0] for v in views) and all(v[1] == views[0][1] for v in views):
-            memfd = _memfd(room, plan([d.size for _, d in wanted], len(views)))
+            memfd = _memfd(room, plan([d.size for _, d in wanted], len(views)), len(views))
         decided = [all(v[0] for v in views), None if memfd < 0 else [os.getpid(), memfd]]
     go, at = talk.broadcast(decided)
     try:
@@ -191,13 +192,16 @@ def _through_memory(
     """The ranks of one machine: each reads its pieces into memory they all map (rank 0's ``memfd``, ``fd`` here; -1
     where it could not be opened), then maps it privately (copy on write: a rank's changes stay its own). None on
     every rank when one could not open or map it (they broadcast instead)."""
-    rank = dist.get_rank()
+    rank, ranks = dist.get_rank(), dist.get_world_size()
     start = time.monotonic()
+    sizes = [d.size for _, d in wanted]
+    pieces = plan(sizes, ranks)
     together = own = None
     locks: list[int] = []  # a descriptor of the memory for each reading thread: the claims' lock (flock) is per open
     try:
         if fd >= 0:
-            together = mmap.mmap(fd, room + BLOCK, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            size = room + _Claims.size(ranks, len(pieces))
+            together = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             # this rank's own view: not a mapping of a file of the checkpoint (hashed_io.is_mapping), so the
             # optimizer's tensors keep it as it is; nobody else writes or truncates it
             own = hashed_io._Memory(fd, room, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -217,9 +221,7 @@ def _through_memory(
             os.close(lock)
         return None
     starts = [sum(_whole(d.size) for _, d in wanted[:f]) for f in range(len(wanted))]
-    sizes = [d.size for _, d in wanted]
     failures: list[tuple[int, str, str]] = []
-    pieces = plan(sizes, dist.get_world_size())
     kept, view = {f for f, (name, _) in enumerate(wanted) if name in copied}, own
     mine: list[Piece] = []  # the pieces this rank read
 
@@ -228,13 +230,33 @@ def _through_memory(
             if p.file in kept:
                 _map_ahead(view, starts[p.file] + p.offset, p.length)
 
-    def read(ps: Sequence[Piece]) -> None:
-        mine.extend(ps)
-        ahead(ps)
+    # One hash of each file for all: the ranks map the same memory. Each file hashed through the shared mapping by
+    # one rank (hashing), piece by piece as the ranks read them, whichever reads each.
+    hashers = hashing(sizes, ranks)
+    found: dict[int, FileDigest] = {}
+    stop = threading.Event()
 
     with memoryview(together) as whole:
         rooms = [whole[a : a + _whole(d.size)] for a, (_, d) in zip(starts, wanted, strict=True)]
-        claims = _Claims(whole[room : room + BLOCK], pieces, rank)
+        claims = _Claims(whole[room:], pieces, rank, ranks)
+
+        def read(ps: Sequence[Piece]) -> None:
+            mine.extend(ps)
+            claims.read(ps)
+            ahead(ps)
+            for p in ps:  # this rank's pages of the shared view, let go while the device reads (the hasher's: hashed)
+                if hashers[p.file] != rank:
+                    _let_go(together, starts[p.file] + p.offset, p.length)
+
+        def hashed(p: Piece) -> None:
+            _let_go(together, starts[p.file] + p.offset, p.length)
+
+        hasher = threading.Thread(
+            target=claims.hash,
+            args=(rooms, [f for f in range(len(wanted)) if hashers[f] == rank], sizes, found, stop, hashed),
+            name="preempt-shared-hash",
+            daemon=True,
+        )
         # two reads in flight (the device serves several at once), each thread its own descriptors
         second = threading.Thread(
             target=_read_share,
@@ -242,33 +264,35 @@ def _through_memory(
             name="preempt-shared-read",
             daemon=True,
         )
-        second.start()
         try:
-            _read_share(where, wanted, rooms, claims.pieces(locks[0]), {}, failures, read)
+            hasher.start()
+            second.start()
+            try:
+                _read_share(where, wanted, rooms, claims.pieces(locks[0]), {}, failures, read)
+            finally:
+                second.join()
+                for lock in locks:
+                    os.close(lock)
+            talk.gather(None)  # every rank's pieces are in the memory: a barrier
+            talk.broadcast(None)
+            exchanged = time.monotonic()
+            # the others' pieces of the files copied out, mapped while the last pieces are hashed
+            done = set(mine)
+            others = threading.Thread(
+                target=ahead, args=([p for p in pieces if p not in done],), name="preempt-map-ahead", daemon=True
+            )
+            others.start()
+            hasher.join()
+            others.join()
         finally:
-            second.join()
+            stop.set()  # another rank lost: nothing more to wait for
+            if hasher.is_alive():
+                hasher.join()
             claims.release()
-            for lock in locks:
-                os.close(lock)
-        talk.gather(None)  # every rank's pieces are in the memory: a barrier
-        talk.broadcast(None)
-        exchanged = time.monotonic()
-        # the others' pieces of the files copied out, mapped while this rank hashes
-        done = set(mine)
-        theirs = [p for p in pieces if p not in done]
-        others = threading.Thread(target=ahead, args=(theirs,), name="preempt-map-ahead", daemon=True)
-        others.start()
-        # One hash of each file for all: the ranks map the same memory. Hashed here through the shared mapping,
-        # whose pages this rank's reads have mapped already (a private mapping would fault each page in first).
-        hashers = hashing(sizes, dist.get_world_size())
-        found = _hash([np.frombuffer(rooms[f], np.uint8, sizes[f]) for f in range(len(wanted)) if hashers[f] == rank])
-        for r in rooms:
-            r.release()
-    others.join()
-    # this rank's pages of the shared view unmapped meanwhile (tens of ms per GiB): its own view stays
-    threading.Thread(target=together.close, name="preempt-unmap", daemon=True).start()
-    digests = iter(found)
-    mine_found = {f: next(digests) for f in range(len(wanted)) if hashers[f] == rank}
+            for r in rooms:
+                r.release()
+    together.close()  # its pages let go of already (tens of ms per GiB at once): this rank's own view stays
+    mine_found = found
     bufs = [
         np.frombuffer(own, dtype=np.uint8, count=d.size, offset=a) for a, (_, d) in zip(starts, wanted, strict=True)
     ]
@@ -292,15 +316,59 @@ def claim(rank: int, left: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
     return (most, left[most][1] - 1) if spare[most] > 0 else None
 
 
-class _Claims:
-    """The pieces the ranks of one machine claim (:func:`claim`), in a block of the memory they share: each rank's
-    ``(next, end)``, read and changed under a lock (``flock`` of a descriptor of that memory: a thread's own)."""
+def reading_order(pieces: Sequence[Piece], ranks: int) -> list[list[Piece]]:
+    """Each rank's share of ``pieces`` (:func:`plan`) in the order it reads them: by their offset in their files, so
+    that the ranks that hash the files (:func:`hashing`) find each file's beginning read early, whichever ranks read
+    it. Pure."""
+    return [sorted((p for p in pieces if p.owner == r), key=lambda p: (p.offset, p.file)) for r in range(ranks)]
 
-    def __init__(self, block: memoryview, pieces: Sequence[Piece], rank: int) -> None:
-        self.ranks = max((p.owner for p in pieces), default=0) + 1
-        self.left = np.frombuffer(block, dtype=np.int64, count=2 * self.ranks).reshape(self.ranks, 2)
-        self.shares = [[p for p in pieces if p.owner == r] for r in range(self.ranks)]
+
+class _Claims:
+    """The pieces the ranks of one machine claim (:func:`claim`), in the blocks after the memory they share: each
+    rank's ``(next, end)``, read and changed under a lock (``flock`` of a descriptor of that memory: a thread's own),
+    then one flag per piece, set once it is read (or failed: the verdict fails the checkpoint)."""
+
+    def __init__(self, blocks: memoryview, pieces: Sequence[Piece], rank: int, ranks: int) -> None:
+        self.left = np.frombuffer(blocks, dtype=np.int64, count=2 * ranks).reshape(ranks, 2)
+        self.flags = np.frombuffer(blocks, dtype=np.int64, count=len(pieces), offset=16 * ranks)
+        self.index = {p: i for i, p in enumerate(pieces)}
+        self.shares = reading_order(pieces, ranks)
         self.rank = rank
+
+    @staticmethod
+    def size(ranks: int, pieces: int) -> int:
+        """The bytes of the blocks: ``(next, end)`` for each rank, a flag for each piece."""
+        return _whole(8 * (2 * ranks + pieces))
+
+    def read(self, pieces: Sequence[Piece]) -> None:
+        for p in pieces:
+            self.flags[self.index[p]] = 1
+
+    def hash(
+        self,
+        rooms: Sequence[memoryview],
+        files: Sequence[int],
+        sizes: Sequence[int],
+        found: dict[int, FileDigest],
+        stop: threading.Event,
+        hashed: Callable[[Piece], None],
+    ) -> None:
+        """The digests of ``files`` into ``found``, each piece hashed once a rank has read it, in order (``hashed``
+        told of each); back when ``stop`` is set."""
+        by_file: dict[int, list[tuple[int, Piece]]] = {f: [] for f in files}
+        for p in self.index:
+            if p.file in by_file:
+                by_file[p.file].append((p.offset, p))
+        for f in files:
+            digest = xxhash.xxh3_128()
+            for _, p in sorted(by_file[f]):
+                while not self.flags[self.index[p]]:
+                    if stop.wait(_POLL):
+                        return
+                for at in range(p.offset, p.offset + p.length, hashed_io.LOAD_CHUNK):
+                    digest.update(rooms[f][at : min(at + hashed_io.LOAD_CHUNK, p.offset + p.length)])
+                hashed(p)
+            found[f] = FileDigest(sizes[f], digest.hexdigest())
 
     def pieces(self, lock: int) -> Iterator[Piece]:
         """The pieces this thread reads, each claimed as the one before is read."""
@@ -320,7 +388,7 @@ class _Claims:
             yield self.shares[r][i]
 
     def release(self) -> None:
-        del self.left  # the view of the shared memory, before it is unmapped
+        del self.left, self.flags  # the views of the shared memory, before it is unmapped
 
 
 def hashing(sizes: Sequence[int], ranks: int) -> list[int]:
@@ -428,17 +496,17 @@ def _machine() -> str:
     return f"{socket.gethostname()} {boot}"
 
 
-def _memfd(size: int, pieces: Sequence[Piece]) -> int:
+def _memfd(size: int, pieces: Sequence[Piece], ranks: int) -> int:
     """Rank 0: anonymous memory of ``size`` bytes that the other ranks of this machine open
-    (``/proc/<pid>/fd/<fd>``), and after it a block where they claim the ``pieces`` (:class:`_Claims`), each rank
-    its own share to begin with; gone when the last rank unmaps it, whatever happens. -1 where there is none."""
+    (``/proc/<pid>/fd/<fd>``), and after it the blocks where they claim the ``pieces`` and say which are read
+    (:class:`_Claims`), each rank its own share to begin with; gone when the last rank unmaps it, whatever happens.
+    -1 where there is none."""
     try:
         fd = os.memfd_create("preempt-restore", getattr(os, "MFD_CLOEXEC", 0))
     except (AttributeError, OSError):
         return -1
     try:
-        os.ftruncate(fd, size + BLOCK)
-        ranks = max((p.owner for p in pieces), default=0) + 1
+        os.ftruncate(fd, size + _Claims.size(ranks, len(pieces)))
         shares = [sum(p.owner == r for p in pieces) for r in range(ranks)]
         os.pwrite(fd, np.array([[0, n] for n in shares], dtype=np.int64).tobytes(), size)
     except OSError:
@@ -488,7 +556,7 @@ def _read_share(
 ) -> None:
     """This rank's pieces (as claimed), read in order into ``rooms`` (each file's memory, in whole blocks); each
     piece's event in ``ready`` set once read (or failed: the failure is in ``failures``, and the piece holds what it
-    holds; the verdict fails the checkpoint); ``read`` told of each piece read."""
+    holds; the verdict fails the checkpoint); ``read`` told of each piece once done with (read, or failed)."""
     fds: dict[int, int] = {}
     failed: set[int] = set()
     try:
@@ -499,13 +567,13 @@ def _read_share(
                     if p.file not in fds:
                         fds[p.file] = _open(path, wanted[p.file][1].size)
                     _read_piece(fds[p.file], rooms[p.file], p)
-                    if read is not None:
-                        read([p])
                 except (OSError, MemoryError, CorruptCheckpointError) as e:
                     failed.add(p.file)
                     error = e if isinstance(e, CorruptCheckpointError) else files.read_error(path, e)
                     kind = "unreadable" if isinstance(error, CheckpointUnreadableError) else "corrupt"
                     failures.append((p.file, kind, str(error)))
+            if read is not None:
+                read([p])
             if p in ready:
                 ready[p].set()
     finally:
@@ -567,6 +635,16 @@ def _map_ahead(memory: mmap.mmap, start: int, length: int) -> None:
     no such advice, they are mapped as they are first read, as before."""
     try:
         memory.madvise(_MADV_POPULATE_READ, start, -(-length // mmap.PAGESIZE) * mmap.PAGESIZE)
+    except (OSError, ValueError):
+        pass
+
+
+def _let_go(memory: mmap.mmap, start: int, length: int) -> None:
+    """This process's mapping of ``length`` bytes of the shared ``memory`` from ``start`` undone (``MADV_DONTNEED``:
+    the bytes stay in the memory, read again on the next access), so that unmapping it all at the end, which takes
+    the process's memory map for as long, has little left to do."""
+    try:
+        memory.madvise(mmap.MADV_DONTNEED, start, length // mmap.PAGESIZE * mmap.PAGESIZE)
     except (OSError, ValueError):
         pass
 

@@ -10,7 +10,7 @@ import xxhash
 
 from preempt.checkpoint import files
 from preempt.checkpoint.hashed_io import FileDigest
-from preempt.cluster.shared_read import Piece, claim, hashing, plan
+from preempt.cluster.shared_read import Piece, claim, hashing, plan, reading_order
 from preempt.errors import CorruptCheckpointError
 
 BLOCK = 4096
@@ -139,3 +139,14 @@ def test_whatever_the_order_of_the_claims_every_piece_is_read_once(order):
         first, end = left[r]
         left[r] = (i + 1, end) if r == rank else (first, i)
     assert sorted(taken) == [(0, i) for i in range(4)] + [(1, i) for i in range(3)]
+
+
+def test_a_share_is_read_by_the_pieces_offsets_so_that_every_file_is_hashed_from_its_beginning_early():
+    """Rank 0's share holds a whole file and the head of the next: it reads both heads first, so that the ranks that
+    hash them can begin as soon as the first pieces are in, rather than once every share is read."""
+    piece = 4 * BLOCK
+    pieces = plan([12 * BLOCK, 20 * BLOCK], 2, piece=piece, block=BLOCK)
+    first, second = reading_order(pieces, 2)
+    assert [(p.file, p.offset) for p in first] == [(0, 0), (1, 0), (0, piece), (0, 2 * piece)]
+    assert [(p.file, p.offset) for p in second] == [(1, 4 * BLOCK), (1, 8 * BLOCK), (1, 12 * BLOCK), (1, 16 * BLOCK)]
+    assert sorted(first + second, key=pieces.index) == pieces
