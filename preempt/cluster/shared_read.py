@@ -15,13 +15,13 @@ share the work:
 3. **The exchange.** The ranks of one machine (same boot id and host name) read their pieces ``O_DIRECT`` into memory
    they all map (a ``memfd`` of rank 0's, opened by the others through ``/proc``), two reads in flight, and each then
    maps it privately (copy on write: a rank's changes stay its own); each file is hashed once, by one of them
-   (:func:`hashing`). A rank done with its share takes the pieces another has not begun, from the back of its share
-   (:func:`claim`: a device that serves one process more slowly than another does not hold the others up), and the
-   pages of the files the caller copies out (a model's weights) are mapped in each rank's private view as they land,
-   rather than a fault per page when they are copied (after every file is verified). Ranks of several machines, or
-   where that memory cannot be shared, read their pieces into memory of their own and broadcast each as soon as it
-   is read, on a gloo group (CPU tensors, :func:`preempt.cluster.distributed.cpu_group`), and every rank hashes every
-   file.
+   (:func:`hashing`), piece by piece as the ranks read them (:func:`reading_order`). A rank done with its share
+   takes the pieces another has not begun, from the back of its share (:func:`claim`: a device that serves one
+   process more slowly than another does not hold the others up), and the pages of the files the caller copies out
+   (a model's weights) are mapped in each rank's private view as they land, rather than a fault per page when they
+   are copied (after every file is verified). Ranks of several machines, or where that memory cannot be shared,
+   read their pieces into memory of their own and broadcast each as soon as it is read, on a gloo group (CPU
+   tensors, :func:`preempt.cluster.distributed.cpu_group`), and every rank hashes every file.
 4. **The verdict.** Every file is hashed whole (xxh3-128, the manifest's digest, over the bytes the ranks will use);
    the ranks' findings are gathered and rank 0 broadcasts the first failure: a file that fails its digest (on any
    rank's share), or a share that could not be read, fails the checkpoint for every rank alike, as
