@@ -44,6 +44,7 @@ from bench_checkpoint import (  # noqa: E402  (the path above makes the sibling 
     GB,
     GIB,
     PeakRss,
+    build_model,
     build_state,
     carried_files,
     change_every_tensor,
@@ -68,7 +69,7 @@ METHODS = (
     "save_preempt",
     "preempt_async",
 )
-CHILD_PHASES = ("method", "e2e", "sigterm")
+CHILD_PHASES = ("method", "e2e", "sigterm", "fresh")
 SLOWDOWN_ROUNDS = 2  # row 4: (write in flight, then none) twice
 E2E_VARIANTS = ("none", "async", "sync", "none2")  # "none" twice (first and last): their gap is the noise floor
 
@@ -502,6 +503,52 @@ def phase_e2e(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------- a fresh process's first checkpoints
+
+
+FRESH_SAVES = 5
+
+
+def phase_fresh(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """A new job: the model built, AdamW without state (its moments appear at the first optimizer step), the run
+    entered and the loop started at once, ``checkpoint_interval=--every``; the loop's wait in ``run.step()`` at each
+    of the first checkpoints, each write waited for before the loop goes on (so every save copies a whole state)."""
+    import torch
+
+    from preempt import PreemptibleRun
+
+    torch.manual_seed(0)
+    model = build_model(args.gib)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    work_step = make_workload()
+    out = work / f"fresh_{os.getpid()}"
+    run = PreemptibleRun(out, model=model, optimizer=opt, async_save=True, checkpoint_interval=args.every, keep_last=1)
+    saves: list[dict[str, Any]] = []
+    t0 = perf()
+    with run:
+        entered = perf()
+        while len(saves) < FRESH_SAVES:
+            work_step()
+            if run.global_step == 0:  # the first optimizer step: AdamW's moments appear
+                for p in model.parameters():
+                    p.grad = torch.full_like(p, 1e-3)
+                opt.step()
+                for p in model.parameters():
+                    p.grad = None
+            else:
+                change_every_tensor(model, opt)
+            s0 = perf()
+            run.step()
+            dt = perf() - s0
+            rec = run.last_save
+            if rec is not None and rec.step == run.global_step and (not saves or saves[-1]["step"] != rec.step):
+                saves.append({"step": rec.step, "stall_s": dt, "after_enter_s": s0 - entered})
+                run.wait_for_checkpoint()
+        prepare_s = run.staging_prepare_s
+    shutil.rmtree(out, ignore_errors=True)
+    return {"enter_s": entered - t0, "staging_prepare_s": prepare_s, "saves": saves, "every_s": args.every}
+
+
 # ----------------------------------------------------------------- SIGTERM
 
 
@@ -884,6 +931,20 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
             f" {fmt_s(pa['prepared_after_s'])} after entering); first checkpoint"
             f" {fmt_s(pa['first_checkpoint_after_enter_s'])} after entering)"
         )
+        fresh = size.get("fresh")
+        if fresh is not None:
+            stalls = [x["stall_s"] for x in fresh["saves"]]
+            steady = median(stalls[2:])
+            first = max(stalls[:2])
+            x = first / steady
+            targets.append((f"{sb / GIB:.2f} GiB: a new job's first stall <= 1.2x its later", f"{x:.2f}x", x <= 1.2))
+            w(
+                f"   a new job (AdamW without state; entered and trained at once; checkpoint_interval=1 s): the loop's"
+                f" wait at its first checkpoints {', '.join(fmt_s(x) for x in stalls)}"
+                f" (at {', '.join(format(x['after_enter_s'], '.1f') for x in fresh['saves'])} s after entering;"
+                f" buffers sized in {fmt_s(fresh['staging_prepare_s'])}); worst of the first two / median of the"
+                f" later ones {first / steady:.2f}x"
+            )
         dcp_files = ", ".join(m["dcp_save"]["files"])
         w(
             f"   (bytes on disk: preempt {pa['file_bytes']:,}, DCP {m['dcp_save']['file_bytes']:,} in {dcp_files};"
@@ -1053,8 +1114,8 @@ def main(argv: list[str] | None = None) -> None:
         "--skip",
         nargs="*",
         default=[],
-        choices=("e2e", "sigterm", "live"),
-        help="leave out rows 5 and/or 6, or row 6's +live trials (half its time)",
+        choices=("e2e", "sigterm", "live", "fresh"),
+        help="leave out rows 5 and/or 6, row 6's +live trials (half its time), or row 3's new job",
     )
     ap.add_argument("--only", choices=CHILD_PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
@@ -1071,7 +1132,8 @@ def main(argv: list[str] | None = None) -> None:
             import torch
 
             torch.set_num_threads(args.threads)
-        res = {"method": phase_method, "e2e": phase_e2e, "sigterm": phase_sigterm}[args.only](args, Path(args.dir))
+        phases = {"method": phase_method, "e2e": phase_e2e, "sigterm": phase_sigterm, "fresh": phase_fresh}
+        res = phases[args.only](args, Path(args.dir))
         Path(args.result).write_text(json.dumps(res))
         return
 
@@ -1103,6 +1165,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for gib in args.gib:
             results["sizes"].append(run_size(args, work, gib, slowdown=gib == e2e_gib))
+            if "fresh" not in args.skip:  # a new job's first checkpoints, due by the clock every second
+                ns = argparse.Namespace(**{**vars(args), "gib": gib})
+                results["sizes"][-1]["fresh"] = spawn("fresh", ns, work, gib, "--every", "1.0", label="fresh process")
         at = next((s for s in results["sizes"] if s["state"] == describe_state(e2e_gib)), None)
         if at is None:
             at = run_size(args, work, e2e_gib, slowdown=True)

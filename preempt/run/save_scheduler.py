@@ -186,7 +186,8 @@ class SaveScheduler:
             dirty=self.loop.dirty,
         )
         if self.postponed is not None and now is None and reason is not None:
-            log.debug("a %s checkpoint is due while a write is in flight: postponed", reason.value)
+            busy = "the staging buffers are being sized" if isinstance(self.job, PrepareJob) else "a write is in flight"
+            log.debug("a %s checkpoint is due while %s: postponed", reason.value, busy)
         return now
 
     def save(self, reason: Reason, point: str) -> bool:
