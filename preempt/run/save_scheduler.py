@@ -207,7 +207,13 @@ class SaveScheduler:
             staging=self.background.stager is not None,
             writing=self._writing(),
         )
-        if how.cancel:
+        # a pool written ahead stops at its next piece while the state is copied (it writes zeros of its own, not
+        # the buffers): its outcome is taken just before this save's files are written over it
+        job = self.job
+        pool = isinstance(job, ReserveJob) and how.cancel
+        if isinstance(job, ReserveJob) and pool:
+            job.cancel.set()
+        elif how.cancel:
             self.cancel()
         elif how.settle:
             self.settle()
@@ -231,6 +237,8 @@ class SaveScheduler:
             if how.stage and live is None and bg.stager is not None:
                 payload = bg.staged_now(payload)
             extra = None if live is None else functools.partial(sharded.save, tensors=live, rank=self.peers.rank)
+            if pool:
+                self.settle()
             try:
                 got = self.checkpoints.write(payload, manifest, extra=extra, defer=staged is not None)
             except OSError as e:
@@ -264,9 +272,12 @@ class SaveScheduler:
         return self.job.reason if isinstance(self.job, SaveJob) else None
 
     def before_stop(self) -> None:
-        """At a stop: a periodic write of a state the loop has moved past is cancelled; any other job is waited for."""
+        """At a stop: a periodic write of a state the loop has moved past is cancelled, a pool written ahead told to
+        stop; any other job is waited for."""
         job = self.job
-        if isinstance(job, ReserveJob) or (job is not None and self.loop.dirty and self._writing() in POSTPONABLE):
+        if isinstance(job, ReserveJob):
+            job.cancel.set()  # its outcome is taken by the stop's save, after the copy of the state (or at the end)
+        elif job is not None and self.loop.dirty and self._writing() in POSTPONABLE:
             self.cancel()
         else:
             self.settle()

@@ -372,14 +372,36 @@ def test_a_save_cancels_the_pool_in_flight_and_writes_over_what_it_holds(tmp_pat
     assert writer.submitted == 2  # prepare, the pool; nothing more is written ahead while one save took it
 
 
-@pytest.mark.parametrize("end", ["before_stop", "close"])
-def test_a_stop_or_the_end_of_the_run_cancels_the_pool_rather_than_waiting(tmp_path, end):
+def test_the_end_of_the_run_cancels_the_pool_rather_than_waiting(tmp_path):
     writer = FakeWriter()
     saves, _, _ = scheduler(tmp_path, writer, reserve=False)
     cancel = saves.job.cancel
-    getattr(saves, end)()
+    saves.close()
     assert cancel.is_set() and saves.job is None
     assert set(pool_files(tmp_path)) == {"model.safetensors"}  # cancelled in its first file; that stays for a save
+
+
+@pytest.mark.parametrize("reason", [R.PREEMPT, R.INTERVAL])
+def test_a_save_copies_the_state_while_the_pool_it_cancels_stops_then_writes_over_it(tmp_path, reason):
+    """The pool writes zeros of its own: the state's copy need not wait for it to stop (a write of up to 64 MiB)."""
+    writer = FakeWriter()
+    saves, loop, _ = scheduler(tmp_path, writer, reserve=False)
+    order: list[str] = []
+    pool = writer.future.job
+    writer.future.job = lambda: order.append("pool ended") or pool()
+    for name in ("staged_now", "copy"):  # the stop's copy, a background save's copy
+        method = getattr(saves.background, name)
+        setattr(saves.background, name, lambda *a, m=method: order.append("state copied") or m(*a))
+    if reason is R.PREEMPT:
+        saves.before_stop()  # the stop tells the pool to stop, and goes on
+        assert saves.job.cancel.is_set() and not writer.future.done()
+    loop.stepped()
+    saves.save(reason, "step")
+    assert order == ["state copied", "pool ended"]
+    if reason is R.INTERVAL:
+        writer.finish()
+        saves.tend()
+    assert on_disk(saves.manager) == [(1, reason.value)] and pool_files(tmp_path) == {}
 
 
 @pytest.mark.parametrize(
