@@ -131,3 +131,42 @@ def test_a_stop_s_carry_plan_fingerprints_a_changed_file_only_up_to_its_first_ch
     counted.clear()
     planned = carrier.plan(payload, 2)  # any other save fingerprints everything, for the next one to compare with
     assert list(planned.carried) == ["base.safetensors"] and len(counted) == 110
+
+
+PIECES = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from preempt import _torch_compat
+from preempt.cluster.sharded import pieces_apart
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+mesh = init_device_mesh("cpu", (2,))
+tensors = {f"model.l{i}": distribute_tensor(torch.full((5, 4), float(i)), mesh, [Shard(0)]) for i in range(50)}
+tensors["model.other"] = distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)])
+before = _torch_compat._local_layout.cache_info()
+_, _, rest = pieces_apart(tensors, rank, set())
+for _ in range(3):
+    pieces_apart(tensors, rank, set())
+after = _torch_compat._local_layout.cache_info()
+pieces, meta = rest
+assert all(torch.equal(pieces[f"model.l{i}"], torch.full((3 - rank, 4), float(i))) for i in range(50))
+print(after.misses - before.misses, after.hits - before.hits)
+dist.destroy_process_group()
+"""
+
+
+def test_each_rank_s_pieces_are_located_once_per_layout_not_per_dtensor(tmp_path):
+    """A stop's snapshot of FSDP2 state: the place of this rank's piece is computed once for every DTensor of one
+    shape, mesh and placements (a LoRA model's hundreds share a few), each piece still its own (2 real gloo ranks)."""
+    script = tmp_path / "pieces.py"
+    script.write_text(PIECES)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "store"), str(r)], stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    out = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], out
+    assert [line.split()[:2] for line in out] == [["2", str(4 * 51 - 2)]] * 2
