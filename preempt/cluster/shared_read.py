@@ -471,7 +471,7 @@ def _verdict(
             # Hashed as its pieces landed, each once its flag said it was read. A processor that may reorder loads
             # (ARM) could have read bytes older than the flag: hashed again now, after the ranks' barrier, before the
             # checkpoint is failed (a damaged file fails both).
-            again = FileDigest(bufs[f].nbytes, xxhash.xxh3_128(memoryview(bufs[f])).hexdigest())
+            again = FileDigest(bufs[f].nbytes, xxhash.xxh3_128(bufs[f].data).hexdigest())
             try:
                 files.compare(where / wanted[f][0], wanted[f][1], again)
                 found[f] = again
