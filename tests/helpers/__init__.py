@@ -14,6 +14,7 @@ from .distributed import (
     ranks_by_hand,
     torchrun,
     torchrun_nodes,
+    two_gloo_ranks,
 )
 from .hold import wait_for_stop
 from .processes import (
@@ -90,6 +91,7 @@ __all__ = [
     "small_run",
     "torchrun",
     "torchrun_nodes",
+    "two_gloo_ranks",
     "train_cmd",
     "wait_for_stop",
 ]

@@ -6,6 +6,7 @@ import itertools
 import os
 import random
 import socket
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -132,3 +133,17 @@ def assert_equal_finals(want: list[dict[str, torch.Tensor]], got: list[dict[str,
         assert a.keys() == b.keys(), (rank, sorted(a.keys() ^ b.keys()))
         differ = [k for k in a if not torch.equal(a[k], b[k])]
         assert not differ, f"rank {rank}: {differ}"
+
+
+def two_gloo_ranks(script: Path, source: str, store: Path, timeout: float = 120) -> list[str]:
+    """``source`` written to ``script`` and run as ranks 0 and 1 of a gloo group (``argv``: the file store, the rank);
+    each rank's standard output, once both exited 0."""
+    script.write_text(source)
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(store), str(r)], stdout=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    out = [p.communicate(timeout=timeout)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], out
+    return out
+

@@ -4,13 +4,12 @@ work done once rather than at every save. No timing: each test counts or compare
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import two_gloo_ranks
 
 from preempt import Preempted, PreemptibleRun
 from preempt.run.peers import Agreement, Alone
@@ -96,16 +95,7 @@ def test_the_commit_s_exchanges_are_one_round_each_when_small(tmp_path):
     """A broadcast or a gather of a small object (what the commit exchanges: a directory's name, a rank's files and
     their digests, an outcome) is one exchange, not two (its size, then its bytes); a larger one arrives whole in
     two: a broadcast's rest to every rank, a gather's rest only from the rank it did not fit (2 real gloo ranks)."""
-    script = tmp_path / "exchanges.py"
-    script.write_text(EXCHANGES)
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / "store"), str(r)], stdout=subprocess.PIPE, text=True
-        )
-        for r in (0, 1)
-    ]
-    out = [p.communicate(timeout=120)[0] for p in ranks]
-    assert [p.returncode for p in ranks] == [0, 0], out
+    out = two_gloo_ranks(tmp_path / "exchanges.py", EXCHANGES, tmp_path / "store")
     # broadcasts: small, fits, one byte over, big; gathers: the same from both ranks; then only rank 0's big
     assert [json.loads(line) for line in out] == [[1, 1, 2, 2, 1, 1, 2, 2, 1]] * 2
 
@@ -159,14 +149,5 @@ dist.destroy_process_group()
 def test_each_rank_s_pieces_are_located_once_per_layout_not_per_dtensor(tmp_path):
     """A stop's snapshot of FSDP2 state: the place of this rank's piece is computed once for every DTensor of one
     shape, mesh and placements (a LoRA model's hundreds share a few), each piece still its own (2 real gloo ranks)."""
-    script = tmp_path / "pieces.py"
-    script.write_text(PIECES)
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / "store"), str(r)], stdout=subprocess.PIPE, text=True
-        )
-        for r in (0, 1)
-    ]
-    out = [p.communicate(timeout=120)[0] for p in ranks]
-    assert [p.returncode for p in ranks] == [0, 0], out
+    out = two_gloo_ranks(tmp_path / "pieces.py", PIECES, tmp_path / "store")
     assert [line.split()[:2] for line in out] == [["2", str(4 * 51 - 2)]] * 2

@@ -5,11 +5,9 @@ A failure here names the internal a torch version changed: fix :mod:`preempt._to
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
+from helpers import two_gloo_ranks
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from preempt import _torch_compat as compat
@@ -154,16 +152,7 @@ dist.destroy_process_group()
 def test_a_dtensor_s_local_piece_and_where_it_begins(tmp_path):
     """5 rows over 2 ranks: 3 rows at row 0, 2 at row 3 (2 real gloo processes), each piece's changes counted by its
     DTensor's version counter; any other tensor is its own piece."""
-    script = tmp_path / "piece.py"
-    script.write_text(LOCAL_PIECE)
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / "store"), str(r)], stdout=subprocess.PIPE, text=True
-        )
-        for r in (0, 1)
-    ]
-    out = [p.communicate(timeout=120)[0] for p in ranks]
-    assert [p.returncode for p in ranks] == [0, 0], out
+    out = two_gloo_ranks(tmp_path / "piece.py", LOCAL_PIECE, tmp_path / "store")
     assert [line.strip() for line in out] == ["(0, 0) (3, 4)", "(3, 0) (2, 4)"]
     t = torch.ones(2, 3)
     assert compat.local_piece(t)[0] is t and compat.local_piece(t)[1] == (0, 0)
