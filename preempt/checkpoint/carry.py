@@ -1,52 +1,54 @@
-"""Carrying unchanged files: a checkpoint hard-links what has not changed since the previous one.
+"""Carrying unchanged files: a checkpoint hard-links the frozen base when its bytes are what the previous one holds.
 
 Fine-tuning trains a few tensors beside a large frozen model. :func:`preempt.checkpoint.state.capture` puts the
-model's frozen parameters that no optimizer holds in a file of their own (``base.safetensors``), so that a file is
-either wholly unchanged or rewritten; this module decides, per tensor file, whether it changed since the copy
-this process last made durable, and the commit (:func:`preempt.checkpoint.hashed_io.link_file`) then makes the new
-checkpoint's file a hard link to that copy: not copied, not hashed again, not written. Every checkpoint directory
-stays complete (its manifest lists every file, with size and digest); ``ls``, ``verify``, load and ``export``
-follow no reference.
+model's frozen parameters that no optimizer holds in a file of their own (``base.safetensors``; under FSDP2 each
+rank's pieces of it in ``base_0000R.safetensors``), so that a file is either wholly unchanged or rewritten; this module
+decides, at the step, whether that file is carried (the commit, :func:`preempt.checkpoint.hashed_io.link_file`, makes
+the new checkpoint's file a hard link to the copy this process last made durable: not copied, not written) or
+written. Every checkpoint directory stays complete (its manifest lists every file, with size and digest); ``ls``,
+``verify``, load and ``export`` follow no reference.
 
-**What is seen.** Each tensor's fingerprint, :func:`fingerprint`: where its data lies (``data_ptr``,
-``storage_offset``), its version counter (``_version``: every in-place operation through autograd's view of a
-tensor bumps it, views share their base's), shape, stride, dtype and device. A file is carried when every tensor
-fingerprints as it did when that file was last made durable by this process (written, carried, or loaded at
-resume: the fingerprints taken right after the load) and that durable file still exists (:func:`decide`). The
-recorded tensors are held, so their memory cannot be freed and handed to a new tensor at the same address with
-a fresh version counter (a buffer reassigned every step would otherwise look unchanged).
+**The contract: a checkpoint holds the state at its step.** A proxy for "unchanged" may say "changed" cheaply; it is
+never the only proof of "unchanged", since a loop can write a tensor behind autograd (``p.data.add_``, a momentum
+teacher updated through ``.data``, a NumPy view, a custom kernel) and move no version counter. So:
+
+* Only base files are candidates (:func:`carriable`). ``model.safetensors`` (every trainable parameter, every
+  parameter an optimizer holds, every buffer) and ``state.safetensors`` are written at every checkpoint; a model
+  given without an optimizer has no base (:func:`preempt.checkpoint.state.frozen_keys`): every parameter may be
+  trained by hand.
+* A base file is carried only when its tensors fingerprint as they did when its durable copy was made (address,
+  offset, version counter, shape, stride, dtype, device: :func:`fingerprint`, :func:`decide`) **and** the live
+  tensors, serialised into the xxh3 hasher at the step (nothing written, :func:`digest_of`), give that copy's digest.
+  The hash costs a read of the base at memory speed, a small part of writing it; it is made at the step, on the
+  loop's thread, for every checkpoint that would carry, a stop's and the final one included.
+* A save written after the step (``async_save``) reads a base file where it lives, without a copy, only when the file's
+  digest at the step is known (hashed then, :attr:`~preempt.checkpoint.state.Payload.at_step`); the writer's own
+  digest of what it wrote must equal it, or the checkpoint is not committed
+  (:class:`~preempt.checkpoint.staging.ChangedWhileWritten`).
+* A base file found changed behind autograd (hash and fingerprints disagree, or the writer's digest differs from the
+  step's) is never carried, hashed or read live again: it is written, from a copy made at the step, at every
+  checkpoint. The file says so itself (its safetensors metadata ``preempt.carry: never``), so a process that resumes
+  from it trusts it no more (:meth:`Carrier.loaded`). A warning names the file and the cause once.
 
 **Optimizers that write behind the counters.** A fused optimizer kernel (``torch.optim.AdamW(fused=True)`` on the
-CPU, the Hugging Face Trainer's default optimizer) updates the parameters and its moments without bumping their
-version counters: its files would look unchanged after every step and be carried stale.
-:func:`preempt.run.loop_state.follow_steps` hooks every optimizer of a run: after a step that left a parameter's
-counter as it was, it bumps the counters of all the optimizer's parameters and state (no data is touched), so that
-the step is seen.
+CPU) updates its parameters without bumping their version counters; those parameters are in ``model.safetensors``,
+which is always written, and :func:`preempt.run.loop_state.follow_steps` bumps their counters after each step so that
+the staging and lazy-snapshot checks see the step.
 
-**What is not seen**, and guarded: a write through ``tensor.data`` (a tensor with a version counter of its own),
-through a NumPy view (``tensor.numpy()``), DLPack, or a raw pointer (a custom kernel, ``ctypes``) changes the
-bytes without a trace. So at the first carried checkpoint of each process, and then at every
-``check_every``-th carried checkpoint, each file about to be carried is serialised from the live tensors into the
-xxh3 hasher (nothing written) and compared with the digest of the copy on disk; on a mismatch the file is
-written and a warning names it and the likely cause (:func:`confirm`). The writer does it, in the background for
-a checkpoint written there, so the loop does not wait for it; a stop's save never does it (it races the grace
-period: hashing a 14 GiB base would cost seconds of it), and the check falls to the next carried checkpoint.
-Between two checks such a change is missed: do not change a frozen tensor behind autograd's back, or turn
-carrying off (``carry_unchanged=False``).
+The recorded tensors are held, so their memory cannot be freed and handed to a new tensor at the same address with
+a fresh version counter.
 
 **Damage.** Checkpoints that carry a file share one inode: a bit flipped in it damages all of them. So a file
 shared by ``carry_limit`` checkpoints is written afresh at the next one (a new inode), and retention keeps one
 checkpoint that shares no file with the newest (:func:`preempt.checkpoint.retention.select_kept`), so that a
 damaged shared file always leaves an older valid checkpoint to fall back to.
 
-**Many ranks.** Under DDP rank 0 writes the replicated state and carries as a single process does; the other ranks'
-files (their random state) change at every checkpoint anyway. Under FSDP2 (DTensor state) each rank puts its own
-pieces of the frozen base in a file of its own (``base_0000R.safetensors``,
-:func:`preempt.cluster.sharded.pieces_apart`) and carries it as one process carries ``base.safetensors``: each rank
-decides for its own file, so the ranks need no agreement on it; rank 0's commit tells the others that their files
-are durable (:meth:`preempt.checkpoint.manager.CheckpointManager.committed`).
+**Many ranks.** Under DDP rank 0 writes the replicated state and carries as a single process does. Under FSDP2
+(DTensor state) each rank carries its own ``base_0000R.safetensors`` as one process carries ``base.safetensors``:
+each rank decides for its own file, so the ranks need no agreement on it; rank 0's commit tells the others that their
+files are durable (:meth:`preempt.checkpoint.manager.CheckpointManager.committed`).
 
-No disk here but :func:`exists`; the pure decisions (:func:`fingerprint`, :func:`decide`, :func:`check_due`) are
+No disk here but :func:`exists`; the pure decisions (:func:`carriable`, :func:`fingerprint`, :func:`decide`) are
 unit-tested with made-up facts.
 """
 
@@ -55,7 +57,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -64,6 +67,7 @@ import xxhash
 from .. import _log
 from .._torch_compat import version_counter
 from .hashed_io import FileDigest
+from .names import BASE_FILE, SHARD_BASE
 
 if TYPE_CHECKING:
     import torch
@@ -75,17 +79,18 @@ log = logging.getLogger("preempt")
 Fingerprint = tuple[Any, ...]
 Action = Literal["write", "carry"]
 
+NEVER_META = ("preempt.carry", "never")
+"""The metadata entry of a tensor file whose tensors were found written behind autograd: never carried again."""
+_SHARD_BASE_RE = re.compile(SHARD_BASE.replace("{rank:05d}", r"\d{5,}").replace(".", r"\."))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CarryOptions:
-    """How unchanged files are carried from one checkpoint to the next.
+    """How the frozen base is carried from one checkpoint to the next.
 
     Args:
-        enabled: Carry unchanged files (hard links); False writes every file of every checkpoint and keeps the
-            model's tensors in one file, as before carrying existed.
-        check_every: The live tensors of a file about to be carried are hashed and compared with the copy on disk
-            before the first carried checkpoint of each process and then at every N-th carried checkpoint (what
-            the version counters cannot see: writes through ``.data``, NumPy views, raw pointers).
+        enabled: Carry an unchanged frozen base (hard links), its bytes checked at each checkpoint; False writes every
+            file of every checkpoint and keeps the model's tensors in one file, as before carrying existed.
         carry_limit: A file shared by this many checkpoints is written afresh at the next one (a new inode), so
             that one damaged file cannot take every checkpoint with it. 10: the frozen base is written once per ten
             checkpoints (a tenth of its size per checkpoint on average), and retention keeps one checkpoint that
@@ -93,16 +98,14 @@ class CarryOptions:
     """
 
     enabled: bool = True
-    check_every: int = 10
     carry_limit: int = 10
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"carry_unchanged: expected True, False or CarryOptions, got enabled={self.enabled!r}")
-        for name in ("check_every", "carry_limit"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"carry_unchanged: {name}: expected an integer >= 1, got {value!r}")
+        value = self.carry_limit
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"carry_unchanged: carry_limit: expected an integer >= 1, got {value!r}")
 
     @classmethod
     def of(cls, value: bool | CarryOptions) -> CarryOptions:
@@ -153,15 +156,24 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint] 
     return out
 
 
-def unchanged(tensors: Mapping[str, torch.Tensor], recorded: Mapping[str, Fingerprint]) -> bool:
-    """Whether ``tensors`` fingerprint as ``recorded``: fingerprinted one by one, up to the first that does not."""
-    if len(tensors) != len(recorded):
-        return False
-    for key, t in tensors.items():
-        was = recorded.get(key)
-        if was is None or fingerprint(t) != was:
-            return False
-    return True
+class WrittenBehindAutograd(RuntimeError):
+    """A file written from its live tensors after the step came out other than they were at the step: something
+    wrote them behind autograd meanwhile, and the checkpoint cannot hold that step's state. ``file``: its name."""
+
+    def __init__(self, file: str, message: str) -> None:
+        super().__init__(message)
+        self.file = file
+
+
+def carriable(name: str) -> bool:
+    """Whether a tensor file may be carried at all: only a frozen base (``base.safetensors``, a rank's
+    ``base_0000R.safetensors``); the trained tensors' and the optimizer's files are written at every checkpoint."""
+    return name == BASE_FILE or _SHARD_BASE_RE.fullmatch(name) is not None
+
+
+def marked_never(meta: Mapping[str, str]) -> bool:
+    """Whether a tensor file's metadata says its tensors were found written behind autograd."""
+    return meta.get(NEVER_META[0]) == NEVER_META[1]
 
 
 def decide(
@@ -172,7 +184,8 @@ def decide(
     shared: int,
     carry_limit: int,
 ) -> tuple[Action, str]:
-    """Whether a tensor file is carried (linked) or written, and why.
+    """Whether a base file is worth hashing to be carried, or written, and why: the proxies' say, which may only
+    refuse (the hash at the step, :meth:`Carrier.plan`, has the last word on "carry").
 
     Args:
         now: The file's tensors' fingerprints now (None: some tensor has none).
@@ -194,11 +207,6 @@ def decide(
     return "carry", "unchanged"
 
 
-def check_due(carried: int, check_every: int) -> bool:
-    """Whether the ``carried``-th carried checkpoint of this process (counted from 0) re-hashes what it carries."""
-    return carried % check_every == 0
-
-
 def digest_of(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> FileDigest:
     """Size and xxh3 of the file these tensors would be written as, computed without writing it."""
     from . import tensorfile
@@ -211,6 +219,11 @@ def digest_of(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> F
     return FileDigest(size, digest.hexdigest())
 
 
+def same_bytes(a: FileDigest, b: FileDigest) -> bool:
+    """Two digests of one file's content agree (size and xxh3; where the bytes came from does not count)."""
+    return a.size == b.size and a.xxh3_128 == b.xxh3_128
+
+
 def exists(path: Path) -> bool:
     try:
         return os.path.isfile(path) and not os.path.islink(path)
@@ -221,41 +234,13 @@ def exists(path: Path) -> bool:
 @dataclasses.dataclass
 class Carry:
     """A file of a checkpoint to be linked from ``source`` (``digest`` as its manifest lists it, ``carried_from``
-    set); ``tensors`` and ``meta`` write it instead when the link cannot be made, or when ``check`` (the guard) finds
-    that their content differs from the source's (:func:`confirm`)."""
+    set: the live tensors hashed to it at the step); ``tensors`` and ``meta`` write it instead when the link cannot
+    be made."""
 
     source: Path
     digest: FileDigest
     tensors: dict[str, torch.Tensor]
     meta: dict[str, str]
-    check: bool = False
-    versions: list[int | None] = dataclasses.field(default_factory=list)  # the tensors' version counters at the step
-
-
-def confirm(name: str, carry: Carry) -> bool:
-    """The guard: whether the live tensors of a file about to be carried still serialise to its source's bytes.
-
-    Hashes them (nothing written); False, with a warning naming the file and the likely cause, when they do not.
-    True as well when a tensor's version counter moved since the step (the loop's next steps changed them: the writer
-    runs beside it), before or while they were hashed: that hash says nothing, and the counters, unchanged at the
-    step, carry the file.
-    """
-    got = digest_of(carry.tensors, carry.meta)
-    if got.xxh3_128 == carry.digest.xxh3_128 and got.size == carry.digest.size:
-        return True
-    if carry.versions and [version_counter(t) for t in carry.tensors.values()] != carry.versions:
-        log.debug("%s: changed by the loop while the guard hashed it; carried by its version counters", name)
-        return True
-    log.warning(
-        "%s: unchanged by its tensors' version counters, but its content differs from %s (xxh3 %s, expected %s):"
-        " something changed it behind autograd (a write through .data, a .numpy() view or a custom kernel);"
-        " written, not carried",
-        name,
-        carry.source,
-        got.xxh3_128,
-        carry.digest.xxh3_128,
-    )
-    return False
 
 
 @dataclasses.dataclass
@@ -270,45 +255,49 @@ class Source:
 
 
 class Carrier:
-    """One process's memory of its durable tensor files, and the plan of each checkpoint (see the module docstring).
+    """One process's memory of its durable base files, and the plan of each checkpoint (see the module docstring).
 
     :meth:`plan` at the step, on the live payload (before any staging copy); :meth:`durable` once that checkpoint
-    is committed (any thread: the background writer's); :meth:`loaded` after a resume.
+    is committed (any thread: the background writer's); :meth:`loaded` after a resume; :meth:`distrust` when a writer
+    found a file's bytes changed behind autograd.
     """
 
     def __init__(self, options: CarryOptions | None = None) -> None:
         self.options = options or CarryOptions()
         self.sources: dict[str, Source] = {}
-        self.carried = 0  # checkpoints of this process that carried a file (the guard's cadence)
+        self.never: set[str] = set()  # files found written behind autograd: written from a copy at every checkpoint
         self._pending: tuple[int, dict[str, tuple[dict[str, Fingerprint], dict[str, Any]]]] | None = None
 
     @property
     def enabled(self) -> bool:
         return self.options.enabled
 
-    def plan(self, payload: Payload, step: int, *, urgent: bool = False) -> Payload:
-        """``payload`` with each unchanged tensor file moved from ``tensor_files`` to ``carried``.
+    def plan(self, payload: Payload, step: int, *, read_later: Collection[str] = ()) -> Payload:
+        """``payload`` at the step: each base file whose bytes are those of its durable copy moved from
+        ``tensor_files`` to ``carried``, and ``at_step`` the digests, hashed now, of the files a writer may read where
+        they live after the step.
 
-        Fingerprints are taken now, for :meth:`durable` to record once the checkpoint of ``step`` is committed.
-        When the guard is due, the carried files are marked for it (``Carry.check``): the writer hashes them
-        (:func:`confirm`), in the background for a checkpoint written there. ``urgent`` (a stop's save, racing a
-        grace period) never waits for the guard: it falls to the next checkpoint. Nor does it fingerprint a file
-        past its first changed tensor (a LoRA run's adapters and moments: hundreds of tensors, milliseconds): that
-        file is written, and nothing is recorded of it for a later checkpoint (the run ends with its stop; should
-        the stop's save fail and the run go on, the next checkpoint writes it again).
+        Args:
+            payload: The live payload.
+            step: The checkpoint's step, for :meth:`durable` to record what it was made from.
+            read_later: The files that a save written after the step would read without a copy (a staged save's
+                frozen base); empty for a save written while the loop waits.
         """
         if not self.enabled:
             return payload
         opts = self.options
         pending: dict[str, tuple[dict[str, Fingerprint], dict[str, Any]]] = {}
         carried: dict[str, Carry] = {}
+        at_step: dict[str, FileDigest] = {}
+        files = dict(payload.tensor_files)
         for name, (tensors, meta) in payload.tensor_files.items():
+            if not carriable(name):
+                continue
+            if name in self.never:
+                files[name] = (tensors, {**meta, NEVER_META[0]: NEVER_META[1]})
+                continue
             src = self.sources.get(name)
-            if urgent and (src is None or not unchanged(tensors, src.prints)):
-                continue  # written (left in tensor_files), unrecorded
-            now = src.prints if urgent and src is not None else fingerprints(tensors)
-            if now is not None:
-                pending[name] = (now, dict(tensors))
+            now = fingerprints(tensors)
             action, why = decide(
                 now,
                 None if src is None else src.prints,
@@ -318,18 +307,43 @@ class Carrier:
             )
             if action == "carry":
                 assert src is not None
-                versions = [version_counter(t) for t in tensors.values()]
-                carried[name] = Carry(src.path, src.digest, dict(tensors), dict(meta), versions=versions)
-            elif src is not None:
+                got = digest_of(tensors, meta)
+                if same_bytes(got, src.digest):
+                    carried[name] = Carry(src.path, src.digest, dict(tensors), dict(meta))
+                    at_step[name] = src.digest
+                    pending[name] = (src.prints, dict(tensors))
+                    del files[name]
+                    continue
+                self.distrust(
+                    name,
+                    f"its content differs from {src.path} (xxh3 {got.xxh3_128}, expected"
+                    f" {src.digest.xxh3_128}) though its version counters did not move",
+                )
+                files[name] = (tensors, {**meta, NEVER_META[0]: NEVER_META[1]})
+                continue
+            if src is not None:
                 log.debug("%s: written (%s)", name, why)
-        if carried and not urgent:
-            if check_due(self.carried, opts.check_every):
-                for c in carried.values():
-                    c.check = True
-            self.carried += 1
+            if now is None:
+                continue
+            if name in read_later:
+                at_step[name] = digest_of(tensors, meta)
+            pending[name] = (now, dict(tensors))
         self._pending = (step, pending)
-        files = {n: v for n, v in payload.tensor_files.items() if n not in carried}
-        return dataclasses.replace(payload, tensor_files=files, carried=carried)
+        return dataclasses.replace(payload, tensor_files=files, carried=carried, at_step=at_step)
+
+    def distrust(self, name: str, why: str) -> None:
+        """``name``'s tensors were found changed behind autograd (``why``): never carried or read live again, and
+        marked so in every file of it written from now on, for a process that resumes to know."""
+        if name in self.never:
+            return
+        self.never.add(name)
+        self.sources.pop(name, None)
+        log.warning(
+            "%s: %s: something writes these tensors behind autograd (a write through .data, a .numpy() view or a"
+            " custom kernel); it is written from a copy at every checkpoint from now on, never carried",
+            name,
+            why,
+        )
 
     def durable(self, directory: Path, step: int, files: Mapping[str, FileDigest]) -> None:
         """The checkpoint of ``step`` planned last is committed in ``directory``, with ``files`` as listed."""
@@ -339,7 +353,7 @@ class Carrier:
         sources = {}
         for name, (prints, tensors) in pending[1].items():
             digest = files.get(name)
-            if digest is None:
+            if digest is None or name in self.never:
                 continue
             before = self.sources.get(name)
             if digest.carried_from is not None:  # linked: one more checkpoint holds that inode
@@ -351,12 +365,12 @@ class Carrier:
         self.sources = sources
 
     def loaded(self, directory: Path, files: Mapping[str, FileDigest], payload: Payload, step: int) -> list[str]:
-        """After a resume from ``directory``: its tensor files that the live tensors match become the sources.
+        """After a resume from ``directory``: its base files that the live tensors match become the sources.
 
         ``payload``: the live state captured right after the load. A file counts only when its header lists
         exactly those tensors, with their dtypes, shapes and metadata (a load that cast or skipped a tensor does
-        not match); the guard (:meth:`plan`) hashes the content before the first file is carried.
-        Returns the names recorded.
+        not match); the next checkpoint hashes the live tensors before it carries one. A file marked as written
+        behind autograd (:data:`NEVER_META`) is never carried by this process either. Returns the names recorded.
         """
         from . import tensorfile
 
@@ -366,14 +380,19 @@ class Carrier:
             return []
         for name, (tensors, meta) in payload.tensor_files.items():
             digest = files.get(name)
-            prints = fingerprints(tensors)
-            if digest is None or prints is None:
+            if digest is None or not carriable(name):
                 continue
             path = directory / name
             try:
                 header = tensorfile.read_header(path)
                 shared = os.stat(path).st_nlink
             except (OSError, ValueError):
+                continue
+            if marked_never(header.metadata):
+                self.never.add(name)
+                continue
+            prints = fingerprints(tensors)
+            if prints is None:
                 continue
             want = {k: (tensorfile.dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors.items()}
             have = {e.name: (e.dtype, e.shape) for e in header.entries}

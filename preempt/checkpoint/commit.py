@@ -87,6 +87,7 @@ from .names import REPLACED, TMP_PREFIX, TRASH, parse_checkpoint_name, tag
 
 # The boundaries of the commit protocol, in order, where a fault can be injected.
 STAGES = (
+    "before_tensor_files",  # step 2 begins: nothing of the payload read or written yet
     "after_tensor_files",  # step 2: the tensor files are durable, the JSON files not written yet
     "before_manifest",  # step 2 done: every data file durable, no manifest yet
     "before_tmp_fsync",  # step 3 done: the manifest is written, the temporary directory not fsynced

@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -603,11 +603,11 @@ class CheckpointManager:
         if info.manifest is not None:
             self.carrier.durable(info.path, info.step, info.manifest.files)
 
-    def plan(self, payload: state.Payload, step: int, *, urgent: bool = False) -> state.Payload:
-        """``payload`` with its unchanged tensor files to be carried (:meth:`Carrier.plan`), at the step, before
-        any staging copy; the checkpoint of ``step`` then records what it was made from when committed. ``urgent``:
-        a stop's save, which leaves the guard's hashing to the next checkpoint."""
-        return self.carrier.plan(payload, step, urgent=urgent)
+    def plan(self, payload: state.Payload, step: int, *, read_later: Collection[str] = ()) -> state.Payload:
+        """``payload`` at the step, before any staging copy: its frozen base carried when its live bytes are those of
+        the last durable copy, and hashed at the step when a writer will read it after the step (``read_later``)
+        (:meth:`Carrier.plan`); the checkpoint of ``step`` then records what it was made from when committed."""
+        return self.carrier.plan(payload, step, read_later=read_later)
 
     def loaded(self, info: CheckpointInfo, live: state.Payload) -> builtins.list[str]:
         """After a resume from ``info``: its tensor files that the live tensors (``live``, captured right after the

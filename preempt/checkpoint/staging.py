@@ -20,12 +20,14 @@ The extra memory is one copy of what changes. While a write is in flight its
 buffers must not change, so at most one snapshot exists: the run waits for
 the writer before it stages again (see ``PreemptibleRun(async_save=...)``).
 The files named in :attr:`Stager.live` (the frozen base of a fine-tuning run,
-``base.safetensors``) get no buffers: nothing but a write the version counter
-sees changes them, so the writer reads them where they live and checks
-afterwards that no tensor it read moved or was changed (:class:`LiveTensors`);
+``base.safetensors``) get no buffers when their digest at the step is known
+(hashed then by the carry plan, ``payload.at_step``): the writer reads them
+where they live, its digest of what it wrote must equal the step's
+(:func:`preempt.checkpoint.write.write_payload`), and it checks afterwards that no
+tensor it read moved or was changed through autograd (:class:`LiveTensors`);
 the tensors of files carried from the previous checkpoint
-(:mod:`preempt.checkpoint.carry`), which the writer may hash or write, are
-checked the same way. A fine-tuning run's staging memory is then the size of
+(:mod:`preempt.checkpoint.carry`), which the writer writes when it cannot link
+them, are checked the same way. A fine-tuning run's staging memory is then the size of
 its adapters and their optimizer state, not of the model.
 """
 
@@ -117,23 +119,27 @@ class Stager:
             if file not in self.live:
                 self._buffers(file, tensors, pin)
 
-    def stage(self, payload: Payload) -> Payload:
+    def stage(self, payload: Payload, *, loop_waits: bool = False) -> Payload:
         """A snapshot of ``payload`` in the buffers: tensors copied, JSON encoded.
 
-        The returned payload refers only to the buffers and to bytes; the live
-        objects may change as soon as this returns.
+        The returned payload refers to the buffers, to bytes, and to the files of :attr:`live` that are read where
+        they live (see :meth:`stage_lazily`). ``loop_waits``: the payload is written before the loop goes on, so
+        every file of :attr:`live` is read where it lives, its digest at the step known or not.
         """
-        return self.stage_lazily(payload, frozenset())[0]
+        return self.stage_lazily(payload, frozenset(), loop_waits=loop_waits)[0]
 
-    def stage_lazily(self, payload: Payload, later: Collection[SourceKey]) -> tuple[Payload, LazyCopy | None]:
+    def stage_lazily(
+        self, payload: Payload, later: Collection[SourceKey], *, loop_waits: bool = False
+    ) -> tuple[Payload, LazyCopy | None]:
         """:meth:`stage`, except for the tensors whose storage is in ``later`` (:func:`source_key`): their copies are
         left to the returned :class:`LazyCopy` (None when there are none), to be made before those tensors change:
         by the writer thread for a state on the CPU, by the GPU's copy engine on a side stream for a state on a GPU
         (:mod:`preempt.checkpoint.side_stream`).
 
-        The files of :attr:`live` (when every tensor of one keeps a version counter) and the tensors of the carried
-        files are not copied: the returned payload refers to them where they live, with the check its writer makes
-        once it has read them (``payload.live``: :class:`LiveTensors`)."""
+        The files of :attr:`live` (when the plan hashed them at the step, ``payload.at_step``, or ``loop_waits``) and
+        the tensors of the carried files are not copied: the returned payload refers to them where they live, with
+        the checks its writer makes once it has read them (their digests at the step; ``payload.live``:
+        :class:`LiveTensors`)."""
         pin = self._pin(payload)
         # A state on a GPU: its lazy tensors are copied on a side stream (into pinned buffers only: a copy into
         # pageable memory would hold the host), and its CPU tensors (the optimizer's step counts) at the step, so that
@@ -149,7 +155,7 @@ class Stager:
         on_gpu: set[torch.device] = set()  # GPUs with copies queued on the loop's stream
         with torch.no_grad():
             for file, (tensors, meta) in payload.tensor_files.items():
-                if file in self.live and all(_versioned(t) for t in tensors.values()):
+                if file in self.live and (loop_waits or file in payload.at_step):  # no copy needed
                     files[file] = ({key: t.detach() for key, t in tensors.items()}, dict(meta))
                     read_live += [(file, key, t) for key, t in files[file][0].items()]
                     continue
@@ -177,7 +183,8 @@ class Stager:
             self._drop(gone)
         docs = {name: codec.dumps(doc) for name, doc in payload.json_files.items()}
         live = LiveTensors(read_live) if read_live else None
-        copy = Payload(tensor_files=files, json_files=docs, carried=payload.carried, live=live)  # carried: linked
+        at_step = {f: d for f, d in payload.at_step.items() if f in payload.carried or f not in copied}
+        copy = Payload(tensor_files=files, json_files=docs, carried=payload.carried, live=live, at_step=at_step)
         lazy = LazyCopy(deferred, device_copies) if deferred or device_copies is not None else None
         return copy, lazy
 
@@ -246,11 +253,6 @@ class TornSnapshot(RuntimeError):
     """A tensor of a lazy snapshot changed before its copy was made: the snapshot would mix two steps."""
 
 
-def _versioned(t: torch.Tensor) -> bool:
-    """The tensor keeps a version counter (not one made under ``torch.inference_mode``): changes to it are seen."""
-    return version_counter(t) is not None
-
-
 class ChangedWhileWritten(TornSnapshot):
     """A tensor the writer read where it lives (not from a copy) moved or was changed before it was done."""
 
@@ -262,10 +264,10 @@ class LiveTensors:
     :meth:`check`, once the writer has read them (every tensor file written, before the commit), raises
     :class:`ChangedWhileWritten` naming the first tensor of the files it read that was changed in place or replaced
     meanwhile: the file written from it could mix two steps, so the checkpoint is not committed. A carried file
-    that was linked was not read (its bytes are the source's, equal to the tensors at the step by their version
-    counters) and is not checked: the next ``optimizer.step()`` may change its tensors while the write goes on.
-    (A write through ``tensor.data`` bumps no counter and is not seen, as for every carried file: see
-    :mod:`preempt.checkpoint.carry`.)
+    that was linked was not read (its bytes are the source's, which the live tensors hashed to at the step) and is
+    not checked: the next ``optimizer.step()`` may change its tensors while the write goes on. (A write through
+    ``tensor.data`` bumps no counter: the writer's digest against the step's catches it, see
+    :mod:`preempt.checkpoint.write`.)
     """
 
     def __init__(self, tensors: list[tuple[str, str, torch.Tensor]]) -> None:

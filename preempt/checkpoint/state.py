@@ -102,16 +102,20 @@ class Payload:
     json_files: dict[str, Any]
     # Files linked from the previous checkpoint instead of written: name -> preempt.checkpoint.carry.Carry
     carried: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The digests (FileDigest), hashed at the step, of the files that a writer may read where they live after it: what
+    # it writes of them must hash the same, or the checkpoint is not committed (preempt.checkpoint.carry)
+    at_step: dict[str, Any] = dataclasses.field(default_factory=dict)
     # A staged payload's tensors that were not copied but are read where they live, by the writer, and what must
     # still hold once it has read them: preempt.checkpoint.staging.LiveTensors (None: every tensor is a copy)
     live: Any = None
 
 
 def frozen_keys(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> set[str]:
-    """The state_dict keys of the model's parameters with ``requires_grad=False`` that no optimizer group holds."""
-    held = set()
-    if optimizer is not None:
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    """The state_dict keys of the model's parameters with ``requires_grad=False`` that no optimizer group holds; none
+    without an optimizer."""
+    if optimizer is None:
+        return set()  # no optimizer: the loop trains by hand (``p.data.add_``), whatever requires_grad says
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     return {
         name
         for name, p in unwrap_model(model).named_parameters(remove_duplicate=False)

@@ -1,12 +1,13 @@
 """Step 2 of the commit protocol for a payload: its files into a checkpoint's temporary directory.
 
 Each tensor file is written (:func:`preempt.checkpoint.hashed_io.write_file`, hashed on the way, fdatasynced), or,
-when carried unchanged (:mod:`preempt.checkpoint.carry`), hard-linked from the previous checkpoint
-(:func:`preempt.checkpoint.hashed_io.link_file`): its manifest entry is the source's size and digest with
-``carried_from``. A link that cannot be made (another filesystem, no hard links, too many links, the source
-pruned meanwhile), or one whose content the guard finds changed (:func:`preempt.checkpoint.carry.confirm`), is
-written from the tensors the plan kept. The tensors of a staged payload that were read where they live (the files
-written from them, not the carried files linked) are then checked (``payload.live``:
+when carried (:mod:`preempt.checkpoint.carry`: its live tensors hashed to the source's digest at the step), hard-linked
+from the previous checkpoint (:func:`preempt.checkpoint.hashed_io.link_file`): its manifest entry is the source's size
+and digest with ``carried_from``. A link that cannot be made (another filesystem, no hard links, too many links, the
+source pruned meanwhile) is written from the tensors the plan kept. A file written from tensors read where they live
+whose digest at the step is known (``payload.at_step``) must come out with that digest, or
+:class:`~preempt.checkpoint.carry.WrittenBehindAutograd` is raised and nothing is committed; the tensors of a staged
+payload that were read where they live are then checked for moved version counters (``payload.live``:
 :class:`preempt.checkpoint.staging.LiveTensors`) before the JSON files. No torch at
 import (the checkpoint commands import the manager, which imports this).
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import cancel, commit, hashed_io
-from .carry import confirm
+from .carry import WrittenBehindAutograd, same_bytes
 from .hashed_io import FileDigest
 
 if TYPE_CHECKING:
@@ -37,18 +38,18 @@ def write_payload(directory: Path, payload: Payload, *, durable: bool = True) ->
     from . import codec, tensorfile
 
     files: dict[str, FileDigest] = {}
+    commit.stage("before_tensor_files")
     read = set(payload.tensor_files)  # the files written from tensors (a staged file's are copies, never checked)
     for fname, carry in payload.carried.items():
-        if not carry.check or confirm(str(directory / fname), carry):
-            try:
-                hashed_io.link_file(carry.source, directory / fname, carry.digest.size)
-                files[fname] = carry.digest
-                continue
-            except cancel.WriteCancelled:
-                raise
-            except OSError as e:
-                code = errno.errorcode.get(e.errno or 0, "")
-                log.debug("%s: cannot link %s (%s %s); writing it", directory / fname, carry.source, code, e.strerror)
+        try:
+            hashed_io.link_file(carry.source, directory / fname, carry.digest.size)
+            files[fname] = carry.digest
+            continue
+        except cancel.WriteCancelled:
+            raise
+        except OSError as e:
+            code = errno.errorcode.get(e.errno or 0, "")
+            log.debug("%s: cannot link %s (%s %s); writing it", directory / fname, carry.source, code, e.strerror)
         read.add(fname)
         pieces = tensorfile.pieces(carry.tensors, carry.meta)
         files[fname] = hashed_io.write_file(directory / fname, pieces, recycle=True, sync=False)
@@ -56,6 +57,13 @@ def write_payload(directory: Path, payload: Payload, *, durable: bool = True) ->
         files[fname] = hashed_io.write_file(
             directory / fname, tensorfile.pieces(tensors, meta), recycle=True, sync=False
         )
+    for fname, expected in payload.at_step.items():
+        if fname in read and not same_bytes(files[fname], expected):
+            raise WrittenBehindAutograd(
+                fname,
+                f"{directory / fname}: written from its live tensors after the step, its content differs from theirs"
+                f" at the step (xxh3 {files[fname].xxh3_128}, at the step {expected.xxh3_128})",
+            )
     commit.stage("after_tensor_files")
     if payload.live is not None:
         payload.live.check(read)  # the tensors read where they live are as when the snapshot was taken

@@ -50,7 +50,7 @@ class Staging(Protocol):
 
     def prepare(self, payload: state.Payload) -> None: ...
 
-    def stage(self, payload: state.Payload) -> state.Payload: ...
+    def stage(self, payload: state.Payload, *, loop_waits: bool = False) -> state.Payload: ...
 
     def stage_lazily(
         self, payload: state.Payload, later: Collection[SourceKey]
@@ -169,7 +169,7 @@ class Background:
         """For a synchronous save: ``payload`` copied into the staging buffers, whose files are then written without
         the page cache (see :data:`~preempt.run.save_plan.STAGE_SYNCHRONOUS`); the live payload where that fails."""
         try:
-            return self.staging().stage(payload)
+            return self.staging().stage(payload, loop_waits=True)
         except (MemoryError, RuntimeError) as e:
             log.warning("could not copy the state into the staging buffers (%s); writing it from the tensors", e)
             return payload

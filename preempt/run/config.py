@@ -68,14 +68,14 @@ class SaveOptions:
     at the peak. Needs ``keep_last`` or ``keep_best`` to prune something. With ``async_save``, a new job's writer
     writes such a pool ahead once the state is complete (:mod:`preempt.checkpoint.recycle`)."""
     carry_unchanged: bool | CarryOptions = True
-    """A checkpoint hard-links each tensor file that has not changed since the previous checkpoint instead of
-    writing it, and the model's frozen parameters that no optimizer holds go to a file of their own
-    (``base.safetensors``): fine-tuning writes what it trains, not the frozen base. Change is seen through each
-    tensor's version counter, address, shape, stride, dtype and device; what those cannot see (writes through
-    ``.data``, NumPy views, custom kernels) is caught by hashing the live tensors before the first carried
-    checkpoint of each process and every 10th after. Every checkpoint stays complete
-    (:mod:`preempt.checkpoint.carry`). True, False (every file written), or
-    :class:`~preempt.checkpoint.carry.CarryOptions` for the cadences."""
+    """The model's frozen parameters that no optimizer holds go to a file of their own (``base.safetensors``), and a
+    checkpoint hard-links that file from the previous checkpoint instead of writing it when its bytes are unchanged:
+    fine-tuning writes what it trains, not the frozen base. "Unchanged" is proven at the step: the live tensors are
+    hashed and compared with the previous copy's digest (version counters and addresses may only say "changed"), so a
+    write behind autograd (``.data``, NumPy views, custom kernels) is caught at the checkpoint it would have made stale;
+    such a file is written at every checkpoint from then on. Trained tensors, buffers and the optimizer's state are
+    written at every checkpoint. Every checkpoint stays complete (:mod:`preempt.checkpoint.carry`). True, False (every
+    file written, the model in one file), or :class:`~preempt.checkpoint.carry.CarryOptions`."""
     async_save: bool = True
     """Periodic and "best" checkpoints copy the state into host buffers (allocated once, reused) and a background
     thread writes them with the same commit protocol, so the loop waits only for the copy. At most one write is in

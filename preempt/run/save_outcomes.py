@@ -101,6 +101,9 @@ class Outcomes:
                 self._torn(job, error)
             case Outcome.CHANGED:
                 self._changed(job, error)
+            case Outcome.BEHIND_AUTOGRAD:
+                assert isinstance(error, carry.WrittenBehindAutograd)
+                self._behind_autograd(job, error)
             case Outcome.CANCELLED:
                 _testing.emit("cancelled", step=job.record.step, reason=job.reason.value)
                 log.info(
@@ -168,6 +171,12 @@ class Outcomes:
             job.record.step,
             error,
         )
+
+    def _behind_autograd(self, job: SaveJob, error: carry.WrittenBehindAutograd) -> None:
+        """A file the writer read where it lives came out other than it was at the step: that checkpoint is not
+        committed; the file is written from a copy made at the step from now on, and the state is due again."""
+        log.warning("the checkpoint of step %d is not written: %s", job.record.step, error)
+        self.manager.carrier.distrust(error.file, "its tensors changed between the step and their write")
 
     def not_written(self, reason: Reason, error: OSError, step: int | None = None) -> None:
         """A save that failed for want of disk or I/O: a periodic one is logged and training goes on; the stop's

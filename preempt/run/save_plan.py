@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..checkpoint.cancel import WriteCancelled
+from ..checkpoint.carry import WrittenBehindAutograd
 from ..checkpoint.staging import ChangedWhileWritten, LazyCopy, TornSnapshot
 from ..errors import LockLostError
 from .save_policy import Due, Reason
@@ -115,6 +116,7 @@ class Outcome(enum.Enum):
     WRITTEN = "written"  # the checkpoint is durable
     TORN = "torn"  # a lazy snapshot changed before its copy was made: not written
     CHANGED = "changed"  # a tensor read where it lives changed during the write: not committed
+    BEHIND_AUTOGRAD = "behind autograd"  # a file read where it lives came out other than at the step: not committed
     CANCELLED = "cancelled"  # a stop cancelled the write: the stop saves the current state
     NOT_WRITTEN = "not written"  # the write failed for want of disk or I/O: training goes on
     LOCK_LOST = "lock lost"  # the save_dir is no longer this run's
@@ -127,6 +129,8 @@ def outcome_of(kind: JobKind, error: BaseException | None) -> Outcome:
         return {JobKind.PREPARE: Outcome.PREPARED, JobKind.SAVE: Outcome.WRITTEN, JobKind.RESERVE: Outcome.RESERVED}[
             kind
         ]
+    if isinstance(error, WrittenBehindAutograd):
+        return Outcome.BEHIND_AUTOGRAD
     if isinstance(error, ChangedWhileWritten):
         return Outcome.CHANGED
     if isinstance(error, TornSnapshot):
@@ -165,6 +169,7 @@ def pick(
         postponed: A periodic save postponed earlier.
         dirty: The state changed since the last checkpoint.
     """
+
     def waits(r: Reason) -> bool:
         return staging and (job is JobKind.SAVE and r in POSTPONABLE or job is JobKind.PREPARE and r in BY_TIME)
 

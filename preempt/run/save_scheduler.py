@@ -40,7 +40,6 @@ from .peers import Alone, Peers
 from .save_outcomes import Outcomes
 from .save_plan import (
     POSTPONABLE,
-    STOPS,
     Job,
     Outcome,
     PrepareJob,
@@ -228,8 +227,10 @@ class SaveScheduler:
             log.debug("saving %s (%s)", self.manager.save_dir / checkpoint_name(manifest.step), reason.value)
             _testing.emit("saving", step=manifest.step, reason=reason.value, background=background)
             payload, live = self.snapshot.content()
-            # unchanged files are carried, not staged or written; a stop leaves the guard to the next checkpoint
-            payload = self.manager.plan(payload, manifest.step, urgent=reason in STOPS)
+            # an unchanged frozen base is carried, not staged or written; one the writer reads after the step is
+            # hashed now, so that what it writes can be checked against the step
+            read_later = bg.stager.live if background and bg.stager is not None else frozenset()
+            payload = self.manager.plan(payload, manifest.step, read_later=read_later)
             if background and self.sharded is not None:
                 self._save_sharded(reason, manifest, t0, payload, live)
                 return True

@@ -82,7 +82,17 @@ def test_decide():
     assert decide(fp, None, **args)[0] == "write"
     assert decide(fp, fp, source_present=False, shared=1, carry_limit=10) == ("write", "its durable copy is gone")
     assert decide(fp, fp, source_present=True, shared=10, carry_limit=10)[0] == "write"  # a fresh copy
-    assert [carry.check_due(n, 3) for n in range(7)] == [True, False, False, True, False, False, True]
+
+
+def test_only_the_frozen_base_is_ever_carried():
+    """The files of trained tensors, buffers and the optimizer are written at every checkpoint, whatever their
+    version counters say: a loop may train them behind autograd (``p.data.add_``)."""
+    assert carry.carriable(BASE) and carry.carriable("base_00003.safetensors")
+    assert not any(
+        carry.carriable(n)
+        for n in (MODEL, "state.safetensors", "pieces_00000.safetensors", "rank_00001.safetensors", "base_3.safetensors")
+    )
+    assert carry.marked_never({"format": "pt", "preempt.carry": "never"}) and not carry.marked_never({"format": "pt"})
 
 
 def test_options_are_checked():
@@ -250,33 +260,83 @@ def test_quarantine_moves_only_the_damaged_checkpoint(tmp_path):
 # ----------------------------------------------------------------------------- the guard
 
 
-@pytest.mark.parametrize("how", ["data", "numpy"])
-def test_a_change_the_version_counter_misses_is_caught_by_the_guard(tmp_path, caplog, how):
-    model, opt = lora()
-    m = CheckpointManager(tmp_path, keep_last=None)
-    m.save_state(step=1, model=model, optimizer=opt)
+def write_behind_autograd(model: torch.nn.Module, how: str) -> None:
     if how == "data":
         model[0].weight.data.add_(1.0)  # .data: a version counter of its own
     else:
         model[0].weight.numpy()[0, 0] += 1.0  # through NumPy: no counter at all
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_a_change_the_version_counters_miss_is_caught_at_the_checkpoint_it_would_make_stale(tmp_path, caplog, how):
+    """Any carried checkpoint, not the first or every 10th: the base is hashed at every step that would carry it;
+    once caught, it is written at every checkpoint, marked so in its file, and a resumed process trusts it no more."""
+    model, opt = lora()
+    m = CheckpointManager(tmp_path, keep_last=None, carry_unchanged=CarryOptions(carry_limit=100))
+    for step in range(1, 5):
+        assert m.save_state(step=step, model=model, optimizer=opt).manifest.files[BASE].carried_from == (
+            None if step == 1 else 1
+        )
     version = model[0].weight._version
-    info = m.save_state(step=2, model=model, optimizer=opt)
+    write_behind_autograd(model, how)
+    info = m.save_state(step=5, model=model, optimizer=opt)
     assert model[0].weight._version == version  # unseen by the counters...
-    assert info.manifest.files[BASE].carried_from is None  # ...but the guard (first carried save) hashed it
-    assert "base.safetensors: unchanged by its tensors' version counters, but its content differs" in caplog.text
+    assert info.manifest.files[BASE].carried_from is None  # ...but the hash at the step saw it
+    assert "base.safetensors: its content differs from" in caplog.text and "behind autograd" in caplog.text
     _, loaded = CheckpointManager(tmp_path, owner=False).load("latest")
     assert torch.equal(loaded.model["0.weight"], model[0].weight)
+    caplog.clear()
+    six = m.save_state(step=6, model=model, optimizer=opt)  # unchanged since: written all the same, no new warning
+    assert six.manifest.files[BASE].carried_from is None and not same_inode(info.path / BASE, six.path / BASE)
+    assert "behind autograd" not in caplog.text
+    from preempt.checkpoint import state, tensorfile
+
+    assert carry.marked_never(tensorfile.read_header(six.path / BASE).metadata)
+    resumed = CheckpointManager(tmp_path, keep_last=None)  # a new process resumes from step 6
+    latest, _ = resumed.load("latest")
+    assert resumed.loaded(latest, state.capture(state.Components(model, opt), {}, group_frozen=True)) == []
+    seven = resumed.save_state(step=7, model=model, optimizer=opt)
+    assert seven.manifest.files[BASE].carried_from is None
 
 
-def test_between_guards_such_a_change_is_missed_as_documented(tmp_path):
-    model, opt = lora()
-    m = CheckpointManager(tmp_path, keep_last=None, carry_unchanged=CarryOptions(check_every=3, carry_limit=100))
-    m.save_state(step=1, model=model, optimizer=opt)
-    assert m.save_state(step=2, model=model, optimizer=opt).manifest.files[BASE].carried_from == 1  # checked
-    model[0].weight.data.add_(1.0)
-    assert m.save_state(step=3, model=model, optimizer=opt).manifest.files[BASE].carried_from == 1  # missed
-    assert m.save_state(step=4, model=model, optimizer=opt).manifest.files[BASE].carried_from == 1  # missed
-    assert m.save_state(step=5, model=model, optimizer=opt).manifest.files[BASE].carried_from is None  # checked
+def test_every_checkpoint_equals_the_state_at_its_step_with_a_momentum_teacher(tmp_path):
+    """DINO's teacher: frozen, no optimizer holds it, updated through .data after each step. Every checkpoint holds
+    its own step's teacher (the stronger oracle: each kept checkpoint against the live state at its step)."""
+    torch.manual_seed(0)
+    student, teacher = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    teacher.requires_grad_(False)
+    model = torch.nn.ModuleDict({"student": student, "teacher": teacher})
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    m = CheckpointManager(tmp_path, keep_last=None)
+    live = {}
+    for step in range(1, 11):
+        opt.zero_grad()
+        student(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        for pt, ps in zip(teacher.parameters(), student.parameters(), strict=True):
+            pt.data.mul_(0.9).add_(ps.data, alpha=0.1)
+        m.save_state(step=step, model=model, optimizer=opt)
+        live[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    for step, want in live.items():
+        _, loaded = CheckpointManager(tmp_path, owner=False).load(step)
+        stale = [k for k, v in want.items() if not torch.equal(loaded.model[k], v)]
+        assert stale == [], f"step {step}'s checkpoint holds {stale} from another step"
+
+
+def test_a_model_without_an_optimizer_is_trained_by_hand_and_never_carried(tmp_path):
+    """word_language_model: no optimizer, ``p.data.add_(p.grad, alpha=-lr)``: no base, every tensor written."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    m = CheckpointManager(tmp_path, keep_last=None)
+    for step in (1, 2):
+        model.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+        info = m.save_state(step=step, model=model)
+        assert BASE not in info.manifest.files and info.manifest.carried == {}
+        _, loaded = CheckpointManager(tmp_path, owner=False).load(step)
+        assert all(torch.equal(loaded.model[k], v) for k, v in model.state_dict().items())
 
 
 def test_a_buffer_replaced_at_the_same_address_is_not_taken_for_unchanged():
@@ -285,9 +345,10 @@ def test_a_buffer_replaced_at_the_same_address_is_not_taken_for_unchanged():
     from preempt.checkpoint import state
 
     t = torch.zeros(1024)
-    payload = state.Payload({"x.safetensors": ({"t": t}, {})}, {})
+    payload = state.Payload({BASE: ({"t": t}, {})}, {})
     carrier.plan(payload, 1)
-    carrier.durable(Path("/nowhere"), 1, {"x.safetensors": hashed_io.FileDigest(1, "0" * 32)})
+    carrier.durable(Path("/nowhere"), 1, {BASE: hashed_io.FileDigest(1, "0" * 32)})
+    assert carrier.sources[BASE].tensors["t"] is t
     ptr = t.data_ptr()
     del t, payload
     fresh = torch.ones(1024)
@@ -334,31 +395,33 @@ def test_export_writes_one_standalone_file_and_ls_inspect_show_what_was_carried(
 # ----------------------------------------------------------------------------- staging sized for what changes
 
 
-def test_the_guard_is_left_to_the_writer_and_a_stop_never_waits_for_it():
-    """Carrier.plan only marks the carried files for the guard (the writer hashes them, in the background for an
-    async save); an urgent save (a stop) leaves the guard to the next carried checkpoint."""
+def test_the_plan_hashes_at_the_step_what_it_carries_and_what_a_writer_reads_later(monkeypatch):
+    """A carried file's live tensors hash to its source's digest at the step (a stop's save too: there is no other
+    plan); a file that a writer reads after the step gets its digest at the step; a synchronous save's written file
+    is not hashed."""
     from preempt.checkpoint import state
 
-    carrier = carry.Carrier(CarryOptions(check_every=2))
+    monkeypatch.setattr(carry, "exists", lambda _path: True)  # (the sources are made up)
+    hashed = []
+    monkeypatch.setattr(carry, "digest_of", lambda ts, meta, real=carry.digest_of: hashed.append(1) or real(ts, meta))
+    carrier = carry.Carrier()
     t = torch.zeros(16)
-    payload = state.Payload({BASE: ({"w": t}, {})}, {})
-    carrier.plan(payload, 1)
-    carrier.durable(Path("/nowhere"), 1, {BASE: hashed_io.FileDigest(1, "0" * 32)})
-
-    def plan(step: int, urgent: bool = False) -> bool:
-        planned = carrier.plan(payload, step, urgent=urgent)
-        assert BASE in planned.carried and not planned.tensor_files
-        carrier.durable(Path("/nowhere"), step, {BASE: hashed_io.FileDigest(1, "0" * 32, 1)})
-        return planned.carried[BASE].check
-
-    assert carry.exists  # (the source's presence is faked below)
-    carrier_exists, carry.exists = carry.exists, lambda _path: True
-    try:
-        assert plan(2, urgent=True) is False  # a stop: no hashing, and the guard is still owed
-        assert plan(3) is True  # the first carried checkpoint that may wait for it
-        assert plan(4) is False and plan(5) is True  # then every check_every-th
-    finally:
-        carry.exists = carrier_exists
+    payload = state.Payload({BASE: ({"w": t}, {}), MODEL: ({"h": torch.zeros(2)}, {})}, {})
+    first = carrier.plan(payload, 1)
+    assert not first.carried and first.at_step == {} and hashed == []  # written while the loop waits: no hash
+    digest = carry.digest_of({"w": t}, {})
+    carrier.durable(Path("/nowhere"), 1, {BASE: digest, MODEL: digest})
+    hashed.clear()
+    second = carrier.plan(payload, 2)
+    assert list(second.carried) == [BASE] and list(second.tensor_files) == [MODEL] and len(hashed) == 1
+    assert second.at_step == {BASE: second.carried[BASE].digest}
+    carrier.durable(Path("/nowhere"), 2, {BASE: carry.dataclasses.replace(digest, carried_from=1), MODEL: digest})
+    t.numpy()[0] = 1.0  # behind autograd
+    third = carrier.plan(payload, 3, read_later={BASE})
+    assert not third.carried and carry.marked_never(third.tensor_files[BASE][1]) and third.at_step == {}
+    fresh = carry.Carrier()
+    fresh.plan(payload, 1)
+    assert fresh.plan(payload, 1, read_later={BASE}).at_step == {BASE: carry.digest_of({"w": t}, {})}
 
 
 def lora_run(tmp_path: Path, **kw):
@@ -493,33 +556,55 @@ def test_a_carried_file_changed_after_its_step_while_the_writer_runs_is_still_co
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_the_guard_racing_the_loop_carries_by_the_version_counters(monkeypatch, caplog):
-    """The writer hashes a carried file while (or after) the loop's next step changes it: a mismatch then says
-    nothing about the step's content (the counters, unchanged at the step, do), so the file is carried, with no
-    warning; a mismatch without a counter that moved is a change behind autograd, written and warned about."""
-    t = torch.zeros(4)
-    c = carry.Carry(
-        Path("/nowhere"), hashed_io.FileDigest(0, "0" * 32), {"w": t}, {}, check=True, versions=[t._version]
-    )
-    real = carry.digest_of
+def writer_gate_before():
+    """A fault point that holds the background writer before it reads anything of its first checkpoint."""
+    import threading
 
-    def during_the_hash(tensors, meta):
-        t.add_(1.0)  # the loop's optimizer.step(), while the writer hashes
-        return real(tensors, meta)
+    reached, release = threading.Event(), threading.Event()
 
-    monkeypatch.setattr(carry, "digest_of", during_the_hash)
-    with caplog.at_level(logging.WARNING, logger="preempt"):
-        assert carry.confirm("base.safetensors", c) is True
-    assert "behind autograd" not in caplog.text
-    monkeypatch.setattr(carry, "digest_of", real)
-    t.add_(1.0)  # changed before the writer hashes it (the writer started after the next step)
-    with caplog.at_level(logging.WARNING, logger="preempt"):
-        assert carry.confirm("base.safetensors", c) is True
-    assert "behind autograd" not in caplog.text
-    c.versions = [t._version]  # unchanged since the step, yet other bytes: a change behind autograd
-    with caplog.at_level(logging.WARNING, logger="preempt"):
-        assert carry.confirm("base.safetensors", c) is False
-    assert "behind autograd" in caplog.text
+    def gate(stage: str, cancel: object = None) -> None:
+        if stage == "before_tensor_files" and threading.current_thread().name == "preempt-writer":
+            if not reached.is_set():
+                reached.set()
+                assert release.wait(30)
+
+    return reached, release, gate
+
+
+def test_a_base_written_behind_autograd_before_the_writer_reads_it_is_not_committed(tmp_path, caplog):
+    """The base is read where it lives by a background write; the loop changes it through .data before the writer
+    reads it (the writer is held at a fault point): the file would hold a later step's bytes, which no version
+    counter shows. The writer's digest differs from the one taken at the step: that checkpoint is not committed, and
+    the base is copied at the step and written from then on. Every kept checkpoint holds its step's state."""
+    reached, release, gate = writer_gate_before()
+    model, opt, run = lora_run(tmp_path, keep_last=None)
+    _testing.install("commit", gate)
+    live = {}
+    try:
+        with run:
+            for step in (1, 2):
+                train(model, opt)
+                run.step()  # step 2: a background save; the writer is held before it reads the base
+            assert reached.wait(30)
+            model[0].weight.data.add_(1.0)  # behind autograd, after the step, before the writer reads it
+            release.set()
+            run.wait_for_checkpoint(timeout=60)
+            assert not step_dir(tmp_path, 2).exists()
+            assert "the checkpoint of step 2 is not written" in caplog.text and "behind autograd" in caplog.text
+            for step in (3, 4, 5, 6):
+                train(model, opt)
+                model[0].weight.data.mul_(0.99)  # and at every step from now on
+                run.step()
+                if step % 2 == 0:
+                    live[step] = state_of(model, opt)
+                run.wait_for_checkpoint(timeout=60)
+            assert run.saves.buffer_nbytes >= sum(p.nbytes for p in model[0].parameters())  # the base is copied now
+    finally:
+        _testing.install("commit", None)
+        release.set()
+    for step, want in live.items():
+        got = loaded_state(step_dir(tmp_path, step))
+        assert [k for k in want if not torch.equal(got[k], want[k])] == [], step
 
 
 def test_a_fused_optimizer_that_leaves_the_version_counters_is_seen_and_never_carried_stale(tmp_path):

@@ -100,27 +100,25 @@ def test_the_commit_s_exchanges_are_one_round_each_when_small(tmp_path):
     assert [json.loads(line) for line in out] == [[1, 1, 2, 2, 1, 1, 2, 2, 1]] * 2
 
 
-def test_a_stop_s_carry_plan_fingerprints_a_changed_file_only_up_to_its_first_change(monkeypatch):
-    """A stop's save writes a file that changed (a LoRA run's adapters and moments: hundreds of tensors) without
-    fingerprinting the rest of it, and carries the unchanged one (the base), fingerprinted whole."""
-    from preempt.checkpoint import carry, hashed_io, state
+def test_a_save_s_carry_plan_looks_only_at_the_frozen_base(monkeypatch):
+    """A save (a stop's among them) writes the trained tensors' file (a LoRA run's adapters and moments: hundreds of
+    tensors) without fingerprinting or hashing it, and carries the unchanged base, fingerprinted and hashed."""
+    from preempt.checkpoint import carry, state
 
     carrier = carry.Carrier()
     base = {f"w{i}": torch.zeros(4) for i in range(10)}
     trained = {f"a{i}": torch.zeros(4) for i in range(100)}
-    payload = state.Payload({"base.safetensors": (base, {}), "rest.safetensors": (trained, {})}, {})
+    payload = state.Payload({"base.safetensors": (base, {}), "model.safetensors": (trained, {})}, {})
     carrier.plan(payload, 1)
-    carrier.durable(Path("/nowhere"), 1, {n: hashed_io.FileDigest(1, "0" * 32) for n in payload.tensor_files})
-    trained["a0"].add_(1.0)  # the step: the first of the trained tensors changed
-    counted = []
+    carrier.durable(Path("/nowhere"), 1, {"base.safetensors": carry.digest_of(base, {})})
+    trained["a0"].add_(1.0)  # the step: the trained tensors changed
+    counted, hashed = [], []
     monkeypatch.setattr(carry, "fingerprint", lambda t, real=carry.fingerprint: counted.append(t) or real(t))
+    monkeypatch.setattr(carry, "digest_of", lambda ts, m, real=carry.digest_of: hashed.append(ts) or real(ts, m))
     monkeypatch.setattr(carry, "exists", lambda _path: True)  # (the sources are made up)
-    planned = carrier.plan(payload, 2, urgent=True)
-    assert list(planned.carried) == ["base.safetensors"] and list(planned.tensor_files) == ["rest.safetensors"]
-    assert len(counted) == 10 + 1
-    counted.clear()
-    planned = carrier.plan(payload, 2)  # any other save fingerprints everything, for the next one to compare with
-    assert list(planned.carried) == ["base.safetensors"] and len(counted) == 110
+    planned = carrier.plan(payload, 2)
+    assert list(planned.carried) == ["base.safetensors"] and list(planned.tensor_files) == ["model.safetensors"]
+    assert len(counted) == 10 and hashed == [base]
 
 
 PIECES = """
