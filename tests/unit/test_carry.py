@@ -88,10 +88,8 @@ def test_only_the_frozen_base_is_ever_carried():
     """The files of trained tensors, buffers and the optimizer are written at every checkpoint, whatever their
     version counters say: a loop may train them behind autograd (``p.data.add_``)."""
     assert carry.carriable(BASE) and carry.carriable("base_00003.safetensors")
-    assert not any(
-        carry.carriable(n)
-        for n in (MODEL, "state.safetensors", "pieces_00000.safetensors", "rank_00001.safetensors", "base_3.safetensors")
-    )
+    others = (MODEL, "state.safetensors", "pieces_00000.safetensors", "rank_00001.safetensors", "base_3.safetensors")
+    assert not any(carry.carriable(n) for n in others)
     assert carry.marked_never({"format": "pt", "preempt.carry": "never"}) and not carry.marked_never({"format": "pt"})
 
 
@@ -582,7 +580,7 @@ def test_a_base_written_behind_autograd_before_the_writer_reads_it_is_not_commit
     live = {}
     try:
         with run:
-            for step in (1, 2):
+            for _ in (1, 2):
                 train(model, opt)
                 run.step()  # step 2: a background save; the writer is held before it reads the base
             assert reached.wait(30)
