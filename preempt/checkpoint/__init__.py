@@ -11,8 +11,9 @@ the pruned checkpoint's files written over (``recycle``), a payload's files writ
 hard-linked when unchanged (``write``, ``carry``), which checkpoints are
 kept (``retention``, pure), what is in the files (``state``, ``codec``, ``tensorfile``, ``components``; no pickle),
 where each piece of a sharded tensor lies in the ranks' files of pieces (``pieces``, no torch),
-what torch's optimizers, schedulers and scalers accept of it (``hyperparams``, pure), when ``complete.json`` is
-believed (``completion``, pure),
+the digests of a run's live state at each checkpoint step that ``preempt check`` holds its checkpoints to
+(``live_record``), what torch's optimizers, schedulers and scalers accept of it (``hyperparams``, pure), when
+``complete.json`` is believed (``completion``, pure),
 the staging buffers and the background writer (``staging``), fresh host memory made resident at once
 (``prefault``), host memory pinned for a GPU's copies exactly
 (``pinned``), a lazy snapshot's copies from a GPU on a side stream (``side_stream``), the directory's lock and step

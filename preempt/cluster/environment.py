@@ -154,6 +154,12 @@ class CheckSpec:
     kill: bool
     last: int
 
+    @property
+    def live_dir(self) -> str:
+        """Beside ``save_dir``: where the run records its live state at each checkpoint step, for the check to hold
+        each checkpoint to (:mod:`preempt.checkpoint.live_record`)."""
+        return f"{self.save_dir}.live"
+
     def to_env(self) -> str:
         """The value of ``PREEMPT_CHECK`` that :meth:`parse` reads back."""
         return json.dumps(

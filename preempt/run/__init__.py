@@ -10,7 +10,8 @@ lazy copies), ``sharded_saves`` (sharded state saved in the background by the ra
 (when and how a checkpoint is written, one background job at a time), ``save_outcomes`` (what came of each save:
 its record, its log line, a failed write),
 ``stopping`` (signals, walltime, requeue, the exit code), ``reporting`` (logs and progress), ``guarding`` (NaN
-rollbacks, OOM skips, emergency saves), ``resume_plan`` (where a run starts, pure), ``restore`` (carrying it out)
+rollbacks, OOM skips, emergency saves), ``check_record`` (inside ``preempt check``: the live state at each checkpoint
+step), ``resume_plan`` (where a run starts, pure), ``restore`` (carrying it out)
 and ``mirroring`` (the mirror's pull on entering, its uploads, the stop's wait for them).
 preempt/README.md draws them.
 

@@ -57,6 +57,7 @@ from ..data.shield import shield_workers
 from ..errors import CHECK_ENDED_EXIT_CODE, PeerLost, Preempted, PreemptError, RunComplete
 from ..health.guards import NonFiniteGuard, OOMGuard
 from ..health.progress import check_epochs
+from .check_record import CheckRecorder
 from .checkpoint_writer import writer_for
 from .config import RunConfig, RunOptions, checked_config
 from .data_cursor import DataCursor
@@ -90,12 +91,13 @@ class StepHooks:
 
     sync: Any  # ``sync_gradients`` says whether the micro-batch just run ended an accumulation; or None
     check_steps: frozenset[int]
+    recorder: CheckRecorder | None = None  # inside a check, on rank 0 of an unsharded model: the live state
 
     @classmethod
-    def of(cls, sync: Any, check: CheckSpec | None) -> StepHooks | None:
+    def of(cls, sync: Any, check: CheckSpec | None, recorder: CheckRecorder | None = None) -> StepHooks | None:
         if sync is None and check is None:
             return None
-        return cls(sync, frozenset() if check is None else check.saves | check.stops | {check.last})
+        return cls(sync, frozenset() if check is None else check.saves | check.stops | {check.last}, recorder)
 
 
 class PreemptibleRun:
@@ -223,7 +225,11 @@ class PreemptibleRun:
         self._batches_epoch = -1  # the epoch whose batches() has started
         self._due_time = math.inf  # before this, run.step() does not look (the loop holds the step and batch ones)
         self._step_hook: Any = None
-        self._hooks = StepHooks.of(gradient_sync(optimizer), check)
+        recorder = None
+        if check is not None and peers.rank == 0 and not sharded:
+            steps = check.saves | check.stops | {check.last}
+            recorder = CheckRecorder(check.live_dir, steps, self.components, self.loop)
+        self._hooks = StepHooks.of(gradient_sync(optimizer), check, recorder)
 
     # ---------------------------------------------------------------- what a user reads
 
@@ -514,6 +520,8 @@ class PreemptibleRun:
             yield loop.epoch
             self.reporter.epoch_summary()
             self.stopper.epoch_done()
+            if self._hooks is not None and self._hooks.recorder is not None:
+                self._hooks.recorder.epoch_ended(loop.epoch, loop.global_step)
             loop.epoch_ended()
 
     def batches(self, loader: Iterable[Any]) -> Generator[Any, None, None]:
@@ -532,6 +540,8 @@ class PreemptibleRun:
         it, start = self.data.open(loader, epoch)
         if it is None:
             return
+        if self._hooks is not None and self._hooks.recorder is not None:
+            it = self._hooks.recorder.watching(it)
         loop.at_batch(start)
         self._recompute_due()
         try:  # run out or left: what follows is end-of-epoch code (run.report() there waits for the epoch's end)
@@ -738,6 +748,8 @@ class PreemptibleRun:
         assert check is not None
         if step in check.saves or step == check.last or (check.kill and step in check.stops):
             self.saves.save(Reason.STEPS, "step")  # synchronous inside a check: durable on every rank when it returns
+            if self._hooks is not None and self._hooks.recorder is not None:
+                self._hooks.recorder.record(step)  # the live state that checkpoint is held to
         if check.kill and step in check.stops:
             self.peers.broadcast(None)  # every rank's files are written before any rank dies
             os.kill(os.getpid(), signal.SIGKILL)
