@@ -48,7 +48,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint import live_record
+from ..checkpoint.live_record import flatten
+from ..checkpoint.manager import CheckpointInfo, CheckpointManager
+from ..checkpoint.names import BASE_FILE, MODEL_FILE, STATE_FILE
 from ..cluster.environment import CHECK_VARIABLE, CheckSpec
 from ..errors import PreemptError
 from .output import emit
@@ -84,10 +87,13 @@ class CannotCheck(Exception):
 # ---------------------------------------------------------------------------------------------- pure decisions
 
 
-def choose_stops(last: int, batches_per_epoch: int | None) -> list[int]:
+def choose_stops(last: int, steps_per_epoch: int | None) -> list[int]:
     """The stops of a trial when none is asked: mid-epoch, the step right after that stop's resume (state carried
-    between steps shows there), and the end of the first epoch when the run has epochs shorter than ``last``."""
-    per = batches_per_epoch if batches_per_epoch is not None and batches_per_epoch > 0 else None
+    between steps shows there), and the end of the first epoch when the run has epochs shorter than ``last``.
+
+    ``steps_per_epoch`` counts run.step() calls, the optimizer steps (under gradient accumulation several batches
+    make one), as ``last`` and every stop do (:func:`preempt.checkpoint.live_record.steps_per_epoch`)."""
+    per = steps_per_epoch if steps_per_epoch is not None and steps_per_epoch > 0 else None
     mid = max(1, per // 2) if per is not None and per < last else max(1, last // 3)
     stops = {mid, mid + 1}
     if per is not None and per not in stops and per < last:
@@ -191,12 +197,47 @@ def labels(paths: Iterable[str], most: int = 4) -> str:
     return shown + (f" and {len(seen) - most} more" if len(seen) > most else "")
 
 
-def hint(step: int, stops: Sequence[int]) -> str:
-    """Why the state may first differ at ``step``, given the stops of the trial."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataFacts:
+    """What the trial's data showed at one compared step (from its checkpoint's manifest and the runs' records)."""
+
+    batch_differs: bool | None = None  # its batches are not the reference's at that step (None: not recorded)
+    epoch: int = 0  # the run's epoch there
+    sampler_epoch: int | None = None  # the epoch of preempt's sampler there, when it is not the run's
+    epoch_start: bool = False  # the step is its epoch's first (the previous compared step is in an earlier epoch)
+
+
+_RESET = (
+    "something other than the run sets the sampler's epoch: a loader wrapper calling set_epoch with a count of its"
+    " own (Lightning Fabric's does), which starts again at 0 in every process"
+)
+
+
+def hint(step: int, stops: Sequence[int], data: DataFacts | None = None) -> str:
+    """Why the state may first differ at ``step``, given the stops of the trial and what its data showed there."""
     before = [s for s in stops if s < step]
     if not before:
         return "it differs before any resume: the run does not reproduce itself there"
     k = max(before)
+    if data is not None and data.sampler_epoch is not None:
+        return (
+            f"at step {step} the sampler is at epoch {data.sampler_epoch} while the run is in epoch {data.epoch}:"
+            f" {_RESET}; after the resume at step {k} the data comes in epoch {data.sampler_epoch}'s order. Let the"
+            f" run set the epoch (run.batches over the DataLoader itself, or a wrapper that leaves set_epoch alone);"
+            f" see {GUIDE}"
+        )
+    if data is not None and data.batch_differs:
+        if data.epoch_start:
+            return (
+                f"the data order of epoch {data.epoch} after the resume at step {k} is not the uninterrupted run's:"
+                f" its first batch differs. The order is reset at the epoch's start: {_RESET}, or the order is drawn"
+                f" from state outside the checkpoint; use run.sampler(...) and let the run set the epoch; see {GUIDE}"
+            )
+        return (
+            f"the batches of step {step} are not the uninterrupted run's: after the resume at step {k} the data does"
+            " not continue where it stopped (a sampler or iterator of the loop's own outside the checkpoint, a"
+            f" sampler whose epoch something other than the run sets); see {GUIDE}"
+        )
     if step == k + 1:
         return (
             f"the first step after the resume at step {k} already differs: state carried between steps outside the"
@@ -210,11 +251,40 @@ def hint(step: int, stops: Sequence[int]) -> str:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Stale:
+    """A checkpoint whose tensors are not the live ones of its step (:mod:`preempt.checkpoint.live_record`)."""
+
+    run: str  # which of the check's runs wrote it
+    step: int
+    paths: tuple[str, ...]
+    of_step: int | None = None  # the recorded step whose live values it holds, when it is one of them
+    carried: bool = False  # its file holding the first of them is a hard link to an earlier checkpoint's
+
+    def says(self) -> str:
+        """``step 9's checkpoint holds model.0.weight from an older step (step 8's): carried ...``."""
+        older = "from an older step" + (f" (step {self.of_step}'s)" if self.of_step is not None else "")
+        if self.carried:
+            why = (
+                "carried unchanged from an earlier checkpoint while something wrote it behind autograd (an in-place"
+                " write through .data or a NumPy view, which autograd's version counter does not see)"
+            )
+        else:
+            why = (
+                "the run wrote what the state_dict() it read handed out, an older copy (a state_dict hook or"
+                " override, a cache)"
+            )
+        return (
+            f"step {self.step}'s checkpoint ({self.run} run) holds {labels(self.paths)} {older}, not the live"
+            f" value at step {self.step}: {why}; a resume from it starts from that older state"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Verdict:
     """What the comparison concluded."""
 
     code: int
-    verdict: str  # "exact", "not exact" or "nondeterministic"
+    verdict: str  # "exact", "not exact", "stale checkpoint" or "nondeterministic"
     step: int | None = None  # the first diverging step
     since: int | None = None  # the compared step before it (the divergence lies after it when not step - 1)
     differs: tuple[str, ...] = ()
@@ -222,9 +292,27 @@ class Verdict:
     hint: str | None = None
 
 
-def judge(diffs: Sequence[tuple[int, Sequence[str]]], nondeterministic: Sequence[str], stops: Sequence[int]) -> Verdict:
-    """The verdict from the per-step differences (trial against reference) and the references' own."""
+def judge(
+    diffs: Sequence[tuple[int, Sequence[str]]],
+    nondeterministic: Sequence[str],
+    stops: Sequence[int],
+    *,
+    stale: Stale | None = None,
+    data: Mapping[int, DataFacts] | None = None,
+) -> Verdict:
+    """The verdict from the per-step differences (trial against reference), the references' own, a checkpoint found
+    not to hold its step's live state (it comes first: it explains what differs after it, in any run) and what the
+    trial's data showed at each step."""
     nd = tuple(nondeterministic)
+    if stale is not None:
+        return Verdict(
+            code=NOT_EXACT,
+            verdict="stale checkpoint",
+            step=stale.step,
+            differs=stale.paths,
+            nondeterministic=nd,
+            hint=stale.says(),
+        )
     found = first_divergence(diffs, nd)
     if found is not None:
         step, paths = found
@@ -238,7 +326,7 @@ def judge(diffs: Sequence[tuple[int, Sequence[str]]], nondeterministic: Sequence
             since=since,
             differs=tuple(paths),
             nondeterministic=nd,
-            hint=hint(step, stops),
+            hint=hint(step, stops, (data or {}).get(step)),
         )
     if any(p.split(": ")[-1].startswith(("model.", "pieces.")) for p in nd):
         return Verdict(
@@ -252,20 +340,6 @@ def judge(diffs: Sequence[tuple[int, Sequence[str]]], nondeterministic: Sequence
 
 
 # ----------------------------------------------------------------------------------------- states and their diff
-
-
-def flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    """``out[path] = leaf`` for every leaf of a decoded state tree (dicts and lists walked, in order)."""
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            flatten(v, f"{prefix}.{i}", out)
-        if not value:
-            out[prefix] = type(value)()
-    else:
-        out[prefix] = value
 
 
 def same(a: Any, b: Any) -> bool:
@@ -296,10 +370,7 @@ def read_state(save_dir: Path, step: int) -> dict[str, Any]:
     """Every rank's state in the checkpoint of ``step``, flat: rank 0's whole state, and each other rank's own
     (its generators, its loader's position) under ``rank R: ``. Verified by the manager's own read (no pickle)."""
     manager = CheckpointManager(save_dir, owner=False)
-    infos = [c for c in manager.list() if c.step == step and c.status == "valid"]
-    if not infos:
-        raise CannotCheck(f"{save_dir}: no valid checkpoint of step {step} to compare")
-    info = infos[0]
+    info = _valid(manager.list(), save_dir, step)
     ranks = sorted({0} | {int(f[5:10]) for f in info.valid.files if f.startswith("rank_") and f.endswith(".json")})
     out: dict[str, Any] = {}
     for r in ranks:
@@ -318,15 +389,86 @@ def read_state(save_dir: Path, step: int) -> dict[str, Any]:
     return out
 
 
+def _valid(infos: Iterable[CheckpointInfo], save_dir: Path, step: int) -> CheckpointInfo:
+    found = [c for c in infos if c.step == step and c.status == "valid"]
+    if not found:
+        raise CannotCheck(f"{save_dir}: no valid checkpoint of step {step} to compare")
+    return found[0]
+
+
+def held(flat: Mapping[str, Any], record: live_record.LiveRecord) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """The digests of a checkpoint's tensors (``flat``: :func:`read_state`'s) at the paths ``record`` has."""
+    import torch
+
+    return {p: live_record.tensor_digest(flat[p]) for p in record.tensors if isinstance(flat.get(p), torch.Tensor)}
+
+
+def stale_in(
+    run: Run, records: Mapping[int, live_record.LiveRecord], step: int, flat: Mapping[str, Any]
+) -> Stale | None:
+    """The run's checkpoint of ``step`` (``flat``) against the live state the run recorded at that step."""
+    record = records.get(step)
+    if record is None:
+        return None
+    digests = held(flat, record)
+    paths = live_record.stale(record, digests)
+    if not paths:
+        return None
+    first = paths[0]
+    of_step = live_record.live_at(records, step, first, digests[first][2])
+    return Stale(run=run.name, step=step, paths=tuple(paths), of_step=of_step, carried=_carried(run, step, first))
+
+
+def _carried(run: Run, step: int, path: str) -> bool:
+    """The file of the checkpoint of ``step`` that holds ``path`` is a hard link to the one an earlier checkpoint of
+    the run holds (:mod:`preempt.checkpoint.carry`)."""
+    infos = [c for c in CheckpointManager(run.save_dir, owner=False).list() if c.status == "valid"]
+    here = _valid(infos, run.save_dir, step).path
+    names = (MODEL_FILE, BASE_FILE) if path.startswith("model.") else (STATE_FILE,)
+    for name in names:
+        f = here / name
+        for c in infos:
+            other = c.path / name
+            if c.step < step and f.exists() and other.exists() and os.path.samefile(f, other):
+                return True
+    return False
+
+
+def data_facts(trial: Run, reference: Run, steps: Sequence[int]) -> dict[int, DataFacts]:
+    """What the trial's data showed at each compared step: its sampler's epoch and its batches against the
+    reference's (both runs' records), and whether the step is its epoch's first."""
+    infos = {c.step: c for c in CheckpointManager(trial.save_dir, owner=False).list() if c.manifest is not None}
+    mine, theirs = live_record.read_all(trial.live_dir), live_record.read_all(reference.live_dir)
+    out = {}
+    for s in steps:
+        info, before = infos.get(s), infos.get(s - 1)
+        if info is None or info.manifest is None:
+            continue
+        cursor = info.manifest.cursor
+        earlier = before.manifest.cursor.epoch if before is not None and before.manifest is not None else cursor.epoch
+        sampler_epoch = (info.manifest.sampler or {}).get("epoch")
+        a, b = mine.get(s), theirs.get(s)
+        batches = None if a is None or b is None or a.batch is None or b.batch is None else a.batch != b.batch
+        out[s] = DataFacts(
+            batch_differs=batches,
+            epoch=cursor.epoch,
+            sampler_epoch=sampler_epoch if isinstance(sampler_epoch, int) and sampler_epoch != cursor.epoch else None,
+            epoch_start=earlier < cursor.epoch,
+        )
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ the runs
 
 
 @dataclasses.dataclass
 class Run:
-    """One run of COMMAND in its scratch save_dir: its processes' exit codes and seconds."""
+    """One run of COMMAND in its scratch save_dir: its processes' exit codes and seconds, and where it records its
+    live state (:attr:`~preempt.cluster.environment.CheckSpec.live_dir`)."""
 
     name: str
     save_dir: Path
+    live_dir: Path
     codes: list[int] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
@@ -386,12 +528,11 @@ def run_to(command: Sequence[str], spec: CheckSpec, targets: Sequence[int], run:
         raise CannotCheck(f"the {run.name} run failed before step {target} ({shown})" + (f": {said}" if said else ""))
 
 
-def _batches_per_epoch(save_dir: Path, step: int) -> int | None:
-    for c in CheckpointManager(save_dir, owner=False).list():
-        if c.step == step and c.manifest is not None:
-            per = c.manifest.cursor.batches_per_epoch
-            return per if per > 0 else None
-    return None
+def _steps_per_epoch(run: Run, last: int) -> int | None:
+    """The first epoch's run.step() calls, from the uninterrupted run's checkpoint and record at ``last``."""
+    cursor = _valid(CheckpointManager(run.save_dir, owner=False).list(), run.save_dir, last).valid.cursor
+    record = live_record.read_all(run.live_dir).get(last)
+    return live_record.steps_per_epoch(record, cursor.epoch, cursor.batch, cursor.batches_per_epoch, last)
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -490,7 +631,11 @@ def main(argv: Sequence[str]) -> int:
 
 
 def check(command: Sequence[str], stops: Sequence[int] | None, kill: bool, last: int | None, scratch: Path) -> dict:
-    """The three runs and their comparison; the document ``--json`` prints."""
+    """The runs and their comparison; the document ``--json`` prints.
+
+    The first reference and the trial; the second reference only when the trial differs from the first at N (to
+    tell a resume that is not exact from nondeterminism), or nothing is compared with it. Every checkpoint read is
+    held to the live state its run recorded at its step."""
     asked = sorted(set(stops or ()))
     n = last if last is not None else default_last(asked)
     if asked and max(asked) >= n:
@@ -501,37 +646,67 @@ def check(command: Sequence[str], stops: Sequence[int] | None, kill: bool, last:
             save_dir=str(scratch / name), saves=frozenset(saves), stops=frozenset(stop_at), kill=kill, last=n
         )
 
-    first = Run("reference", scratch / "reference")
-    run_to(command, spec(first.name, (), ()), [n], first, scratch)
-    chosen = asked or choose_stops(n, _batches_per_epoch(first.save_dir, n))
+    def made(name: str, saves: Iterable[int], stop_at: Iterable[int], targets: Sequence[int]) -> Run:
+        at = spec(name, saves, stop_at)
+        run = Run(name, Path(at.save_dir), Path(at.live_dir))
+        runs.append(run)
+        run_to(command, at, targets, run, scratch)
+        return run
+
+    runs: list[Run] = []
+    first = made("reference", (), (), [n])
+    per = _steps_per_epoch(first, n)
+    chosen = asked or choose_stops(n, per)
     if not chosen:
         raise CannotCheck(f"no step before step {n} to stop at: ask for more --steps")
     steps = compared_steps(chosen, n)
-    trial = Run("trial", scratch / "trial")
-    run_to(command, spec(trial.name, steps, chosen), [*chosen, n], trial, scratch)
-    second = Run("reference-2", scratch / "reference-2")
-    run_to(command, spec(second.name, steps, ()), [n], second, scratch)
+    trial = made("trial", steps, chosen, [*chosen, n])
 
-    nondeterministic = differing(read_state(first.save_dir, n), read_state(second.save_dir, n))
-    diffs = [(s, differing(read_state(second.save_dir, s), read_state(trial.save_dir, s))) for s in steps]
-    v = judge(diffs, nondeterministic, chosen)
+    reference_n = read_state(first.save_dir, n)
+    trial_records = live_record.read_all(trial.live_dir)
+    trial_n: dict[str, Any] = {}
+    stale = None
+    for s in steps:  # every checkpoint of the trial holds its step's live state (the stops' are what it resumed from)
+        state = read_state(trial.save_dir, s)
+        stale = stale or stale_in(trial, trial_records, s, state)
+        if s == n:
+            trial_n = state
+    stale = stale or stale_in(first, live_record.read_all(first.live_dir), n, reference_n)
+    nondeterministic: list[str] = []
+    diffs: list[tuple[int, list[str]]] = [(n, [])]
+    data: dict[int, DataFacts] = {}
+    if stale is None and differing(reference_n, trial_n):
+        second = made("reference-2", steps, (), [n])
+        second_records = live_record.read_all(second.live_dir)
+        diffs = []
+        for s in steps:
+            theirs = read_state(second.save_dir, s)
+            stale = stale or stale_in(second, second_records, s, theirs)
+            if s == n:
+                nondeterministic = differing(reference_n, theirs)
+            diffs.append((s, differing(theirs, read_state(trial.save_dir, s))))
+        data = data_facts(trial, second, steps)
+    v = judge(diffs, nondeterministic, chosen, stale=stale, data=data)
     return {
         "verdict": v.verdict,
         "exit_code": v.code,
         "command": list(command),
         "steps": n,
+        "steps_per_epoch": per,
         "stops": chosen,
         "signal": "KILL" if kill else "TERM",
         "compared_steps": steps,
-        "first_diverging_step": v.step,
+        "runs": [r.name for r in runs],
+        "first_diverging_step": v.step if v.verdict == "not exact" else None,
         "equal_until": v.since,
-        "differs": [label(p) for p in v.differs],
-        "differs_paths": list(v.differs),
+        "differs": [label(p) for p in v.differs] if v.verdict == "not exact" else [],
+        "differs_paths": list(v.differs) if v.verdict == "not exact" else [],
+        "stale_checkpoint": None if stale is None else {**dataclasses.asdict(stale), "labels": labels(stale.paths)},
         "nondeterministic": [label(p) for p in v.nondeterministic],
         "nondeterministic_paths": list(v.nondeterministic),
         "hint": v.hint,
-        "seconds": {r.name: round(r.seconds, 3) for r in (first, trial, second)},
-        "processes": {r.name: r.codes for r in (first, trial, second)},
+        "seconds": {r.name: round(r.seconds, 3) for r in runs},
+        "processes": {r.name: r.codes for r in runs},
     }
 
 
@@ -541,10 +716,15 @@ def render(doc: Mapping[str, Any]) -> str:
     at = ", ".join(str(s) for s in stops)
     nd = labels(doc["nondeterministic_paths"]) or "-"
     first = doc["first_diverging_step"]
+    made = doc.get("runs", ["reference", "trial", "reference-2"])
+    second = ("reference 2", "-", f"to step {n}", "-", f"nondeterministic: {nd}" if nd != "-" else "-")
+    if "reference-2" not in made:
+        skipped = "the trial equals it at step" if doc["verdict"] == "exact" else "a stale checkpoint found before"
+        second = ("reference 2", "-", "not run", "-", f"({skipped} {n})" if doc["verdict"] == "exact" else "-")
     rows = [
         ("run", "stops", "verdict", "first diverging step", "what differs"),
         ("reference", "-", f"to step {n}", "-", "-"),
-        ("reference 2", "-", f"to step {n}", "-", f"nondeterministic: {nd}" if nd != "-" else "-"),
+        second,
         (
             "trial",
             f"{sig} at {at}",
@@ -553,20 +733,29 @@ def render(doc: Mapping[str, Any]) -> str:
             labels(doc["differs_paths"]) or "-",
         ),
     ]
+    stale = doc.get("stale_checkpoint")
+    if stale is not None:
+        rows[-1] = (*rows[-1][:4], f"step {stale['step']}'s checkpoint ({stale['run']} run): {stale['labels']}")
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4] for r in rows]
     lines = [ln.rstrip() for ln in lines]
     compared = doc["compared_steps"]
     span = f"steps {compared[0]} to {compared[-1]}" if len(compared) > 1 else f"step {compared[0]}"
     if doc["verdict"] == "exact":
-        last = (
-            f"exact: stopped ({sig}) at step {at} and resumed, the run's state equals an uninterrupted run's at every"
-            f" compared step ({span}; every tensor torch.equal)"
-        )
+        if "reference-2" in made:
+            how = f"equals an uninterrupted run's at every compared step ({span}; every tensor torch.equal)"
+        else:
+            how = (
+                f"equals an uninterrupted run's at step {n} (every tensor torch.equal), and each of its checkpoints"
+                f" ({span}) holds the live state of its step"
+            )
+        last = f"exact: stopped ({sig}) at step {at} and resumed, the run's state {how}"
         if nd != "-":
             last += f"; nondeterministic between two uninterrupted runs: {nd}"
     elif doc["verdict"] == "nondeterministic":
         last = f"nondeterministic: two uninterrupted runs differ at step {n} ({nd}); {doc['hint']}"
+    elif doc["verdict"] == "stale checkpoint":
+        last = f"stale checkpoint: {doc['hint']}"
     else:
         since = doc["equal_until"]
         where = f"step {first}" if since in (None, first - 1) else f"a step after {since}, by step {first},"

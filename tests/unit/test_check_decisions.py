@@ -1,5 +1,6 @@
 """``preempt check``'s pure parts: the stops it picks, the steps it compares, the first divergence, the words it uses,
-the verdict; the spec a check hands the run, and the options the run takes inside one. No processes."""
+the verdict; the spec a check hands the run, the options the run takes inside one, and the live state it records for
+each checkpoint to be held to. No processes."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import json
 import pytest
 import torch
 
+from preempt.checkpoint import live_record
+from preempt.checkpoint.components import Components
 from preempt.cli import check
 from preempt.cluster.environment import CheckSpec, Environment
+from preempt.run.check_record import CheckRecorder
 from preempt.run.config import RunConfig, checked_config
+from preempt.run.loop_state import LoopState
 
 
 def test_choose_stops_mid_epoch_the_step_after_and_the_epoch_end():
@@ -184,3 +189,138 @@ def test_render_a_table_and_a_last_line_that_says_exact_or_not():
     assert "a step after 7, by step 9" in gap.splitlines()[-1]
     noisy = check.render(_doc(nondeterministic_paths=["user.clock"])).splitlines()
     assert "nondeterministic: user_state.clock" in noisy[2] and noisy[-1].endswith("user_state.clock")
+
+
+# ------------------------------------------------------------- the live state a checkpoint is held to
+
+
+def _record(step: int, **tensors: torch.Tensor) -> live_record.LiveRecord:
+    return live_record.LiveRecord(step=step, tensors={p: live_record.tensor_digest(t) for p, t in tensors.items()})
+
+
+def test_a_tensors_digest_is_its_dtype_shape_and_bytes():
+    t = torch.arange(6, dtype=torch.float32)
+    assert live_record.tensor_digest(t) == live_record.tensor_digest(t.clone())
+    assert live_record.tensor_digest(t)[:2] == ("float32", (6,))
+    assert live_record.tensor_digest(t) != live_record.tensor_digest(t.view(2, 3))
+    assert live_record.tensor_digest(t)[2] != live_record.tensor_digest(t + 1)[2]
+    assert live_record.tensor_digest(t.view(2, 3).t())[2] == live_record.tensor_digest(t.view(2, 3).t().contiguous())[2]
+
+
+def test_a_checkpoint_is_stale_where_its_tensor_is_not_the_live_one_of_the_same_dtype_and_shape():
+    w = torch.ones(3)
+    rec = _record(9, **{"model.w": w + 1, "model.b": w, "model.h": w})
+    held = {
+        "model.w": live_record.tensor_digest(w),  # an older value
+        "model.b": live_record.tensor_digest(w),
+        "model.h": live_record.tensor_digest(w.half()),  # a state_dict that converts says nothing about time
+    }
+    assert live_record.stale(rec, held) == ["model.w"]
+    assert live_record.stale(rec, {}) == []  # a path the checkpoint does not hold (a non-persistent buffer)
+    records = {7: _record(7, **{"model.w": w}), 8: _record(8, **{"model.w": w * 3}), 9: rec}
+    assert live_record.live_at(records, 9, "model.w", held["model.w"][2]) == 7  # it holds step 7's value
+    assert live_record.live_at(records, 9, "model.w", live_record.tensor_digest(w * 5)[2]) is None
+
+
+def test_a_live_record_round_trips_through_json_and_a_bad_one_is_named(tmp_path):
+    rec = live_record.LiveRecord(
+        step=4, tensors={"model.w": ("float32", (2, 2), "ab")}, batch="cd", epoch_ends=((0, 3),)
+    )
+    live_record.write(tmp_path / "live", rec)
+    assert live_record.read_all(tmp_path / "live") == {4: rec}
+    assert live_record.read_all(tmp_path / "absent") == {}
+    live_record.record_path(tmp_path / "live", 5).write_text(json.dumps({"step": 5}))
+    with pytest.raises(ValueError, match="step_000000005.json"):
+        live_record.read_all(tmp_path / "live")
+
+
+@pytest.mark.parametrize(
+    ("ends", "epoch", "batch", "per_epoch", "last", "steps"),
+    [
+        (((0, 13), (1, 26)), 2, 4, 26, 30, 13),  # 26 batches, 2 per optimizer step: 13 steps, whatever the batches
+        ((), 0, 26, 26, 13, 13),  # the first epoch's last step is the check's last
+        ((), 0, 20, 26, 10, None),  # the first epoch outlasts the check
+        ((), 0, 0, -1, 30, None),  # no epochs (a loop of its own around run.step())
+    ],
+)
+def test_an_epochs_length_is_counted_in_run_step_calls(ends, epoch, batch, per_epoch, last, steps):
+    rec = live_record.LiveRecord(step=last, tensors={}, epoch_ends=ends)
+    assert live_record.steps_per_epoch(rec, epoch, batch, per_epoch, last) == steps
+
+
+def test_default_stops_under_gradient_accumulation_land_mid_epoch_in_optimizer_steps():
+    # run_clm_no_trainer's shape: 26 batches an epoch, 2 per optimizer step; stops at 13, 14, 26 in batches never
+    # stopped inside an epoch
+    per = live_record.steps_per_epoch(live_record.LiveRecord(step=30, tensors={}, epoch_ends=((0, 13),)), 2, 8, 26, 30)
+    assert check.choose_stops(30, per) == [6, 7, 13]
+
+
+def test_a_stale_checkpoint_is_the_verdict_and_names_the_checkpoint_and_the_tensor():
+    stale = check.Stale(run="reference-2", step=9, paths=("model.0.weight",), of_step=8, carried=True)
+    v = check.judge([(9, ["model.0.weight"])], ["model.0.weight"], [5], stale=stale)
+    assert (v.code, v.verdict, v.step, v.differs) == (check.NOT_EXACT, "stale checkpoint", 9, ("model.0.weight",))
+    assert v.hint is not None
+    assert v.hint.startswith("step 9's checkpoint (reference-2 run) holds model.0.weight from an older step (step 8's)")
+    assert "behind autograd" in v.hint
+    cached = check.Stale(run="trial", step=5, paths=("model.0.weight", "model.0.bias"), carried=False)
+    assert "from an older step, not the live value at step 5" in cached.says()
+    assert "state_dict() it read handed out, an older copy" in cached.says()
+    assert "model.0.weight and 1 more of the model's tensors" in cached.says()
+
+
+def test_hint_names_an_epoch_reset_by_something_else_than_the_run():
+    reset = check.hint(13, [12], check.DataFacts(batch_differs=True, epoch=1, sampler_epoch=0, epoch_start=True))
+    assert reset.startswith("at step 13 the sampler is at epoch 0 while the run is in epoch 1")
+    assert "set_epoch" in reset
+    order = check.hint(13, [12], check.DataFacts(batch_differs=True, epoch=1, epoch_start=True))
+    assert order.startswith("the data order of epoch 1 after the resume at step 12 is not the uninterrupted run's")
+    mid = check.hint(8, [7], check.DataFacts(batch_differs=True, epoch=0))
+    assert mid.startswith("the batches of step 8 are not the uninterrupted run's")
+    same = check.hint(6, [5], check.DataFacts(batch_differs=False))  # the same batches: state carried between steps
+    assert "first step after the resume at step 5" in same
+    v = check.judge([(12, []), (13, ["model.w"])], [], [12], data={13: check.DataFacts(batch_differs=True, epoch=1)})
+    assert v.hint is not None and v.hint.startswith("the batches of step 13")
+
+
+def test_render_says_when_the_second_reference_was_not_needed_and_names_a_stale_checkpoint():
+    exact = check.render(_doc(runs=["reference", "trial"])).splitlines()
+    assert "not run" in exact[2] and "the trial equals it at step 9" in exact[2]
+    assert "equals an uninterrupted run's at step 9" in exact[-1] and "holds the live state of its step" in exact[-1]
+    stale = {"run": "trial", "step": 5, "labels": "model.0.weight"}
+    doc = _doc(runs=["reference", "trial"], verdict="stale checkpoint", stale_checkpoint=stale, hint="step 5's ...")
+    lines = check.render(doc).splitlines()
+    assert lines[-1] == "stale checkpoint: step 5's ..."
+    assert lines[3].endswith("step 5's checkpoint (trial run): model.0.weight")
+
+
+def test_the_run_records_its_models_own_tensors_not_what_a_state_dict_hook_hands_out(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    old = model.weight.detach().clone()
+
+    def stale(module, state, prefix, meta):
+        state[prefix + "weight"] = old
+
+    model.register_state_dict_post_hook(stale)
+    loop = LoopState()
+    recorder = CheckRecorder(str(tmp_path), frozenset({1}), Components.checked(model, None, None, None, None), loop)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    batches = list(recorder.watching(iter([(torch.ones(2), 1), (torch.zeros(2), 0)])))
+    assert len(batches) == 2  # handed on unchanged
+    loop.stepped()
+    recorder.record(1)
+    rec = live_record.read_all(tmp_path)[1]
+    assert rec.tensors["model.weight"] == live_record.tensor_digest(model.weight)
+    assert live_record.stale(rec, {"model.weight": live_record.tensor_digest(model.state_dict()["weight"])}) == [
+        "model.weight"
+    ]
+    assert rec.batch is not None  # the batches step 1 consumed
+    loop.stepped()  # step 2 is not one the check compares: its batches are not digested
+    list(recorder.watching(iter([(torch.ones(2), 1)])))
+    recorder.record(2)
+    assert live_record.read_all(tmp_path)[2].batch is None
+
+
+def test_the_live_record_sits_beside_the_checks_save_dir():
+    spec = CheckSpec(save_dir="/s/trial", saves=frozenset(), stops=frozenset(), kill=False, last=3)
+    assert spec.live_dir == "/s/trial.live"
