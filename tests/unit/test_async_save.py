@@ -331,7 +331,7 @@ def test_too_little_host_memory_falls_back_to_synchronous_saves(tmp_path, monkey
 
 
 def test_staging_that_fails_falls_back_to_a_synchronous_save(tmp_path, monkeypatch, caplog):
-    def refuse(self, payload, later=()):
+    def refuse(self, payload, later=(), loop_waits=False):
         raise RuntimeError("cudaHostAlloc failed")
 
     monkeypatch.setattr(Stager, "stage_lazily", refuse)  # what stage() calls too
