@@ -217,9 +217,10 @@ class Prepared:
         """The next iteration is ``epoch``'s, from this process's batch ``start``.
 
         Accelerate's loader counts its iterations and sets that count as the sampler's epoch at each one; the run's
-        epoch is set in its place (a resumed process begins at another)."""
+        epoch is set in its place (a resumed process begins at another): held first, so that what the loader passes
+        on to the sampler is the same epoch."""
+        self.sampler.hold_epoch(epoch)
         self.loader.set_epoch(epoch)
-        self.sampler.set_epoch(epoch)
         self.batches.start_at(start * self.skip_factor)
 
 

@@ -259,12 +259,15 @@ class LoaderFeed:
         loader: The DataLoader (anything else is iterated as it is).
         run_seed: The run's seed for iterable datasets' per-sample streams.
         inner: The DataLoader inside ``loader`` when ``loader`` wraps one and makes its iterator lazily, at its first
-            batch (Accelerate's prepared loaders, :mod:`preempt.data.prepared`): its dataset is the one wrapped, and
-            ``loader``'s first batch is taken while the generators are kept.
+            batch (Accelerate's prepared loaders, :mod:`preempt.data.prepared`; Lightning Fabric's, which is no
+            DataLoader itself): its dataset is the one wrapped, and ``loader``'s first batch is taken while the
+            generators are kept.
     """
 
     def __init__(self, loader: Any, run_seed: int, inner: Any = None) -> None:
         self._inner = inner
+        if not isinstance(loader, DataLoader) and isinstance(inner, DataLoader):
+            loader = inner  # what it is made of is the inner DataLoader's (Fabric's wrapper copies its attributes)
         self.kind = "plain"
         self.stateful = False
         self.dataset_name = type(getattr(loader, "dataset", None)).__name__  # for messages

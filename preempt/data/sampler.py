@@ -12,16 +12,26 @@ Positions are global: with ``num_replicas`` ranks, an iteration that starts at
 position ``s`` gives rank ``r`` the positions ``s + r``, ``s + r + num_replicas``,
 ..., so the ranks together consume the rest of the epoch exactly once, and a
 cursor counted in global samples is meaningful on any number of ranks.
+
+**Whose epoch.** A sampler a run made (``run.sampler()``) takes its epoch from the run alone
+(:meth:`ResumableSampler.hold_epoch`). Frameworks and wrapper loaders call ``set_epoch`` with their own count of
+iterations in this process (Lightning Fabric's loader, Accelerate's, a user's wrapper), and a resumed process counts
+from 0 again: obeyed, its epoch 1 would replay epoch 0's order and per-sample draws. Such a call, once the run holds
+the epoch, changes nothing, and the first from each caller is logged (logger ``preempt``).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
+from .. import _log
+
+log = _log.log
 _MASK64 = (1 << 64) - 1
 
 
@@ -84,6 +94,8 @@ class ResumableSampler(Sampler[int]):
         self.per_sample_rng = bool(per_sample_rng)
         self.epoch = 0
         self._start = 0
+        self._held = False  # the run sets the epoch (hold_epoch); set_epoch from elsewhere changes nothing
+        self._ignored: set[str] = set()  # callers whose set_epoch was ignored, each logged once
 
     @property
     def total(self) -> int:
@@ -96,10 +108,39 @@ class ResumableSampler(Sampler[int]):
         return self.total // self.num_replicas
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the epoch whose order the next iteration yields."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch: expected an integer >= 0, got {epoch!r}")
+        """Selects the epoch whose order the next iteration yields, unless a run holds the epoch.
+
+        Once :meth:`hold_epoch` was called, a call naming another epoch than the held one changes nothing: the
+        caller (a framework's or a wrapper's loader counting its own iterations) is logged once, on its first such
+        call, with the epoch it asked for and the run's.
+        """
+        _check_epoch(epoch)
+        if not self._held:
+            self.epoch = epoch
+        elif epoch != self.epoch:
+            frame = sys._getframe(1)
+            code = frame.f_code
+            caller = f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
+            if caller not in self._ignored:
+                self._ignored.add(caller)
+                log.info(
+                    "run.sampler(): set_epoch(%d) from %s ignored; the run's epoch %d holds (a loader or framework"
+                    " that counts its own iterations counts from 0 again in a resumed process); said once per caller",
+                    epoch,
+                    caller,
+                    self.epoch,
+                )
+
+    def hold_epoch(self, epoch: int) -> None:
+        """The run's way to set the epoch: sets it, and from now on :meth:`set_epoch` no longer changes it."""
+        _check_epoch(epoch)
+        self._held = True
         self.epoch = epoch
+
+    @property
+    def held(self) -> bool:
+        """A run sets the epoch (:meth:`hold_epoch`); ``set_epoch`` from elsewhere is ignored."""
+        return self._held
 
     def start_at(self, sample: int) -> None:
         """Makes the next iteration (only) begin at global position ``sample`` of the epoch."""
@@ -138,6 +179,11 @@ class ResumableSampler(Sampler[int]):
             "epoch": self.epoch,
             "per_sample_rng": self.per_sample_rng,
         }
+
+
+def _check_epoch(epoch: int) -> None:
+    if not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch: expected an integer >= 0, got {epoch!r}")
 
 
 def _ints(indices: torch.Tensor, chunk: int = 1 << 16) -> Iterator[int]:

@@ -22,7 +22,9 @@ loop's own draws (dropout, noise) continue exactly. Draws inside the loader
 (augmentation in workers) are seeded per sample, and an iterable dataset's
 workers continue from their saved positions: :mod:`preempt.data.replay`.
 A loader Accelerate prepared gets preempt's order put inside it and is iterated itself, started at the saved batch
-(:mod:`preempt.data.prepared`).
+(:mod:`preempt.data.prepared`). Lightning Fabric's loader (``fabric.setup_dataloaders``) is iterated itself too (its
+device placement is Fabric's), with the DataLoader inside it wrapped and started as any other, and Fabric's count of
+epochs set to the run's (:func:`preempt.data.loaders.fabric_epoch`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ..checkpoint.manager import CheckpointInfo
 from ..checkpoint.manifest import Cursor
 from ..checkpoint.names import MANIFEST
 from ..data import rng
-from ..data.loaders import find_sampler, length, prepared_by_accelerate
+from ..data.loaders import fabric_epoch, fabric_loader, find_sampler, length, prepared_by_accelerate
 from ..data.prepared import Prepared, take_over
 from ..data.replay import LoaderFeed
 from ..data.resume_notice import ResumeFacts, describe, resume_notice, saved_workers
@@ -96,13 +98,13 @@ class DataCursor:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         sampler = ResumableSampler(dataset, num_replicas=replicas, rank=rank, **options)
-        sampler.set_epoch(epoch)
+        sampler.hold_epoch(epoch)  # its epoch is the run's: set_epoch from a loader or framework changes nothing
         self.samplers.append(sampler)
         return sampler
 
     def set_epoch(self, epoch: int) -> None:
         for s in self.samplers:
-            s.set_epoch(epoch)
+            s.hold_epoch(epoch)
 
     def resume_at_epoch(self, epoch: int) -> rng.RngState | None:
         """At an epoch boundary: the random state to restore when a checkpoint was taken at this one."""
@@ -117,12 +119,16 @@ class DataCursor:
         """The epoch's iterator and the batch it starts at; None when a resumed epoch had no batch left."""
         if prepared_by_accelerate(loader) is not None:
             return self._open_prepared(loader, epoch)
-        shield_workers(loader, self.signals)
-        feed = self._feed = self._feed_for(loader)
-        found = find_sampler(loader)
+        inner = fabric_loader(loader)  # Lightning Fabric's wrapper: the DataLoader inside it, iterated through it
+        if inner is not None:
+            fabric_epoch(loader, inner, epoch)
+        base = loader if inner is None else inner
+        shield_workers(base, self.signals)
+        feed = self._feed = self._feed_for(loader, inner)
+        found = find_sampler(base)
         sampler, per_batch = found if found else (None, None)
         if sampler is not None:
-            sampler.set_epoch(epoch)
+            sampler.hold_epoch(epoch)
         self._sampler = sampler
         self._samples_per_batch = per_batch * sampler.num_replicas if sampler and per_batch else None
         self.batches_per_epoch = length(loader)

@@ -52,6 +52,7 @@ from ..checkpoint.staging import payload_nbytes
 from ..cluster import launcher_dirs
 from ..cluster.environment import CheckSpec, Environment, provenance
 from ..data import rng
+from ..data.loaders import fabric_unwrapped
 from ..data.sampler import ResumableSampler
 from ..data.shield import shield_workers
 from ..errors import CHECK_ENDED_EXIT_CODE, PeerLost, Preempted, PreemptError, RunComplete
@@ -150,6 +151,8 @@ class PreemptibleRun:
         self._made_at = time.time()  # a restart's start-up ends here and its restore begins (preempt report)
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir):
             raise ValueError(f"save_dir: expected a directory path, got {save_dir!r}")
+        # Lightning Fabric's wrappers (fabric.setup) hold the objects the run saves, restores and hooks
+        model, optimizer = fabric_unwrapped(model), fabric_unwrapped(optimizer)
         self.components = state.Components.checked(model, optimizer, scheduler, scaler, track)
         if config is not None and options:
             raise TypeError(f"PreemptibleRun: config= and options ({', '.join(sorted(options))}) given; pass one")
