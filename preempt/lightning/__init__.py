@@ -6,7 +6,9 @@ optimizer step with one checkpoint through preempt's commit and exit code 75, an
 resumes bit for bit. README_PREEMPTION.md, "Lightning and LightningCLI".
 
 Owns: the callback (``callback``), what a checkpoint keeps of Lightning's own state (``trainer_state``), and the
-training loader handed to Lightning in place of the user's, whose batches come from the run (``batches``).
+training loader handed to Lightning in place of the user's, whose batches come from the run (``batches``), and a
+rerun's LightningCLI config file, which LightningCLI's SaveConfigCallback would refuse as a previous run's
+(``cli_config``).
 
 May import: :mod:`preempt.run` and the parts below it, and Lightning. Nothing in preempt imports this part; ``import
 preempt`` never imports Lightning (an import-linter contract in pyproject.toml). This ``__init__`` is the part's

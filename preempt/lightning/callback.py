@@ -6,7 +6,9 @@ it where a hand-written loop would:
 ========================  =========================================================================================
 Lightning hook            the run
 ========================  =========================================================================================
-``setup`` (fit)           the callback moved after every other one, so that its safe point sees their state
+``setup`` (fit)           the callback moved after every other one, so that its safe point sees their state; a
+                          rerun's LightningCLI ``config.yaml`` written by an earlier process of the run let through
+                          (:mod:`~preempt.lightning.cli_config`)
 ``on_fit_start``          entered with the module, optimizers, schedulers, scaler and Lightning's own state
                           (:class:`~preempt.lightning.trainer_state.TrainerState`); a checkpoint is restored here,
                           the loops' counters included; a completed run exits 0 here. Then the training-data source
@@ -49,6 +51,7 @@ from ..errors import PreemptError
 from ..run.config import integration_config
 from ..run.preemptible import PreemptibleRun
 from .batches import SourceSwap, resumable
+from .cli_config import OwnConfig, let_rerun_write
 from .trainer_state import TrainerState
 
 log = _log.log
@@ -112,6 +115,7 @@ class PreemptCallback(pl.Callback):
         self._val_rng: rng.RngState | None = None
         self._loader: Iterable[Any] | None = None  # the training loader the run iterates (inside RunBatches)
         self._step_after_validation = False  # run.step() of the batch before a validation, due at its end
+        self._own_config: OwnConfig | None = None  # SaveConfigCallbacks let write the run's own config.yaml again
 
     @property
     def state_key(self) -> str:
@@ -124,6 +128,9 @@ class PreemptCallback(pl.Callback):
             return
         if sum(isinstance(cb, PreemptCallback) for cb in trainer.callbacks) > 1:
             raise PreemptError("PreemptCallback: one per trainer (found several in trainer.callbacks)")
+        # Before LightningCLI's SaveConfigCallback checks its file: the callbacks after this one are still to set up.
+        pending = trainer.callbacks[trainer.callbacks.index(self) + 1 :]
+        self._own_config = let_rerun_write(trainer, pending, self.save_dir)
         # Last of all (Lightning put ModelCheckpoint last when it was built): at the safe point every other
         # callback's hooks of that batch or validation have run, so a checkpoint holds what they changed.
         # A new list: Lightning is iterating the old one to call this very hook (a list changed in place would
@@ -154,6 +161,7 @@ class PreemptCallback(pl.Callback):
         return RunBatches(processed, lambda inner: self._open_epoch(trainer, inner))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        notes = self._give_config_back()  # every callback's setup has run
         optimizers = list(trainer.optimizers)
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         track: dict[str, Any] = dict(self.track)
@@ -175,6 +183,8 @@ class PreemptCallback(pl.Callback):
         self._before = {sig: signal.getsignal(sig) for sig in signals} if main else {}
         run.__enter__()  # restores the newest checkpoint (Lightning's loops too); a completed run exits 0 here
         self.run = run
+        for note in notes:
+            log.info("%s", note)
         self._handlers = {sig: signal.getsignal(sig) for sig in signals} if main else {}
         max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
         self._epochs = run.epochs(
@@ -303,9 +313,17 @@ class PreemptCallback(pl.Callback):
             self._undo_swap()
 
     def _undo_swap(self) -> None:
+        self._give_config_back()
         if self._swap is not None:
             self._swap.undo()
             self._swap = None
+
+    def _give_config_back(self) -> list[str]:
+        own, self._own_config = self._own_config, None
+        if own is None:
+            return []
+        own.undo()
+        return own.notes
 
     def _leave(self, exception: BaseException | None) -> None:
         run, self.run = self.run, None

@@ -1,6 +1,6 @@
 """Lightning with PreemptCallback: real Lightning, real DataLoader workers, real signals; resumed bit-exact.
 
-Each trial runs ``tests/scripts/train_lightning.py`` (or its LightningCLI twin from a YAML config): a map-style set
+Each trial runs ``tests/scripts/train_lightning.py`` (its LightningCLI twin: test_lightning_cli.py): a map-style set
 with random augmentation in 2 workers, dropout, a global-RNG draw per step, AdamW with a per-step scheduler, 3 epochs
 of 12 batches. The process holds at a given optimizer step until the run has been asked to stop (``--hold_at_step``),
 so the signal lands there whatever the machine's speed; the stopped run is rerun with the same command and its final
@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +26,6 @@ from helpers import PREEMPTED, ROOT, Script, Spawned, assert_same_final, flip_bi
 from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "scripts" / "train_lightning.py"
-CLI = ROOT / "tests" / "scripts" / "train_lightning_cli.py"
 LIGHTNING = Script(SCRIPT)
 command, stop_at, resume = LIGHTNING.command, LIGHTNING.stop_at, LIGHTNING.resume
 
@@ -149,54 +147,6 @@ def test_a_completed_run_exits_0_at_once(tmp_path):
     again = Spawned(command(save_dir, None, []))
     assert again.finish() == 0, again.output
     assert "is complete" in again.output and not again.events_of("step"), again.output  # said, and nothing trained
-
-
-CONFIG = """\
-seed_everything: 0
-trainer:
-  max_epochs: 3
-  accelerator: cpu
-  devices: 1
-  logger: false
-  default_root_dir: {root}
-  enable_checkpointing: false
-  enable_progress_bar: false
-  enable_model_summary: false
-  num_sanity_val_steps: 0
-  limit_val_batches: 0
-  callbacks:
-    - class_path: train_lightning.Steps
-      init_args: {{hold_at: {hold}, step_sleep: 0.0}}
-    - class_path: preempt.lightning.PreemptCallback
-      init_args: {{save_dir: {save_dir}, checkpoint_every_steps: 5, checkpoint_interval: null}}
-"""
-
-
-def cli(tmp_path: Path, name: str, hold: int | None, final: Path | None, datamodule: bool = False) -> Spawned:
-    config = tmp_path / f"{name}.yaml"
-    hold_at = "null" if hold is None else str(hold)
-    config.write_text(CONFIG.format(root=tmp_path, hold=hold_at, save_dir=tmp_path / name))
-    env = {"FINAL_OUT": str(final)} if final else {}
-    env["DATAMODULE"] = "1" if datamodule else "0"
-    return Spawned([sys.executable, str(CLI), "fit", "--config", str(config)], env)
-
-
-@pytest.mark.parametrize("datamodule", [False, True], ids=["module_hooks", "datamodule_class"])
-def test_lightning_cli_from_a_yaml_config_stops_on_sigusr1_and_resumes_bit_exact(tmp_path, datamodule):
-    """salt's setting: a LightningCLI project, SLURM's --signal=USR1; the callback comes from the YAML alone. The
-    data from the module's own hooks, or from a LightningDataModule class given to LightningCLI."""
-    ref = cli(tmp_path, "ref", None, tmp_path / "ref.safetensors", datamodule)
-    assert ref.finish() == 0, ref.output
-    p = cli(tmp_path, "run", 19, None, datamodule)
-    assert p.wait_event("holding", point="step", n=19, timeout=120), p.output
-    p.signal(signal.SIGUSR1)
-    assert p.finish() == PREEMPTED, p.output
-    assert p.events_of("stop", cause="SIGUSR1", step=19), p.events
-    assert not list(tmp_path.rglob("hpc_ckpt_*")), "Lightning's own SLURM handler must not save"
-    r = cli(tmp_path, "run", None, tmp_path / "final.safetensors", datamodule)
-    assert r.finish() == 0, r.output
-    assert r.events_of("resume", step=19), r.events
-    assert_same_final(tmp_path / "ref.safetensors", tmp_path / "final.safetensors")
 
 
 @pytest.mark.distributed

@@ -6,6 +6,11 @@ The user's code is a plain LightningCLI; PreemptCallback comes from the YAML con
 the seconds of imports stays pending until the run installs its handlers (as train.py's --block_signals).
 ``DATAMODULE=1``: ``LightningCLI(Net, Data)``, the training data from a LightningDataModule class (``data:`` in the
 YAML may configure it), as most LightningCLI projects give it.
+``OVERWRITE_CONFIG=1``: ``save_config_kwargs={"overwrite": True}``; by default LightningCLI's own default, as a user
+has it: its SaveConfigCallback refuses to overwrite a ``config.yaml`` already in the log directory.
+``HOLD_AT_STEP=N``: a ``Steps`` callback (progress events) that holds this process's N-th optimizer step until the
+run is asked to stop, given through ``trainer_defaults`` so that the config (and the config.yaml LightningCLI writes)
+is the same with or without it: the stopped process and its rerun run one config, as a requeued job does.
 """
 
 import os
@@ -21,13 +26,19 @@ import torch  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_lightning import Data, Net, write_final  # noqa: E402
+from train_lightning import Data, Net, Steps, write_final  # noqa: E402
 
 
 def main() -> None:
     torch.set_num_threads(1)
     data = Data if os.environ.get("DATAMODULE") == "1" else None
-    cli = LightningCLI(Net, data, save_config_kwargs={"overwrite": True})
+    hold = os.environ.get("HOLD_AT_STEP")
+    cli = LightningCLI(
+        Net,
+        data,
+        save_config_kwargs={"overwrite": True} if os.environ.get("OVERWRITE_CONFIG") == "1" else None,
+        trainer_defaults={"callbacks": [Steps(int(hold), 0.0)]} if hold else None,
+    )
     final = os.environ.get("FINAL_OUT")
     if final:
         write_final(final, cli.model, cli.trainer)
