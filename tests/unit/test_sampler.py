@@ -214,7 +214,9 @@ def test_set_epoch_and_start_at_validation(bad):
         s.set_epoch(bad)
     with pytest.raises(ValueError, match="^sample:"):
         s.start_at(bad)
-    assert s.epoch == 0
+    with pytest.raises(ValueError, match="^epoch:"):
+        s.hold_epoch(bad)
+    assert s.epoch == 0 and not s.held
     assert list(s) == s.order().tolist()  # a rejected start_at leaves no cursor behind
 
 
@@ -254,3 +256,91 @@ def test_iteration_does_not_hold_the_whole_epoch_as_python_ints():
         tracemalloc.stop()
     assert first == s.order()[:1000].tolist()
     assert peak < 20 << 20, f"{peak / 2**20:.0f} MiB of Python objects to start an epoch"
+
+
+# ------------------------------------------------------------------ whose epoch: the run's, once it holds it
+
+
+class CountingLoader:
+    """A wrapper loader as frameworks write them (Lightning Fabric's, Accelerate's): at each iteration it sets its own
+    count of iterations in this process as the sampler's epoch, then iterates the DataLoader."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader, self.count = loader, 0
+
+    def __iter__(self):
+        self.loader.sampler.set_epoch(self.count)
+        self.count += 1
+        return iter(self.loader)
+
+
+def ignored(caplog) -> list[tuple]:
+    """What each log record about an ignored set_epoch said: (asked epoch, caller, the run's epoch)."""
+    return [r.args for r in caplog.records if r.name == "preempt" and "set_epoch" in r.msg]
+
+
+def resumed_in_epoch_1(sampler: ResumableSampler, hold: bool) -> list[list[int]]:
+    """A process resumed in epoch 1 (of 3): at each epoch the run sets its epoch, then the wrapper iterates."""
+    loader = CountingLoader(DataLoader(list(range(24)), batch_size=4, sampler=sampler))
+    epochs = []
+    for epoch in (1, 2):
+        if hold:
+            sampler.hold_epoch(epoch)
+        else:
+            sampler.set_epoch(epoch)
+        epochs.append([i for b in loader for i in b.tolist()])
+    return epochs
+
+
+def test_a_held_epoch_is_the_run_s_whatever_a_wrapper_loader_sets(caplog):
+    """The run holds the epoch: the wrapper's count (0, 1 in a process resumed in epoch 1) changes nothing, and one
+    line (not one per epoch) says so."""
+    caplog.set_level("INFO", logger="preempt")
+    s = ResumableSampler(24, seed=5)
+    assert resumed_in_epoch_1(s, hold=True) == [s.order(1).tolist(), s.order(2).tolist()]
+    assert s.held and s.epoch == 2
+    [(asked, caller, kept)] = ignored(caplog)
+    assert (asked, kept) == (0, 1) and caller.endswith("CountingLoader.__iter__"), caller
+
+
+def test_without_the_hold_a_wrapper_loader_replays_the_earlier_epochs_orders(caplog):
+    """What the hold prevents (the sampler's behaviour before it, and a sampler no run made): the wrapper's count
+    wins, so the resumed process runs epoch 1 in epoch 0's order and epoch 2 in epoch 1's."""
+    caplog.set_level("INFO", logger="preempt")
+    s = ResumableSampler(24, seed=5)
+    assert resumed_in_epoch_1(s, hold=False) == [s.order(0).tolist(), s.order(1).tolist()]
+    assert not s.held and not ignored(caplog)
+
+
+def test_set_epoch_with_the_held_epoch_says_nothing_and_each_caller_is_said_once(caplog):
+    caplog.set_level("INFO", logger="preempt")
+    s = ResumableSampler(10)
+    s.hold_epoch(3)
+    s.set_epoch(3)  # a framework whose count agrees with the run's (a fresh run)
+    assert not ignored(caplog)
+
+    def framework_a(epoch: int) -> None:
+        s.set_epoch(epoch)
+
+    def framework_b(epoch: int) -> None:
+        s.set_epoch(epoch)
+
+    for e in range(3):
+        framework_a(e)
+        framework_b(e)
+    assert s.epoch == 3
+    said = ignored(caplog)
+    assert [(a, k) for a, _, k in said] == [(0, 3), (0, 3)]
+    assert [c.rsplit(".", 1)[-1] for _, c, _ in said] == ["framework_a", "framework_b"]
+
+
+def test_the_run_s_samplers_hold_their_epoch_from_the_start():
+    """run.sampler() (the run's data cursor) makes a sampler whose epoch is the loop's, held from the start."""
+    from preempt.run.data_cursor import DataCursor
+
+    cursor = DataCursor(())
+    s = cursor.make_sampler(range(12), epoch=2, shuffle=True, seed=1)
+    assert s.held and s.epoch == 2
+    s.set_epoch(0)
+    cursor.set_epoch(3)
+    assert s.epoch == 3 and list(s) == s.order(3).tolist()
