@@ -146,6 +146,22 @@ rows = [{"x": torch.randn(8), "labels": torch.tensor(i % 2)} for i in range(32)]
 train_loader = DataLoader(rows, batch_size=4, shuffle=True)
 """
 
+FABRIC = """
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+train_set = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
+model = torch.nn.Sequential(
+    torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.25), torch.nn.Linear(16, 4), torch.nn.LogSoftmax(dim=1)
+)
+optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+"""
+
 NANOGPT = (
     COMMON
     + """
@@ -166,6 +182,7 @@ def get_batch():
 )
 PRELUDES = {"loop": COMMON, "in_run": COMMON, "in_epoch": COMMON, "lightning": LIGHTNING, "hf": HF, "nanogpt": NANOGPT}
 PRELUDES["accelerate"] = ACCELERATE
+PRELUDES["fabric"] = FABRIC
 # The context a fragment needs: the run (``in_run``) or also an epoch (``in_epoch``) around it.
 WRAP = {
     "in_run": (
@@ -204,8 +221,8 @@ def test_every_training_block_is_marked():
     unmarked = [f"{f}:{line}" for f, line, lang, tag, body in blocks() if shows_training(lang, body) and tag is None]
     assert not unmarked, f"blocks that show a training without a docs-test mark: {unmarked}"
     run = {tag for _, _, _, tag, _ in blocks() if tag and not tag.startswith("skip")}
-    # the quick start, a hand-written loop, Lightning, its CLI, the Trainer and Accelerate are run, not skipped
-    assert {"loop", "lightning", "lightning_cli", "hf", "accelerate"} <= run, run
+    # the quick start, a hand-written loop, Lightning, its CLI, the Trainer, Accelerate and Fabric are run, not skipped
+    assert {"loop", "lightning", "lightning_cli", "hf", "accelerate", "fabric"} <= run, run
     for f, line, _, tag, _ in blocks():
         if tag and tag.startswith("skip"):
             assert re.match(r"skip \S.{10,}", tag), f"{f}:{line}: a skip says why: {tag!r}"
@@ -218,7 +235,7 @@ RUN = [(f, line, tag, body) for f, line, _, tag, body in blocks() if tag and not
 
 @pytest.mark.parametrize(("doc", "line", "kind", "body"), RUN, ids=[f"{f}:{line}" for f, line, _, _ in RUN])
 def test_a_documented_training_runs_as_written(tmp_path, doc, line, kind, body):
-    if kind in ("lightning", "lightning_cli"):
+    if kind in ("lightning", "lightning_cli", "fabric"):
         pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[lightning]')")
     if kind in ("hf", "accelerate"):
         pytest.importorskip("transformers" if kind == "hf" else "accelerate", reason="pip install -e '.[hf]'")
