@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from helpers import PREEMPTED, Spawned, assert_same_final, flip_bit, in_step, run_interrupted, train_cmd
+from helpers.kept import assert_kept_equal_live
 
 from preempt.checkpoint.recycle import PREFIX as POOL
 from preempt.cli.main import main as cli
@@ -128,9 +129,11 @@ def test_pruning_never_breaks_a_kept_checkpoint_and_keeps_one_sharing_nothing(tm
     to when that one inode is damaged)."""
     save_dir = tmp_path / "run"
     seen = Counter()
+    live = reference.recorded(MODEL)  # the live state at each step (the resumes are bit-exact: asserted below)
 
     def check(_: int) -> None:
         ckpts = assert_sound(save_dir)
+        assert_kept_equal_live(save_dir, live, at_least=len(ckpts))  # each kept one holds its step's tensors
         newest, older = ckpts[0], ckpts[1:]
         assert any(not shares(newest, c) for c in older), ([c.name for c in ckpts], "all share with the newest")
         steps = {step_of(c) for c in ckpts}
@@ -148,6 +151,7 @@ def test_pruning_never_breaks_a_kept_checkpoint_and_keeps_one_sharing_nothing(tm
     assert seen["source pruned"] >= 3 and seen["kept apart"] >= 2, seen  # the cases above did happen
     assert not (save_dir / "quarantine").exists()
     assert_same_final(reference(MODEL), tmp_path / "final.safetensors")
+    assert_kept_equal_live(save_dir, live, at_least=2)
 
 
 def test_recycling_never_writes_into_a_file_a_kept_checkpoint_links(tmp_path, reference, held):
@@ -182,6 +186,7 @@ def test_recycling_never_writes_into_a_file_a_kept_checkpoint_links(tmp_path, re
     assert h.codes == [0], h.text
     assert_sound(save_dir)
     assert_same_final(reference(MODEL), final)
+    assert_kept_equal_live(save_dir, reference.recorded(MODEL), at_least=2)  # each kept one holds its step's tensors
 
 
 def test_quarantine_of_a_damaged_own_file_or_shared_base(tmp_path, reference, held):
@@ -232,3 +237,5 @@ def test_quarantine_of_a_damaged_own_file_or_shared_base(tmp_path, reference, he
     assert h.codes == [0], h.text
     assert_sound(save_dir)
     assert_same_final(reference(MODEL), final)
+    # the checkpoints kept in place beside the quarantined ones, and those after, hold their steps' tensors
+    assert_kept_equal_live(save_dir, reference.recorded(MODEL), at_least=2)

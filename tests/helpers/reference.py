@@ -7,13 +7,15 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import shutil
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .distributed import torchrun
-from .processes import TRAIN, TRAIN_DDP, Spawned, train_cmd
+from .processes import TESTS, TRAIN, TRAIN_DDP, Spawned, train_cmd
 
 TIMEOUT_S = 300.0
+TRAIN_RECORDED = TESTS / "scripts" / "train_recorded.py"  # train.py, the live state of every step recorded
 
 
 def run_to_end(p: Spawned, timeout: float = TIMEOUT_S) -> Spawned:
@@ -68,3 +70,14 @@ class References:
             run_to_end(torchrun(d / "run", d / "final.safetensors", args, nproc, script))
 
         return self.made(("torchrun", str(nproc), str(script), *args), make) / "final.safetensors"
+
+    def recorded(self, args: Sequence[str]) -> Path:
+        """The live state of every step of an uninterrupted run of ``tests/scripts/train.py`` with ``args``
+        (``tests/scripts/train_recorded.py``): the directory of its records, which every kept checkpoint of a run
+        with the same training arguments must equal at its step (:func:`helpers.kept.assert_kept_equal_live`)."""
+
+        def make(d: Path) -> None:
+            cmd = [sys.executable, str(TRAIN_RECORDED), "--live_dir", str(d / "live"), "--save_dir", str(d / "run")]
+            run_to_end(Spawned([*cmd, *args]))
+
+        return self.made(("python", str(TRAIN_RECORDED), *args), make) / "live"

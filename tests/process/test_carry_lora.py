@@ -7,6 +7,7 @@ import os
 import signal
 
 from helpers import PREEMPTED, MiB, assert_same_final, assert_writes_what_changed, in_step, run_interrupted
+from helpers.kept import assert_kept_equal_live
 
 from preempt.checkpoint.manager import CheckpointManager
 
@@ -45,3 +46,6 @@ def test_lora_checkpoints_write_what_changed_and_resume_bit_exact(tmp_path, refe
     assert h.count_events("checkpoint", step=28, reason="preempt") == 1, h.events
     (stop,) = [i for i in CheckpointManager(save_dir, owner=False).list() if i.step == 28]
     assert stop.manifest.files["base.safetensors"].carried_from is not None, stop.manifest.files
+    # every kept checkpoint, carried base and all, holds the live state of its step (an uninterrupted run's: the
+    # resumes above are bit-exact), not only one whose bytes are unchanged since the checkpoint before
+    assert_kept_equal_live(save_dir, reference.recorded(LORA), at_least=len(ckpts))
