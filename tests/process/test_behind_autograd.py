@@ -123,8 +123,8 @@ def test_stopped_and_resumed_ends_bit_exact_and_every_kept_checkpoint_is_live(tm
     assert resumed_at in steps and STEPS in steps, steps
     assert_same_final(straight(reference, shape, mode) / "final.safetensors", final)
     if shape == "set_epoch_wrapper":
-        # The wrapper's set_epoch(0) in the resumed process is ignored, and said once. EXPECTATION PENDING: preempt
-        # says so only in a log line for now (preempt/data/sampler.py, "set_epoch(%d) from %s ignored"), no event;
-        # once the history or the test event stream carries one, assert on that event here instead of the wording.
+        # The wrapper's set_epoch(0) in the resumed process is ignored, and said once. preempt says so in a log
+        # record alone (logger "preempt", ResumableSampler.set_epoch: "set_epoch(%d) from %s ignored; ..."), no
+        # event: the wording is asserted until the history or the test event stream carries one.
         resumed = h.outputs[-1]
         assert "set_epoch(0) from" in resumed and "ignored" in resumed, resumed
