@@ -53,5 +53,5 @@ if python -c "import matplotlib" 2>/dev/null; then
     preempt report "$save_dir" --plot "${save_dir}_report.png"  # beside the save_dir: nothing is written into it
 else
     preempt report "$save_dir"
-    echo "(pip install 'preempt[plot]' for a picture: preempt report $save_dir --plot report.png)"
+    echo "(pip install 'preempt-torch[plot]' for a picture: preempt report $save_dir --plot report.png)"
 fi

@@ -17,7 +17,7 @@ exit codes:
   0  ok
   1  a checkpoint is damaged: a file missing, truncated or with another digest, a corrupt manifest or header
   2  bad usage: no such directory, no checkpoint at STEP, --out exists without --force; a mirror's URL: no
-     such bucket, no client for its scheme (pip install 'preempt[mirror]')
+     such bucket, no client for its scheme (pip install 'preempt-torch[mirror]')
   3  the save_dir is locked by a running process (prune --yes, pull)
   4  a file could not be read for a reason of the environment (permission denied, out of memory, too many
      open files, an I/O error; a mirror unreachable or refusing access), and nothing read was damaged: not

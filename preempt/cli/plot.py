@@ -13,7 +13,8 @@ every N steps: recorded at fewer than half of them, :func:`is_sparse`) as points
 Values matplotlib cannot scale or draw (NaN, inf, beyond ±:data:`PLOT_LIMIT`) are marked with a red x at the top
 edge of their panel instead.
 
-matplotlib is an optional extra (``pip install 'preempt[plot]'``), imported only here and only when drawing. No torch.
+matplotlib is an optional extra (``pip install 'preempt-torch[plot]'``), imported only here and only when drawing.
+No torch.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def plot(report: timeline.Report, out: Path, wanted: str | None, *, title: str) 
         import matplotlib.pyplot as plt
     except ImportError:
         raise CommandFailed(
-            EXIT_USAGE, "--plot needs matplotlib, which is not installed: pip install 'preempt[plot]'"
+            EXIT_USAGE, "--plot needs matplotlib, which is not installed: pip install 'preempt-torch[plot]'"
         ) from None
     fig, drawn = figure(report, names, title=title)
     ps = report.processes

@@ -6,7 +6,7 @@ skipped with a note on stderr) and computes with :mod:`preempt.cli.timeline`.
 ``--plot FILE.png`` draws the run's timeline (steps against wall time, its
 stops, restarts and recomputed steps) and a panel per recorded metric
 (:mod:`preempt.cli.plot`); it needs matplotlib (``pip install
-'preempt[plot]'``), and says so when it is missing. No torch.
+'preempt-torch[plot]'``), and says so when it is missing. No torch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``PreemptibleRun(..., loggers=["tensorboard", "wandb"])`` hands every metric given to ``run.step(metrics=...)``
 and ``run.report(...)`` to each logger, at its step (rank 0 only). The packages are optional extras
-(``pip install 'preempt[tensorboard]'``, ``'preempt[wandb]'``) and are imported only when a run asks for them.
+(``pip install 'preempt-torch[tensorboard]'``, ``'preempt-torch[wandb]'``) and are imported only when a run asks for
+them.
 
 What a restart does to each:
 
@@ -202,7 +203,7 @@ def checked(loggers: Iterable[Any] | None) -> tuple[Any, ...]:
         if package is not None and importlib.util.find_spec(package) is None:
             raise ImportError(
                 f"loggers: {getattr(item, 'name', package)} needs the {package} package, which is not installed:"
-                f" pip install 'preempt[{package}]'"
+                f" pip install 'preempt-torch[{package}]'"
             )
         out.append(item)
     names: list[str] = [n for i in out if (n := getattr(i, "name", None)) is not None]

@@ -69,7 +69,7 @@ def _check_version(version: str) -> None:
     if found < SUPPORTED[0]:
         raise PreemptError(
             f"PreemptCallback: Lightning {version} is older than {'.'.join(map(str, SUPPORTED[0]))}, the oldest"
-            " supported (2.4 resumes inside gradient accumulation inexactly); pip install 'preempt[lightning]'"
+            " supported (2.4 resumes inside gradient accumulation inexactly); pip install 'preempt-torch[lightning]'"
         )
     if found > SUPPORTED[1]:
         log.warning(

@@ -15,7 +15,7 @@ server-side, delete. It knows nothing of manifests or of the order of uploads (:
 operation; option values are never printed.
 
 fsspec (and s3fs for ``s3://``) is imported when a store is made, never by ``import preempt``: the extra
-``pip install 'preempt[mirror]'``.
+``pip install 'preempt-torch[mirror]'``.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class MirrorStore:
             import fsspec  # the optional extra: imported only when a mirror is used
         except ImportError:
             raise MirrorError(
-                f"mirror {self.display}: fsspec is not installed; pip install 'preempt[mirror]'"
+                f"mirror {self.display}: fsspec is not installed; pip install 'preempt-torch[mirror]'"
             ) from None
         if self.protocol in ("s3", "s3a"):
             config = {**S3_CONFIG, **dict(opts.get("config_kwargs") or {})}
@@ -144,7 +144,7 @@ class MirrorStore:
         except ImportError as e:
             raise MirrorError(
                 f"mirror {self.display}: the client for {self.protocol}:// is not installed ({self._scrub(e)});"
-                " pip install 'preempt[mirror]' (s3fs), or the fsspec package of that protocol"
+                " pip install 'preempt-torch[mirror]' (s3fs), or the fsspec package of that protocol"
             ) from None
         except Exception as e:
             raise MirrorError(f"mirror {self.display}: cannot be opened: {self._describe(e)}") from None

@@ -277,7 +277,7 @@ class MirrorOptions:
     copied to in the background after it is durable locally, data first and manifest last; the run's retention
     applies there too. On entering, when save_dir holds no valid checkpoint as new as the mirror's newest complete
     one (a new machine), that one is downloaded, verified and resumed from. A stop waits up to ``mirror_deadline``
-    for its checkpoint's upload and says which step the mirror holds. Needs ``pip install 'preempt[mirror]'``;
+    for its checkpoint's upload and says which step the mirror holds. Needs ``pip install 'preempt-torch[mirror]'``;
     credentials come from the standard AWS variables and profiles, or ``mirror_options``."""
     mirror_options: Mapping[str, Any] | None = None
     """fsspec storage options for ``mirror`` (``endpoint_url``, ``key``, ``secret``, ``config_kwargs``, ...; never

@@ -143,7 +143,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(three_processes, tmp_path):
     png = tmp_path / "x.png"
     out = run_python([sys.executable, "-c", code, "report", str(save_dir), "--plot", str(png)], timeout=60, cwd=ROOT)
     assert out.returncode == 2
-    assert "pip install 'preempt[plot]'" in out.stderr and not png.exists()
+    assert "pip install 'preempt-torch[plot]'" in out.stderr and not png.exists()
 
 
 def test_report_refuses_clearly(tmp_path):

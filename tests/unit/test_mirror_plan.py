@@ -211,7 +211,7 @@ def test_without_the_extra_a_mirror_says_what_to_install(monkeypatch):
     from preempt.mirror.store import MirrorStore
 
     monkeypatch.setitem(sys.modules, "fsspec", None)  # as if not installed: `import fsspec` raises ImportError
-    with pytest.raises(MirrorError, match=r"fsspec is not installed; pip install 'preempt\[mirror\]'"):
+    with pytest.raises(MirrorError, match=r"fsspec is not installed; pip install 'preempt-torch\[mirror\]'"):
         MirrorStore("s3://bucket/prefix")
 
 

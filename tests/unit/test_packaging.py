@@ -1,0 +1,92 @@
+"""What the project says about installing it: the distribution is preempt-torch, the import and the command preempt.
+
+The package index's ``preempt`` is an unrelated project, so an install line that names it installs a stranger's code.
+Every doc, message, example and template of the tree is read here, and one that says ``pip install preempt`` or
+``'preempt[...]'`` again fails this test with the file and the line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+DISTRIBUTION = "preempt-torch"
+
+# ``pip install [options] preempt`` or ``preempt[extra]`` (quoted or not), never ``preempt-torch``/``preempt_x``
+_INDEX_NAME = re.compile(
+    r"pip3?\s+install(?:\s+-\S+)*\s+['\"]?preempt(?![\w-])"  # pip install [-U] preempt, 'preempt[hf]'
+    r"|(?<![\w-])preempt\[(?:[\w,{} ]+)\]"  # an extra of the index's name anywhere: 'preempt[plot]', preempt[{x}]
+)
+_TEXT = {".md", ".py", ".sh", ".sbatch", ".toml", ".txt", ".yaml", ".yml", ".cfg", ".ini"}
+_SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", "build", "dist", "runs"}
+
+
+def _texts() -> list[Path]:
+    """The tree's docs, sources, examples, templates and scripts (what a user reads or runs), this file aside."""
+    out = []
+    for path in sorted(ROOT.rglob("*")):
+        rel = path.relative_to(ROOT)
+        if any(part in _SKIP_DIRS or part.endswith(".egg-info") for part in rel.parts[:-1]):
+            continue
+        if path.is_file() and (path.suffix in _TEXT or rel.as_posix() == ".ci/run") and path != Path(__file__):
+            out.append(path)
+    return out
+
+
+def offenders(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of each line of ``text`` that names the index's ``preempt`` as something to install."""
+    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if _INDEX_NAME.search(line)]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "pip install preempt",
+        "pip install -U preempt",
+        "run `pip install 'preempt[plot]'` first",
+        'pip install "preempt[lightning,hf]"',
+        "``'preempt[wandb]'``",
+        "f\" pip install 'preempt[{package}]'\"",
+    ],
+)
+def test_the_index_name_is_caught(line: str) -> None:
+    assert offenders(line), line
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "pip install preempt-torch",
+        "pip install 'preempt-torch[plot]'",
+        "pip install -e '.[lightning]'",
+        "pip install nvidia-ml-py): preempt saves",
+        'logging.getLogger("preempt")',
+        "from preempt import PreemptibleRun",
+    ],
+)
+def test_our_lines_pass(line: str) -> None:
+    assert not offenders(line), line
+
+
+def test_no_doc_message_example_or_template_installs_the_index_preempt() -> None:
+    files = _texts()
+    # the places that tell users what to install are all read
+    rels = {p.relative_to(ROOT).as_posix() for p in files}
+    assert {"README.md", "README_PREEMPTION.md", "preempt/cli/plot.py", "examples/demo.sh", ".ci/run"} <= rels
+    assert any(r.startswith("slurm/") and r.endswith(".sbatch") for r in rels)
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {line}" for p in files for n, line in offenders(p.read_text(errors="replace"))
+    ]
+    assert not found, f"install lines name the index's unrelated `preempt`; say {DISTRIBUTION}:\n" + "\n".join(found)
+
+
+def test_the_distribution_is_ours_and_the_import_and_command_preempt() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DISTRIBUTION
+    assert project["scripts"] == {"preempt": "preempt.cli.main:main"}
+    readme = (ROOT / "README.md").read_text()
+    assert f"pip install {DISTRIBUTION}" in readme
