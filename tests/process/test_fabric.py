@@ -37,6 +37,7 @@ from helpers import (  # noqa: E402
     train_cmd,
 )
 from helpers.reference import References, run_to_end  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from preempt.checkpoint.manager import CheckpointManager  # noqa: E402
 
@@ -77,6 +78,10 @@ def test_sigkill_after_a_durable_checkpoint_resumes_bit_exact(tmp_path, referenc
     assert history.codes == [-signal.SIGKILL, 0], history.text
     assert [e["step"] for e in history.events_of("resume")] == [20], history.events_of("resume")
     assert_same_final(uninterrupted(reference, "run.sampler"), final(tmp_path))
+    # the checkpoint holds the plain model, as fabric.setup() had it before wrapping: no _forward_module. prefix
+    for ckpt in (tmp_path / "run").glob("step_*"):
+        plain = {k.removeprefix("model.") for k in load_file(str(final(tmp_path))) if k.startswith("model.")}
+        assert set(load_file(str(ckpt / "model.safetensors"))) == plain, ckpt
 
 
 def test_sigterm_to_the_group_with_workers_resumes_bit_exact(tmp_path, reference):
