@@ -19,13 +19,15 @@ the first process), and :meth:`OwnConfig.undo` puts its setting back. A differen
 config saved as several files (``multifile=True``, not compared) keep Lightning's refusal and its message.
 
 A SaveConfigCallback placed before PreemptCallback in a hand-made trainer's callbacks runs its check first and is
-left as it is.
+left as it is. A first process killed after SaveConfigCallback wrote the file and before the run began (its history
+is written when the fit starts, seconds later) leaves a file its rerun refuses.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +122,9 @@ def _is_own(callback: Any, log_dir: str) -> bool:
             written = f.read()
     except (OSError, UnicodeDecodeError):
         return False  # unreadable: SaveConfigCallback decides
-    # what SaveConfigCallback's parser.save writes (multifile=False): the parser's dump of the config
-    ours = callback.parser.dump(callback.config, skip_none=False)
+    # what SaveConfigCallback's parser.save writes (multifile=False): the parser's dump of the config, asked as
+    # Lightning asks it; jsonargparse's deprecation of skip_none is Lightning's to show, from its own call
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ours = callback.parser.dump(callback.config, skip_none=False)
     return same_run(began=True, written=written, ours=ours)

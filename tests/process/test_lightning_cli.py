@@ -30,7 +30,8 @@ seed_everything: 0
 trainer:
   max_epochs: {epochs}
   accelerator: cpu
-  devices: 1
+  devices: {devices}
+  strategy: {strategy}
   logger: {logger}
   default_root_dir: {root}
   enable_checkpointing: false
@@ -60,13 +61,15 @@ class Job:
     """One job: its YAML at ``tmp_path/<name>.yaml``, its log directory's root and its save_dir under
     ``tmp_path/<name>``; every process of it runs the same command."""
 
-    def __init__(self, tmp_path: Path, name: str, logger: str = "none", datamodule: bool = False) -> None:
+    def __init__(
+        self, tmp_path: Path, name: str, logger: str = "none", datamodule: bool = False, devices: int = 1
+    ) -> None:
         if logger in NEEDS:
             pytest.importorskip(NEEDS[logger], reason=f"{NEEDS[logger]} is not installed: no {logger} logger to test")
         self.config = tmp_path / f"{name}.yaml"
         self.root, self.save_dir = tmp_path / name / "root", tmp_path / name / "run"
         self.final = tmp_path / name / "final.safetensors"
-        self.logger = logger
+        self.logger, self.devices = logger, devices
         self.env = {
             "FINAL_OUT": str(self.final),
             "DATAMODULE": "1" if datamodule else "0",
@@ -80,7 +83,10 @@ class Job:
     def write(self, epochs: int = 3) -> None:
         """The job's YAML (``epochs``: another config for the same job)."""
         logger = LOGGERS[self.logger].format(root=self.root)
-        self.config.write_text(CONFIG.format(epochs=epochs, logger=logger, root=self.root, save_dir=self.save_dir))
+        strategy = "ddp" if self.devices > 1 else "auto"
+        where = {"root": self.root, "save_dir": self.save_dir}
+        text = CONFIG.format(epochs=epochs, devices=self.devices, strategy=strategy, logger=logger, **where)
+        self.config.write_text(text)
 
     def start(self, hold_at: int | None = None) -> Spawned:
         env = dict(self.env)
@@ -88,13 +94,14 @@ class Job:
             env["HOLD_AT_STEP"] = str(hold_at)
         return Spawned([sys.executable, str(CLI), "fit", "--config", str(self.config)], env)
 
-    def stop(self, sig: signal.Signals = signal.SIGUSR1) -> Spawned:
-        """The job's first process, stopped by ``sig`` at step STOP_AT (it holds there until the signal lands)."""
-        p = self.start(hold_at=STOP_AT)
-        assert p.wait_event("holding", point="step", n=STOP_AT, timeout=120), p.output
+    def stop(self, sig: signal.Signals = signal.SIGUSR1, at: int = STOP_AT) -> Spawned:
+        """The job's first process, stopped by ``sig`` at step ``at`` (it holds there until the signal lands; under
+        DDP rank 0, the process started, holds and is signalled)."""
+        p = self.start(hold_at=at)
+        assert p.wait_event("holding", point="step", n=at, rank=0, timeout=180), p.output
         p.signal(sig)
-        assert p.finish() == PREEMPTED, p.output
-        assert p.events_of("stop", cause=sig.name, step=STOP_AT), p.events
+        assert p.finish(timeout=180) == PREEMPTED, p.output
+        assert p.events_of("stop", cause=sig.name, step=at), p.events
         return p
 
     def configs(self) -> dict[Path, bytes]:
@@ -169,3 +176,17 @@ def test_a_rerun_with_another_config_or_without_the_runs_save_dir_is_still_refus
     r = job.start()
     assert r.finish() == 0, r.output
     assert r.events_of("resume", step=STOP_AT), r.events
+
+
+@pytest.mark.distributed
+def test_ddp_a_stopped_lightning_cli_job_reruns_past_its_config_on_both_ranks(tmp_path):
+    """strategy="ddp" with 2 CPU processes (Lightning starts rank 1 from rank 0): the check of the config file and its
+    answer cross the ranks as SaveConfigCallback's own do (trainer.log_dir and a broadcast from rank 0), and the job
+    resumes on both. (Bit-exactness under DDP: test_lightning.py's DDP test.)"""
+    job = Job(tmp_path, "job", devices=2)
+    job.stop(at=8)  # 6 steps an epoch on each rank: epoch 1, batch 2
+    first = job.configs()
+    r = job.start()
+    assert r.finish(timeout=180) == 0, r.output
+    assert r.events_of("resume", step=8), r.events
+    assert job.configs() == first
