@@ -5,7 +5,9 @@ run's live state, only what its checkpoints hold; so inside a check the run writ
 (:attr:`preempt.cluster.environment.CheckSpec.live_dir`), one small JSON document per checkpoint step: an xxh3-64
 digest of every tensor it holds at that step, read where the tensors live (the model's parameters and buffers, not
 what its ``state_dict()`` says; the optimizer's, scheduler's, scaler's and tracked objects' ``state_dict()``), a
-digest of the batches that step consumed, and the steps at which its epochs ended. The check compares each
+digest of the batches that step consumed, the steps at which its epochs ended, and a digest of each global random
+generator at step 1 (a process that started at step 0: two uninterrupted runs that differ there were not seeded
+alike, and only that generator's state may tell them apart). The check compares each
 checkpoint's tensors with the record of its step (:func:`stale`): a tensor that differs is one the checkpoint holds
 from another moment than its step, whatever made it so.
 
@@ -57,12 +59,15 @@ class LiveRecord:
         tensors: path -> (dtype, shape, digest) of every live tensor (:func:`tensor_digest`).
         batch: A digest of the batches this step consumed (from ``run.batches()``), or None when none went through it.
         epoch_ends: (epoch, the step at its end) for each epoch this process ended, in order.
+        generators: A digest of each global random generator's state (``torch``, ``python``, ``numpy``, ``cuda``) at
+            step 1, in a process that started at step 0; empty in one that resumed.
     """
 
     step: int
     tensors: dict[str, tuple[str, tuple[int, ...], str]]
     batch: str | None = None
     epoch_ends: tuple[tuple[int, int], ...] = ()
+    generators: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +75,7 @@ class LiveRecord:
             "tensors": {p: [d, list(s), h] for p, (d, s, h) in self.tensors.items()},
             "batch": self.batch,
             "epoch_ends": [list(e) for e in self.epoch_ends],
+            "generators": self.generators,
         }
 
     @classmethod
@@ -79,11 +85,12 @@ class LiveRecord:
             tensors = {str(p): (str(d), tuple(int(n) for n in s), str(h)) for p, (d, s, h) in tree["tensors"].items()}
             step, batch = int(tree["step"]), tree["batch"]
             ends = tuple((int(e), int(s)) for e, s in tree["epoch_ends"])
+            generators = {str(k): str(v) for k, v in tree["generators"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{where}: not a live record ({type(e).__name__}: {e})") from None
         if batch is not None and not isinstance(batch, str):
             raise ValueError(f"{where}: batch: expected a digest or null, found {batch!r}")
-        return cls(step=step, tensors=tensors, batch=batch, epoch_ends=ends)
+        return cls(step=step, tensors=tensors, batch=batch, epoch_ends=ends, generators=generators)
 
 
 def record_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -129,6 +136,14 @@ def stale(record: LiveRecord, held: Mapping[str, tuple[str, tuple[int, ...], str
         if h is not None and h[:2] == (dtype, shape) and h[2] != digest:
             out.append(path)
     return out
+
+
+def unseeded(one: LiveRecord | None, other: LiveRecord | None) -> set[str]:
+    """The global generators whose state at step 1 differs between two uninterrupted runs' records (not seeded, or
+    seeded apart); none when either record has no state at step 1."""
+    if one is None or other is None or not one.generators or not other.generators:
+        return set()
+    return {g for g, d in one.generators.items() if other.generators.get(g, d) != d}
 
 
 def live_at(records: Mapping[int, LiveRecord], before: int, path: str, digest: str) -> int | None:

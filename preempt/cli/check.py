@@ -4,32 +4,43 @@ r"""``preempt check``: prove that a training command resumes exactly, before a c
 
     preempt check [--stop-at STEP ...] [--signal TERM|KILL] [--steps N] [--keep] [--json] -- COMMAND [ARG ...]
 
-COMMAND is run three times, each in a scratch save_dir of its own (``PREEMPT_CHECK`` tells the run, whatever
+COMMAND is run two or three times, each in a scratch save_dir of its own (``PREEMPT_CHECK`` tells the run, whatever
 save_dir the script names: :class:`~preempt.cluster.environment.CheckSpec`), up to step N:
 
-1. the first reference, uninterrupted, with one checkpoint at N (and it tells how long an epoch is);
+1. the first reference, uninterrupted, with one checkpoint at N; it tells how long an epoch is, in run.step() calls
+   (optimizer steps, whatever the gradient accumulation: :func:`preempt.checkpoint.live_record.steps_per_epoch`);
 2. the trial: stopped at each stop and run again, until N. ``TERM`` is the run's normal stop at that step (exit 75);
    ``KILL``: the process kills itself (SIGKILL) once that step's checkpoint is durable, so the rerun resumes from a
    dead process's save_dir;
-3. the second reference, uninterrupted.
+3. only when the trial's state at N differs from the first reference's: the second reference, uninterrupted, to
+   tell a resume that is not exact from nondeterminism. An exact resume costs two runs.
+
+Each run records, beside its checkpoints, the digests of its live tensors at each checkpoint step
+(:mod:`preempt.checkpoint.live_record`); every checkpoint the check reads is held to that record first. One that
+holds a tensor from an older step (carried while something wrote it behind autograd, or handed out by a
+``state_dict()`` that keeps an older copy) is the verdict, "stale checkpoint", named with its step and tensors
+(:class:`Stale`): it explains whatever differs after it, in the trial or in a reference.
 
 The trial and the second reference write a checkpoint at each compared step (:func:`compared_steps`: every step
-from the first stop on, or, past :data:`WINDOW`, those right after each stop and some spread up to N). Their states
-are compared at each (every tensor with ``torch.equal``, every JSON value exactly, every rank of a torchrun job),
-and the first step at which they differ is named with what differs first (:func:`label`). What differs between the
-two references at N is nondeterminism: reported apart, and left out of judging the resume, which it can neither hide
-(a difference the references agree on is the resume's) nor fake. Nondeterminism in the model's tensors makes a
-resume impossible to show exact: the verdict is then "nondeterministic".
+from the first stop on, or, past :data:`WINDOW`, those right after each stop and some spread up to N). When the
+second reference runs, their states are compared at each (every tensor with ``torch.equal``, every JSON value
+exactly, every rank of a torchrun job), and the first step at which they differ is named with what differs first
+(:func:`label`) and why it may (:func:`hint`: the data order reset at an epoch's start, a sampler whose epoch is not
+the run's, state carried between steps). What differs between the two references at N is nondeterminism: reported
+apart, and left out of judging the resume, which it can neither hide (a difference the references agree on is the
+resume's) nor fake. Nondeterminism in the model's tensors makes a resume impossible to show exact: the verdict is
+then "nondeterministic", said only of what two uninterrupted runs disagree on.
 
 Inside a check the run keeps every checkpoint, writes synchronously, and mirrors, logs to W&B/TensorBoard, samples
 GPUs and requeues nothing (:func:`preempt.run.config.checked_config`): the user's save_dir, mirror and logs are never
 touched. The scratch space is deleted at the end unless ``--keep``.
 
-Exit codes: 0 exact; 1 not exact (or nondeterministic); 2 the check could not be made (COMMAND never entered a
-preempt run, failed, or ended before step N), with one line saying why. The run itself leaves the check's last step
-with exit code 81 (:data:`~preempt.errors.CHECK_ENDED_EXIT_CODE`).
+Exit codes: 0 exact; 1 not exact (a stale checkpoint, or nondeterministic); 2 the check could not be made (COMMAND
+never entered a preempt run, failed, or ended before step N), with one line saying why. The run itself leaves the
+check's last step with exit code 81 (:data:`~preempt.errors.CHECK_ENDED_EXIT_CODE`).
 
-The choices (stops, compared steps, the first divergence, labels, hints, the verdict) are pure functions here;
+The choices (stops, compared steps, the first divergence, labels, hints, the verdict) are pure functions here, and
+so are the record's (:mod:`preempt.checkpoint.live_record`);
 the comparison imports torch when it runs (``preempt --help`` does not).
 """
 
@@ -71,8 +82,9 @@ SUMMARY = "prove that COMMAND resumes exactly: run it straight and stopped, comp
 EXIT_CODES = """\
 exit codes:
   0  exact: the stopped and resumed run's state equals the uninterrupted run's at every compared step
-  1  not exact (the first diverging step and what differs are named), or nondeterministic: two
-     uninterrupted runs differ in the model's tensors, so no resume can be shown exact
+  1  not exact (the first diverging step and what differs are named), a stale checkpoint (one holds a
+     tensor from an older step than its own), or nondeterministic: two uninterrupted runs differ in the
+     model's tensors, so no resume can be shown exact
   2  the check could not be made: COMMAND never entered a preempt run, failed, or ended before step N"""
 
 # Bookkeeping that differs between a run made of one process and one of several, or between any two runs, by design:
@@ -120,6 +132,20 @@ def compared_steps(stops: Sequence[int], last: int, window: int = WINDOW) -> lis
     stride = max(1, math.ceil((last - first) / spare))
     steps.update(range(first, last + 1, stride))
     return sorted(steps)
+
+
+def generator(path: str) -> str | None:
+    """The global generator a flattened path of rank 0's state belongs to (``rng.now.python.state``: ``python``)."""
+    parts = path.split(".")
+    return parts[2] if len(parts) > 2 and parts[0] == "rng" else None
+
+
+def apart_from_the_start(paths: Sequence[str], unseeded: Iterable[str]) -> list[str]:
+    """Of ``paths`` (what differs between the trial and the first reference at N), those of a generator that two
+    uninterrupted runs already held apart at step 1 (:func:`preempt.checkpoint.live_record.unseeded`): their
+    nondeterminism is known without a second reference."""
+    gens = set(unseeded)
+    return [p for p in paths if generator(p) in gens]
 
 
 def first_divergence(
@@ -543,11 +569,12 @@ def build_parser(commands: argparse._SubParsersAction | None = None) -> argparse
         usage="preempt check [--stop-at STEP ...] [--signal TERM|KILL] [--steps N] [--keep] [--json]"
         " -- COMMAND [ARG ...]",
         description=(
-            "Run COMMAND straight to step N twice and once stopped at each --stop-at and rerun until N, each in a\n"
-            "scratch save_dir (the script's own save_dir, mirror and loggers are never touched), then compare their\n"
-            "states at the steps from the first stop on: every tensor with torch.equal, every RNG, scheduler,\n"
-            "tracked object and data cursor exactly, on every rank. Names the first step at which the resumed run\n"
-            "differs and what differs; what differs between the two straight runs is reported as nondeterminism.\n"
+            "Run COMMAND straight to step N and once stopped at each --stop-at and rerun until N, each in a scratch\n"
+            "save_dir (the script's own save_dir, mirror and loggers are never touched), then compare their states\n"
+            "at N: every tensor with torch.equal, every RNG, scheduler, tracked object and data cursor exactly, on\n"
+            "every rank; each checkpoint is also held to the live state of its step. When they differ, a second\n"
+            "straight run tells nondeterminism apart and the first step at which the resumed run differs is named\n"
+            "with what differs.\n"
             "Details: pydoc preempt.cli.check"
         ),
         epilog=EXIT_CODES + "\n\nexample:\n  preempt check --stop-at 7 --steps 20 -- python train.py --save_dir runs/x",
@@ -563,8 +590,8 @@ def build_parser(commands: argparse._SubParsersAction | None = None) -> argparse
         action="append",
         default=None,
         metavar="STEP",
-        help="stop the trial at this step (repeat for several stops in one trial); default: mid-epoch, the step"
-        " after it, and the first epoch's end",
+        help="stop the trial at this step (repeat for several stops in one trial); default, in optimizer steps"
+        " (run.step() calls): mid-epoch, the step after it, and the first epoch's end",
     )
     parser.add_argument(
         "--signal",
@@ -672,10 +699,14 @@ def check(command: Sequence[str], stops: Sequence[int] | None, kill: bool, last:
         if s == n:
             trial_n = state
     stale = stale or stale_in(first, live_record.read_all(first.live_dir), n, reference_n)
-    nondeterministic: list[str] = []
+    # The trial's first process ran uninterrupted from step 0 to the first stop: generators it held apart from the
+    # first reference at step 1 were never seeded alike, and differ at N whatever the resume does.
+    apart = live_record.unseeded(live_record.read_all(first.live_dir).get(n), trial_records.get(steps[0]))
+    differ = differing(reference_n, trial_n)
+    nondeterministic = apart_from_the_start(differ, apart)
     diffs: list[tuple[int, list[str]]] = [(n, [])]
     data: dict[int, DataFacts] = {}
-    if stale is None and differing(reference_n, trial_n):
+    if stale is None and len(nondeterministic) < len(differ):
         second = made("reference-2", steps, (), [n])
         second_records = live_record.read_all(second.live_dir)
         diffs = []
@@ -719,8 +750,11 @@ def render(doc: Mapping[str, Any]) -> str:
     made = doc.get("runs", ["reference", "trial", "reference-2"])
     second = ("reference 2", "-", f"to step {n}", "-", f"nondeterministic: {nd}" if nd != "-" else "-")
     if "reference-2" not in made:
-        skipped = "the trial equals it at step" if doc["verdict"] == "exact" else "a stale checkpoint found before"
-        second = ("reference 2", "-", "not run", "-", f"({skipped} {n})" if doc["verdict"] == "exact" else "-")
+        why = "-"
+        if doc["verdict"] == "exact":
+            why = f"(the trial equals the reference at step {n}"
+            why += ", but for generators two uninterrupted runs held apart from step 1)" if nd != "-" else ")"
+        second = ("reference 2", "-", "not run", "-", why)
     rows = [
         ("run", "stops", "verdict", "first diverging step", "what differs"),
         ("reference", "-", f"to step {n}", "-", "-"),

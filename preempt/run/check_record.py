@@ -2,7 +2,8 @@
 
 A checkpoint is compared with the live state of its step only if something saw that state: :class:`CheckRecorder`
 writes, at each step the check names, a :class:`~preempt.checkpoint.live_record.LiveRecord` (digests of every live
-tensor, of the batches the step consumed, and the steps at which the epochs ended) into the check's directory
+tensor, of the batches the step consumed, the steps at which the epochs ended, and the global random generators at
+step 1) into the check's directory
 (:attr:`~preempt.cluster.environment.CheckSpec.live_dir`). Made only inside a check, by rank 0 of a run whose model
 is not sharded; every other run has none and pays nothing.
 """
@@ -16,6 +17,7 @@ import torch
 import xxhash
 
 from ..checkpoint import live_record, state
+from ..data import rng
 from .loop_state import LoopState
 
 
@@ -29,6 +31,7 @@ class CheckRecorder:
         self.loop = loop
         self._batches: dict[int, Any] = {}  # step -> the xxh3 of the batches it consumed so far
         self._ends: list[tuple[int, int]] = []
+        self._generators: dict[str, str] = {}
 
     def watching(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches`` unchanged; each one that a recorded step consumes (several under gradient accumulation) is
@@ -42,6 +45,14 @@ class CheckRecorder:
                 h.update(_describe(item).encode())
             yield item
 
+    def first_step(self) -> None:
+        """Step 1 of a process that started at step 0: the global generators' states, in every later record (the
+        script has seeded them by now, wherever it does)."""
+        self._generators = {
+            name: xxhash.xxh3_64_hexdigest(_describe(tree).encode())
+            for name, tree in rng.to_tree(rng.capture()).items()
+        }
+
     def epoch_ended(self, epoch: int, step: int) -> None:
         self._ends.append((epoch, step))
 
@@ -53,6 +64,7 @@ class CheckRecorder:
             tensors=self.live_tensors(),
             batch=None if h is None else h.hexdigest(),
             epoch_ends=tuple(self._ends),
+            generators=self._generators,
         )
         live_record.write(self.directory, rec)
 

@@ -98,7 +98,8 @@ class StepHooks:
     def of(cls, sync: Any, check: CheckSpec | None, recorder: CheckRecorder | None = None) -> StepHooks | None:
         if sync is None and check is None:
             return None
-        return cls(sync, frozenset() if check is None else check.saves | check.stops | {check.last}, recorder)
+        steps = frozenset() if check is None else check.saves | check.stops | {check.last}
+        return cls(sync, steps | {1} if recorder is not None else steps, recorder)  # step 1: recorder.first_step
 
 
 class PreemptibleRun:
@@ -749,10 +750,13 @@ class PreemptibleRun:
         checkpoint is durable, or the end of the check (a stop whose exit code says so, the run not complete)."""
         check = self.env.check
         assert check is not None
+        recorder = self._hooks.recorder if self._hooks is not None else None
+        if step == 1 and recorder is not None:
+            recorder.first_step()
         if step in check.saves or step == check.last or (check.kill and step in check.stops):
             self.saves.save(Reason.STEPS, "step")  # synchronous inside a check: durable on every rank when it returns
-            if self._hooks is not None and self._hooks.recorder is not None:
-                self._hooks.recorder.record(step)  # the live state that checkpoint is held to
+            if recorder is not None:
+                recorder.record(step)  # the live state that checkpoint is held to
         if check.kill and step in check.stops:
             self.peers.broadcast(None)  # every rank's files are written before any rank dies
             os.kill(os.getpid(), signal.SIGKILL)

@@ -284,7 +284,9 @@ def test_hint_names_an_epoch_reset_by_something_else_than_the_run():
 
 def test_render_says_when_the_second_reference_was_not_needed_and_names_a_stale_checkpoint():
     exact = check.render(_doc(runs=["reference", "trial"])).splitlines()
-    assert "not run" in exact[2] and "the trial equals it at step 9" in exact[2]
+    assert "not run" in exact[2] and "the trial equals the reference at step 9)" in exact[2]
+    noisy = check.render(_doc(runs=["reference", "trial"], nondeterministic_paths=["rng.now.python.state"]))
+    assert "but for generators two uninterrupted runs held apart from step 1" in noisy.splitlines()[2]
     assert "equals an uninterrupted run's at step 9" in exact[-1] and "holds the live state of its step" in exact[-1]
     stale = {"run": "trial", "step": 5, "labels": "model.0.weight"}
     doc = _doc(runs=["reference", "trial"], verdict="stale checkpoint", stale_checkpoint=stale, hint="step 5's ...")
@@ -324,3 +326,34 @@ def test_the_run_records_its_models_own_tensors_not_what_a_state_dict_hook_hands
 def test_the_live_record_sits_beside_the_checks_save_dir():
     spec = CheckSpec(save_dir="/s/trial", saves=frozenset(), stops=frozenset(), kill=False, last=3)
     assert spec.live_dir == "/s/trial.live"
+
+
+def test_generators_two_uninterrupted_runs_held_apart_at_step_1_are_nondeterministic_without_a_second_reference():
+    def at_1(**gens: str) -> live_record.LiveRecord:
+        return live_record.LiveRecord(step=5, tensors={}, generators=gens)
+
+    reference, trial = at_1(torch="a", python="b", numpy="c"), at_1(torch="a", python="x", numpy="y")
+    apart = live_record.unseeded(reference, trial)
+    assert apart == {"python", "numpy"}
+    assert live_record.unseeded(reference, at_1()) == set()  # a resumed process saw no step 1
+    differ = ["rng.now.python.state", "rng.epoch_start.numpy.key"]
+    assert check.apart_from_the_start(differ, apart) == differ  # all known: exact, no second reference
+    assert check.apart_from_the_start([*differ, "model.w", "rng.now.torch"], apart) == differ  # the rest: run it
+    assert check.generator("rank 1: rng.now.python.state") is None  # rank 0's records only
+
+
+def test_the_run_records_the_generators_at_step_1(tmp_path):
+    loop = LoopState()
+    recorder = CheckRecorder(str(tmp_path), frozenset({1}), Components.checked(None, None, None, None, None), loop)
+    torch.manual_seed(3)
+    loop.stepped()
+    recorder.first_step()
+    recorder.record(1)
+    seeded = live_record.read_all(tmp_path)[1].generators
+    assert {"torch", "python", "numpy"} <= set(seeded)
+    torch.manual_seed(4)
+    recorder.first_step()
+    recorder.record(1)
+    assert live_record.unseeded(
+        live_record.LiveRecord(step=1, tensors={}, generators=seeded), live_record.read_all(tmp_path)[1]
+    ) == {"torch"}
