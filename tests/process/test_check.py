@@ -1,9 +1,10 @@
 """``preempt check`` on real training commands: real processes, real stops and SIGKILLs, real frameworks.
 
 Each test runs ``python -m preempt check --json ... -- python tests/scripts/check_*.py`` and asserts the verdict,
-the first diverging step it names and what it says differs. The default tier holds an exact loop, one pattern
-that breaks a resume and the checks that cannot be made; the other frameworks, SIGKILL and the other patterns are
-``slow`` (each check is four or five runs of a script).
+the first diverging step it names and what it says differs, and which runs the check made (an exact resume needs no
+second reference). The default tier holds an exact loop, one pattern that breaks a resume, a checkpoint that holds
+a tensor from an older step, gradient accumulation's default stops and the checks that cannot be made; the other
+frameworks, SIGKILL and the other patterns are ``slow`` (each check is two to five runs of a script).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def assert_exact(code: int, doc: dict[str, Any], err: str, nondeterministic: set
     assert code == 0, (doc, err)
     assert doc["verdict"] == "exact" and doc["first_diverging_step"] is None, doc
     assert set(doc["nondeterministic"]) <= (nondeterministic or set()), doc  # each script seeds what it draws from
+    if not nondeterministic:  # the trial equals the first reference: no second one to tell nondeterminism apart
+        assert doc["runs"] == ["reference", "trial"], doc
 
 
 def assert_diverges_at(code: int, doc: dict[str, Any], err: str, step: int, differs: str) -> None:
@@ -89,6 +92,29 @@ def test_a_batch_drawn_before_run_step_diverges_at_the_first_step_after_the_resu
     code, doc, err = run_check(tmp_path, ["--stop-at", "5", "--steps", "9"], command)
     assert_diverges_at(code, doc, err, 6, "the global torch RNG")
     assert any(d.startswith("model.") for d in doc["differs"]), doc
+    assert doc["runs"] == ["reference", "trial", "reference-2"], doc  # a difference: nondeterminism told apart
+
+
+def test_a_checkpoint_that_holds_a_tensor_from_an_older_step_is_named_with_its_step_and_tensor(tmp_path):
+    """The model's state_dict() hands out its first weight as the previous call saw it: each checkpoint holds that
+    tensor from an older step. Not "nondeterministic", not "state carried between steps": that checkpoint."""
+    command = python(LOOP, "--save_dir", str(tmp_path / "user"), "--workers", "0", "--pattern", "stale_state_dict")
+    code, doc, err = run_check(tmp_path, ["--stop-at", "5", "--steps", "8"], command)
+    assert code == 1, (doc, err)
+    assert doc["verdict"] == "stale checkpoint", doc
+    stale = doc["stale_checkpoint"]
+    assert (stale["run"], stale["step"], stale["paths"]) == ("trial", 5, ["model.0.weight"]), doc
+    assert doc["hint"].startswith("step 5's checkpoint (trial run) holds model.0.weight from an older step"), doc
+    assert doc["nondeterministic"] == [] and doc["first_diverging_step"] is None, doc
+
+
+def test_gradient_accumulation_stops_mid_epoch_at_optimizer_steps(tmp_path):
+    """12 batches an epoch, 2 per optimizer step: 6 run.step() calls an epoch. The default stops are optimizer
+    steps: mid-epoch (step 3, batch 6 of 12), the step after, the epoch's end (step 6), not batches (6, 7, 12)."""
+    command = python(LOOP, "--save_dir", str(tmp_path / "user"), "--workers", "0", "--accumulate", "2")
+    code, doc, err = run_check(tmp_path, ["--steps", "12"], command)
+    assert_exact(code, doc, err)
+    assert doc["steps_per_epoch"] == 6 and doc["stops"] == [3, 4, 6], doc
 
 
 @pytest.mark.parametrize(
@@ -106,6 +132,27 @@ def test_a_check_that_cannot_be_made_exits_2_with_one_line(tmp_path, command, sa
     assert doc["exit_code"] == 2 and says in doc["error"], doc
     assert err.count("\n") == 1 and err.startswith("preempt check: ") and says in err, err  # one line, no traceback
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_an_epoch_reset_by_a_loader_wrapper_is_named_as_the_data_order_at_the_epochs_start(tmp_path):
+    """A sampler of the script's own inside a wrapper that calls set_epoch with its own count (as Fabric's does):
+    resumed at the first epoch's end, the wrapper counts from 0 again and epoch 1 comes in epoch 0's order."""
+    command = python(LOOP, "--save_dir", str(tmp_path / "user"), "--workers", "0", "--pattern", "epoch_reset")
+    code, doc, err = run_check(tmp_path, ["--stop-at", "12", "--steps", "14"], command)
+    assert code == 1 and doc["verdict"] == "not exact" and doc["first_diverging_step"] == 13, (doc, err)
+    assert doc["hint"].startswith("the data order of epoch 1 after the resume at step 12"), doc
+    assert "set_epoch" in doc["hint"] and "state carried between steps" not in doc["hint"], doc
+    assert doc["nondeterministic"] == [], doc
+
+
+@pytest.mark.slow
+def test_preempts_sampler_inside_an_epoch_counting_wrapper(tmp_path):
+    """The same wrapper around run.sampler(): the sampler holds the run's epoch against the wrapper's calls, and the
+    resume is exact (a sampler whose epoch the wrapper did set is named by the hint: test_check_decisions)."""
+    command = python(LOOP, "--save_dir", str(tmp_path / "user"), "--workers", "0", "--pattern", "epoch_reset_preempt")
+    code, doc, err = run_check(tmp_path, ["--stop-at", "12", "--steps", "14"], command)
+    assert_exact(code, doc, err)
 
 
 @pytest.mark.slow
