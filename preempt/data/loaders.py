@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import BatchSampler
+from torch.utils.data import BatchSampler, DataLoader
 
 from .. import _torch_compat
 from ..errors import PreemptError
@@ -50,12 +50,18 @@ def find_sampler(loader: Any) -> tuple[ResumableSampler, int] | None:
     sampler = getattr(loader, "sampler", None)
     if not isinstance(sampler, ResumableSampler):
         return None
-    batches = getattr(loader, "batch_sampler", None)
-    if batches is None:
+    if not hasattr(loader, "batch_sampler"):
+        return None  # a wrapper that shows the sampler but not how it batches: its batches are replayed
+    batches = loader.batch_sampler
+    if batches is None:  # a DataLoader that does not batch: one sample per item
         return sampler, 1
     if type(batches) is BatchSampler and batches.sampler is sampler:
         return sampler, batches.batch_size
     return None
+
+
+_INNER_LOADERS = ("loader", "_loader", "dataloader", "_dataloader")
+"""Where wrappers of a DataLoader keep it (timm's PrefetchLoader: ``loader``)."""
 
 
 def index_sampler(loader: Any) -> ResumableSampler | None:
@@ -92,6 +98,15 @@ _FABRIC_MODULES = ("lightning.fabric", "lightning_fabric")  # the package in ``l
 def _from_fabric(obj: Any) -> bool:
     module = type(obj).__module__
     return any(module == m or module.startswith(m + ".") for m in _FABRIC_MODULES)
+
+
+def wrapped_loader(loader: Any) -> Any | None:
+    """The DataLoader inside a loader that wraps one and iterates it (Lightning Fabric's, timm's PrefetchLoader, a
+    user's), else None: the run iterates the wrapper, with the DataLoader inside it set up as any other."""
+    inner = fabric_loader(loader)
+    if inner is not None or isinstance(loader, DataLoader):
+        return inner
+    return next((getattr(loader, a) for a in _INNER_LOADERS if isinstance(getattr(loader, a, None), DataLoader)), None)
 
 
 def fabric_loader(loader: Any) -> Any | None:

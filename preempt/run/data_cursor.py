@@ -22,9 +22,10 @@ loop's own draws (dropout, noise) continue exactly. Draws inside the loader
 (augmentation in workers) are seeded per sample, and an iterable dataset's
 workers continue from their saved positions: :mod:`preempt.data.replay`.
 A loader Accelerate prepared gets preempt's order put inside it and is iterated itself, started at the saved batch
-(:mod:`preempt.data.prepared`). Lightning Fabric's loader (``fabric.setup_dataloaders``) is iterated itself too (its
-device placement is Fabric's), with the DataLoader inside it wrapped and started as any other, and Fabric's count of
-epochs set to the run's (:func:`preempt.data.loaders.fabric_epoch`).
+(:mod:`preempt.data.prepared`). A loader that wraps a DataLoader and iterates it (Lightning Fabric's
+``fabric.setup_dataloaders``, timm's PrefetchLoader: :func:`preempt.data.loaders.wrapped_loader`) is iterated itself
+too (its device placement is its own), with the DataLoader inside it wrapped and started as any other; Fabric's count
+of epochs is set to the run's (:func:`preempt.data.loaders.fabric_epoch`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..checkpoint.manager import CheckpointInfo
 from ..checkpoint.manifest import Cursor
 from ..checkpoint.names import MANIFEST
 from ..data import rng
-from ..data.loaders import fabric_epoch, fabric_loader, find_sampler, length, prepared_by_accelerate
+from ..data.loaders import fabric_epoch, fabric_loader, find_sampler, length, prepared_by_accelerate, wrapped_loader
 from ..data.prepared import Prepared, take_over
 from ..data.replay import LoaderFeed
 from ..data.resume_notice import ResumeFacts, describe, resume_notice, saved_workers
@@ -119,8 +120,8 @@ class DataCursor:
         """The epoch's iterator and the batch it starts at; None when a resumed epoch had no batch left."""
         if prepared_by_accelerate(loader) is not None:
             return self._open_prepared(loader, epoch)
-        inner = fabric_loader(loader)  # Lightning Fabric's wrapper: the DataLoader inside it, iterated through it
-        if inner is not None:
+        inner = wrapped_loader(loader)  # a wrapper's DataLoader (Fabric's, timm's), iterated through the wrapper
+        if inner is not None and fabric_loader(loader) is not None:
             fabric_epoch(loader, inner, epoch)
         base = loader if inner is None else inner
         shield_workers(base, self.signals)

@@ -40,13 +40,17 @@ def build(seed: int = 0):
     return model, opt, sched, data
 
 
-def train(save_dir: Path, stop_at_step: int | None = None, stop_at_epoch_end: int | None = None, **kwargs):
-    """The loop of the public contract; asks for a stop at a step or in end-of-epoch code."""
+def train(
+    save_dir: Path, stop_at_step: int | None = None, stop_at_epoch_end: int | None = None, wrap=None, **kwargs
+):
+    """The loop of the public contract; asks for a stop at a step or in end-of-epoch code. ``wrap``: what the
+    DataLoader is wrapped in."""
     model, opt, sched, data = build()
     kwargs.setdefault("checkpoint_interval", None)
     trace = []
     with PreemptibleRun(save_dir, model=model, optimizer=opt, scheduler=sched, **kwargs) as run:
         loader = DataLoader(data, batch_size=BATCH, sampler=run.sampler(data, seed=3))
+        loader = loader if wrap is None else wrap(loader)
         for epoch in run.epochs(EPOCHS):
             for x, y in run.batches(loader):
                 loss = torch.nn.functional.cross_entropy(model(x), y) + torch.rand(()) * 1e-3
@@ -102,6 +106,35 @@ def test_resume_after_stop_at_step_is_bit_exact(tmp_path, uninterrupted, stop):
     model, opt, sched, trace = train(tmp_path)
     assert_equal_states(expected, final_state(model, opt, sched))
     assert trace == expected_trace[stop:], "the resumed run must see the same batches and draws"
+
+
+class PrefetchLoader:
+    """timm's PrefetchLoader in shape: the DataLoader as ``.loader``, its ``.sampler`` shown, no ``batch_sampler``."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    @property
+    def sampler(self):
+        return self.loader.sampler
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        yield from self.loader
+
+
+def test_a_wrapper_showing_the_sampler_but_not_its_batches_resumes_at_its_batch(tmp_path, uninterrupted):
+    """Iterated as the DataLoader inside it (the same batches and draws as the plain loader's); taken for one sample
+    per batch, the stop at step 3 recorded sample 3 for batch 3 (of 8 samples each) and the resume was off."""
+    expected, _ = uninterrupted
+    with pytest.raises(Preempted):
+        train(tmp_path, stop_at_step=3, wrap=PrefetchLoader)
+    info = CheckpointManager(tmp_path, owner=False).list()[0]
+    assert (info.manifest.cursor.batch, info.manifest.cursor.sample) == (3, 3 * BATCH)
+    model, opt, sched, _ = train(tmp_path, wrap=PrefetchLoader)
+    assert_equal_states(final_state(model, opt, sched), expected)
 
 
 @pytest.mark.parametrize("epoch", [0, 1, 2])
