@@ -324,7 +324,7 @@ def install(
     if missing:
         raise PreemptError(
             f"{WHO}: this Trainer (transformers {transformers.__version__}) has no {', '.join(missing)};"
-            " preempt.hf needs transformers 5 (pip install 'preempt-torch[hf]')"
+            " preempt.hf needs transformers 5.3 or newer (pip install 'preempt-torch[hf]')"
         )
     if any(isinstance(cb, _Driver) for cb in trainer.callback_handler.callbacks):
         raise PreemptError(f"{WHO}: preempt is installed on this Trainer already")

@@ -82,7 +82,9 @@ class TrainerProgress:
                 "loss_since_log": loss.detach().to("cpu", copy=True),
                 "logged_loss_sum": float(trainer._total_loss_scalar),
                 "last_logged_step": int(trainer._globalstep_last_logged),
-                "first_step": int(trainer._initial_global_step),
+                # transformers 5.19 added it (train()'s loss and throughput count this call's steps only); before,
+                # nothing reads it, and 0 is what those versions divide by instead
+                "first_step": int(getattr(trainer, "_initial_global_step", 0)),
                 "flos": float(trainer.current_flos),
                 "seconds": self.seconds_before + (self.clock() - self._began),
             }
