@@ -1,3 +1,4 @@
-"""The package's version, a leaf: the manifest's provenance reads it without importing the package's face."""
+"""The package's version, its one source (pyproject.toml reads it when building), and a leaf: the manifest's
+provenance and ``preempt --version`` read it without importing the package's face."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

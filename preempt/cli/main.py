@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .._version import __version__
 from ..checkpoint import safe_io  # no torch
 from ..supervise import command as supervise
 from . import check, report, where
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "preempt supervise has its own options and exit codes: preempt supervise --help",
         formatter_class=fmt,
     )
+    parser.add_argument("--version", action="version", version=f"preempt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     step_help = "a step number, 'latest' (newest valid) or 'best' (best by the metric the manifests record)"
 

@@ -90,3 +90,30 @@ def test_the_distribution_is_ours_and_the_import_and_command_preempt() -> None:
     assert project["scripts"] == {"preempt": "preempt.cli.main:main"}
     readme = (ROOT / "README.md").read_text()
     assert f"pip install {DISTRIBUTION}" in readme
+
+
+def test_one_version_read_by_the_build_the_command_and_the_package() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "preempt._version.__version__"}
+    from preempt import __version__
+    from preempt.cli.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"\n## {__version__} (" in changelog, f"CHANGELOG.md has no section for {__version__}"
+
+
+def test_a_complete_package_license_types_and_classifiers() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert (
+        "Apache License" in (ROOT / "LICENSE").read_text()
+        and "Version 2.0, January 2004" in (ROOT / "LICENSE").read_text()
+    )
+    assert (ROOT / "preempt" / "py.typed").is_file()
+    assert "Typing :: Typed" in project["classifiers"]
+    # PEP 639: a license expression and a License :: classifier together are refused by the build
+    assert not any(c.startswith("License ::") for c in project["classifiers"])
