@@ -117,3 +117,24 @@ def test_a_complete_package_license_types_and_classifiers() -> None:
     assert "Typing :: Typed" in project["classifiers"]
     # PEP 639: a license expression and a License :: classifier together are refused by the build
     assert not any(c.startswith("License ::") for c in project["classifiers"])
+
+
+@pytest.mark.parametrize(
+    ("row", "extra", "package"),
+    [
+        ("torch", None, "torch"),
+        ("Lightning", "lightning", "lightning"),
+        ("transformers", "hf", "transformers"),
+        ("Accelerate", "hf", "accelerate"),
+    ],
+)
+def test_the_readme_table_allows_what_pyproject_allows(row: str, extra: str | None, package: str) -> None:
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] if extra is None else project["optional-dependencies"][extra]
+    (wanted,) = [r.specifier for d in deps if (r := Requirement(d)).name == package]
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith(f"| {row} | "))
+    allowed = line.split("|")[2].split("(")[0].replace(" ", "")
+    assert SpecifierSet(allowed) == wanted, f"README.md says {row} {allowed}, pyproject.toml {wanted}"
