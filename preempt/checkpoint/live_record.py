@@ -159,8 +159,11 @@ def live_at(records: Mapping[int, LiveRecord], before: int, path: str, digest: s
 def steps_per_epoch(record: LiveRecord | None, epoch: int, batch: int, batches_per_epoch: int, last: int) -> int | None:
     """The run.step() calls of the first epoch (its optimizer steps, whatever the gradient accumulation), from an
     uninterrupted run's record at ``last`` and where its checkpoint there stands (``epoch``, ``batch`` of
-    ``batches_per_epoch``); None when the first epoch does not end by ``last`` or the run has no epochs."""
-    ends = dict(record.epoch_ends) if record is not None else {}
+    ``batches_per_epoch``); None when the first epoch does not end by ``last`` or the run has no epochs. Without a
+    record (a sharded model's run records none), the batches of an epoch: its steps, but for gradient accumulation."""
+    if record is None:
+        return batches_per_epoch if batches_per_epoch > 0 else None
+    ends = dict(record.epoch_ends)
     if 0 in ends and ends[0] > 0:
         return ends[0]
     if epoch == 0 and 0 < batches_per_epoch <= batch:

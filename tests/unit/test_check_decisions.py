@@ -248,6 +248,11 @@ def test_an_epochs_length_is_counted_in_run_step_calls(ends, epoch, batch, per_e
     assert live_record.steps_per_epoch(rec, epoch, batch, per_epoch, last) == steps
 
 
+def test_without_a_record_an_epochs_length_is_its_batches():
+    assert live_record.steps_per_epoch(None, 1, 3, 12, 30) == 12  # a sharded model's run records nothing
+    assert live_record.steps_per_epoch(None, 0, 3, -1, 30) is None
+
+
 def test_default_stops_under_gradient_accumulation_land_mid_epoch_in_optimizer_steps():
     # run_clm_no_trainer's shape: 26 batches an epoch, 2 per optimizer step; stops at 13, 14, 26 in batches never
     # stopped inside an epoch
