@@ -149,6 +149,7 @@ class MirrorStore:
         except Exception as e:
             raise MirrorError(f"mirror {self.display}: cannot be opened: {self._describe(e)}") from None
         if self.protocol in ("s3", "s3a"):
+            _check_s3fs(self.fs, self.display)
             self.fs.retries = S3_RETRIES
         self.root = root.rstrip("/")
         self._async = bool(getattr(self.fs, "async_impl", False))
@@ -486,6 +487,50 @@ class Paced:
 
     def set_size(self, size: Any) -> None:
         """(s3fs tells a download's Content-Length; the cap is ours, not the server's)"""
+
+
+# ------------------------------------------------------------------------------------------- s3fs's private parts
+# s3fs promises nothing about these, and they are read here alone: each is checked when an s3:// store is made
+# (a MirrorError naming what is missing, before any transfer), and tests/unit/test_mirror_privates.py checks them
+# against the installed s3fs. Checked on s3fs 2026.9.0.
+S3FS_PRIVATE = (
+    # one botocore call with s3fs's retries: a ranged GET whose body is streamed here and capped (s3fs's own reads
+    # take the whole answer, however much a hostile server sends)
+    "S3FileSystem._call_s3",
+    # the errors of a transfer cut off mid-way, which a download takes up again where it stopped
+    "s3fs.core.S3_RETRYABLE_ERRORS",
+    # s3fs's retry loop around each call: a class attribute, not an argument
+    "S3FileSystem.retries",
+)
+
+
+def s3fs_missing(fs: Any) -> list[str]:
+    """The names of :data:`S3FS_PRIVATE` that this s3fs (``fs`` one of its filesystems) lacks, or has in another
+    shape."""
+    import inspect
+
+    import s3fs.core
+
+    missing = []
+    if not inspect.iscoroutinefunction(getattr(fs, "_call_s3", None)):
+        missing.append(S3FS_PRIVATE[0])
+    retryable = getattr(s3fs.core, "S3_RETRYABLE_ERRORS", None)
+    if not isinstance(retryable, tuple) or not all(isinstance(e, type) for e in retryable):
+        missing.append(S3FS_PRIVATE[1])
+    if not isinstance(getattr(type(fs), "retries", None), int):
+        missing.append(S3FS_PRIVATE[2])
+    return missing
+
+
+def _check_s3fs(fs: Any, display: str) -> None:
+    missing = s3fs_missing(fs)
+    if missing:
+        import s3fs
+
+        raise MirrorError(
+            f"mirror {display}: s3fs {getattr(s3fs, '__version__', '?')} lacks {', '.join(missing)}, which the mirror"
+            " reads (checked on s3fs 2026.9.0); install another s3fs release"
+        )
 
 
 def _cut_off() -> tuple[type[BaseException], ...]:
