@@ -8,7 +8,8 @@ DataLoader workers, 375 steps per epoch), in this file (``--train``). First one 
 leaves at N and the run completes: its final checkpoint included), then ``preempt check --steps N`` of the same
 command: prints both wall times, their ratio, the CPU seconds of each (every process they started, DataLoader
 workers too: on a shared machine the wall time follows the load, the CPU time much less), and the check's seconds
-per run (reference, trial, second reference). Each round runs the two in turn; ``--rounds`` > 1 prints medians.
+per run (reference, trial, and the second reference when the trial differed from the first at N). Each round runs
+the two in turn; ``--rounds`` > 1 prints medians.
 """
 
 from __future__ import annotations
