@@ -127,12 +127,17 @@ def reserve(save_dir: Path, sizes: Mapping[str, int]) -> Path:
     return give(save_dir, tmp)
 
 
+POOL_CHUNK = 8 << 20
+"""Bytes of zeros per write of a pool: a save that cancels it waits for one such write at most (fresh blocks of a
+thin-provisioned disk can take tenths of a second per 64 MiB)."""
+
+
 def _zeros(size: int) -> Iterator[memoryview]:
     """``size`` zero bytes, from one page-aligned block: an anonymous mapping, which holds no memory of its own
     while it is only read. Aligned, the pool goes to the disk without the page cache (:mod:`~.direct_io`), so a
     save that cancels it writes over its blocks without the kernel first writing back the zeros still dirty in the
     page cache over the same range (what a direct write over cached pages makes it do)."""
-    block = memoryview(mmap.mmap(-1, max(1, min(size, hashed_io.WRITE_CHUNK))))  # closed when collected
+    block = memoryview(mmap.mmap(-1, max(1, min(size, POOL_CHUNK))))  # closed when collected
     while size > 0:
         yield block[: min(size, block.nbytes)]
         size -= block.nbytes

@@ -97,14 +97,16 @@ class Stager:
         torch's pinned allocator rounded up to a power of two."""
         return all(a.pinned == "registered" for a in self._files.values() if a.pinned)
 
-    def _buffers(self, file: str, tensors: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+    def _buffers(
+        self, file: str, tensors: dict[str, torch.Tensor], pin: bool, stop: threading.Event | None = None
+    ) -> dict[str, torch.Tensor]:
         signature = _Arena.signature_of(tensors)
         arena = self._files.get(file)
         if arena is not None and arena.pin == pin and arena.signature == signature:
             return arena.views
         if arena is not None:
             self._drop(file)
-        arena = self._files[file] = _Arena(tensors, signature, pin)
+        arena = self._files[file] = _Arena(tensors, signature, pin, stop)
         return arena.views
 
     def _drop(self, file: str) -> None:
@@ -112,12 +114,13 @@ class Stager:
         once the previous one's copies were waited for (its write ran :meth:`LazyCopy.run`, or it was dropped)."""
         self._files.pop(file).release()
 
-    def prepare(self, payload: Payload) -> None:
-        """Allocates (and touches) the buffers for ``payload`` without copying: done when the run starts."""
+    def prepare(self, payload: Payload, stop: threading.Event | None = None) -> None:
+        """Allocates (and touches) the buffers for ``payload`` without copying: done when the run starts. ``stop``,
+        once set, leaves the pages not touched yet to the first copy (a stop's save does not wait for them)."""
         pin = self._pin(payload)
         for file, (tensors, _meta) in payload.tensor_files.items():
             if file not in self.live:
-                self._buffers(file, tensors, pin)
+                self._buffers(file, tensors, pin, stop)
 
     def stage(self, payload: Payload, *, loop_waits: bool = False) -> Payload:
         """A snapshot of ``payload`` in the buffers: tensors copied, JSON encoded.
@@ -211,19 +214,25 @@ class _Arena:
     CUDA refuses that, the block comes from torch's pinned allocator (rounded up to a power of two).
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], signature: tuple[Any, ...], pin: bool) -> None:
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        signature: tuple[Any, ...],
+        pin: bool,
+        stop: threading.Event | None = None,
+    ) -> None:
         places = tensorfile.layout(tensors)
         total = places[-1][2] if places else 0
         self.pin = pin  # asked to be pinned
         self.pinned: str | None = None  # how it is: "registered" (exactly these bytes), "allocator" (torch's), None
         self._unlock: Callable[[], None] | None = None
-        self.data = self._allocate(total, pin_memory=False)
+        self.data = self._allocate(total, pin_memory=False, stop=stop)
         if pin and total:
             try:
                 self._unlock = pinned.lock(self.data, self)
                 self.pinned = "registered"
             except RuntimeError:
-                self.data = self._allocate(total, pin_memory=True)
+                self.data = self._allocate(total, pin_memory=True, stop=stop)
                 self.pinned = "allocator"
         self.signature = signature
         self.views = {
@@ -231,11 +240,11 @@ class _Arena:
         }
 
     @staticmethod
-    def _allocate(total: int, pin_memory: bool) -> torch.Tensor:
+    def _allocate(total: int, pin_memory: bool, stop: threading.Event | None = None) -> torch.Tensor:
         raw = torch.empty(total + direct_io.BLOCK, dtype=torch.uint8, pin_memory=pin_memory)
         start = -raw.data_ptr() % direct_io.BLOCK
         data = raw[start : start + total]
-        prefault.touch(data)  # every page now, not during a checkpoint
+        prefault.touch(data, stop)  # every page now, not during a checkpoint (unless a stop cannot wait)
         return data
 
     def release(self) -> None:

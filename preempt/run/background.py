@@ -10,6 +10,7 @@ payload into the buffers, falling back to synchronous saves where host memory re
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
@@ -48,7 +49,7 @@ class Staging(Protocol):
     @property
     def pinned(self) -> bool: ...
 
-    def prepare(self, payload: state.Payload) -> None: ...
+    def prepare(self, payload: state.Payload, stop: threading.Event | None = None) -> None: ...
 
     def stage(self, payload: state.Payload, *, loop_waits: bool = False) -> state.Payload: ...
 
@@ -124,11 +125,12 @@ class Background:
         return self.writer
 
     def sizing(
-        self, payload: state.Payload, shards: state.Payload | None, shard_stager: Any
+        self, payload: state.Payload, shards: state.Payload | None, shard_stager: Any, stop: threading.Event
     ) -> Callable[[], float] | None:
         """The writer's job that sizes the buffers for ``payload`` (and this rank's ``shards`` of sharded state:
         allocated and touched once), returning the seconds it took; None when a copy would take more than
-        :data:`MEMORY_SHARE` of the host memory available: checkpoints are written synchronously from now on."""
+        :data:`MEMORY_SHARE` of the host memory available: checkpoints are written synchronously from now on.
+        ``stop`` set: the job ends at its next step, the pages not touched yet left to the first copy."""
         stager = self.staging()
         nbytes = payload_nbytes(payload, stager.live) + (0 if shards is None else payload_nbytes(shards))
         available = host_memory_available()
@@ -145,9 +147,9 @@ class Background:
 
         def job() -> float:
             t0 = time.perf_counter()
-            stager.prepare(payload)
+            stager.prepare(payload, stop)
             if shards is not None:
-                shard_stager.prepare(shards)
+                shard_stager.prepare(shards, stop)
             return time.perf_counter() - t0
 
         return job

@@ -87,10 +87,12 @@ class SaveJob:
 
 @dataclasses.dataclass(frozen=True)
 class PrepareJob:
-    """The staging buffers being sized in the background; the future's result is the seconds it took."""
+    """The staging buffers being sized in the background; the future's result is the seconds it took. ``cancel``
+    set: it ends at its next step (the pages not touched yet are faulted by the first copy)."""
 
     kind: ClassVar[JobKind] = JobKind.PREPARE
     future: Future[Any]
+    cancel: threading.Event | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,13 +206,17 @@ def plan(reason: Reason, *, job: JobKind | None, staging: bool, writing: Reason 
     A stop's save does not wait for a periodic write in flight: that snapshot is older than the state the stop
     saves, so it is cancelled (its partial files removed) and the stop's durable time is that of one write. A
     best or milestone write in flight is waited for: it is kept for its own sake. A pool being written ahead
-    is cancelled by any save, which writes over what it holds. A synchronous save copies the state into the
-    staging buffers, when there are any, and writes from them (:data:`STAGE_SYNCHRONOUS`): nothing is in flight
+    is cancelled by any save, which writes over what it holds; the staging buffers being sized are cut short by a
+    stop, whose copy into them faults what was not touched yet (work done ahead for speed never delays a stop). A
+    synchronous save copies the state into the staging buffers, when there are any, and writes from them
+    (:data:`STAGE_SYNCHRONOUS`): nothing is in flight
     then to use them.
     """
     background = staging and reason not in SYNCHRONOUS
     stage = staging and not background and STAGE_SYNCHRONOUS  # the job in flight is settled or cancelled first
     if job is JobKind.RESERVE:
+        return Plan(settle=False, background=background, cancel=True, stage=stage)
+    if job is JobKind.PREPARE and reason in STOPS:  # the buffers are taken as they are: the copy faults the rest
         return Plan(settle=False, background=background, cancel=True, stage=stage)
     if job is JobKind.SAVE and reason in STOPS and writing in POSTPONABLE:
         return Plan(settle=False, background=background, cancel=True, stage=stage)

@@ -286,7 +286,7 @@ class SaveScheduler:
     def cancel(self) -> None:
         """Stops the write in flight before its rename (its temporary directory is removed) and takes the outcome."""
         job = self.job
-        if isinstance(job, (SaveJob, ReserveJob)) and job.cancel is not None:
+        if isinstance(job, (SaveJob, ReserveJob, PrepareJob)) and job.cancel is not None:
             job.cancel.set()
         self.settle()
 
@@ -433,14 +433,15 @@ class SaveScheduler:
         if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
             payload, live = self.snapshot.content()
             shards = ShardedSaves.pieces(live)
-        job = bg.sizing(payload, shards, shard_stager)
+        stop = threading.Event()  # a stop's save does not wait for the pages to be touched (save_plan.plan)
+        job = bg.sizing(payload, shards, shard_stager, stop)
         if job is None:
             return
         # the pool written ahead: not for the frozen base, which is mostly carried (a pool of its size would be
         # written at every start of the job for the rare checkpoint that writes the base afresh)
         files = {name: ts for name, (ts, _) in payload.tensor_files.items() if name not in stager.live}
         self.pool.sized({name: sum(t.nbytes for t in ts.values()) for name, ts in files.items()})
-        self.job = PrepareJob(writer.submit(job))
+        self.job = PrepareJob(writer.submit(job), stop)
 
     def idle(self) -> None:
         """At the end of a safe point: starts writing a pool ahead when one is due and the writer is free.

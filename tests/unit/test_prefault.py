@@ -53,3 +53,17 @@ def test_where_the_kernel_cannot_populate_the_buffer_is_filled_with_zeros(monkey
 
 def test_an_empty_buffer_needs_nothing():
     assert prefault.touch(torch.empty(0, dtype=torch.uint8)) == "populated"
+
+
+@linux
+def test_a_stop_ends_the_touching_between_two_steps_and_leaves_the_rest_to_the_first_write():
+    import threading
+
+    data = torch.empty(4 * prefault.STEP, dtype=torch.uint8)  # a fresh mapping of four steps
+    stop = threading.Event()
+    stop.set()
+    assert prefault.touch(data, stop) == "stopped"
+    touched, pages = resident_pages(data)
+    assert touched < pages  # nothing made resident after the stop
+    data.fill_(1)  # the first write faults what is left
+    assert resident_pages(data) == (pages, pages)

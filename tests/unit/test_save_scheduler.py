@@ -18,7 +18,7 @@ from preempt.cluster.signals import StopFlag
 from preempt.errors import LockLostError
 from preempt.run.data_cursor import DataCursor
 from preempt.run.loop_state import LoopState
-from preempt.run.save_plan import JobKind, Outcome, outcome_of, pick, plan, wake
+from preempt.run.save_plan import STOPS, JobKind, Outcome, outcome_of, pick, plan, wake
 from preempt.run.save_policy import Due, Reason
 from preempt.run.save_scheduler import SaveScheduler
 from preempt.run.snapshot import Snapshot
@@ -329,6 +329,14 @@ def test_a_failed_stop_save_raises_save_failed_with_the_last_good_checkpoint(tmp
 def test_any_save_cancels_a_pool_being_written_ahead(reason):
     assert plan(reason, job=JobKind.RESERVE, staging=True).cancel
     assert pick(reason, job=JobKind.RESERVE, staging=True, postponed=None, dirty=True) == (reason, None)
+
+
+@pytest.mark.parametrize("reason", list(Reason))
+def test_a_stop_cuts_the_buffers_sizing_short_and_any_other_save_waits_for_it(reason):
+    """Work done ahead for speed never delays a stop: the staging buffers being sized are taken as they are (the
+    stop's copy faults the pages not touched yet); a periodic save due meanwhile is postponed, a final one waits."""
+    how = plan(reason, job=JobKind.PREPARE, staging=True)
+    assert (how.cancel, how.settle) == ((True, False) if reason in STOPS else (False, True))
 
 
 def pool_files(directory) -> dict[str, tuple[int, int]]:
