@@ -30,12 +30,14 @@ def _state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def test_the_same_state_saved_twice_is_carried_and_the_check_says_so(tmp_path: Path) -> None:
     model, opt = _state()
+    model[0].requires_grad_(False)  # a frozen part no optimizer holds: the one file a checkpoint may carry
+    opt = torch.optim.AdamW(model[1].parameters())
     manager = CheckpointManager(tmp_path, keep_last=None)
     manager.save_state(step=1, model=model, optimizer=opt)
     manager.save_state(step=2, model=model, optimizer=opt)
     second = tmp_path / "step_000000002"
-    assert carried_files(second) == ["model.safetensors", "state.safetensors"]
-    with pytest.raises(RuntimeError, match=r"step_000000002 carried \['model.safetensors', 'state.safetensors'\]"):
+    assert carried_files(second) == ["base.safetensors"]
+    with pytest.raises(RuntimeError, match=r"step_000000002 carried \['base.safetensors'\]"):
         require_written(second)
 
 
