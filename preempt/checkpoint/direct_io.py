@@ -42,8 +42,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 BLOCK = 4096  # alignment of address, offset and length of a direct write
 MIN_DIRECT = 1 << 20  # a shorter aligned span is not worth a switch of the descriptor's mode
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -52,6 +50,8 @@ _REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})  # what a 
 
 def address(view: memoryview) -> int:
     """The memory address of the first byte of ``view`` (a C-contiguous buffer of bytes)."""
+    import numpy as np  # here, not at the top: `preempt ls` and `verify` start without numpy
+
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
@@ -153,6 +153,8 @@ def _resident(fd: int, size: int) -> tuple[int, int] | None:
     """(pages of the file in the page cache, pages of the file), or None where ``mincore`` is not at hand."""
     if size <= 0 or _MINCORE is None:
         return None
+    import numpy as np
+
     try:
         mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # maps; faults nothing in
     except (OSError, ValueError):

@@ -20,15 +20,17 @@ import stat
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
 
 from .. import _testing
 from . import direct_io, readahead, safe_io
 from .cancel import check_cancelled
 from .deleter import remove_tree
+
+if TYPE_CHECKING:
+    import numpy as np  # imported where a file is read: `preempt ls` and `verify` start without it
 
 WRITE_CHUNK = 64 << 20  # bytes per write(2) call; also bounds a partial write
 LOAD_CHUNK = 8 << 20  # bytes per read(2) of a file a restore keeps: hashed while still in the CPU's cache
@@ -247,6 +249,8 @@ def read_file(
         MemoryError: Neither mapped nor read: larger than the memory left.
         ValueError: The size is not the expected one (the message says both).
     """
+    import numpy as np
+
     with open(safe_io.open_fd(path), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if expected_size is not None and size != expected_size:
@@ -279,6 +283,8 @@ def keeps_in_memory(size: int, available: int | None) -> bool:
 
 def is_mapping(buf: np.ndarray) -> bool:
     """Whether ``buf`` (from :func:`read_file`) views a mapping of its file rather than memory of its own."""
+    import numpy as np
+
     base: Any = buf
     while isinstance(base, np.ndarray):
         base = base.base
@@ -295,6 +301,8 @@ def _fresh(size: int, *, populate: bool = True) -> np.ndarray:
     (``defrag`` set to ``madvise``, its default), a read into such memory in a process that had just built a large
     model spent seconds in the kernel (``bench/README.md``, "Figures once kept in docstrings").
     """
+    import numpy as np
+
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     try:
         return np.frombuffer(_Memory(-1, size, flags=flags), dtype=np.uint8)

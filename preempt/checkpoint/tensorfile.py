@@ -24,9 +24,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 MAX_HEADER_BYTES = 100 << 20

@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import _log
-from ..checkpoint import codec, commit, deleter, hashed_io, names, safe_io
+from ..checkpoint import commit, deleter, hashed_io, names, safe_io
 from ..checkpoint.files import read_verified
 from ..checkpoint.hashed_io import FileDigest
 from ..checkpoint.lock import DirLock, LockedError
 from ..checkpoint.manager import CheckpointInfo, CheckpointManager, newest_files, rank_best
-from ..checkpoint.pieces import assembled
 from ..checkpoint.retention import Kept, RetentionPolicy, select_kept
 from ..errors import CheckpointUnreadableError, CorruptCheckpointError
 from . import listing
@@ -316,6 +315,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CommandFailed(code, f"{info.problem}; cannot export from it")
     from ..checkpoint import tensorfile
     from ..checkpoint.names import BASE_FILE, MODEL_FILE
+    from ..checkpoint.pieces import assembled  # numpy: only for export
 
     expected = info.manifest.files.get(MODEL_FILE)
     src = info.path / MODEL_FILE
@@ -370,6 +370,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _refuse_dcp_weights(info: CheckpointInfo) -> None:
     """Sharded state of which DCP wrote some model weights (its pieces are pickles): not exported, said so."""
+    from ..checkpoint import codec  # numpy: only for this command
     from ..checkpoint.manager import SHARDED_INDEX
 
     if info.manifest is None or SHARDED_INDEX not in info.manifest.files:

@@ -595,7 +595,8 @@ def test_the_checkpoint_commands_never_import_torch(tmp_path, args):
     script = (
         "import sys\nfrom preempt.cli.main import main\n"
         "code = main(sys.argv[1:])\n"
-        "sys.stderr.write(f'\\ntorch imported: {\"torch\" in sys.modules}\\n')\nsys.exit(code)\n"
+        "sys.stderr.write(f'\\ntorch imported: {\"torch\" in sys.modules}\\n')\n"
+        "sys.stderr.write(f'numpy imported: {\"numpy\" in sys.modules}\\n')\nsys.exit(code)\n"
     )
     r = subprocess.run(
         [
@@ -612,6 +613,8 @@ def test_the_checkpoint_commands_never_import_torch(tmp_path, args):
     )
     assert r.returncode == 0, r.stderr
     assert "torch imported: False" in r.stderr, r.stderr
+    if args[0] == "ls":  # the manifests alone: not even numpy (90 ms of a command that takes 0.2 s)
+        assert "numpy imported: False" in r.stderr, r.stderr
     if args[0] == "prune" and "--yes" in args:
         assert [p.name for p in (tmp_path / "run").glob("step_*")] == ["step_000000003"]
     if args[0] == "export":  # the latest weights, bit for bit, with the export's metadata
