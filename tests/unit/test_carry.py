@@ -471,15 +471,15 @@ def test_the_frozen_base_gets_no_staging_buffer_and_each_checkpoint_is_its_steps
     assert files[BASE]["carried_from"] == 2
 
 
-def writer_gate():
-    """A fault point that holds the background writer after its first checkpoint's tensor files: (reached, release,
-    the hook for the fault point ``commit``). The test waits for ``reached`` and lets it go with ``release``."""
+def writer_gate(at: str = "after_tensor_files"):
+    """A fault point that holds the background writer at the commit stage ``at`` of its first checkpoint: (reached,
+    release, the hook for the fault point ``commit``). The test waits for ``reached``, lets it go with ``release``."""
     import threading
 
     reached, release = threading.Event(), threading.Event()
 
     def gate(stage: str, cancel: object = None) -> None:
-        if stage == "after_tensor_files" and threading.current_thread().name == "preempt-writer":
+        if stage == at and threading.current_thread().name == "preempt-writer":
             if not reached.is_set():
                 reached.set()
                 assert release.wait(30)
@@ -554,27 +554,12 @@ def test_a_carried_file_changed_after_its_step_while_the_writer_runs_is_still_co
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def writer_gate_before():
-    """A fault point that holds the background writer before it reads anything of its first checkpoint."""
-    import threading
-
-    reached, release = threading.Event(), threading.Event()
-
-    def gate(stage: str, cancel: object = None) -> None:
-        if stage == "before_tensor_files" and threading.current_thread().name == "preempt-writer":
-            if not reached.is_set():
-                reached.set()
-                assert release.wait(30)
-
-    return reached, release, gate
-
-
 def test_a_base_written_behind_autograd_before_the_writer_reads_it_is_not_committed(tmp_path, caplog):
     """The base is read where it lives by a background write; the loop changes it through .data before the writer
     reads it (the writer is held at a fault point): the file would hold a later step's bytes, which no version
     counter shows. The writer's digest differs from the one taken at the step: that checkpoint is not committed, and
     the base is copied at the step and written from then on. Every kept checkpoint holds its step's state."""
-    reached, release, gate = writer_gate_before()
+    reached, release, gate = writer_gate("before_tensor_files")
     model, opt, run = lora_run(tmp_path, keep_last=None)
     _testing.install("commit", gate)
     live = {}
