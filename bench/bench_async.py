@@ -6,13 +6,14 @@ Run from the repository root::
     python bench/bench_async.py                       # 1.5 and 3 GiB, 1 warm-up + 3 timed per method (~15-18 min)
     python bench/bench_async.py --quick               # 0.25 GiB, 1 timed call, short end-to-end rows (~3 min)
     python bench/bench_async.py --gib 0.5 --repeats 5 --json bench/results/async.json
+    python bench/bench_async.py --rows first_stop --gib 1.5 --repeats 1   # row 8 alone: a process's first stop
 
 Every method runs in a fresh Python process (this script re-invoked with the
 hidden ``--only`` flag); the first call in a process is reported on its own
 ("first call") and the median of the later calls is the steady state. The
 parent prints one table per state size with ratios measured in the same run,
-then the loop-slowdown, end-to-end, SIGTERM and peak-RSS rows and every
-target of issue #6 next to the measured value. See bench/README.md.
+then the loop-slowdown, end-to-end, SIGTERM, peak-RSS and first-stop rows and
+every target next to the measured value. See bench/README.md.
 
 The state helpers, the dd reference, the raw write loop, the synchronous
 writers and the peak-RSS probe come from ``bench_checkpoint`` (same folder).
@@ -69,7 +70,7 @@ METHODS = (
     "save_preempt",
     "preempt_async",
 )
-CHILD_PHASES = ("method", "e2e", "sigterm", "fresh")
+CHILD_PHASES = ("method", "e2e", "sigterm", "fresh", "first_stop")
 SLOWDOWN_ROUNDS = 2  # row 4: (write in flight, then none) twice
 E2E_VARIANTS = ("none", "async", "sync", "none2")  # "none" twice (first and last): their gap is the noise floor
 
@@ -623,6 +624,61 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return res  # not reached: the loop only ends by the signal
 
 
+# ----------------------------------------------------------------- a process's first stop
+
+
+def phase_first_stop(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """A new job for the parent to SIGTERM at a moment after it entered the run: the stop's save is its first write.
+
+    Says "entered WALL" on stdout once ``PreemptibleRun.__enter__`` returned and "ready WALL" once the staging buffers
+    are sized (``run.staging_prepare_s`` set); notes when the pool written ahead is complete (a ``.recycle-*``
+    directory), so that the parent can say what was under way when its signal came.
+    """
+    import preempt
+    from preempt import PreemptibleRun
+
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    model, opt = build_state(args.gib)
+    work_step = make_workload()
+    save_dir = Path(args.save_dir or work / f"first_stop_{os.getpid()}")
+    # The defaults of a user's run but the interval: the stop's save is the process's first write.
+    run = PreemptibleRun(save_dir, model=model, optimizer=opt, checkpoint_interval=None)
+    res: dict[str, Any] = {"variant": args.variant, "preempt_file": preempt.__file__}
+    print(f"first_stop child: preempt from {preempt.__file__}", file=sys.stderr, flush=True)
+    t0 = time.time()
+    with run:
+        res["entered_wall"] = entered = time.time()
+        res["enter_s"] = entered - t0
+        proto.write(f"entered {entered!r}\n")
+        proto.flush()
+        try:
+            while True:
+                work_step()
+                change_every_tensor(model, opt)  # one value per tensor, as training changes them: nothing is carried
+                run.step()
+                now = time.time()
+                if "ready_wall" not in res and (run.staging_prepare_s is not None or now - entered > 60):
+                    res["ready_wall"] = now
+                    res["staging_prepare_s"] = run.staging_prepare_s
+                    proto.write(f"ready {now!r}\n")
+                    proto.flush()
+                if "pool_wall" not in res and any(save_dir.glob(".recycle-*")):
+                    res["pool_wall"] = now
+        except SystemExit as e:  # Preempted: the stop's checkpoint is durable
+            res["stopped_wall"] = time.time()
+            res["exit_code"] = e.code
+            res["stop_step"] = run.global_step
+            path = run.last_checkpoint
+            res["checkpoint"] = str(path)
+            res["manifest_exists"] = path is not None and (Path(path) / "manifest.json").is_file()
+            res["carried"] = carried_files(Path(path)) if res["manifest_exists"] else []
+            res["staging_prepare_s_at_exit"] = run.staging_prepare_s
+            Path(args.result).write_text(json.dumps(res))
+            raise
+    return res  # not reached: the loop only ends by the signal
+
+
 # ----------------------------------------------------------------- parent
 
 
@@ -725,20 +781,28 @@ def sigterm_trial(
     steps: int,
     delay: Callable[[], float],
     save_dir: Path,
+    *,
+    phase: str = "sigterm",
+    wanted: str | None = None,
 ) -> dict[str, Any]:
-    """One child: waits for it to be ready (and for a save in flight), sleeps ``delay()``, SIGTERMs it."""
+    """One child: waits for it to be ready (and for a save in flight), sleeps ``delay()``, SIGTERMs it.
+
+    With ``wanted`` (the first-stop row), the child's line that starts the clock, and ``delay()`` counts from the
+    wall time that line carries rather than from when it was read.
+    """
     result = work / "sigterm.json"
     errpath = work / "sigterm.err"
     ns = argparse.Namespace(**{**vars(args), "gib": gib})
     extra = ("--variant", variant, "--steps", str(steps), "--save-dir", str(save_dir))
-    cmd = child_cmd("sigterm", ns, work, result, gib, *extra)
+    cmd = child_cmd(phase, ns, work, result, gib, *extra)
+    since_line = wanted is not None
     with open(errpath, "w") as err:
         # DEBUG: the lines on background writes (written, cancelled) that this parent reads are debug lines
         env = {**os.environ, "PREEMPT_LOG_LEVEL": "DEBUG"}
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     try:
         assert p.stdout is not None
-        wanted = "inflight" if variant.startswith("inflight") else "ready"
+        wanted = wanted or ("inflight" if variant.startswith("inflight") else "ready")
         while True:
             line = p.stdout.readline()
             if not line:
@@ -748,7 +812,7 @@ def sigterm_trial(
             if line.split()[0] == wanted:
                 break
         d = delay()
-        time.sleep(d)
+        time.sleep(max(0.0, float(line.split()[1]) + d - time.time()) if since_line else d)
         t_kill = time.time()
         p.send_signal(signal.SIGTERM)
         code = p.wait(timeout=600)
@@ -766,7 +830,13 @@ def sigterm_trial(
         raise SystemExit(f"bench: the stop's checkpoint carried {res['carried']} instead of writing them")
     result.unlink()
     errpath.unlink()
-    res.update(delay_s=d, kill_to_durable_s=res["stopped_wall"] - t_kill, kill_to_exit_s=t_exit - t_kill, exit=code)
+    res.update(
+        delay_s=d,
+        kill_wall=t_kill,
+        kill_to_durable_s=res["stopped_wall"] - t_kill,
+        kill_to_exit_s=t_exit - t_kill,
+        exit=code,
+    )
     # The yardstick in the same disk state: this VM's disk writes at very different speeds depending on what was
     # written just before (bench/README.md), so a raw write measured minutes earlier says little about this trial.
     count = max(1, round(describe_state(gib)["state_bytes"] / (16 << 20)))
@@ -825,6 +895,49 @@ def run_sigterm(args: argparse.Namespace, work: Path, gib: float, step_s: float,
                     shutil.rmtree(d)
     print(f"  {gib:g} GiB {'SIGTERM trials':<22} done in {perf() - t0:5.1f} s", file=sys.stderr, flush=True)
     return out
+
+
+FIRST_STOP_AT = ("0.2", "1", "3", "10", "ready")  # seconds after the run is entered; "ready": its buffers just sized
+FIRST_STOP_TARGET = 0.7  # a process's first stop within 0.7x copy floor + raw write of the same bytes
+
+
+def run_first_stop(args: argparse.Namespace, work: Path, gib: float, copy_floor_s: float | None) -> dict[str, Any]:
+    """Row 8: a new job's first stop at each of ``--first-stop-at``, each a fresh process, ``--repeats`` rounds.
+
+    Each trial is followed by a ``dd`` of the same bytes (the disk's state moves a write's cost more than anything
+    else here); the copy floor comes from row 1 of the same run, or from a process of its own when row 1 was not run.
+    """
+    out: dict[str, Any] = {"gib": gib, "moments": list(args.first_stop_at)}
+    if copy_floor_s is None:
+        ns = argparse.Namespace(**{**vars(args), "gib": gib})
+        floor = spawn("method", ns, work, gib, "--method", "copy_floor", label="copy_floor")
+        copy_floor_s = summarize(floor)["stall_s"]
+    out["copy_floor_s"] = copy_floor_s
+    out["trials"] = {m: [] for m in args.first_stop_at}
+    t0 = perf()
+    for i in range(args.repeats):
+        for m in args.first_stop_at:
+            d = work / f"first_stop_{gib:g}_{m}_{i}"
+            at = 0.0 if m == "ready" else float(m)
+            wanted = "ready" if m == "ready" else "entered"
+            t = sigterm_trial(args, work, gib, f"at_{m}", 0, lambda at=at: at, d, phase="first_stop", wanted=wanted)
+            t["kill_after_enter_s"] = t["kill_wall"] - t["entered_wall"]
+            t["under_way"] = under_way(t)
+            t["ratio"] = t["kill_to_durable_s"] / (copy_floor_s + t["raw_after_s"])
+            out["trials"][m].append(t)
+            shutil.rmtree(d, ignore_errors=True)
+    print(f"  {gib:g} GiB {'first-stop trials':<22} done in {perf() - t0:5.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def under_way(t: dict[str, Any]) -> str:
+    """What the run was doing ahead when the signal came, from the child's first sight of each stage (at a step)."""
+    kill = t["kill_wall"]
+    if t.get("ready_wall") is None or t["ready_wall"] > kill:
+        return "buffers being sized"
+    if t.get("pool_wall") is None or t["pool_wall"] > kill:
+        return "pool being written"
+    return "pool complete"
 
 
 # ----------------------------------------------------------------- report
@@ -1055,11 +1168,47 @@ def report(facts: dict[str, Any], args: argparse.Namespace, r: dict[str, Any]) -
         ok = all(t["manifest_exists"] for v, _ in SIGTERM_VARIANTS for t in s[v])
         w(f"   every child exited with code 75 and its stop's manifest on disk: {ok}")
 
+    fs = r.get("first_stop")
+    if fs:
+        first_stop_lines(w, fs, targets)
+
     w("")
-    w("targets (issue #6)")
+    w("targets")
     for name, value, ok in targets:
         w(f"   {name:<58} {value:<44} {verdict(ok)}")
     return "\n".join(lines)
+
+
+def first_stop_lines(w: Callable[[str], None], fs: dict[str, Any], targets: list[tuple[str, str, bool]]) -> None:
+    """Row 8 of the table and its targets (the worst trial of each moment)."""
+    floor = fs["copy_floor_s"]
+    w("")
+    w(
+        f"8. a process's first stop, {fs['gib']:g} GiB state, PreemptibleRun(checkpoint_interval=None), a fresh process"
+        " per trial: SIGTERM at a moment after the run is entered -> the stop's checkpoint durable; against the copy"
+        f" floor ({fmt_s(floor)}) + a raw write (dd, fdatasync) of the same bytes right after each trial"
+    )
+    files = sorted({t["preempt_file"] for ts in fs["trials"].values() for t in ts})
+    w(f"   the children imported preempt from {', '.join(files)}")
+    w(f"   {'moment':<10}{'SIGTERM at':>11}{'->durable':>11}{'copy+raw':>10}{'ratio':>7}  under way at the signal")
+    for m, ts in fs["trials"].items():
+        for t in ts:
+            w(
+                f"   {m:<10}{t['kill_after_enter_s']:>10.2f}s{fmt_s(t['kill_to_durable_s']):>11}"
+                f"{fmt_s(floor + t['raw_after_s']):>10}{t['ratio']:>6.2f}x  {t['under_way']}"
+                f"; the stop's save {fmt_s(t['stop_save_s'])}, exit {fmt_s(t['kill_to_exit_s'])} after the signal"
+            )
+        worst = max(t["ratio"] for t in ts)
+        at = "at buffers ready" if m == "ready" else f"{m} s in"
+        targets.append(
+            (
+                f"{fs['gib']:g} GiB: first stop {at} <= {FIRST_STOP_TARGET}x copy+raw",
+                f"{worst:.2f}x (worst of {len(ts)}; {fmt_s(max(t['kill_to_durable_s'] for t in ts))})",
+                worst <= FIRST_STOP_TARGET,
+            )
+        )
+    ok = all(t["manifest_exists"] and t["exit"] == 75 for ts in fs["trials"].values() for t in ts)
+    w(f"   every child exited with code 75 and its stop's manifest on disk: {ok}")
 
 
 def slowdown_lines(w: Callable[[str], None], m: dict[str, Any]) -> None:
@@ -1084,8 +1233,13 @@ def slowdown_lines(w: Callable[[str], None], m: dict[str, Any]) -> None:
 
 
 def git_commit() -> str:
-    """The repository's commit, "+changes" when preempt/ differs from it: the code these numbers are of."""
-    root = Path(__file__).resolve().parent.parent
+    """The commit of the checkout preempt is imported from, "+changes" when its preempt/ differs: the code measured."""
+    try:
+        import preempt
+
+        root = Path(preempt.__file__).resolve().parent.parent  # PYTHONPATH may point at another checkout
+    except ImportError:
+        root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "preempt"], cwd=root, capture_output=True, text=True)
@@ -1114,8 +1268,20 @@ def main(argv: list[str] | None = None) -> None:
         "--skip",
         nargs="*",
         default=[],
-        choices=("e2e", "sigterm", "live", "fresh"),
-        help="leave out rows 5 and/or 6, row 6's +live trials (half its time), or row 3's new job",
+        choices=("e2e", "sigterm", "live", "fresh", "first_stop"),
+        help="leave out rows 5 and/or 6, row 6's +live trials (half its time), row 3's new job, or row 8",
+    )
+    ap.add_argument(
+        "--rows",
+        choices=("all", "first_stop"),
+        default="all",
+        help="first_stop: row 8 alone (a process's first stop, with its own copy floor), at --e2e-gib (~2 min a round)",
+    )
+    ap.add_argument(
+        "--first-stop-at",
+        nargs="+",
+        default=list(FIRST_STOP_AT),
+        help=f"row 8's moments: seconds after the run is entered, or 'ready' (default {' '.join(FIRST_STOP_AT)})",
     )
     ap.add_argument("--only", choices=CHILD_PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
@@ -1132,7 +1298,13 @@ def main(argv: list[str] | None = None) -> None:
             import torch
 
             torch.set_num_threads(args.threads)
-        phases = {"method": phase_method, "e2e": phase_e2e, "sigterm": phase_sigterm, "fresh": phase_fresh}
+        phases = {
+            "method": phase_method,
+            "e2e": phase_e2e,
+            "sigterm": phase_sigterm,
+            "fresh": phase_fresh,
+            "first_stop": phase_first_stop,
+        }
         res = phases[args.only](args, Path(args.dir))
         Path(args.result).write_text(json.dumps(res))
         return
@@ -1143,6 +1315,9 @@ def main(argv: list[str] | None = None) -> None:
     args.e2e_every = args.e2e_every or (3.0 if args.quick else 10.0)
     if min(args.gib) <= 0 or args.repeats < 1:
         ap.error("--gib must be > 0 and --repeats >= 1")
+    for m in args.first_stop_at:
+        if m != "ready" and not re.fullmatch(r"[0-9]+(\.[0-9]+)?", m):
+            ap.error(f"--first-stop-at: {m!r} is neither seconds (e.g. 0.2, 3) nor 'ready'")
     e2e_gib = args.e2e_gib or min(args.gib)
     scratch = Path(args.dir).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
@@ -1163,21 +1338,26 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"sizes": []}
     t0 = perf()
     try:
-        for gib in args.gib:
+        if args.rows == "first_stop":
+            results["first_stop"] = run_first_stop(args, work, e2e_gib, None)
+        for gib in args.gib if args.rows == "all" else ():
             results["sizes"].append(run_size(args, work, gib, slowdown=gib == e2e_gib))
             if "fresh" not in args.skip:  # a new job's first checkpoints, due by the clock every second
                 ns = argparse.Namespace(**{**vars(args), "gib": gib})
                 results["sizes"][-1]["fresh"] = spawn("fresh", ns, work, gib, "--every", "1.0", label="fresh process")
         at = next((s for s in results["sizes"] if s["state"] == describe_state(e2e_gib)), None)
-        if at is None:
+        if at is None and args.rows == "all":
             at = run_size(args, work, e2e_gib, slowdown=True)
             results["sizes"].append(at)
-        m = at["methods"]
-        step_s = m["preempt_async"]["slowdown"]["idle_step_median_s"]
-        if "e2e" not in args.skip:
+        if at is not None:
+            m = at["methods"]
+            step_s = m["preempt_async"]["slowdown"]["idle_step_median_s"]
+        if at is not None and "first_stop" not in args.skip:  # a regression of a process's first stop shows here
+            results["first_stop"] = run_first_stop(args, work, e2e_gib, m["copy_floor"]["stall_s"])
+        if at is not None and "e2e" not in args.skip:
             results["e2e"] = run_e2e(args, work, e2e_gib, step_s)
             results["e2e"]["copy_floor_s"] = m["copy_floor"]["stall_s"]
-        if "sigterm" not in args.skip:
+        if at is not None and "sigterm" not in args.skip:
             results["sigterm"] = []
             for size in results["sizes"]:  # row 6 at every size (issue 16), the step time of the e2e size
                 m = size["methods"]
