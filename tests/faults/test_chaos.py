@@ -1,0 +1,69 @@
+"""A seeded chaos campaign: the quick-start job run again and again until it completes, under a stream of faults
+drawn from a seed (tests/helpers/chaos.py), every oracle checked after every process and at the end of each run.
+
+The schedule is a pure function of the seed, tested here without processes. The default suite runs a short campaign
+of a fixed seed; ``-m slow`` runs 300 faults. A failure's message starts with its seed and fault:
+``python bench/chaos.py --seed S --faults N`` replays it outside the suite.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from helpers.chaos import BETWEEN, CLASSES, QUICKSTART, SIGNAL_POINTS, STAGES, Campaign, fault_at, schedule
+
+from preempt.checkpoint import commit
+
+SHORT_SEED, SHORT_FAULTS = 20261207, 30
+LONG_SEED, LONG_FAULTS = 70, 300
+
+
+def test_the_schedule_is_a_pure_function_of_the_seed():
+    assert schedule(7, 50) == schedule(7, 50)
+    assert schedule(7, 50) != schedule(8, 50)
+    assert schedule(7, 50)[:20] == schedule(7, 20), "a longer campaign begins with a shorter one's faults"
+    assert fault_at(7, 33) == schedule(7, 50)[33]
+
+
+def test_the_schedule_draws_every_class_within_its_bounds():
+    faults = schedule(1, 2000)
+    assert set(Counter(f.kind for f in faults)) == set(CLASSES)
+    for f in faults:
+        assert f.index == faults.index(f)
+        if f.kind in ("sigterm", "sigkill") and f.variant != "in_step":
+            assert f.point in SIGNAL_POINTS and f.n >= 1, f
+            assert f.kind == "sigkill" or f.point != "step", f
+        if f.kind in ("kill_stop_save", "io_error_stop", "io_error"):
+            assert f.point in STAGES, f
+        if f.kind.startswith("io_error"):  # an error before the rename: the previous checkpoint stays the newest
+            assert commit.STAGES.index(f.point) <= commit.STAGES.index("before_rename"), f
+        if f.kind not in BETWEEN and f.kind not in ("sigterm", "sigkill"):
+            assert 1 <= f.step <= 16, f
+        if f.kind == "flip_byte":
+            assert len(f.pick) == 3, f
+
+
+def test_a_schedule_over_some_classes_draws_only_those():
+    faults = schedule(3, 200, classes=("sigkill", "flip_byte"))
+    assert {f.kind for f in faults} == {"sigkill", "flip_byte"}
+
+
+def _campaign(tmp_path, seed: int, faults: int) -> None:
+    lines: list[str] = []
+    result = Campaign(QUICKSTART, seed, faults, tmp_path / "chaos", log=lines.append).run()
+    print("\n".join(lines))
+    print(result.table())
+    assert result.ok, result.failure
+    assert sum(result.injected.values()) == faults
+    assert result.runs >= 1 and result.survived == result.injected
+
+
+def test_a_short_seeded_campaign_survives_every_fault(tmp_path):
+    """30 faults of a fixed seed (about a minute on a quiet 2-core machine): every oracle after every process."""
+    _campaign(tmp_path, SHORT_SEED, SHORT_FAULTS)
+
+
+@pytest.mark.slow
+def test_a_campaign_of_300_faults_survives_every_fault(tmp_path):
+    _campaign(tmp_path, LONG_SEED, LONG_FAULTS)
