@@ -160,7 +160,10 @@ QUICKSTART = Job(
     ("--epochs", "3", "--samples", "256", "--num_workers", "2", "--augment", "--every_steps", "4", "--keep_last", "2"),
     48,
 )
-JOBS = {QUICKSTART.name: QUICKSTART}
+# A LoRA-style fine-tuning: a frozen base (~1.1 MiB) with adapters inside it, the base carried from checkpoint to
+# checkpoint (hard links, carry_unchanged's default) instead of written again; the same loader, saves and length.
+LORA = Job("lora", ("--lora", "--width", "512", *QUICKSTART.args), 48)
+JOBS = {job.name: job for job in (QUICKSTART, LORA)}
 
 
 @dataclasses.dataclass
@@ -303,7 +306,9 @@ class Campaign:
         self.save_dir = self.work / "run"
         self.final = self.work / "final.safetensors"
         self.reference = self.work / "reference"
-        self.damaged: set[str] = set()  # checkpoint names a fault damaged that are still in save_dir
+        # the checkpoints a fault damaged that are still in save_dir: name -> its directory's inode (a checkpoint
+        # written later under the same name, once the damaged one was quarantined, is another one)
+        self.damaged: dict[str, int] = {}
         self.run_procs: list[Proc] = []  # the processes of the run in progress
         self.fault: Fault | None = None  # the fault of the process whose oracles are being checked
         self.fault_fired = False
@@ -544,7 +549,7 @@ class Campaign:
 
     def _between(self, fault: Fault) -> bool:
         infos = [c for c in CheckpointManager(self.save_dir, owner=False).list() if c.status == "valid"]
-        infos = [c for c in infos if c.name not in self.damaged]
+        infos = [c for c in infos if not self._is_damaged(c.path)]
         if not self.run_procs or not infos:
             return False
         if fault.kind == "delete_newest":
@@ -569,11 +574,17 @@ class Campaign:
             for other in c.path.iterdir():
                 st = other.stat()
                 if (st.st_ino, st.st_dev) == (inode.st_ino, inode.st_dev):
-                    self.damaged.add(c.name)
+                    self.damaged[c.name] = c.path.stat().st_ino
         self.log(f"chaos:   flipped a bit of byte {at} of {ckpt.name}/{path.name}")
         return True
 
     # ------------------------------------------------------------------------------------------------ oracles
+
+    def _is_damaged(self, path: Path) -> bool:
+        try:
+            return self.damaged.get(path.name) == path.stat().st_ino
+        except OSError:
+            return False
 
     def _expected_resume(self) -> int | None:
         """The step the next process must resume from: the newest whole checkpoint no fault damaged (or one a kill
@@ -583,7 +594,7 @@ class Campaign:
         steps = [
             c.step
             for c in CheckpointManager(self.save_dir, owner=False).list()
-            if c.status == "valid" and c.name not in self.damaged
+            if c.status == "valid" and not self._is_damaged(c.path)
         ]
         steps += [int(m.group(1)) for e in os.listdir(self.save_dir) if (m := re.match(r"\.replaced-step_(\d+)-", e))]
         return max(steps, default=None)
@@ -637,6 +648,8 @@ class Campaign:
                 if expected is None or step > expected:
                     if name not in quarantined:
                         self.fail(f"resumed past the damaged {name} without saying so (no quarantined event)", proc)
+            for name in quarantined:
+                self.damaged.pop(name, None)
         self._check_kept(proc)
         durable = [e["step"] for e in proc.of("checkpoint")]
         if durable:
@@ -647,10 +660,8 @@ class Campaign:
     def _check_kept(self, proc: Proc) -> None:
         """Every kept checkpoint that no fault damaged is valid, verifies and equals the live state at its step."""
         manager = CheckpointManager(self.save_dir, owner=False)
-        present = set()
         for info in manager.list():
-            present.add(info.name)
-            if info.name in self.damaged:
+            if self._is_damaged(info.path):
                 continue
             if info.status != "valid":
                 self.fail(f"{info.name} is {info.status}: {info.problem}", proc)
@@ -668,7 +679,7 @@ class Campaign:
             differ = [k for k in sorted(live) if not (held[k].dtype == live[k].dtype and torch.equal(held[k], live[k]))]
             if differ:
                 self.fail(f"{info.name} differs from the live state at step {info.step}: {differ[:8]}", proc)
-        self.damaged &= present  # quarantined or pruned: gone
+        self.damaged = {n: i for n, i in self.damaged.items() if self._is_damaged(self.save_dir / n)}  # else gone
 
     def _account(self, proc: Proc) -> None:
         self.run_procs.append(proc)
