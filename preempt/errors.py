@@ -283,6 +283,15 @@ class Preempted(SystemExit):
         self.cause = cause
         self.timing = dict(timing or {})
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole: Ray Train sends a worker's exception to its controller (the default pickles args alone).
+        kwargs = {"requeued": self.requeued, "cause": self.cause, "timing": self.timing}
+        return (_preempted, (self.code, self.signum, self.checkpoint, kwargs))
+
+
+def _preempted(code: Any, signum: int | None, checkpoint: str | None, kwargs: dict[str, Any]) -> Preempted:
+    return Preempted(code, signum, checkpoint, **kwargs)
+
 
 class SaveFailed(SystemExit):
     """Raised when the checkpoint a stop signal asked for cannot be written.

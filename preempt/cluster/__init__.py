@@ -6,7 +6,8 @@ read by the training process (``supervised``, no torch), the ranks' agreement an
 (``distributed``), the ranks' restore together: each reads a share of a checkpoint's files and they exchange the rest
 (``shared_read``; which rank reads which bytes: its pure ``plan``), which node's save_dir each rank writes to when the
 nodes share none (``nodes``, no torch), FSDP/DTensor state through DCP (``sharded``), the cloud's advance notices read
-from its metadata service by a thread (``notices``, no torch, the standard library's HTTP client only), and the grace
+from its metadata service by a thread (``notices``, no torch, the standard library's HTTP client only), Ray's drain of
+this node read the same way from Ray's GCS (``ray_notice``, ray imported only inside a Ray worker), and the grace
 from a stop's signal to the kill, where it comes from and whether a stop fits in it (``grace``, no torch), and launchers
 that make a new folder per run, Hydra's, where a save_dir would not be found again (``launcher_dirs``, no torch).
 

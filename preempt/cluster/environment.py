@@ -25,7 +25,7 @@ from .._secrets import scrub_argv
 END_TIMES = (1_000_000_000, 7_258_118_400)  # unix seconds, 2001-09-09 to 2200-01-01: a SLURM job's end lies between
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 _MOST = 2**63 - 1
-NOTICE_PLATFORMS = ("aws", "gce", "azure")  # the platforms whose advance notices preempt.cluster.notices reads
+NOTICE_PLATFORMS = ("aws", "gce", "azure", "ray")  # whose advance notices preempt reads (ray: cluster.ray_notice)
 
 
 class _Reader:
@@ -217,7 +217,8 @@ class Environment:
         log_all_ranks: ``PREEMPT_LOG_ALL_RANKS`` (1/0): ranks other than 0 log too.
         check: ``PREEMPT_CHECK``: what ``preempt check`` asks of this run (:class:`CheckSpec`), None outside one.
         local_rank: ``LOCAL_RANK`` (torchrun), else ``SLURM_LOCALID`` (srun), else None: the rank on its node.
-        notices: ``PREEMPT_NOTICES``: ``aws``, ``gce`` or ``azure`` (:mod:`preempt.cluster.notices`).
+        notices: ``PREEMPT_NOTICES``: ``aws``, ``gce``, ``azure`` (:mod:`preempt.cluster.notices`) or ``ray``
+            (:mod:`preempt.cluster.ray_notice`).
         grace_s: ``PREEMPT_GRACE_S``: seconds from a stop's signal to the kill (:mod:`preempt.cluster.grace`).
         aws_metadata_endpoint: ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` (as botocore reads it): the instance metadata
             service's URL.

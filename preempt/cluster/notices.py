@@ -57,9 +57,10 @@ class Platform(str, enum.Enum):
     AWS = "aws"
     GCE = "gce"
     AZURE = "azure"
+    RAY = "ray"  # a Ray node's draining, read from Ray's GCS (preempt.cluster.ray_notice)
 
 
-DEFAULT_ENDPOINTS = {
+DEFAULT_ENDPOINTS = {  # the metadata services' (not Ray's)
     Platform.AWS: "http://169.254.169.254",
     Platform.GCE: "http://metadata.google.internal",
     Platform.AZURE: "http://169.254.169.254",

@@ -192,7 +192,9 @@ class StopOptions:
     notices: str | None = None
     """``"aws"``, ``"gce"`` or ``"azure"``: a thread polls that platform's metadata service for an advance notice
     (a spot interruption, a preemption, a scheduled eviction or termination) and the run stops at its next step as
-    on SIGTERM (:mod:`preempt.cluster.notices`). None: ``PREEMPT_NOTICES`` if set, else nothing is ever probed."""
+    on SIGTERM (:mod:`preempt.cluster.notices`); ``"ray"``: Ray's drain of this node
+    (:mod:`preempt.cluster.ray_notice`). None: ``PREEMPT_NOTICES`` if set, else ``"ray"`` in a Ray actor (a Ray
+    Train worker), else nothing is probed."""
     grace: float | None = None
     """Seconds from a stop's signal to the kill (Kubernetes' ``terminationGracePeriodSeconds``, ...). The run warns
     once when its measured stop would not fit. None: ``PREEMPT_GRACE_S``, else what the run can read (torchrun's

@@ -49,7 +49,7 @@ from ..checkpoint.components import gradient_sync
 from ..checkpoint.lock import DirLock, StepBeacon
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.staging import payload_nbytes
-from ..cluster import launcher_dirs
+from ..cluster import launcher_dirs, ray_notice
 from ..cluster.environment import CheckSpec, Environment, provenance
 from ..data import rng
 from ..data.loaders import fabric_unwrapped
@@ -326,11 +326,13 @@ class PreemptibleRun:
         self._entered = True
         _log.setup(self.env.log_level or self.config.log_level)
         self.reporter.hold(self.env.problems)  # until train.log is open: what the start says goes there too
-        if not self.stopper.flag.install():
+        if not self.stopper.flag.install() and not ray_notice.in_ray_worker():
             log.warning(
                 "PreemptibleRun entered outside the main thread: stop signals cannot be caught here"
                 " (CPython installs handlers only from the main thread)"
             )
+        elif not self.stopper.flag.installed:  # Ray's worker thread: its main thread keeps Ray's SIGTERM handler
+            log.info("in a Ray worker: Ray owns this process's signals; the run stops on Ray's drain of its node")
         parts = (self.loop, self.data, self.snapshot, self.saves)
         starter = self._starter = Starter(
             self.config,

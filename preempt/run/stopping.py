@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 from .. import _log
 from ..cluster import grace as graces
-from ..cluster import notices, slurm
+from ..cluster import notices, ray_notice, slurm
 from ..cluster.environment import Environment
 from ..cluster.signals import StopFlag, signal_name
 from ..errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
@@ -151,7 +151,7 @@ class Stopper:
         self._scontrol_missing = False
         self.grace: graces.Grace | None = None  # from a stop's signal to the kill (start())
         self.notice: notices.Notice | None = None  # the cloud's advance notice, once seen
-        self.watcher: notices.Watcher | None = None
+        self.watcher: notices.Watcher | ray_notice.RayWatcher | None = None
         self.cost: graces.StopCost | None = None  # what a stop costs now, from the latest save
         self._grace_warned = False
         self._marker: Callable[..., None] = lambda event, **fields: None  # history.jsonl (start())
@@ -332,19 +332,28 @@ class Stopper:
         if self.grace is not None:
             log.debug("grace: %s (%s)", _log.duration(self.grace.seconds), self.grace.source)
         which = cfg.notices or env.notices
+        if which is None and ray_notice.in_ray_worker():  # Ray keeps the signals: its drain is the warning
+            which = "ray"
         if which is None or (env.local_rank or 0) != 0:  # one watcher per node: the ranks agree on the stop
             return
         platform = notices.Platform(which)
+        if platform is notices.Platform.RAY:
+            self.watcher = ray_notice.RayWatcher(self._noticed, on_trouble=self._notices_down).start()
+            log.info("notices: watching %s for a drain of this node", self.watcher.where)
+            return
         given = {
             notices.Platform.AWS: env.aws_metadata_endpoint,
             notices.Platform.GCE: env.gce_metadata_host,
             notices.Platform.AZURE: env.azure_metadata_endpoint,
         }[platform]
         address = notices.endpoint(platform, given)
-        self.watcher = notices.Watcher(
-            platform, address, self._noticed, on_trouble=lambda error: self._marker("notices_down", error=error[:500])
-        ).start()
-        log.info("notices: watching %s's metadata service at %s for an advance notice", which, self.watcher.where)
+        watcher = notices.Watcher(platform, address, self._noticed, on_trouble=self._notices_down).start()
+        self.watcher = watcher
+        log.info("notices: watching %s's metadata service at %s for an advance notice", which, watcher.where)
+
+    def _notices_down(self, error: str) -> None:
+        """The watcher's thread: its service does not answer (said once)."""
+        self._marker("notices_down", error=error[:500])
 
     def _noticed(self, notice: notices.Notice) -> None:
         """The watcher's thread: the stop flag raised as by a signal; said in the log and the history."""

@@ -29,10 +29,10 @@ TOP_LEVEL = {
     "_testing.py",
     "_secrets.py",
 }
-PARTS = {"checkpoint", "data", "cluster", "health", "mirror", "run", "cli", "supervise", "lightning", "hf"}
+PARTS = {"checkpoint", "data", "cluster", "health", "mirror", "run", "cli", "supervise", "lightning", "hf", "ray"}
 # The parts whose __init__ is the face a user imports (``from preempt.lightning import PreemptCallback``): a
 # framework's integration, imported only by who uses that framework.
-FACES = {"lightning", "hf"}
+FACES = {"lightning", "hf", "ray"}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:

@@ -1,0 +1,210 @@
+"""A small DDP training (gloo, CPU) in a Ray Train ``TorchTrainer``, for tests/process/test_ray.py.
+
+``--ray``: the script starts a local Ray cluster of its own on 127.0.0.1 (``ray.cluster_utils.Cluster``: a head
+without CPUs, where the driver and Ray Train's controller run, and two nodes of 2 CPUs), runs ``loop`` on 2 workers
+(both on one node: Ray packs them), writes what Ray says at the end (``--result``, JSON) and stops the cluster.
+Without ``--ray`` the same ``loop`` runs under torchrun: the uninterrupted reference.
+
+What the first attempt does to itself (a file in ``--events``' directory marks it done, so a restart does not again):
+``--drain_at STEP:SECONDS``: before that step's ``run.step()``, rank 0 drains its own node for preemption
+(``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds SECONDS``) and holds until the
+run has heard it (its stop flag raised), so the stop lands at that step; ``--die_at RANK:STEP``: that rank SIGKILLs its
+worker process before that step's forward. Each rank appends its events to ``--events`` (JSON lines): ``entered``,
+``drained`` and ``stopped`` with wall-clock times. At the end each rank writes ``--final_out`` with ``.rank<R>``
+inserted (the model, the optimizer, the RNG, the samples rank 0 saw), as tests/scripts/train_ddp.py does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+from train import Synthetic, flatten, wait_for_stop  # noqa: E402
+
+from preempt import PreemptibleRun  # noqa: E402
+from preempt.errors import Preempted  # noqa: E402
+
+
+class Indexed(Synthetic):
+    def __getitem__(self, i: int):
+        x, y = super().__getitem__(i)
+        return x, y, i
+
+
+def tell(events: str | None, event: str, **fields) -> None:
+    if events:
+        line = json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields}) + "\n"
+        with open(events, "a") as f:  # one write per line: the ranks append to one file
+            f.write(line)
+
+
+def first_time(events: str | None, what: str) -> bool:
+    """True once per cluster run: the file beside the events marks ``what`` done."""
+    if not events:
+        return False
+    try:
+        Path(f"{events}.{what}").touch(exist_ok=False)
+        return True
+    except FileExistsError:
+        return False
+
+
+def drain_own_node(seconds: int) -> None:
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    address = ray.get_runtime_context().gcs_address
+    cmd = ["ray", "drain-node", "--address", address, "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION"]
+    cmd += ["--reason-message", "test: spot reclaim", "--deadline-remaining-seconds", str(seconds)]
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+def loop(config: dict) -> None:
+    """The training loop of every rank (under Ray Train or torchrun)."""
+    import preempt.ray
+
+    under_ray = config.get("ray", False)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    events = config.get("events")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    data = Indexed(config["samples"], 16, augment=False)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, 2))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    drain_step, drain_s = map(int, config["drain_at"].split(":")) if config.get("drain_at") else (-1, 0)
+    die_rank, die_step = map(int, config["die_at"].split(":")) if config.get("die_at") else (-1, -1)
+    save_dir = preempt.ray.save_dir() if under_ray else config["save_dir"]
+    run = PreemptibleRun(
+        save_dir, model=ddp, optimizer=opt, checkpoint_interval=None, checkpoint_every_steps=config.get("every")
+    )
+    seen: list[int] = []
+    with preempt.ray.reporting(run) if under_ray else run:
+        tell(events, "entered", rank=rank, step=run.global_step, resumed_from=str(run.resumed_from))
+        seen = run.user_state.setdefault(f"seen_rank{rank}", [])
+        loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, shuffle=True, seed=5))
+        try:
+            for _ in run.epochs(config["epochs"]):
+                for x, y, idx in run.batches(loader):
+                    step = run.global_step + 1
+                    if rank == die_rank and step == die_step and first_time(events, "died"):
+                        tell(events, "dying", rank=rank, step=step)
+                        os.kill(os.getpid(), 9)
+                    loss = torch.nn.functional.cross_entropy(ddp(x), y) + torch.randn(()) * 1e-3
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    seen.extend(idx.tolist())
+                    if rank == 0 and step == drain_step and first_time(events, "drained"):
+                        t = time.time()
+                        drain_own_node(drain_s)
+                        tell(events, "drained", rank=rank, step=step, t_drain=t, deadline=t + drain_s)
+                        wait_for_stop(run)
+                        tell(events, "heard", rank=rank, step=step)
+                    run.step()
+        except Preempted as e:
+            tell(events, "stopped", rank=rank, step=run.global_step, checkpoint=str(e.checkpoint), cause=e.cause)
+            raise
+    if config.get("final_out"):
+        out: dict[str, torch.Tensor] = {}
+        flatten("model", model.state_dict(), out)
+        flatten("optimizer", opt.state_dict(), out)
+        out["rng.torch"] = torch.get_rng_state()
+        if rank == 0:
+            out["seen"] = torch.tensor(seen, dtype=torch.int64)
+        final = Path(config["final_out"])
+        save_file(out, str(final.with_suffix(f".rank{rank}{final.suffix}")))
+    tell(events, "done", rank=rank, step=run.global_step)
+    if not under_ray:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def on_ray(args: argparse.Namespace, config: dict) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    t0 = time.monotonic()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False},
+    )
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=2)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        up_s = time.monotonic() - t0
+        trainer = TorchTrainer(
+            loop,
+            train_loop_config={**config, "ray": True},
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(
+                storage_path=args.storage,
+                name="job",
+                failure_config=FailureConfig(max_failures=args.max_failures),
+            ),
+        )
+        t1 = time.monotonic()
+        result = trainer.fit()
+        ckpt = result.checkpoint
+        Path(args.result).write_text(
+            json.dumps(
+                {
+                    "checkpoint": None if ckpt is None else ckpt.path,
+                    "metrics": result.metrics,
+                    "error": None if result.error is None else repr(result.error),
+                    "cluster_up_s": up_s,
+                    "fit_s": time.monotonic() - t1,
+                }
+            )
+        )
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ray", action="store_true")
+    p.add_argument("--storage", help="--ray: RunConfig(storage_path=...)")
+    p.add_argument("--result", help="--ray: what Ray said at the end (JSON)")
+    p.add_argument("--max_failures", type=int, default=2)
+    p.add_argument("--save_dir", help="under torchrun")
+    p.add_argument("--final_out")
+    p.add_argument("--events")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--every", type=int, default=None, help="checkpoint_every_steps")
+    p.add_argument("--drain_at", default=None, help="STEP:SECONDS")
+    p.add_argument("--die_at", default=None, help="RANK:STEP")
+    args = p.parse_args()
+    config = {k: getattr(args, k) for k in ("save_dir", "final_out", "events", "epochs", "samples", "every")}
+    config |= {"drain_at": args.drain_at, "die_at": args.die_at}
+    if args.ray:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1 (read when ray is imported)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])  # the workers'
+        on_ray(args, config)
+    else:
+        loop(config)
+
+
+if __name__ == "__main__":
+    main()
