@@ -152,6 +152,10 @@ class Job:
     total_steps: int
     timeout_s: float = 180.0  # one process, however slow the machine: beyond this it hangs
 
+    @property
+    def keep_last(self) -> int:
+        return int(self.args[self.args.index("--keep_last") + 1]) if "--keep_last" in self.args else 2
+
 
 # The quick-start loop: augmenting DataLoader workers, checkpoints every 4 steps in the background (async_save, the
 # default), two kept; 48 steps of 16 samples.
@@ -653,8 +657,11 @@ class Campaign:
         self._check_kept(proc)
         durable = [e["step"] for e in proc.of("checkpoint")]
         if durable:
+            # there, unless a fault damaged it or a later process (a second one that took over) kept newer ones
             newest = f"step_{max(durable):09d}"
-            if newest not in self.damaged and not (self.save_dir / newest / "manifest.json").is_file():
+            newer = [c for c in CheckpointManager(self.save_dir, owner=False).list() if c.step > max(durable)]
+            missing = not (self.save_dir / newest / "manifest.json").is_file()
+            if missing and newest not in self.damaged and len(newer) < self.job.keep_last:
                 self.fail(f"{newest}, logged durable, is missing: {sorted(os.listdir(self.save_dir))}", proc)
 
     def _check_kept(self, proc: Proc) -> None:
