@@ -22,6 +22,7 @@ the epoch, changes nothing, and the first from each caller is logged (logger ``p
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator, Sized
 from typing import Any
@@ -112,7 +113,8 @@ class ResumableSampler(Sampler[int]):
 
         Once :meth:`hold_epoch` was called, a call naming another epoch than the held one changes nothing: the
         caller (a framework's or a wrapper's loader counting its own iterations) is logged once, on its first such
-        call, with the epoch it asked for and the run's.
+        call, with the epoch it asked for and the run's (at INFO for an earlier epoch than the run's, a count that
+        started again; at DEBUG for a later one, a framework setting the next epoch before the run opens it).
         """
         _check_epoch(epoch)
         if not self._held:
@@ -123,7 +125,11 @@ class ResumableSampler(Sampler[int]):
             caller = f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
             if caller not in self._ignored:
                 self._ignored.add(caller)
-                log.info(
+                # an earlier epoch: a count that started again (a resumed process), worth a line; a later one: a
+                # framework that sets the next epoch before the run opens it (Lightning's fit loop), which the run
+                # then holds itself
+                log.log(
+                    logging.INFO if epoch < self.epoch else logging.DEBUG,
                     "run.sampler(): set_epoch(%d) from %s ignored; the run's epoch %d holds (a loader or framework"
                     " that counts its own iterations counts from 0 again in a resumed process); said once per caller",
                     epoch,

@@ -58,12 +58,12 @@ def test_lightning_cli_job_requeues_itself_on_usr1_and_finishes_bit_exact(
     ref_cmd = [sys.executable, str(CLI), "fit", "--config", str(config(ref_dir, 0.0))]
     ref = Spawned(ref_cmd, {"FINAL_OUT": str(ref_dir / "final.safetensors")})
     assert ref.finish() == 0, ref.output
-    # 36 steps of 1.3 s: ~47 s of work; one --time=2 allocation trains at most ~60 s before an @60 warning, less its
-    # start (imports: 15-30 s on a busy 2-core machine), so the job needs at least one requeue and, however slow the
-    # start, makes ~20 steps an allocation (--time=1 with @20 made 1 to 8 steps a start on a busy machine and took
-    # over 10 requeues)
+    # 36 steps of 2 s: 72 s of work; one --time=2 allocation trains at most ~60 s before an @60 warning, less its
+    # start, so the job needs at least one requeue however fast it starts (at 1.3 s a step, 47 s, a start of under
+    # 13 s on a quiet machine finished in one allocation), and makes up to ~30 steps an allocation (--time=1 with @20
+    # made 1 to 8 steps a start on a busy machine and took over 10 requeues)
     final = tmp_path / "final.safetensors"
-    cmd = [sys.executable, str(CLI), "fit", "--config", str(config(tmp_path, 1.3))]
+    cmd = [sys.executable, str(CLI), "fit", "--config", str(config(tmp_path, 2.0))]
     options = ["--time=2", "--signal=B:USR1@60", f"--export=ALL,BLOCK_SIGNALS=1,FINAL_OUT={final}"]
     job = slurm_cluster.submit("lightning.sbatch", cmd, tmp_path / "job.out", options)
     info = job.wait_done(timeout=600)

@@ -334,6 +334,20 @@ def test_set_epoch_with_the_held_epoch_says_nothing_and_each_caller_is_said_once
     assert [c.rsplit(".", 1)[-1] for _, c, _ in said] == ["framework_a", "framework_b"]
 
 
+def test_a_framework_ahead_of_the_run_is_said_at_debug_only(caplog):
+    """Lightning's fit loop sets the next epoch before the run opens it: nothing replays, so no line at INFO."""
+    caplog.set_level("INFO", logger="preempt")
+    s = ResumableSampler(10)
+    s.hold_epoch(0)
+    s.set_epoch(1)
+    assert s.epoch == 0 and not ignored(caplog)
+    caplog.set_level("DEBUG", logger="preempt")
+    s = ResumableSampler(10)
+    s.hold_epoch(1)
+    s.set_epoch(2)
+    assert [(a, k) for a, _, k in ignored(caplog)] == [(2, 1)]
+
+
 def test_the_run_s_samplers_hold_their_epoch_from_the_start():
     """run.sampler() (the run's data cursor) makes a sampler whose epoch is the loop's, held from the start."""
     from preempt.run.data_cursor import DataCursor
