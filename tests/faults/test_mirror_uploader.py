@@ -95,12 +95,13 @@ def save(save_dir: Path, steps: list[int], keep_last: int | None = None) -> None
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
     model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)  # what trains: without an optimizer nothing is frozen
     manager = CheckpointManager(save_dir, keep_last=keep_last)
     manager.prepare()
     for step in steps:
         with torch.no_grad():
             model[1].weight.add_(1)
-        manager.save_state(step=step, model=model)
+        manager.save_state(step=step, model=model, optimizer=opt)
     manager.close()
 
 
