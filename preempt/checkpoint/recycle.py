@@ -128,8 +128,8 @@ def reserve(save_dir: Path, sizes: Mapping[str, int]) -> Path:
 
 
 POOL_CHUNK = 8 << 20
-"""Bytes of zeros per write of a pool: a save that cancels it waits for one such write at most (fresh blocks of a
-thin-provisioned disk can take tenths of a second per 64 MiB)."""
+"""Bytes of zeros per write of a pool (the last up to twice that): a save that cancels it waits for one such write at
+most (fresh blocks of a thin-provisioned disk can take tenths of a second per 64 MiB)."""
 
 
 def _zeros(size: int) -> Iterator[memoryview]:
@@ -137,10 +137,11 @@ def _zeros(size: int) -> Iterator[memoryview]:
     while it is only read. Aligned, the pool goes to the disk without the page cache (:mod:`~.direct_io`), so a
     save that cancels it writes over its blocks without the kernel first writing back the zeros still dirty in the
     page cache over the same range (what a direct write over cached pages makes it do)."""
-    block = memoryview(mmap.mmap(-1, max(1, min(size, POOL_CHUNK))))  # closed when collected
+    block = memoryview(mmap.mmap(-1, max(1, min(size, 2 * POOL_CHUNK))))  # closed when collected
     while size > 0:
-        yield block[: min(size, block.nbytes)]
-        size -= block.nbytes
+        n = size if size < 2 * POOL_CHUNK else POOL_CHUNK  # the last piece whole: a short one would be coalesced
+        yield block[:n]  # into a buffer of the writer's, unaligned, through the page cache
+        size -= n
 
 
 def drop_extra(tmp: Path, keep: Iterable[str]) -> None:

@@ -104,14 +104,12 @@ def test_read_file_wrong_size_raises_without_reading(tmp_path, monkeypatch):
     path = tmp_path / "f"
     path.write_bytes(b"0123456789")
 
-    class NoAlloc:
-        uint8 = np.uint8
+    def no_buffer(*a, **k):
+        raise AssertionError("read_file mapped or allocated a buffer for a file of the wrong size")
 
-        @staticmethod
-        def empty(*a, **k):
-            raise AssertionError("read_file allocated a buffer for a file of the wrong size")
-
-    monkeypatch.setattr(hashed_io, "np", NoAlloc)
+    monkeypatch.setattr(hashed_io.mmap, "mmap", no_buffer)
+    monkeypatch.setattr(hashed_io, "_fresh", no_buffer)
+    monkeypatch.setattr(hashed_io, "_read_into_memory", no_buffer)
     with pytest.raises(ValueError, match="size 10 bytes, manifest says 11"):
         hashed_io.read_file(path, expected_size=11)
     with pytest.raises(ValueError, match="size 10 bytes, manifest says 0"):
