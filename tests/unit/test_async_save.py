@@ -160,9 +160,9 @@ def test_a_periodic_save_due_during_a_write_is_postponed_not_waited_for(tmp_path
     if slow_prepare:
         prepare = Stager.prepare
 
-        def slow(self, payload):
+        def slow(self, payload, stop=None):
             threading.Event().wait(0.3)
-            prepare(self, payload)
+            prepare(self, payload, stop)
 
         monkeypatch.setattr(Stager, "prepare", slow)
     model, opt, data = build()
