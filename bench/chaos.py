@@ -25,31 +25,39 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 from helpers.chaos import CLASSES, JOBS, Campaign  # noqa: E402
+from helpers.chaos_ddp import DDP_CLASSES, DdpCampaign  # noqa: E402
+
+JOB_NAMES = (*JOBS, "ddp")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=None, help="the schedule's seed (default: drawn, and printed)")
     p.add_argument("--faults", type=int, default=30, help="faults to inject, per job")
-    p.add_argument("--jobs", default="quickstart", help=f"comma-separated, of: {', '.join(JOBS)}")
-    p.add_argument("--classes", default=",".join(CLASSES), help="comma-separated fault classes to draw from")
+    p.add_argument("--jobs", default="quickstart", help=f"comma-separated, of: {', '.join(JOB_NAMES)}")
+    p.add_argument("--classes", default=None, help="comma-separated fault classes to draw from (default: the job's)")
     p.add_argument("--work", default=None, help="a directory for the runs (default: a fresh temporary one)")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    classes = [c for c in args.classes.split(",") if c]
-    unknown = sorted(set(classes) - set(CLASSES)) + sorted(set(args.jobs.split(",")) - set(JOBS))
+    asked = [c for c in (args.classes or "").split(",") if c]
+    unknown = sorted(set(asked) - set(CLASSES) - set(DDP_CLASSES)) + sorted(set(args.jobs.split(",")) - set(JOB_NAMES))
     if unknown:
         p.error(f"unknown: {unknown}")
     print(
         f"seed {seed} (replay: python bench/chaos.py --seed {seed} --faults {args.faults} --jobs {args.jobs}"
-        f"{'' if args.classes == ','.join(CLASSES) else ' --classes ' + args.classes})",
+        f"{' --classes ' + args.classes if args.classes else ''})",
         flush=True,
     )
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="preempt-chaos-"))
     failed = 0
     for name in args.jobs.split(","):
         t0 = time.monotonic()
-        result = Campaign(JOBS[name], seed, args.faults, work / name, classes=classes, log=_log).run()
+        if name == "ddp":
+            classes = [c for c in DDP_CLASSES if not asked or c in asked]
+            result = DdpCampaign(seed, args.faults, work / name, classes=classes, log=_log).run()
+        else:
+            classes = [c for c in CLASSES if not asked or c in asked]
+            result = Campaign(JOBS[name], seed, args.faults, work / name, classes=classes, log=_log).run()
         print(f"\n== job {name}: {time.monotonic() - t0:.0f} s\n{result.table()}\n", flush=True)
         failed += not result.ok
     print(f"seed {seed}: {'every oracle held' if not failed else f'{failed} job(s) FAILED'} (work in {work})")

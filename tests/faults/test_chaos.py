@@ -1,9 +1,11 @@
-"""A seeded chaos campaign: the quick-start job run again and again until it completes, under a stream of faults
-drawn from a seed (tests/helpers/chaos.py), every oracle checked after every process and at the end of each run.
+"""Seeded chaos campaigns: a training job run again and again until it completes, under a stream of faults drawn
+from a seed (tests/helpers/chaos.py, chaos_ddp.py), every oracle checked after every process and at the end of each
+run. Jobs: the quick-start loop (augmenting workers, async_save), a LoRA-style job carrying its frozen base, two gloo
+ranks under torchrun.
 
-The schedule is a pure function of the seed, tested here without processes. The default suite runs a short campaign
-of a fixed seed; ``-m slow`` runs 300 faults. A failure's message starts with its seed and fault:
-``python bench/chaos.py --seed S --faults N`` replays it outside the suite.
+The schedules are pure functions of the seed, tested here without processes. The default suite runs short campaigns
+of fixed seeds; ``-m slow`` runs 300 faults across the three jobs. A failure's message starts with its seed and
+fault: ``python bench/chaos.py --seed S --faults N --jobs JOB`` replays it outside the suite.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from helpers.chaos import BETWEEN, CLASSES, QUICKSTART, SIGNAL_POINTS, STAGES, Campaign, fault_at, schedule
+from helpers.chaos import BETWEEN, CLASSES, LORA, QUICKSTART, SIGNAL_POINTS, STAGES, Campaign, fault_at, schedule
+from helpers.chaos_ddp import DDP_CLASSES, DdpCampaign, ddp_fault_at
 
 from preempt.checkpoint import commit
 
 SHORT_SEED, SHORT_FAULTS = 20261207, 30
-LONG_SEED, LONG_FAULTS = 70, 300
+SHORT_DDP_FAULTS = 8
+LONG_SEED = 70
+LONG = {"quickstart": 150, "lora": 75, "ddp": 75}  # 300 faults
 
 
 def test_the_schedule_is_a_pure_function_of_the_seed():
@@ -49,9 +54,20 @@ def test_a_schedule_over_some_classes_draws_only_those():
     assert {f.kind for f in faults} == {"sigkill", "flip_byte"}
 
 
-def _campaign(tmp_path, seed: int, faults: int) -> None:
+def test_the_ddp_schedule_is_a_pure_function_of_the_seed_over_its_classes():
+    faults = [ddp_fault_at(5, i) for i in range(500)]
+    assert faults == [ddp_fault_at(5, i) for i in range(500)]
+    assert {f.kind for f in faults} == set(DDP_CLASSES)
+    assert all(f.pick[0] in (0, 1) for f in faults if f.kind in ("kill_rank", "term_rank", "kill_rank_commit"))
+
+
+def _campaign(tmp_path, seed: int, faults: int, job: str = "quickstart") -> None:
     lines: list[str] = []
-    result = Campaign(QUICKSTART, seed, faults, tmp_path / "chaos", log=lines.append).run()
+    work = tmp_path / f"chaos-{job}"
+    if job == "ddp":
+        result = DdpCampaign(seed, faults, work, log=lines.append).run()
+    else:
+        result = Campaign({"quickstart": QUICKSTART, "lora": LORA}[job], seed, faults, work, log=lines.append).run()
     print("\n".join(lines))
     print(result.table())
     assert result.ok, result.failure
@@ -64,6 +80,13 @@ def test_a_short_seeded_campaign_survives_every_fault(tmp_path):
     _campaign(tmp_path, SHORT_SEED, SHORT_FAULTS)
 
 
+@pytest.mark.distributed
+def test_a_short_seeded_campaign_of_two_ranks_survives_every_fault(tmp_path):
+    """8 faults of a fixed seed on a 2-rank torchrun job: a rank killed or stopped, the launcher stopped."""
+    _campaign(tmp_path, SHORT_SEED, SHORT_DDP_FAULTS, "ddp")
+
+
 @pytest.mark.slow
-def test_a_campaign_of_300_faults_survives_every_fault(tmp_path):
-    _campaign(tmp_path, LONG_SEED, LONG_FAULTS)
+@pytest.mark.parametrize("job", [pytest.param(j, marks=[pytest.mark.distributed] if j == "ddp" else []) for j in LONG])
+def test_a_campaign_of_300_faults_across_the_jobs_survives_every_fault(tmp_path, job):
+    _campaign(tmp_path, LONG_SEED, LONG[job], job)

@@ -230,7 +230,7 @@ class Result:
 
     def table(self) -> str:
         rows = [f"{'fault class':<16} {'injected':>8} {'survived':>8}"]
-        for kind in CLASSES:
+        for kind in [*CLASSES, *sorted(set(self.injected) - set(CLASSES))]:
             if self.injected[kind] or kind in self.skipped:
                 note = f"  (left out: {self.skipped[kind]})" if kind in self.skipped else ""
                 rows.append(f"{kind:<16} {self.injected[kind]:>8} {self.survived[kind]:>8}{note}")
@@ -291,6 +291,8 @@ def _report(save_dir: Path) -> dict[str, Any]:
 class Campaign:
     """Runs ``job`` under ``faults`` faults of ``seed``'s schedule in ``work`` (a fresh directory)."""
 
+    live_records = True  # the uninterrupted run records the live state of each step (train_recorded.py)
+
     def __init__(
         self,
         job: Job,
@@ -340,7 +342,7 @@ class Campaign:
             self._new_run()
             index = 0
             while sum(self.result.injected.values()) < self.faults:
-                fault = fault_at(self.seed, index, self.classes)
+                fault = self.fault_at(index)
                 index += 1
                 self.fault = fault
                 if fault.kind in BETWEEN:
@@ -363,6 +365,9 @@ class Campaign:
             if self.fs is not None:
                 subprocess.run(["umount", "-l", str(self.fs)], check=False, capture_output=True)
         return self.result
+
+    def fault_at(self, index: int) -> Fault:
+        return fault_at(self.seed, index, self.classes)
 
     def _count(self, fault: Fault) -> None:
         self.result.injected[fault.kind] += 1
@@ -607,7 +612,7 @@ class Campaign:
         stops = proc.of("stop")
         return stops[-1]["step"] if stops else self._expected_resume()
 
-    def _allowed(self, proc: Proc) -> set[int]:
+    def _allowed(self, proc: Proc) -> set[int] | None:
         fault = proc.fault
         if fault is None:
             return {0}
@@ -633,7 +638,7 @@ class Campaign:
 
     def _check_process(self, proc: Proc, expected: int | None) -> None:
         allowed = self._allowed(proc)
-        if proc.rc not in allowed:
+        if allowed is not None and proc.rc not in allowed:
             self.fail(f"exit {proc.rc}, expected one of {sorted(allowed)}", proc)
         if proc.rc in (1, 74) and proc.fault is not None and proc.fault.kind == "io_error" and proc.fired:
             failed = proc.of("checkpoint_failed")
@@ -675,6 +680,8 @@ class Campaign:
             problems = manager.verify(info)
             if problems:
                 self.fail(f"{info.name} does not verify: {problems}", proc)
+            if not self.live_records:
+                continue
             record = self.reference / "live" / RECORD.format(step=info.step)
             live = load_file(str(record))
             loaded = manager.read(info)
@@ -692,20 +699,20 @@ class Campaign:
         self.run_procs.append(proc)
         self.result.processes += 1
         self.result.wall_s += proc.wall_s
-        self.result.steps_run += len(proc.of("step"))
+        self.result.steps_run += self._steps(proc)
+
+    @staticmethod
+    def _steps(proc: Proc) -> int:
+        """The steps the process made (rank 0's, of several)."""
+        return sum(1 for e in proc.of("step") if e.get("rank", 0) == 0)
 
     def _end_run(self) -> None:
         """The job completed: its final state against the uninterrupted run's, the report's accounting."""
         last = self.run_procs[-1]
         if not last.of("complete"):
             self.fail("exit 0 without a complete event", last)
-        a, b = load_file(str(self.reference / "final.safetensors")), load_file(str(self.final))
-        if a.keys() != b.keys():
-            self.fail(f"final state: keys differ from the uninterrupted run's: {sorted(a.keys() ^ b.keys())}")
-        differ = [k for k in sorted(a) if not torch.equal(a[k], b[k])]
-        if differ:
-            self.fail(f"final state: {len(differ)} of {len(a)} tensors differ from the uninterrupted run: {differ[:8]}")
-        steps = sum(len(p.of("step")) for p in self.run_procs)
+        self._compare_final()
+        steps = sum(self._steps(p) for p in self.run_procs)
         self.result.steps_recomputed += steps - self.job.total_steps
         report = _report(self.save_dir)
         if int(report.get("lost_steps") or 0) != steps - self.job.total_steps:
@@ -729,9 +736,20 @@ class Campaign:
         )
         self._new_run()
 
+    def _compare_final(self) -> None:
+        self._compare(load_file(str(self.reference / "final.safetensors")), load_file(str(self.final)), "final state")
+
+    def _compare(self, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+        if a.keys() != b.keys():
+            self.fail(f"{what}: keys differ from the uninterrupted run's: {sorted(a.keys() ^ b.keys())}")
+        differ = [k for k in sorted(a) if not torch.equal(a[k], b[k])]
+        if differ:
+            self.fail(f"{what}: {len(differ)} of {len(a)} tensors differ from the uninterrupted run: {differ[:8]}")
+
     def _new_run(self) -> None:
         if self.save_dir.exists():
             shutil.rmtree(self.save_dir)
-        self.final.unlink(missing_ok=True)
+        for final in self.work.glob(f"{self.final.stem}*{self.final.suffix}"):  # every rank's
+            final.unlink()
         self.damaged.clear()
         self.run_procs = []
