@@ -1,10 +1,13 @@
-"""A seeded chaos campaign over a training job: ``python bench/chaos.py --seed S --faults N [--jobs quickstart]``.
+"""A seeded chaos campaign over training jobs: ``python bench/chaos.py --seed S --faults N [--jobs quickstart,...]``.
 
 Runs the job again and again until it completes, with N faults drawn from seed S's schedule (SIGTERM and SIGKILL
 at the script's fault points, the stop's own save killed or failing, Ctrl+C twice, a second process on the same
 save_dir, an I/O error at a commit stage, a full disk, a flipped byte, the newest checkpoint deleted), and checks
-the oracles after every process and at the end of each run (tests/helpers/chaos.py). Prints the seed, each fault,
-and the figures; exit 0 only when every oracle held. A failure names its seed and fault: the same command replays it.
+the oracles after every process and at the end of each run (tests/helpers/chaos.py). Jobs: ``quickstart``, ``lora``
+(a frozen base carried), ``ddp`` (two gloo ranks under torchrun: a rank killed or stopped, the launcher stopped),
+``mirror`` (mirror= to a local moto S3 server, paused during stops; the local save_dir deleted between processes).
+Prints the seed, each fault, and the figures; exit 0 only when every oracle held. A failure names its seed and fault:
+the same command replays it.
 
 The disk-full faults need root (a tmpfs is mounted for them); without it they are left out and the figures say why.
 """
@@ -26,8 +29,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 
 from helpers.chaos import CLASSES, JOBS, Campaign  # noqa: E402
 from helpers.chaos_ddp import DDP_CLASSES, DdpCampaign  # noqa: E402
+from helpers.chaos_mirror import MIRROR_CLASSES, MirrorCampaign  # noqa: E402
 
-JOB_NAMES = (*JOBS, "ddp")
+JOB_NAMES = (*JOBS, "ddp", "mirror")
 
 
 def main() -> int:
@@ -40,7 +44,8 @@ def main() -> int:
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     asked = [c for c in (args.classes or "").split(",") if c]
-    unknown = sorted(set(asked) - set(CLASSES) - set(DDP_CLASSES)) + sorted(set(args.jobs.split(",")) - set(JOB_NAMES))
+    known = {*CLASSES, *DDP_CLASSES, *MIRROR_CLASSES}
+    unknown = sorted(set(asked) - known) + sorted(set(args.jobs.split(",")) - set(JOB_NAMES))
     if unknown:
         p.error(f"unknown: {unknown}")
     print(
@@ -55,6 +60,13 @@ def main() -> int:
         if name == "ddp":
             classes = [c for c in DDP_CLASSES if not asked or c in asked]
             result = DdpCampaign(seed, args.faults, work / name, classes=classes, log=_log).run()
+        elif name == "mirror":  # a server of its own, which the campaign pauses
+            import s3server
+            from helpers.distributed import free_port
+
+            classes = [c for c in MIRROR_CLASSES if not asked or c in asked]
+            with s3server.start(free_port()) as server:
+                result = MirrorCampaign(seed, args.faults, work / name, server, classes=classes, log=_log).run()
         else:
             classes = [c for c in CLASSES if not asked or c in asked]
             result = Campaign(JOBS[name], seed, args.faults, work / name, classes=classes, log=_log).run()

@@ -15,13 +15,15 @@ from collections import Counter
 import pytest
 from helpers.chaos import BETWEEN, CLASSES, LORA, QUICKSTART, SIGNAL_POINTS, STAGES, Campaign, fault_at, schedule
 from helpers.chaos_ddp import DDP_CLASSES, DdpCampaign, ddp_fault_at
+from helpers.chaos_mirror import MIRROR_CLASSES, MirrorCampaign, mirror_fault_at
+from helpers.distributed import free_port
 
 from preempt.checkpoint import commit
 
 SHORT_SEED, SHORT_FAULTS = 20261207, 30
-SHORT_DDP_FAULTS = 8
+SHORT_DDP_FAULTS = SHORT_MIRROR_FAULTS = 8
 LONG_SEED = 70
-LONG = {"quickstart": 150, "lora": 75, "ddp": 75}  # 300 faults
+LONG = {"quickstart": 150, "lora": 50, "ddp": 50, "mirror": 50}  # 300 faults
 
 
 def test_the_schedule_is_a_pure_function_of_the_seed():
@@ -61,11 +63,22 @@ def test_the_ddp_schedule_is_a_pure_function_of_the_seed_over_its_classes():
     assert all(f.pick[0] in (0, 1) for f in faults if f.kind in ("kill_rank", "term_rank", "kill_rank_commit"))
 
 
+def test_the_mirror_schedule_is_a_pure_function_of_the_seed_over_its_classes():
+    faults = [mirror_fault_at(5, i) for i in range(500)]
+    assert faults == [mirror_fault_at(5, i) for i in range(500)]
+    assert {f.kind for f in faults} == set(MIRROR_CLASSES)
+
+
 def _campaign(tmp_path, seed: int, faults: int, job: str = "quickstart") -> None:
     lines: list[str] = []
     work = tmp_path / f"chaos-{job}"
     if job == "ddp":
         result = DdpCampaign(seed, faults, work, log=lines.append).run()
+    elif job == "mirror":
+        import s3server
+
+        with s3server.start(free_port()) as server:  # its own: the campaign pauses it
+            result = MirrorCampaign(seed, faults, work, server, log=lines.append).run()
     else:
         result = Campaign({"quickstart": QUICKSTART, "lora": LORA}[job], seed, faults, work, log=lines.append).run()
     print("\n".join(lines))
@@ -84,6 +97,12 @@ def test_a_short_seeded_campaign_survives_every_fault(tmp_path):
 def test_a_short_seeded_campaign_of_two_ranks_survives_every_fault(tmp_path):
     """8 faults of a fixed seed on a 2-rank torchrun job: a rank killed or stopped, the launcher stopped."""
     _campaign(tmp_path, SHORT_SEED, SHORT_DDP_FAULTS, "ddp")
+
+
+def test_a_short_seeded_campaign_with_a_mirror_survives_every_fault(tmp_path):
+    """8 faults of a fixed seed on the quick-start job with mirror= to a private S3 server: the server paused while a
+    process stops, the local save_dir deleted (the next process pulls)."""
+    _campaign(tmp_path, SHORT_SEED, SHORT_MIRROR_FAULTS, "mirror")
 
 
 @pytest.mark.slow

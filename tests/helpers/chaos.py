@@ -76,7 +76,7 @@ CLASSES = (
     "flip_byte",  # one byte of a random file of a random kept checkpoint flipped, between processes
     "delete_newest",  # the newest checkpoint deleted, between processes
 )
-BETWEEN = frozenset({"flip_byte", "delete_newest"})
+BETWEEN = frozenset({"flip_byte", "delete_newest", "delete_local"})  # delete_local: the mirror's job
 # Where a process may be signalled (tests/scripts/train.py's points): "load" is a restore, "saved" just after a
 # run.step() that took a checkpoint.
 SIGNAL_POINTS = ("step", *STAGES, "saved", "epoch_end", "load")
@@ -316,6 +316,8 @@ class Campaign:
         # written later under the same name, once the damaged one was quarantined, is another one)
         self.damaged: dict[str, int] = {}
         self.run_procs: list[Proc] = []  # the processes of the run in progress
+        self.env: dict[str, str] | None = None  # added to the processes' environment
+        self.history_whole = True  # history.jsonl holds every process of the run in progress
         self.fault: Fault | None = None  # the fault of the process whose oracles are being checked
         self.fault_fired = False
         self.between: list[Fault] = []  # faults done to the save_dir since the last process started
@@ -397,7 +399,7 @@ class Campaign:
             str(script),
             "--save_dir",
             str(self.save_dir),
-            *self.job.args,
+            *self._job_args(),
             *extra,
             "--final_out",
             str(self.final),
@@ -409,7 +411,7 @@ class Campaign:
         ref = self.reference
         shutil.rmtree(ref, ignore_errors=True)
         cmd = [sys.executable, str(TRAIN_RECORDED), "--live_dir", str(ref / "live"), "--save_dir", str(ref / "run")]
-        p = Spawned([*cmd, *self.job.args, "--final_out", str(ref / "final.safetensors")])
+        p = Spawned([*cmd, *self.job.args, "--final_out", str(ref / "final.safetensors")], self.env)
         rc = self._finish(p)
         if rc != 0:
             raise OracleFailure(f"the uninterrupted run failed (exit {rc}):\n{p.output}")
@@ -417,7 +419,7 @@ class Campaign:
         for _ in range(2):  # the fastest of two: the first may start the second fork server (tests/forkserver.py)
             clean = ref / "clean"
             t0 = time.monotonic()
-            p = Spawned([sys.executable, str(CHAOS_TRAIN), "--save_dir", str(clean), *self.job.args])
+            p = Spawned([sys.executable, str(CHAOS_TRAIN), "--save_dir", str(clean), *self.job.args], self.env)
             if self._finish(p) != 0:
                 raise OracleFailure(f"the uninterrupted timing run failed:\n{p.output}")
             walls.append(time.monotonic() - t0)
@@ -452,7 +454,17 @@ class Campaign:
         return p.output
 
     def _start(self, extra: Sequence[str]) -> tuple[Spawned, float]:
-        return Spawned(self._cmd(CHAOS_TRAIN, extra)), time.monotonic()
+        return Spawned(self._cmd(CHAOS_TRAIN, extra), self.env), time.monotonic()
+
+    def _before_stop(self, fault: Fault) -> None:
+        """What a job does to the world just before its process is stopped (the mirror's: its server paused)."""
+
+    def _after_process(self, fault: Fault | None) -> None:
+        """What a job puts back once its process has exited."""
+
+    def _job_args(self) -> list[str]:
+        """The job's arguments for a process of the run in progress."""
+        return list(self.job.args)
 
     def _process(self, fault: Fault | None) -> Proc:
         """Starts the job's next process with ``fault`` armed, injects it, waits, and checks the oracles."""
@@ -504,11 +516,13 @@ class Campaign:
                     if fault.variant == "while_training":
                         p.signal(signal.SIGTERM)
                 else:
+                    self._before_stop(fault)
                     p.signal(signal.SIGTERM)
             rc = self._finish(p)
         finally:
             if filler is not None:
                 filler.unlink()
+            self._after_process(fault)
         wall = time.monotonic() - t0
         proc = Proc(fault, fired, rc, wall, list(p.events), p.output)
         if kind in ("sigterm", "sigkill") and fault is not None and fault.variant != "in_step":
@@ -634,6 +648,8 @@ class Campaign:
             "io_error_stop": {74, PREEMPTED},
             # the stop's save fails for want of room (74) or finds room (75); the end reached on a full disk (1)
             "disk_full": {PREEMPTED, 74, 1, 0},
+            # the stop waits for the mirror at most mirror_deadline, then exits as usual
+            "pause_server": {PREEMPTED},
         }[kind]
 
     def _check_process(self, proc: Proc, expected: int | None) -> None:
@@ -714,6 +730,11 @@ class Campaign:
         self._compare_final()
         steps = sum(self._steps(p) for p in self.run_procs)
         self.result.steps_recomputed += steps - self.job.total_steps
+        if not self.history_whole:  # a fault took history.jsonl with the save_dir: nothing to account against
+            self.result.runs += 1
+            self.log(f"chaos: run {self.result.runs} complete after {len(self.run_procs)} processes (no history)")
+            self._new_run()
+            return
         report = _report(self.save_dir)
         if int(report.get("lost_steps") or 0) != steps - self.job.total_steps:
             self.fail(
@@ -753,3 +774,4 @@ class Campaign:
             final.unlink()
         self.damaged.clear()
         self.run_procs = []
+        self.history_whole = True
