@@ -215,6 +215,7 @@ class Result:
     productive_s: float = 0.0  # preempt report's, all runs
     report_wall_s: float = 0.0
     failure: str | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)  # what a lenient oracle saw and let pass
 
     @property
     def ok(self) -> bool:
@@ -243,6 +244,7 @@ class Result:
             f" (preempt report: {self.report_lost_steps} steps lost)",
             f"wall {self.wall_s:.1f} s in processes; an uninterrupted process {self.clean_wall_s:.2f} s;"
             f" time lost {self.time_lost_s:.1f} s; goodput (preempt report) {self.goodput:.3f}",
+            *(f"note: {n}" for n in self.notes),
             "every oracle held" if self.ok else f"FAILED: {self.failure}",
         ]
         return "\n".join(rows)
@@ -303,11 +305,14 @@ class Campaign:
         classes: Sequence[str] = CLASSES,
         log: Callable[[str], None] = print,
         disk_mb: int = 32,
+        strict_report: bool = True,
     ) -> None:
         self.job, self.seed, self.faults, self.work, self.log = job, seed, faults, Path(work), log
         self.result = Result(seed, job.name)
         self.classes = list(classes)
         self.disk_mb = disk_mb
+        # preempt report's lost steps against the steps the processes recomputed: an oracle (True), or a note
+        self.strict_report = strict_report
         self.fs: Path | None = None
         self.save_dir = self.work / "run"
         self.final = self.work / "final.safetensors"
@@ -737,10 +742,21 @@ class Campaign:
             return
         report = _report(self.save_dir)
         if int(report.get("lost_steps") or 0) != steps - self.job.total_steps:
-            self.fail(
+            ours = [
+                (p.fault.describe() if p.fault else None, p.entered_step, self._steps(p), p.rc) for p in self.run_procs
+            ]
+            theirs = [
+                (t.get("start_step"), t.get("end_step"), t.get("lost_steps"), t.get("end")) for t in report["timeline"]
+            ]
+            what = (
                 f"preempt report: {report.get('lost_steps')} steps lost, the processes recomputed"
-                f" {steps - self.job.total_steps}: {[p.fault.describe() if p.fault else None for p in self.run_procs]}"
+                f" {steps - self.job.total_steps}; the processes (fault, entered at, steps made, exit): {ours};"
+                f" the report's (start, end, lost, end): {theirs}"
             )
+            if self.strict_report:
+                self.fail(what)
+            self.result.notes.append(f"seed {self.seed}, run {self.result.runs + 1}: {what}")
+            self.log(f"chaos: note: {what}")
         parts = ("productive_s", "startup_s", "checkpoint_stall_s", "lost_s", "teardown_s")
         accounted = sum(float(report.get(k) or 0.0) for k in parts)
         if abs(accounted - report["wall_s"]) > 0.01 * report["wall_s"] + 0.05:
