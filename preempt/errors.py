@@ -210,6 +210,19 @@ class UnsupportedStateError(PreemptError):
     """
 
 
+def _rebuilt(cls: type[SystemExit], args: tuple[Any, ...], state: dict[str, Any]) -> SystemExit:
+    e = cls.__new__(cls, *args)
+    SystemExit.__init__(e, *args)
+    e.__dict__.update(state)
+    return e
+
+
+def _reduce_whole(self: SystemExit) -> tuple[Any, ...]:
+    """A leaving exception pickled with its attributes, not rebuilt through its ``__init__`` from ``args`` (the
+    default, which these signatures refuse): Ray Train sends a worker's exception to its controller pickled."""
+    return (_rebuilt, (type(self), self.args, dict(self.__dict__)))
+
+
 class PeerLost(SystemExit):
     """A collective of the run failed on this rank: another rank is gone. Exit code 80 (``PEER_LOST_EXIT_CODE``).
 
@@ -225,6 +238,8 @@ class PeerLost(SystemExit):
         world_size: The number of ranks.
         during: The collective that failed, in words (``"the agreement at a safe point"``).
     """
+
+    __reduce__ = _reduce_whole
 
     def __init__(self, rank: int, world_size: int, during: str, error: BaseException) -> None:
         super().__init__(PEER_LOST_EXIT_CODE)
@@ -283,14 +298,7 @@ class Preempted(SystemExit):
         self.cause = cause
         self.timing = dict(timing or {})
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled whole: Ray Train sends a worker's exception to its controller (the default pickles args alone).
-        kwargs = {"requeued": self.requeued, "cause": self.cause, "timing": self.timing}
-        return (_preempted, (self.code, self.signum, self.checkpoint, kwargs))
-
-
-def _preempted(code: Any, signum: int | None, checkpoint: str | None, kwargs: dict[str, Any]) -> Preempted:
-    return Preempted(code, signum, checkpoint, **kwargs)
+    __reduce__ = _reduce_whole
 
 
 class SaveFailed(SystemExit):
@@ -304,6 +312,8 @@ class SaveFailed(SystemExit):
         last_good: The newest good checkpoint, or None.
         error: The error that made the write fail.
     """
+
+    __reduce__ = _reduce_whole
 
     def __init__(self, code: int, signum: int | None, last_good: str | None, error: BaseException):
         super().__init__(code)
@@ -322,6 +332,8 @@ class RestartLimitReached(SystemExit):
         max_restarts: The limit.
     """
 
+    __reduce__ = _reduce_whole
+
     def __init__(self, restart_count: int, max_restarts: int):
         super().__init__(RESTART_LIMIT_EXIT_CODE)
         self.restart_count = restart_count
@@ -330,6 +342,8 @@ class RestartLimitReached(SystemExit):
 
 class RunComplete(SystemExit):
     """Raised on entering a run whose save_dir is marked complete; exit code 0."""
+
+    __reduce__ = _reduce_whole
 
     def __init__(self, save_dir: str):
         super().__init__(0)

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import Preempted
 from ..run.preemptible import PreemptibleRun
 
 log = logging.getLogger("preempt")
@@ -69,12 +70,13 @@ def reporting(run: PreemptibleRun, metrics: Mapping[str, Any] | None = None) -> 
 
     ``with preempt.ray.reporting(PreemptibleRun(save_dir(), model=..., optimizer=...)) as run:``
 
-    Another error leaves without a report: a rank that failed may not reach Ray's collective.
+    Another way out (an error, another rank lost: ``PeerLost``) leaves without a report: a rank that failed may not
+    reach Ray's collective.
     """
     run.__enter__()
     try:
         yield run
-    except SystemExit as e:
+    except Preempted as e:
         run.__exit__(type(e), e, e.__traceback__)  # the stop's checkpoint durable, the lock released
         report(run, metrics)
         raise

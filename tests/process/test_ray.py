@@ -6,8 +6,8 @@ when ``fit()`` returns. The states are reached by events: rank 0 drains its own 
 its run has heard the drain; a rank SIGKILLs itself before a step's forward. Each final state is compared bit for bit
 with the same loop run uninterrupted under torchrun.
 
-The whole file is slow (``-m slow``): each test starts a Ray cluster (about 7 s) and two or three worker groups
-(about 8 s each), 35 to 60 s a test on a 2-core machine. Without ray (``pip install 'preempt[ray]'``) it is skipped.
+The whole file is slow (``-m slow``): each test starts a Ray cluster (about 7 s) and two worker groups (about 8 s
+each), 35 to 60 s a test on a 2-core machine. Without ray (``pip install 'preempt-torch[ray]'``) it is skipped.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.distributed,
     pytest.mark.skipif(
-        importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'preempt[ray]')"
+        importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'preempt-torch[ray]')"
     ),
 ]
 

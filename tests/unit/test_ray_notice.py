@@ -8,7 +8,7 @@ import threading
 
 from preempt.cluster.notices import Platform
 from preempt.cluster.ray_notice import RayWatcher, in_ray_worker, parse_ray
-from preempt.errors import Preempted
+from preempt.errors import PeerLost, Preempted
 
 NODE = "ab" * 28
 
@@ -75,8 +75,15 @@ def test_no_ray_imported_is_no_ray_worker():
         assert not in_ray_worker()
 
 
-def test_preempted_pickles_whole():
+def test_the_leaving_exceptions_pickle_whole():
     """Ray Train sends a worker's exception to its controller pickled."""
+    lost = pickle.loads(pickle.dumps(PeerLost(1, 2, "the agreement at a safe point", RuntimeError("reset"))))
+    assert (lost.code, lost.rank, lost.world_size, str(lost)) == (
+        80,
+        1,
+        2,
+        str(PeerLost(1, 2, "the agreement at a safe point", RuntimeError("reset"))),
+    )
     e = pickle.loads(pickle.dumps(Preempted(75, 15, "/ck", requeued=True, cause="ray notice", timing={"a": 1.0})))
     got = (e.code, e.signum, e.checkpoint, e.requeued, e.cause, e.timing)
     assert got == (75, 15, "/ck", True, "ray notice", {"a": 1.0})
