@@ -338,6 +338,9 @@ class Stopper:
             return
         platform = notices.Platform(which)
         if platform is notices.Platform.RAY:
+            if not ray_notice.in_ray_worker():
+                log.warning("notices=ray: this process is not a Ray worker (ray not initialized): no drain is watched")
+                return
             self.watcher = ray_notice.RayWatcher(self._noticed, on_trouble=self._notices_down).start()
             log.info("notices: watching %s for a drain of this node", self.watcher.where)
             return

@@ -1,10 +1,10 @@
 """Ray Train: a PreemptibleRun in a TorchTrainer's workers on a real local Ray cluster, warned by a drain or killed.
 
 ``tests/scripts/train_ray.py --ray`` starts its own cluster on 127.0.0.1 (a head without CPUs for the driver and Ray
-Train's controller, two nodes of 2 CPUs, the dashboard off), runs 2 workers (packed on one node) and stops the cluster
-when ``fit()`` returns. The states are reached by events: rank 0 drains its own node at a step and holds there until
-its run has heard the drain; a rank SIGKILLs itself before a step's forward. Each final state is compared bit for bit
-with the same loop run uninterrupted under torchrun.
+Train's controller, two nodes of 2 CPUs, the dashboard off), runs 2 workers (packed on one node, or one on each) and
+stops the cluster when ``fit()`` returns. The states are reached by events: rank 0 drains its own node at a step and
+holds there until its run has heard the drain; a rank SIGKILLs itself before a step's forward. Each final state is
+compared bit for bit with the same loop run uninterrupted under torchrun.
 
 The whole file is slow (``-m slow``): each test starts a Ray cluster (about 7 s) and two worker groups (about 8 s
 each), 35 to 60 s a test on a 2-core machine. Without ray (``pip install 'preempt-torch[ray]'``) it is skipped.
@@ -60,9 +60,12 @@ def _ray_saw_the_last_checkpoint(result: dict, tmp_path: Path) -> None:
     assert Path(result["checkpoint"]) == tmp_path / "store" / "job" / "preempt" / f"step_{LAST_STEP:09d}", result
 
 
-def test_a_drain_stops_the_group_at_its_step_and_ray_restarts_it_exactly(tmp_path, reference):
+@pytest.mark.parametrize("placed", ["packed", "spread"])
+def test_a_drain_stops_the_group_at_its_step_and_ray_restarts_it_exactly(tmp_path, reference, placed):
+    """Packed, both ranks on the drained node; spread, rank 1's node is not drained and stops by the ranks'
+    agreement. Either way the restarted group runs on the node that is left."""
     want = reference.torchrun(ARGS, script=TRAIN_RAY)
-    result, events, final = _ray_job(tmp_path, "--drain_at", "5:30")
+    result, events, final = _ray_job(tmp_path, "--drain_at", "5:30", *(["--spread"] if placed == "spread" else []))
 
     (drained,) = _of(events, "drained")
     stopped = _of(events, "stopped")
@@ -76,6 +79,9 @@ def test_a_drain_stops_the_group_at_its_step_and_ray_restarts_it_exactly(tmp_pat
 
     entered = _of(events, "entered")
     assert [e["step"] for e in entered] == [0, 0, 5, 5], entered  # the restarted group resumed at the stop's step
+    first = {e["rank"]: e["node"] for e in entered[:2]}
+    assert first[0] == drained["node"] and (first[1] == drained["node"]) == (placed == "packed"), (first, drained)
+    assert all(e["node"] != drained["node"] for e in entered[2:]), (entered, drained)
     assert {e["resumed_from"] for e in entered[2:]} == {str(tmp_path / "store/job/preempt/step_000000005")}
     print(f"stop -> restarted group entered: {min(e['t'] for e in entered[2:]) - max(e['t'] for e in stopped):.1f} s")
     _ray_saw_the_last_checkpoint(result, tmp_path)

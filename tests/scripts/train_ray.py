@@ -1,9 +1,9 @@
 """A small DDP training (gloo, CPU) in a Ray Train ``TorchTrainer``, for tests/process/test_ray.py.
 
-``--ray``: the script starts a local Ray cluster of its own on 127.0.0.1 (``ray.cluster_utils.Cluster``: a head
-without CPUs, where the driver and Ray Train's controller run, and two nodes of 2 CPUs), runs ``loop`` on 2 workers
-(both on one node: Ray packs them), writes what Ray says at the end (``--result``, JSON) and stops the cluster.
-Without ``--ray`` the same ``loop`` runs under torchrun: the uninterrupted reference.
+``--ray``: the script starts a local Ray cluster of its own on 127.0.0.1 (``ray.cluster_utils.Cluster``: a head without
+CPUs, where the driver and Ray Train's controller run, and two nodes of 2 CPUs), runs ``loop`` on 2 workers (both on one
+node: Ray packs them; ``--spread``: one on each), writes what Ray says at the end (``--result``, JSON) and stops the
+cluster. Without ``--ray`` the same ``loop`` runs under torchrun: the uninterrupted reference.
 
 What the first attempt does to itself (a file in ``--events``' directory marks it done, so a restart does not again):
 ``--drain_at STEP:SECONDS``: before that step's ``run.step()``, rank 0 drains its own node for preemption
@@ -62,6 +62,12 @@ def first_time(events: str | None, what: str) -> bool:
         return False
 
 
+def _node() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def drain_own_node(seconds: int) -> None:
     import ray
 
@@ -94,8 +100,9 @@ def loop(config: dict) -> None:
         save_dir, model=ddp, optimizer=opt, checkpoint_interval=None, checkpoint_every_steps=config.get("every")
     )
     seen: list[int] = []
+    node = _node() if under_ray else "-"
     with preempt.ray.reporting(run) if under_ray else run:
-        tell(events, "entered", rank=rank, step=run.global_step, resumed_from=str(run.resumed_from))
+        tell(events, "entered", rank=rank, step=run.global_step, resumed_from=str(run.resumed_from), node=node)
         seen = run.user_state.setdefault(f"seen_rank{rank}", [])
         loader = DataLoader(data, batch_size=8, sampler=run.sampler(data, shuffle=True, seed=5))
         try:
@@ -113,7 +120,7 @@ def loop(config: dict) -> None:
                     if rank == 0 and step == drain_step and first_time(events, "drained"):
                         t = time.time()
                         drain_own_node(drain_s)
-                        tell(events, "drained", rank=rank, step=step, t_drain=t, deadline=t + drain_s)
+                        tell(events, "drained", rank=rank, step=step, t_drain=t, deadline=t + drain_s, node=node)
                         wait_for_stop(run)
                         tell(events, "heard", rank=rank, step=step)
                     run.step()
@@ -155,7 +162,7 @@ def on_ray(args: argparse.Namespace, config: dict) -> None:
         trainer = TorchTrainer(
             loop,
             train_loop_config={**config, "ray": True},
-            scaling_config=ScalingConfig(num_workers=2),
+            scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD" if args.spread else "PACK"),
             run_config=RunConfig(
                 storage_path=args.storage,
                 name="job",
@@ -187,6 +194,7 @@ def main() -> None:
     p.add_argument("--storage", help="--ray: RunConfig(storage_path=...)")
     p.add_argument("--result", help="--ray: what Ray said at the end (JSON)")
     p.add_argument("--max_failures", type=int, default=2)
+    p.add_argument("--spread", action="store_true", help="--ray: one worker on each node (Ray packs them by default)")
     p.add_argument("--save_dir", help="under torchrun")
     p.add_argument("--final_out")
     p.add_argument("--events")
