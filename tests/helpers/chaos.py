@@ -523,6 +523,9 @@ class Campaign:
                     assert self.fs is not None
                     filler = fill(self.fs)
                     fired = True
+                    # history.jsonl lives on the full disk too: the lines it could not take are not there for
+                    # preempt report to account (a process's start or stop, its steps), so its accounting is not judged
+                    self.history_whole = False
                     (self.work / "disk_gate").touch()
                     if self._wait_event(p, "holding", point="step", n=fault.step + fault.n):
                         p.signal(signal.SIGTERM)
@@ -751,7 +754,7 @@ class Campaign:
         self._compare_final()
         steps = sum(self._steps(p) for p in self.run_procs)
         self.result.steps_recomputed += steps - self.job.total_steps
-        if not self.history_whole:  # a fault took history.jsonl with the save_dir: nothing to account against
+        if not self.history_whole:  # a fault took history.jsonl, or lines of it: nothing whole to account against
             self.result.runs += 1
             self.log(f"chaos: run {self.result.runs} complete after {len(self.run_procs)} processes (no history)")
             self._new_run()
