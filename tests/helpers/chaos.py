@@ -181,6 +181,7 @@ class Proc:
     events: list[dict[str, Any]]
     output: str
     role: str = "job"  # "job", or "second": the process a second_process fault started beside the job's
+    before: tuple[str, ...] = ()  # the classes of the faults done to the save_dir before it started
 
     def of(self, kind: str, **fields: Any) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == kind and all(e.get(k) == v for k, v in fields.items())]
@@ -209,7 +210,11 @@ class Result:
     runs: int = 0  # times the job ran to completion
     steps_run: int = 0
     steps_recomputed: int = 0
+    # the steps a process made that the next had to make again, by what ended it (its fault's class; a fault done
+    # to the save_dir before the next started, when the next resumed earlier than where it ended: that class too)
+    recomputed_by: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     report_lost_steps: int = 0
+    reported: int = 0  # runs whose accounting preempt report was asked for (their history whole)
     wall_s: float = 0.0  # the processes' wall time, all runs
     clean_wall_s: float = 0.0  # one uninterrupted process of the job, same machine
     productive_s: float = 0.0  # preempt report's, all runs
@@ -236,14 +241,18 @@ class Result:
                 note = f"  (left out: {self.skipped[kind]})" if kind in self.skipped else ""
                 rows.append(f"{kind:<16} {self.injected[kind]:>8} {self.survived[kind]:>8}{note}")
         rows.append(f"{'all':<16} {sum(self.injected.values()):>8} {sum(self.survived.values()):>8}")
+        rows += ["", "steps a process made that the next made again, by what ended it (processes: mean, max):"]
+        for key, lost in sorted(self.recomputed_by.items()):
+            rows.append(f"  {key:<34} {len(lost):>4}: {sum(lost) / len(lost):5.1f}, {max(lost):>3}")
         rows += [
             "",
             f"seed {self.seed}, job {self.job}: {self.runs} runs to completion, {self.processes} processes,"
             f" {self.not_fired} drawn faults could not fire where they came (the next was taken)",
             f"steps run {self.steps_run}, {self.steps_recomputed} of them recomputed"
-            f" (preempt report: {self.report_lost_steps} steps lost)",
+            f" (preempt report, over the {self.reported} runs whose history is whole: {self.report_lost_steps} lost)",
             f"wall {self.wall_s:.1f} s in processes; an uninterrupted process {self.clean_wall_s:.2f} s;"
-            f" time lost {self.time_lost_s:.1f} s; goodput (preempt report) {self.goodput:.3f}",
+            f" time lost {self.time_lost_s:.1f} s; goodput (preempt report) {self.goodput:.3f}"
+            f" over {self.report_wall_s:.1f} s of processes' wall time",
             *(f"note: {n}" for n in self.notes),
             "every oracle held" if self.ok else f"FAILED: {self.failure}",
         ]
@@ -548,7 +557,9 @@ class Campaign:
                 filler.unlink()
             self._after_process(fault)
         wall = time.monotonic() - t0
-        proc = Proc(fault, fired, rc, wall, list(p.events), p.output)
+        proc = Proc(
+            fault, fired, rc, wall, list(p.events), p.output, before=tuple(f.kind for f in self.between_checked)
+        )
         if kind in ("sigterm", "sigkill") and fault is not None and fault.variant != "in_step":
             proc.fired = bool(proc.of("signal_at"))
         elif kind in ("io_error", "kill_stop_save", "io_error_stop"):
@@ -752,6 +763,7 @@ class Campaign:
         if not last.of("complete"):
             self.fail("exit 0 without a complete event", last)
         self._compare_final()
+        self._attribute()
         steps = sum(self._steps(p) for p in self.run_procs)
         self.result.steps_recomputed += steps - self.job.total_steps
         if not self.history_whole:  # a fault took history.jsonl, or lines of it: nothing whole to account against
@@ -783,6 +795,7 @@ class Campaign:
         if report["processes"] != len(self.run_procs):
             self.fail(f"preempt report counts {report['processes']} processes, the campaign ran {len(self.run_procs)}")
         self.result.report_lost_steps += int(report.get("lost_steps") or 0)
+        self.result.reported += 1
         self.result.productive_s += float(report["productive_s"])
         self.result.report_wall_s += float(report["wall_s"])
         self.result.runs += 1
@@ -791,6 +804,15 @@ class Campaign:
             f" {steps - self.job.total_steps} steps recomputed, goodput {report['goodput']:.2f}"
         )
         self._new_run()
+
+    def _attribute(self) -> None:
+        """Each process's steps that the next made again, under what ended it (and what was done between)."""
+        procs = [p for p in self.run_procs if p.entered_step is not None]
+        for this, after in zip(procs, procs[1:], strict=False):
+            lost = (this.entered_step or 0) + self._steps(this) - (after.entered_step or 0)
+            kind = this.fault.kind if this.fault is not None and this.fired else "no fault"
+            key = "+".join(dict.fromkeys([kind, *after.before]))
+            self.result.recomputed_by.setdefault(key, []).append(lost)
 
     def _compare_final(self) -> None:
         self._compare(load_file(str(self.reference / "final.safetensors")), load_file(str(self.final)), "final state")
