@@ -3,17 +3,19 @@
 ``tests/scripts/train_ray.py --ray`` starts its own cluster on 127.0.0.1 (a head without CPUs for the driver and Ray
 Train's controller, two nodes of 2 CPUs, the dashboard off), runs 2 workers (packed on one node, or one on each) and
 stops the cluster when ``fit()`` returns. The states are reached by events: rank 0 drains its own node at a step and
-holds there until its run has heard the drain; a rank SIGKILLs itself before a step's forward. Each final state is
-compared bit for bit with the same loop run uninterrupted under torchrun.
+holds there until its run has heard the drain; a rank SIGKILLs (or SIGTERMs) itself before a step's forward. Each final
+state is compared bit for bit with the same loop run uninterrupted under torchrun.
 
-The whole file is slow (``-m slow``): each test starts a Ray cluster (about 7 s) and two worker groups (about 8 s
-each), 35 to 60 s a test on a 2-core machine. Without ray (``pip install 'preempt-torch[ray]'``) it is skipped.
+The whole file is slow (``-m slow``): each test starts a Ray cluster (about 7 s) and two worker groups (about 8 s each),
+35 to 60 s a test on a 2-core machine, about 3 minutes for the file. Without ray (``pip install 'preempt-torch[ray]'``)
+it is skipped.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -88,17 +90,27 @@ def test_a_drain_stops_the_group_at_its_step_and_ray_restarts_it_exactly(tmp_pat
     assert_equal_finals(ddp_finals(want), ddp_finals(final))
 
 
-def test_a_killed_worker_s_group_resumes_from_the_newest_durable_checkpoint(tmp_path, reference):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_worker_s_group_resumes_from_the_newest_durable_checkpoint(tmp_path, reference, sig):
+    """SIGTERM too: Ray's own handler in the worker's main thread ends the actor (preempt catches no signal in a Ray
+    worker), a failed worker to Ray Train as after SIGKILL."""
     want = reference.torchrun(ARGS, script=TRAIN_RAY)
-    result, events, final = _ray_job(tmp_path, "--die_at", "1:6", "--every", "2")
+    result, events, final = _ray_job(tmp_path, "--die_at", f"1:6:{int(sig)}", "--every", "2")
 
     assert [(e["rank"], e["step"]) for e in _of(events, "dying")] == [(1, 6)]
     assert not _of(events, "stopped")  # no warning: nothing saved at the kill
     entered = _of(events, "entered")
     assert len(entered) == 4 and [e["step"] for e in entered[:2]] == [0, 0], entered
+    restart = events.index(entered[2])
+    before = events[:restart]
+    reached = max(e["step"] for e in _of(before, "step") if e["rank"] == 0)
+    known = max((e["step"] for e in _of(before, "durable")), default=0)
     resumed = {e["step"] for e in entered[2:]}
-    # the newest durable checkpoint at the kill: step 4, or step 2 where rank 0's background write of step 4 had not
-    # yet become durable when rank 1 died
-    assert len(resumed) == 1 and resumed <= {2, 4}, entered
+    # The newest durable checkpoint: at least the newest rank 0 had seen durable at its last step, at most the step it
+    # reached (a write in flight may have become durable as rank 0 left; under SIGTERM rank 1's training thread goes
+    # on for a few steps while Ray's handler ends the process, and the group with it)
+    assert len(resumed) == 1 and known <= min(resumed) <= reached and min(resumed) > 0, (known, resumed, reached)
+    if sig == signal.SIGKILL:
+        assert reached == 5, reached  # rank 1 died before step 6's all-reduce
     _ray_saw_the_last_checkpoint(result, tmp_path)
     assert_equal_finals(ddp_finals(want), ddp_finals(final))

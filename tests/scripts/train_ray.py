@@ -6,12 +6,13 @@ node: Ray packs them; ``--spread``: one on each), writes what Ray says at the en
 cluster. Without ``--ray`` the same ``loop`` runs under torchrun: the uninterrupted reference.
 
 What the first attempt does to itself (a file in ``--events``' directory marks it done, so a restart does not again):
-``--drain_at STEP:SECONDS``: before that step's ``run.step()``, rank 0 drains its own node for preemption
-(``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds SECONDS``) and holds until the
-run has heard it (its stop flag raised), so the stop lands at that step; ``--die_at RANK:STEP``: that rank SIGKILLs its
-worker process before that step's forward. Each rank appends its events to ``--events`` (JSON lines): ``entered``,
-``drained`` and ``stopped`` with wall-clock times. At the end each rank writes ``--final_out`` with ``.rank<R>``
-inserted (the model, the optimizer, the RNG, the samples rank 0 saw), as tests/scripts/train_ddp.py does.
+``--drain_at STEP:SECONDS``: before that step's ``run.step()``, rank 0 drains its own node for preemption (``ray
+drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds SECONDS``) and holds until the run has
+heard it (its stop flag raised), so the stop lands at that step; ``--die_at RANK:STEP[:SIGNAL]``: that rank sends its
+worker process SIGKILL (or SIGNAL) before that step's forward. Each rank appends its events to ``--events`` (JSON
+lines): ``entered``, ``step``, ``durable`` (rank 0: its newest durable checkpoint, when it changed), ``drained`` and
+``stopped`` with wall-clock times. At the end each rank writes ``--final_out`` with
+``.rank<R>`` inserted (the model, the optimizer, the RNG, the samples rank 0 saw), as tests/scripts/train_ddp.py does.
 """
 
 from __future__ import annotations
@@ -94,12 +95,15 @@ def loop(config: dict) -> None:
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     drain_step, drain_s = map(int, config["drain_at"].split(":")) if config.get("drain_at") else (-1, 0)
-    die_rank, die_step = map(int, config["die_at"].split(":")) if config.get("die_at") else (-1, -1)
+    die_rank, die_step, die_sig = (
+        (*map(int, config["die_at"].split(":")), 9)[:3] if config.get("die_at") else (-1, -1, 9)
+    )
     save_dir = preempt.ray.save_dir() if under_ray else config["save_dir"]
     run = PreemptibleRun(
         save_dir, model=ddp, optimizer=opt, checkpoint_interval=None, checkpoint_every_steps=config.get("every")
     )
     seen: list[int] = []
+    durable = None  # rank 0: the newest durable checkpoint it has told of
     node = _node() if under_ray else "-"
     with preempt.ray.reporting(run) if under_ray else run:
         tell(events, "entered", rank=rank, step=run.global_step, resumed_from=str(run.resumed_from), node=node)
@@ -110,8 +114,8 @@ def loop(config: dict) -> None:
                 for x, y, idx in run.batches(loader):
                     step = run.global_step + 1
                     if rank == die_rank and step == die_step and first_time(events, "died"):
-                        tell(events, "dying", rank=rank, step=step)
-                        os.kill(os.getpid(), 9)
+                        tell(events, "dying", rank=rank, step=step, signal=die_sig)
+                        os.kill(os.getpid(), die_sig)
                     loss = torch.nn.functional.cross_entropy(ddp(x), y) + torch.randn(()) * 1e-3
                     opt.zero_grad()
                     loss.backward()
@@ -124,6 +128,10 @@ def loop(config: dict) -> None:
                         wait_for_stop(run)
                         tell(events, "heard", rank=rank, step=step)
                     run.step()
+                    tell(events, "step", rank=rank, step=run.global_step)
+                    if rank == 0 and run.last_checkpoint is not None and run.last_checkpoint != durable:
+                        durable = run.last_checkpoint
+                        tell(events, "durable", rank=rank, step=run.global_step, checkpoint=str(durable))
         except Preempted as e:
             tell(events, "stopped", rank=rank, step=run.global_step, checkpoint=str(e.checkpoint), cause=e.cause)
             raise
@@ -202,7 +210,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--every", type=int, default=None, help="checkpoint_every_steps")
     p.add_argument("--drain_at", default=None, help="STEP:SECONDS")
-    p.add_argument("--die_at", default=None, help="RANK:STEP")
+    p.add_argument("--die_at", default=None, help="RANK:STEP[:SIGNAL], SIGKILL by default")
     args = p.parse_args()
     config = {k: getattr(args, k) for k in ("save_dir", "final_out", "events", "epochs", "samples", "every")}
     config |= {"drain_at": args.drain_at, "die_at": args.die_at}
