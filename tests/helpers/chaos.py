@@ -581,8 +581,8 @@ class Campaign:
                     self.fail(f"a second process started ({came}) before the first left its run ({left})", other)
                 self._account(other)
                 self._check_process(other, self._stop_step(proc))
-        if self.run_procs and self.run_procs[-1].rc == 0:
-            self._end_run()
+        if self.run_procs and (self.run_procs[-1].rc == 0 or self.run_procs[-1].of("complete")):
+            self._end_run()  # (complete with another status: a launcher stopped as its ranks were finishing)
         return proc
 
     def _second(self, fault: Fault, first: Spawned) -> list[Proc]:

@@ -90,6 +90,10 @@ class DdpCampaign(Campaign):
         return [load_file(str(final.with_suffix(f".rank{r}{final.suffix}"))) for r in (0, 1)]
 
     def _compare_final(self) -> None:
+        missing = [r for r in (0, 1) if not self.final.with_suffix(f".rank{r}{self.final.suffix}").is_file()]
+        if missing:  # the ranks were ended after their run completed, before they wrote --final_out
+            self.result.notes.append(f"seed {self.seed}, run {self.result.runs + 1}: no final state of ranks {missing}")
+            return
         for rank, (a, b) in enumerate(
             zip(self._finals(self.reference / "final.safetensors"), self._finals(self.final), strict=True)
         ):
@@ -123,7 +127,7 @@ class DdpCampaign(Campaign):
             self.fault_fired = True
         self._account(proc)
         self._check_process(proc, expected)
-        if rc == 0:
+        if rc == 0 or proc.of("complete"):  # the launcher's SIGTERM may come as the ranks finish the run
             self._end_run()
         return proc
 
