@@ -361,8 +361,8 @@ def _serve(path: str) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the monitors are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")
+    listener.listen(64)  # before the rename: a client that finds the path must find it accepting
     os.rename(path + ".new", path)  # the path appears only once it accepts
-    listener.listen(64)
     listener.settimeout(1.0)
     while True:
         try:
