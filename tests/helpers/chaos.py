@@ -259,22 +259,6 @@ class Result:
         return "\n".join(rows)
 
 
-def spawn(cmd: Sequence[str], env: dict[str, str] | None = None, tries: int = 3) -> Spawned:
-    """``Spawned(cmd, env)``, tried again when a fork server that was just started refuses the connection.
-
-    CAUTION: tests/forkserver.py's server renames its socket into place before it calls listen(), so a client that
-    connects in between (a busy machine stretches it) is refused although the server is up; a moment later it
-    accepts."""
-    for attempt in range(tries):
-        try:
-            return Spawned(cmd, env)
-        except ConnectionRefusedError:
-            if attempt == tries - 1:
-                raise
-            time.sleep(0.5)
-    raise AssertionError("unreachable")
-
-
 def mount_tmpfs(where: Path, size_mb: int) -> str | None:
     """Mounts a fresh tmpfs at ``where``; None when done, else why it could not (needs root / CAP_SYS_ADMIN)."""
     where.mkdir(parents=True, exist_ok=True)
@@ -441,7 +425,7 @@ class Campaign:
         ref = self.reference
         shutil.rmtree(ref, ignore_errors=True)
         cmd = [sys.executable, str(TRAIN_RECORDED), "--live_dir", str(ref / "live"), "--save_dir", str(ref / "run")]
-        p = spawn([*cmd, *self.job.args, "--final_out", str(ref / "final.safetensors")], self.env)
+        p = Spawned([*cmd, *self.job.args, "--final_out", str(ref / "final.safetensors")], self.env)
         rc = self._finish(p)
         if rc != 0:
             raise OracleFailure(f"the uninterrupted run failed (exit {rc}):\n{p.output}")
@@ -449,7 +433,7 @@ class Campaign:
         for _ in range(2):  # the fastest of two: the first may start the second fork server (tests/forkserver.py)
             clean = ref / "clean"
             t0 = time.monotonic()
-            p = spawn([sys.executable, str(CHAOS_TRAIN), "--save_dir", str(clean), *self.job.args], self.env)
+            p = Spawned([sys.executable, str(CHAOS_TRAIN), "--save_dir", str(clean), *self.job.args], self.env)
             if self._finish(p) != 0:
                 raise OracleFailure(f"the uninterrupted timing run failed:\n{p.output}")
             walls.append(time.monotonic() - t0)
@@ -484,7 +468,7 @@ class Campaign:
         return p.output
 
     def _start(self, extra: Sequence[str]) -> tuple[Spawned, float]:
-        return spawn(self._cmd(CHAOS_TRAIN, extra), self.env), time.monotonic()
+        return Spawned(self._cmd(CHAOS_TRAIN, extra), self.env), time.monotonic()
 
     def _before_stop(self, fault: Fault) -> None:
         """What a job does to the world just before its process is stopped (the mirror's: its server paused)."""

@@ -51,18 +51,6 @@ def ddp_fault_at(seed: int, index: int, classes: Sequence[str] = DDP_CLASSES) ->
     return Fault(index, kind)
 
 
-def _torchrun(save_dir: Path, final: Path | None, args: Sequence[str], tries: int = 3) -> Spawned:
-    """``torchrun(...)``, tried again when a fork server just started refuses the connection (see chaos.spawn)."""
-    for attempt in range(tries):
-        try:
-            return torchrun(save_dir, final, args)
-        except ConnectionRefusedError:
-            if attempt == tries - 1:
-                raise
-            time.sleep(0.5)
-    raise AssertionError("unreachable")
-
-
 class DdpCampaign(Campaign):
     """:class:`Campaign` over the 2-rank torchrun job."""
 
@@ -80,7 +68,7 @@ class DdpCampaign(Campaign):
         walls = []
         for run in ("run", "clean"):  # the second, warm, for the time an undisturbed run takes
             t0 = time.monotonic()
-            p = _torchrun(ref / run, ref / "final.safetensors" if run == "run" else None, self.job.args)
+            p = torchrun(ref / run, ref / "final.safetensors" if run == "run" else None, self.job.args)
             if self._finish(p) != 0:
                 self.fail(f"the uninterrupted torchrun failed:\n{p.output}")
             walls.append(time.monotonic() - t0)
@@ -113,7 +101,7 @@ class DdpCampaign(Campaign):
         elif kind == "kill_rank_commit":
             extra = ["--signal_at", f"{fault.point}:{fault.n}:KILL", "--signal_rank", str(fault.pick[0])]
         t0 = time.monotonic()
-        p: Spawned = _torchrun(self.save_dir, self.final, [*self.job.args, *extra])
+        p: Spawned = torchrun(self.save_dir, self.final, [*self.job.args, *extra])
         if kind == "term_launcher" and self._wait_event(p, "step", rank=0, step=at):
             p.signal(signal.SIGTERM)
         rc = self._finish(p)
