@@ -609,19 +609,24 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     proto.write(f"inflight {res['staged_wall']!r}\n")
                     proto.flush()
         except SystemExit as e:  # Preempted: the stop's checkpoint is durable
-            res["stopped_wall"] = time.time()
-            res["exit_code"] = e.code
-            res["stop_step"] = run.global_step
-            path = run.last_checkpoint
-            res["checkpoint"] = str(path)
-            res["manifest_exists"] = path is not None and (Path(path) / "manifest.json").is_file()
-            res["carried"] = carried_files(Path(path)) if res["manifest_exists"] else []
+            stopped(res, run, e)
             rec = run.last_save
             if rec is not None:
                 res["last_save"] = {"step": rec.step, "reason": rec.reason, "stall_s": rec.stall_s}
             Path(args.result).write_text(json.dumps(res))
             raise
     return res  # not reached: the loop only ends by the signal
+
+
+def stopped(res: dict[str, Any], run: Any, e: SystemExit) -> None:
+    """What a SIGTERM child records when the stop ends its run: when, its exit code and step, the stop's checkpoint."""
+    res["stopped_wall"] = time.time()
+    res["exit_code"] = e.code
+    res["stop_step"] = run.global_step
+    path = run.last_checkpoint
+    res["checkpoint"] = str(path)
+    res["manifest_exists"] = path is not None and (Path(path) / "manifest.json").is_file()
+    res["carried"] = carried_files(Path(path)) if res["manifest_exists"] else []
 
 
 # ----------------------------------------------------------------- a process's first stop
@@ -666,13 +671,7 @@ def phase_first_stop(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if "pool_wall" not in res and any(save_dir.glob(".recycle-*")):
                     res["pool_wall"] = now
         except SystemExit as e:  # Preempted: the stop's checkpoint is durable
-            res["stopped_wall"] = time.time()
-            res["exit_code"] = e.code
-            res["stop_step"] = run.global_step
-            path = run.last_checkpoint
-            res["checkpoint"] = str(path)
-            res["manifest_exists"] = path is not None and (Path(path) / "manifest.json").is_file()
-            res["carried"] = carried_files(Path(path)) if res["manifest_exists"] else []
+            stopped(res, run, e)
             res["staging_prepare_s_at_exit"] = run.staging_prepare_s
             Path(args.result).write_text(json.dumps(res))
             raise
