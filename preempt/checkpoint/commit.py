@@ -217,11 +217,15 @@ def recover(save_dir: Path) -> Recovery:
         return out
     entries = sorted(os.listdir(save_dir))
 
-    def renamed_at(entry: str) -> int:
-        return os.stat(save_dir / entry, follow_symlinks=False).st_ctime_ns
+    def renamed_at(entry: str) -> int | None:
+        try:
+            return os.stat(save_dir / entry, follow_symlinks=False).st_ctime_ns
+        except FileNotFoundError:  # gone since the listing: a deletion of the last run still finishing
+            return None
 
+    replaced = [(at, e) for e in entries if e.startswith(REPLACED) and (at := renamed_at(e)) is not None]
     # Newest replaced copy first: if a replacement is interrupted twice, the later copy is the one to restore.
-    for entry in sorted((e for e in entries if e.startswith(REPLACED)), key=renamed_at, reverse=True):
+    for _, entry in sorted(replaced, reverse=True):
         name = entry[len(REPLACED) :].split("-", 1)[0]
         if parse_checkpoint_name(name) is not None and not (save_dir / name).exists():
             os.rename(save_dir / entry, save_dir / name)

@@ -567,7 +567,9 @@ class CheckpointManager:
             raise
         self.carrier.durable(final, manifest.step, manifest.files)
         if replaced is not None and ours:
-            self._deleter.submit([replaced])
+            # out of recovery's sight before the slow delete: a start that meets a ``.replaced-`` copy whose
+            # step_N has since gone (pruned) would rename the half-deleted copy back
+            self._deleter.submit([commit.trash(self.save_dir, replaced)])
         elif replaced is not None:
             problem = f"{final}: replaced a checkpoint of that step that was not valid"
             log.warning("%s; moved to %s", problem, aside.quarantine(self.save_dir, replaced, problem, name) or "-")

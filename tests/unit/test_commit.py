@@ -284,6 +284,32 @@ def test_recover_after_crash_between_rename_steps(tmp_path):
     assert not aside.exists()
 
 
+def test_recover_passes_over_a_replaced_copy_deleted_since_the_listing(tmp_path, monkeypatch):
+    """A run started while the last run's deleter finishes: an entry listed may be gone before it is looked at."""
+    _dir(tmp_path / "step_000000001")
+    kept = _dir(tmp_path / ".replaced-step_000000002-host-1-aa")  # step_2 absent: restored
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: [*listdir(p), ".replaced-step_000000001-host-1-gone"])
+    rec = commit.recover(tmp_path)
+    assert rec.restored == ["step_000000002"] and rec.to_delete == []
+    assert not kept.exists() and (tmp_path / "step_000000002" / "data.bin").exists()
+
+
+def test_a_replaced_checkpoint_leaves_recoverys_sight_before_it_is_deleted(tmp_path, monkeypatch):
+    """Its step may be pruned before the slow delete ends; a start must not rename the half-deleted copy back."""
+    from preempt.checkpoint.manager import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    handed: list[Path] = []
+    monkeypatch.setattr(manager._deleter, "submit", lambda paths: handed.extend(paths))
+    model = __import__("torch").nn.Linear(2, 2)
+    manager.save_state(step=1, model=model)
+    manager.save_state(step=1, model=model)  # the final save of a step saved periodically
+    assert [p.name.startswith(names.TRASH) for p in handed] == [True], handed
+    assert [e for e in os.listdir(tmp_path) if e.startswith(names.REPLACED)] == []
+    manager.close()
+
+
 def test_recover_missing_or_clean_dir(tmp_path):
     assert commit.recover(tmp_path / "absent") == commit.Recovery()
     _dir(tmp_path / "step_000000001")
