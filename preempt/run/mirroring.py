@@ -95,6 +95,8 @@ class Mirroring:
                 f"mirror {mirror.display} holds checkpoints (up to step {max(surveyed.listing)}) and this run starts"
                 " fresh (auto_resume=False or resume=None): give it another mirror prefix, or delete those"
             )
+        if surveyed is not None and not starts_fresh and local is not None:
+            local = self._newest_whole(max((s for s, o in surveyed.listing.items() if MANIFEST in o), default=None))
         if surveyed is not None and not starts_fresh:
             try:
                 got = pull.pull_newest(
@@ -134,6 +136,20 @@ class Mirroring:
         )
         if self.pulled is not None:  # its objects were checked as they came: a copy source, counted by retention
             self.uploader.verified.add(self.pulled["step"])
+
+    def _newest_whole(self, mirrored: int | None) -> int | None:
+        """The newest local checkpoint to weigh against the mirror's: those at or past the mirror's newest step
+        (``mirrored``) are verified first, newest first, and a damaged one is quarantined here, while the mirror
+        can still stand in for it (the load would only fall back to an older local one, or start fresh). Costs one
+        read of the checkpoint resumed from when the mirror holds nothing newer, the page cache's for the load."""
+        for info in self.manager.candidates("latest"):
+            if mirrored is None or info.step < mirrored:
+                return info.step
+            problems = self.manager.verify(info)
+            if not problems:
+                return info.step
+            self.manager.quarantine(info, f"{problems[0]}; the mirror may hold a whole copy")
+        return None
 
     def _event(self, kind: str, **fields: Any) -> None:
         """The uploader's events (its thread): into history.jsonl; an upload's seconds to the stopper too, part of

@@ -107,11 +107,8 @@ def test_a_short_seeded_campaign_of_two_ranks_survives_every_fault(tmp_path):
 
 def test_a_short_seeded_campaign_with_a_mirror_survives_every_fault(tmp_path):
     """8 faults of a fixed seed on the quick-start job with mirror= to a private S3 server: the server paused while a
-    process stops, the local save_dir deleted (the next process pulls). Without flipped bytes: damaged local
-    checkpoints all newer than the mirror's start the run fresh (the known bug below), which the slow campaign may
-    hit by chance."""
-    classes = [c for c in MIRROR_CLASSES if c != "flip_byte"]
-    _campaign(tmp_path, SHORT_SEED, SHORT_MIRROR_FAULTS, "mirror", strict_report=False, classes=classes)
+    process stops, the local save_dir deleted (the next process pulls), a byte flipped in a kept checkpoint."""
+    _campaign(tmp_path, SHORT_SEED, SHORT_MIRROR_FAULTS, "mirror", strict_report=False)
 
 
 @pytest.mark.slow
@@ -120,12 +117,11 @@ def test_a_campaign_of_300_faults_across_the_jobs_survives_every_fault(tmp_path,
     _campaign(tmp_path, LONG_SEED, LONG[job], job)
 
 
-@pytest.mark.slow
-def test_known_bug_damaged_local_checkpoints_newer_than_the_mirror_start_fresh_instead_of_pulling(tmp_path):
+def test_damaged_local_checkpoints_newer_than_the_mirror_are_replaced_by_the_mirrors_newest(tmp_path):
     """Found by the chaos campaign (``python bench/chaos.py --seed 70 --faults 50 --jobs mirror``, fault #24): every
-    local checkpoint is newer than the mirror's newest complete one and damaged; the run quarantines them all and
-    starts fresh, although the mirror holds a whole checkpoint (README: "A run never starts fresh because of what the
-    mirror holds"). Expected: it pulls the mirror's step 10 and resumes there. Fails until preempt is fixed."""
+    local checkpoint is newer than the mirror's newest complete one and damaged. The run once quarantined them all and
+    started fresh beside the mirror's whole checkpoint (the choice to pull was made from the manifests, before the
+    data was verified); it pulls the mirror's step 10 and resumes there."""
     import signal
 
     import s3server
