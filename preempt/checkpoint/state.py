@@ -353,30 +353,6 @@ def compare_model(
     return ModelDiff(matched, tuple(missing), tuple(unexpected), shapes)
 
 
-def check_model(
-    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], where: str, *, strict: bool = True
-) -> dict[str, torch.Tensor]:
-    """Matches checkpoint weights to the model's keys and shapes.
-
-    Args:
-        model: The model (wrappers are seen through).
-        tensors: The checkpoint's weights.
-        where: The weights file's path, for messages.
-        strict: When False, missing and unexpected keys are allowed (see
-            :func:`load_model`); a shape mismatch is an error either way.
-
-    Returns:
-        The weights that match, keyed as the unwrapped model names them.
-
-    Raises:
-        IncompatibleStateError: Listing the shape mismatches, and (strict)
-            the missing and unexpected keys.
-    """
-    diff = compare_model(model, tensors)
-    _raise_unless_fits(diff, where, strict)
-    return diff.weights
-
-
 def load_model(
     model: torch.nn.Module, loaded: Loaded, extra: Mapping[str, Any] | None = None, *, strict: bool = True
 ) -> SkippedKeys:

@@ -49,11 +49,6 @@ def is_complete(objects: Mapping[str, int], manifest: Manifest | None) -> bool:
     return all(objects.get(name) == d.size for name, d in manifest.files.items())
 
 
-def complete_steps(listing: Mapping[int, Mapping[str, int]], manifests: Mapping[int, Manifest | None]) -> list[int]:
-    """The complete steps of a listing, oldest first (``manifests``: the parsed manifest of each step that has one)."""
-    return sorted(s for s, objects in listing.items() if is_complete(objects, manifests.get(s)))
-
-
 def to_upload(local: Mapping[int, Manifest], mirrored: Mapping[int, Manifest]) -> list[int]:
     """The local committed checkpoints the mirror lacks or holds incomplete or holds another save of, oldest first.
 

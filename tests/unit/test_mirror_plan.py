@@ -42,11 +42,6 @@ def test_complete_needs_the_manifest_and_every_listed_file_with_its_size():
     assert not plan.is_complete(missing, m)
     assert plan.is_complete({**objects(m), "stray.bin": 1}, m)  # more objects than listed: still complete
 
-    a, b, c = manifest(2), manifest(4), manifest(6)
-    listing = {2: objects(a), 4: objects(b, with_manifest=False), 6: objects(c)}
-    assert plan.complete_steps(listing, {2: a, 6: c}) == [2, 6]
-    assert plan.complete_steps(listing, {2: a, 4: b, 6: None}) == [2]
-
 
 def test_to_upload_what_the_mirror_lacks_or_holds_another_save_of_oldest_first():
     local = {2: manifest(2), 4: manifest(4), 6: manifest(6)}

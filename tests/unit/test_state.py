@@ -98,7 +98,7 @@ def test_long_listings_show_twenty_and_count_the_rest():
     diff = state.compare_model(big, {})
     assert len(diff.missing) == 60  # complete here ...
     with pytest.raises(IncompatibleStateError) as e:
-        state.check_model(big, {}, "w")
+        state.load_model(big, Loaded(WHERE, {}, {}))
     message = str(e.value)
     assert "(60 missing in checkpoint)" in message and "... and 40 more" in message  # ... and readable there
     assert message.count(".weight") + message.count(".bias") == 20
@@ -113,7 +113,7 @@ def test_a_prefix_difference_is_pointed_out(saved_prefix, model_prefix, how):
     else:
         model = net()
     with pytest.raises(IncompatibleStateError, match=rf"hint: the checkpoint's keys {how} a prefix 'backbone\.'"):
-        state.check_model(model, saved, "w")
+        state.load_model(model, Loaded(WHERE, saved, {}))
 
 
 # ------------------------------------------------------------------ model: strict=False
@@ -146,13 +146,15 @@ def test_non_strict_still_refuses_another_shape_and_changes_nothing():
     assert "even with strict=False" in str(e.value) and "0.weight: checkpoint (5, 6), model (4, 6)" in str(e.value)
     assert_unchanged(before, snapshot(target))
     with pytest.raises(IncompatibleStateError, match="even with strict=False"):
-        state.check_model(target, loaded.model, "w", strict=False)
+        state.load_model(target, Loaded(WHERE, loaded.model, {}), strict=False)
 
 
-def test_check_model_non_strict_returns_only_the_matching_weights():
+def test_the_comparison_keeps_only_the_matching_weights():
     weights = dict(net().state_dict(), surplus=torch.zeros(1))
     del weights["0.bias"]
-    assert set(state.check_model(net(), weights, "w", strict=False)) == {"0.weight", "2.weight", "2.bias"}
+    diff = state.compare_model(net(), weights)
+    assert set(diff.weights) == {"0.weight", "2.weight", "2.bias"}
+    assert diff.missing == ("0.bias",) and diff.unexpected == ("surplus",) and not diff.shapes
 
 
 def test_apply_non_strict_with_an_optimizer_for_the_same_parameters():
