@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -28,7 +28,12 @@ MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's 
 
 
 class Writer(Protocol):
-    """What the scheduler asks of its background writer (:class:`~preempt.checkpoint.staging.BackgroundWriter`)."""
+    """What the scheduler asks of its background writer (:class:`~preempt.checkpoint.staging.BackgroundWriter`).
+
+    A Protocol for one implementation because the scheduler's unit tests inject another (``writer=``): a writer that
+    runs each job only when the test says, so that every interleaving of a job and the loop is reached without threads
+    or sleeps.
+    """
 
     @property
     def busy(self) -> bool: ...
@@ -38,38 +43,18 @@ class Writer(Protocol):
     def join(self) -> None: ...
 
 
-class Staging(Protocol):
-    """What the scheduler asks of its staging buffers (:class:`~preempt.checkpoint.staging.Stager`)."""
-
-    live: frozenset[str]  # files read where their tensors live, never copied
-
-    @property
-    def nbytes(self) -> int: ...
-
-    @property
-    def pinned(self) -> bool: ...
-
-    def prepare(self, payload: state.Payload, stop: threading.Event | None = None) -> None: ...
-
-    def stage(self, payload: state.Payload, *, loop_waits: bool = False) -> state.Payload: ...
-
-    def stage_lazily(
-        self, payload: state.Payload, later: Collection[SourceKey]
-    ) -> tuple[state.Payload, LazyCopy | None]: ...
-
-
 class Background:
     """The staging buffers and the writer of background saves (None until :meth:`open`, the buffers None again once
     host memory refused them: saves are synchronous from then on).
 
     Args:
-        writer: Makes the background writer (a seam for tests).
-        stager: Makes staging buffers (a seam for tests).
+        writer: Makes the background writer (a seam for tests: :class:`Writer`).
+        stager: Makes staging buffers.
     """
 
-    def __init__(self, writer: Callable[[], Writer] = BackgroundWriter, stager: Callable[[], Staging] = Stager) -> None:
+    def __init__(self, writer: Callable[[], Writer] = BackgroundWriter, stager: Callable[[], Stager] = Stager) -> None:
         self.new_writer, self.new_stager = writer, stager
-        self.stager: Staging | None = None  # while background saves are possible
+        self.stager: Stager | None = None  # while background saves are possible
         self.writer: Writer | None = None
         self.lazy = False  # snapshots are lazy: see SaveScheduler.start()
         self.hook: Any = None  # the optimizer's pre-step hook that waits for a lazy snapshot's copies
@@ -116,7 +101,7 @@ class Background:
     def nbytes(self) -> int:
         return 0 if self.stager is None else self.stager.nbytes
 
-    def staging(self) -> Staging:
+    def staging(self) -> Stager:
         assert self.stager is not None  # (asked only while background saves are possible)
         return self.stager
 

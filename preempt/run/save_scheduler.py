@@ -33,7 +33,7 @@ from ..checkpoint.staging import BackgroundWriter, LazyCopy, Stager
 from ..cluster import sharded
 from ..cluster.signals import StopFlag
 from ..errors import CheckpointWriteError
-from .background import Background, Staging, Writer
+from .background import Background, Writer
 from .checkpoint_writer import CheckpointWriter, writer_for
 from .loop_state import LoopState
 from .peers import Alone, Peers
@@ -78,7 +78,7 @@ class SaveScheduler:
         on_durable: Callable[[float, float, int], None] | None = None,
         on_saved: Callable[[SaveRecord, int], None] | None = None,
         writer: Callable[[], Writer] = BackgroundWriter,
-        stager: Callable[[], Staging] = Stager,
+        stager: Callable[[], Stager] = Stager,
     ) -> None:
         self.manager = manager
         self.loop = loop

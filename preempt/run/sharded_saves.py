@@ -1,10 +1,10 @@
 """Sharded state saved in the background under torch.distributed: the ranks' writers and the buffers of the pieces.
 
 Every rank copies its files and its pieces of the sharded state (FSDP, DTensor) into buffers of its own; then its
-writer thread runs the whole distributed commit (:class:`preempt.run.checkpoint_writer.RankWriter`; DCP writing the
-staged DTensors that no file of pieces holds, if any) with the other ranks' writers, on a gloo group of the writers'
-own, so that their collectives never interleave with the loop's. Not cancellable: a rank that left the commit's
-collectives alone would leave the others waiting; a stop waits for it instead.
+writer thread runs the whole distributed commit (:class:`preempt.run.checkpoint_writer.CheckpointWriter`; DCP
+writing the staged DTensors that no file of pieces holds, if any) with the other ranks' writers, on a gloo group of
+the writers' own, so that their collectives never interleave with the loop's. Not cancellable: a rank that left the
+commit's collectives alone would leave the others waiting; a stop waits for it instead.
 """
 
 from __future__ import annotations

@@ -468,7 +468,7 @@ def test_each_end_of_a_job_has_one_outcome(kind, error, outcome):
 def test_one_process_writes_its_checkpoint_through_the_writer_built_for_it(tmp_path):
     """The writer is built once with the manager (the run does it for its peers); a save is one call down to it."""
     from preempt.checkpoint.manager import CheckpointInfo, Pending
-    from preempt.run.checkpoint_writer import ProcessWriter, writer_for
+    from preempt.run.checkpoint_writer import CheckpointWriter, writer_for
     from preempt.run.peers import Alone
 
     loop, data = LoopState(), DataCursor(())
@@ -476,7 +476,7 @@ def test_one_process_writes_its_checkpoint_through_the_writer_built_for_it(tmp_p
     snapshot = Snapshot(Components(torch.nn.Linear(3, 2)), loop, data)
     manager = CheckpointManager(tmp_path, keep_last=None)
     writer = writer_for(manager, Alone())
-    assert isinstance(writer, ProcessWriter)
+    assert isinstance(writer, CheckpointWriter)
     payload = snapshot.capture()
     written = writer.write(payload, snapshot.manifest(R.STEPS, "step"))
     assert isinstance(written, CheckpointInfo) and written.step == 0
