@@ -1,15 +1,10 @@
 """File writes, and a restore's reads, that bypass the page cache wherever the memory and the file agree on alignment
 (``O_DIRECT``).
 
-A buffered write copies every byte into the kernel's page cache, which the
-kernel writes back later. For the 1.5 GiB checkpoint of ``bench/README.md``
-(2-core VM) that took 0.6 to 5.4 s of kernel time per write (the page cache
-growing into memory the hypervisor had never backed costs the most) and the
-file was durable after ~6 s; written ``O_DIRECT``, the device reads the buffer
-itself: 0.05 s of kernel time, durable after ~1 s, and no dirty pages left to
-compete for memory. What either costs a training loop running meanwhile is
-within the noise of that machine (``bench/bench_interference.py``,
-``bench/bench_lazy.py``).
+A buffered write copies every byte into the kernel's page cache, which the kernel writes back later: kernel time
+per write, dirty pages competing for memory, and durability only after the write-back. Written ``O_DIRECT``, the
+device reads the buffer itself and no dirty pages are left (``bench/README.md`` measures both ways, and what either
+costs a training loop running meanwhile: ``bench/bench_interference.py``, ``bench/bench_lazy.py``).
 
 Linux asks three things of an ``O_DIRECT`` write: the buffer's address, the
 file offset and the length are multiples of the device's logical block size.
@@ -27,9 +22,10 @@ Where a filesystem refuses ``O_DIRECT`` (the flag, or a write with it: EINVAL or
 EOPNOTSUPP), the file is written through the page cache from there on; nothing fails.
 
 A restore reads the large files it keeps the same way (:func:`read_whole`, from
-:func:`preempt.checkpoint.hashed_io.read_file`): the device writes straight into the memory the
-tensors end in. A file already in the page cache (``preempt prefetch`` read it ahead) is read from
-there instead (:func:`cached`), and a filesystem that refuses ``O_DIRECT`` is read through it.
+:func:`preempt.checkpoint.hashed_io.read_file`; a byte range of a file, for the ranks that read shares of a
+checkpoint: :func:`read_range`): the device writes straight into the memory the tensors end in. A file already in
+the page cache (``preempt prefetch`` read it ahead) is read from there instead (:func:`cached`), and a filesystem
+that refuses ``O_DIRECT`` is read through it.
 """
 
 from __future__ import annotations
@@ -115,16 +111,10 @@ class Sink:
         A filesystem that refuses the flag gets buffered writes from then on.
         """
         if self._mode != direct:
-            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-            try:
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | _O_DIRECT if direct else flags & ~_O_DIRECT)
-            except OSError as e:
-                if not direct or e.errno not in _REFUSED:
-                    raise
+            self._mode = set_direct(self.fd, direct)
+            if direct and not self._mode:
                 self._usable = False
-                return False
-            self._mode = direct
-        return direct
+        return self._mode
 
     def _give_up(self) -> None:
         self._set_mode(False)
@@ -188,13 +178,34 @@ def _mincore() -> Any:
 _MINCORE = _mincore()
 
 
+def set_direct(fd: int, on: bool = True) -> bool:
+    """Sets (or, not ``on``, clears) ``O_DIRECT`` on the descriptor ``fd``; whether it is set now. False where the
+    system has no ``O_DIRECT`` or the filesystem refuses it for this file: it is read or written through the page
+    cache.
+
+    Raises:
+        OSError: ``fcntl`` failed for another reason (clearing the flag never fails quietly).
+    """
+    if not _O_DIRECT:
+        return False
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if bool(flags & _O_DIRECT) == on:
+        return on
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
+    except OSError as e:
+        if on and e.errno in _REFUSED:
+            return False
+        raise
+    return on
+
+
 def read_whole(fd: int, view: memoryview, size: int, chunk: int = READ_CHUNK) -> Iterator[memoryview]:
     """Reads the file of ``fd`` (``size`` bytes) into ``view`` bypassing the page cache, yielding each piece read.
 
     ``view`` starts on a page boundary and holds ``size`` rounded up to :data:`BLOCK` (the last read asks for the
     whole last block; the file's end makes it short). The device writes the memory itself: no page cache grows,
-    no copy is made (on the VM of ``bench/README.md``, ``cat`` of a cold 1 GiB checkpoint spent 0.13-1.05 s in the
-    kernel, ``dd iflag=direct`` of its 0.7 GiB file 0.03-0.05 s).
+    no copy is made. The descriptor's flags are as they were when this returns.
 
     Raises:
         DirectRefused: The filesystem refuses ``O_DIRECT`` (read the file again, through the page cache).
@@ -205,28 +216,51 @@ def read_whole(fd: int, view: memoryview, size: int, chunk: int = READ_CHUNK) ->
     if address(view) % BLOCK or view.nbytes < -(-size // BLOCK) * BLOCK:
         raise ValueError("the memory of a direct read starts on a block and holds whole blocks")
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not set_direct(fd):
+        raise DirectRefused("O_DIRECT refused")
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
-    except OSError as e:
-        if e.errno in _REFUSED:
-            raise DirectRefused(e.strerror or "O_DIRECT refused") from None
-        raise
-    try:
-        done = 0
-        while done < size:
-            try:
-                n = os.preadv(fd, [view[done : done + chunk]], done)
-            except OSError as e:
-                if e.errno in _REFUSED:  # refused at read time: the caller reads the file again, buffered
-                    raise DirectRefused(e.strerror or "O_DIRECT refused") from None
-                raise
-            n = min(n, size - done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"the file ended at {done} of {size} bytes while being read")
-            yield view[done : done + n]
-            done += n
+        yield from read_range(fd, view, 0, size, chunk=chunk, fall_back=False)
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
+def read_range(
+    fd: int, view: memoryview, offset: int, length: int, *, chunk: int = READ_CHUNK, fall_back: bool = True
+) -> Iterator[memoryview]:
+    """Reads ``length`` bytes of the file of ``fd`` from ``offset`` into the same bytes of ``view`` (the file's
+    memory from its first byte), yielding each piece as it lands.
+
+    Each read asks for at most ``chunk`` bytes and no further than the end of the range's last block, which ``view``
+    holds whole (the file's end makes that read short): what a descriptor set ``O_DIRECT`` (:func:`set_direct`)
+    needs, with ``offset``, ``chunk`` and the address of ``view`` multiples of :data:`BLOCK`. Without the flag, the
+    same reads go through the page cache.
+
+    Args:
+        fall_back: Where the filesystem refuses a read ``O_DIRECT``, clear the flag on ``fd`` (for every later read
+            of it too) and go on through the page cache from there; else raise :class:`DirectRefused`.
+
+    Raises:
+        DirectRefused: Refused, and not ``fall_back``; the pieces yielded before it are read.
+        OSError: A read failed, or the file ended inside the range.
+    """
+    end = offset + length
+    last = -(-end // BLOCK) * BLOCK
+    at = offset
+    while at < end:
+        try:
+            n = os.preadv(fd, [view[at : min(at + chunk, last)]], at)
+        except OSError as e:
+            if e.errno not in _REFUSED or not fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT:
+                raise
+            if not fall_back:
+                raise DirectRefused(e.strerror or "O_DIRECT refused") from None
+            set_direct(fd, False)  # refused at read time: this descriptor reads through the page cache from now on
+            continue
+        n = min(n, end - at)
+        if n <= 0:
+            raise OSError(errno.EIO, f"the file ended at {at} of {end} bytes while being read")
+        yield view[at : at + n]
+        at += n
 
 
 class DirectRefused(OSError):

@@ -2,10 +2,11 @@
 
 Writes (:func:`write_file`: coalesced, page cache bypassed for an aligned arena, a recycled file written over in
 place), hard links of carried files (:func:`link_file`), reads (:func:`read_file`: mapped, or read ``O_DIRECT`` into
-memory of this process's own, or read plainly where a mapping is refused; :func:`hash_file` in constant memory) and
-syncs issued together (:func:`sync_together`). The order in which a checkpoint's files are written, synced and
-renamed is the protocol's (:mod:`preempt.checkpoint.commit`); a write stops when cancelled
-(:mod:`preempt.checkpoint.cancel`). No torch, no signals.
+memory of this process's own, or read plainly where a mapping is refused; :func:`hash_file` in constant memory),
+the digests of bytes already in memory (:func:`digest_of`, chunk by chunk: :func:`update`) and syncs issued together
+(:func:`sync_together`). The order in which a checkpoint's files are written, synced and renamed is the protocol's
+(:mod:`preempt.checkpoint.commit`); a write stops when cancelled (:mod:`preempt.checkpoint.cancel`). No torch, no
+signals.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import mmap
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -350,6 +351,30 @@ def hash_file(path: str | os.PathLike[str]) -> FileDigest:
             digest.update(view[:n])
             size += n
     return FileDigest(size, digest.hexdigest())
+
+
+def update(digest: Any, view: memoryview, chunk: int = LOAD_CHUNK) -> None:
+    """Hashes the bytes of ``view`` into ``digest`` (an ``xxhash.xxh3_128``), ``chunk`` bytes at a time: each chunk
+    while it is in the CPU's cache, the GIL let go of by xxhash for each."""
+    for at in range(0, view.nbytes, chunk):
+        digest.update(view[at : at + chunk])
+
+
+def digest_of(buf: np.ndarray | memoryview) -> FileDigest:
+    """Size and digest of the bytes of ``buf`` (a file read into memory), hashed chunk by chunk (:func:`update`)."""
+    view = (buf if isinstance(buf, memoryview) else buf.data).cast("B") if buf.nbytes else memoryview(b"")
+    digest = xxhash.xxh3_128()
+    update(digest, view)
+    return FileDigest(view.nbytes, digest.hexdigest())
+
+
+def digests_of(bufs: Sequence[np.ndarray | memoryview], threads: int = 2) -> list[FileDigest]:
+    """:func:`digest_of` each of ``bufs``, in their order, up to ``threads`` hashed at once (xxhash lets go of the
+    GIL)."""
+    if len(bufs) <= 1 or threads <= 1:
+        return [digest_of(b) for b in bufs]
+    with ThreadPoolExecutor(min(threads, len(bufs)), thread_name_prefix="preempt-hash") as pool:
+        return list(pool.map(digest_of, bufs))
 
 
 def dumps_json(obj: Any) -> bytes:

@@ -40,7 +40,6 @@ broadcast by the caller). A process alone never comes here.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import fcntl
 import mmap
 import os
@@ -48,7 +47,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,7 +66,6 @@ log = _log.log
 _POLL = 0.002  # seconds between two looks at whether a piece a rank hashes is read yet
 PIECE = 32 << 20  # bytes per piece: a direct read of the device's size, and a broadcast that overlaps the next read
 BLOCK = direct_io.BLOCK
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python names it from 3.14 on
 
 Shared = dict[str, tuple[np.ndarray, FileDigest]]  # a file's name -> its bytes and the digest this rank computed
@@ -291,7 +288,7 @@ def _through_memory(
             claims.release()
             for r in rooms:
                 r.release()
-    together.close()  # its pages let go of already (tens of ms per GiB at once): this rank's own view stays
+    together.close()  # its pages let go of already, so the unmapping is short: this rank's own view stays
     mine_found = found
     bufs = [
         np.frombuffer(own, dtype=np.uint8, count=d.size, offset=a) for a, (_, d) in zip(starts, wanted, strict=True)
@@ -365,8 +362,7 @@ class _Claims:
                 while not self.flags[self.index[p]]:
                     if stop.wait(_POLL):
                         return
-                for at in range(p.offset, p.offset + p.length, hashed_io.LOAD_CHUNK):
-                    digest.update(rooms[f][at : min(at + hashed_io.LOAD_CHUNK, p.offset + p.length)])
+                hashed_io.update(digest, rooms[f][p.offset : p.offset + p.length])
                 hashed(p)
             found[f] = FileDigest(sizes[f], digest.hexdigest())
 
@@ -445,7 +441,7 @@ def _by_broadcast(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDiges
     finally:
         reader.join()
     took = time.monotonic() - start
-    found = dict(enumerate(_hash(bufs)))
+    found = dict(enumerate(hashed_io.digests_of(bufs)))
     return _verdict(talk, where, wanted, bufs, failures, found, sum(p.length for p in mine), took)
 
 
@@ -471,7 +467,7 @@ def _verdict(
             # Hashed as its pieces landed, each once its flag said it was read. A processor that may reorder loads
             # (ARM) could have read bytes older than the flag: hashed again now, after the ranks' barrier, before the
             # checkpoint is failed (a damaged file fails both).
-            again = FileDigest(bufs[f].nbytes, xxhash.xxh3_128(bufs[f].data).hexdigest())
+            again = hashed_io.digest_of(bufs[f])
             try:
                 files.compare(where / wanted[f][0], wanted[f][1], again)
                 found[f] = again
@@ -574,7 +570,8 @@ def _read_share(
                 try:
                     if p.file not in fds:
                         fds[p.file] = _open(path, wanted[p.file][1].size)
-                    _read_piece(fds[p.file], rooms[p.file], p)
+                    for _ in direct_io.read_range(fds[p.file], rooms[p.file], p.offset, p.length):
+                        pass  # a refused direct read goes on through the page cache
                 except (OSError, MemoryError, CorruptCheckpointError) as e:
                     failed.add(p.file)
                     error = e if isinstance(e, CorruptCheckpointError) else files.read_error(path, e)
@@ -593,7 +590,7 @@ def _read_share(
 
 def _open(path: Path, size: int) -> int:
     """A descriptor of the regular file ``path`` of ``size`` bytes, read past the page cache where the filesystem
-    lets it.
+    lets it (:func:`direct_io.set_direct`; a file shorter than a block through the page cache).
 
     Raises:
         CorruptCheckpointError: Missing, not a regular file, or of another size.
@@ -608,33 +605,12 @@ def _open(path: Path, size: int) -> int:
         found = os.fstat(fd).st_size
         if found != size:
             raise CorruptCheckpointError(f"{path}: size {found} bytes, manifest says {size}")
-        if _O_DIRECT and size >= BLOCK:
-            try:
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
-            except OSError:
-                pass  # no O_DIRECT here: through the page cache
+        if size >= BLOCK:
+            direct_io.set_direct(fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
-
-
-def _read_piece(fd: int, whole: memoryview, p: Piece) -> None:
-    """One piece read into its place in its file's memory ``whole`` (in whole blocks: it holds the last one)."""
-    done = 0
-    while done < p.length:
-        at = p.offset + done
-        ask = -(-(p.length - done) // BLOCK) * BLOCK
-        try:
-            n = os.preadv(fd, [whole[at : at + ask]], at)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP) or not fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT:
-                raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)  # refused when read
-            continue
-        if n <= 0:
-            raise OSError(errno.EIO, f"the file ended at {at} bytes while being read")
-        done += n
 
 
 def _map_ahead(memory: mmap.mmap, start: int, length: int) -> None:
@@ -655,24 +631,3 @@ def _let_go(memory: mmap.mmap, start: int, length: int) -> None:
         memory.madvise(mmap.MADV_DONTNEED, start, length // mmap.PAGESIZE * mmap.PAGESIZE)
     except (OSError, ValueError):
         pass
-
-
-def _hash(bufs: Sequence[np.ndarray]) -> list[FileDigest]:
-    """Every file's size and digest, several hashed at once (xxhash lets go of the GIL)."""
-
-    def one(buf: np.ndarray) -> FileDigest:
-        digest = xxhash.xxh3_128()
-        for piece in _chunks(buf):
-            digest.update(piece)
-        return FileDigest(buf.nbytes, digest.hexdigest())
-
-    if len(bufs) <= 1:
-        return [one(b) for b in bufs]
-    with ThreadPoolExecutor(min(2, len(bufs)), thread_name_prefix="preempt-hash") as pool:
-        return list(pool.map(one, bufs))
-
-
-def _chunks(buf: np.ndarray) -> Iterator[memoryview]:
-    view = buf.data.cast("B") if buf.nbytes else memoryview(b"")
-    for at in range(0, buf.nbytes, hashed_io.LOAD_CHUNK):
-        yield view[at : at + hashed_io.LOAD_CHUNK]

@@ -273,3 +273,70 @@ def test_a_restored_checkpoint_was_read_past_the_page_cache_and_is_equal(tmp_pat
 )
 def test_a_file_mostly_in_the_page_cache_is_read_through_it(resident, pages, want):
     assert direct_io.through_cache(resident, pages) is want
+
+
+def test_a_byte_range_lands_in_the_same_bytes_of_the_files_memory_and_nothing_else(tmp_path):
+    data = bytes(np.arange(5 * direct_io.BLOCK + 300, dtype=np.uint64).astype(np.uint8) ^ 0x5A)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    memory = aligned(6 * direct_io.BLOCK, fill=0)
+    memory[:] = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        lo, n = 2 * direct_io.BLOCK, len(data) - 2 * direct_io.BLOCK  # three whole blocks and the short last one
+        pieces = list(direct_io.read_range(fd, memoryview(memory), lo, n, chunk=direct_io.BLOCK))
+    finally:
+        os.close(fd)
+    assert b"".join(bytes(p) for p in pieces) == data[lo:]
+    assert [p.nbytes for p in pieces] == [direct_io.BLOCK] * 3 + [300]
+    assert bytes(memory[lo : len(data)]) == data[lo:] and not memory[:lo].any()
+
+
+def test_a_range_past_the_files_end_fails_naming_where_it_ended(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"z" * 100)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="ended at 100 of 5000"):
+            list(direct_io.read_range(fd, memoryview(aligned(8192)), 0, 5000))
+    finally:
+        os.close(fd)
+
+
+def test_a_refused_direct_read_of_a_range_goes_on_through_the_page_cache_or_says_so(tmp_path):
+    data = bytes(np.arange(3 * MB, dtype=np.uint64).astype(np.uint8))
+    path = tmp_path / "f"
+    _uncached_file(path, data)
+    if not direct_io_supported(tmp_path):
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    odd = direct_io.BLOCK + 1  # reads of other than whole blocks: the kernel refuses them (EINVAL)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert direct_io.set_direct(fd)
+        with pytest.raises(direct_io.DirectRefused):
+            list(direct_io.read_range(fd, memoryview(aligned(3 * MB)), MB, MB, chunk=odd, fall_back=False))
+        view = memoryview(aligned(3 * MB))
+        got = b"".join(bytes(p) for p in direct_io.read_range(fd, view, MB, 2 * MB, chunk=odd))
+        assert got == data[MB:] and bytes(view[MB:]) == data[MB:]
+        assert not direct_io.set_direct(fd, False)  # the refusal cleared the flag for the reads after it
+    finally:
+        os.close(fd)
+
+
+def test_o_direct_is_not_set_where_the_system_has_none(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    path.write_bytes(b"a")
+    monkeypatch.setattr(direct_io, "_O_DIRECT", 0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert direct_io.set_direct(fd) is False
+    finally:
+        os.close(fd)
+
+
+def test_bytes_in_memory_are_hashed_as_their_file_would_be_in_order():
+    import xxhash
+
+    bufs = [aligned(3 * hashed_io.LOAD_CHUNK + 5, fill=7), np.zeros(0, dtype=np.uint8), memoryview(b"abc")]
+    want = [hashed_io.FileDigest(len(bytes(b)), xxhash.xxh3_128_hexdigest(bytes(b))) for b in bufs]
+    assert hashed_io.digests_of(bufs) == want == [hashed_io.digest_of(b) for b in bufs]
