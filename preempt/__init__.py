@@ -3,7 +3,7 @@
 ``CheckpointManager``, ``PreemptibleRun`` and ``ResumableSampler`` import torch,
 so they are loaded on first use (PEP 562 ``__getattr__``): the parts that need
 no torch (``preempt supervise``, ``preempt --help``, :mod:`preempt.errors`,
-:mod:`preempt.cluster.signals`) start in milliseconds instead of the ~1.5 s torch takes.
+:mod:`preempt.cluster.signals`) start without importing torch (``bench/README.md``, "Command-line start-up").
 ``from preempt import PreemptibleRun`` works as before.
 """
 

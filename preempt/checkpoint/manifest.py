@@ -41,7 +41,7 @@ FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILES = 1 << 16  # files a manifest may list: every rank's and every DCP shard's, with room to spare
 # values a manifest's JSON may hold, checked before it is parsed: ~6 per listed file, with room for the rest (a
-# compact 60 MiB document of empty objects would otherwise cost about 1.7 GB to parse)
+# compact document of empty objects costs many times its text in memory to parse)
 MAX_VALUES = 1 << 20
 MAX_FILE_BYTES = 1 << 50  # 1 PiB: larger claims are corruption, not data
 _FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)  # used with fullmatch

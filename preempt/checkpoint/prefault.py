@@ -5,10 +5,9 @@ trapping into the kernel, which finds a zeroed page and maps it. The staging buf
 background, so that a checkpoint's copy into them faults nothing (``preempt.checkpoint.staging``). Where the kernel
 has ``MADV_POPULATE_WRITE`` (Linux 5.14), one call per 64 MiB maps every page writable without a trap per page and
 without writing the memory a second time; elsewhere the buffer is filled with zeros, as before. A save that cannot
-wait (a stop) stops the touching between two calls: its copy faults the rest.
-
-Measured on the 2-core VM (1 GiB, 5 rounds alternating, ``bench/README.md``): 0.33 s populated against 0.42 s filled,
-the copy into the buffer afterwards the same (0.08 s).
+wait (a stop) stops the touching between two calls: its copy faults the rest. Populating is no slower than
+filling, and the copy into the buffer afterwards costs the same either way (``bench/README.md``, "Figures once kept
+in docstrings").
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ def reserve(save_dir: Path, sizes: Mapping[str, int]) -> Path:
 
 POOL_CHUNK = 8 << 20
 """Bytes of zeros per write of a pool (the last up to twice that): a save that cancels it waits for one such write at
-most (fresh blocks of a thin-provisioned disk can take tenths of a second per 64 MiB)."""
+most (fresh blocks of a thin-provisioned disk are slow to write: ``bench/README.md``, "Recycling the pruned checkpoint's
+files")."""
 
 
 def _zeros(size: int) -> Iterator[memoryview]:

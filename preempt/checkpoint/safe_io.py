@@ -50,8 +50,8 @@ CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 MAX_DEPTH = 64  # JSON nesting: our documents need fewer than 10 levels
 SMALL = 1 << 20  # caps for small documents (lock, complete.json, a history line)
 # A JSON string, matched in memory that does not grow with its length: the loop unrolled and every quantifier
-# possessive. (``"(?:[^"\\]|\\.)*"`` kept a backtracking frame per character: ~120 bytes of memory per byte of an
-# 8 MB string, so `preempt verify` of a checkpoint with that string in its user state took 1 GB.)
+# possessive. (``"(?:[^"\\]|\\.)*"`` kept a backtracking frame per character: the memory of `preempt verify` grew
+# with the longest string of a checkpoint's user state, many times its length.)
 _STRINGS = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _YEAR_2200 = 7258118400.0  # the latest time a file of ours may record (seconds since the epoch)
@@ -296,7 +296,7 @@ def load_json(
     max_values: int | None = None,
 ) -> Any:
     """Parses a JSON document from disk: nesting (and, with ``max_values``, how many values it holds: a compact
-    ``[{}, {}, ...]`` costs about 80 bytes of memory per byte of text) checked first, then the top-level type.
+    ``[{}, {}, ...]`` costs many times its text in memory) checked first, then the top-level type.
 
     Raises:
         ValueError: Bad UTF-8 or syntax, nested deeper than ``max_depth``, more than ``max_values`` values, or not of

@@ -6,7 +6,7 @@ happen in a named daemon thread with the same protocol as a synchronous save
 
 * :class:`Stager` copies a :class:`~preempt.checkpoint.state.Payload`'s tensors into host
   buffers that are allocated once, touched once when allocated (so the first
-  checkpoint does not pay a page fault per 4 KiB, ~1.5 s/GiB here), and reused
+  checkpoint does not pay a page fault per 4 KiB page), and reused
   by every later snapshot. Tensors on a GPU are copied into pinned memory (its
   pages registered, exactly the arena's size: :mod:`preempt.checkpoint.pinned`)
   with ``non_blocking=True`` and one synchronisation, or, lazily, on a side

@@ -29,7 +29,7 @@ from .output import EXIT_DAMAGED, EXIT_OK, EXIT_UNREADABLE, CommandFailed, emit
 from .views import fmt_table, fmt_utc, fmt_when, resolve
 
 _MAX_STATE_JSON = 1 << 30  # state.json larger than this is not summarised by inspect
-MAX_STATE_VALUES = 1 << 21  # nor one of more values: parsing a compact [{}, {}, ...] costs ~80 bytes a byte
+MAX_STATE_VALUES = 1 << 21  # nor one of more values: parsing a compact [{}, {}, ...] costs many times its text
 _MAX_RNG_TENSOR = 1 << 20  # an RNG state is a few KiB; anything larger is not one
 
 

@@ -38,8 +38,8 @@ first line when that is unknown, to its last line):
 
 Between processes (not in anyone's wall time): from one process's last line
 to the next one's start. After an ``exit`` line that is the interpreter's own
-exit (freeing torch and its libraries: 0.4 to 2 s on our machines, which no
-process can time itself, since nothing runs after it to write a line) and then
+exit (freeing torch and its libraries, which no process can time itself,
+since nothing runs after it to write a line) and then
 whatever came before the next start (a queue, a requeue, a person); after a
 killed process, from its estimated end. :meth:`Report.gaps` says which.
 

@@ -195,9 +195,9 @@ def _check_epoch(epoch: int) -> None:
 def _ints(indices: torch.Tensor, chunk: int = 1 << 16) -> Iterator[int]:
     """Python ints from an index tensor, converted a chunk at a time.
 
-    ``tolist()`` of a whole epoch costs ~40 bytes per index (a Python int and
-    its list slot; measured 200 MB for 5M indices), so ~4 GB for 100M samples,
-    held for the whole epoch. Chunks bound that to a few MB.
+    ``tolist()`` of a whole epoch holds a Python int and its list slot per
+    index for the whole epoch (gigabytes for a dataset of 100M samples).
+    Chunks bound that to one chunk's.
     """
     for part in indices.split(chunk):
         yield from part.tolist()

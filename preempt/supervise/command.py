@@ -8,7 +8,7 @@ The supervisor runs the command (CMD) as a child in a process group of its
 own, streams the child's output to its own as it comes, scans it for the
 patterns below, and decides from the child's exit code (and the last pattern
 seen) whether to run it again and with which values. Each run of CMD is an
-*attempt*. Imports no torch (which alone takes ~1.5 s to import): it starts at once.
+*attempt*. Imports no torch: it starts at once.
 
 What each exit of the child leads to:
 
