@@ -4,6 +4,9 @@ Pure: :func:`build` reads the lines of ``history.jsonl`` (parsed, every line as
 written: ``read_history(..., timeline=False)``) and returns a :class:`Report`;
 no torch, no disk, no clock. What each process left there:
 
+* ``restoring`` (``pid``, ``proc_start``, ``made_at``): the process holds the lock and is about to read a
+  checkpoint; a process killed in its restore left only this line, and counts as a process that never reached its
+  run (no step of its own: it ran none);
 * ``start`` / ``resume`` (``step``, ``pid``, ``proc_start``: when the process
   started, ``crashed``: the previous process died holding the lock, and the
   step it had reached, ``died_at``);
@@ -70,6 +73,7 @@ from typing import Any
 from ..checkpoint.safe_io import plausible_time, printable
 
 STARTS = ("start", "resume")
+RESTORING = "restoring"  # a process about to read its checkpoint (before its start or resume line)
 ENDS = ("stop", "complete", "error")
 MAX_COUNT = 2**63 - 1  # a step or a byte count past int64 is no count a run writes
 MAX_DURATION_S = 1e9  # about 31 years: a longer stall or write is no duration a run measures
@@ -117,6 +121,7 @@ class Process:
     first_step: tuple[float, int] | None = None  # (t, step) of its first safe point after a step (first_step)
     stop_timing: dict[str, float] = dataclasses.field(default_factory=dict)  # durable_s, grace_s, margin_s of a stop
     stopping: dict[str, Any] | None = None  # its stop under way (cause, grace_s, stop_s); kept if it was killed then
+    reached_run: bool = True  # False: only its restoring line (killed or failed before its run began)
 
     @property
     def wall_s(self) -> float:
@@ -218,6 +223,8 @@ class Process:
             grace = self.stopping.get("grace_s")
             within = "" if grace is None else f", grace {duration(grace)}"
             return f"killed during its stop on {self.stopping.get('cause')} (its checkpoint not durable{within})"
+        if not self.reached_run:
+            return "killed in its restore, before its first step (SIGKILL, out of memory, node failure)"
         return "killed (no clean stop: SIGKILL, out of memory, node failure)"
 
 
@@ -325,6 +332,7 @@ class Report:
                     "end_step": p.end_step,
                     "end": p.how,
                     "end_estimated": p.end_estimated,
+                    "reached_run": p.reached_run,
                     "cause": p.cause,
                     "wall_s": p.wall_s,
                     "startup_s": p.startup_s,
@@ -441,24 +449,32 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
         if t is None:
             continue
         event, step = doc.get("event"), facts.count("step")
-        if event in STARTS:
+        if event in STARTS or event == RESTORING:
             started = facts.time("proc_start", "its start taken as this line's time")
-            p = Process(
-                index=len(procs) + 1,
-                resumed=event == "resume",
-                start_step=step or 0,
-                entered=t,
-                started=started if started is not None and started <= t else t,
-                pid=_int(doc.get("pid")),
-                end=t,
-                end_step=step or 0,
-                steps_seen=[(t, step or 0)],
-            )
+            pid = _int(doc.get("pid"))
+            restoring = procs[-1] if procs and not procs[-1].reached_run and procs[-1].pid == pid else None
+            if event in STARTS and restoring is not None:  # the same process, past its restore
+                p = restoring
+                p.resumed, p.start_step, p.entered, p.reached_run = event == "resume", step or 0, t, True
+                p.end, p.end_step, p.steps_seen = t, step or 0, [(t, step or 0)]
+            else:
+                p = Process(
+                    index=len(procs) + 1,
+                    resumed=event == "resume",
+                    start_step=step or 0,
+                    entered=t,
+                    started=started if started is not None and started <= t else t,
+                    pid=pid,
+                    end=t,
+                    end_step=step or 0,
+                    steps_seen=[] if event == RESTORING else [(t, step or 0)],
+                    reached_run=event != RESTORING,
+                )
+                procs.append(p)
             p.made = facts.time("made_at", "the start-up left unsplit")
             crashed = doc.get("crashed")
             if isinstance(crashed, Mapping):
                 crashes[p.index] = facts.count("died_at", crashed)
-            procs.append(p)
             continue
         if not procs:  # lines before any start line (an old file, a torn head): no process to give them to
             continue
@@ -519,8 +535,15 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
                 margin = _num(doc.get("margin_s"))  # negative: the stop took longer than its grace
                 if margin is not None and abs(margin) <= MAX_DURATION_S:
                     p.stop_timing["margin_s"] = margin
+    # A process that never reached its run trained nothing: it stands at the step its successor starts from.
+    reached = [p for p in procs if p.reached_run]
+    for p in procs:
+        if not p.reached_run:
+            after = next((q for q in reached if q.index > p.index), None)
+            before = next((q for q in reversed(reached) if q.index < p.index), None)
+            p.start_step = p.end_step = after.start_step if after else before.end_step if before else 0
     # What a crash cost: the steps the next process did again, and the time the dead one spent on them.
-    for prev, nxt in itertools.pairwise(procs):
+    for prev, nxt in itertools.pairwise(reached):
         died_at = crashes.get(nxt.index)
         if died_at is not None and died_at > prev.end_step:
             prev.extrapolate_end(died_at, before=nxt.started)

@@ -358,7 +358,8 @@ class PreemptibleRun:
             if self.peers.leader:
                 starter.refuse(e)
             self.stopper.flag.restore()
-            self.reporter.stop()
+            # a start that failed past its restoring line ends it, as a run's error would
+            self.reporter.stop(None if isinstance(e, RunComplete) else "error", error=repr(e)[:200])
             # A completed run has time to delete the leftovers it found; a failed start does not wait.
             self.manager.close(timeout=None if isinstance(e, RunComplete) else 0.0)
             self._lock.release()
@@ -391,6 +392,7 @@ class PreemptibleRun:
                 done.get("epoch"),
             )
             raise RunComplete(str(self.save_dir))
+        self.reporter.restoring(self._made_at)
         self.stopper.check_restarts()
         payload = self.snapshot.capture_at_start()  # unsupported state fails now
         self.stopper.read_slurm_job()

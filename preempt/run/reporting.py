@@ -147,6 +147,16 @@ class Reporter:
         for problem in problems:
             log.warning("%s", problem)
 
+    def restoring(self, made_at: float | None) -> None:
+        """The leader holds the lock and is about to read a checkpoint: history.jsonl gets a ``restoring`` line now,
+        so that a process killed in its restore is still one of the run's processes (``preempt report``)."""
+        if not self.config.log_file or self.rank != 0:
+            return
+        self._history = History(self.save_dir, rank=self.rank)
+        if self._history.active:
+            facts = {"pid": os.getpid(), "proc_start": process_start()}
+            self._history.marker("restoring", **facts, **({} if made_at is None else {"made_at": round(made_at, 3)}))
+
     def start(self, resumed_from: Path | None, resumed_how: str | None = None, *, made_at: float | None = None) -> None:
         """train.log, history.jsonl, the progress line and the GPU monitor, as configured; the start line first
         (``resumed_how``: what the restore loaded, in words, said in it: one line per start). ``made_at``: when the
@@ -166,7 +176,7 @@ class Reporter:
             )
             self._runlog.start(resumed_from, step)
             self._runlog.replay(held)
-            self._history = History(self.save_dir, rank=self.rank)
+            self._history = self._history or History(self.save_dir, rank=self.rank)
             if self._history.active:
                 exit_line_at_exit(self.save_dir)
             facts: dict[str, Any] = {

@@ -605,7 +605,7 @@ def stop_under_way(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
     found = None
     for doc in lines:
         event = doc.get("event")
-        if event in ("start", "resume", "stop", "complete", "error", "exit"):
+        if event in ("restoring", "start", "resume", "stop", "complete", "error", "exit"):
             found = None
         elif event == "stopping":
             found = doc

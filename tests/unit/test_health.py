@@ -154,7 +154,8 @@ def test_train_log_and_history_append_across_restarts(tmp_path, caplog):
     assert "steps/s" in log and "run complete" in log
     lines = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
     events = [h["event"] for h in lines if "event" in h]
-    want = ["start", "first_step", "checkpoint", "complete", "resume", "first_step", "checkpoint", "complete"]
+    want = ["restoring", "start", "first_step", "checkpoint", "complete"]
+    want += ["restoring", "resume", "first_step", "checkpoint", "complete"]
     assert events == want, events
     records = [h for h in lines if "metrics" in h and h["step"] > 0]
     assert records and all(h["lr"] for h in records)

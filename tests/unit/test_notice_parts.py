@@ -215,6 +215,7 @@ def test_a_stop_under_way_is_the_last_word_of_a_killed_process():
     assert stop_under_way([{"event": "start"}, stopping]) == stopping
     assert stop_under_way([stopping, {"event": "stop"}]) is None
     assert stop_under_way([stopping, {"event": "resume"}]) is None
+    assert stop_under_way([stopping, {"event": "restoring"}]) is None  # the next process, killed in its restore
     assert stop_under_way([{"event": "checkpoint"}]) is None
 
 

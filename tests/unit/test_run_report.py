@@ -198,3 +198,37 @@ def test_a_restart_is_split_into_start_up_restore_and_the_first_steps_warm_up():
     assert "start-up of each process" not in "\n".join(render(build(old), "run"))
     absurd = [{**lines[0], "made_at": 80.0}, *lines[1:]]  # before the process started: not a split
     assert build(absurd).processes[0].split()["restore_s"] is None
+
+
+def test_a_process_killed_in_its_restore_counts_as_a_process_that_ran_no_step():
+    """Its restoring line is its only one; its neighbours' steps are accounted as without it."""
+    lines = [
+        {"t": 1.0, "event": "restoring", "pid": 1, "proc_start": 0.0},
+        {"t": 2.0, "event": "start", "step": 0, "pid": 1, "proc_start": 0.0},
+        {"t": 9.0, "event": "checkpoint", "step": 80, "reason": "steps", "stall_s": 0.1, "write_s": 0.1, "at": 8.9},
+        {"t": 10.0, "step": 90, "metrics": {"loss": 1.0}},  # then SIGKILLed at step 90
+        {"t": 12.5, "event": "restoring", "pid": 2, "proc_start": 12.0, "made_at": 12.2},  # SIGKILLed reading 80
+        {"t": 14.0, "event": "restoring", "pid": 3, "proc_start": 13.0},
+        {"t": 15.0, "event": "resume", "step": 80, "pid": 3, "proc_start": 13.0, "crashed": {"died_at": 90}},
+        {"t": 20.0, "event": "complete", "step": 150},
+    ]
+    r = build(lines)
+    p1, p2, p3 = r.processes
+    assert [p.reached_run for p in r.processes] == [True, False, True]
+    assert (p1.start_step, p1.end_step, p1.lost_steps) == (0, 90, 10)  # what process 3 did again, not process 2
+    assert (p2.start_step, p2.end_step, p2.lost_steps, p2.how) == (80, 80, 0, "killed")
+    assert (p2.started, p2.end, p2.wall_s) == (12.0, 12.5, 0.5) and p2.made == 12.2
+    assert (p3.start_step, p3.entered, p3.startup_s, p3.resumed) == (80, 15.0, 2.0, True)
+    assert r.to_json()["lost_steps"] == 10
+    assert "killed in its restore" in "\n".join(render(r, "runs/x"))
+
+
+def test_the_same_process_past_its_restoring_line_is_one_process():
+    lines = [
+        {"t": 1.0, "event": "restoring", "pid": 7, "proc_start": 0.5, "made_at": 0.8},
+        {"t": 2.0, "event": "resume", "step": 40, "pid": 7, "proc_start": 0.5, "made_at": 0.8},
+        {"t": 3.0, "event": "stop", "step": 45, "cause": "SIGTERM"},
+    ]
+    (p,) = build(lines).processes
+    assert (p.reached_run, p.resumed, p.start_step, p.end_step, p.startup_s, p.how) == (True, True, 40, 45, 1.5, "stop")
+    assert p.split()["restore_s"] == pytest.approx(1.2)
