@@ -536,14 +536,14 @@ def build(lines: Iterable[Mapping[str, Any]]) -> Report:
                 if margin is not None and abs(margin) <= MAX_DURATION_S:
                     p.stop_timing["margin_s"] = margin
     # A process that never reached its run trained nothing: it stands at the step its successor starts from.
-    reached = [p for p in procs if p.reached_run]
+    ran = [p for p in procs if p.reached_run]
     for p in procs:
         if not p.reached_run:
-            after = next((q for q in reached if q.index > p.index), None)
-            before = next((q for q in reversed(reached) if q.index < p.index), None)
+            after = next((q for q in ran if q.index > p.index), None)
+            before = next((q for q in reversed(ran) if q.index < p.index), None)
             p.start_step = p.end_step = after.start_step if after else before.end_step if before else 0
     # What a crash cost: the steps the next process did again, and the time the dead one spent on them.
-    for prev, nxt in itertools.pairwise(reached):
+    for prev, nxt in itertools.pairwise(ran):
         died_at = crashes.get(nxt.index)
         if died_at is not None and died_at > prev.end_step:
             prev.extrapolate_end(died_at, before=nxt.started)
