@@ -39,6 +39,7 @@ from ..checkpoint.hashed_io import FileDigest
 from ..checkpoint.names import checkpoint_name, parse_checkpoint_name
 from ..checkpoint.safe_io import printable
 from ..errors import MirrorError
+from . import backoff
 
 log = logging.getLogger("preempt")
 
@@ -360,7 +361,7 @@ class MirrorStore:
                             if attempt == RESUMES or written >= size:
                                 raise
                             log.debug("%s: cut off after %d bytes (%s); going on", self.where(step, name), written, e)
-                            self.sleep(min(0.1 * 2**attempt, 2.0))
+                            self.sleep(backoff.delay(attempt + 1, 0.1, 2.0))
                 return FileDigest(written, digest.hexdigest())
             paced = Paced(size, self.op_timeout, self.clock) if size else None
             self.fs.get_file(self.key(step, name), str(local_path), **self._limit(size), **_callback(paced))

@@ -12,9 +12,10 @@ One named daemon thread. The run's step path only calls :meth:`Uploader.submit` 
    uploaded). An object listing therefore never shows a partial checkpoint as complete.
 3. Retention on the mirror (:func:`plan.deletions`), then the run records (train.log, history.jsonl) at the prefix.
 
-The mirror unreachable: one warning, the pass retried after a backoff that doubles up to ``max_backoff``; when it
-answers again, one line says how many checkpoints it was behind and that it caught up. Events go to ``on_event``
-(the run records them in history.jsonl: ``preempt report`` shows how far behind the mirror was).
+The mirror unreachable: one warning, the pass retried after a wait that doubles up to ``max_backoff``
+(:func:`preempt.mirror.backoff.delay`); when it answers again, one line says how many checkpoints it was behind and
+that it caught up. Events go to ``on_event`` (the run records them in history.jsonl: ``preempt report`` shows how far
+behind the mirror was).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..checkpoint.manifest import MAX_MANIFEST_BYTES, Manifest
 from ..checkpoint.names import MANIFEST, checkpoint_name, parse_checkpoint_name
 from ..checkpoint.retention import RetentionPolicy
 from ..errors import CorruptCheckpointError, MirrorError
-from . import plan
+from . import backoff, plan
 from .store import MirrorStore
 from .survey import Survey, Surveyor
 
@@ -52,11 +53,6 @@ RETENTION_READS = 64  # manifests retention reads in one pass at most (newest fi
 
 def _stage(name: str, step: int) -> None:
     _testing.reach("upload", name, step)
-
-
-def backoff(failures: int, first: float, most: float) -> float:
-    """Seconds before retry number ``failures`` (1, 2, ...): ``first``, doubling, at most ``most``."""
-    return min(most, first * 2 ** max(0, min(failures - 1, 30)))
 
 
 @dataclasses.dataclass
@@ -223,14 +219,14 @@ class Uploader:
                 if self.run_once(target):
                     if self.lacking:  # node 0: other nodes' parts not in the mirror yet; looked for again soon
                         waits += 1
-                        self._closing.wait(backoff(waits, self.wait_parts, 20 * self.wait_parts))
+                        self._closing.wait(backoff.delay(waits, self.wait_parts, 20 * self.wait_parts))
                         continue
                     waits = 0
                     with self._cond:
                         self._done = submitted
                         self._cond.notify_all()
                     continue
-                self._closing.wait(backoff(self.failures, self.first_backoff, self.max_backoff))
+                self._closing.wait(backoff.delay(self.failures, self.first_backoff, self.max_backoff))
         except BaseException as e:  # a bug, not the mirror: said once; training goes on without a mirror
             self.error = e
             log.error("the mirror's uploader stopped: %s: %s; the mirror receives no more checkpoints", type(e), e)

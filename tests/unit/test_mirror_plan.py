@@ -11,7 +11,6 @@ from preempt.checkpoint.names import MANIFEST
 from preempt.checkpoint.retention import RetentionPolicy
 from preempt.mirror import plan
 from preempt.mirror.store import check_name, redact
-from preempt.mirror.uploader import backoff
 
 
 def digest(size: int, tag: str = "a", carried_from: int | None = None) -> FileDigest:
@@ -167,10 +166,6 @@ def test_undecided_names_only_the_unread_manifests_retention_needs():
 )
 def test_stop_deadline_capped_by_part_of_the_time_left(deadline, left, expected):
     assert plan.stop_deadline(deadline, left) == expected
-
-
-def test_backoff_doubles_up_to_its_most():
-    assert [backoff(n, 1.0, 30.0) for n in (1, 2, 3, 4, 5, 6, 7, 100)] == [1, 2, 4, 8, 16, 30, 30, 30]
 
 
 def test_urls_lose_their_credentials_and_names_stay_plain():
