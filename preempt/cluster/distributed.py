@@ -40,7 +40,7 @@ ranks share) and the ranks agree, at every safe point, on what to do:
   the right sample.
 
 * **A lost rank.** A rank that dies closes its connections, so the others'
-  next collective fails (within about a second here); a rank whose node
+  next collective fails at once; a rank whose node
   vanishes is noticed when the group's timeout passes. Every collective here
   turns that failure into :class:`~preempt.errors.PeerLost`: one ERROR line
   and exit code 80 on each survivor, nothing saved (a checkpoint needs every

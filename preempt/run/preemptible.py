@@ -341,8 +341,8 @@ class PreemptibleRun:
             parts,
             self.peers,
             self.env,
-            take_dir=self._take_dir,
-            bring=self.mirroring.bring,
+            own_lock=self._lock,
+            mirroring=self.mirroring,
         )
         try:
             if self.peers.leader:
@@ -411,14 +411,6 @@ class PreemptibleRun:
         if isinstance(found.get("slurm"), dict):
             found["slurm"] = {**found["slurm"], "end_time": end_time}
         return found
-
-    def _take_dir(self) -> dict[str, Any]:
-        """A node's leader, when the ranks' nodes share no save_dir: takes its own as rank 0 takes its (the lock,
-        the recovery of leftovers); the lock's identity, for the node's other ranks to recognise."""
-        self.manager.check_dir()
-        self._lock.acquire()  # the manager cleans, quarantines and prunes its node's save_dir from now on
-        self.manager.recover()
-        return self._lock.identity
 
     def _begin(self, payload: state.Payload) -> None:
         """The run is on: clocks, the staging buffers, logs and monitors, the first due points."""

@@ -22,9 +22,9 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _log
 from ..checkpoint import files, hyperparams, lock, state
@@ -51,6 +51,9 @@ from .resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, 
 from .save_policy import Reason
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from .mirroring import Mirroring
 
 log = _log.log
 
@@ -85,8 +88,8 @@ class Starter:
         peers: Peers,
         env: Environment,
         *,
-        take_dir: Callable[[], dict[str, Any]] | None = None,
-        bring: Callable[[int, float], None] | None = None,
+        own_lock: lock.DirLock | None = None,
+        mirroring: Mirroring | None = None,
     ) -> None:
         self.config = config
         self.manager = manager
@@ -104,10 +107,10 @@ class Starter:
         self._holder: dict[str, Any] = {}  # what rank 0 wrote in the lock file, sent with the start
         self._branch: tuple[dict[str, Any], CheckpointInfo, bool] | None = None  # the leader's new timeline
         self._branch_due = False  # a new timeline needs its first checkpoint
-        # Nodes without a shared save_dir (preempt.cluster.nodes): a node leader takes its save_dir (the lock, the
-        # recovery; returns the lock's identity), and brings a whole checkpoint from the mirror.
-        self.take_dir = take_dir
-        self.bring = bring
+        # Nodes without a shared save_dir (preempt.cluster.nodes): a node's leader takes its save_dir with this lock
+        # (rank 0 took its own before the start) and brings rank 0's chosen checkpoint from the mirror.
+        self.own_lock = own_lock
+        self.mirroring = mirroring
 
     # ---------------------------------------------------------------- the leader
 
@@ -324,9 +327,8 @@ class Starter:
             return
         identity, error = (self._holder, "") if peers.leader else ({}, "")
         if rank in leaders[1:]:
-            assert self.take_dir is not None  # (given by the run)
             try:
-                identity = self.take_dir()
+                identity = self._take_own_dir()
             except Exception as e:
                 error = f"rank {rank} could not take {self.save_dir} for its node: {type(e).__name__}: {e}"
         got = peers.gather((identity, error))
@@ -348,6 +350,15 @@ class Starter:
                 peers.nodes.count,
             )
 
+    def _take_own_dir(self) -> dict[str, Any]:
+        """A node's leader, when the ranks' nodes share no save_dir: takes its own as rank 0 takes its (the lock,
+        the recovery of leftovers); the lock's identity, for the node's other ranks to recognise."""
+        assert self.own_lock is not None  # (given by the run)
+        self.manager.check_dir()
+        self.own_lock.acquire()  # the manager cleans, quarantines and prunes its node's save_dir from now on
+        self.manager.recover()
+        return self.own_lock.identity
+
     @property
     def _mirror(self) -> bool:
         return self.config.mirror is not None
@@ -368,11 +379,11 @@ class Starter:
             return path
         error = ""
         if peers.rank != 0 and peers.nodes.leads(peers.rank):
-            assert self.bring is not None  # (given by the run)
+            assert self.mirroring is not None  # (given by the run)
             try:
                 step = parse_checkpoint_name(path.name)
                 assert step is not None  # (rank 0's own checkpoint)
-                self.bring(step, created)
+                self.mirroring.bring(step, created)
             except Exception as e:
                 error = f"rank {peers.rank}: {type(e).__name__}: {e}"
         errors = peers.gather(error)
