@@ -2,7 +2,8 @@
 
 The loop, the schedule's between-process faults and the oracles are :class:`helpers.chaos.Campaign`'s; what differs
 is the process (torchrun and its ranks), the faults aimed at it (one rank SIGKILLed before a step or at a commit
-stage, one rank SIGTERMed, the launcher SIGTERMed as a scheduler stops a job) and the oracle on kept checkpoints: the
+stage, one rank SIGTERMed, one rank SIGSTOPped past the collective timeout, the launcher SIGTERMed as a scheduler
+stops a job) and the oracle on kept checkpoints: the
 ranks' live state is not recorded, so each kept checkpoint must be valid and verify, and the final state of every
 rank must equal an uninterrupted torchrun's, tensor for tensor.
 
@@ -29,10 +30,14 @@ DDP_CLASSES = (
     "kill_rank_commit",  # one rank SIGKILLed at a stage of the distributed commit
     "term_rank",  # one rank SIGTERMed before a step: both ranks stop at one step
     "term_launcher",  # the launcher SIGTERMed once rank 0 made a step: it forwards the signal to the ranks
+    "pause_rank",  # one rank SIGSTOPped before a step for longer than the collective timeout, then continued
     "flip_byte",
     "delete_newest",
 )
-DDP = Job("ddp", (*DDP_ARGS, "--keep_last", "2"), 24, timeout_s=240.0)
+# The ranks' collectives time out after COLLECTIVE_TIMEOUT_S (gloo's default is 30 minutes); a paused rank stays
+# stopped for PAUSE_S, longer than that.
+COLLECTIVE_TIMEOUT_S, PAUSE_S = 20, 30
+DDP = Job("ddp", (*DDP_ARGS, "--keep_last", "2", "--collective_timeout_s", str(COLLECTIVE_TIMEOUT_S)), 24, 240.0)
 
 
 def ddp_fault_at(seed: int, index: int, classes: Sequence[str] = DDP_CLASSES) -> Fault:
@@ -42,7 +47,7 @@ def ddp_fault_at(seed: int, index: int, classes: Sequence[str] = DDP_CLASSES) ->
     rank, step = rng.randint(0, 1), rng.randint(1, 8)
     if kind == "kill_rank_commit":
         return Fault(index, kind, point=rng.choice(STAGES), n=rng.randint(1, 2), pick=(rank,))
-    if kind in ("kill_rank", "term_rank"):
+    if kind in ("kill_rank", "term_rank", "pause_rank"):
         return Fault(index, kind, step=step, pick=(rank,))
     if kind == "term_launcher":
         return Fault(index, kind, step=step)
@@ -98,6 +103,8 @@ class DdpCampaign(Campaign):
             extra = ["--die_at", f"{fault.pick[0]}:{at}"]
         elif kind == "term_rank":
             extra = ["--self_signal", f"{fault.pick[0]}:{at}"]
+        elif kind == "pause_rank":
+            extra = ["--pause_at", f"{fault.pick[0]}:{at}:{PAUSE_S}"]
         elif kind == "kill_rank_commit":
             extra = ["--signal_at", f"{fault.point}:{fault.n}:KILL", "--signal_rank", str(fault.pick[0])]
         t0 = time.monotonic()
@@ -108,6 +115,8 @@ class DdpCampaign(Campaign):
         proc = Proc(fault, False, rc, time.monotonic() - t0, list(p.events), p.output)
         if kind == "kill_rank_commit":
             proc.fired = bool(proc.of("signal_at"))
+        elif kind == "pause_rank":
+            proc.fired = bool(proc.of("paused"))
         elif fault is not None:
             proc.fired = rc != 0 or kind == "term_launcher" and bool(proc.of("step", rank=0, step=at))
         if fault is not None and proc.fired:
@@ -125,4 +134,4 @@ class DdpCampaign(Campaign):
         return None  # torchrun ends with 1 when a rank failed or stopped; any status but a hang
 
 
-assert not (set(DDP_CLASSES) - BETWEEN - {"kill_rank", "kill_rank_commit", "term_rank", "term_launcher"})
+assert not (set(DDP_CLASSES) - BETWEEN - {"kill_rank", "kill_rank_commit", "term_rank", "term_launcher", "pause_rank"})

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import errno
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -132,6 +135,14 @@ def settle(run: PreemptibleRun, rank: int) -> None:
         say(f"rank {rank} settled at step {run.global_step}")
 
 
+def pause(seconds: float) -> None:
+    """SIGSTOPs this process; a detached shell continues it ``seconds`` later (the fault's length, not a wait)."""
+    _testing.emit("paused", rank=dist.get_rank(), seconds=seconds, pid=os.getpid())
+    cont = f"sleep {seconds:g}; kill -CONT {os.getpid()}"
+    subprocess.Popen(["/bin/sh", "-c", cont], start_new_session=True, stdout=subprocess.DEVNULL)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--save_dir", required=True, help="{node}: the SLURM node's name (a save_dir per node)")
@@ -143,6 +154,12 @@ def main() -> None:
     p.add_argument("--step_sleep", type=float, default=0.0)
     p.add_argument("--self_signal", default=None, help="RANK:STEP: that rank sends itself SIGTERM before that step")
     p.add_argument("--die_at", default=None, help="RANK:STEP: that rank SIGKILLs itself before that step's forward")
+    p.add_argument(
+        "--pause_at",
+        default=None,
+        help="RANK:STEP:SECONDS: that rank SIGSTOPs itself before that step's forward, continued SECONDS later",
+    )
+    p.add_argument("--collective_timeout_s", type=float, default=None, help="init_process_group's timeout")
     p.add_argument("--signal_at", default=None, help="STAGE:N:SIG, as in train.py (on every rank)")
     p.add_argument("--signal_rank", type=int, default=None, help="apply --signal_at on this rank only")
     p.add_argument("--sync_save", action="store_true", help="async_save=False")
@@ -169,7 +186,8 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    dist.init_process_group("gloo")
+    timeout = None if args.collective_timeout_s is None else datetime.timedelta(seconds=args.collective_timeout_s)
+    dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     if args.signal_at and (args.signal_rank is None or args.signal_rank == rank):
         signal_at(args.signal_at)
@@ -188,6 +206,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     signal_rank, signal_step = map(int, args.self_signal.split(":")) if args.self_signal else (-1, -1)
     die_rank, die_step = map(int, args.die_at.split(":")) if args.die_at else (-1, -1)
+    pause_rank, pause_step, pause_s = map(float, args.pause_at.split(":")) if args.pause_at else (-1, -1, 0.0)
     if args.fail_write is not None and rank == 0:
         fail_write(args.fail_write)
 
@@ -222,6 +241,8 @@ def main() -> None:
                     os.kill(os.getpid(), 15)
                 if rank == die_rank and run.global_step + 1 == die_step:
                     os.kill(os.getpid(), 9)  # the others' next collective is DDP's all-reduce in backward()
+                if rank == pause_rank and run.global_step + 1 == pause_step:
+                    pause(pause_s)  # a rank frozen (a swap storm, a stopped VM): the others' all-reduce times out
                 loss = torch.nn.functional.cross_entropy(ddp(x), y) + torch.randn(()) * 1e-3
                 opt.zero_grad()
                 loss.backward()
