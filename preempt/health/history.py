@@ -18,6 +18,7 @@ as its ERROR line when it leaves with an exit code (a lost peer, 80).
 :class:`History` appends one JSON object per line to ``save_dir/history.jsonl``
 (rank 0 only)::
 
+    {"t":1748774095.402,"event":"restoring","pid":4242,"proc_start":1748774090.113,"made_at":1748774095.398}
     {"t":1748774096.791,"event":"resume","step":120,"from":"runs/exp1/step_000000120","pid":4242,"proc_start":...}
     {"t":1748774100.012,"step":130,"epoch":1,"metrics":{"loss":2.31},"lr":0.0003,"step_time_s":0.21}
     {"t":1748774101.500,"event":"checkpoint","step":140,"reason":"interval","stall_s":0.17,"write_s":1.2,...}
@@ -25,7 +26,9 @@ as its ERROR line when it leaves with an exit code (a lost peer, 80).
     {"t":1748774160.120,"event":"exit","pid":4242}
 
 The run's markers (:mod:`preempt.run.reporting`) are what ``preempt report``
-reads (:mod:`preempt.cli.timeline`): ``start``/``resume`` with the process's
+reads (:mod:`preempt.cli.timeline`): ``restoring`` once the process holds the
+save_dir's lock, before it reads a checkpoint (a process killed in its restore
+leaves only that line); ``start``/``resume`` with the process's
 start time and, after a crash, how far the dead process got (``crashed``);
 ``checkpoint``; ``rollback``; ``stop`` (its cause), ``complete`` or
 ``error``; and ``exit`` when the process exits normally
