@@ -86,13 +86,21 @@ _OPEN_GUARD = threading.Lock()
 
 
 def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    """When process ``pid`` started, in clock ticks after boot (Linux's ``starttime``), to tell a reused pid apart;
+    None where unknown. What the lock file's ``start`` holds, as every version has written it.
+
+    Read with psutil, whose ``create_time`` is the boot time (whole seconds, moved by any change of the wall clock)
+    plus that start: less the boot time read just before it, it is the start after boot again, an integer that no
+    change of the wall clock moves, the same in every process that asks.
+    """
+    import psutil  # here, not at the top: `preempt ls` and `verify` start without it
+
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
+        boot = psutil.boot_time()  # first: psutil 5.9 keeps the boot time it read last for create_time
+        created = psutil.Process(pid).create_time()
+    except (psutil.Error, OSError, RuntimeError, ValueError):  # ValueError: a pid below 1, from a lock file
         return None
+    return round((created - boot) * os.sysconf("SC_CLK_TCK"))
 
 
 def _alive(pid: int, start: int | None) -> bool:

@@ -35,16 +35,15 @@ class Warmed:
     failed: tuple[str, ...] = ()
 
 
-def host_memory_available(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
-    """The kernel's estimate of memory available to new allocations (MemAvailable), bytes; None where unknown."""
+def host_memory_available() -> int | None:
+    """The kernel's estimate of memory available to new allocations (Linux's ``MemAvailable``, read with psutil),
+    bytes; None where unknown."""
+    import psutil  # here, not at the top: `preempt ls` and `verify` start without it
+
     try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, ValueError, AttributeError):
         return None
-    return None
 
 
 def ask(path: str | os.PathLike[str]) -> int:

@@ -14,7 +14,7 @@ A stop is worth something only if its checkpoint is durable before the kill. Whe
 A notice (:mod:`preempt.cluster.notices`) brings its own deadline, which is that stop's grace.
 
 :class:`StopCost` is what a stop costs now, from the run's own saves; :func:`advice` is the warning when it does not
-fit. Pure; no torch. :func:`parent_argv` is the one read of the system (``/proc``), for torchrun's agent.
+fit. Pure; no torch. :func:`parent_argv` is the one read of the system (with psutil), for torchrun's agent.
 """
 
 from __future__ import annotations
@@ -66,13 +66,15 @@ def torchrun_timeout(argv: Sequence[str]) -> float | None:
 
 
 def parent_argv(pid: int | None = None) -> list[str] | None:
-    """The command line of this process's parent (torchrun's agent, for a worker), from ``/proc``; None elsewhere."""
+    """The command line of this process's parent (torchrun's agent, for a worker), or of ``pid``, its empty
+    arguments left out; None where it cannot be read (gone, not ours to read, no such facts on this system)."""
+    import psutil  # here, not at the top: only a run under torchrun asks
+
     try:
-        with open(f"/proc/{os.getppid() if pid is None else pid}/cmdline", "rb") as f:
-            raw = f.read(1 << 16)
-    except OSError:
+        argv = psutil.Process(os.getppid() if pid is None else pid).cmdline()
+    except (psutil.Error, OSError, ValueError):
         return None
-    return [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
+    return [a for a in argv if a]
 
 
 def from_torchrun(argv: Sequence[str] | None, variable: tuple[float, str] | None) -> Grace:

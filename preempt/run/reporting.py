@@ -382,19 +382,20 @@ class Reporter:
 
 
 def process_start() -> float | None:
-    """When this process started (unix seconds), from ``/proc`` (Linux); None elsewhere.
+    """When this process started (unix seconds, to the clock's tick); None where the system does not say.
 
     ``preempt report`` counts the time before the run was entered (imports,
     building the model, restoring) as start-up.
     """
+    import psutil  # here: only the start and resume markers ask
+
     try:
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot (fields[0] is field 3)
-        with open("/proc/uptime", "rb") as f:
-            uptime = float(f.read().split()[0])  # 10 ms resolution (btime in /proc/stat has whole seconds)
-        return round(time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK")), 3)
-    except (OSError, ValueError, IndexError):
+        # psutil's create_time is the boot time (whole seconds) plus the start after boot (ticks): less the boot
+        # time, the start after boot, placed on the wall clock by the time since boot now (CLOCK_BOOTTIME)
+        boot = psutil.boot_time()
+        after_boot = psutil.Process().create_time() - boot
+        return round(time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - after_boot), 3)
+    except (psutil.Error, OSError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME (not Linux)
         return None
 
 
