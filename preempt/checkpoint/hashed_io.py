@@ -257,7 +257,8 @@ def read_file(
         if expected_size is not None and size != expected_size:
             raise ValueError(f"size {size} bytes, manifest says {expected_size}")
         if size == 0:
-            return np.zeros(0, dtype=np.uint8), FileDigest(0, xxhash.xxh3_128_hexdigest(b""))
+            empty = np.zeros(0, dtype=np.uint8)
+            return empty, digest_of(empty)
         if direct and size >= direct_io.MIN_DIRECT and not direct_io.cached(f.fileno(), size):
             if keeps_in_memory(size, readahead.host_memory_available()):
                 try:
@@ -273,7 +274,7 @@ def read_file(
     if hasattr(mapped, "madvise"):
         mapped.madvise(mmap.MADV_SEQUENTIAL)
     buf = np.frombuffer(mapped, dtype=np.uint8)
-    return buf, FileDigest(size, xxhash.xxh3_128_hexdigest(buf.data))
+    return buf, digest_of(buf)
 
 
 def keeps_in_memory(size: int, available: int | None) -> bool:
