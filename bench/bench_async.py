@@ -556,7 +556,7 @@ def phase_fresh(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """A training child for the parent to SIGTERM: says "ready" (and "inflight" after a staged save) on stdout."""
     from preempt import PreemptibleRun
-    from preempt.run import save_plan
+    from preempt.run import write_decisions
 
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -564,7 +564,7 @@ def phase_sigterm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     work_step = make_workload()
     variant, _, how = args.variant.partition("+")
     if how == "live":  # the stop's save writes the live tensors through the page cache (before issue 27)
-        save_plan.STAGE_SYNCHRONOUS = False
+        write_decisions.STAGE_SYNCHRONOUS = False
     inflight = variant == "inflight"
     save_dir = Path(args.save_dir or work / f"sigterm_{os.getpid()}")
     run = PreemptibleRun(

@@ -26,8 +26,8 @@ a hard link writes nothing), the loop's wait at the save step (the slowest rank)
 the preempt ways, SIGTERM -> durable: rank 0 signals every rank with a real SIGTERM between two steps, and the
 time runs until the last rank has its stop checkpoint durable (the run raises ``Preempted`` after it); with
 ``--trials N``, N stops (each after a fresh run's two checkpoints, beyond the first run's), their median and range.
-``--profile``: each rank's stop, phase by phase (the agreement, each exchange, the snapshot, the carry plan, the
-staging copy, each file written and synced, the manifest, the renames), from the signal: :data:`PHASES`, timed by
+``--profile``: each rank's stop, phase by phase (the agreement, each exchange, the snapshot, the files marked carried,
+the staging copy, each file written and synced, the manifest, the renames), from the signal: :data:`PHASES`, timed by
 wrapping those functions during the stops (medians over the trials). The reference figures: the bytes that
 changed between checkpoints (adapters and their AdamW state) and a raw write of that many bytes (each rank its
 share, written and fsynced at once; the slowest rank).
@@ -62,7 +62,7 @@ PHASES = [
     ("preempt.run.snapshot", "Snapshot.pieces"),
     ("preempt.run.snapshot", "Snapshot.capture"),
     ("preempt.run.snapshot", "Snapshot.run_state"),
-    ("preempt.checkpoint.manager", "CheckpointManager.plan"),
+    ("preempt.checkpoint.manager", "CheckpointManager.mark_carried"),
     ("preempt.run.background", "Background.staged_now"),
     ("preempt.cluster.distributed", "save_ranked"),
     ("preempt.checkpoint.manager", "CheckpointManager.new_tmp_dir"),
@@ -78,7 +78,7 @@ PHASES = [
     ("preempt.checkpoint.manager", "CheckpointManager.prune"),
     ("preempt.cluster.distributed", "read_manifest"),
     ("preempt.checkpoint.manager", "CheckpointManager.committed"),
-    ("preempt.run.save_outcomes", "Outcomes.durable"),
+    ("preempt.run.outcomes", "Outcomes.durable"),
     ("preempt.run.stopping", "Stopper.stop"),
 ]
 

@@ -185,7 +185,7 @@ def decide(
     carry_limit: int,
 ) -> tuple[Action, str]:
     """Whether a base file is worth hashing to be carried, or written, and why: the proxies' say, which may only
-    refuse (the hash at the step, :meth:`Carrier.plan`, has the last word on "carry").
+    refuse (the hash at the step, :meth:`Carrier.mark_carried`, has the last word on "carry").
 
     Args:
         now: The file's tensors' fingerprints now (None: some tensor has none).
@@ -255,11 +255,12 @@ class Source:
 
 
 class Carrier:
-    """One process's memory of its durable base files, and the plan of each checkpoint (see the module docstring).
+    """One process's memory of its durable base files, and which files each checkpoint carries (see the module
+    docstring).
 
-    :meth:`plan` at the step, on the live payload (before any staging copy); :meth:`durable` once that checkpoint
-    is committed (any thread: the background writer's); :meth:`loaded` after a resume; :meth:`distrust` when a writer
-    found a file's bytes changed behind autograd.
+    :meth:`mark_carried` at the step, on the live payload (before any staging copy); :meth:`durable` once that
+    checkpoint is committed (any thread: the background writer's); :meth:`loaded` after a resume; :meth:`distrust`
+    when a writer found a file's bytes changed behind autograd.
     """
 
     def __init__(self, options: CarryOptions | None = None) -> None:
@@ -272,7 +273,7 @@ class Carrier:
     def enabled(self) -> bool:
         return self.options.enabled
 
-    def plan(self, payload: Payload, step: int, *, read_later: Collection[str] = ()) -> Payload:
+    def mark_carried(self, payload: Payload, step: int, *, read_later: Collection[str] = ()) -> Payload:
         """``payload`` at the step: each base file whose bytes are those of its durable copy moved from
         ``tensor_files`` to ``carried``, and ``at_step`` the digests, hashed now, of the files a writer may read where
         they live after the step.
@@ -346,10 +347,11 @@ class Carrier:
         )
 
     def durable(self, directory: Path, step: int, files: Mapping[str, FileDigest]) -> None:
-        """The checkpoint of ``step`` planned last is committed in ``directory``, with ``files`` as listed."""
+        """The checkpoint of ``step`` marked last (:meth:`mark_carried`) is committed in ``directory``, with ``files``
+        as listed."""
         pending, self._pending = self._pending, None
         if pending is None or pending[0] != step:
-            return  # not the save planned last (a save without a plan): nothing known of its tensors
+            return  # not the save marked last (a save not marked): nothing known of its tensors
         sources = {}
         for name, (prints, tensors) in pending[1].items():
             digest = files.get(name)

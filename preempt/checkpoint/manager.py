@@ -119,7 +119,7 @@ class CheckpointManager:
         carry_unchanged: A checkpoint hard-links the tensor files that have not changed since the previous
             one instead of writing them (True, or :class:`~preempt.checkpoint.carry.CarryOptions`); the
             model's frozen parameters go to a file of their own (:mod:`preempt.checkpoint.carry`). Applies to
-            :meth:`save_state` and to payloads passed through :meth:`plan`; False writes every file.
+            :meth:`save_state` and to payloads passed through :meth:`mark_carried`; False writes every file.
         lock: The run's lock of ``save_dir`` (:class:`~preempt.checkpoint.lock.DirLock`): before each write into
             the save_dir the manager checks that the directory and its lock file are still the ones locked, so
             that a run never writes into a save_dir replaced under it. None (a manager used alone): nothing checked.
@@ -597,7 +597,7 @@ class CheckpointManager:
         codec.check_json(run_state["user"], "user_state")
         manifest = Manifest(step=step, cursor=Cursor(), reason=reason, created=time.time(), files={})
         payload = state.capture(components, run_state, group_frozen=self.carrier.enabled)
-        return self.save(self.plan(payload, step), manifest)
+        return self.save(self.mark_carried(payload, step), manifest)
 
     def committed(self, info: CheckpointInfo) -> None:
         """Another process (rank 0) committed ``info``, which holds files this one wrote: the next checkpoint may
@@ -605,11 +605,11 @@ class CheckpointManager:
         if info.manifest is not None:
             self.carrier.durable(info.path, info.step, info.manifest.files)
 
-    def plan(self, payload: state.Payload, step: int, *, read_later: Collection[str] = ()) -> state.Payload:
+    def mark_carried(self, payload: state.Payload, step: int, *, read_later: Collection[str] = ()) -> state.Payload:
         """``payload`` at the step, before any staging copy: its frozen base carried when its live bytes are those of
         the last durable copy, and hashed at the step when a writer will read it after the step (``read_later``)
-        (:meth:`Carrier.plan`); the checkpoint of ``step`` then records what it was made from when committed."""
-        return self.carrier.plan(payload, step, read_later=read_later)
+        (:meth:`Carrier.mark_carried`); the checkpoint of ``step`` then records what it was made from when committed."""
+        return self.carrier.mark_carried(payload, step, read_later=read_later)
 
     def loaded(self, info: CheckpointInfo, live: state.Payload) -> builtins.list[str]:
         """After a resume from ``info``: its tensor files that the live tensors (``live``, captured right after the

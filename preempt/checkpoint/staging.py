@@ -21,7 +21,7 @@ buffers must not change, so at most one snapshot exists: the run waits for
 the writer before it stages again (see ``PreemptibleRun(async_save=...)``).
 The files named in :attr:`Stager.live` (the frozen base of a fine-tuning run,
 ``base.safetensors``) get no buffers when their digest at the step is known
-(hashed then by the carry plan, ``payload.at_step``): the writer reads them
+(hashed then by :meth:`~preempt.checkpoint.carry.Carrier.mark_carried`, ``payload.at_step``): the writer reads them
 where they live, its digest of what it wrote must equal the step's
 (:func:`preempt.checkpoint.write.write_payload`), and it checks afterwards that no
 tensor it read moved or was changed through autograd (:class:`LiveTensors`);
@@ -139,10 +139,10 @@ class Stager:
         by the writer thread for a state on the CPU, by the GPU's copy engine on a side stream for a state on a GPU
         (:mod:`preempt.checkpoint.side_stream`).
 
-        The files of :attr:`live` (when the plan hashed them at the step, ``payload.at_step``, or ``loop_waits``) and
-        the tensors of the carried files are not copied: the returned payload refers to them where they live, with
-        the checks its writer makes once it has read them (their digests at the step; ``payload.live``:
-        :class:`LiveTensors`)."""
+        The files of :attr:`live` (when :meth:`~preempt.checkpoint.carry.Carrier.mark_carried` hashed them at the step,
+        ``payload.at_step``, or ``loop_waits``) and the tensors of the carried files are not copied: the returned
+        payload refers to them where they live, with the checks its writer makes once it has read them (their digests at
+        the step; ``payload.live``: :class:`LiveTensors`)."""
         pin = self._pin(payload)
         # A state on a GPU: its lazy tensors are copied on a side stream (into pinned buffers only: a copy into
         # pageable memory would hold the host), and its CPU tensors (the optimizer's step counts) at the step, so that

@@ -4,10 +4,10 @@ Each tensor file is written (:func:`preempt.checkpoint.hashed_io.write_file`, ha
 when carried (:mod:`preempt.checkpoint.carry`: its live tensors hashed to the source's digest at the step), hard-linked
 from the previous checkpoint (:func:`preempt.checkpoint.hashed_io.link_file`): its manifest entry is the source's size
 and digest with ``carried_from``. A link that cannot be made (another filesystem, no hard links, too many links, the
-source pruned meanwhile) is written from the tensors the plan kept. A file written from tensors read where they live
-whose digest at the step is known (``payload.at_step``) must come out with that digest, or
-:class:`~preempt.checkpoint.carry.WrittenBehindAutograd` is raised and nothing is committed; the tensors of a staged
-payload that were read where they live are then checked for moved version counters (``payload.live``:
+source pruned meanwhile) is written from the tensors :meth:`~preempt.checkpoint.carry.Carrier.mark_carried` kept. A file
+written from tensors read where they live whose digest at the step is known (``payload.at_step``) must come out with
+that digest, or :class:`~preempt.checkpoint.carry.WrittenBehindAutograd` is raised and nothing is committed; the tensors
+of a staged payload that were read where they live are then checked for moved version counters (``payload.live``:
 :class:`preempt.checkpoint.staging.LiveTensors`) before the JSON files. No torch at
 import (the checkpoint commands import the manager, which imports this).
 """

@@ -9,9 +9,9 @@ checkpoint exists: every node writes its ranks' files into its own save_dir as i
 
 The decisions here are pure (what each rank saw in, the grouping out), unit-tested without processes:
 
-* :func:`plan` -- from each rank's view (rank 0's lock file seen or not, and whether it is its node's first local
-  rank), whether the save_dir is shared, refused, or split by node, and which ranks lead the other nodes (each takes
-  its own directory's lock);
+* :func:`split_by_node` -- from each rank's view (rank 0's lock file seen or not, and whether it is its node's first
+  local rank), whether the save_dir is shared, refused, or split by node, and which ranks lead the other nodes (each
+  takes its own directory's lock);
 * :func:`assign` -- from the lock identities the leaders hold and the one each other rank sees, each rank's node.
 """
 
@@ -33,7 +33,7 @@ class View:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class NodeSplit:
     """How the ranks share the save_dir: ``shared`` (one directory), ``refused`` (``problem`` says why), or
     ``apart`` (each node its own; ``leaders``: the rank that takes each node's lock, rank 0 first)."""
 
@@ -42,14 +42,14 @@ class Plan:
     problem: str = ""
 
 
-def plan(views: Sequence[View], *, mirror: bool) -> Plan:
+def split_by_node(views: Sequence[View], *, mirror: bool) -> NodeSplit:
     """The sharing of the save_dir from every rank's view (rank 0's first, its own lock: always ``same``)."""
     other = [r for r, v in enumerate(views) if not v.same]
     if not other:
-        return Plan("shared")
+        return NodeSplit("shared")
     r = other[0]
     if not mirror:
-        return Plan(
+        return NodeSplit(
             "refused",
             problem=f"rank {r} does not see the save_dir as rank 0 does ({views[r].found}). Nodes that do not share"
             " it need a mirror (mirror=...): each node then writes its part of every checkpoint and a resume pulls"
@@ -57,12 +57,12 @@ def plan(views: Sequence[View], *, mirror: bool) -> Plan:
         )
     leaders = tuple(r for r in other if views[r].first_local)
     if not leaders:
-        return Plan(
+        return NodeSplit(
             "refused",
             problem=f"rank {r} does not see rank 0's save_dir, and no rank that does not see it has LOCAL_RANK 0 to"
             " hold its node's save_dir (start one torchrun per node)",
         )
-    return Plan("apart", (0, *leaders))
+    return NodeSplit("apart", (0, *leaders))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ def assign(
     """Each rank's node: its own when it leads one, else the node whose leader's lock identity it sees.
 
     Args:
-        leaders: The rank that leads each node (:attr:`Plan.leaders`).
+        leaders: The rank that leads each node (:attr:`NodeSplit.leaders`).
         identities: The lock identity each leader holds, in the same order.
         seen: Per rank, the identity its save_dir's lock file shows (a leader's entry is not read).
 

@@ -164,7 +164,7 @@ class SeededDataset(_Wrapper, torch.utils.data.Dataset):
 
 
 @dataclasses.dataclass(frozen=True)
-class ResumePlan:
+class WorkersResume:
     """Where each worker of an iterable dataset continues in the resumed epoch.
 
     Attributes:
@@ -186,7 +186,7 @@ class StatefulIterable(_Wrapper, IterableDataset):
         self.run_seed = run_seed  # None: no per-sample seeding in the workers
         self.epoch = epoch
         self.stateful = stateful
-        self.plan: ResumePlan | None = None
+        self.resume: WorkersResume | None = None
         self._real: int | None = None  # this copy's worker id as torch numbered it (set in the worker)
         self._worker = 0
         self._count = 0
@@ -195,15 +195,15 @@ class StatefulIterable(_Wrapper, IterableDataset):
         info = get_worker_info()
         epoch = self.epoch.value
         set_epoch(self.inner, epoch)  # in each worker: persistent ones keep their own copy from epoch to epoch
-        plan = self.plan if self.plan is not None and self.plan.epoch == epoch else None
+        resume = self.resume if self.resume is not None and self.resume.epoch == epoch else None
         worker = 0
         if info is not None:
             if self._real is None:  # the first epoch of this worker: torch's own numbering
                 self._real = info.id
-            worker = self._real if plan is None else (self._real + plan.first) % info.num_workers
+            worker = self._real if resume is None else (self._real + resume.first) % info.num_workers
             _torch_compat.act_as_worker(worker)
         count = 0
-        saved = plan.workers.get(worker) if plan is not None else None
+        saved = resume.workers.get(worker) if resume is not None else None
         if saved is not None:
             if self.stateful:
                 self.inner.load_state_dict(saved["dataset"])
@@ -312,10 +312,10 @@ class LoaderFeed:
             set_epoch(loader.dataset, epoch)  # the main process's copy, which new workers are made from
         self._workers, self._next = {}, 0
         if isinstance(self._wrapper, StatefulIterable):
-            plan = self.plan(saved, epoch)
-            self._wrapper.plan = plan
-            if plan is not None:
-                self._workers, self._next = dict(plan.workers), plan.first
+            resume = self.workers_resume(saved, epoch)
+            self._wrapper.resume = resume
+            if resume is not None:
+                self._workers, self._next = dict(resume.workers), resume.first
         with _generators_kept(), _swapped(loader if self._inner is None else self._inner, self._wrapper):
             it = self._keep(iter(loader))
             if self._inner is not None:
@@ -344,12 +344,12 @@ class LoaderFeed:
         _torch_compat.shutdown_iterator(it)  # not torch's iterator: nothing to stop
         shutdown_workers(loader if self._inner is None else self._inner)
 
-    def plan(self, saved: Any, epoch: int) -> ResumePlan | None:
-        """The resume plan for ``saved``, when it is of this epoch and this many workers; else None."""
+    def workers_resume(self, saved: Any, epoch: int) -> WorkersResume | None:
+        """Where each worker continues after ``saved``, when it is of this epoch and this many workers; else None."""
         if self._mismatch(saved, epoch) is not None:
             return None
         n = max(self.num_workers, 1)
-        return ResumePlan(epoch, int(saved.get("next", 0)) % n, {int(k): v for k, v in saved["workers"].items()})
+        return WorkersResume(epoch, int(saved.get("next", 0)) % n, {int(k): v for k, v in saved["workers"].items()})
 
     def can_seek(self, saved: Any, epoch: int) -> str | None:
         """None when the epoch can continue from ``saved`` without replaying batches, else why not."""

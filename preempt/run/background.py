@@ -154,7 +154,8 @@ class Background:
 
     def staged_now(self, payload: state.Payload) -> state.Payload:
         """For a synchronous save: ``payload`` copied into the staging buffers, whose files are then written without
-        the page cache (see :data:`~preempt.run.save_plan.STAGE_SYNCHRONOUS`); the live payload where that fails."""
+        the page cache (see :data:`~preempt.run.write_decisions.STAGE_SYNCHRONOUS`); the live payload where that
+        fails."""
         try:
             return self.staging().stage(payload, loop_waits=True)
         except (MemoryError, RuntimeError) as e:

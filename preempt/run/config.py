@@ -16,7 +16,7 @@ kept in its normal form, and where that form is narrower than what a user may pa
 user does not set holds it with its true type (``time_limit_s``, ``gpu_every_s``, ``carry``).
 
 The retention options become one :class:`~preempt.checkpoint.retention.RetentionPolicy`, the saving ones one
-:class:`~preempt.run.save_policy.SavePolicy`. No torch, no disk.
+:class:`~preempt.run.due.SavePolicy`. No torch, no disk.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ..cluster.environment import NOTICE_PLATFORMS
 from ..cluster.signals import DEFAULT_SIGNALS
 from ..errors import PREEMPTED_EXIT_CODE
 from ..health import loggers as metric_loggers
-from .save_policy import SavePolicy
+from .due import SavePolicy
 
 LOG_LEVELS = _log.LEVELS
 _set = object.__setattr__  # a frozen dataclass's __post_init__ replaces a given value by its normal form

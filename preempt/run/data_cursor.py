@@ -252,7 +252,7 @@ class DataCursor:
             for _ in range(start):
                 next(it)
         if kind is not None:
-            positions = feed.plan(r.loader, epoch) is not None
+            positions = feed.workers_resume(r.loader, epoch) is not None
             workers = saved_workers(r.loader)
             self._say(
                 ResumeFacts(

@@ -1,4 +1,4 @@
-"""Pure decisions: when the run saves.
+"""When a checkpoint is due, and why: the pure decisions of when the run saves.
 
 No clock, no disk, no torch: the run gathers the facts and asks. The tests
 drive these functions with made-up facts.

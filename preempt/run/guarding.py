@@ -23,8 +23,8 @@ from ..cluster.supervised import Supervised
 from ..errors import LockLostError
 from ..health import guards
 from .config import HealthOptions
+from .due import Reason
 from .loop_state import LoopState
-from .save_policy import Reason
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
 
@@ -126,7 +126,7 @@ class Health:
             NonFiniteStreak: No checkpoint, under torch.distributed, or after ``max_rollbacks`` (exit code 78).
         """
         g, loop = self.nonfinite, self.loop
-        saves.settle()  # a background write in flight may be the checkpoint to roll back to
+        saves.wait_for_job()  # a background write in flight may be the checkpoint to roll back to
         info = saves.last_info
         why = None
         if info is None:
@@ -179,7 +179,7 @@ class Health:
             log.error("%s %s: no emergency checkpoint; the last one is %s", what, unsafe, last)
             return
         try:
-            saves.settle()
+            saves.wait_for_job()
             if not loop.dirty:
                 since = f"checkpoint {last}" if saves.last_info is not None else "the start"
                 log.error("%s; nothing changed since %s: no emergency checkpoint", what, since)

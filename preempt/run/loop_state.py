@@ -36,7 +36,7 @@ import torch
 from ..checkpoint.manifest import Cursor
 from ..checkpoint.retention import RetentionPolicy
 from ..errors import CorruptCheckpointError
-from .save_policy import SaveFacts
+from .due import SaveFacts
 
 
 def report_step(step: Any, global_step: int) -> int:
@@ -414,7 +414,7 @@ class LoopState:
         stop_requested: bool,
         stop_at: float = math.inf,
     ) -> SaveFacts:
-        """What :func:`preempt.run.save_policy.decide` needs to know about the loop."""
+        """What :func:`preempt.run.due.decide` needs to know about the loop."""
         return SaveFacts(
             now=now,
             step=self.global_step,

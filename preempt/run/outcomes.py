@@ -1,7 +1,7 @@
 """What came of the run's saves, and what each outcome means: the log line, the records, the callbacks.
 
 :class:`Outcomes` keeps the newest durable checkpoint, the latest save's record (``run.last_save``) and the count
-of failed periodic saves, and handles each :class:`~preempt.run.save_plan.Outcome` of a checkpoint written in the
+of failed periodic saves, and handles each :class:`~preempt.run.write_decisions.Outcome` of a checkpoint written in the
 background: durable, cancelled by a stop, torn or changed (not written: the state is due again), not written for
 want of disk (training goes on), the lock lost or broken (the run ends). The scheduler
 (:mod:`preempt.run.save_scheduler`) runs the saves; this part says what came of them.
@@ -24,9 +24,9 @@ from ..checkpoint.names import checkpoint_name
 from ..cluster.signals import StopFlag
 from ..errors import SAVE_FAILED_EXIT_CODE, CheckpointWriteError, SaveFailed
 from .background import Background
+from .due import Reason
 from .loop_state import LoopState
-from .save_plan import POSTPONABLE, Outcome, SaveJob, SaveRecord
-from .save_policy import Reason
+from .write_decisions import POSTPONABLE, Outcome, SaveJob, SaveRecord
 
 log = _log.log
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from ..cluster import distributed
 from ..cluster.nodes import Nodes
 from ..errors import PeerLost
-from .save_policy import Reason
+from .due import Reason
 
 # How a save's reason crosses the ranks: the agreement is one all-reduce of integers, to which rank 0 alone adds its
 # reason's code (0: none). Fixed here, beside the one collective that carries it; the run sees only Reason.

@@ -62,17 +62,17 @@ from .check_record import CheckRecorder
 from .checkpoint_writer import writer_for
 from .config import RunConfig, RunOptions, checked_config
 from .data_cursor import DataCursor
+from .due import Reason, SaveFacts, decide, next_due
 from .guarding import Health, OomStep
 from .loop_state import LoopState
 from .mirroring import Mirroring
 from .peers import join
 from .reporting import Reporter
-from .restore import Died, Starter, check_sharded
-from .save_plan import SYNCHRONOUS, SaveRecord
-from .save_policy import Reason, SaveFacts, decide, next_due
+from .restore import PredecessorDied, Starter, check_sharded
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
 from .stopping import Stopper, killed_stopping
+from .write_decisions import SYNCHRONOUS, SaveRecord
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # (typing's from Python 3.11)
@@ -346,17 +346,17 @@ class PreemptibleRun:
         )
         try:
             if self.peers.leader:
-                payload = self._lead(starter)
+                payload = self._start_as_leader(starter)
             else:
-                starter.follow()
+                starter.load_leaders_choice()
                 payload = self.snapshot.capture_at_start()  # unsupported state fails now
             self.snapshot.started(self._provenance())
             if self.peers.nodes is not None:  # the ranks' nodes share no save_dir: each node's leader uploads its part
                 self.mirroring.nodes(self.peers.rank, self.peers.nodes)
-            starter.finish_branch()
+            starter.supersede_and_save_branch()
         except BaseException as e:
             if self.peers.leader:
-                starter.refuse(e)
+                starter.tell_failure(e)
             self.stopper.flag.restore()
             # a start that failed past its restoring line ends it, as a run's error would
             self.reporter.stop(None if isinstance(e, RunComplete) else "error", error=repr(e)[:200])
@@ -367,7 +367,7 @@ class PreemptibleRun:
         self._begin(payload)
         return self
 
-    def _lead(self, starter: Starter) -> state.Payload:
+    def _start_as_leader(self, starter: Starter) -> state.Payload:
         """The process alone, or rank 0: takes the lock, chooses the starting state, tells the other ranks."""
         self.manager.check_dir()  # a bad save_dir is said now, not at the first checkpoint hours later
         hydra_dir = launcher_dirs.hydra_output_dir()
@@ -378,9 +378,9 @@ class PreemptibleRun:
         died = None
         if self._lock.previous:  # the previous holder died holding the lock
             # (killed_stopping: the kill came before its stop was durable)
-            died = Died(self._beacon.read(), killed_stopping(self.save_dir))
+            died = PredecessorDied(self._beacon.read(), killed_stopping(self.save_dir))
             self.reporter.predecessor_died(
-                died.at, self._lock.previous.get("pid"), during_stop=died.stopping is not None
+                died.reached_step, self._lock.previous.get("pid"), during_stop=died.killed_stopping is not None
             )
         self.manager.recover()  # only the lock holder may clean up leftovers
         done = self.manager.completion()
@@ -397,7 +397,7 @@ class PreemptibleRun:
         payload = self.snapshot.capture_at_start()  # unsupported state fails now
         self.stopper.read_slurm_job()
         self.mirroring.enter(self.config.starts_fresh)  # a new machine: the mirror's newest checkpoint pulled
-        starter.lead(self._lock.identity, died)
+        starter.choose_and_load(self._lock.identity, died)
         if done is not None:
             self.manager.clear_complete()
         self.stopper.arm_walltime(payload_nbytes(payload), self.loop.global_step, self.peers.alone)
@@ -471,7 +471,7 @@ class PreemptibleRun:
     def _finish(self) -> None:
         """Final checkpoint (when anything changed) and the completion marker."""
         saves = self.saves
-        saves.settle()
+        saves.wait_for_job()
         needed = self.loop.dirty or saves.last_info is None  # rank 0 decides: it knows if its last write is durable
         last = None if saves.last_checkpoint is None else str(saves.last_checkpoint)
         needed, last = self.peers.broadcast((needed, last))
@@ -704,16 +704,16 @@ class PreemptibleRun:
 
     def _recompute_due(self) -> None:
         """The thresholds below which run.step() does not go through the safe point: each part's earliest."""
-        self.saves.idle()  # after the safe point's saves: a pool may be written ahead now
+        self.saves.start_pool_if_due()  # after the safe point's saves: a pool may be written ahead now
         now = self._clock()
-        due = self.saves.wake(next_due(self.policy, self._facts(now)), self.policy.milestone_steps)
+        due = self.saves.adjusted_due(next_due(self.policy, self._facts(now)), self.policy.milestone_steps)
         self.loop.wake_at(due.step, due.batch)
         self._due_time = min(due.time, self.reporter.next_at, self.stopper.review_at(now))
 
     def _safe_point(self, point: str) -> None:
         """Where a checkpoint may be taken: the peers agree on saving and stopping (alone: trivially)."""
         loop, saves, stopper = self.loop, self.saves, self.stopper
-        saves.tend()
+        saves.take_finished_and_prepare()
         if self._clock() >= self.reporter.next_at:
             self.reporter.report(self.data.batches_per_epoch, self.components.optimizer)
         stopper.observe(loop.global_step)

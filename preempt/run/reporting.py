@@ -41,7 +41,7 @@ from ..health.monitor import GPUMonitor
 from ..health.progress import Progress, planned_total
 from .config import ReportOptions, SaveOptions
 from .loop_state import LoopState, Measured
-from .save_plan import SaveRecord
+from .write_decisions import SaveRecord
 
 log = _log.log
 MAX_MESSAGE = 2000  # characters of a warning kept in history.jsonl

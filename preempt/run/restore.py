@@ -2,7 +2,7 @@
 
 :class:`Starter` runs on every rank. The leader (the process alone, or rank 0)
 plans the start from the save_dir, loads, and tells the other ranks which
-checkpoint to load (``announce``); a follower loads what it is told. Under
+checkpoint to load (:meth:`Starter.tell_choice`); a follower loads what it is told. Under
 torch.distributed the ranks read each checkpoint the leader tries together
 (:mod:`preempt.cluster.shared_read`: a share each, the rest exchanged, a damaged
 file failing on every rank alike), so a follower holds the chosen one when it is
@@ -45,10 +45,10 @@ from ..errors import (
 )
 from .config import RunConfig
 from .data_cursor import SEED_MASK, DataCursor, Resume
+from .due import Reason
 from .loop_state import LoopState, epoch_so_far
 from .peers import Peers
 from .resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
-from .save_policy import Reason
 from .save_scheduler import SaveScheduler
 from .snapshot import Snapshot
 
@@ -68,12 +68,13 @@ SHARED_SAVE_DIR = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Died:
+class PredecessorDied:
     """The previous holder of the save_dir's lock died holding it: the step it had reached (its beacon; None:
-    unknown) and, when the kill came during its stop, how (:func:`preempt.run.stopping.killed_stopping`)."""
+    unknown) and, when the kill came during its stop, how (:func:`preempt.run.stopping.killed_stopping`; None: not
+    during a stop)."""
 
-    at: int | None
-    stopping: str | None
+    reached_step: int | None
+    killed_stopping: str | None
 
 
 class Starter:
@@ -101,8 +102,8 @@ class Starter:
         self.resumed_from: Path | None = None
         self.resume_line: str | None = None  # what was loaded, in words: the start line says it (preempt.run.reporting)
         self.saved_tracked: dict[str, Any] = {}  # a restored checkpoint's tracked objects, for run.track() later
-        self._died: Died | None = None  # the previous holder of the lock died holding it (the leader's lead())
-        self._announced = False
+        self._died: PredecessorDied | None = None  # the lock's previous holder died holding it (the leader only)
+        self._told = False
         self._branching = False
         self._holder: dict[str, Any] = {}  # what rank 0 wrote in the lock file, sent with the start
         self._branch: tuple[dict[str, Any], CheckpointInfo, bool] | None = None  # the leader's new timeline
@@ -127,7 +128,7 @@ class Starter:
             return False
         return is_new_request(self._request(), self._latest_request())
 
-    def lead(self, holder: dict[str, Any], died: Died | None = None) -> None:
+    def choose_and_load(self, holder: dict[str, Any], died: PredecessorDied | None = None) -> None:
         """Chooses the starting state, loads it, and tells the other ranks (which then load it too); ``holder``:
         what this process wrote in the lock file (``DirLock.identity``), which the others must see too; ``died``:
         the previous holder died holding the lock (said once the starting step is known)."""
@@ -145,8 +146,8 @@ class Starter:
         else:
             assert p.request is not None  # a branch is a request's
             self._start_branch(p.request)
-        if not self._announced:
-            self.announce(None if self.resumed_from is None else str(self.resumed_from))
+        if not self._told:
+            self.tell_choice(None if self.resumed_from is None else str(self.resumed_from))
 
     def completed(self, done: dict[str, Any]) -> bool:
         """Whether the run ends at once as complete: complete.json (``done``, believed by its manifest) is heeded
@@ -189,26 +190,26 @@ class Starter:
             # The others load the chosen checkpoint (read with this rank already) while this rank applies it, rather
             # than after. Should applying it fail here (a model of another shape), they fail alike on the same state
             # or lose this rank at their first collective (PeerLost); a checkpoint that fails a check was passed by.
-            self.announce(str(info.path))
+            self.tell_choice(str(info.path))
         self.restore(info, loaded)
         return True
 
-    def announce(self, path: str | None) -> None:
+    def tell_choice(self, path: str | None) -> None:
         """Rank 0 tells the others which checkpoint to load, and whether a resume request is being applied, with
-        what its lock file says: every rank must see that same file (one save_dir for all, :meth:`follow`).
+        what its lock file says: every rank must see that same file (one save_dir for all, :meth:`load_leaders_choice`).
 
         Raises:
             PreemptError: Another rank does not see this save_dir as rank 0 does.
         """
         self.peers.broadcast(("start", path, self._branching, self._holder))
-        self._announced = True
-        self._meet({})
+        self._told = True
+        self._agree_on_save_dirs({})
         if path is not None and self.peers.nodes is not None:
             self._bring(Path(path))
 
-    def refuse(self, error: BaseException) -> None:
+    def tell_failure(self, error: BaseException) -> None:
         """The leader could not start: the other ranks learn it instead of waiting."""
-        if not self._announced:
+        if not self._told:
             kind = "complete" if isinstance(error, RunComplete) else "fail"
             self.peers.broadcast((kind, repr(error), False, None))
 
@@ -236,7 +237,7 @@ class Starter:
         self._branch = (request, info, own)
         self._branch_due = True
 
-    def finish_branch(self) -> None:
+    def supersede_and_save_branch(self) -> None:
         """The new timeline of a resume request: the old one moved aside, and a first checkpoint at once.
 
         Under torch.distributed, after every rank has loaded the source (a barrier); the save is a collective.
@@ -278,22 +279,22 @@ class Starter:
 
     # ---------------------------------------------------------------- a follower
 
-    def follow(self) -> None:
+    def load_leaders_choice(self) -> None:
         """A rank other than 0: loads the checkpoint rank 0 chose (in this save_dir or, for a request, another).
 
-        Each checkpoint rank 0 tries is read by the ranks together (:meth:`_serve`): the one it chooses is then
-        loaded from what this rank holds already."""
+        Each checkpoint rank 0 tries is read by the ranks together (:meth:`_read_with_leader`): the one it chooses is
+        then loaded from what this rank holds already."""
         ahead = None
         said = self.peers.broadcast(None)
         while said[0] == "share":
-            ahead = self._serve(said[1])
+            ahead = self._read_with_leader(said[1])
             said = self.peers.broadcast(None)
         kind, detail, branch, holder = said
         if kind == "complete":
             raise RunComplete(str(self.save_dir))
         if kind == "fail":
             raise PreemptError(f"rank 0 could not start the run in {self.save_dir}: {detail}")
-        self._meet(holder)
+        self._agree_on_save_dirs(holder)
         if detail is None:
             self.snapshot.lineage = {"request": None, "started": time.time()}
         else:
@@ -303,10 +304,11 @@ class Starter:
 
     # ---------------------------------------------------------------- how the ranks share the save_dir
 
-    def _meet(self, holder: dict[str, Any]) -> None:
-        """Every rank, once rank 0 has announced the start: whether the ranks share the save_dir (each sees rank 0's
-        lock file, ``holder``), and when they do not and a mirror is given, each node's leader takes its own save_dir
-        and every rank learns its node (:mod:`preempt.cluster.nodes`). Several collectives, at the start only.
+    def _agree_on_save_dirs(self, holder: dict[str, Any]) -> None:
+        """Every rank, once rank 0 has told its choice (:meth:`tell_choice`): whether the ranks share the save_dir (each
+        sees rank 0's lock file, ``holder``), and when they do not and a mirror is given, each node's leader takes its
+        own save_dir and every rank learns its node (:mod:`preempt.cluster.nodes`). Several collectives, at the start
+        only.
 
         Raises:
             PreemptError: The save_dir is not shared and cannot be split by node (no mirror, no leader), on every rank.
@@ -319,8 +321,8 @@ class Starter:
         local = self.env.local_rank or 0  # torchrun's LOCAL_RANK, else srun's SLURM_LOCALID (read once, from_env)
         view = nodes.View(peers.leader or seen == holder, local == 0, found)
         views = peers.gather(dataclasses.astuple(view))
-        planned = None if views is None else nodes.plan([nodes.View(*v) for v in views], mirror=self._mirror)
-        kind, leaders, problem = peers.broadcast(None if planned is None else dataclasses.astuple(planned))
+        split = None if views is None else nodes.split_by_node([nodes.View(*v) for v in views], mirror=self._mirror)
+        kind, leaders, problem = peers.broadcast(None if split is None else dataclasses.astuple(split))
         if kind == "refused":
             raise PreemptError(f"{self.save_dir}: {problem}: {SHARED_SAVE_DIR}")
         if kind == "shared":
@@ -395,11 +397,11 @@ class Starter:
     # ---------------------------------------------------------------- the ranks' restore together
 
     def _together(self) -> contextlib.AbstractContextManager[None]:
-        """Rank 0's reads of its save_dir's checkpoints, shared with the other ranks (:meth:`_offer`); alone, as
-        they are."""
-        return contextlib.nullcontext() if self.peers.alone else files.reading_from(self._offer)
+        """Rank 0's reads of its save_dir's checkpoints, shared with the other ranks (:meth:`_read_with_others`);
+        alone, as they are."""
+        return contextlib.nullcontext() if self.peers.alone else files.reading_from(self._read_with_others)
 
-    def _offer(
+    def _read_with_others(
         self, where: Path, listed: Mapping[str, FileDigest], names: Sequence[str]
     ) -> Mapping[str, tuple[Any, FileDigest]]:
         """Rank 0, about to read the files ``names`` of the checkpoint ``where``: offers the other ranks to read
@@ -417,10 +419,10 @@ class Starter:
         self.peers.broadcast(("share", {**offer, "holder": self._holder}, False, None))
         return shared_read.exchange(self.peers, where, _wanted(offer), take_part=True, copied=COPIED)
 
-    def _serve(self, offer: dict[str, Any]) -> tuple[CheckpointInfo, state.Loaded] | None:
-        """A rank other than 0: reads rank 0's offered checkpoint with it (:meth:`_offer`), then the rest of it (its
-        own random state) as :meth:`_load_chosen` would; what was read, or None (a file failed, on every rank; this
-        rank did not take part; the rest failed here: rank 0 decides and names the checkpoint it chooses).
+    def _read_with_leader(self, offer: dict[str, Any]) -> tuple[CheckpointInfo, state.Loaded] | None:
+        """A rank other than 0: reads rank 0's offered checkpoint with it (:meth:`_read_with_others`), then the rest
+        of it (its own random state) as :meth:`_load_chosen` would; what was read, or None (a file failed, on every
+        rank; this rank did not take part; the rest failed here: rank 0 decides and names the checkpoint it chooses).
 
         This rank takes part when it sees what rank 0 sees: its lock file (one save_dir for all) and the offered
         checkpoint, with the same digests of those files."""
@@ -535,8 +537,8 @@ class Starter:
             state.apply(c, loaded, strict=strict)
             return
         state.apply(state.Components(None, None, c.scheduler, c.scaler, c.tracked), loaded, strict=strict)
-        if self.peers.leader and not self.peers.alone and not self._announced:
-            self.announce(str(info.path))  # loading sharded state is a collective: the others must learn it first
+        if self.peers.leader and not self.peers.alone and not self._told:
+            self.tell_choice(str(info.path))  # loading sharded state is a collective: the others must learn it first
         if c.model is None:
             raise IncompatibleStateError(f"{info.path}: holds a sharded model but the run has no model")
         try:
@@ -558,16 +560,16 @@ class Starter:
         if died is None:
             return
         what = "without stopping (killed: SIGKILL, out of memory, or its node failed)"
-        if died.stopping is not None:
-            what = died.stopping
-        if died.at is None or died.at < resumed_step:
+        if died.killed_stopping is not None:
+            what = died.killed_stopping
+        if died.reached_step is None or died.reached_step < resumed_step:
             log.warning("the previous process died %s; how far it got is not known", what)
             return
         log.warning(
             "the previous process died %s at step %d: the %d step(s) since step %d will be recomputed",
             what,
-            died.at,
-            died.at - resumed_step,
+            died.reached_step,
+            died.reached_step - resumed_step,
             resumed_step,
         )
 
@@ -576,7 +578,8 @@ class Starter:
 
 
 def _wanted(offer: dict[str, Any]) -> list[tuple[str, FileDigest]]:
-    """The files of rank 0's offer (:meth:`Starter._offer`), in its order, with their manifest's sizes and digests."""
+    """The files of rank 0's offer (:meth:`Starter._read_with_others`), in its order, with their manifest's sizes
+    and digests."""
     return [(str(n), FileDigest(int(size), str(digest))) for n, size, digest in offer["files"]]
 
 

@@ -1,16 +1,16 @@
 """When and how a checkpoint is written: now, in the background, or postponed.
 
-:class:`SaveScheduler` runs one background job at a time, each of its own kind (:mod:`preempt.run.save_plan`: a
-:class:`~preempt.run.save_plan.SaveJob` carries its reason, its staging completion and its future; sizing the
+:class:`SaveScheduler` runs one background job at a time, each of its own kind (:mod:`preempt.run.write_decisions`: a
+:class:`~preempt.run.write_decisions.SaveJob` carries its reason, its staging completion and its future; sizing the
 buffers; a pool of files written ahead for the saves to write over, :class:`preempt.checkpoint.recycle.Pool`), and a
 periodic save postponed behind that job. A save goes down to the checkpoint writer built once for the run
 (:mod:`preempt.run.checkpoint_writer`: one process's save or the ranks' commit). Its parts: the buffers and the writer
 thread (:mod:`preempt.run.background`), sharded state written by the ranks' writers (:mod:`preempt.run.sharded_saves`)
-and what came of each save (:mod:`preempt.run.save_outcomes`); its choices, the pure functions of
-:mod:`preempt.run.save_plan` (pick, plan, wake), unit-tested with made-up facts. Periodic saves due while a write is
-in flight are postponed until it ends (those due by the clock also while the buffers are being sized); best and
-milestone saves wait for it (they are of their own step); the stop's, the final, a branch's and an emergency save
-are synchronous.
+and what came of each save (:mod:`preempt.run.outcomes`); its choices, the pure functions of
+:mod:`preempt.run.write_decisions` (pick, write_mode, adjusted_due), unit-tested with made-up facts. Periodic saves due
+while a write is in flight are postponed until it ends (those due by the clock also while the buffers are being sized);
+best and milestone saves wait for it (they are of their own step); the stop's, the final, a branch's and an emergency
+save are synchronous.
 """
 
 from __future__ import annotations
@@ -35,10 +35,13 @@ from ..cluster.signals import StopFlag
 from ..errors import CheckpointWriteError
 from .background import Background, Writer
 from .checkpoint_writer import CheckpointWriter, writer_for
+from .due import Due, Reason
 from .loop_state import LoopState
+from .outcomes import Outcomes
 from .peers import Alone, Peers
-from .save_outcomes import Outcomes
-from .save_plan import (
+from .sharded_saves import ShardedSaves
+from .snapshot import Snapshot
+from .write_decisions import (
     POSTPONABLE,
     Job,
     Outcome,
@@ -46,14 +49,11 @@ from .save_plan import (
     ReserveJob,
     SaveJob,
     SaveRecord,
+    adjusted_due,
     outcome_of,
     pick,
-    plan,
-    wake,
+    write_mode,
 )
-from .save_policy import Due, Reason
-from .sharded_saves import ShardedSaves
-from .snapshot import Snapshot
 
 log = _log.log
 # the outcomes of a save whose state is not on disk: the state is due again
@@ -93,7 +93,7 @@ class SaveScheduler:
         )
         self.sharded: ShardedSaves | None = None  # sharded state under torch.distributed, saved in the background
         self.pool = recycle.Pool()  # files written ahead for the saves to write over
-        self.job: Job | None = None  # the writer's current job, until collected
+        self.job: Job | None = None  # the writer's current job, until its outcome is taken
         self.postponed: Reason | None = None
 
     # what the run and the tests read of it (each part owns its own)
@@ -147,9 +147,11 @@ class SaveScheduler:
         if optimizer_state_later:
             bg.prepare_after(self.loop.global_step + 1)  # its moments appear at the first optimizer step
 
-    def wake(self, due: Due, milestone_steps: int | None) -> Due:
+    def adjusted_due(self, due: Due, milestone_steps: int | None) -> Due:
+        """The policy's thresholds ``due``, adjusted for a postponed save and a buffer sizing to start
+        (:func:`~preempt.run.write_decisions.adjusted_due`): when ``run.step()`` must look again."""
         step = self.loop.global_step
-        return wake(
+        return adjusted_due(
             due,
             step=step,
             milestone_steps=milestone_steps,
@@ -163,10 +165,11 @@ class SaveScheduler:
         writer = self.background.writer
         return self.job is not None and writer is not None and not writer.busy
 
-    def tend(self) -> None:
-        """Takes the outcome of a finished job; sizes the buffers for the optimizer once it has state."""
+    def take_finished_and_prepare(self) -> None:
+        """At a safe point: takes the outcome of a job that has finished (never waits for one in flight); then sizes the
+        buffers for the optimizer's state once it has some and no job is in flight."""
         if self.finished():
-            self.collect()
+            self.take_outcome()
         bg = self.background
         if bg.prepare_at is not None and self.loop.global_step >= bg.prepare_at and self.job is None:
             # before a postponed save too: the save then copies into touched buffers (or, due by the clock, waits
@@ -176,7 +179,7 @@ class SaveScheduler:
             self._prepare(self.snapshot.tensors() if self.snapshot.sharded else self.snapshot.capture())
 
     def pick(self, reason: Reason | None) -> Reason | None:
-        """At a safe point, after :meth:`tend`: the save to take now (see :func:`pick`)."""
+        """At a safe point, after :meth:`take_finished_and_prepare`: the save to take now (see :func:`pick`)."""
         now, self.postponed = pick(
             reason,
             job=None if self.job is None else self.job.kind,
@@ -200,7 +203,7 @@ class SaveScheduler:
         state saved in the background): no rank waited for a write, so the ranks
         need not agree again before the loop goes on.
         """
-        how = plan(
+        how = write_mode(
             reason,
             job=None if self.job is None else self.job.kind,
             staging=self.background.stager is not None,
@@ -214,10 +217,10 @@ class SaveScheduler:
             job.cancel.set()
         elif how.cancel:
             self.cancel()
-        elif how.settle:
-            self.settle()
+        elif how.wait:
+            self.wait_for_job()
         bg = self.background
-        background = how.background and bg.stager is not None  # settling may have turned staging off
+        background = how.background and bg.stager is not None  # waiting for the job may have turned staging off
         if self.sharded is not None and how.background:  # sharded: every rank must take the same path
             background = self.peers.all(background)
         self.postponed = None
@@ -230,7 +233,7 @@ class SaveScheduler:
             # an unchanged frozen base is carried, not staged or written; one the writer reads after the step is
             # hashed now, so that what it writes can be checked against the step
             read_later = bg.stager.live if background and bg.stager is not None else frozenset()
-            payload = self.manager.plan(payload, manifest.step, read_later=read_later)
+            payload = self.manager.mark_carried(payload, manifest.step, read_later=read_later)
             if background and self.sharded is not None:
                 self._save_sharded(reason, manifest, t0, payload, live)
                 return True
@@ -239,7 +242,7 @@ class SaveScheduler:
                 payload = bg.staged_now(payload)
             extra = None if live is None else functools.partial(sharded.save, tensors=live, rank=self.peers.rank)
             if pool:
-                self.settle()
+                self.wait_for_job()
             try:
                 got = self.checkpoints.write(payload, manifest, extra=extra, defer=staged is not None)
             except OSError as e:
@@ -281,14 +284,14 @@ class SaveScheduler:
         elif job is not None and self.loop.dirty and self._writing() in POSTPONABLE:
             self.cancel()
         else:
-            self.settle()
+            self.wait_for_job()
 
     def cancel(self) -> None:
         """Stops the write in flight before its rename (its temporary directory is removed) and takes the outcome."""
         job = self.job
         if isinstance(job, (SaveJob, ReserveJob, PrepareJob)) and job.cancel is not None:
             job.cancel.set()
-        self.settle()
+        self.wait_for_job()
 
     def loaded(self, info: CheckpointInfo) -> None:
         """The run restored ``info``: the newest durable checkpoint, and nothing to save until the loop moves."""
@@ -350,16 +353,16 @@ class SaveScheduler:
         if self.job is not None and not isinstance(self.job, ReserveJob):  # a pool written ahead is nobody's checkpoint
             if not futures.wait([self.job.future], timeout).done:
                 raise TimeoutError(f"the background write of a checkpoint still runs after {timeout} s")
-            self.collect()
+            self.take_outcome()
         return self.saved.last_checkpoint
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Waits for the job in flight to end without taking its outcome (the next safe point takes it)."""
         return self.job is None or bool(futures.wait([self.job.future], timeout).done)
 
-    def collect(self) -> None:
-        """Waits for the background job and takes its outcome (:func:`~preempt.run.save_plan.outcome_of`): one
-        handler per :class:`~preempt.run.save_plan.Outcome`.
+    def take_outcome(self) -> None:
+        """Waits for the background job and takes its outcome (:func:`~preempt.run.write_decisions.outcome_of`): one
+        handler per :class:`~preempt.run.write_decisions.Outcome`.
 
         Raises:
             CheckpointWriteError: A background write failed other than with an OSError.
@@ -400,12 +403,13 @@ class SaveScheduler:
                 if not isinstance(error, WriteCancelled):
                     log.warning("%s: could not write a pool ahead for the saves: %r", self.manager.save_dir, error)
 
-    def settle(self) -> None:
-        """Lets the job in flight finish before a save that cannot be skipped; a failed write is logged."""
+    def wait_for_job(self) -> None:
+        """Waits for the job in flight and takes its outcome (:meth:`take_outcome`), before a save that cannot be
+        skipped; a failed write is logged, not raised."""
         if self.job is None:
             return
         try:
-            self.collect()
+            self.take_outcome()
         except CheckpointWriteError as e:
             log.error("%s", e)
 
@@ -418,7 +422,7 @@ class SaveScheduler:
             self.cancel()
             return
         try:
-            self.collect()
+            self.take_outcome()
         except BaseException as e:  # the way the run ended is what propagates; a second Ctrl-C stops the wait
             log.error("the background checkpoint write did not complete: %r", e)
 
@@ -433,7 +437,7 @@ class SaveScheduler:
         if shard_stager is not None:  # sharded: this rank's own files and pieces, not the components' DTensors
             payload, live = self.snapshot.content()
             shards = ShardedSaves.pieces(live)
-        stop = threading.Event()  # a stop's save does not wait for the pages to be touched (save_plan.plan)
+        stop = threading.Event()  # a stop's save does not wait for the pages to be touched (write_decisions.write_mode)
         job = bg.sizing(payload, shards, shard_stager, stop)
         if job is None:
             return
@@ -443,7 +447,7 @@ class SaveScheduler:
         self.pool.sized({name: sum(t.nbytes for t in ts.values()) for name, ts in files.items()})
         self.job = PrepareJob(writer.submit(job), stop)
 
-    def idle(self) -> None:
+    def start_pool_if_due(self) -> None:
         """At the end of a safe point: starts writing a pool ahead when one is due and the writer is free.
 
         Not earlier in the safe point: a save taken there would cancel it at once. The pool is written when

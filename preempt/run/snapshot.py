@@ -23,8 +23,8 @@ from ..checkpoint.retention import RetentionPolicy
 from ..cluster import sharded
 from ..data import rng
 from .data_cursor import DataCursor
+from .due import Reason
 from .loop_state import LoopState
-from .save_policy import Reason
 
 log = _log.log
 

@@ -40,9 +40,9 @@ from ..cluster.signals import StopFlag, signal_name
 from ..errors import REQUEUE_FAILED_EXIT_CODE, RESTART_LIMIT_EXIT_CODE, Preempted, RestartLimitReached, SlurmError
 from ..health.history import HISTORY_FILE, tail
 from .config import StopOptions
+from .due import Decision, Reason
 from .loop_state import LoopState
-from .save_plan import SaveRecord
-from .save_policy import Decision, Reason
+from .write_decisions import SaveRecord
 
 log = _log.log
 

@@ -1,8 +1,8 @@
-"""What the save scheduler decides, as pure functions of made-up-able facts; the records it keeps.
+"""How the save scheduler writes a checkpoint: its decisions, pure functions of facts; its jobs and records.
 
 * :func:`pick` -- at a safe point: which save to take now, and which waits;
-* :func:`plan` -- for a save: wait for the job in flight first, cancel it? in the background?
-* :func:`wake` -- the step and time at which ``run.step()`` must look again;
+* :func:`write_mode` -- for a save: wait for the job in flight first, cancel it? in the background?
+* :func:`adjusted_due` -- the step and time at which ``run.step()`` must look again;
 * :func:`outcome_of` -- what the end of a background job means, one :class:`Outcome` per handler.
 
 :class:`~preempt.run.save_scheduler.SaveScheduler` acts on them; they are unit-tested
@@ -23,7 +23,7 @@ from ..checkpoint.cancel import WriteCancelled
 from ..checkpoint.carry import WrittenBehindAutograd
 from ..checkpoint.staging import ChangedWhileWritten, LazyCopy, TornSnapshot
 from ..errors import LockLostError
-from .save_policy import Due, Reason
+from .due import Due, Reason
 
 POSTPONABLE = frozenset({Reason.INTERVAL, Reason.STEPS, Reason.PER_EPOCH})
 # saves due by the clock, whose step is nobody's choice: the buffers' sizing postpones them too (see pick)
@@ -190,14 +190,16 @@ STAGE_SYNCHRONOUS = True
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    settle: bool  # wait for the job in flight first
+class WriteMode:
+    """How a save taken now is written (:func:`write_mode`)."""
+
+    wait: bool  # wait for the job in flight first
     background: bool  # stage the state and let the writer write it
     cancel: bool = False  # stop the write in flight instead of waiting for it: this save supersedes it
     stage: bool = False  # written at once, from the staging buffers (STAGE_SYNCHRONOUS)
 
 
-def plan(reason: Reason, *, job: JobKind | None, staging: bool, writing: Reason | None = None) -> Plan:
+def write_mode(reason: Reason, *, job: JobKind | None, staging: bool, writing: Reason | None = None) -> WriteMode:
     """How to write a save that is taken now.
 
     Args:
@@ -213,17 +215,17 @@ def plan(reason: Reason, *, job: JobKind | None, staging: bool, writing: Reason 
     then to use them.
     """
     background = staging and reason not in SYNCHRONOUS
-    stage = staging and not background and STAGE_SYNCHRONOUS  # the job in flight is settled or cancelled first
+    stage = staging and not background and STAGE_SYNCHRONOUS  # the job in flight is waited for or cancelled first
     if job is JobKind.RESERVE:
-        return Plan(settle=False, background=background, cancel=True, stage=stage)
+        return WriteMode(wait=False, background=background, cancel=True, stage=stage)
     if job is JobKind.PREPARE and reason in STOPS:  # the buffers are taken as they are: the copy faults the rest
-        return Plan(settle=False, background=background, cancel=True, stage=stage)
+        return WriteMode(wait=False, background=background, cancel=True, stage=stage)
     if job is JobKind.SAVE and reason in STOPS and writing in POSTPONABLE:
-        return Plan(settle=False, background=background, cancel=True, stage=stage)
-    return Plan(settle=job is not None, background=background, stage=stage)
+        return WriteMode(wait=False, background=background, cancel=True, stage=stage)
+    return WriteMode(wait=job is not None, background=background, stage=stage)
 
 
-def wake(
+def adjusted_due(
     due: Due, *, step: int, milestone_steps: int | None, postponed: Reason | None, job: bool, prepare_at: int | None
 ) -> Due:
     """The policy's thresholds, adjusted for the scheduler: a postponed save, a buffer sizing to start."""

@@ -183,7 +183,7 @@ def test_a_source_pruned_between_plan_and_write_is_written(tmp_path):
     m.save_state(step=1, model=model, optimizer=opt)
     from preempt.checkpoint import state
 
-    payload = m.plan(state.capture(state.Components(model, opt), {}, group_frozen=True), 2)
+    payload = m.mark_carried(state.capture(state.Components(model, opt), {}, group_frozen=True), 2)
     assert BASE in payload.carried
     deleter.remove_tree(step_dir(tmp_path, 1))  # gone meanwhile (ENOENT at the link)
     manifest = Manifest(step=2, cursor=Cursor(), reason="manual", created=1.0, files={})
@@ -344,7 +344,7 @@ def test_a_buffer_replaced_at_the_same_address_is_not_taken_for_unchanged():
 
     t = torch.zeros(1024)
     payload = state.Payload({BASE: ({"t": t}, {})}, {})
-    carrier.plan(payload, 1)
+    carrier.mark_carried(payload, 1)
     carrier.durable(Path("/nowhere"), 1, {BASE: hashed_io.FileDigest(1, "0" * 32)})
     assert carrier.sources[BASE].tensors["t"] is t
     ptr = t.data_ptr()
@@ -393,9 +393,9 @@ def test_export_writes_one_standalone_file_and_ls_inspect_show_what_was_carried(
 # ----------------------------------------------------------------------------- staging sized for what changes
 
 
-def test_the_plan_hashes_at_the_step_what_it_carries_and_what_a_writer_reads_later(monkeypatch):
+def test_marking_carried_files_hashes_at_the_step_what_it_carries_and_what_a_writer_reads_later(monkeypatch):
     """A carried file's live tensors hash to its source's digest at the step (a stop's save too: there is no other
-    plan); a file that a writer reads after the step gets its digest at the step; a synchronous save's written file
+    marking); a file that a writer reads after the step gets its digest at the step; a synchronous save's written file
     is not hashed."""
     from preempt.checkpoint import state
 
@@ -405,21 +405,21 @@ def test_the_plan_hashes_at_the_step_what_it_carries_and_what_a_writer_reads_lat
     carrier = carry.Carrier()
     t = torch.zeros(16)
     payload = state.Payload({BASE: ({"w": t}, {}), MODEL: ({"h": torch.zeros(2)}, {})}, {})
-    first = carrier.plan(payload, 1)
+    first = carrier.mark_carried(payload, 1)
     assert not first.carried and first.at_step == {} and hashed == []  # written while the loop waits: no hash
     digest = carry.digest_of({"w": t}, {})
     carrier.durable(Path("/nowhere"), 1, {BASE: digest, MODEL: digest})
     hashed.clear()
-    second = carrier.plan(payload, 2)
+    second = carrier.mark_carried(payload, 2)
     assert list(second.carried) == [BASE] and list(second.tensor_files) == [MODEL] and len(hashed) == 1
     assert second.at_step == {BASE: second.carried[BASE].digest}
     carrier.durable(Path("/nowhere"), 2, {BASE: carry.dataclasses.replace(digest, carried_from=1), MODEL: digest})
     t.numpy()[0] = 1.0  # behind autograd
-    third = carrier.plan(payload, 3, read_later={BASE})
+    third = carrier.mark_carried(payload, 3, read_later={BASE})
     assert not third.carried and carry.marked_never(third.tensor_files[BASE][1]) and third.at_step == {}
     fresh = carry.Carrier()
-    fresh.plan(payload, 1)
-    assert fresh.plan(payload, 1, read_later={BASE}).at_step == {BASE: carry.digest_of({"w": t}, {})}
+    fresh.mark_carried(payload, 1)
+    assert fresh.mark_carried(payload, 1, read_later={BASE}).at_step == {BASE: carry.digest_of({"w": t}, {})}
 
 
 def lora_run(tmp_path: Path, **kw):

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from preempt import PreemptibleRun
 from preempt.checkpoint.lock import StepBeacon
-from preempt.data.replay import LoaderFeed, ResumePlan, reseed, sample_seed, stream_seed
+from preempt.data.replay import LoaderFeed, WorkersResume, reseed, sample_seed, stream_seed
 from preempt.data.sampler import ResumableSampler
 
 
@@ -134,12 +134,12 @@ def test_iterable_feed_continues_where_the_loop_stood(workers, stop_after):
     assert head + rest == whole
 
 
-def test_iterable_plans_refuse_another_epoch_or_worker_count():
+def test_iterable_workers_resume_refuses_another_epoch_or_worker_count():
     loader = DataLoader(Counting(8), batch_size=2, num_workers=2)
     feed = LoaderFeed(loader, 0)
     saved = {"epoch": 1, "num_workers": 2, "next": 1, "workers": {0: {"dataset": {"pos": 1}, "count": 1}}}
-    assert feed.plan(saved, 1) == ResumePlan(1, 1, {0: {"dataset": {"pos": 1}, "count": 1}})
-    assert feed.plan(saved, 2) is None
+    assert feed.workers_resume(saved, 1) == WorkersResume(1, 1, {0: {"dataset": {"pos": 1}, "count": 1}})
+    assert feed.workers_resume(saved, 2) is None
     assert "num_workers=2, the loader now has 1" in LoaderFeed(DataLoader(Counting(8), num_workers=1), 0).can_seek(
         saved, 1
     )
@@ -229,7 +229,7 @@ def test_malformed_positions_replay_instead_of_starting_over_silently():
     loader = DataLoader(Counting(8), batch_size=2, num_workers=0)
     feed = LoaderFeed(loader, 0)
     saved = {"epoch": 0, "num_workers": 0, "next": 0, "workers": ["not", "a", "dict"]}
-    assert feed.plan(saved, 0) is None
+    assert feed.workers_resume(saved, 0) is None
     assert feed.can_seek(saved, 0) == "the checkpoint holds no position of its workers"
 
 

@@ -133,12 +133,12 @@ def test_the_circle_check_sees_every_kind_of_import(tmp_path):
     pkg.mkdir(parents=True)
     source = pkg / "m.py"
     source.write_text(
-        "from . import peers, nothing_here\nfrom .save_policy import decide\nimport preempt.cluster.signals\n"
+        "from . import peers, nothing_here\nfrom .due import decide\nimport preempt.cluster.signals\n"
         "from preempt.data import rng\nfrom ..checkpoint.state import MODEL_FILE\n\n"
         "def f():\n    from ..cli import main\n"
     )
     known = {
-        "preempt.run.peers", "preempt.run.save_policy", "preempt.cluster.signals", "preempt.data", "preempt.data.rng",
+        "preempt.run.peers", "preempt.run.due", "preempt.cluster.signals", "preempt.data", "preempt.data.rng",
         "preempt.checkpoint.state", "preempt.cli", "preempt.cli.main",
         "preempt.run",
     }  # fmt: skip

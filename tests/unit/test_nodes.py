@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from preempt.cluster.nodes import Nodes, View, assign, plan
+from preempt.cluster.nodes import Nodes, View, assign, split_by_node
 
 SAME, OTHER_FIRST, OTHER = View(True, True), View(False, True, "its lock file is missing"), View(False, False)
 
 
 def test_every_rank_sees_rank_zero_lock_file_shared():
-    assert plan([SAME, View(True, False), View(True, True)], mirror=False).kind == "shared"
-    assert plan([SAME], mirror=True).kind == "shared"
+    assert split_by_node([SAME, View(True, False), View(True, True)], mirror=False).kind == "shared"
+    assert split_by_node([SAME], mirror=True).kind == "shared"
 
 
 def test_a_rank_apart_without_a_mirror_is_refused_naming_it_and_what_it_saw():
-    p = plan([SAME, SAME, OTHER_FIRST], mirror=False)
+    p = split_by_node([SAME, SAME, OTHER_FIRST], mirror=False)
     assert p.kind == "refused"
     assert "rank 2 does not see the save_dir as rank 0 does (its lock file is missing)" in p.problem
     assert "need a mirror" in p.problem
@@ -22,12 +22,12 @@ def test_a_rank_apart_without_a_mirror_is_refused_naming_it_and_what_it_saw():
 def test_with_a_mirror_each_other_node_is_led_by_its_first_local_rank():
     # node 0: ranks 0, 1; node 1: ranks 2, 3; node 2: ranks 4, 5
     views = [SAME, View(True, False), OTHER_FIRST, OTHER, OTHER_FIRST, OTHER]
-    p = plan(views, mirror=True)
+    p = split_by_node(views, mirror=True)
     assert (p.kind, p.leaders) == ("apart", (0, 2, 4))
 
 
 def test_ranks_apart_with_no_first_local_rank_are_refused():
-    p = plan([SAME, OTHER, OTHER], mirror=True)
+    p = split_by_node([SAME, OTHER, OTHER], mirror=True)
     assert p.kind == "refused" and "LOCAL_RANK 0" in p.problem
 
 

@@ -310,8 +310,8 @@ def test_the_stopper_measures_each_save_against_the_grace_and_warns_once(tmp_pat
     from helpers import FakeClock
 
     from preempt.run.loop_state import LoopState
-    from preempt.run.save_plan import SaveRecord
     from preempt.run.stopping import Stopper
+    from preempt.run.write_decisions import SaveRecord
 
     clock, markers = FakeClock(), []
     stopper = Stopper(RunConfig(grace=10.0), Environment(), tmp_path, clock)

@@ -1,4 +1,4 @@
-"""Unit tests for preempt.run.save_policy: save decisions, the next_due prefilter, retention."""
+"""Unit tests for preempt.run.due: save decisions, the next_due prefilter, retention."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from preempt.checkpoint.retention import Kept, RetentionPolicy, select_kept
-from preempt.run.save_policy import NOTHING, Decision, Due, Reason, SaveFacts, SavePolicy, decide, next_due
+from preempt.run.due import NOTHING, Decision, Due, Reason, SaveFacts, SavePolicy, decide, next_due
 
 
 def facts(**kw) -> SaveFacts:

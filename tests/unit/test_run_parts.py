@@ -17,10 +17,10 @@ from preempt.checkpoint.retention import RetentionPolicy
 from preempt.cluster.environment import Environment
 from preempt.errors import NoCheckpointError
 from preempt.run.config import RunConfig
+from preempt.run.due import Reason
 from preempt.run.loop_state import LoopState
 from preempt.run.peers import Alone
 from preempt.run.resume_plan import NO_CHECKPOINT, is_new_request, plan_start, request_of, request_source
-from preempt.run.save_policy import Reason
 from preempt.run.stopping import Stopper
 
 # ---------------------------------------------------------------------------- LoopState
@@ -261,7 +261,7 @@ def test_the_run_s_properties_are_typed_for_an_ide_and_mypy():
     an ``int``, not ``Any``)."""
     import typing
 
-    from preempt.run.save_plan import SaveRecord
+    from preempt.run.write_decisions import SaveRecord
 
     props = {n: p for n, p in vars(PreemptibleRun).items() if isinstance(p, property) and not n.startswith("_")}
     hints = {n: typing.get_type_hints(p.fget).get("return") for n, p in props.items()}

@@ -17,11 +17,11 @@ from preempt.checkpoint.staging import ChangedWhileWritten, TornSnapshot
 from preempt.cluster.signals import StopFlag
 from preempt.errors import LockLostError
 from preempt.run.data_cursor import DataCursor
+from preempt.run.due import Due, Reason
 from preempt.run.loop_state import LoopState
-from preempt.run.save_plan import STOPS, JobKind, Outcome, outcome_of, pick, plan, wake
-from preempt.run.save_policy import Due, Reason
 from preempt.run.save_scheduler import SaveScheduler
 from preempt.run.snapshot import Snapshot
+from preempt.run.write_decisions import STOPS, JobKind, Outcome, adjusted_due, outcome_of, pick, write_mode
 
 R = Reason
 
@@ -65,30 +65,37 @@ def test_the_postponed_save_is_taken_once_the_write_ended_and_only_when_somethin
     assert pick(None, job=None, staging=True, postponed=None, dirty=True) == (None, None)
 
 
-# ---------------------------------------------------------------------------- plan and wake
+# ---------------------------------------------------------------------------- write_mode and adjusted_due
 
 
 @pytest.mark.parametrize("reason", list(Reason))
 def test_stop_final_branch_and_emergency_saves_are_synchronous(reason):
     sync = reason in (R.PREEMPT, R.WALLTIME, R.FINAL, R.BRANCH, R.EMERGENCY)
-    assert plan(reason, job=None, staging=True).background is not sync
-    assert plan(reason, job=None, staging=False).background is False
-    assert plan(reason, job=JobKind.SAVE, staging=True).settle and not plan(reason, job=None, staging=True).settle
+    assert write_mode(reason, job=None, staging=True).background is not sync
+    assert write_mode(reason, job=None, staging=False).background is False
+    assert (
+        write_mode(reason, job=JobKind.SAVE, staging=True).wait and not write_mode(reason, job=None, staging=True).wait
+    )
     # a synchronous save writes from the staging buffers where there are any
-    assert plan(reason, job=None, staging=True).stage is sync and plan(reason, job=None, staging=False).stage is False
+    assert (
+        write_mode(reason, job=None, staging=True).stage is sync
+        and write_mode(reason, job=None, staging=False).stage is False
+    )
 
 
-def test_wake_waits_for_the_write_then_takes_the_postponed_save_at_the_next_step():
+def test_adjusted_due_waits_for_the_write_then_takes_the_postponed_save_at_the_next_step():
     due = Due(10, 7, 100.0)
-    writing = wake(due, step=12, milestone_steps=5, postponed=R.STEPS, job=True, prepare_at=None)
+    writing = adjusted_due(due, step=12, milestone_steps=5, postponed=R.STEPS, job=True, prepare_at=None)
     assert writing == Due(15, math.inf, math.inf)  # a milestone stays due; periodic ones wait for the write
-    assert wake(due, step=12, milestone_steps=None, postponed=R.STEPS, job=True, prepare_at=None).step == math.inf
-    assert wake(due, step=12, milestone_steps=5, postponed=R.STEPS, job=False, prepare_at=None) == Due(
+    assert (
+        adjusted_due(due, step=12, milestone_steps=None, postponed=R.STEPS, job=True, prepare_at=None).step == math.inf
+    )
+    assert adjusted_due(due, step=12, milestone_steps=5, postponed=R.STEPS, job=False, prepare_at=None) == Due(
         13, math.inf, math.inf
     )
-    assert wake(due, step=0, milestone_steps=None, postponed=None, job=False, prepare_at=1) == Due(1, 7, 100.0)
-    assert wake(due, step=0, milestone_steps=None, postponed=None, job=True, prepare_at=1) == due
-    assert wake(due, step=0, milestone_steps=None, postponed=None, job=False, prepare_at=None) == due
+    assert adjusted_due(due, step=0, milestone_steps=None, postponed=None, job=False, prepare_at=1) == Due(1, 7, 100.0)
+    assert adjusted_due(due, step=0, milestone_steps=None, postponed=None, job=True, prepare_at=1) == due
+    assert adjusted_due(due, step=0, milestone_steps=None, postponed=None, job=False, prepare_at=None) == due
 
 
 # ---------------------------------------------------------------------------- the scheduler, with a fake writer
@@ -157,11 +164,11 @@ def scheduler(tmp_path, writer: FakeWriter, *, reserve: bool = True, **manager_o
     """A scheduler whose buffers are sized; ``reserve``: the pool it then writes ahead is written (else in flight)."""
     saves, loop, model = started(tmp_path, writer, **manager_options)
     writer.finish()  # the buffers are sized
-    saves.tend()
-    saves.idle()  # the end of that safe point: a pool ahead starts
+    saves.take_finished_and_prepare()
+    saves.start_pool_if_due()  # the end of that safe point: a pool ahead starts
     if reserve and saves.job is not None:
         writer.finish()
-        saves.tend()
+        saves.take_finished_and_prepare()
     return saves, loop, model
 
 
@@ -184,7 +191,7 @@ def test_a_background_save_is_staged_then_written_and_a_periodic_one_waits_for_i
     loop.stepped()
     assert saves.pick(R.STEPS) is None and saves.postponed is R.STEPS
     writer.finish()
-    saves.tend()
+    saves.take_finished_and_prepare()
     assert on_disk(saves.manager) == [(1, "steps")] and saves.last_checkpoint == tmp_path / "step_000000001"
     written = saves.manager.read(saves.last_info).model
     assert torch.equal(written["weight"], before)  # the state of step 1, not the later one
@@ -202,23 +209,24 @@ def test_a_save_due_by_the_clock_while_the_buffers_are_sized_waits_for_them_not_
     saves, loop, _ = started(tmp_path, writer, optimizer_state_later=True)
     assert saves.job is not None and saves.job.kind is JobKind.PREPARE and saves.prepare_s is None
     loop.stepped()
-    saves.tend()
+    saves.take_finished_and_prepare()
     assert saves.pick(R.INTERVAL) is None and saves.postponed is R.INTERVAL  # sizing in flight: the loop goes on
-    saves.idle()
+    saves.start_pool_if_due()
     assert writer.submitted == 1  # no pool written ahead of the postponed save
     writer.finish()
     loop.stepped()
-    saves.tend()  # the first sizing ended; the second (for the optimizer's state) starts before the save
+    # the first sizing ended; the second (for the optimizer's state) starts before the save
+    saves.take_finished_and_prepare()
     assert saves.prepare_s is not None and saves.job is not None and saves.job.kind is JobKind.PREPARE
     assert saves.pick(None) is None and saves.postponed is R.INTERVAL
     writer.finish()
     loop.stepped()
-    saves.tend()
+    saves.take_finished_and_prepare()
     assert saves.job is None and saves.pick(None) is R.INTERVAL
     saves.save(R.INTERVAL, "step")
     assert saves.postponed is None and saves.last_save.step == 3 and saves.last_save.background
     writer.finish()
-    saves.tend()
+    saves.take_finished_and_prepare()
     assert on_disk(saves.manager) == [(3, "interval")]
 
 
@@ -282,8 +290,8 @@ def test_before_a_stop_a_write_of_the_current_state_is_awaited_not_cancelled(tmp
     ],
 )
 def test_only_a_stop_cancels_and_only_a_periodic_write(reason, writing, cancel):
-    p = plan(reason, job=JobKind.SAVE, staging=True, writing=writing)
-    assert p.cancel is cancel and p.settle is not cancel
+    p = write_mode(reason, job=JobKind.SAVE, staging=True, writing=writing)
+    assert p.cancel is cancel and p.wait is not cancel
 
 
 def test_a_write_out_of_disk_is_counted_and_the_state_is_due_again(tmp_path, monkeypatch):
@@ -293,7 +301,7 @@ def test_a_write_out_of_disk_is_counted_and_the_state_is_due_again(tmp_path, mon
     monkeypatch.setattr(saves.manager, "save", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     saves.save(R.STEPS, "step")
     assert not loop.dirty
-    saves.collect()
+    saves.take_outcome()
     assert saves.failed == 1 and loop.dirty and saves.last_checkpoint is None
 
 
@@ -304,7 +312,7 @@ def test_any_other_write_failure_is_raised_naming_the_step(tmp_path, monkeypatch
     monkeypatch.setattr(saves.manager, "save", lambda *a: (_ for _ in ()).throw(ValueError("bad bytes")))
     saves.save(R.STEPS, "step")
     with pytest.raises(CheckpointWriteError, match=r"step_000000001.*bad bytes"):
-        saves.collect()
+        saves.take_outcome()
     assert loop.dirty
 
 
@@ -327,7 +335,7 @@ def test_a_failed_stop_save_raises_save_failed_with_the_last_good_checkpoint(tmp
 
 @pytest.mark.parametrize("reason", list(Reason))
 def test_any_save_cancels_a_pool_being_written_ahead(reason):
-    assert plan(reason, job=JobKind.RESERVE, staging=True).cancel
+    assert write_mode(reason, job=JobKind.RESERVE, staging=True).cancel
     assert pick(reason, job=JobKind.RESERVE, staging=True, postponed=None, dirty=True) == (reason, None)
 
 
@@ -335,8 +343,8 @@ def test_any_save_cancels_a_pool_being_written_ahead(reason):
 def test_a_stop_cuts_the_buffers_sizing_short_and_any_other_save_waits_for_it(reason):
     """Work done ahead for speed never delays a stop: the staging buffers being sized are taken as they are (the
     stop's copy faults the pages not touched yet); a periodic save due meanwhile is postponed, a final one waits."""
-    how = plan(reason, job=JobKind.PREPARE, staging=True)
-    assert (how.cancel, how.settle) == ((True, False) if reason in STOPS else (False, True))
+    how = write_mode(reason, job=JobKind.PREPARE, staging=True)
+    assert (how.cancel, how.wait) == ((True, False) if reason in STOPS else (False, True))
 
 
 def pool_files(directory) -> dict[str, tuple[int, int]]:
@@ -352,7 +360,7 @@ def test_once_the_buffers_are_sized_a_pool_of_the_states_files_is_written_and_th
     assert saves.job is not None and saves.job.kind is JobKind.RESERVE
     assert saves.wait() is None and saves.job is not None  # waiting for a checkpoint does not wait for it
     writer.finish()
-    saves.tend()
+    saves.take_finished_and_prepare()
     pool = pool_files(tmp_path)
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert {name: size for name, (size, _) in pool.items()} == saves.sizes  # the tensor bytes of each file
@@ -363,7 +371,7 @@ def test_once_the_buffers_are_sized_a_pool_of_the_states_files_is_written_and_th
     loop.stepped()
     saves.save(R.STEPS, "step")
     writer.finish()
-    saves.tend()
+    saves.take_finished_and_prepare()
     for name, (_, inode) in pool.items():
         assert (tmp_path / "step_000000001" / name).stat().st_ino == inode
     assert pool_files(tmp_path) == {}
@@ -408,7 +416,7 @@ def test_a_save_copies_the_state_while_the_pool_it_cancels_stops_then_writes_ove
     assert order == ["state copied", "pool ended"]
     if reason is R.INTERVAL:
         writer.finish()
-        saves.tend()
+        saves.take_finished_and_prepare()
     assert on_disk(saves.manager) == [(1, reason.value)] and pool_files(tmp_path) == {}
 
 
@@ -433,7 +441,7 @@ def test_a_pool_that_cannot_be_written_is_a_warning_and_leaves_nothing(tmp_path,
 
     monkeypatch.setattr("preempt.checkpoint.hashed_io.write_file", full)
     writer.finish()
-    saves.tend()
+    saves.take_finished_and_prepare()
     assert saves.job is None and list(tmp_path.glob(".*")) == []
     assert "could not write a pool ahead" in caplog.text and "No space left" in caplog.text
 

@@ -12,8 +12,8 @@ import torch
 from helpers import two_gloo_ranks
 
 from preempt import Preempted, PreemptibleRun
+from preempt.run.due import Reason
 from preempt.run.peers import Agreement, Alone
-from preempt.run.save_policy import Reason
 
 
 class CountingPeers(Alone):
@@ -109,14 +109,14 @@ def test_a_save_s_carry_plan_looks_only_at_the_frozen_base(monkeypatch):
     base = {f"w{i}": torch.zeros(4) for i in range(10)}
     trained = {f"a{i}": torch.zeros(4) for i in range(100)}
     payload = state.Payload({"base.safetensors": (base, {}), "model.safetensors": (trained, {})}, {})
-    carrier.plan(payload, 1)
+    carrier.mark_carried(payload, 1)
     carrier.durable(Path("/nowhere"), 1, {"base.safetensors": carry.digest_of(base, {})})
     trained["a0"].add_(1.0)  # the step: the trained tensors changed
     counted, hashed = [], []
     monkeypatch.setattr(carry, "fingerprint", lambda t, real=carry.fingerprint: counted.append(t) or real(t))
     monkeypatch.setattr(carry, "digest_of", lambda ts, m, real=carry.digest_of: hashed.append(ts) or real(ts, m))
     monkeypatch.setattr(carry, "exists", lambda _path: True)  # (the sources are made up)
-    planned = carrier.plan(payload, 2)
+    planned = carrier.mark_carried(payload, 2)
     assert list(planned.carried) == ["base.safetensors"] and list(planned.tensor_files) == ["model.safetensors"]
     assert len(counted) == 10 and hashed == [base]
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from preempt.run.save_policy import Decision, Reason, SaveFacts, SavePolicy, decide, next_due
+from preempt.run.due import Decision, Reason, SaveFacts, SavePolicy, decide, next_due
 from preempt.run.stopping import Walltime
 
 
