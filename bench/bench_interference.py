@@ -5,7 +5,7 @@
 
 The loop of ``bench_lazy.py`` (an MLP whose parameters and AdamW moments come to ``--gib`` GiB, a real forward,
 backward and ``optimizer.step()`` per step, torch on one thread) runs while a second thread, at the niceness of
-preempt's writer, does one piece of a background checkpoint's work on buffers of the state's size (one
+preempt's writer, does one part of a background checkpoint's work on buffers of the state's size (one
 page-aligned arena, as preempt stages):
 
 - ``none``: nothing (what the estimate reads where nothing happens);

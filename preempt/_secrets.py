@@ -11,7 +11,7 @@
   (4) every secret the process holds (below), by value, wherever it is in an argument (inside a JSON document such
   as ``--options '{"secret": "..."}'``, a URL's query, a longer word).
 * The secrets a process holds: what it was handed to reach its mirror (:func:`of_mirror`: the credentials of the
-  URL and each piece of them, the values of ``mirror_options`` under a secret-like key at any depth; :func:`of_environ`:
+  URL and each part of them, the values of ``mirror_options`` under a secret-like key at any depth; :func:`of_environ`:
   the AWS (and Azure storage) variables whose names say they hold a secret). :func:`hold` keeps them for the life of the
   process; :func:`scrub` replaces each in a text by ``***`` (as written, JSON-escaped and URL-quoted), and so does a
   filter :func:`hold` puts on the ``preempt`` logger: no log line, record, manifest or error message carries one.
@@ -91,7 +91,7 @@ _lock = threading.Lock()
 
 
 def of_mirror(url: str | None, options: Mapping[str, Any] | None) -> list[str]:
-    """The secrets a mirror is reached with: the URL's userinfo and each piece of it (a client quotes a secret's
+    """The secrets a mirror is reached with: the URL's userinfo and each part of it (a client quotes a secret's
     ``/`` apart), and the values under secret-like keys of ``options`` (``key``, ``secret``, ``token``; any depth)."""
     out: list[str] = []
     credentials = userinfo(url) if isinstance(url, str) else ""

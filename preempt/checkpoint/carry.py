@@ -212,8 +212,8 @@ def digest_of(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> F
     from . import tensorfile
 
     digest, size = xxhash.xxh3_128(), 0
-    for piece in tensorfile.pieces(tensors, meta):
-        view = memoryview(piece).cast("B")
+    for chunk in tensorfile.chunks(tensors, meta):
+        view = memoryview(chunk).cast("B")
         digest.update(view)
         size += view.nbytes
     return FileDigest(size, digest.hexdigest())

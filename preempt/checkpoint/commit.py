@@ -159,12 +159,12 @@ def commit_dir(
     return final, replaced
 
 
-def write_atomic(path: Path, pieces: Iterable[Any], *, replace: bool = True) -> FileDigest:
+def write_atomic(path: Path, chunks: Iterable[Any], *, replace: bool = True) -> FileDigest:
     """Writes a file atomically: a temporary file beside it, fdatasync, rename, fsync(dir).
 
     Args:
         path: The file.
-        pieces: Its content (bytes-like pieces, as for :func:`write_file`).
+        chunks: Its content (bytes-like chunks, as for :func:`write_file`).
         replace: False never replaces an existing file, not even one created
             meanwhile: the last step is ``link``, which fails when ``path`` exists.
 
@@ -173,7 +173,7 @@ def write_atomic(path: Path, pieces: Iterable[Any], *, replace: bool = True) -> 
     """
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{tag()}")
     try:
-        digest = hashed_io.write_file(tmp, pieces)
+        digest = hashed_io.write_file(tmp, chunks)
         if replace:
             os.rename(tmp, path)
         else:

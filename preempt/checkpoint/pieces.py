@@ -83,7 +83,7 @@ def assembled(
     """One safetensors file of the whole tensors whose keys start with ``prefix`` (named without it), put together
     from the ranks' files of pieces (path, the file in memory, its validated header). No torch.
 
-    Returns the number of tensors and the file's pieces to write.
+    Returns the number of tensors and the file's chunks to write.
 
     Raises:
         ValueError: A layout that does not check, two files that disagree on a tensor's shape or dtype, or pieces

@@ -140,7 +140,7 @@ def _zeros(size: int) -> Iterator[memoryview]:
     page cache over the same range (what a direct write over cached pages makes it do)."""
     block = memoryview(mmap.mmap(-1, max(1, min(size, 2 * POOL_CHUNK))))  # closed when collected
     while size > 0:
-        n = size if size < 2 * POOL_CHUNK else POOL_CHUNK  # the last piece whole: a short one would be coalesced
+        n = size if size < 2 * POOL_CHUNK else POOL_CHUNK  # the last chunk whole: a short one would be coalesced
         yield block[:n]  # into a buffer of the writer's, unaligned, through the page cache
         size -= n
 

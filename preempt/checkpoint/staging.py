@@ -2,7 +2,7 @@
 
 The loop pays for a memory copy; the disk write, the hashing and the commit
 happen in a named daemon thread with the same protocol as a synchronous save
-(:mod:`preempt.checkpoint.commit`). Two pieces, each usable alone:
+(:mod:`preempt.checkpoint.commit`). Two parts, each usable alone:
 
 * :class:`Stager` copies a :class:`~preempt.checkpoint.state.Payload`'s tensors into host
   buffers that are allocated once, touched once when allocated (so the first

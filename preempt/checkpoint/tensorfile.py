@@ -139,7 +139,7 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, int, int]]:
     return out
 
 
-def pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> Iterator[Any]:
+def chunks(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> Iterator[Any]:
     """Yields the header, then the tensors' bytes: a complete safetensors file (:func:`layout`).
 
     The header is padded so that the data starts at a multiple of
@@ -241,10 +241,10 @@ def validate(buf: np.ndarray, where: str) -> Header:
 
 
 def restamped(buf: np.ndarray, header: Header, metadata: Mapping[str, str]) -> Iterator[Any]:
-    """The safetensors file ``buf`` (validated as ``header``) with ``metadata`` instead of its own, as pieces.
+    """The safetensors file ``buf`` (validated as ``header``) with ``metadata`` instead of its own, as chunks.
 
     The entries keep their offsets, so the data area is yielded as it is (a view of ``buf``); the new header is
-    padded as :func:`pieces` pads it, which keeps every tensor at the alignment it had. No torch.
+    padded as :func:`chunks` pads it, which keeps every tensor at the alignment it had. No torch.
     """
     doc: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
     for e in header.entries:
@@ -254,7 +254,7 @@ def restamped(buf: np.ndarray, header: Header, metadata: Mapping[str, str]) -> I
 
 
 def merged(parts: list[tuple[np.ndarray, Header]], metadata: Mapping[str, str]) -> Iterator[Any]:
-    """One safetensors file holding every tensor of ``parts`` (validated files in memory), as pieces. No torch.
+    """One safetensors file holding every tensor of ``parts`` (validated files in memory), as chunks. No torch.
 
     Laid out as :func:`layout` lays out a file (by descending element size, then name), so every tensor starts
     at an offset aligned to its element size; each tensor's bytes are yielded as a view of its source.

@@ -51,11 +51,11 @@ def write_payload(directory: Path, payload: Payload, *, durable: bool = True) ->
             code = errno.errorcode.get(e.errno or 0, "")
             log.debug("%s: cannot link %s (%s %s); writing it", directory / fname, carry.source, code, e.strerror)
         read.add(fname)
-        pieces = tensorfile.pieces(carry.tensors, carry.meta)
-        files[fname] = hashed_io.write_file(directory / fname, pieces, recycle=True, sync=False)
+        chunks = tensorfile.chunks(carry.tensors, carry.meta)
+        files[fname] = hashed_io.write_file(directory / fname, chunks, recycle=True, sync=False)
     for fname, (tensors, meta) in payload.tensor_files.items():
         files[fname] = hashed_io.write_file(
-            directory / fname, tensorfile.pieces(tensors, meta), recycle=True, sync=False
+            directory / fname, tensorfile.chunks(tensors, meta), recycle=True, sync=False
         )
     for fname, expected in payload.at_step.items():
         if fname in read and not same_bytes(files[fname], expected):

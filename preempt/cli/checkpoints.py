@@ -336,22 +336,22 @@ def cmd_export(args: argparse.Namespace) -> int:
         metadata = _export_metadata(header.metadata, info, expected)
         if shard_files:
             _refuse_dcp_weights(info)
-            count, pieces = assembled([(where, b, h) for b, h, where in parts[1:]], "model.", metadata)
+            count, chunks = assembled([(where, b, h) for b, h, where in parts[1:]], "model.", metadata)
         else:
             count = sum(len(h.entries) for _, h, _ in parts)
-            pieces = (
+            chunks = (
                 tensorfile.restamped(buf, header, metadata)
                 if len(parts) == 1
                 else tensorfile.merged([(b, h) for b, h, _ in parts], metadata)
             )
         if len(parts) > 1:
-            pieces = iter(list(pieces))  # two tensors of one name raise here, before anything is written
+            chunks = iter(list(chunks))  # two tensors of one name raise here, before anything is written
     except (CorruptCheckpointError, ValueError) as e:
         raise CommandFailed(EXIT_DAMAGED, f"{e}; nothing written") from None
     if not count:
         raise CommandFailed(EXIT_USAGE, f"{src}: holds no model weights (saved without a model); nothing written")
     # The data is written straight from the verified mappings (one file: its layout and alignment unchanged): no torch.
-    digest = _write_new(out, pieces, args.force)
+    digest = _write_new(out, chunks, args.force)
     doc = {
         "source": str(info.path),
         "step": info.step,
@@ -396,10 +396,10 @@ def _export_metadata(metadata: dict[str, str], info: CheckpointInfo, expected: F
     }
 
 
-def _write_new(out: Path, pieces: Iterable[Any], force: bool) -> FileDigest:
+def _write_new(out: Path, chunks: Iterable[Any], force: bool) -> FileDigest:
     """Writes ``out`` atomically; without ``force`` an existing file (even one created meanwhile) is kept."""
     try:
-        return commit.write_atomic(out, pieces, replace=force)
+        return commit.write_atomic(out, chunks, replace=force)
     except FileExistsError:
         raise CommandFailed(EXIT_USAGE, f"{out}: exists; pass --force to overwrite it") from None
     except OSError as e:

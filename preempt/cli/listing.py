@@ -1,7 +1,7 @@
 """What ``ls`` and ``verify`` show of a set of checkpoints, wherever they are kept: a save_dir
 (:mod:`preempt.cli.checkpoints`) or a mirror in object storage (:mod:`preempt.cli.remote`).
 
-One piece of code for both: the commands gather :class:`~preempt.checkpoint.manager.CheckpointInfo` objects (and,
+One code path for both: the commands gather :class:`~preempt.checkpoint.manager.CheckpointInfo` objects (and,
 for verify, one :class:`~preempt.checkpoint.files.FileCheck` per file) their own way, and this module turns them
 into the same rows, tables, verdicts and exit codes. A :class:`Place` says how the texts name what was found: a
 save_dir's paths as they are; a mirror's checkpoints are checked in a temporary directory, whose path ``shown``

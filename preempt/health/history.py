@@ -1,6 +1,6 @@
 """What a run leaves for people to read: ``train.log`` and ``history.jsonl``.
 
-Small pieces, each usable alone; none imports torch.
+Small parts, each usable alone; none imports torch.
 
 :class:`RunLog` copies the ``preempt`` logger into ``save_dir/train.log``
 (appended across restarts, so a requeued job's whole story is in one file)::
@@ -471,10 +471,10 @@ def _lines(f: BinaryIO, cap: int) -> Iterator[tuple[int, bytes | None, int]]:
         at = 0
         while True:
             end = chunk.find(b"\n", at)
-            piece = memoryview(chunk)[at : len(chunk) if end < 0 else end]
-            size += len(piece)
+            span = memoryview(chunk)[at : len(chunk) if end < 0 else end]
+            size += len(span)
             if size <= cap:
-                part += piece
+                part += span
             elif part:
                 part = bytearray()  # over the cap: let go of what was kept
             if end < 0:

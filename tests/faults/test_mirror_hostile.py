@@ -93,7 +93,7 @@ SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"  # the form of an AWS secret
 @pytest.mark.parametrize("command", ["ls", "verify", "pull"])
 def test_a_secret_with_a_slash_in_the_url_is_never_printed(tmp_path, mirror_url, capsys, command):
     """``s3://KEY:SECRET@bucket/...`` where SECRET holds a '/': redaction read ``urlsplit().netloc``, which
-    ends at that '/', and the commands printed the secret. Every piece of it stays out of what they print."""
+    ends at that '/', and the commands printed the secret. Every part of it stays out of what they print."""
     from preempt.cli.main import main
     from preempt.mirror.store import redact
 
@@ -104,8 +104,8 @@ def test_a_secret_with_a_slash_in_the_url_is_never_printed(tmp_path, mirror_url,
     main(args)
     said = "".join(capsys.readouterr())
     assert said, "the command said nothing"
-    for piece in (SECRET, *SECRET.split("/")):
-        assert piece not in said, said
+    for part in (SECRET, *SECRET.split("/")):
+        assert part not in said, said
 
 
 def forge(store: MirrorStore, source: Path, step: int, files: dict[str, bytes]) -> None:

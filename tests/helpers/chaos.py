@@ -1,7 +1,7 @@
 """A seeded chaos campaign: one training job run again and again until it completes, faults drawn from a schedule
 that is a pure function of the seed, and the oracles checked after every process and at the end of every run.
 
-The pieces, in the order a reader needs them:
+The parts, in the order a reader needs them:
 
 - :func:`fault_at` / :func:`schedule`: the i-th fault of a seed (a pure function: no clock, no disk, no process);
 - :class:`Job`: the training a campaign runs (a script of the suite and its arguments);

@@ -39,20 +39,20 @@ def wandb_records(path: Path) -> list[tuple[str, object]]:
     data = path.read_bytes()
     assert data[:4] == b":W&B", data[:7]
     out: list[tuple[str, object]] = []
-    pos, piece = 7, b""
+    pos, record = 7, b""
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if left < 7 or (length == 0 and kind == 0):  # the rest of a block is padding
             pos += left
             continue
-        piece += data[pos + 7 : pos + 7 + length]
+        record += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind not in (1, 4):
             continue
         rec = pb.Record()
-        rec.ParseFromString(piece)
-        piece = b""
+        rec.ParseFromString(record)
+        record = b""
         which = rec.WhichOneof("record_type")
         if which == "run":
             out.append(("run", rec.run.run_id))

@@ -1,6 +1,6 @@
 """The benchmarks time writes: a checkpoint they time must write every file, not carry it.
 
-``bench/bench_checkpoint.py`` gives the two pieces every benchmark that saves one state repeatedly uses: a change of
+``bench/bench_checkpoint.py`` gives the two parts every benchmark that saves one state repeatedly uses: a change of
 every tensor between saves, as a training step makes, and a check that fails the benchmark when a timed checkpoint
 carried a file anyway.
 """

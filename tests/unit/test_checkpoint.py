@@ -145,10 +145,10 @@ def test_failed_write_leaves_previous_checkpoint_and_no_partial(tmp_path, monkey
     m.save_state(step=1, model=model, optimizer=opt)
     real_write, real_commit = hashed_io.write_file, commit.commit_dir
 
-    def write(path, pieces, **kw):
+    def write(path, chunks, **kw):
         if Path(path).name == fail_on:
             raise OSError(28, "No space left on device")
-        return real_write(path, pieces, **kw)
+        return real_write(path, chunks, **kw)
 
     def commit_dir(*a):
         if fail_on == "rename":

@@ -22,10 +22,10 @@ def _bytes(n: int, seed: int = 0) -> bytes:
 
 
 def test_write_file_digest_matches_hash_file_and_xxhash(tmp_path):
-    pieces = [b"abc", bytearray(b"def"), memoryview(b"ghij"), np.arange(5, dtype=np.int32), _bytes(1000)]
+    chunks = [b"abc", bytearray(b"def"), memoryview(b"ghij"), np.arange(5, dtype=np.int32), _bytes(1000)]
     expected = b"abc" + b"def" + b"ghij" + np.arange(5, dtype=np.int32).tobytes() + _bytes(1000)
     path = tmp_path / "f.bin"
-    d = hashed_io.write_file(path, pieces)
+    d = hashed_io.write_file(path, chunks)
     assert path.read_bytes() == expected
     assert d == FileDigest(len(expected), xxhash.xxh3_128_hexdigest(expected))
     assert hashed_io.hash_file(path) == d
@@ -60,12 +60,12 @@ def test_write_file_never_overwrites(tmp_path):
     assert path.read_bytes() == b"old"
 
 
-def test_many_small_pieces_are_coalesced(tmp_path, monkeypatch):
-    """Thousands of small pieces cost a handful of write(2) calls, and the bytes stay exact and in order."""
+def test_many_small_chunks_are_coalesced(tmp_path, monkeypatch):
+    """Thousands of small chunks cost a handful of write(2) calls, and the bytes stay exact and in order."""
     small = [_bytes(random.Random(i).randint(0, 3000), seed=i) for i in range(3000)]
     big = _bytes(5 << 20, seed=-1)  # larger than the 4 MiB coalescing buffer: written on its own
-    pieces = small[:1500] + [big] + small[1500:]
-    expected = b"".join(pieces)
+    chunks = small[:1500] + [big] + small[1500:]
+    expected = b"".join(chunks)
     calls = []
     real_write = os.write
 
@@ -74,7 +74,7 @@ def test_many_small_pieces_are_coalesced(tmp_path, monkeypatch):
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", counting_write)
-    d = hashed_io.write_file(tmp_path / "c.bin", pieces)
+    d = hashed_io.write_file(tmp_path / "c.bin", chunks)
     monkeypatch.undo()
     assert (tmp_path / "c.bin").read_bytes() == expected
     assert d == FileDigest(len(expected), xxhash.xxh3_128_hexdigest(expected))
@@ -88,9 +88,9 @@ def test_partial_writes_and_small_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:3]))
     monkeypatch.setattr(hashed_io, "WRITE_CHUNK", 7)
     monkeypatch.setattr(hashed_io, "_COALESCE", 5)
-    pieces = [_bytes(n, seed=n) for n in (0, 1, 4, 5, 6, 13, 50, 2)]
-    expected = b"".join(pieces)
-    d = hashed_io.write_file(tmp_path / "p.bin", pieces)
+    chunks = [_bytes(n, seed=n) for n in (0, 1, 4, 5, 6, 13, 50, 2)]
+    expected = b"".join(chunks)
+    d = hashed_io.write_file(tmp_path / "p.bin", chunks)
     monkeypatch.setattr(os, "write", real_write)
     assert (tmp_path / "p.bin").read_bytes() == expected
     assert d == FileDigest(len(expected), xxhash.xxh3_128_hexdigest(expected))

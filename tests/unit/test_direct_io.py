@@ -50,8 +50,8 @@ def test_a_sink_writes_every_byte_in_order_and_sends_the_aligned_blocks_direct(t
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
     try:
         sink = direct_io.Sink(fd)
-        for piece in (head, body, unaligned):
-            view = memoryview(piece).cast("B")
+        for chunk in (head, body, unaligned):
+            view = memoryview(chunk).cast("B")
             while view:
                 view = view[sink.write(view) :]
     finally:
@@ -75,8 +75,8 @@ def test_a_staged_file_is_its_header_and_one_page_aligned_buffer_laid_out_as_the
     live = mlp_payload()
     staged = Stager().stage(live)
     for name, (tensors, meta) in staged.tensor_files.items():
-        got = list(tensorfile.pieces(tensors, meta))
-        want = list(tensorfile.pieces(*live.tensor_files[name]))  # the live tensors: one piece per tensor
+        got = list(tensorfile.chunks(tensors, meta))
+        want = list(tensorfile.chunks(*live.tensor_files[name]))  # the live tensors: one chunk per tensor
         assert len(want) == 1 + len(tensors)
         assert len(got) == 2, name
         assert len(got[0]) % tensorfile.DATA_ALIGN == 0  # the data starts on a block boundary
@@ -111,13 +111,13 @@ def test_a_staged_checkpoint_bypasses_the_page_cache_and_reads_back_equal(tmp_pa
 
 def test_tensors_that_are_not_one_buffer_are_written_one_by_one():
     base = torch.arange(20, dtype=torch.float32)
-    ok = {"a": base[:8], "b": base[8:20]}  # views of one storage at their places: one piece
-    assert len(list(tensorfile.pieces(ok))) == 2
+    ok = {"a": base[:8], "b": base[8:20]}  # views of one storage at their places: one chunk
+    assert len(list(tensorfile.chunks(ok))) == 2
     gap = {"a": base[:8], "b": base[9:20]}  # a hole between them
     swapped = {"a": base[12:20], "b": base[:12]}  # "a" comes first in the file, not in memory
     neg = {"a": torch._neg_view(base[:8]), "b": base[8:20]}  # a lazily negated view: its bytes are not its values
     for tensors in (gap, swapped, neg):
-        assert len(list(tensorfile.pieces(tensors))) == 3
+        assert len(list(tensorfile.chunks(tensors))) == 3
 
 
 def test_a_direct_write_the_kernel_refuses_is_written_through_the_page_cache_and_the_sink_stops_trying(
@@ -219,10 +219,10 @@ def test_a_direct_read_the_kernel_refuses_says_so_before_reading_anything(tmp_pa
     try:
         with pytest.raises(direct_io.DirectRefused):
             list(direct_io.read_whole(fd, view, len(data), chunk=direct_io.BLOCK + 1))  # not whole blocks: EINVAL
-        pieces = list(direct_io.read_whole(fd, view, len(data), chunk=MB))  # the descriptor is as it was
+        chunks = list(direct_io.read_whole(fd, view, len(data), chunk=MB))  # the descriptor is as it was
     finally:
         os.close(fd)
-    assert [p.nbytes for p in pieces] == [MB, MB] and bytes(view) == data
+    assert [p.nbytes for p in chunks] == [MB, MB] and bytes(view) == data
 
 
 def test_a_direct_read_asks_for_memory_of_whole_aligned_blocks(tmp_path):
@@ -284,11 +284,11 @@ def test_a_byte_range_lands_in_the_same_bytes_of_the_files_memory_and_nothing_el
     fd = os.open(path, os.O_RDONLY)
     try:
         lo, n = 2 * direct_io.BLOCK, len(data) - 2 * direct_io.BLOCK  # three whole blocks and the short last one
-        pieces = list(direct_io.read_range(fd, memoryview(memory), lo, n, chunk=direct_io.BLOCK))
+        chunks = list(direct_io.read_range(fd, memoryview(memory), lo, n, chunk=direct_io.BLOCK))
     finally:
         os.close(fd)
-    assert b"".join(bytes(p) for p in pieces) == data[lo:]
-    assert [p.nbytes for p in pieces] == [direct_io.BLOCK] * 3 + [300]
+    assert b"".join(bytes(p) for p in chunks) == data[lo:]
+    assert [p.nbytes for p in chunks] == [direct_io.BLOCK] * 3 + [300]
     assert bytes(memory[lo : len(data)]) == data[lo:] and not memory[:lo].any()
 
 

@@ -148,9 +148,9 @@ def test_never_more_than_one_checkpoint_of_extra_space(tmp_path, monkeypatch):
     seen = []
     real = hashed_io.write_file
 
-    def counting(path, pieces, **kw):
+    def counting(path, chunks, **kw):
         seen.append(len([e for e in os.listdir(tmp_path) if not e.startswith(".trash-")]))
-        return real(path, pieces, **kw)
+        return real(path, chunks, **kw)
 
     monkeypatch.setattr(hashed_io, "write_file", counting)
     for step in range(1, 8):
@@ -211,10 +211,10 @@ def test_a_cancelled_write_is_kept_for_the_next_save_and_a_failed_one_is_not(tmp
 
     real = hashed_io.write_file
 
-    def full(path, pieces, **kw):
+    def full(path, chunks, **kw):
         if Path(path).name == "state.json":
             raise OSError(28, "No space left on device")
-        return real(path, pieces, **kw)
+        return real(path, chunks, **kw)
 
     monkeypatch.setattr(hashed_io, "write_file", full)
     with pytest.raises(OSError):
@@ -254,4 +254,3 @@ def test_a_pool_is_written_past_the_page_cache_so_a_save_over_it_flushes_nothing
     direct = {Path(r.args[0]).name: r.args[1] for r in caplog.records if "bypassed the page cache" in r.getMessage()}
     if direct_io_supported(tmp_path):
         assert direct == {"state.safetensors": 9 << 20, "model.safetensors": 5 << 20}  # all but the unaligned tail
-

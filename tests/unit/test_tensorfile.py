@@ -20,7 +20,7 @@ INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def write_and_parse(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None):
     """The real path: stream to disk with write_file, read back verified, parse."""
-    written = hashed_io.write_file(path, tensorfile.pieces(tensors, meta))
+    written = hashed_io.write_file(path, tensorfile.chunks(tensors, meta))
     buf, read = hashed_io.read_file(path, expected_size=written.size)
     assert read == written
     return tensorfile.parse(buf, str(path))
@@ -101,7 +101,7 @@ def test_layout_is_aligned_and_sorted(tmp_path):
         "c": torch.ones(2, dtype=torch.complex64),
         "f": torch.ones(5, dtype=torch.float32),
     }
-    data = b"".join(bytes(p) for p in tensorfile.pieces(tensors))
+    data = b"".join(bytes(p) for p in tensorfile.chunks(tensors))
     hlen = int.from_bytes(data[:8], "little")
     assert hlen % 8 == 0
     header = json.loads(data[8 : 8 + hlen])
@@ -153,7 +153,7 @@ def test_empty_file_round_trip(tmp_path):
 def test_parse_returns_views_into_the_buffer(tmp_path):
     """No copy: tensors alias the verified buffer."""
     path = tmp_path / "a.safetensors"
-    hashed_io.write_file(path, tensorfile.pieces({"x": torch.arange(4, dtype=torch.int32)}))
+    hashed_io.write_file(path, tensorfile.chunks({"x": torch.arange(4, dtype=torch.int32)}))
     buf, _ = hashed_io.read_file(path)
     out, _ = tensorfile.parse(buf, str(path))
     start = buf.ctypes.data
@@ -184,7 +184,7 @@ def test_our_files_load_with_safetensors(tmp_path, name, dtype):
         "t": random_tensor(dtype, (3, 5), seed=4).t(),
     }
     path = tmp_path / "ours.safetensors"
-    hashed_io.write_file(path, tensorfile.pieces(tensors, {"format": "pt"}))
+    hashed_io.write_file(path, tensorfile.chunks(tensors, {"format": "pt"}))
     loaded = st.load_file(str(path))
     assert loaded.keys() == tensors.keys()
     for k, t in tensors.items():
@@ -225,9 +225,9 @@ def test_check_tensor_rejects_unsupported_with_key():
     tensorfile.check_tensor("ok", torch.zeros(2))
 
 
-def test_pieces_rejects_unsupported_dtype_naming_key():
+def test_chunks_rejects_unsupported_dtype_naming_key():
     with pytest.raises(TypeError, match="^bad:"):
-        list(tensorfile.pieces({"good": torch.ones(1), "bad": torch.zeros(1, dtype=torch.complex128)}))
+        list(tensorfile.chunks({"good": torch.ones(1), "bad": torch.zeros(1, dtype=torch.complex128)}))
 
 
 # ------------------------------------------------------------------ malformed input
@@ -268,7 +268,7 @@ def test_read_header_reads_the_header_alone(tmp_path):
     """Entries in header order, offsets from the data area, metadata; the data itself is never read."""
     path = tmp_path / "m.safetensors"
     hashed_io.write_file(
-        path, tensorfile.pieces({"b": torch.ones(2, 3), "a": torch.zeros(4, dtype=torch.int8)}, {"k": "v"})
+        path, tensorfile.chunks({"b": torch.ones(2, 3), "a": torch.zeros(4, dtype=torch.int8)}, {"k": "v"})
     )
     header = tensorfile.read_header(path)
     assert header.metadata == {"k": "v"}
