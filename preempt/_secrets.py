@@ -14,7 +14,7 @@
   URL and each part of them, the values of ``mirror_options`` under a secret-like key at any depth; :func:`of_environ`:
   the AWS (and Azure storage) variables whose names say they hold a secret). :func:`hold` keeps them for the life of the
   process; :func:`scrub` replaces each in a text by ``***`` (as written, JSON-escaped and URL-quoted), and so does a
-  filter :func:`hold` puts on the ``preempt`` logger: no log line, record, manifest or error message carries one.
+  filter :func:`hold` puts on the ``preempt`` logger: no log line, record, manifest or error message holds one.
   Values shorter than MIN_LENGTH characters are not held (they would blank unrelated words).
 """
 

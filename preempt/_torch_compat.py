@@ -3,7 +3,7 @@
 torch promises nothing about these. ``tests/unit/test_torch_compat.py`` checks each one against the installed torch
 and fails naming the internal when a version changes it; CI runs that test with the oldest torch the project
 supports and with the newest. Where an internal is missing at run time, the function says so by its return value
-(nothing to stop, nothing to release) and the caller carries on as its documentation says.
+(nothing to stop, nothing to release) and the caller goes on as its documentation says.
 
 torch is imported inside the functions that need it: the checkpoint commands, which never import torch, reach
 :func:`version_counter` through :mod:`preempt.checkpoint.carry`.

@@ -155,8 +155,8 @@ def read_all(
         buf = one(order[0])
         return {**taken, order[0][0]: buf} if order[0][1] else taken
     largest = sorted(order, key=lambda item: -files[item[0]].size)
-    with ThreadPoolExecutor(min(READERS, len(order)), thread_name_prefix="preempt-read") as pool:
-        futures = {item: pool.submit(one, item) for item in largest}
+    with ThreadPoolExecutor(min(READERS, len(order)), thread_name_prefix="preempt-read") as readers:
+        futures = {item: readers.submit(one, item) for item in largest}
         try:
             bufs = {item: futures[item].result() for item in order}
         except BaseException:

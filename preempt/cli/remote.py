@@ -107,8 +107,8 @@ class Mirror:
         """The listed ``steps`` judged (their manifests read side by side), in the order given."""
         if len(steps) <= 1:
             return [self._info(s, self.listing[s]) for s in steps]
-        with ThreadPoolExecutor(min(READERS, len(steps)), thread_name_prefix="preempt-ls") as pool:
-            return list(pool.map(lambda s: self._info(s, self.listing[s]), steps))
+        with ThreadPoolExecutor(min(READERS, len(steps)), thread_name_prefix="preempt-ls") as readers:
+            return list(readers.map(lambda s: self._info(s, self.listing[s]), steps))
 
     def chosen(self, selector: int | str) -> CheckpointInfo:
         """The checkpoint STEP names, its manifest and as few others as the choice needs read: a step, that one;

@@ -470,7 +470,7 @@ def _commit_part(
     if node != 0 and nodes.leads(coord.rank):
         held = {n: hashed_io.FileDigest(**d) for n, d in outcome[2].get(str(node), {}).items()}
         try:
-            # rank 0's time of the save: the parts of one save carry one time, which the mirror's manifest has too
+            # rank 0's time of the save: the parts of one save have one time, which the mirror's manifest has too
             mine = dataclasses.replace(manifest, created=outcome[3], part=Part(node, nodes.count))
             part = manager.commit(tmp, mine, held)
         except Exception as e:

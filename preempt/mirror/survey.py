@@ -94,8 +94,8 @@ class Surveyor:
         small = [k for k in keys if k[1] <= SMALL_MANIFEST]
         got = [(k, self._read(*k)) for k in keys if k[1] > SMALL_MANIFEST or len(small) == 1]
         if len(small) > 1:  # (a pass that finds one new manifest, the usual case, starts no thread)
-            with ThreadPoolExecutor(min(READERS, len(small)), thread_name_prefix="preempt-survey") as pool:
-                got += list(zip(small, pool.map(lambda k: self._read(*k), small), strict=True))
+            with ThreadPoolExecutor(min(READERS, len(small)), thread_name_prefix="preempt-survey") as readers:
+                got += list(zip(small, readers.map(lambda k: self._read(*k), small), strict=True))
         self.reads += len(keys)
         for key, manifest in got:
             if manifest is not None:

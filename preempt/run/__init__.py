@@ -11,7 +11,7 @@ lazy copies), ``sharded_saves`` (sharded state saved in the background by the ra
 its record, its log line, a failed write),
 ``stopping`` (signals, walltime, requeue, the exit code), ``reporting`` (logs and progress), ``guarding`` (NaN
 rollbacks, OOM skips, emergency saves), ``check_record`` (inside ``preempt check``: the live state at each checkpoint
-step), ``resume_plan`` (where a run starts, pure), ``restore`` (carrying it out)
+step), ``resume_plan`` (where a run starts, pure), ``restore`` (following it)
 and ``mirroring`` (the mirror's pull on entering, its uploads, the stop's wait for them).
 preempt/README.md draws them.
 

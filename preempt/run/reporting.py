@@ -8,7 +8,7 @@ points into history.jsonl (:func:`point_interval`) and a summary at each epoch
 end.
 It reads the loop's counters and changes none.
 
-A history point carries only the metrics measured at its step
+A history point holds only the metrics measured at its step
 (:func:`point_metrics`): those of ``run.step(metrics)`` sampled at the point's
 step (and, written before it at their own steps, the latest given since the
 previous point), and each ``run.report()`` as a point of its own, written at

@@ -1,4 +1,4 @@
-"""Starting a run: carrying out the start plan (:mod:`preempt.run.resume_plan`) and restoring a checkpoint.
+"""Starting a run: following the start plan (:mod:`preempt.run.resume_plan`) and restoring a checkpoint.
 
 :class:`Starter` runs on every rank. The leader (the process alone, or rank 0)
 plans the start from the save_dir, loads, and tells the other ranks which

@@ -1,7 +1,7 @@
 """When and how a checkpoint is written: now, in the background, or postponed.
 
 :class:`SaveScheduler` runs one background job at a time, each of its own kind (:mod:`preempt.run.write_decisions`: a
-:class:`~preempt.run.write_decisions.SaveJob` carries its reason, its staging completion and its future; sizing the
+:class:`~preempt.run.write_decisions.SaveJob` holds its reason, its staging completion and its future; sizing the
 buffers; a pool of files written ahead for the saves to write over, :class:`preempt.checkpoint.recycle.Pool`), and a
 periodic save postponed behind that job. A save goes down to the checkpoint writer built once for the run
 (:mod:`preempt.run.checkpoint_writer`: one process's save or the ranks' commit). Its parts: the buffers and the writer

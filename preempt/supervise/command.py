@@ -33,7 +33,7 @@ pattern in the output; the *last* pattern seen decides between non-finite and
 OOM (a run that logged a NaN early on and then ran out of memory is an OOM).
 A pattern in the output of a child that exits 0 or 75 changes nothing, and a
 child that prints a pattern and keeps running is left alone: preempt's runtime
-guard skips a bad step, logs it and carries on, and only its exit code (78,
+guard skips a bad step, logs it and goes on, and only its exit code (78,
 79) says that it gave up.
 
 The supervisor stops retrying when the next learning rate would go below
