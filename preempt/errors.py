@@ -3,7 +3,7 @@
 Every error preempt raises on purpose derives from :class:`PreemptError`, an
 ordinary ``Exception``, so ``except Exception`` sees it. Leaving a run because
 of a signal is different: it is not an error but the end of this process's
-share of the work, so it is a :class:`SystemExit` (:class:`Preempted`) whose
+part of the work, so it is a :class:`SystemExit` (:class:`Preempted`) whose
 code tells the caller what happened.
 
 Exit codes (documented in README.md too):

@@ -30,9 +30,9 @@ from .output import EXIT_USAGE, CommandFailed
 
 PLOT_LIMIT = 1e100  # metric values past it are marked, not drawn: matplotlib's ticks fail on a span near 1e308
 MAX_PANELS = 4  # metric panels drawn without --metric; the others are named in what plot() returns
-SPARSE_SHARE = 0.5  # a metric recorded at fewer than this share of the history's metric points is drawn as points
+SPARSE_FRACTION = 0.5  # a metric recorded at fewer than this fraction of the history's metric points is drawn as points
 MAX_LEGEND = 8  # processes named in a legend; a run of more restarts is told by its marks
-SMOOTH_SHARE = 0.05  # the smoothing's span: this share of a process's points (at least 1: no smoothing)
+SMOOTH_FRACTION = 0.05  # the smoothing's span: this fraction of a process's points (at least 1: no smoothing)
 
 
 def recorded(report: timeline.Report) -> list[str]:
@@ -59,17 +59,17 @@ def pick(report: timeline.Report, wanted: str | None) -> list[str]:
 
 
 def is_sparse(report: timeline.Report, name: str) -> bool:
-    """Whether ``name`` was recorded at fewer than :data:`SPARSE_SHARE` of the points that carry any metric."""
+    """Whether ``name`` was recorded at fewer than :data:`SPARSE_FRACTION` of the points that carry any metric."""
     everywhere = {(t, s, i) for pts in report.metrics.values() for t, s, _, i in pts}
     everywhere |= {(t, s, i) for pts in report.nonfinite.values() for t, s, _, i in pts}
     mine = {(t, s, i) for t, s, _, i in report.metrics.get(name, [])}
     mine |= {(t, s, i) for t, s, _, i in report.nonfinite.get(name, [])}
-    return len(mine) < SPARSE_SHARE * len(everywhere)
+    return len(mine) < SPARSE_FRACTION * len(everywhere)
 
 
-def smooth(values: Sequence[float], share: float = SMOOTH_SHARE) -> list[float]:
-    """A debiased exponential moving average (TensorBoard's smoothing) whose span is ``share`` of the points."""
-    span = max(1.0, share * len(values))
+def smooth(values: Sequence[float], fraction: float = SMOOTH_FRACTION) -> list[float]:
+    """A debiased exponential moving average (TensorBoard's smoothing) whose span is ``fraction`` of the points."""
+    span = max(1.0, fraction * len(values))
     weight = 1.0 - 2.0 / (span + 1.0)  # 0 for a span of 1: the values themselves
     out, avg, norm = [], 0.0, 0.0
     for v in values:

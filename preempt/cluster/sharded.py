@@ -23,7 +23,7 @@ Everything else (scheduler, scaler, tracked objects, the optimizer's param group
 same checkpoint loads into an unsharded model and optimizer on one process.
 
 In the background (``async_save``, under torch.distributed): each rank copies its files into host buffers, and the
-ranks' writers run the commit's collectives on a group of their own; DCP's share, if any, is handed DTensors rebuilt
+ranks' writers run the commit's collectives on a group of their own; what DCP writes, if any, is handed DTensors rebuilt
 around copies of their local pieces (:func:`staged`).
 """
 

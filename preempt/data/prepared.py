@@ -1,6 +1,6 @@
 """Accelerate's prepared loaders (``accelerator.prepare(loader)``) with preempt's order, exact on resume.
 
-A loader Accelerate prepared is a ``DataLoaderShard`` (each process iterates its share of the batches through a
+A loader Accelerate prepared is a ``DataLoaderShard`` (each process iterates its part of the batches through a
 ``BatchSamplerShard``, or the plain batches alone) or a ``DataLoaderDispatcher`` (process 0 reads groups of batches and
 each process takes its slice of them); both move the batches to ``accelerator.device`` and tell Accelerate's gradient
 state when the data runs out (``accelerator.accumulate`` synchronises the gradients at the epoch's last batch). The

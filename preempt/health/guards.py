@@ -33,7 +33,7 @@ hold the learning rates from before the lowering).
 
 Exit codes: the two streak exceptions are :class:`SystemExit` subclasses, as
 :class:`preempt.errors.Preempted` is: giving up is the end of this process's
-share of the work, not a bug, and ``preempt supervise`` reads the code
+part of the work, not a bug, and ``preempt supervise`` reads the code
 (:data:`~preempt.errors.NONFINITE_EXIT_CODE` 78: lower the learning rate;
 :data:`~preempt.errors.OOM_EXIT_CODE` 79: lower the batch size). A SystemExit
 with an integer code prints nothing, so both log their message at ERROR on

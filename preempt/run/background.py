@@ -24,7 +24,7 @@ from ..checkpoint.readahead import host_memory_available
 from ..checkpoint.staging import BackgroundWriter, LazyCopy, SourceKey, Stager, payload_nbytes, source_key
 
 log = _log.log
-MEMORY_SHARE = 0.5  # staging buffers may take at most this share of the host's available memory
+MEMORY_FRACTION = 0.5  # staging buffers may take at most this fraction of the host's available memory
 
 
 class Writer(Protocol):
@@ -114,17 +114,17 @@ class Background:
     ) -> Callable[[], float] | None:
         """The writer's job that sizes the buffers for ``payload`` (and this rank's ``shards`` of sharded state:
         allocated and touched once), returning the seconds it took; None when a copy would take more than
-        :data:`MEMORY_SHARE` of the host memory available: checkpoints are written synchronously from now on.
+        :data:`MEMORY_FRACTION` of the host memory available: checkpoints are written synchronously from now on.
         ``stop`` set: the job ends at its next step, the pages not touched yet left to the first copy."""
         stager = self.staging()
         nbytes = payload_nbytes(payload, stager.live) + (0 if shards is None else payload_nbytes(shards))
         available = host_memory_available()
-        if available is not None and nbytes - stager.nbytes > available * MEMORY_SHARE:
+        if available is not None and nbytes - stager.nbytes > available * MEMORY_FRACTION:
             log.warning(
                 "async_save: a copy of the state (%s) would take more than %d%% of the host memory available (%s);"
                 " checkpoints are written synchronously",
                 _log.size(nbytes),
-                int(MEMORY_SHARE * 100),
+                int(MEMORY_FRACTION * 100),
                 _log.size(available),
             )
             self.stager = None
