@@ -14,8 +14,15 @@ call is behind one function, :func:`draining_nodes`, tested against the installe
 watcher says so once (as a metadata service that does not answer) and the run goes on without notices.
 
 Signals in a Ray worker: Ray runs the training function of a ``TorchTrainer`` in a thread of the worker actor and
-keeps the main thread with its own SIGTERM handler (it ends the actor), so preempt catches no signal there; the drain
-is the warning a Ray worker gets (:func:`in_ray_worker`: the run watches it without being asked).
+keeps the main thread with its own SIGTERM handler (it ends the actor), so the run catches no signal there by itself
+(``preempt.ray.reporting`` installs one on that thread); the drain is the warning a Ray worker gets
+(:func:`in_ray_worker`: the run watches it without being asked).
+
+The driver's word: a driver stopped by a signal (``preempt.ray.fit``) writes a key of this job in Ray's internal KV
+store (:func:`ask_stop`); the watcher reads it at each poll beside the draining nodes and stops the run as on a drain,
+without a deadline. Rank 0 answers once the stop's checkpoint is durable (:func:`say_stopped`), which the driver waits
+for before it leaves (the job's actors die with their driver). The keys are per Ray job, so a rerun of the driver never
+reads an old one.
 
 Imports ray only inside the functions that read it: ``import preempt`` never imports ray; :func:`in_ray_worker`
 looks at ``sys.modules`` only (a process that has not imported ray is not a Ray worker).
@@ -23,15 +30,21 @@ looks at ``sys.modules`` only (a process that has not imported ray is not a Ray 
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from .notices import Notice, Platform
 
 log = logging.getLogger("preempt")
+
+
+def _nothing() -> None:
+    return None
 
 
 def in_ray_worker() -> bool:
@@ -59,6 +72,49 @@ def draining_nodes() -> dict[str, int]:
     return dict(state.state.get_draining_nodes() or {})
 
 
+KV_NAMESPACE = "preempt"
+
+
+def _job() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_job_id())
+
+
+def _kv_get(key: str) -> str | None:
+    from ray.experimental import internal_kv
+
+    value = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+    return None if value is None else bytes(value).decode()
+
+
+def _kv_put(key: str, value: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, value, overwrite=True, namespace=KV_NAMESPACE)
+
+
+def ask_stop(why: str) -> None:
+    """The driver: asks this job's runs to stop at their next step (``why``: what stopped the driver)."""
+    _kv_put(f"stop/{_job()}", why)
+
+
+def stop_asked() -> str | None:
+    """What the driver of this job said when it asked the runs to stop (:func:`ask_stop`), or None."""
+    return _kv_get(f"stop/{_job()}")
+
+
+def say_stopped(step: int, checkpoint: str | None) -> None:
+    """Rank 0, after a stop: its checkpoint is durable (the driver may leave)."""
+    _kv_put(f"stopped/{_job()}", json.dumps({"step": step, "checkpoint": checkpoint}))
+
+
+def stopped() -> dict[str, Any] | None:
+    """What rank 0 said of this job's stop (:func:`say_stopped`): ``{"step", "checkpoint"}``, or None."""
+    said = _kv_get(f"stopped/{_job()}")
+    return None if said is None else dict(json.loads(said))
+
+
 def parse_ray(draining: Mapping[str, int], node_id: str, now: float) -> Notice | None:
     """The notice for ``node_id`` when the GCS lists it as draining (its deadline, unix ms; 0: none), else None."""
     if node_id not in draining:
@@ -78,6 +134,7 @@ class RayWatcher:
         clock: Wall-clock seconds (the drain's deadline is in unix time).
         on_trouble: Called once, from the thread, with the first failure to read the list (after its warning).
         read: The list's reader (:func:`draining_nodes`).
+        read_stop: The driver's word's reader (:func:`stop_asked`; by default read only where ``read`` is Ray's own).
     """
 
     platform = Platform.RAY
@@ -92,10 +149,12 @@ class RayWatcher:
         clock: Callable[[], float] = time.time,
         on_trouble: Callable[[str], None] | None = None,
         read: Callable[[], Mapping[str, int]] = draining_nodes,
+        read_stop: Callable[[], str | None] | None = None,
     ) -> None:
         self.on_notice, self.on_trouble = on_notice, on_trouble
         self.node_id = node_id
         self.every_s, self.clock, self.read = every_s, clock, read
+        self.read_stop = read_stop or (stop_asked if read is draining_nodes else _nothing)
         self.notice: Notice | None = None
         self.requests = 0
         self.error: BaseException | None = None  # not Ray's: raised again by close()
@@ -130,6 +189,7 @@ class RayWatcher:
                 try:
                     self.requests += 1
                     draining = self.read()
+                    asked = self.read_stop()
                 except Exception as e:  # the GCS unreachable, or a ray whose call moved: said once, retried
                     if self._stop.is_set():
                         return
@@ -139,7 +199,10 @@ class RayWatcher:
                 if self.trouble is not None:
                     log.info("notices=ray: Ray's draining nodes read again")
                     self.trouble = None
-                notice = parse_ray(draining, self.node_id, self.clock())
+                now = self.clock()
+                notice = parse_ray(draining, self.node_id, now)
+                if notice is None and asked is not None:
+                    notice = Notice(Platform.RAY, f"the driver was stopped ({asked})", None, now)
                 if notice is not None:
                     self.notice = notice
                     self.on_notice(notice)

@@ -11,6 +11,12 @@ When: once, after the run's exit (a stop's checkpoint, or the final one, durable
 reported as it is taken: rank 0 alone knows when its background write becomes durable, and a report from the
 training loop would have to meet every rank at the same step. A group that dies without a stop (a SIGKILL) reports
 nothing; its restart resumes from preempt's newest durable checkpoint, and the restarted run reports when it ends.
+
+After a stop: rank 0 tells the driver its checkpoint is durable (:func:`preempt.cluster.ray_notice.say_stopped`, for
+:func:`preempt.ray.fit`), and, when Ray is draining a node and the stop was not this rank's own signal or the driver's
+word, every rank stays until Ray Train's controller ends the group at the drain's deadline (:func:`wait_for_ray`): Ray
+2.60 charges a group's end to ``max_preemption_failures`` only then (or when a worker dies with its node), to
+``max_failures`` when the workers leave earlier with an error.
 """
 
 from __future__ import annotations
@@ -18,14 +24,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..cluster import ray_notice
 from ..errors import Preempted
 from ..run.preemptible import PreemptibleRun
+from .signals import held
 
 log = logging.getLogger("preempt")
+UNKNOWN_DEADLINE_S = 120.0  # Ray Train's wait for a drain without a deadline (DEFAULT_PREEMPTION_DEADLINE_S, 2.60)
+PAST_DEADLINE_S = 60.0  # how long past the deadline a worker waits for Ray Train to end it
 
 
 def save_dir(name: str = "preempt") -> str:
@@ -63,25 +75,69 @@ def report(run: PreemptibleRun, metrics: Mapping[str, Any] | None = None) -> Non
         log.info("ray: reported checkpoint %s (step %d) to Ray Train", path, run.global_step)
 
 
+def drain_ends(now: float) -> float | None:
+    """When Ray's drain of this cluster's nodes ends (unix seconds: the latest deadline; a drain without one, Ray
+    Train's own wait of :data:`UNKNOWN_DEADLINE_S` from ``now``), or None when no node is draining."""
+    draining = ray_notice.draining_nodes()
+    if not draining:
+        return None
+    return max(ms / 1000.0 if ms > 0 else now + UNKNOWN_DEADLINE_S for ms in draining.values())
+
+
+def wait_for_ray(until: float, clock: Callable[[], float] = time.time) -> None:
+    """Stays (the training thread asleep) until ``until`` plus :data:`PAST_DEADLINE_S`: Ray Train's controller ends
+    the group at the drain's deadline, counting it as a preemption; a worker still alive then goes on leaving."""
+    left = until + PAST_DEADLINE_S - clock()
+    log.info("ray: staying until Ray Train ends the group at the drain's deadline (in %.0f s)", max(0.0, left))
+    threading.Event().wait(max(0.0, left))
+    log.warning("ray: the group was not ended by the drain's deadline; leaving (Ray counts it against max_failures)")
+
+
 @contextlib.contextmanager
-def reporting(run: PreemptibleRun, metrics: Mapping[str, Any] | None = None) -> Iterator[PreemptibleRun]:
+def reporting(
+    run: PreemptibleRun, metrics: Mapping[str, Any] | None = None, *, after_drain: str = "stay"
+) -> Iterator[PreemptibleRun]:
     """Enters ``run`` and, once it has ended, completed or stopped (``Preempted``), reports its newest checkpoint to
     Ray from every rank (:func:`report`); then a stop goes on leaving (its ``SystemExit``: Ray restarts the group).
 
     ``with preempt.ray.reporting(PreemptibleRun(save_dir(), model=..., optimizer=...)) as run:``
 
+    While inside, a SIGTERM (SIGUSR1, SIGUSR2) to the worker process stops the run at its next step with a
+    checkpoint, as in any other process (:mod:`preempt.ray.signals`: Ray's own handler would end the worker at once).
+    After a stop rank 0 tells the driver that its checkpoint is durable (:func:`preempt.ray.fit` waits for it).
+
     Another way out (an error, another rank lost: ``PeerLost``) leaves without a report: a rank that failed may not
     reach Ray's collective.
+
+    Args:
+        run: The run, not yet entered.
+        metrics: The metrics reported with the checkpoint (default: ``run.metrics``), ``step`` added.
+        after_drain: After a stop while Ray drains a node (the run's notice, or another rank's), ``"stay"``: every
+            rank, its checkpoint durable and reported, stays until Ray Train's controller ends the group at the drain's
+            deadline, which Ray counts as a preemption (``FailureConfig(max_preemption_failures=...)``, unlimited by
+            default); ``"leave"``: the ranks leave at once, and Ray restarts the group sooner but counts it against
+            ``max_failures``.
     """
-    run.__enter__()
-    try:
-        yield run
-    except Preempted as e:
-        run.__exit__(type(e), e, e.__traceback__)  # the stop's checkpoint durable, the lock released
+    if after_drain not in ("stay", "leave"):
+        raise ValueError(f"after_drain: {after_drain!r}; expected 'stay' or 'leave'")
+    with held(run.stopper.flag.request):
+        run.__enter__()
+        try:
+            yield run
+        except Preempted as e:
+            run.__exit__(type(e), e, e.__traceback__)  # the stop's checkpoint durable, the lock released
+            try:
+                report(run, metrics)
+            finally:
+                if run.rank == 0:
+                    ray_notice.say_stopped(run.global_step, e.checkpoint)
+            own = e.signum is not None or ray_notice.stop_asked() is not None  # a signal, the driver's word
+            until = None if own or after_drain == "leave" else drain_ends(time.time())
+            if until is not None:
+                wait_for_ray(until)
+            raise
+        except BaseException as e:
+            run.__exit__(type(e), e, e.__traceback__)
+            raise
+        run.__exit__(None, None, None)  # the final checkpoint
         report(run, metrics)
-        raise
-    except BaseException as e:
-        run.__exit__(type(e), e, e.__traceback__)
-        raise
-    run.__exit__(None, None, None)  # the final checkpoint
-    report(run, metrics)

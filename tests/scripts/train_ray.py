@@ -6,13 +6,17 @@ node: Ray packs them; ``--spread``: one on each), writes what Ray says at the en
 cluster. Without ``--ray`` the same ``loop`` runs under torchrun: the uninterrupted reference.
 
 What the first attempt does to itself (a file in ``--events``' directory marks it done, so a restart does not again):
-``--drain_at STEP:SECONDS``: before that step's ``run.step()``, rank 0 drains its own node for preemption (``ray
-drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds SECONDS``) and holds until the run has
-heard it (its stop flag raised), so the stop lands at that step; ``--die_at RANK:STEP[:SIGNAL]``: that rank sends its
-worker process SIGKILL (or SIGNAL) before that step's forward. Each rank appends its events to ``--events`` (JSON
-lines): ``entered``, ``step``, ``durable`` (rank 0: its newest durable checkpoint, when it changed), ``drained`` and
-``stopped`` with wall-clock times. At the end each rank writes ``--final_out`` with
-``.rank<R>`` inserted (the model, the optimizer, the RNG, the samples rank 0 saw), as tests/scripts/train_ddp.py does.
+``--hold_at STEP``: rank 0 holds before that step's ``run.step()`` (event ``holding``) until its run is asked to stop
+(the test's SIGTERM to the job: to this worker, or the driver's word); ``--drain_at STEP:SECONDS``: before that step's
+``run.step()``, rank 0 drains its own node for preemption (``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+--deadline-remaining-seconds SECONDS``) and holds until the run has heard it (its stop flag raised), so the stop lands
+at that step; ``--die_at RANK:STEP[:SIGNAL]``: that rank sends its worker process SIGKILL (or SIGNAL, and holds until
+its run has heard it) before that step's forward. Each rank appends its events to ``--events`` (JSON lines): ``driver``
+(its pid), ``entered``, ``step``, ``durable`` (rank 0: its newest durable checkpoint, when it changed), ``drained``,
+``holding`` and ``stopped`` with wall-clock times. At the end each rank writes ``--final_out`` with ``.rank<R>``
+inserted (the model, the optimizer, the RNG, the samples rank 0 saw), as tests/scripts/train_ddp.py does. The driver
+runs the trainer through ``preempt.ray.fit``; a cluster that cannot start is said in ``--result``
+(``ray_did_not_start``).
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ def loop(config: dict) -> None:
     die_rank, die_step, die_sig = (
         (*map(int, config["die_at"].split(":")), 9)[:3] if config.get("die_at") else (-1, -1, 9)
     )
+    hold_step = config.get("hold_at") or -1
     save_dir = preempt.ray.save_dir() if under_ray else config["save_dir"]
     run = PreemptibleRun(
         save_dir, model=ddp, optimizer=opt, checkpoint_interval=None, checkpoint_every_steps=config.get("every")
@@ -116,11 +121,17 @@ def loop(config: dict) -> None:
                     if rank == die_rank and step == die_step and first_time(events, "died"):
                         tell(events, "dying", rank=rank, step=step, signal=die_sig)
                         os.kill(os.getpid(), die_sig)
+                        if die_sig != 9:
+                            wait_for_stop(run)  # heard by preempt's handler (unless Ray's ends the worker first)
                     loss = torch.nn.functional.cross_entropy(ddp(x), y) + torch.randn(()) * 1e-3
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
                     seen.extend(idx.tolist())
+                    if rank == 0 and step == hold_step and first_time(events, "held"):
+                        tell(events, "holding", rank=rank, step=step)
+                        wait_for_stop(run)  # the test's SIGTERM to the job (to this process, or the driver's word)
+                        tell(events, "heard", rank=rank, step=step)
                     if rank == 0 and step == drain_step and first_time(events, "drained"):
                         t = time.time()
                         drain_own_node(drain_s)
@@ -156,17 +167,24 @@ def on_ray(args: argparse.Namespace, config: dict) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    import preempt.ray
+
     t0 = time.monotonic()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False},
-    )
+    cluster = Cluster()
     try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=2)
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
+        try:  # every port Ray's choice (the head's agent too: other tests may run a cluster beside this one)
+            cluster.add_node(num_cpus=0, include_dashboard=False, dashboard_agent_listen_port=None)
+            for _ in range(2):
+                cluster.add_node(num_cpus=2)
+            # RAY_ADDRESS in the job's processes: Ray Train's helpers that look for "the" cluster (its placement group
+            # cleaner) must not find another test's
+            ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
+            cluster.wait_for_nodes()
+        except Exception as e:  # the test skips, saying why
+            Path(args.result).write_text(json.dumps({"ray_did_not_start": f"{type(e).__name__}: {e}"}))
+            return
         up_s = time.monotonic() - t0
+        tell(args.events, "driver", pid=os.getpid())
         trainer = TorchTrainer(
             loop,
             train_loop_config={**config, "ray": True},
@@ -178,7 +196,7 @@ def on_ray(args: argparse.Namespace, config: dict) -> None:
             ),
         )
         t1 = time.monotonic()
-        result = trainer.fit()
+        result = preempt.ray.fit(trainer)  # a SIGTERM to the driver: the workers stop and save, then it exits 75
         ckpt = result.checkpoint
         Path(args.result).write_text(
             json.dumps(
@@ -211,9 +229,10 @@ def main() -> None:
     p.add_argument("--every", type=int, default=None, help="checkpoint_every_steps")
     p.add_argument("--drain_at", default=None, help="STEP:SECONDS")
     p.add_argument("--die_at", default=None, help="RANK:STEP[:SIGNAL], SIGKILL by default")
+    p.add_argument("--hold_at", type=int, default=None, help="rank 0 holds before this step until asked to stop")
     args = p.parse_args()
     config = {k: getattr(args, k) for k in ("save_dir", "final_out", "events", "epochs", "samples", "every")}
-    config |= {"drain_at": args.drain_at, "die_at": args.die_at}
+    config |= {"drain_at": args.drain_at, "die_at": args.die_at, "hold_at": args.hold_at}
     if args.ray:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1 (read when ray is imported)
         os.environ["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])  # the workers'

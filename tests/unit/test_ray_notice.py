@@ -87,3 +87,33 @@ def test_the_leaving_exceptions_pickle_whole():
     e = pickle.loads(pickle.dumps(Preempted(75, 15, "/ck", requeued=True, cause="ray notice", timing={"a": 1.0})))
     got = (e.code, e.signum, e.checkpoint, e.requeued, e.cause, e.timing)
     assert got == (75, 15, "/ck", True, "ray notice", {"a": 1.0})
+
+
+def test_the_driver_s_word_is_a_notice_without_deadline_and_a_drain_comes_first():
+    got: list = []
+    done = threading.Event()
+    w = RayWatcher(
+        lambda n: (got.append(n), done.set()), node_id=NODE, every_s=0.001, read=dict, read_stop=lambda: "SIGTERM"
+    ).start()
+    assert done.wait(10)
+    w.close()
+    assert got[0].platform is Platform.RAY and got[0].deadline is None
+    assert got[0].cause == "ray notice: the driver was stopped (SIGTERM)"
+
+    got.clear()
+    done.clear()
+    w = RayWatcher(
+        lambda n: (got.append(n), done.set()),
+        node_id=NODE,
+        every_s=0.001,
+        read=lambda: {NODE: 5_000},
+        read_stop=lambda: "SIGTERM",
+    ).start()
+    assert done.wait(10)
+    w.close()
+    assert got[0].deadline == 5.0  # the drain's deadline, not the driver's none
+
+
+def test_an_injected_gcs_reads_no_driver_word():
+    w = RayWatcher(lambda n: None, node_id=NODE, read=dict)
+    assert w.read_stop() is None
