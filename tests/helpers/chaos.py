@@ -551,11 +551,6 @@ class Campaign:
         if fault is not None and proc.fired:
             self._count(fault)
             self.fault_fired = True
-            if fault.kind == "sigkill" and fault.point == "load" and not proc.of("resume"):
-                # killed inside its restore, before the history's first line of a resumed process (resume): the
-                # history has no trace of it, and preempt report can account neither its seconds nor it (a known
-                # gap, tests/faults/test_chaos.py::test_known_gap_...)
-                self.history_whole = False
         self._account(proc)
         self._check_process(proc, expected)
         for other in others:  # a second process that got the lock after the first had left: a process of the run
