@@ -180,9 +180,34 @@ def get_batch():
     return torch.stack([data[i : i + 8] for i in ix]), torch.stack([data[i + 1 : i + 9] for i in ix])
 """
 )
+RAY = """
+import atexit
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from torch.utils.data import TensorDataset
+
+# A local cluster of one node for the block's TorchTrainer, every port Ray's choice (other tests run beside this one;
+# RAY_ADDRESS in the job's processes: Ray Train's helpers that look for "the" cluster must not find another test's)
+_cluster = Cluster()
+_cluster.add_node(num_cpus=2, include_dashboard=False, dashboard_agent_listen_port=None)
+ray.init(address=_cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS": _cluster.address}})
+atexit.register(lambda: (ray.shutdown(), _cluster.shutdown()))  # the driver first (the other order exits 1)
+g = torch.Generator().manual_seed(0)
+dataset = TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 2, (96,), generator=g))
+
+
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+loss_fn = torch.nn.functional.cross_entropy
+"""
 PRELUDES = {"loop": COMMON, "in_run": COMMON, "in_epoch": COMMON, "lightning": LIGHTNING, "hf": HF, "nanogpt": NANOGPT}
 PRELUDES["accelerate"] = ACCELERATE
 PRELUDES["fabric"] = FABRIC
+PRELUDES["ray"] = RAY
 # The context a fragment needs: the run (``in_run``) or also an epoch (``in_epoch``) around it.
 WRAP = {
     "in_run": (
@@ -221,8 +246,8 @@ def test_every_training_block_is_marked():
     unmarked = [f"{f}:{line}" for f, line, lang, tag, body in blocks() if shows_training(lang, body) and tag is None]
     assert not unmarked, f"blocks that show a training without a docs-test mark: {unmarked}"
     run = {tag for _, _, _, tag, _ in blocks() if tag and not tag.startswith("skip")}
-    # the quick start, a hand-written loop, Lightning, its CLI, the Trainer, Accelerate and Fabric are run, not skipped
-    assert {"loop", "lightning", "lightning_cli", "hf", "accelerate", "fabric"} <= run, run
+    # the quick start, a hand-written loop, Lightning, its CLI, the Trainer, Accelerate, Fabric and Ray are run
+    assert {"loop", "lightning", "lightning_cli", "hf", "accelerate", "fabric", "ray"} <= run, run
     for f, line, _, tag, _ in blocks():
         if tag and tag.startswith("skip"):
             assert re.match(r"skip \S.{10,}", tag), f"{f}:{line}: a skip says why: {tag!r}"
@@ -237,6 +262,8 @@ RUN = [(f, line, tag, body) for f, line, _, tag, body in blocks() if tag and not
 def test_a_documented_training_runs_as_written(tmp_path, doc, line, kind, body):
     if kind in ("lightning", "lightning_cli", "fabric"):
         pytest.importorskip("lightning", reason="Lightning is not installed (pip install -e '.[lightning]')")
+    if kind == "ray":
+        pytest.importorskip("ray.train", reason="ray is not installed (pip install -e '.[ray]')")
     if kind in ("hf", "accelerate"):
         pytest.importorskip("transformers" if kind == "hf" else "accelerate", reason="pip install -e '.[hf]'")
     if kind == "lightning_cli":
