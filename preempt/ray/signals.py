@@ -93,14 +93,27 @@ def _on_main_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 @contextlib.contextmanager
-def held(on_signal: Callable[[int], None], signums: Sequence[int] = SIGNALS) -> Iterator[bool]:
-    """While inside: ``signums`` to this Ray worker call ``on_signal(signum)`` (from the actor's main thread, between
-    two bytecodes: it must only record). Yields whether the handlers are in place."""
+def held(
+    on_signal: Callable[[int], None],
+    signums: Sequence[int] = SIGNALS,
+    *,
+    on_main_thread: Callable[..., Any] = _on_main_thread,
+) -> Iterator[bool]:
+    """While inside: ``signums`` to this Ray worker call ``on_signal(signum)`` (from a thread that reads the wakeup
+    fd, and again from the actor's main thread when it runs Python: it must only record). Yields whether the handlers
+    are in place.
+
+    Args:
+        on_signal: What a signal calls, with its number.
+        signums: The signals taken over.
+        on_main_thread: ``on_main_thread(fn, *args)`` calls ``fn(*args)`` on the process's main thread and returns its
+            result (default: a task of this Ray actor to itself).
+    """
     token = next(_tokens)
     _TARGETS[token] = on_signal
     names = "/".join(signal.Signals(s).name for s in signums)
     try:
-        _on_main_thread(_install, token, tuple(int(s) for s in signums))
+        on_main_thread(_install, token, tuple(int(s) for s in signums))
         installed = True
         log.info("ray: %s to this worker stop the run at its next step (preempt's handler, not Ray's)", names)
     except Exception as e:  # an actor without Ray Train's execute(), a main thread that did not answer
@@ -118,7 +131,7 @@ def held(on_signal: Callable[[int], None], signums: Sequence[int] = SIGNALS) -> 
     finally:
         if installed:
             try:
-                _on_main_thread(_restore, token)
+                on_main_thread(_restore, token)
             except Exception as e:  # the actor is going anyway; its next run installs anew
                 log.warning("ray: Ray's own signal handlers could not be put back (%s: %s)", type(e).__name__, e)
         _TARGETS.pop(token, None)
