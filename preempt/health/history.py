@@ -139,6 +139,16 @@ class _FileHandler(logging.FileHandler):
         line = traceback.format_exception_only(type(err), err)[-1].strip() if err is not None else "unknown error"
         sys.stderr.write(f"[preempt] warning: cannot write {self.baseFilename} ({line}); not written from now on\n")
 
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as e:  # the buffered rest a full disk did not take: the file is closed all the same
+            if not self._failed:
+                self._failed = True
+                import sys
+
+                sys.stderr.write(f"[preempt] warning: cannot write {self.baseFilename} ({e}); not written\n")
+
 
 class _Silence(logging.Filter):
     """Drops every record below ERROR: set on the ``preempt`` logger of a rank that says only what ends it."""

@@ -484,7 +484,15 @@ class PreemptibleRun:
             return
         final = saves.last_info
         assert final is not None
-        self.manager.mark_complete(final)
+        try:
+            self.manager.mark_complete(final)
+        except OSError as e:  # a full disk that the final checkpoint still fitted (written over recycled files)
+            log.warning(
+                "could not write %s/complete.json (%s): the final checkpoint is durable, and a rerun resumes from it"
+                " with nothing left to train",
+                self.save_dir,
+                e,
+            )
         loop = self.loop
         log.info("run complete: step %d, epoch %d; final checkpoint %s", loop.global_step, loop.epoch, final.path)
 

@@ -802,6 +802,9 @@ class Campaign:
             self.result.recomputed_by.setdefault(key, []).append(lost)
 
     def _compare_final(self) -> None:
+        if not self.final.is_file():
+            last = self.run_procs[-1] if self.run_procs else None
+            self.fail("the run completed and its last process wrote no final state (--final_out)", last)
         self._compare(load_file(str(self.reference / "final.safetensors")), load_file(str(self.final)), "final state")
 
     def _compare(self, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
