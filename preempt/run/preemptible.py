@@ -332,7 +332,10 @@ class PreemptibleRun:
                 " (CPython installs handlers only from the main thread)"
             )
         elif not self.stopper.flag.installed:  # Ray's worker thread: its main thread keeps Ray's SIGTERM handler
-            log.info("in a Ray worker: Ray owns this process's signals; the run stops on Ray's drain of its node")
+            log.info(
+                "in a Ray worker's thread: the run stops on Ray's drain of its node, and on a stop signal inside"
+                " preempt.ray.reporting(run), which installs its handler on the actor's main thread"
+            )
         parts = (self.loop, self.data, self.snapshot, self.saves)
         starter = self._starter = Starter(
             self.config,
