@@ -121,7 +121,12 @@ class Alone:
 
 
 class Ranks:
-    """The ranks of torch.distributed (created collectively, on every rank)."""
+    """The ranks of torch.distributed (created collectively, on every rank).
+
+    Most calls forward to :class:`~preempt.cluster.distributed.Coordinator`; the layer stays because the two sit
+    on either side of the run's vocabulary: the coordinator (cluster layer) moves integers and objects and knows no
+    :class:`Reason`, this class turns a save's reason into the all-reduce's code and back (:data:`WIRE`) and gives the
+    ranks the same face as :class:`Alone`, so that the run has one path for one process and for many ranks."""
 
     alone = False
 
