@@ -443,7 +443,11 @@ class PreemptibleRun:
             exc_type, exc = PeerLost, lost
         try:
             if exc_type is None and self._active:
-                self._finish()
+                try:
+                    self._finish()
+                except BaseException as e:  # the final checkpoint failed: the run ends with that error, not complete
+                    exc_type, exc = type(e), e
+                    raise
             elif self._active and exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
                 self.health.emergency(exc, self.saves)
         finally:

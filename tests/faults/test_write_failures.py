@@ -10,6 +10,7 @@ once, the previous checkpoint stays the one chosen, and the run either goes on
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -186,3 +187,8 @@ def test_failed_final_save_raises_and_leaves_the_run_incomplete(tmp_path, fail_a
         loop(tmp_path)
     assert not (tmp_path / "complete.json").exists()
     assert not (tmp_path / "lock").read_bytes(), "the lock is released even when leaving with an error"
+    # the history ends the process with the error, not "complete" (chaos seed 70, fault #65: preempt report and the
+    # campaign took a run whose final checkpoint had failed for a completed one)
+    events = [json.loads(line).get("event") for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    ended = [e for e in events if e in ("complete", "error", "stop")]
+    assert ended == ["error"], events
