@@ -154,22 +154,25 @@ def test_with_recycling_a_full_disk_does_not_stop_the_checkpoints(small_fs, tmp_
 
 def test_a_run_that_completes_on_a_full_disk_exits_0_without_its_completion_marker(small_fs, tmp_path, reference):
     """Found by the chaos campaign (``python bench/chaos.py --seed 70 --faults 140 --jobs quickstart``, fault #139):
-    the final checkpoint fits (written over recycled files), complete.json does not; the process once ended with
+    the final checkpoint fitted (written over recycled files), complete.json did not; the process once ended with
     ENOSPC's traceback and exit 1 after a whole run. The marker is what lets a rerun exit at once: without it, a rerun
-    resumes from the final checkpoint and finds nothing left to train."""
+    resumes from the final checkpoint and finds nothing left to train.
+
+    Here the final checkpoint is the run's only one (no periodic saves), so nothing is pruned or replaced after it:
+    the disk, filled once that checkpoint is committed, stays full for complete.json."""
     save_dir, final = small_fs / "run", tmp_path / "final.safetensors"
-    filled = tmp_path / "filled"
-    waits = ["--settle_at", "saved:3", "--wait_file_at", f"saved:3:{filled}"]
-    p = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE, *waits]), DEBUG)
-    assert p.wait_event("checkpoint", reason="interval", count=3), p.output
-    assert [e for e in os.listdir(save_dir) if e.startswith(".recycle-")], os.listdir(save_dir)
-    fill(small_fs, leave=0)
-    filled.touch()
+    gate = tmp_path / "filled"
+    p = Spawned(train_cmd(save_dir, final, ["--wait_file_at", f"committed:1:{gate}"]), DEBUG)
+    assert p.wait_event("waiting", point="committed", n=1), p.output
+    filler = fill(small_fs, leave=0)
+    gate.touch()
     assert p.finish() == 0, p.output
     assert "could not write" in p.output and "complete.json" in p.output, p.output
-    assert not (save_dir / "complete.json").exists() and max(checkpoints(save_dir)) == 48
-    assert_same_final(reference(MODEL), final)
-    rerun = Spawned(train_cmd(save_dir, final, [*MODEL, *PACE]))  # the disk is still full
+    assert not (save_dir / "complete.json").exists() and list(checkpoints(save_dir)) == [48]
+    assert_same_final(reference([]), final)
+    filler.unlink()
+    rerun = Spawned(train_cmd(save_dir, final, []))
     assert rerun.finish() == 0, rerun.output
     assert rerun.events_of("resume", step=48), rerun.events
-    assert_same_final(reference(MODEL), final)
+    assert (save_dir / "complete.json").exists()
+    assert_same_final(reference([]), final)
