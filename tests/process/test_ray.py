@@ -30,6 +30,8 @@ from helpers import Spawned
 from helpers.distributed import assert_equal_finals, ddp_finals
 from helpers.processes import PREEMPTED, TESTS
 
+from preempt.checkpoint.names import parse_checkpoint_name
+
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(
@@ -146,7 +148,8 @@ def test_a_sigkilled_worker_s_group_resumes_from_the_newest_durable_checkpoint(t
     restart = events.index(entered[2])
     before = events[:restart]
     reached = max(e["step"] for e in _of(before, "step") if e["rank"] == 0)
-    known = max((e["step"] for e in _of(before, "durable")), default=0)
+    # (a durable event's step is the step at which rank 0 noticed it; its checkpoint's own step is in the name)
+    known = max((parse_checkpoint_name(Path(e["checkpoint"]).name) or 0 for e in _of(before, "durable")), default=0)
     resumed = {e["step"] for e in entered[2:]}
     # The newest durable checkpoint: at least the newest rank 0 had seen durable at its last step, at most the step it
     # reached (a write in flight may have become durable as rank 0 left)
