@@ -9,7 +9,7 @@ costs a training loop running meanwhile: ``bench/bench_interference.py``, ``benc
 Linux asks three things of an ``O_DIRECT`` write: the buffer's address, the
 file offset and the length are multiples of the device's logical block size.
 :data:`BLOCK` (4096) is a multiple of every common one. A tensor file's data
-starts on such a boundary (:func:`preempt.checkpoint.tensorfile.pieces` pads its header)
+starts on such a boundary (:func:`preempt.checkpoint.tensorfile.chunks` pads its header)
 and the staging buffers of a file are one page-aligned arena laid out as the
 file (:class:`preempt.checkpoint.staging.Stager`), so nearly all of a staged checkpoint
 goes direct; the header, the last partial block and any memory that is not
@@ -201,7 +201,7 @@ def set_direct(fd: int, on: bool = True) -> bool:
 
 
 def read_whole(fd: int, view: memoryview, size: int, chunk: int = READ_CHUNK) -> Iterator[memoryview]:
-    """Reads the file of ``fd`` (``size`` bytes) into ``view`` bypassing the page cache, yielding each piece read.
+    """Reads the file of ``fd`` (``size`` bytes) into ``view`` bypassing the page cache, yielding each chunk read.
 
     ``view`` starts on a page boundary and holds ``size`` rounded up to :data:`BLOCK` (the last read asks for the
     whole last block; the file's end makes it short). The device writes the memory itself: no page cache grows,
@@ -228,7 +228,7 @@ def read_range(
     fd: int, view: memoryview, offset: int, length: int, *, chunk: int = READ_CHUNK, fall_back: bool = True
 ) -> Iterator[memoryview]:
     """Reads ``length`` bytes of the file of ``fd`` from ``offset`` into the same bytes of ``view`` (the file's
-    memory from its first byte), yielding each piece as it lands.
+    memory from its first byte), yielding each chunk as it lands.
 
     Each read asks for at most ``chunk`` bytes and no further than the end of the range's last block, which ``view``
     holds whole (the file's end makes that read short): what a descriptor set ``O_DIRECT`` (:func:`set_direct`)
@@ -240,7 +240,7 @@ def read_range(
             of it too) and go on through the page cache from there; else raise :class:`DirectRefused`.
 
     Raises:
-        DirectRefused: Refused, and not ``fall_back``; the pieces yielded before it are read.
+        DirectRefused: Refused, and not ``fall_back``; the chunks yielded before it are read.
         OSError: A read failed, or the file ended inside the range.
     """
     end = offset + length

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 WRITE_CHUNK = 64 << 20  # bytes per write(2) call; also bounds a partial write
 LOAD_CHUNK = 8 << 20  # bytes per read(2) of a file a restore keeps: hashed while still in the CPU's cache
-KEEP_SHARE = 0.5  # a file a restore keeps is read into memory when it takes at most this share of what is available
-_COALESCE = 4 << 20  # small pieces are gathered up to this size before writing
+KEEP_FRACTION = 0.5  # a file a restore keeps is read into memory when it takes at most this of what is available
+_COALESCE = 4 << 20  # small chunks are gathered up to this size before writing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +88,8 @@ def sync_together(files: Iterable[str | os.PathLike[str]], dirs: Iterable[str | 
         for path, is_dir in jobs:
             fsync_dir(path) if is_dir else _sync_file(path)
         return
-    with ThreadPoolExecutor(min(len(jobs), _SYNCERS), thread_name_prefix="preempt-sync") as pool:
-        done = [pool.submit(fsync_dir if is_dir else _sync_file, path) for path, is_dir in jobs]
+    with ThreadPoolExecutor(min(len(jobs), _SYNCERS), thread_name_prefix="preempt-sync") as syncers:
+        done = [syncers.submit(fsync_dir if is_dir else _sync_file, path) for path, is_dir in jobs]
     for future in done:
         future.result()
 
@@ -106,19 +106,19 @@ def _sync_file(path: str | os.PathLike[str]) -> None:
 
 
 def write_file(
-    path: str | os.PathLike[str], pieces: Iterable[Any], *, recycle: bool = False, sync: bool = True
+    path: str | os.PathLike[str], chunks: Iterable[Any], *, recycle: bool = False, sync: bool = True
 ) -> FileDigest:
-    """Writes the pieces (bytes-like) to a new file, hashing them on the way, then fdatasyncs (unless not ``sync``:
+    """Writes the chunks (bytes-like) to a new file, hashing them on the way, then fdatasyncs (unless not ``sync``:
     the caller makes it durable with others, :func:`sync_together`).
 
-    Small pieces are gathered into one buffer so that a state of thousands of
-    small tensors does not cost one system call each. A large piece whose
+    Small chunks are gathered into one buffer so that a state of thousands of
+    small tensors does not cost one system call each. A large chunk whose
     memory is aligned as the file is (a staged snapshot's arena) bypasses the
     page cache (:mod:`preempt.checkpoint.direct_io`).
 
     Args:
         path: The file; an existing one is an error (FileExistsError), unless ``recycle``.
-        pieces: The content.
+        chunks: The content.
         recycle: ``path`` is in a checkpoint's temporary directory, which may be
             a recycled one: a plain file of ours already there is written over in
             place, anything else there is replaced (:mod:`preempt.checkpoint.recycle`).
@@ -136,8 +136,8 @@ def write_file(
                 n = sink.write(view[:WRITE_CHUNK])
                 view = view[n:]
 
-        for piece in pieces:
-            view = memoryview(piece).cast("B")
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
             digest.update(view)
             size += view.nbytes
             if view.nbytes < _COALESCE:
@@ -227,11 +227,11 @@ def read_file(
       loading copy them (:func:`preempt.checkpoint.state.apply`).
     * With ``direct`` (a restore, whose tensors become the optimizer's state as they are), a file of
       at least :data:`direct_io.MIN_DIRECT` bytes that is not in the page cache is read ``O_DIRECT`` into memory of
-      this process's own and hashed piece by piece as it lands (:func:`direct_io.read_whole`): the device writes
+      this process's own and hashed chunk by chunk as it lands (:func:`direct_io.read_whole`): the device writes
       the memory the bytes end in, nothing is copied, and no page cache grows: faster than mapping a cold file
       (``bench/README.md``, "A restart's restore"). A file in the page cache (read ahead by ``preempt prefetch``,
       or by another rank) is mapped: that was faster than reading it into new memory (``bench/README.md``,
-      "Figures once kept in docstrings"), and so is a file larger than :data:`KEEP_SHARE` of the memory available
+      "Figures once kept in docstrings"), and so is a file larger than :data:`KEEP_FRACTION` of the memory available
       (:func:`keeps_in_memory`), whose pages can be dropped and read again under pressure.
 
     Where the mapping is refused (``ENOMEM`` under an address-space limit, a filesystem without mmap), the file is
@@ -279,8 +279,8 @@ def read_file(
 
 def keeps_in_memory(size: int, available: int | None) -> bool:
     """Whether a file of ``size`` bytes kept by a restore is read into memory (True) or mapped: into memory unless
-    it takes more than :data:`KEEP_SHARE` of the memory ``available`` (None: unknown, read into memory)."""
-    return available is None or size <= available * KEEP_SHARE
+    it takes more than :data:`KEEP_FRACTION` of the memory ``available`` (None: unknown, read into memory)."""
+    return available is None or size <= available * KEEP_FRACTION
 
 
 def is_mapping(buf: np.ndarray) -> bool:
@@ -317,12 +317,12 @@ class _Memory(mmap.mmap):
 
 
 def _read_direct(fd: int, size: int) -> tuple[np.ndarray, FileDigest]:
-    """``read_file`` of a file not in the page cache: read ``O_DIRECT`` into new memory, hashed piece by piece."""
+    """``read_file`` of a file not in the page cache: read ``O_DIRECT`` into new memory, hashed chunk by chunk."""
     whole = -(-size // direct_io.BLOCK) * direct_io.BLOCK
     buf = _fresh(whole, populate=False)  # the device writes every page: nothing to fault in beforehand
     digest = xxhash.xxh3_128()
-    for piece in direct_io.read_whole(fd, buf.data, size):
-        digest.update(piece)
+    for chunk in direct_io.read_whole(fd, buf.data, size):
+        digest.update(chunk)
     return buf[:size], FileDigest(size, digest.hexdigest())
 
 
@@ -374,8 +374,8 @@ def digests_of(bufs: Sequence[np.ndarray | memoryview], threads: int = 2) -> lis
     GIL)."""
     if len(bufs) <= 1 or threads <= 1:
         return [digest_of(b) for b in bufs]
-    with ThreadPoolExecutor(min(threads, len(bufs)), thread_name_prefix="preempt-hash") as pool:
-        return list(pool.map(digest_of, bufs))
+    with ThreadPoolExecutor(min(threads, len(bufs)), thread_name_prefix="preempt-hash") as hashers:
+        return list(hashers.map(digest_of, bufs))
 
 
 def dumps_json(obj: Any) -> bytes:

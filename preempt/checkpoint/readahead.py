@@ -64,16 +64,16 @@ def ask(path: str | os.PathLike[str]) -> int:
         os.close(fd)
 
 
-def warm(paths: Iterable[str | os.PathLike[str]], *, read: bool = False, share: float = 0.5) -> Warmed:
+def warm(paths: Iterable[str | os.PathLike[str]], *, read: bool = False, fraction: float = 0.5) -> Warmed:
     """Asks for the files of ``paths`` at once (:func:`ask`), then, with ``read``, reads each through (the call
-    returns with them in the page cache). Only as many as fit in ``share`` of the memory available: a checkpoint
+    returns with them in the page cache). Only as many as fit in ``fraction`` of the memory available: a checkpoint
     larger than memory would push out what is read first, and what the process needs."""
     budget = host_memory_available()
     asked: list[tuple[Path, int]] = []
     for p in paths:
         size = _size(p)
         if budget is not None and size > 0:
-            if size > budget * share:
+            if size > budget * fraction:
                 break
             budget -= size
         asked.append((Path(p), ask(p)))

@@ -5,22 +5,22 @@ Every rank of a DDP run restores the same files (rank 0's model and optimizer, e
 Read by each rank, they cost the disk (or the page cache) once per rank. Here the ranks that see the same save_dir
 share the work:
 
-1. **The plan** (:func:`plan`, pure). The files' bytes, taken in order as one stream, are cut into one contiguous
-   share per rank at block boundaries (a read past the page cache reads whole aligned blocks), and each share into
-   pieces of at most :data:`PIECE` bytes. The pieces are exchanged round by round: each rank's first piece in rank
-   order, then each rank's second, so that every rank's reads go on while the others' pieces cross.
+1. **The byte ranges** (:func:`byte_ranges`, pure). The files' bytes, taken in order as one stream, are cut into one
+   contiguous share per rank at block boundaries (a read past the page cache reads whole aligned blocks), and each share
+   into ranges of at most :data:`LARGEST_RANGE` bytes. The ranges are exchanged round by round: each rank's first range
+   in rank order, then each rank's second, so that every rank's reads go on while the others' ranges cross.
 2. **Taking part** (a gather, then rank 0's decision broadcast): a rank takes part when it sees the checkpoint rank 0
    offers (:func:`exchange`'s ``take_part``) and has the memory for the files; when one does not, none does, and
    each reads the files itself, as a process alone does.
-3. **The exchange.** The ranks of one machine (same boot id and host name) read their pieces ``O_DIRECT`` into memory
+3. **The exchange.** The ranks of one machine (same boot id and host name) read their ranges ``O_DIRECT`` into memory
    they all map (a ``memfd`` of rank 0's, opened by the others through ``/proc``), two reads in flight, and each then
    maps it privately (copy on write: a rank's changes stay its own); each file is hashed once, by one of them
-   (:func:`hashing`), piece by piece as the ranks read them (:func:`reading_order`). A rank done with its share
-   takes the pieces another has not begun, from the back of its share (:func:`claim`: a device that serves one
+   (:func:`hashing`), range by range as the ranks read them (:func:`reading_order`). A rank done with its share
+   takes the ranges another has not begun, from the back of its share (:func:`claim`: a device that serves one
    process more slowly than another does not hold the others up), and the pages of the files the caller copies out
    (a model's weights) are mapped in each rank's private view as they land, rather than a fault per page when they
    are copied (after every file is verified). Ranks of several machines, or where that memory cannot be shared,
-   read their pieces into memory of their own and broadcast each as soon as it is read, on a gloo group (CPU
+   read their ranges into memory of their own and broadcast each as soon as it is read, on a gloo group (CPU
    tensors, :func:`preempt.cluster.distributed.cpu_group`), and every rank hashes every file.
 4. **The verdict.** Every file is hashed whole (xxh3-128, the manifest's digest, over the bytes the ranks will use);
    the ranks' findings are gathered and rank 0 broadcasts the first failure: a file that fails its digest (on any
@@ -63,8 +63,9 @@ from . import distributed
 
 log = _log.log
 
-_POLL = 0.002  # seconds between two looks at whether a piece a rank hashes is read yet
-PIECE = 32 << 20  # bytes per piece: a direct read of the device's size, and a broadcast that overlaps the next read
+_POLL = 0.002  # seconds between two looks at whether a range a rank hashes is read yet
+# bytes per range at most: a direct read of the device's size, and a broadcast that overlaps the next read
+LARGEST_RANGE = 32 << 20
 BLOCK = direct_io.BLOCK
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python names it from 3.14 on
 
@@ -80,7 +81,7 @@ class Talk(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class Piece:
+class ByteRange:
     """``length`` bytes of file number ``file`` from ``offset``, read by rank ``owner`` and broadcast from it."""
 
     file: int
@@ -89,27 +90,29 @@ class Piece:
     owner: int
 
 
-def plan(sizes: Sequence[int], ranks: int, *, piece: int = PIECE, block: int = BLOCK) -> list[Piece]:
-    """Which rank reads which bytes of which file, in the order the pieces are exchanged. Pure.
+def byte_ranges(
+    sizes: Sequence[int], ranks: int, *, largest: int = LARGEST_RANGE, block: int = BLOCK
+) -> list[ByteRange]:
+    """Which rank reads which bytes of which file, in the order the byte ranges are exchanged. Pure.
 
     The files' bytes in order are one stream, cut into ``ranks`` contiguous shares of about equal size; a cut falls
     on a multiple of ``block`` within its file (so a share may be up to a block shorter or longer than its part).
-    Each share is cut at the files' ends and every ``piece`` bytes. Every offset is a multiple of ``block``, every
-    length too unless the piece ends its file. The order: round ``k`` holds each rank's ``k``-th piece, in rank order.
+    Each share is cut at the files' ends and every ``largest`` bytes. Every offset is a multiple of ``block``, every
+    length too unless the range ends its file. The order: round ``k`` holds each rank's ``k``-th range, in rank order.
 
     Args:
         sizes: The files' sizes in bytes, in the order all ranks list them.
         ranks: How many ranks read (>= 1).
-        piece: The largest piece, a multiple of ``block``.
+        largest: The largest range, a multiple of ``block``.
         block: The alignment of a read past the page cache.
 
     Raises:
-        ValueError: ``ranks`` < 1, or ``piece`` not a positive multiple of ``block``, or a negative size.
+        ValueError: ``ranks`` < 1, or ``largest`` not a positive multiple of ``block``, or a negative size.
     """
     if ranks < 1:
         raise ValueError(f"ranks: expected >= 1, found {ranks}")
-    if piece <= 0 or piece % block:
-        raise ValueError(f"piece: expected a positive multiple of {block}, found {piece}")
+    if largest <= 0 or largest % block:
+        raise ValueError(f"largest: expected a positive multiple of {block}, found {largest}")
     if any(s < 0 for s in sizes):
         raise ValueError(f"sizes: expected sizes >= 0, found {min(sizes)}")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -121,13 +124,13 @@ def plan(sizes: Sequence[int], ranks: int, *, piece: int = PIECE, block: int = B
         at = total if f is None else starts[f] + (x - starts[f]) // block * block
         cuts.append(max(at, cuts[-1]))
     cuts.append(total)
-    own: list[list[Piece]] = [[] for _ in range(ranks)]
+    own: list[list[ByteRange]] = [[] for _ in range(ranks)]
     for r in range(ranks):
         lo, hi = cuts[r], cuts[r + 1]
         for f, (start, size) in enumerate(zip(starts, sizes, strict=True)):
             a, b = max(lo, start) - start, min(hi, start + size) - start
-            for offset in range(a, b, piece) if a < b else ():
-                own[r].append(Piece(f, offset, min(piece, b - offset), r))
+            for offset in range(a, b, largest) if a < b else ():
+                own[r].append(ByteRange(f, offset, min(largest, b - offset), r))
     rounds = max((len(p) for p in own), default=0)
     return [own[r][k] for k in range(rounds) for r in range(ranks) if k < len(own[r])]
 
@@ -148,7 +151,7 @@ def exchange(
     machine from the others' (None: its boot's id and its name): the ranks of one machine share memory, the others
     broadcast. ``copied``: the files whose bytes the caller copies out once they are verified (a model's weights,
     copied into the live model): where the ranks share memory, this rank's view of them is mapped ahead, as each
-    piece lands, so that the copy does not fault in every page (the others' bytes it keeps as they are).
+    range lands, so that the copy does not fault in every page (the others' bytes it keeps as they are).
 
     Raises:
         CorruptCheckpointError: On every rank alike: a file is missing, not a regular file, of another size or of
@@ -168,7 +171,7 @@ def exchange(
     memfd, decided = -1, None
     if views is not None:  # rank 0: every rank on this machine shares memory; else they broadcast
         if all(v[0] for v in views) and all(v[1] == views[0][1] for v in views):
-            memfd = _memfd(room, plan([d.size for _, d in wanted], len(views)), len(views))
+            memfd = _memfd(room, byte_ranges([d.size for _, d in wanted], len(views)), len(views))
         decided = [all(v[0] for v in views), None if memfd < 0 else [os.getpid(), memfd]]
     go, at = talk.broadcast(decided)
     try:
@@ -186,18 +189,18 @@ def exchange(
 def _through_memory(
     talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]], room: int, fd: int, copied: Collection[str]
 ) -> Shared | None:
-    """The ranks of one machine: each reads its pieces into memory they all map (rank 0's ``memfd``, ``fd`` here; -1
+    """The ranks of one machine: each reads its ranges into memory they all map (rank 0's ``memfd``, ``fd`` here; -1
     where it could not be opened), then maps it privately (copy on write: a rank's changes stay its own). None on
     every rank when one could not open or map it (they broadcast instead)."""
     rank, ranks = dist.get_rank(), dist.get_world_size()
     start = time.monotonic()
     sizes = [d.size for _, d in wanted]
-    pieces = plan(sizes, ranks)
+    ranges = byte_ranges(sizes, ranks)
     together = own = None
     locks: list[int] = []  # a descriptor of the memory for each reading thread: the claims' lock (flock) is per open
     try:
         if fd >= 0:
-            size = room + _Claims.size(ranks, len(pieces))
+            size = room + _Claims.size(ranks, len(ranges))
             together = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             # this rank's own view: not a mapping of a file of the checkpoint (hashed_io.is_mapping), so the
             # optimizer's tensors keep it as it is; nobody else writes or truncates it
@@ -220,24 +223,24 @@ def _through_memory(
     starts = [sum(_whole(d.size) for _, d in wanted[:f]) for f in range(len(wanted))]
     failures: list[tuple[int, str, str]] = []
     kept, view = {f for f, (name, _) in enumerate(wanted) if name in copied}, own
-    mine: list[Piece] = []  # the pieces this rank read
+    mine: list[ByteRange] = []  # the ranges this rank read
 
-    def ahead(ps: Sequence[Piece]) -> None:  # this rank's view of the pieces of the files copied out, mapped
+    def ahead(ps: Sequence[ByteRange]) -> None:  # this rank's view of the ranges of the files copied out, mapped
         for p in ps:
             if p.file in kept:
                 _map_ahead(view, starts[p.file] + p.offset, p.length)
 
     # One hash of each file for all: the ranks map the same memory. Each file hashed through the shared mapping by
-    # one rank (hashing), piece by piece as the ranks read them, whichever reads each.
+    # one rank (hashing), range by range as the ranks read them, whichever reads each.
     hashers = hashing(sizes, ranks)
     found: dict[int, FileDigest] = {}
     stop = threading.Event()
 
     with memoryview(together) as whole:
         rooms = [whole[a : a + _whole(d.size)] for a, (_, d) in zip(starts, wanted, strict=True)]
-        claims = _Claims(whole[room:], pieces, rank, ranks)
+        claims = _Claims(whole[room:], ranges, rank, ranks)
 
-        def read(ps: Sequence[Piece]) -> None:
+        def read(ps: Sequence[ByteRange]) -> None:
             mine.extend(ps)
             claims.read(ps)
             ahead(ps)
@@ -245,7 +248,7 @@ def _through_memory(
                 if hashers[p.file] != rank:
                     _let_go(together, starts[p.file] + p.offset, p.length)
 
-        def hashed(p: Piece) -> None:
+        def hashed(p: ByteRange) -> None:
             _let_go(together, starts[p.file] + p.offset, p.length)
 
         hasher = threading.Thread(
@@ -257,7 +260,7 @@ def _through_memory(
         # two reads in flight (the device serves several at once), each thread its own descriptors
         second = threading.Thread(
             target=_read_share,
-            args=(where, wanted, rooms, claims.pieces(locks[1]), {}, failures, read),
+            args=(where, wanted, rooms, claims.ranges(locks[1]), {}, failures, read),
             name="preempt-shared-read",
             daemon=True,
         )
@@ -265,18 +268,18 @@ def _through_memory(
             hasher.start()
             second.start()
             try:
-                _read_share(where, wanted, rooms, claims.pieces(locks[0]), {}, failures, read)
+                _read_share(where, wanted, rooms, claims.ranges(locks[0]), {}, failures, read)
             finally:
                 second.join()
                 for lock in locks:
                     os.close(lock)
-            talk.gather(None)  # every rank's pieces are in the memory: a barrier
+            talk.gather(None)  # every rank's ranges are in the memory: a barrier
             talk.broadcast(None)
             exchanged = time.monotonic()
-            # the others' pieces of the files copied out, mapped while the last pieces are hashed
+            # the others' ranges of the files copied out, mapped while the last ranges are hashed
             done = set(mine)
             others = threading.Thread(
-                target=ahead, args=([p for p in pieces if p not in done],), name="preempt-map-ahead", daemon=True
+                target=ahead, args=([p for p in ranges if p not in done],), name="preempt-map-ahead", daemon=True
             )
             others.start()
             hasher.join()
@@ -297,13 +300,13 @@ def _through_memory(
 
 
 def claim(rank: int, left: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
-    """Which piece ``rank`` reads next where the ranks of one machine share the work: ``(r, i)``, the ``i``-th piece
-    of rank ``r``'s share (:func:`plan`), or None: nothing left. ``left[r]`` is ``(next, end)``: rank ``r``'s share's
-    pieces ``next`` to ``end`` (exclusive) are not claimed yet. Pure.
+    """Which range ``rank`` reads next where the ranks of one machine share the work: ``(r, i)``, the ``i``-th range of
+    rank ``r``'s share (:func:`byte_ranges`), or None: nothing left. ``left[r]`` is ``(next, end)``: rank ``r``'s
+    share's ranges ``next`` to ``end`` (exclusive) are not claimed yet. Pure.
 
-    A rank reads its own share from the front; once it is done, it takes the last piece of the share with the most
-    pieces left (the lowest rank among equals), so that a rank the device serves more slowly does not hold the
-    others up, but never a share's first piece: every rank with a share reads a part of it.
+    A rank reads its own share from the front; once it is done, it takes the last range of the share with the most
+    ranges left (the lowest rank among equals), so that a rank the device serves more slowly does not hold the
+    others up, but never a share's first range: every rank with a share reads a part of it.
     """
     first, end = left[rank]
     if first < end:
@@ -313,32 +316,32 @@ def claim(rank: int, left: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
     return (most, left[most][1] - 1) if spare[most] > 0 else None
 
 
-def reading_order(pieces: Sequence[Piece], ranks: int) -> list[list[Piece]]:
-    """Each rank's share of ``pieces`` (:func:`plan`) in the order it reads them: by their offset in their files, so
-    that the ranks that hash the files (:func:`hashing`) find each file's beginning read early, whichever ranks read
+def reading_order(ranges: Sequence[ByteRange], ranks: int) -> list[list[ByteRange]]:
+    """Each rank's share of ``ranges`` (:func:`byte_ranges`) in the order it reads them: by their offset in their files,
+    so that the ranks that hash the files (:func:`hashing`) find each file's beginning read early, whichever ranks read
     it. Pure."""
-    return [sorted((p for p in pieces if p.owner == r), key=lambda p: (p.offset, p.file)) for r in range(ranks)]
+    return [sorted((p for p in ranges if p.owner == r), key=lambda p: (p.offset, p.file)) for r in range(ranks)]
 
 
 class _Claims:
-    """The pieces the ranks of one machine claim (:func:`claim`), in the blocks after the memory they share: each
+    """The ranges the ranks of one machine claim (:func:`claim`), in the blocks after the memory they share: each
     rank's ``(next, end)``, read and changed under a lock (``flock`` of a descriptor of that memory: a thread's own),
-    then one flag per piece, set once it is read (or failed: the verdict fails the checkpoint)."""
+    then one flag per range, set once it is read (or failed: the verdict fails the checkpoint)."""
 
-    def __init__(self, blocks: memoryview, pieces: Sequence[Piece], rank: int, ranks: int) -> None:
+    def __init__(self, blocks: memoryview, ranges: Sequence[ByteRange], rank: int, ranks: int) -> None:
         self.left = np.frombuffer(blocks, dtype=np.int64, count=2 * ranks).reshape(ranks, 2)
-        self.flags = np.frombuffer(blocks, dtype=np.int64, count=len(pieces), offset=16 * ranks)
-        self.index = {p: i for i, p in enumerate(pieces)}
-        self.shares = reading_order(pieces, ranks)
+        self.flags = np.frombuffer(blocks, dtype=np.int64, count=len(ranges), offset=16 * ranks)
+        self.index = {p: i for i, p in enumerate(ranges)}
+        self.shares = reading_order(ranges, ranks)
         self.rank = rank
 
     @staticmethod
-    def size(ranks: int, pieces: int) -> int:
-        """The bytes of the blocks: ``(next, end)`` for each rank, a flag for each piece."""
-        return _whole(8 * (2 * ranks + pieces))
+    def size(ranks: int, ranges: int) -> int:
+        """The bytes of the blocks: ``(next, end)`` for each rank, a flag for each range."""
+        return _whole(8 * (2 * ranks + ranges))
 
-    def read(self, pieces: Sequence[Piece]) -> None:
-        for p in pieces:
+    def read(self, ranges: Sequence[ByteRange]) -> None:
+        for p in ranges:
             self.flags[self.index[p]] = 1
 
     def hash(
@@ -348,11 +351,11 @@ class _Claims:
         sizes: Sequence[int],
         found: dict[int, FileDigest],
         stop: threading.Event,
-        hashed: Callable[[Piece], None],
+        hashed: Callable[[ByteRange], None],
     ) -> None:
-        """The digests of ``files`` into ``found``, each piece hashed once a rank has read it, in order (``hashed``
+        """The digests of ``files`` into ``found``, each range hashed once a rank has read it, in order (``hashed``
         told of each); back when ``stop`` is set."""
-        by_file: dict[int, list[tuple[int, Piece]]] = {f: [] for f in files}
+        by_file: dict[int, list[tuple[int, ByteRange]]] = {f: [] for f in files}
         for p in self.index:
             if p.file in by_file:
                 by_file[p.file].append((p.offset, p))
@@ -366,8 +369,8 @@ class _Claims:
                 hashed(p)
             found[f] = FileDigest(sizes[f], digest.hexdigest())
 
-    def pieces(self, lock: int) -> Iterator[Piece]:
-        """The pieces this thread reads, each claimed as the one before is read."""
+    def ranges(self, lock: int) -> Iterator[ByteRange]:
+        """The ranges this thread reads, each claimed as the one before is read."""
         while True:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
@@ -400,7 +403,7 @@ def hashing(sizes: Sequence[int], ranks: int) -> list[int]:
 
 
 def _by_broadcast(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDigest]]) -> Shared:
-    """The ranks of several machines: each reads its pieces into memory of its own, and broadcasts each as soon as
+    """The ranks of several machines: each reads its ranges into memory of its own, and broadcasts each as soon as
     it is read, on a gloo group. {} on every rank when one has not the memory."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
@@ -411,8 +414,8 @@ def _by_broadcast(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDiges
     made = talk.gather(bool(bufs) or not wanted)
     if not talk.broadcast(None if made is None else all(made)):
         return {}
-    pieces = plan([d.size for _, d in wanted], world)
-    mine = [p for p in pieces if p.owner == rank]
+    ranges = byte_ranges([d.size for _, d in wanted], world)
+    mine = [p for p in ranges if p.owner == rank]
     ready = {p: threading.Event() for p in mine}
     failures: list[tuple[int, str, str]] = []  # (file, kind, message) of this rank's reads
     rooms = [(b.base if isinstance(b.base, np.ndarray) else b).data.cast("B") for b in bufs]
@@ -427,7 +430,7 @@ def _by_broadcast(talk: Talk, where: Path, wanted: Sequence[tuple[str, FileDiges
     try:
         group = distributed.cpu_group()
         works = []
-        for p in pieces:
+        for p in ranges:
             if p.owner == rank:
                 ready[p].wait()
             view = torch.from_numpy(bufs[p.file][p.offset : p.offset + p.length])
@@ -464,7 +467,7 @@ def _verdict(
         try:
             files.compare(where / wanted[f][0], wanted[f][1], got)
         except CorruptCheckpointError:
-            # Hashed as its pieces landed, each once its flag said it was read. A processor that may reorder loads
+            # Hashed as its ranges landed, each once its flag said it was read. A processor that may reorder loads
             # (ARM) could have read bytes older than the flag: hashed again now, after the ranks' barrier, before the
             # checkpoint is failed (a damaged file fails both).
             again = hashed_io.digest_of(bufs[f])
@@ -500,9 +503,9 @@ def _machine() -> str:
     return f"{socket.gethostname()} {boot}"
 
 
-def _memfd(size: int, pieces: Sequence[Piece], ranks: int) -> int:
+def _memfd(size: int, ranges: Sequence[ByteRange], ranks: int) -> int:
     """Rank 0: anonymous memory of ``size`` bytes that the other ranks of this machine open
-    (``/proc/<pid>/fd/<fd>``), and after it the blocks where they claim the ``pieces`` and say which are read
+    (``/proc/<pid>/fd/<fd>``), and after it the blocks where they claim the ``ranges`` and say which are read
     (:class:`_Claims`), each rank its own share to begin with; gone when the last rank unmaps it, whatever happens.
     -1 where there is none."""
     try:
@@ -510,8 +513,8 @@ def _memfd(size: int, pieces: Sequence[Piece], ranks: int) -> int:
     except (AttributeError, OSError):
         return -1
     try:
-        os.ftruncate(fd, size + _Claims.size(ranks, len(pieces)))
-        shares = [sum(p.owner == r for p in pieces) for r in range(ranks)]
+        os.ftruncate(fd, size + _Claims.size(ranks, len(ranges)))
+        shares = [sum(p.owner == r for p in ranges) for r in range(ranks)]
         os.pwrite(fd, np.array([[0, n] for n in shares], dtype=np.int64).tobytes(), size)
     except OSError:
         os.close(fd)
@@ -544,7 +547,7 @@ def _memory(size: int) -> np.ndarray:
     the last block whole). Not a mapping of a file: the tensors may keep it as it is."""
     available = readahead.host_memory_available()
     if available is not None and not hashed_io.keeps_in_memory(size, available):
-        raise MemoryError(f"{size} bytes: more than {hashed_io.KEEP_SHARE:.0%} of the {available} available")
+        raise MemoryError(f"{size} bytes: more than {hashed_io.KEEP_FRACTION:.0%} of the {available} available")
     # the device and the broadcasts write every page: nothing to fault in beforehand
     return hashed_io._fresh(_whole(size), populate=False)
 
@@ -553,14 +556,14 @@ def _read_share(
     where: Path,
     wanted: Sequence[tuple[str, FileDigest]],
     rooms: list[memoryview],
-    mine: Iterable[Piece],
-    ready: Mapping[Piece, threading.Event],
+    mine: Iterable[ByteRange],
+    ready: Mapping[ByteRange, threading.Event],
     failures: list[tuple[int, str, str]],
-    read: Callable[[Sequence[Piece]], None] | None = None,
+    read: Callable[[Sequence[ByteRange]], None] | None = None,
 ) -> None:
-    """This rank's pieces (as claimed), read in order into ``rooms`` (each file's memory, in whole blocks); each
-    piece's event in ``ready`` set once read (or failed: the failure is in ``failures``, and the piece holds what it
-    holds; the verdict fails the checkpoint); ``read`` told of each piece once done with (read, or failed)."""
+    """This rank's ranges (as claimed), read in order into ``rooms`` (each file's memory, in whole blocks); each
+    range's event in ``ready`` set once read (or failed: the failure is in ``failures``, and the range holds what it
+    holds; the verdict fails the checkpoint); ``read`` told of each range once done with (read, or failed)."""
     fds: dict[int, int] = {}
     failed: set[int] = set()
     try:

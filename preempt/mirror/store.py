@@ -457,9 +457,9 @@ class MirrorStore:
         if not str(error) and "Timeout" in type(error).__name__:
             text = f"no answer within {self.op_timeout:g} s (mirror_options[{OP_TIMEOUT!r}], more for large objects)"
         credentials = userinfo(self.url)
-        # the whole userinfo, and each piece a client may quote apart (a secret's '/' splits it into bucket and key)
-        pieces = [p for p in re.split(r"[:/@]", credentials) if len(p) >= 4]
-        for secret in sorted({*self._secrets, credentials, *pieces}, key=len, reverse=True):
+        # the whole userinfo, and each part a client may quote apart (a secret's '/' splits it into bucket and key)
+        parts = [p for p in re.split(r"[:/@]", credentials) if len(p) >= 4]
+        for secret in sorted({*self._secrets, credentials, *parts}, key=len, reverse=True):
             if secret:
                 text = text.replace(secret, "***")
         # a server's words: no control character reaches a log or a terminal

@@ -13,7 +13,7 @@ from helpers import StoppedRun, assert_equal_finals, ddp_finals, torchrun
 
 from preempt.checkpoint import state
 from preempt.checkpoint.manager import CheckpointManager
-from preempt.cluster.shared_read import plan
+from preempt.cluster.shared_read import byte_ranges
 
 pytestmark = pytest.mark.distributed
 
@@ -60,8 +60,8 @@ def test_a_damaged_share_fails_the_checkpoint_on_both_ranks_alike(tmp_path, unin
     info = CheckpointManager(save_dir, owner=False).list()[0]
     names = kept_in_order(info)
     sizes = [info.manifest.files[n].size for n in names]
-    # the last byte of the last piece rank 1 reads: damage in rank 1's share, which rank 0 only receives
-    last = [p for p in plan(sizes, 2) if p.owner == 1][-1]
+    # the last byte of the last range rank 1 reads: damage in rank 1's share, which rank 0 only receives
+    last = [p for p in byte_ranges(sizes, 2) if p.owner == 1][-1]
     damaged = info.path / names[last.file]
     data = bytearray(damaged.read_bytes())
     data[last.offset + last.length - 1] ^= 0x01

@@ -18,7 +18,7 @@ from helpers import free_port
 
 from preempt.checkpoint.hashed_io import FileDigest
 from preempt.cluster import distributed
-from preempt.cluster.shared_read import exchange, plan
+from preempt.cluster.shared_read import byte_ranges, exchange
 
 pytestmark = pytest.mark.distributed
 
@@ -65,8 +65,8 @@ def run_ranks(
         data = bytes((i * 7 + k) % 251 for k in range(min(size, 4096))) * (size // 4096 + 1)
         (where / name).write_bytes(data[:size])
         wanted.append([name, size, xxhash.xxh3_128_hexdigest(data[:size])])
-    if damage:  # a byte of the last piece rank 1 reads
-        last = [p for p in plan([w[1] for w in wanted], 2) if p.owner == 1][-1]
+    if damage:  # a byte of the last range rank 1 reads
+        last = [p for p in byte_ranges([w[1] for w in wanted], 2) if p.owner == 1][-1]
         path = where / wanted[last.file][0]
         data = bytearray(path.read_bytes())
         data[last.offset + last.length - 1] ^= 0x40
@@ -91,7 +91,7 @@ def test_every_rank_gets_every_byte(tmp_path, machines):
 
 def test_the_file_copied_out_is_mapped_in_each_ranks_view_before_it_is_used(tmp_path):
     """The ranks of one machine: each rank's private view of the memory they share maps the model's pages as the
-    pieces land (its own) and while it hashes (the other's), rather than a fault per page when the model copies
+    ranges land (its own) and while it hashes (the other's), rather than a fault per page when the model copies
     them in (which is after every file is verified)."""
     said, _ = run_ranks(tmp_path, ("one", "one"))
     assert [s[f"{COPIED} mapped"] for s in said] == [1.0, 1.0], said
