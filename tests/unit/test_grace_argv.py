@@ -10,20 +10,21 @@ import pytest
 
 from preempt.cluster import grace
 
-SLEEP = "import time; time.sleep(30)"
+WAIT = "import sys; sys.stdin.read()"  # lives until the test closes its stdin (or kills it), however slow the machine
 
 
 @pytest.fixture
 def agent():
     """A stand-in for torchrun's agent: a process whose command line holds an empty argument."""
-    p = subprocess.Popen([sys.executable, "-c", SLEEP, "", "--shutdown-timeout=5"])
+    p = subprocess.Popen([sys.executable, "-c", WAIT, "", "--shutdown-timeout=5"], stdin=subprocess.PIPE)
     yield p
     p.kill()
     p.wait()
+    p.stdin.close()
 
 
 def test_a_processs_command_line_is_read_without_its_empty_arguments(agent):
-    assert grace.parent_argv(agent.pid) == [sys.executable, "-c", SLEEP, "--shutdown-timeout=5"]
+    assert grace.parent_argv(agent.pid) == [sys.executable, "-c", WAIT, "--shutdown-timeout=5"]
 
 
 def test_this_processs_parent_is_read_by_default():

@@ -29,10 +29,12 @@ def proc_starttime(pid: int) -> int:
 
 @pytest.fixture
 def sleeper():
-    p = subprocess.Popen(["sleep", "30"])
+    """A live process for as long as the test holds it (``cat`` waits on a pipe only the test writes)."""
+    p = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     yield p
     p.kill()
     p.wait()
+    p.stdin.close()
 
 
 def hold(d: Path, pid: int, start: int | None) -> None:
