@@ -116,7 +116,9 @@ class DdpCampaign(Campaign):
         if kind == "kill_rank_commit":
             proc.fired = bool(proc.of("signal_at"))
         elif kind == "pause_rank":
-            proc.fired = bool(proc.of("paused"))
+            # counted only when it outlasted the collective timeout (the other rank left): a peer that reached its
+            # all-reduce late, on a slow machine, may see the paused rank come back in time, and the pause was no fault
+            proc.fired = bool(proc.of("paused")) and rc != 0
         elif fault is not None:
             proc.fired = rc != 0 or kind == "term_launcher" and bool(proc.of("step", rank=0, step=at))
         if fault is not None and proc.fired:
