@@ -88,8 +88,8 @@ def _stop_later(run) -> None:
 def test_sigterm_during_the_resume_load(tmp_path, reference):
     """The load finishes, nothing new is written (nothing changed), exit 75; the next rerun goes on exactly."""
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    first = Spawned(train_cmd(save_dir, final, MODEL))
-    assert first.wait_event("step", step=10)
+    first = Spawned(train_cmd(save_dir, final, [*MODEL, "--hold_at", "step:10"]))
+    assert first.wait_event("holding", point="step", n=10), first.output
     first.signal(signal.SIGTERM)
     assert first.finish() == PREEMPTED, first.output
     saved = steps_on_disk(save_dir)
@@ -106,8 +106,8 @@ def test_sigterm_during_the_resume_load(tmp_path, reference):
 
 def test_second_sigterm_during_the_stops_save_does_not_interrupt_it(tmp_path, reference):
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    p = Spawned(train_cmd(save_dir, final, [*MODEL, "--signal_at", "before_manifest:1:TERM"]))
-    assert p.wait_event("step", step=10)
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, "--signal_at", "before_manifest:1:TERM", "--hold_at", "step:10"]))
+    assert p.wait_event("holding", point="step", n=10), p.output
     p.signal(signal.SIGTERM)
     assert p.finish() == PREEMPTED, p.output
     assert written_after(p, "before_manifest", "SIGTERM", "preempt"), p.events
@@ -129,8 +129,8 @@ def test_sigterm_during_the_final_save_still_completes(tmp_path, reference):
 @pytest.mark.usefixtures("sigint_handled")
 def test_two_sigints_during_the_stops_save(tmp_path, reference):
     save_dir, final = tmp_path / "run", tmp_path / "final.safetensors"
-    p = Spawned(train_cmd(save_dir, final, [*MODEL, "--signal_at", "after_tensor_files:1:INT"]))
-    assert p.wait_event("step", step=10)
+    p = Spawned(train_cmd(save_dir, final, [*MODEL, "--signal_at", "after_tensor_files:1:INT", "--hold_at", "step:10"]))
+    assert p.wait_event("holding", point="step", n=10), p.output
     p.signal(signal.SIGINT)
     assert p.finish() == PREEMPTED, p.output
     assert "KeyboardInterrupt" not in p.output
